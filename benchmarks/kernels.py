@@ -1,0 +1,136 @@
+"""Micro-benchmark of the fused kernels against the pure-torch reference and a plain copy.
+
+    python benchmarks/kernels.py [--n 25000000] [--world 4] [--repeat 15] [--threads T]
+
+For each kernel it prints the median time, GB/s of input, and the fraction of the memory-traffic
+floor: the fewest bytes the kernel must read and write, divided by the bandwidth of a plain
+fp32 copy of the same buffer measured in the same run (copy moves 8 bytes per value).
+A ratio of 1.0x means the kernel runs at copy speed for the bytes it cannot avoid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_onebit import kernels as K
+
+
+def _median_seconds(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up: page faults, thread pool start
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--n", type=int, default=25_000_000, help="values per buffer (default 2.5e7)")
+    p.add_argument("--world", type=int, default=4, help="W: chunks / ranks (default 4)")
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)"
+    )
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    w = args.world
+    n = -(-args.n // (8 * w)) * 8 * w
+    m = n // w
+    gen = torch.Generator().manual_seed(0)
+
+    x = torch.randn(n, generator=gen)
+    e = torch.randn(n, generator=gen) * 0.1
+    bits = torch.empty(w, n // (8 * w), dtype=torch.uint8)
+    scale = torch.empty(1)
+    dst = torch.empty(n)
+    copy_s = _median_seconds(lambda: dst.copy_(x), args.repeat)
+    copy_bw = 8 * n / copy_s  # bytes moved per second (read + write)
+
+    sbits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8)
+    sscales = torch.rand(w, generator=gen)
+    se = torch.randn(m, generator=gen) * 0.1
+    sout = torch.empty(m // 8, dtype=torch.uint8)
+    out = torch.empty(n)
+
+    # (name, fused call, reference call, input bytes, traffic-floor bytes)
+    cases = [
+        (
+            "worker_compress",
+            lambda: K.worker_compress(x, e, bits, scale),
+            lambda: K.reference_worker_compress(x, e, bits, scale),
+            8 * n,
+            12 * n + n // 8,
+        ),
+        (
+            "server_reduce",
+            lambda: K.server_reduce(sbits, sscales, se, sout, scale),
+            lambda: K.reference_server_reduce(sbits, sscales, se, sout, scale),
+            w * m // 8 + 4 * m,
+            w * m // 8 + 8 * m + m // 8,
+        ),
+        (
+            "decompress",
+            lambda: K.decompress(bits, sscales, out),
+            lambda: K.reference_decompress(bits, sscales, out),
+            n // 8,
+            n // 8 + 4 * n,
+        ),
+    ]
+    print(
+        f"n = {n:,} values, W = {w}, threads = {torch.get_num_threads()}, "
+        f"fp32 copy: {copy_s * 1e3:.2f} ms = {copy_bw / 1e9:.1f} GB/s moved"
+    )
+    print()
+    hdr = f"| {'kernel':<16} | {'impl':<9} | {'ms':>8} | {'GB/s in':>8} | {'x floor':>7} | {'vs ref':>6} |"
+    print(hdr)
+    print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
+    rows = []
+    for name, fused, ref, in_bytes, floor_bytes in cases:
+        floor_s = floor_bytes / copy_bw
+        t_fused = _median_seconds(fused, args.repeat)
+        t_ref = _median_seconds(ref, max(3, args.repeat // 3))
+        for impl, t in (("C++", t_fused), ("torch ref", t_ref)):
+            print(
+                f"| {name:<16} | {impl:<9} | {t * 1e3:8.2f} | {in_bytes / t / 1e9:8.2f} | "
+                f"{t / floor_s:6.2f}x | {t_ref / t:5.1f}x |"
+            )
+        rows.append(
+            {
+                "kernel": name,
+                "cpp_ms": t_fused * 1e3,
+                "ref_ms": t_ref * 1e3,
+                "floor_ms": floor_s * 1e3,
+                "x_floor": t_fused / floor_s,
+                "speedup_vs_ref": t_ref / t_fused,
+            }
+        )
+    print(
+        f"| {'fp32 copy':<16} | {'torch':<9} | {copy_s * 1e3:8.2f} | {4 * n / copy_s / 1e9:8.2f} | "
+        f"{'1.00x':>7} | {'':>6} |"
+    )
+    print(
+        json.dumps(
+            {
+                "n": n,
+                "world": w,
+                "threads": torch.get_num_threads(),
+                "copy_ms": copy_s * 1e3,
+                "kernels": rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

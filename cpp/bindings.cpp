@@ -1,0 +1,65 @@
+// The Python module lightning_onebit._C. Pointer-based: no torch headers, so it builds in
+// seconds with pybind11 alone and one wheel works with any torch. lightning_onebit/kernels.py
+// validates every argument (dtype, device, sizes, contiguity) before calling in here.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "onebit.h"
+
+namespace py = pybind11;
+using ptr = std::uintptr_t;
+
+template <class T>
+T* P(ptr p) { return reinterpret_cast<T*>(p); }
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Fused 1-bit compression kernels (see cpp/onebit.h for the wire format).";
+  using release = py::call_guard<py::gil_scoped_release>;
+
+  m.def("worker_compress_cpu", [](ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
+                                  int64_t row_stride, ptr scale_out, int nthreads) {
+    return onebit::worker_compress_cpu(P<const float>(x), nx, P<float>(e), n, P<uint8_t>(bits), W,
+                                       row_stride, P<float>(scale_out), nthreads);
+  }, release(), "y = x + e; pack sign(y); e <- y - scale*sign(y); returns scale = ||y||/sqrt(n)");
+
+  m.def("server_reduce_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
+                                int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
+                                ptr scale_out, int nthreads) {
+    return onebit::server_reduce_cpu(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
+                                     scale_stride, P<float>(e), mm, P<uint8_t>(out_bits),
+                                     P<float>(scale_out), nthreads);
+  }, release(), "c = mean of W decoded chunks + e; pack sign(c); e <- c - scale*sign(c)");
+
+  m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
+
+  m.def("decompress_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
+                             int64_t scale_stride, int64_t mm, ptr out, int64_t nout, int nthreads) {
+    onebit::decompress_cpu(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
+                           scale_stride, mm, P<float>(out), nout, nthreads);
+  }, release(), "out = scale_j * sign(bits of row j), truncated to nout values");
+
+#ifdef ONEBIT_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def("cuda_workspace_bytes", &onebit::cuda_workspace_bytes, "device workspace the CUDA compressions need");
+  m.def("worker_compress_cuda", [](ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
+                                   int64_t row_stride, ptr scale_out, ptr ws, ptr stream) {
+    onebit::worker_compress_cuda(P<const float>(x), nx, P<float>(e), n, P<uint8_t>(bits), W,
+                                 row_stride, P<float>(scale_out), P<void>(ws), P<void>(stream));
+  }, release(), "worker compress on the given CUDA stream; scale written to device memory");
+  m.def("server_reduce_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
+                                 int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
+                                 ptr scale_out, ptr ws, ptr stream) {
+    onebit::server_reduce_cuda(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
+                               scale_stride, P<float>(e), mm, P<uint8_t>(out_bits),
+                               P<float>(scale_out), P<void>(ws), P<void>(stream));
+  }, release(), "server reduce on the given CUDA stream");
+  m.def("decompress_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
+                              int64_t scale_stride, int64_t mm, ptr out, int64_t nout, ptr stream) {
+    onebit::decompress_cuda(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
+                            scale_stride, mm, P<float>(out), nout, P<void>(stream));
+  }, release(), "decompress on the given CUDA stream");
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

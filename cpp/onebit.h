@@ -1,0 +1,53 @@
+// lightning-onebit kernels: fused 1-bit compression with error feedback.
+//
+// Wire format (identical on CPU and CUDA, so ranks on different hardware interoperate):
+//   A chunk of m values (m a multiple of 8) packs into m/8 bytes. Value k of the chunk is bit
+//   (k % 8) of byte k / 8, least-significant bit first (numpy.packbits(..., bitorder="little")).
+//   The bit is 1 iff value >= 0, so +0.0 and -0.0 both encode +1 (sign(0) = +1) and NaN encodes -1.
+//   A packed value b with scale s decodes to (b ? +s : -s).
+//   W chunks live in one buffer as rows: chunk j starts at bits + j * row_stride (bytes).
+//
+// Scales are float32. Norms accumulate in double over fixed 8192-element blocks and the block
+// sums are added in order, so results do not depend on the number of threads.
+#pragma once
+#include <cstdint>
+
+namespace onebit {
+
+// y = x + e (x zero-extended from nx to n values); scale = ||y||_2 / sqrt(n);
+// bits of row j = packed signs of y[j*m, (j+1)*m) with m = n / W; e <- y - scale * sign(y).
+// Writes the scale to *scale_out and returns it. n must be a multiple of 8 * W.
+float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits,
+                          int64_t W, int64_t row_stride, float* scale_out, int nthreads);
+
+// c = sum_i sign_i * (scale_i / W) + e, summed over i = 0..W-1 in order, then + e;
+// scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e <- c - scale * sign(c).
+// Input row i starts at bits + i * row_stride; its scale is scales[i * scale_stride].
+float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
+                        float* scale_out, int nthreads);
+
+// out[j*m + k] = scales[j * scale_stride] * sign(bit k of row j), for the first nout values
+// (nout <= W * m: the padding at the end is dropped).
+void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                    int64_t scale_stride, int64_t m, float* out, int64_t nout, int nthreads);
+
+// True when the CPU kernels use the AVX2 path (set ONEBIT_NO_SIMD=1 to force portable code).
+bool cpu_has_simd();
+
+#ifdef ONEBIT_WITH_CUDA
+// The same three operations on device pointers, enqueued on `stream` (a cudaStream_t) and
+// asynchronous: the scale is written to device memory at *scale_out. `workspace` is device
+// memory of at least cuda_workspace_bytes() bytes, owned by the caller.
+int64_t cuda_workspace_bytes();
+void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits,
+                          int64_t W, int64_t row_stride, float* scale_out, void* workspace,
+                          void* stream);
+void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
+                        float* scale_out, void* workspace, void* stream);
+void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                     int64_t scale_stride, int64_t m, float* out, int64_t nout, void* stream);
+#endif
+
+}  // namespace onebit

@@ -1,0 +1,254 @@
+// CPU kernels. Each compression makes two passes over memory (the scale needs the global norm
+// before any error value can be written); each pass is one streaming sweep over fixed blocks,
+// parallelised with OpenMP. Per-block work is done by block functions in two flavours:
+// AVX2 (chosen at run time when the CPU has it; the binary stays portable, no -march=native)
+// and portable scalar code (any CPU, also the reference for the AVX2 path).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "onebit.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define ONEBIT_X86 1
+#endif
+
+namespace onebit {
+namespace {
+
+constexpr int64_t kBlock = 8192;           // values per block (multiple of 8): 32 KiB of fp32
+constexpr int64_t kParallelMin = 1 << 16;  // below this many values, threads cost more than they save
+
+inline int threads_for(int64_t n, int nthreads) { return n >= kParallelMin && nthreads > 1 ? nthreads : 1; }
+
+// ---------------------------------------------------------------- block functions: scalar
+// Each handles [lo, hi) with lo, hi multiples of 8 and returns the block's sum of squares.
+
+// y = x + e (x read only below nx), e <- y, out <- packed sign(y).
+double compress_block_scalar(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, uint8_t* out) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = lo; i < hi; i += 8) {
+    uint8_t b = 0;
+    for (int t = 0; t < 8; ++t) {
+      const float y = (i + t < nx ? x[i + t] : 0.0f) + e[i + t];
+      e[i + t] = y;
+      acc[t] += static_cast<double>(y) * y;
+      b |= static_cast<uint8_t>(y >= 0.0f) << t;
+    }
+    *out++ = b;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// c = sum_r sign_r * w_r (rows in order) + e, e <- c, out <- packed sign(c).
+// lut[(r * 256 + b) * 8 + t] is what bit t of byte b of row r decodes to (+-w_r): one load
+// per row and 8 values instead of 8 bit tests.
+double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
+                           int64_t lo, int64_t hi, uint8_t* out) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = lo; i < hi; i += 8) {
+    float c[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t r = 0; r < W; ++r) {
+      const float* v = lut + (r * 256 + bits[r * row_stride + i / 8]) * 8;
+      for (int t = 0; t < 8; ++t) c[t] += v[t];
+    }
+    uint8_t ob = 0;
+    for (int t = 0; t < 8; ++t) {
+      c[t] += e[i + t];
+      e[i + t] = c[t];
+      acc[t] += static_cast<double>(c[t]) * c[t];
+      ob |= static_cast<uint8_t>(c[t] >= 0.0f) << t;
+    }
+    out[i / 8] = ob;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// out[i] = bit ? s : -s for i in [lo, hi) (hi may be unaligned: the end of the output).
+void decode_block_scalar(const uint8_t* in, float s, float* out, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) out[i] = ((in[(i - lo) / 8] >> ((i - lo) % 8)) & 1u) ? s : -s;
+}
+
+// e <- e - s * sign(e): the second pass of both compressions.
+void subtract_block_scalar(float* e, int64_t lo, int64_t hi, float s) {
+  for (int64_t i = lo; i < hi; ++i) e[i] = e[i] >= 0.0f ? e[i] - s : e[i] + s;
+}
+
+#ifdef ONEBIT_X86
+// ---------------------------------------------------------------- block functions: AVX2
+// movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 inline __m256 byte_to_mask(unsigned b) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i v = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(b)), lanes);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, lanes));
+}
+
+AVX2 inline void accumulate_squares(__m256 y, __m256d& a0, __m256d& a1) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(y));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));
+  a0 = _mm256_fmadd_pd(lo, lo, a0);
+  a1 = _mm256_fmadd_pd(hi, hi, a1);
+}
+
+AVX2 inline double hsum(__m256d a0, __m256d a1) {
+  alignas(32) double t[4];
+  _mm256_store_pd(t, _mm256_add_pd(a0, a1));
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+AVX2 double compress_block_avx2(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, uint8_t* out) {
+  const int64_t full = std::max(lo, std::min(hi, nx - nx % 8));  // x fully present below this
+  if (full < hi) {  // the block holds the end of x: do the tail in scalar code
+    double a = full > lo ? compress_block_avx2(x, nx, e, lo, full, out) : 0.0;
+    return a + compress_block_scalar(x, nx, e, full, hi, out + (full - lo) / 8);
+  }
+  const __m256 zero = _mm256_setzero_ps();
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  for (int64_t i = lo; i < hi; i += 8) {
+    const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    _mm256_storeu_ps(e + i, y);
+    *out++ = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ)));
+    accumulate_squares(y, a0, a1);
+  }
+  return hsum(a0, a1);
+}
+
+AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
+                              int64_t lo, int64_t hi, uint8_t* out) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  for (int64_t i = lo; i < hi; i += 8) {
+    __m256 c = zero;
+    for (int64_t r = 0; r < W; ++r) c = _mm256_add_ps(c, _mm256_loadu_ps(lut + (r * 256 + bits[r * row_stride + i / 8]) * 8));
+    c = _mm256_add_ps(c, _mm256_loadu_ps(e + i));
+    _mm256_storeu_ps(e + i, c);
+    out[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(c, zero, _CMP_GE_OQ)));
+    accumulate_squares(c, a0, a1);
+  }
+  return hsum(a0, a1);
+}
+
+AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, int64_t hi) {
+  const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(out + i, _mm256_blendv_ps(neg, pos, byte_to_mask(*in++)));
+  if (i < hi) decode_block_scalar(in, s, out, i, hi);
+}
+
+AVX2 void subtract_block_avx2(float* e, int64_t lo, int64_t hi, float s) {
+  const __m256 zero = _mm256_setzero_ps(), sv = _mm256_set1_ps(s);
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 y = _mm256_loadu_ps(e + i);
+    const __m256 ge = _mm256_cmp_ps(y, zero, _CMP_GE_OQ);
+    _mm256_storeu_ps(e + i, _mm256_blendv_ps(_mm256_add_ps(y, sv), _mm256_sub_ps(y, sv), ge));
+  }
+  if (i < hi) subtract_block_scalar(e, i, hi, s);
+}
+#endif  // ONEBIT_X86
+
+// ---------------------------------------------------------------- dispatch
+
+struct Impl {
+  double (*compress)(const float*, int64_t, float*, int64_t, int64_t, uint8_t*);
+  double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, float*, int64_t, int64_t, uint8_t*);
+  void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
+  void (*subtract)(float*, int64_t, int64_t, float);
+};
+
+const Impl& impl() {
+  static const Impl chosen = [] {
+#ifdef ONEBIT_X86
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
+      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, subtract_block_avx2};
+#endif
+    return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, subtract_block_scalar};
+  }();
+  return chosen;
+}
+
+// Sum block partials in a fixed order and turn the sum of squares into the scale.
+float finish_scale(const std::vector<double>& partial, int64_t n) {
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return static_cast<float>(std::sqrt(total) / std::sqrt(static_cast<double>(n)));
+}
+
+void subtract_sign(float* e, int64_t n, float s, int nt) {
+  const auto sub = impl().subtract;
+  const int64_t nblk = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t blk = 0; blk < nblk; ++blk) sub(e, blk * kBlock, std::min(n, (blk + 1) * kBlock), s);
+}
+
+}  // namespace
+
+bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
+
+float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits, int64_t W,
+                          int64_t row_stride, float* scale_out, int nthreads) {
+  const int64_t m = n / W;
+  const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
+  const int64_t total = nb * W;
+  std::vector<double> partial(static_cast<size_t>(total));
+  const int nt = threads_for(n, nthreads);
+  const auto compress = impl().compress;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t blk = 0; blk < total; ++blk) {
+    const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
+    const int64_t hi = std::min(lo + kBlock, (j + 1) * m);
+    partial[blk] = compress(x, nx, e, lo, hi, bits + j * row_stride + (lo - j * m) / 8);
+  }
+  const float s = finish_scale(partial, n);
+  subtract_sign(e, n, s, nt);
+  *scale_out = s;
+  return s;
+}
+
+float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits, float* scale_out,
+                        int nthreads) {
+  // Decode table: 8 KiB per row, built once per call (W * 2048 floats), shared by all threads.
+  std::vector<float> lut(static_cast<size_t>(W) * 256 * 8);
+  for (int64_t r = 0; r < W; ++r) {
+    const float w = scales[r * scale_stride] / static_cast<float>(W);
+    for (int b = 0; b < 256; ++b)
+      for (int t = 0; t < 8; ++t) lut[(r * 256 + b) * 8 + t] = ((b >> t) & 1) ? w : -w;
+  }
+  const int64_t nblk = (m + kBlock - 1) / kBlock;
+  std::vector<double> partial(static_cast<size_t>(nblk));
+  const int nt = threads_for(m, nthreads);
+  const auto reduce = impl().reduce;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t blk = 0; blk < nblk; ++blk)
+    partial[blk] = reduce(bits, W, row_stride, lut.data(), e, blk * kBlock, std::min(m, (blk + 1) * kBlock), out_bits);
+  const float s = finish_scale(partial, m);
+  subtract_sign(e, m, s, nt);
+  *scale_out = s;
+  return s;
+}
+
+void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales, int64_t scale_stride,
+                    int64_t m, float* out, int64_t nout, int nthreads) {
+  const int64_t nb = (m + kBlock - 1) / kBlock;
+  const int64_t total = nb * W;
+  const int nt = threads_for(nout, nthreads);
+  const auto decode = impl().decode;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t blk = 0; blk < total; ++blk) {
+    const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
+    const int64_t hi = std::min(std::min(lo + kBlock, (j + 1) * m), nout);
+    if (lo < hi) decode(bits + j * row_stride + (lo - j * m) / 8, scales[j * scale_stride], out, lo, hi);
+  }
+}
+
+}  // namespace onebit

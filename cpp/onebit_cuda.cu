@@ -1,0 +1,332 @@
+// lightning-onebit CUDA kernels: the operations of onebit_cpu.cpp on device pointers, with the
+// same packed bits (wire format in onebit.h) and the same float arithmetic, so CPU and GPU ranks
+// interoperate.
+//
+// Layout: a warp owns a 128-value segment of one row at a time. Lane t handles values 4t..4t+3
+// (one float4, coalesced); its 4 sign bits form a nibble, and the nibbles of 8 lanes are
+// OR-combined by shuffles into one 32-bit little-endian word of the wire format (4 words = the
+// segment's 16 bytes). Rows are m values (m % 8 == 0), so a segment's length is a multiple of 8
+// and every lane's 4 values are either all inside or all outside the segment.
+//
+// Each compression is three launches on the caller's stream: a fused pass writing e, the bits and
+// one double partial sum of squares per block into the workspace; a single-block finalize that
+// adds the partials in a fixed order and writes the scale to device memory; and e <- e - s*sign(e).
+// The grid depends only on the problem size (capped at kMaxBlocks, independent of the GPU), so
+// the scale is reproducible. No atomics, no host synchronisation, no allocation.
+#include "onebit.h"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace onebit {
+namespace {
+
+constexpr int kThreads = 256;              // threads per block
+constexpr int kWarps = kThreads / 32;      // segments per block per step
+constexpr int kSeg = 128;                  // values per warp segment (16 packed bytes)
+constexpr int64_t kMaxBlocks = 1024;       // grid cap: also the number of partial sums
+constexpr int kTile = 2048;                // per-row weights staged in shared memory per tile
+constexpr unsigned kFull = 0xffffffffu;
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("onebit: ") + what + " launch failed: " + cudaGetErrorString(err));
+}
+
+int grid_for(int64_t work_items, int64_t per_block) {
+  const int64_t b = (work_items + per_block - 1) / per_block;
+  return static_cast<int>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Every row start bits + j*row_stride is 4-byte aligned (so 32-bit word access is legal).
+bool rows_aligned4(const void* bits, int64_t W, int64_t row_stride) {
+  return aligned(bits, 4) && (W == 1 || row_stride % 4 == 0);
+}
+
+__device__ __forceinline__ float sub_sign(float v, float s) { return v >= 0.0f ? v - s : v + s; }
+
+__device__ __forceinline__ uint32_t nibble(float4 v) {
+  return uint32_t(v.x >= 0.0f) | uint32_t(v.y >= 0.0f) << 1 | uint32_t(v.z >= 0.0f) << 2 |
+         uint32_t(v.w >= 0.0f) << 3;
+}
+
+__device__ __forceinline__ double sq4(float4 v) {
+  return double(v.x) * double(v.x) + double(v.y) * double(v.y) + double(v.z) * double(v.z) +
+         double(v.w) * double(v.w);
+}
+
+// Word (lane / 8) of the segment: nibble of lane 8r+u lands at bits 4u..4u+3. Whole warp calls.
+__device__ __forceinline__ uint32_t pack_word(uint32_t nib, int lane) {
+  uint32_t v = nib << (4 * (lane & 7));
+  v |= __shfl_xor_sync(kFull, v, 1);
+  v |= __shfl_xor_sync(kFull, v, 2);
+  v |= __shfl_xor_sync(kFull, v, 4);
+  return v;
+}
+
+// nb (0..4) bytes at p as a little-endian word: one 32-bit access when aligned and whole.
+__device__ __forceinline__ uint32_t load_word(const uint8_t* p, int nb, bool al4) {
+  if (nb == 4 && al4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+  uint32_t w = 0;
+  for (int b = 0; b < nb; ++b) w |= uint32_t(__ldg(p + b)) << (8 * b);
+  return w;
+}
+
+__device__ __forceinline__ void store_word(uint8_t* p, uint32_t w, int nb, bool al4) {
+  if (nb == 4 && al4) {
+    *reinterpret_cast<uint32_t*>(p) = w;
+    return;
+  }
+  for (int b = 0; b < nb; ++b) p[b] = static_cast<uint8_t>(w >> (8 * b));
+}
+
+// Four consecutive floats; float4 when p is 16-byte aligned (vec), otherwise scalar.
+__device__ __forceinline__ float4 load4(const float* p, bool vec) {
+  if (vec) return *reinterpret_cast<const float4*>(p);
+  return make_float4(p[0], p[1], p[2], p[3]);
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v, bool vec) {
+  if (vec) {
+    *reinterpret_cast<float4*>(p) = v;
+    return;
+  }
+  p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
+}
+
+// Packed bytes of word (lane / 8) that lie inside a segment of len values.
+__device__ __forceinline__ int word_bytes(int len, int lane) {
+  const int nb = len / 8 - 4 * (lane >> 3);
+  return nb < 0 ? 0 : (nb > 4 ? 4 : nb);
+}
+
+// Block sum in a fixed order (warp tree, then warps 0..7); result valid in thread 0.
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double warp_sums[kWarps];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(kFull, v, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+  return total;
+}
+
+// Worker pass 1: y = x + e (x zero beyond nx), e <- y, bits <- sign(y), partial <- sum y^2.
+__global__ void __launch_bounds__(kThreads)
+worker_pass1(const float* x, int64_t nx, float* e, int64_t m, int64_t nseg, int64_t spr,
+             uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4, double* partial) {
+  const int lane = threadIdx.x & 31;
+  double acc = 0.0;
+  // Warp-uniform grid-stride loop: every lane reaches the shuffles in pack_word.
+  for (int64_t g = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); g < nseg;
+       g += int64_t(gridDim.x) * kWarps) {
+    const int64_t row = g / spr, off = (g - row * spr) * kSeg;
+    const int len = int(m - off < kSeg ? m - off : kSeg);
+    const int64_t i = row * m + off + 4 * lane;
+    uint32_t nib = 0;
+    if (4 * lane < len) {
+      float4 xv;
+      if (xvec && i + 4 <= nx) {
+        xv = __ldg(reinterpret_cast<const float4*>(x + i));
+      } else {  // unaligned x, or the float4 straddling / beyond nx (zero extension)
+        xv.x = i + 0 < nx ? __ldg(x + i + 0) : 0.0f;
+        xv.y = i + 1 < nx ? __ldg(x + i + 1) : 0.0f;
+        xv.z = i + 2 < nx ? __ldg(x + i + 2) : 0.0f;
+        xv.w = i + 3 < nx ? __ldg(x + i + 3) : 0.0f;
+      }
+      const float4 ev = load4(e + i, evec);
+      const float4 y = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
+      store4(e + i, y, evec);
+      acc += sq4(y);
+      nib = nibble(y);
+    }
+    const uint32_t word = pack_word(nib, lane);
+    if ((lane & 7) == 0)
+      store_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3), word, word_bytes(len, lane), al4);
+  }
+  const double total = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+// Server pass 1: c = sum_i (bit_i ? w_i : -w_i) in row order, + e; e <- c; bits <- sign(c).
+__global__ void __launch_bounds__(kThreads)
+server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+             int64_t scale_stride, float* e, int64_t m, int64_t nseg, uint8_t* out_bits,
+             bool evec, bool al4_in, bool al4_out, double* partial) {
+  __shared__ float w_s[kTile];  // w_i = scale_i / W (float division, as on the CPU)
+  const float fW = static_cast<float>(W);
+  const bool one_tile = W <= kTile;
+  if (one_tile) {  // the common case: stage all weights once
+    for (int k = threadIdx.x; k < W; k += kThreads) w_s[k] = __fdiv_rn(__ldg(scales + k * scale_stride), fW);
+    __syncthreads();
+  }
+  const int lane = threadIdx.x & 31, r = lane >> 3, sh = 4 * (lane & 7);
+  double acc = 0.0;
+  // Block-uniform loop (tiles of weights need __syncthreads); each warp takes one segment.
+  for (int64_t g0 = int64_t(blockIdx.x) * kWarps; g0 < nseg; g0 += int64_t(gridDim.x) * kWarps) {
+    const int64_t g = g0 + (threadIdx.x >> 5), off = g * kSeg;
+    const int len = g < nseg ? int(m - off < kSeg ? m - off : kSeg) : 0;
+    const int nb = word_bytes(len, lane);
+    const bool act = 4 * lane < len;
+    float4 ev = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (act) ev = load4(e + off + 4 * lane, evec);  // issued early: overlaps the row loop
+    float4 c = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int64_t t0 = 0; t0 < W; t0 += kTile) {
+      const int cnt = int(W - t0 < kTile ? W - t0 : kTile);
+      if (!one_tile) {
+        __syncthreads();
+        for (int k = threadIdx.x; k < cnt; k += kThreads)
+          w_s[k] = __fdiv_rn(__ldg(scales + (t0 + k) * scale_stride), fW);
+        __syncthreads();
+      }
+      if (act) {
+        const uint8_t* p = bits + t0 * row_stride + off / 8 + 4 * r;
+#pragma unroll 4
+        for (int k = 0; k < cnt; ++k, p += row_stride) {
+          const uint32_t b = load_word(p, nb, al4_in) >> sh;
+          const float wk = w_s[k];
+          c.x += (b & 1u) ? wk : -wk;  // same order of float adds as the CPU
+          c.y += (b & 2u) ? wk : -wk;
+          c.z += (b & 4u) ? wk : -wk;
+          c.w += (b & 8u) ? wk : -wk;
+        }
+      }
+    }
+    uint32_t nib = 0;
+    if (act) {
+      c.x += ev.x; c.y += ev.y; c.z += ev.z; c.w += ev.w;
+      store4(e + off + 4 * lane, c, evec);
+      acc += sq4(c);
+      nib = nibble(c);
+    }
+    const uint32_t word = pack_word(nib, lane);
+    if ((lane & 7) == 0) store_word(out_bits + off / 8 + 4 * r, word, nb, al4_out);
+  }
+  const double total = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+// Single block: add the partials in a fixed order; scale = sqrt(total) / sqrt(count), in double.
+__global__ void __launch_bounds__(kThreads)
+finalize_scale(const double* partial, int nparts, int64_t count, float* scale_out) {
+  double v = 0.0;
+  for (int k = threadIdx.x; k < nparts; k += kThreads) v += partial[k];
+  const double total = block_sum(v);
+  if (threadIdx.x == 0) *scale_out = __double2float_rn(sqrt(total) / sqrt(static_cast<double>(count)));
+}
+
+// Pass 2 of both compressions: e <- e - s * sign(e), s read from device memory.
+__global__ void __launch_bounds__(kThreads)
+subtract_scaled_sign(float* e, int64_t n, const float* scale, bool evec) {
+  const float s = *scale;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  int64_t done = 0;
+  if (evec) {
+    float4* e4 = reinterpret_cast<float4*>(e);
+    for (int64_t k = tid; k < n / 4; k += stride) {
+      float4 v = e4[k];
+      v.x = sub_sign(v.x, s); v.y = sub_sign(v.y, s); v.z = sub_sign(v.z, s); v.w = sub_sign(v.w, s);
+      e4[k] = v;
+    }
+    done = n / 4 * 4;
+  }
+  for (int64_t k = done + tid; k < n; k += stride) e[k] = sub_sign(e[k], s);
+}
+
+// out[row*m + k] = bit ? s_row : -s_row for row*m + k < nout.
+__global__ void __launch_bounds__(kThreads)
+decompress_kernel(const uint8_t* bits, int64_t row_stride, const float* scales, int64_t scale_stride,
+                  int64_t m, int64_t nseg, int64_t spr, float* out, int64_t nout, bool ovec, bool al4) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t g = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); g < nseg;
+       g += int64_t(gridDim.x) * kWarps) {
+    const int64_t row = g / spr, off = (g - row * spr) * kSeg;
+    const int64_t base = row * m + off;
+    const int len = int(m - off < kSeg ? m - off : kSeg);
+    const int cnt = int(nout - base < len ? nout - base : len);  // values kept (padding dropped)
+    const int v0 = 4 * lane;
+    if (v0 >= cnt) continue;  // no shuffles here, lanes may diverge
+    // Read only the bytes holding kept values (like the CPU: the padding's bytes may be absent).
+    const uint32_t b = load_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3),
+                                 word_bytes((cnt + 7) / 8 * 8, lane), al4) >> (4 * (lane & 7));
+    const float s = __ldg(scales + row * scale_stride);
+    const float4 v = make_float4((b & 1u) ? s : -s, (b & 2u) ? s : -s, (b & 4u) ? s : -s, (b & 8u) ? s : -s);
+    float* o = out + base + v0;
+    if (v0 + 4 <= cnt) {
+      store4(o, v, ovec);
+    } else {  // last float4 of the unpadded output
+      o[0] = v.x;
+      if (v0 + 1 < cnt) o[1] = v.y;
+      if (v0 + 2 < cnt) o[2] = v.z;
+    }
+  }
+}
+
+void check_rows(int64_t W, int64_t m, const char* what) {
+  if (W <= 0 || m < 0 || m % 8 != 0)
+    throw std::invalid_argument(std::string("onebit: ") + what + ": need W > 0 and a chunk size that is a multiple of 8");
+}
+
+}  // namespace
+
+int64_t cuda_workspace_bytes() { return kMaxBlocks * static_cast<int64_t>(sizeof(double)); }
+
+void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits, int64_t W,
+                          int64_t row_stride, float* scale_out, void* workspace, void* stream) {
+  if (W <= 0 || n % (8 * W) != 0 || nx < 0 || nx > n)
+    throw std::invalid_argument("onebit: worker_compress_cuda: need n % (8*W) == 0 and 0 <= nx <= n");
+  const int64_t m = n / W, spr = (m + kSeg - 1) / kSeg, nseg = spr * W;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  double* partial = static_cast<double*>(workspace);
+  const int grid = grid_for(nseg, kWarps);
+  const bool evec = aligned(e, 16);
+  worker_pass1<<<grid, kThreads, 0, st>>>(x, nx, e, m, nseg, spr > 0 ? spr : 1, bits, row_stride,
+                                          aligned(x, 16), evec, rows_aligned4(bits, W, row_stride), partial);
+  check_launch("worker_pass1");
+  finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, n, scale_out);
+  check_launch("finalize_scale");
+  subtract_scaled_sign<<<grid_for(n / 4, kThreads), kThreads, 0, st>>>(e, n, scale_out, evec);
+  check_launch("subtract_scaled_sign");
+}
+
+void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits, float* scale_out,
+                        void* workspace, void* stream) {
+  check_rows(W, m, "server_reduce_cuda");
+  const int64_t nseg = (m + kSeg - 1) / kSeg;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  double* partial = static_cast<double*>(workspace);
+  const int grid = grid_for(nseg, kWarps);
+  const bool evec = aligned(e, 16);
+  server_pass1<<<grid, kThreads, 0, st>>>(bits, W, row_stride, scales, scale_stride, e, m, nseg, out_bits,
+                                          evec, rows_aligned4(bits, W, row_stride), aligned(out_bits, 4),
+                                          partial);
+  check_launch("server_pass1");
+  finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, m, scale_out);
+  check_launch("finalize_scale");
+  subtract_scaled_sign<<<grid_for(m / 4, kThreads), kThreads, 0, st>>>(e, m, scale_out, evec);
+  check_launch("subtract_scaled_sign");
+}
+
+void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+                     int64_t scale_stride, int64_t m, float* out, int64_t nout, void* stream) {
+  check_rows(W, m, "decompress_cuda");
+  if (nout < 0 || nout > W * m) throw std::invalid_argument("onebit: decompress_cuda: need 0 <= nout <= W*m");
+  if (nout == 0) return;
+  const int64_t spr = (m + kSeg - 1) / kSeg;
+  // Only rows holding output: rows past the last kept value are all padding.
+  const int64_t rows = (nout + m - 1) / m, nseg = spr * rows;
+  decompress_kernel<<<grid_for(nseg, kWarps), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      bits, row_stride, scales, scale_stride, m, nseg, spr, out, nout, aligned(out, 16),
+      rows_aligned4(bits, rows, row_stride));
+  check_launch("decompress_kernel");
+}
+
+}  // namespace onebit

@@ -1,0 +1,411 @@
+"""Python face of the fused 1-bit kernels (``lightning_onebit._C``).
+
+Every public function validates its arguments (dtype, device, sizes, contiguity) and raises a
+``TypeError``/``ValueError`` that says what to pass instead, then dispatches to the C++ (CPU)
+or CUDA kernel. The C++ side trusts these checks: it receives raw pointers.
+
+The ``reference_*`` functions are a pure-torch implementation with identical semantics. The
+tests compare the kernels against them, and they are the fallback when the compiled module is
+missing (with a warning: that path is several times slower, the math is the same).
+
+Wire format (shared by CPU and CUDA, so ranks on different hardware interoperate): a chunk of
+``m`` values (``m % 8 == 0``) packs into ``m // 8`` bytes; value ``k`` is bit ``k % 8`` of byte
+``k // 8``, least-significant bit first (``numpy.packbits(bitorder="little")``). The bit is 1
+iff the value is ``>= 0``: +0.0 and -0.0 both encode +1, NaN encodes -1. ``W`` chunks are the
+rows of a ``(W, m // 8)`` uint8 tensor whose rows may be strided (views into larger records).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+__all__ = [
+    "HAS_CPP",
+    "HAS_CUDA",
+    "decompress",
+    "reference_decompress",
+    "reference_server_reduce",
+    "reference_worker_compress",
+    "server_reduce",
+    "worker_compress",
+]
+
+try:
+    from lightning_onebit import _C
+except ImportError as _err:  # pragma: no cover - exercised only on broken installs
+    _C = None
+    _IMPORT_ERROR: ImportError | None = _err
+else:
+    _IMPORT_ERROR = None
+
+HAS_CPP: bool = _C is not None
+HAS_CUDA: bool = bool(_C is not None and _C.has_cuda)
+
+_fallback_warned = False
+_cuda_workspace: dict[torch.device, torch.Tensor] = {}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(
+            f"{name} must have dtype {dtype}, got {t.dtype} (convert with .to({dtype}))"
+        )
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def _check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> None:
+    """A (W, m/8) uint8 tensor whose rows are contiguous and do not overlap."""
+    if bits.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (W, m // 8), got shape {tuple(bits.shape)}")
+    if bits.size(0) < 1 or bits.size(1) < 1:
+        raise ValueError(f"{name} must have at least one row and one byte, got {tuple(bits.shape)}")
+    if row_bytes is not None and bits.size(1) != row_bytes:
+        raise ValueError(f"{name} rows must hold {row_bytes} bytes, got {bits.size(1)}")
+    if bits.stride(1) != 1 and bits.size(1) > 1:
+        raise ValueError(
+            f"{name} rows must be contiguous (stride(1) == 1), got strides {bits.stride()}"
+        )
+    if bits.size(0) > 1 and bits.stride(0) < bits.size(1):
+        raise ValueError(
+            f"{name} rows overlap: stride(0)={bits.stride(0)} < row length {bits.size(1)}"
+        )
+
+
+def _check_device(*named: tuple[str, torch.Tensor]) -> torch.device:
+    device = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(
+                f"all tensors must be on one device: {named[0][0]} is on {device}, {name} on {t.device}"
+            )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"only cpu and cuda tensors are supported, got device {device}")
+    if device.type == "cuda" and not HAS_CUDA:
+        raise RuntimeError(
+            "lightning_onebit was built without CUDA kernels; reinstall with a CUDA compiler on PATH "
+            "(ONEBIT_CUDA=ON pip install lightning-onebit) or keep the buffers on the CPU"
+        )
+    return device
+
+
+def _check_scale(name: str, scale: torch.Tensor) -> None:
+    _check_tensor(name, scale, torch.float32)
+    if scale.numel() != 1:
+        raise ValueError(f"{name} must have exactly one element, got {scale.numel()}")
+
+
+def _check_scales(name: str, scales: torch.Tensor, w: int) -> None:
+    _check_tensor(name, scales, torch.float32)
+    if scales.dim() != 1 or scales.numel() != w:
+        raise ValueError(
+            f"{name} must be 1-D with one scale per row ({w}), got shape {tuple(scales.shape)}"
+        )
+
+
+def _use_cpp() -> bool:
+    global _fallback_warned
+    if HAS_CPP:
+        return True
+    if not _fallback_warned:
+        warnings.warn(
+            f"lightning_onebit._C failed to import ({_IMPORT_ERROR}); using the pure-torch kernels "
+            "(same results, several times slower). Reinstall the package to build the extension.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _fallback_warned = True
+    return False
+
+
+def _nthreads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    ws = _cuda_workspace.get(device)
+    if ws is None:
+        ws = torch.empty(_C.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
+        _cuda_workspace[device] = ws
+    return ws
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def worker_compress(
+    x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Error-compensated 1-bit compression of ``x`` (the worker side of the exchange).
+
+    With ``n = error.numel()`` and ``W = bits.size(0)``: ``y = x + error`` (``x`` is read as
+    zero beyond its ``x.numel() <= n`` values), ``scale = ||y||_2 / sqrt(n)``, row ``j`` of
+    ``bits`` receives the packed signs of ``y[j*n/W : (j+1)*n/W]``, and
+    ``error <- y - scale * sign(y)``.
+
+    Args:
+        x: float32, contiguous, at most ``n`` values (any shape).
+        error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``; updated in place.
+        bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
+        scale: float32 with one element; receives the scale (on the tensors' device).
+    """
+    for name, t, dt in (
+        ("x", x, torch.float32),
+        ("error", error, torch.float32),
+        ("bits", bits, torch.uint8),
+    ):
+        _check_tensor(name, t, dt)
+    _check_scale("scale", scale)
+    device = _check_device(("x", x), ("error", error), ("bits", bits), ("scale", scale))
+    _check_contiguous("x", x)
+    _check_contiguous("error", error)
+    n, w = error.numel(), bits.size(0) if bits.dim() == 2 else 0
+    _check_rows("bits", bits)
+    if n == 0 or n % (8 * w):
+        raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
+    _check_rows("bits", bits, n // (8 * w))
+    if x.numel() > n:
+        raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if not _use_cpp():
+        return reference_worker_compress(x, error, bits, scale)
+    if device.type == "cuda":
+        _C.worker_compress_cuda(
+            x.data_ptr(),
+            x.numel(),
+            error.data_ptr(),
+            n,
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scale.data_ptr(),
+            _workspace(device).data_ptr(),
+            _stream(device),
+        )
+    else:
+        _C.worker_compress_cpu(
+            x.data_ptr(),
+            x.numel(),
+            error.data_ptr(),
+            n,
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scale.data_ptr(),
+            _nthreads(),
+        )
+
+
+def server_reduce(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scale: torch.Tensor,
+) -> None:
+    """Average ``W`` compressed chunks and recompress with error feedback (the server side).
+
+    ``c = sum_i sign_i * (scales[i] / W)`` (summed over rows in order) ``+ error``;
+    ``out_scale = ||c||_2 / sqrt(m)``; ``out_bits`` receives the packed signs of ``c``;
+    ``error <- c - out_scale * sign(c)``.
+
+    Args:
+        bits: uint8 ``(W, m // 8)``, one compressed chunk per row (rows may be strided).
+        scales: float32 ``(W,)``, the rows' scales (may be strided).
+        error: float32, contiguous, ``m`` values (``m % 8 == 0``); updated in place.
+        out_bits: uint8, contiguous, ``m // 8`` bytes.
+        out_scale: float32 with one element.
+    """
+    _check_tensor("bits", bits, torch.uint8)
+    _check_tensor("error", error, torch.float32)
+    _check_tensor("out_bits", out_bits, torch.uint8)
+    _check_scale("out_scale", out_scale)
+    _check_rows("bits", bits)
+    w = bits.size(0)
+    _check_scales("scales", scales, w)
+    device = _check_device(
+        ("bits", bits),
+        ("scales", scales),
+        ("error", error),
+        ("out_bits", out_bits),
+        ("out_scale", out_scale),
+    )
+    _check_contiguous("error", error)
+    _check_contiguous("out_bits", out_bits)
+    m = error.numel()
+    if m == 0 or m % 8:
+        raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
+    _check_rows("bits", bits, m // 8)
+    if out_bits.numel() != m // 8:
+        raise ValueError(f"out_bits must hold m // 8 = {m // 8} bytes, got {out_bits.numel()}")
+    if not _use_cpp():
+        return reference_server_reduce(bits, scales, error, out_bits, out_scale)
+    if device.type == "cuda":
+        _C.server_reduce_cuda(
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+            error.data_ptr(),
+            m,
+            out_bits.data_ptr(),
+            out_scale.data_ptr(),
+            _workspace(device).data_ptr(),
+            _stream(device),
+        )
+    else:
+        _C.server_reduce_cpu(
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+            error.data_ptr(),
+            m,
+            out_bits.data_ptr(),
+            out_scale.data_ptr(),
+            _nthreads(),
+        )
+
+
+def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode ``W`` chunks of ``m`` values: ``out[j*m + k] = scales[j] * sign(bit k of row j)``.
+
+    Args:
+        bits: uint8 ``(W, m // 8)`` (rows may be strided).
+        scales: float32 ``(W,)`` (may be strided).
+        out: float32, contiguous, at most ``W * m`` values; values beyond ``out.numel()``
+            (the padding) are dropped.
+    """
+    _check_tensor("bits", bits, torch.uint8)
+    _check_tensor("out", out, torch.float32)
+    _check_rows("bits", bits)
+    w = bits.size(0)
+    _check_scales("scales", scales, w)
+    device = _check_device(("bits", bits), ("scales", scales), ("out", out))
+    _check_contiguous("out", out)
+    m = bits.size(1) * 8
+    if out.numel() > w * m:
+        raise ValueError(f"out has {out.numel()} values but bits encode only W * m = {w * m}")
+    if out.numel() == 0:
+        return None
+    if not _use_cpp():
+        return reference_decompress(bits, scales, out)
+    if device.type == "cuda":
+        _C.decompress_cuda(
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+            m,
+            out.data_ptr(),
+            out.numel(),
+            _stream(device),
+        )
+    else:
+        _C.decompress_cpu(
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+            m,
+            out.data_ptr(),
+            out.numel(),
+            _nthreads(),
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- pure-torch reference
+
+_BIT_WEIGHTS = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS[device] = (2 ** torch.arange(8, dtype=torch.int32, device=device)).to(
+            torch.uint8
+        )
+    return w
+
+
+def _pack(v: torch.Tensor) -> torch.Tensor:
+    """(..., 8k) float -> (..., k) uint8, LSB first; bit = v >= 0."""
+    b = (v >= 0).view(*v.shape[:-1], -1, 8).to(torch.uint8)
+    return (b * _bit_weights(v.device)).sum(-1, dtype=torch.uint8)
+
+
+def _unpack(bits: torch.Tensor) -> torch.Tensor:
+    """(..., k) uint8 -> (..., 8k) bool."""
+    b = bits.unsqueeze(-1).bitwise_and(_bit_weights(bits.device)).ne(0)
+    return b.flatten(-2)
+
+
+def _scale_of(v: torch.Tensor) -> torch.Tensor:
+    # Same arithmetic as the kernels: sum of squares in float64, sqrt(sum)/sqrt(n), then float32.
+    return (v.double().square().sum().sqrt() / math.sqrt(v.numel())).float()
+
+
+def _sign_times(positive: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.where(positive, s, -s)
+
+
+def reference_worker_compress(
+    x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Pure-torch :func:`worker_compress` (same arguments, same results)."""
+    n, w = error.numel(), bits.size(0)
+    y = error.clone()
+    y[: x.numel()] += x.reshape(-1)
+    s = _scale_of(y)
+    bits.copy_(_pack(y.view(w, n // w)))
+    error.copy_(y - _sign_times(y >= 0, s))
+    scale.view(-1).copy_(s)
+
+
+def reference_server_reduce(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scale: torch.Tensor,
+) -> None:
+    """Pure-torch :func:`server_reduce` (same arguments, same results)."""
+    w = bits.size(0)
+    weights = scales.float() / w  # float32 division, as in the kernels
+    positive = _unpack(bits)  # (W, m)
+    c = torch.zeros(error.numel(), dtype=torch.float32, device=error.device)
+    for i in range(w):  # row order matters for bitwise-identical floats
+        c += _sign_times(positive[i], weights[i])
+    c += error
+    s = _scale_of(c)
+    out_bits.view(-1).copy_(_pack(c))
+    error.copy_(c - _sign_times(c >= 0, s))
+    out_scale.view(-1).copy_(s)
+
+
+def reference_decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Pure-torch :func:`decompress` (same arguments, same results)."""
+    values = _sign_times(_unpack(bits), scales.float().view(-1, 1)).reshape(-1)
+    out.view(-1).copy_(values[: out.numel()])

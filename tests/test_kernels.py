@@ -1,0 +1,218 @@
+"""Level-0 tests: every fused kernel against the pure-torch reference, and argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_onebit import kernels as K
+
+pytestmark = pytest.mark.skipif(not K.HAS_CPP, reason="C++ extension not built")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and K.HAS_CUDA else [])
+# Awkward sizes (values per rank buffer after padding to 8 * W) and world sizes.
+SIZES = [8, 16, 56, 1024, 1032, 10**6 + 8]
+WORLDS = [1, 2, 3, 4, 8]
+
+
+def _rand(n: int, gen: torch.Generator, device: str, zeros: bool = True) -> torch.Tensor:
+    x = torch.randn(n, generator=gen)
+    if zeros and n >= 8:  # exact +0.0 and -0.0 must both encode +1
+        idx = torch.randperm(n, generator=gen)[: max(2, n // 10)]
+        x[idx[: len(idx) // 2]] = 0.0
+        x[idx[len(idx) // 2 :]] = -0.0
+    return x.to(device)
+
+
+def _padded(n: int, w: int) -> int:
+    return -(-n // (8 * w)) * 8 * w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1023, 10**6 + 3])
+@pytest.mark.parametrize("w", WORLDS)
+def test_worker_compress_matches_reference(n: int, w: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(n * 31 + w)
+    n_pad = _padded(n, w)
+    x = _rand(n, gen, device)
+    e0 = _rand(n_pad, gen, device) * 0.3
+    rows = n_pad // (8 * w)
+    # bits written into strided rows, as the exchange does (records with a 4-byte header)
+    rec = torch.zeros(w, rows + 7, dtype=torch.uint8, device=device)
+    bits, bits_ref = rec[:, 4 : 4 + rows], torch.zeros(w, rows, dtype=torch.uint8, device=device)
+    e, e_ref = e0.clone(), e0.clone()
+    s, s_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    K.worker_compress(x, e, bits, s)
+    K.reference_worker_compress(x, e_ref, bits_ref, s_ref)
+    assert torch.equal(bits, bits_ref)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s_ref))
+    # the header and trailing bytes of the records were not touched
+    assert rec[:, :4].eq(0).all() and rec[:, 4 + rows :].eq(0).all()
+    # x was not modified and sign(0) = +1 for both zeros
+    y = x.cpu().double()
+    y = torch.cat([y, torch.zeros(n_pad - n, dtype=torch.float64)]) + e0.cpu().double()
+    expect = np.packbits((y >= 0).numpy(), bitorder="little")
+    assert np.array_equal(bits.cpu().reshape(-1).numpy(), expect)
+
+
+def test_worker_compress_error_identity() -> None:
+    """e_new = y - s*sign(y) exactly, s = ||y|| / sqrt(n), computed independently in float64."""
+    gen = torch.Generator().manual_seed(0)
+    x, e = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
+    y = (x + e).double()
+    bits, s = torch.empty(2, 256, dtype=torch.uint8), torch.empty(1)
+    K.worker_compress(x, e, bits, s)
+    s64 = y.norm() / 4096**0.5
+    assert abs(float(s) - float(s64)) <= 1e-7 * float(s64)
+    torch.testing.assert_close(
+        e.double(), y - float(s) * torch.where(y >= 0, 1.0, -1.0), rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", SIZES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_server_reduce_matches_reference(m: int, w: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(m * 7 + w)
+    rows = m // 8
+    rec = torch.randint(0, 256, (w, rows + 12), generator=gen, dtype=torch.uint8).to(device)
+    bits = rec[:, 8 : 8 + rows]  # strided rows
+    scales_store = torch.rand(w, 3, generator=gen).to(device) + 0.1
+    scales = scales_store[:, 1]  # strided scales
+    e0 = _rand(m, gen, device) * 0.1
+    e, e_ref = e0.clone(), e0.clone()
+    ob, ob_ref = (
+        torch.empty(rows, dtype=torch.uint8, device=device),
+        torch.empty(rows, dtype=torch.uint8, device=device),
+    )
+    s, s_ref = torch.empty(1, device=device), torch.empty(1, device=device)
+    K.server_reduce(bits, scales, e, ob, s)
+    K.reference_server_reduce(bits, scales, e_ref, ob_ref, s_ref)
+    assert torch.equal(ob, ob_ref)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s_ref))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", SIZES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_decompress_matches_reference(m: int, w: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(m * 13 + w)
+    rows = m // 8
+    rec = torch.randint(0, 256, (w, rows + 4), generator=gen, dtype=torch.uint8).to(device)
+    bits = rec[:, 4:]
+    scales = torch.rand(w, generator=gen).to(device)
+    for nout in sorted({w * m, max(1, w * m - 5), max(1, w * m - 8 * rows - 3)}):
+        out = torch.full((nout,), 7.0, device=device)
+        ref = torch.full((nout,), 7.0, device=device)
+        K.decompress(bits, scales, out)
+        K.reference_decompress(bits, scales, ref)
+        assert torch.equal(out, ref)
+    # spot-check the wire format against numpy's little-endian unpacking
+    full = torch.empty(w * m, device=device)
+    K.decompress(bits, scales, full)
+    signs = (
+        np.unpackbits(bits.cpu().contiguous().numpy(), axis=1, bitorder="little").astype(np.float32)
+        * 2
+        - 1
+    )
+    assert np.array_equal(full.cpu().numpy().reshape(w, m), signs * scales.cpu().numpy()[:, None])
+
+
+def test_kernels_independent_of_thread_count() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x, e0 = torch.randn(300_000, generator=gen), torch.randn(300_000, generator=gen)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            e, bits, s = (
+                e0.clone(),
+                torch.empty(4, 300_000 // 32, dtype=torch.uint8),
+                torch.empty(1),
+            )
+            K.worker_compress(x, e, bits, s)
+            results.append((e, bits, s))
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _good():
+    return (torch.zeros(64), torch.zeros(64), torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "exc", "match"),
+    [
+        (lambda a: (a[0].double(), *a[1:]), TypeError, "x must have dtype torch.float32"),
+        (lambda a: (a[0].half(), *a[1:]), TypeError, "x must have dtype"),
+        (lambda a: (a[0].numpy(), *a[1:]), TypeError, "x must be a torch.Tensor"),
+        (
+            lambda a: (a[0], a[1], a[2].to(torch.int8), a[3]),
+            TypeError,
+            "bits must have dtype torch.uint8",
+        ),
+        (lambda a: (torch.zeros(128)[::2], *a[1:]), ValueError, "x must be contiguous"),
+        (lambda a: (a[0], torch.zeros(128)[::2], *a[2:]), ValueError, "error must be contiguous"),
+        (lambda a: (torch.zeros(65), *a[1:]), ValueError, "x has 65 values"),
+        (lambda a: (a[0], torch.zeros(60), *a[2:]), ValueError, "multiple of 8"),
+        (
+            lambda a: (a[0], a[1], torch.zeros(2, 5, dtype=torch.uint8), a[3]),
+            ValueError,
+            "rows must hold 4 bytes",
+        ),
+        (
+            lambda a: (a[0], a[1], torch.zeros(8, dtype=torch.uint8), a[3]),
+            ValueError,
+            "must be 2-D",
+        ),
+        (
+            lambda a: (a[0], a[1], torch.zeros(4, 2, dtype=torch.uint8).t(), a[3]),
+            ValueError,
+            "rows must be contiguous",
+        ),
+        (
+            lambda a: (
+                a[0],
+                a[1],
+                torch.zeros(8, dtype=torch.uint8).as_strided((2, 4), (2, 1)),
+                a[3],
+            ),
+            ValueError,
+            "overlap",
+        ),
+        (lambda a: (*a[:3], torch.zeros(2)), ValueError, "exactly one element"),
+        (lambda a: (a[0], a[1].to("meta"), *a[2:]), ValueError, "one device"),
+        (lambda a: (a[0].to_sparse(), *a[1:]), TypeError, "dense"),
+    ],
+)
+def test_worker_compress_rejects_bad_input(mutate, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        K.worker_compress(*mutate(_good()))
+
+
+def test_server_reduce_and_decompress_reject_bad_input() -> None:
+    bits, scales, e = torch.zeros(2, 4, dtype=torch.uint8), torch.ones(2), torch.zeros(32)
+    ob, s = torch.zeros(4, dtype=torch.uint8), torch.zeros(1)
+    with pytest.raises(ValueError, match="one scale per row"):
+        K.server_reduce(bits, torch.ones(3), e, ob, s)
+    with pytest.raises(ValueError, match="rows must hold 5 bytes"):
+        K.server_reduce(bits, scales, torch.zeros(40), torch.zeros(5, dtype=torch.uint8), s)
+    with pytest.raises(ValueError, match="out_bits must hold"):
+        K.server_reduce(bits, scales, e, torch.zeros(3, dtype=torch.uint8), s)
+    with pytest.raises(TypeError, match="scales must have dtype"):
+        K.server_reduce(bits, scales.double(), e, ob, s)
+    with pytest.raises(ValueError, match="out has 65 values"):
+        K.decompress(bits, scales, torch.zeros(65))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        K.decompress(bits, scales, torch.zeros(128)[::2])
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, ValueError)):
+            K.decompress(bits, scales, torch.zeros(64, device="meta"))
