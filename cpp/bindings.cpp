@@ -25,11 +25,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("server_reduce_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                                 int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
-                                ptr scale_out, int nthreads) {
+                                ptr scale_out, bool pending, int nthreads) {
     return onebit::server_reduce_cpu(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
                                      scale_stride, P<float>(e), mm, P<uint8_t>(out_bits),
-                                     P<float>(scale_out), nthreads);
-  }, release(), "c = mean of W decoded chunks + e; pack sign(c); e <- c - scale*sign(c)");
+                                     P<float>(scale_out), pending, nthreads);
+  }, release(), "c = mean of W decoded chunks + e; pack sign(c); e <- c (error update deferred)");
 
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 
@@ -49,10 +49,10 @@ PYBIND11_MODULE(_C, m) {
   }, release(), "worker compress on the given CUDA stream; scale written to device memory");
   m.def("server_reduce_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                                  int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
-                                 ptr scale_out, ptr ws, ptr stream) {
+                                 ptr scale_out, bool pending, ptr ws, ptr stream) {
     onebit::server_reduce_cuda(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
                                scale_stride, P<float>(e), mm, P<uint8_t>(out_bits),
-                               P<float>(scale_out), P<void>(ws), P<void>(stream));
+                               P<float>(scale_out), pending, P<void>(ws), P<void>(stream));
   }, release(), "server reduce on the given CUDA stream");
   m.def("decompress_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                               int64_t scale_stride, int64_t mm, ptr out, int64_t nout, ptr stream) {

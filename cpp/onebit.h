@@ -20,12 +20,16 @@ namespace onebit {
 float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits,
                           int64_t W, int64_t row_stride, float* scale_out, int nthreads);
 
-// c = sum_i sign_i * (scale_i / W) + e, summed over i = 0..W-1 in order, then + e;
-// scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e <- c - scale * sign(c).
+// c = sum_i sign_i * (scale_i / W), summed over i = 0..W-1 in order, then + e_true;
+// scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e <- c.
+// The error update e <- c - scale * sign(c) is deferred, which saves a second sweep over e:
+// after the call e holds c, and the true error is e - scale * sign(out_bits). With pending=true
+// the call starts by applying the previous call's deferred update (e_true = e - *scale_out *
+// sign(out_bits), read before they are overwritten); with pending=false e_true = e.
 // Input row i starts at bits + i * row_stride; its scale is scales[i * scale_stride].
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
-                        float* scale_out, int nthreads);
+                        float* scale_out, bool pending, int nthreads);
 
 // out[j*m + k] = scales[j * scale_stride] * sign(bit k of row j), for the first nout values
 // (nout <= W * m: the padding at the end is dropped).
@@ -45,7 +49,7 @@ void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8
                           void* stream);
 void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
-                        float* scale_out, void* workspace, void* stream);
+                        float* scale_out, bool pending, void* workspace, void* stream);
 void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                      int64_t scale_stride, int64_t m, float* out, int64_t nout, void* stream);
 #endif

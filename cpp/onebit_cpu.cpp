@@ -43,11 +43,13 @@ double compress_block_scalar(const float* x, int64_t nx, float* e, int64_t lo, i
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// c = sum_r sign_r * w_r (rows in order) + e, e <- c, out <- packed sign(c).
+// Server block: c = sum_r sign_r * w_r (rows in order) + e_true, e <- c, out <- packed sign(c).
+// With `pending`, e holds the previous call's c and e_true = e - sp * sign(out_previous) (the
+// old byte of `out` is read before it is overwritten); otherwise e_true = e.
 // lut[(r * 256 + b) * 8 + t] is what bit t of byte b of row r decodes to (+-w_r): one load
 // per row and 8 values instead of 8 bit tests.
 double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
-                           int64_t lo, int64_t hi, uint8_t* out) {
+                           int64_t lo, int64_t hi, uint8_t* out, bool pending, float sp) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = lo; i < hi; i += 8) {
     float c[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -55,9 +57,11 @@ double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, c
       const float* v = lut + (r * 256 + bits[r * row_stride + i / 8]) * 8;
       for (int t = 0; t < 8; ++t) c[t] += v[t];
     }
+    const unsigned prev = pending ? out[i / 8] : 0u;
     uint8_t ob = 0;
     for (int t = 0; t < 8; ++t) {
-      c[t] += e[i + t];
+      const float et = !pending ? e[i + t] : ((prev >> t) & 1u) ? e[i + t] - sp : e[i + t] + sp;
+      c[t] += et;
       e[i + t] = c[t];
       acc[t] += static_cast<double>(c[t]) * c[t];
       ob |= static_cast<uint8_t>(c[t] >= 0.0f) << t;
@@ -120,13 +124,15 @@ AVX2 double compress_block_avx2(const float* x, int64_t nx, float* e, int64_t lo
 }
 
 AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
-                              int64_t lo, int64_t hi, uint8_t* out) {
-  const __m256 zero = _mm256_setzero_ps();
+                              int64_t lo, int64_t hi, uint8_t* out, bool pending, float sp) {
+  const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = lo; i < hi; i += 8) {
     __m256 c = zero;
     for (int64_t r = 0; r < W; ++r) c = _mm256_add_ps(c, _mm256_loadu_ps(lut + (r * 256 + bits[r * row_stride + i / 8]) * 8));
-    c = _mm256_add_ps(c, _mm256_loadu_ps(e + i));
+    __m256 et = _mm256_loadu_ps(e + i);
+    if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(out[i / 8]));
+    c = _mm256_add_ps(c, et);
     _mm256_storeu_ps(e + i, c);
     out[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(c, zero, _CMP_GE_OQ)));
     accumulate_squares(c, a0, a1);
@@ -157,7 +163,7 @@ AVX2 void subtract_block_avx2(float* e, int64_t lo, int64_t hi, float s) {
 
 struct Impl {
   double (*compress)(const float*, int64_t, float*, int64_t, int64_t, uint8_t*);
-  double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, float*, int64_t, int64_t, uint8_t*);
+  double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, float*, int64_t, int64_t, uint8_t*, bool, float);
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
   void (*subtract)(float*, int64_t, int64_t, float);
 };
@@ -214,7 +220,7 @@ float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8
 
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits, float* scale_out,
-                        int nthreads) {
+                        bool pending, int nthreads) {
   // Decode table: 8 KiB per row, built once per call (W * 2048 floats), shared by all threads.
   std::vector<float> lut(static_cast<size_t>(W) * 256 * 8);
   for (int64_t r = 0; r < W; ++r) {
@@ -222,6 +228,7 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
     for (int b = 0; b < 256; ++b)
       for (int t = 0; t < 8; ++t) lut[(r * 256 + b) * 8 + t] = ((b >> t) & 1) ? w : -w;
   }
+  const float sp = pending ? *scale_out : 0.0f;  // the previous call's scale, before we overwrite it
   const int64_t nblk = (m + kBlock - 1) / kBlock;
   std::vector<double> partial(static_cast<size_t>(nblk));
   const int nt = threads_for(m, nthreads);
@@ -229,9 +236,11 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
 
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t blk = 0; blk < nblk; ++blk)
-    partial[blk] = reduce(bits, W, row_stride, lut.data(), e, blk * kBlock, std::min(m, (blk + 1) * kBlock), out_bits);
+    partial[blk] = reduce(bits, W, row_stride, lut.data(), e, blk * kBlock, std::min(m, (blk + 1) * kBlock),
+                          out_bits, pending, sp);
+  // No second pass: the error update e <- c - s * sign(c) is left pending (one sweep over e
+  // instead of two; the next call applies it, or kernels.finish_pending for checkpoints).
   const float s = finish_scale(partial, m);
-  subtract_sign(e, m, s, nt);
   *scale_out = s;
   return s;
 }

@@ -154,12 +154,16 @@ worker_pass1(const float* x, int64_t nx, float* e, int64_t m, int64_t nseg, int6
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
 }
 
-// Server pass 1: c = sum_i (bit_i ? w_i : -w_i) in row order, + e; e <- c; bits <- sign(c).
+// Server pass: c = sum_i (bit_i ? w_i : -w_i) in row order, + e_true; e <- c; bits <- sign(c).
+// With `pending` (a non-null prev_scale), e_true = e - prev_scale * sign(old out_bits): the
+// previous call's deferred error update (see onebit.h), read before out_bits is overwritten.
 __global__ void __launch_bounds__(kThreads)
 server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
              int64_t scale_stride, float* e, int64_t m, int64_t nseg, uint8_t* out_bits,
-             bool evec, bool al4_in, bool al4_out, double* partial) {
-  __shared__ float w_s[kTile];  // w_i = scale_i / W (float division, as on the CPU)
+             bool evec, bool al4_in, bool al4_out, const float* prev_scale, double* partial) {
+  __shared__ float w_s[kTile];
+  const bool pending = prev_scale != nullptr;
+  const float sp = pending ? *prev_scale : 0.0f;  // w_i = scale_i / W (float division, as on the CPU)
   const float fW = static_cast<float>(W);
   const bool one_tile = W <= kTile;
   if (one_tile) {  // the common case: stage all weights once
@@ -199,6 +203,18 @@ server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* sc
       }
     }
     uint32_t nib = 0;
+    if (act && pending) {  // every lane reads the old word before lane 8r overwrites it below
+      // plain loads, not __ldg: out_bits is written by this kernel
+      const uint8_t* q = out_bits + off / 8 + 4 * r;
+      uint32_t ob = 0;
+      if (nb == 4 && al4_out) ob = *reinterpret_cast<const uint32_t*>(q);
+      else for (int b = 0; b < nb; ++b) ob |= uint32_t(q[b]) << (8 * b);
+      ob >>= sh;
+      ev.x = (ob & 1u) ? ev.x - sp : ev.x + sp;
+      ev.y = (ob & 2u) ? ev.y - sp : ev.y + sp;
+      ev.z = (ob & 4u) ? ev.z - sp : ev.z + sp;
+      ev.w = (ob & 8u) ? ev.w - sp : ev.w + sp;
+    }
     if (act) {
       c.x += ev.x; c.y += ev.y; c.z += ev.z; c.w += ev.w;
       store4(e + off + 4 * lane, c, evec);
@@ -298,21 +314,20 @@ void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8
 
 void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits, float* scale_out,
-                        void* workspace, void* stream) {
+                        bool pending, void* workspace, void* stream) {
   check_rows(W, m, "server_reduce_cuda");
   const int64_t nseg = (m + kSeg - 1) / kSeg;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   const int grid = grid_for(nseg, kWarps);
   const bool evec = aligned(e, 16);
+  // scale_out still holds the previous scale while server_pass runs (finalize runs after it).
   server_pass1<<<grid, kThreads, 0, st>>>(bits, W, row_stride, scales, scale_stride, e, m, nseg, out_bits,
                                           evec, rows_aligned4(bits, W, row_stride), aligned(out_bits, 4),
-                                          partial);
+                                          pending ? scale_out : nullptr, partial);
   check_launch("server_pass1");
   finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, m, scale_out);
   check_launch("finalize_scale");
-  subtract_scaled_sign<<<grid_for(m / 4, kThreads), kThreads, 0, st>>>(e, m, scale_out, evec);
-  check_launch("subtract_scaled_sign");
 }
 
 void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,

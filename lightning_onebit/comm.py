@@ -120,7 +120,11 @@ class CompressedAllreduce:
 
         kw = {"device": self.device}
         self.worker_error = torch.zeros(self.padded_numel, dtype=torch.float32, **kw)
-        self.server_error = torch.zeros(self.chunk_numel, dtype=torch.float32, **kw)
+        # The server kernel defers its error update to its next call (one sweep over the buffer
+        # instead of two): _server_acc holds c, the true error is c - s * sign(c), with s and
+        # sign(c) still in the server record. See kernels.server_reduce.
+        self._server_acc = torch.zeros(self.chunk_numel, dtype=torch.float32, **kw)
+        self._server_pending = False
         self._send = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
         self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else self._send
         self._server = torch.zeros(self._record, dtype=torch.uint8, **kw)
@@ -129,6 +133,7 @@ class CompressedAllreduce:
             if w > 1
             else self._server.view(1, -1)
         )
+        self._server_scale = self._server.view(torch.float32)[:1]
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
         self._scale = torch.zeros(1, dtype=torch.float32, **kw)
 
@@ -203,16 +208,17 @@ class CompressedAllreduce:
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
             dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
-        # 3. this rank is the server of its chunk: average, recompress with the server error
-        server = self._server.view(1, -1)
+        # 3. this rank is the server of its chunk: average, recompress with the server error,
+        #    straight into the record that step 4 sends
         kernels.server_reduce(
             self._bits(self._recv, row),
             self._scales(self._recv),
-            self.server_error,
-            self._bits(server, row).reshape(-1),
-            self._scale,
+            self._server_acc,
+            self._server[4 : 4 + row],
+            self._server_scale,
+            pending=self._server_pending,
         )
-        self._scales(server).copy_(self._scale)
+        self._server_pending = True
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
         work = None
         if w > 1:
@@ -243,10 +249,20 @@ class CompressedAllreduce:
 
     # ------------------------------------------------------------------ state
 
+    @property
+    def server_error(self) -> torch.Tensor:
+        """This rank's server error (a copy, with any deferred update applied)."""
+        err = self._server_acc.clone()
+        if self._server_pending:
+            row = self.chunk_numel // 8
+            kernels.finish_pending(err, self._server[4 : 4 + row], self._server_scale)
+        return err
+
     def reset_error(self) -> None:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
         self.worker_error.zero_()
-        self.server_error.zero_()
+        self._server_acc.zero_()
+        self._server_pending = False
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error buffers and the geometry they belong to (no process group)."""
@@ -254,7 +270,7 @@ class CompressedAllreduce:
             "numel": self.numel,
             "world_size": self.world_size,
             "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
+            "server_error": self.server_error,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -270,7 +286,8 @@ class CompressedAllreduce:
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
             )
         self.worker_error.copy_(state_dict["worker_error"])
-        self.server_error.copy_(state_dict["server_error"])
+        self._server_acc.copy_(state_dict["server_error"])
+        self._server_pending = False
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,7 @@ __all__ = [
     "HAS_CPP",
     "HAS_CUDA",
     "decompress",
+    "finish_pending",
     "reference_decompress",
     "reference_server_reduce",
     "reference_worker_compress",
@@ -219,12 +220,18 @@ def server_reduce(
     error: torch.Tensor,
     out_bits: torch.Tensor,
     out_scale: torch.Tensor,
+    pending: bool = False,
 ) -> None:
     """Average ``W`` compressed chunks and recompress with error feedback (the server side).
 
-    ``c = sum_i sign_i * (scales[i] / W)`` (summed over rows in order) ``+ error``;
-    ``out_scale = ||c||_2 / sqrt(m)``; ``out_bits`` receives the packed signs of ``c``;
-    ``error <- c - out_scale * sign(c)``.
+    ``c = sum_i sign_i * (scales[i] / W)`` (summed over rows in order) ``+ e``;
+    ``out_scale = ||c||_2 / sqrt(m)``; ``out_bits`` receives the packed signs of ``c``.
+
+    The error update ``e <- c - out_scale * sign(c)`` is *deferred* to save a second sweep
+    over the buffer: afterwards ``error`` holds ``c``, and the true error is
+    ``error - out_scale * sign(out_bits)``. Pass ``pending=True`` on the next call (with the same
+    ``out_bits`` and ``out_scale``, still holding the previous results) and the kernel applies the
+    deferred update on the fly; or call :func:`finish_pending` to apply it explicitly.
 
     Args:
         bits: uint8 ``(W, m // 8)``, one compressed chunk per row (rows may be strided).
@@ -232,6 +239,7 @@ def server_reduce(
         error: float32, contiguous, ``m`` values (``m % 8 == 0``); updated in place.
         out_bits: uint8, contiguous, ``m // 8`` bytes.
         out_scale: float32 with one element.
+        pending: whether ``error`` still awaits the previous call's deferred update.
     """
     _check_tensor("bits", bits, torch.uint8)
     _check_tensor("error", error, torch.float32)
@@ -256,34 +264,29 @@ def server_reduce(
     if out_bits.numel() != m // 8:
         raise ValueError(f"out_bits must hold m // 8 = {m // 8} bytes, got {out_bits.numel()}")
     if not _use_cpp():
-        return reference_server_reduce(bits, scales, error, out_bits, out_scale)
+        return reference_server_reduce(bits, scales, error, out_bits, out_scale, pending)
+    args = (
+        bits.data_ptr(),
+        w,
+        bits.stride(0),
+        scales.data_ptr(),
+        scales.stride(0),
+        error.data_ptr(),
+        m,
+        out_bits.data_ptr(),
+        out_scale.data_ptr(),
+        bool(pending),
+    )
     if device.type == "cuda":
-        _C.server_reduce_cuda(
-            bits.data_ptr(),
-            w,
-            bits.stride(0),
-            scales.data_ptr(),
-            scales.stride(0),
-            error.data_ptr(),
-            m,
-            out_bits.data_ptr(),
-            out_scale.data_ptr(),
-            _workspace(device).data_ptr(),
-            _stream(device),
-        )
+        _C.server_reduce_cuda(*args, _workspace(device).data_ptr(), _stream(device))
     else:
-        _C.server_reduce_cpu(
-            bits.data_ptr(),
-            w,
-            bits.stride(0),
-            scales.data_ptr(),
-            scales.stride(0),
-            error.data_ptr(),
-            m,
-            out_bits.data_ptr(),
-            out_scale.data_ptr(),
-            _nthreads(),
-        )
+        _C.server_reduce_cpu(*args, _nthreads())
+    return None
+
+
+def finish_pending(error: torch.Tensor, out_bits: torch.Tensor, out_scale: torch.Tensor) -> None:
+    """Apply a deferred server error update: ``error <- error - out_scale * sign(out_bits)``."""
+    error.sub_(_sign_times(_unpack(out_bits.reshape(-1)), out_scale.reshape(())))
 
 
 def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -390,8 +393,11 @@ def reference_server_reduce(
     error: torch.Tensor,
     out_bits: torch.Tensor,
     out_scale: torch.Tensor,
+    pending: bool = False,
 ) -> None:
     """Pure-torch :func:`server_reduce` (same arguments, same results)."""
+    if pending:
+        finish_pending(error, out_bits, out_scale)
     w = bits.size(0)
     weights = scales.float() / w  # float32 division, as in the kernels
     positive = _unpack(bits)  # (W, m)
@@ -399,10 +405,9 @@ def reference_server_reduce(
     for i in range(w):  # row order matters for bitwise-identical floats
         c += _sign_times(positive[i], weights[i])
     c += error
-    s = _scale_of(c)
     out_bits.view(-1).copy_(_pack(c))
-    error.copy_(c - _sign_times(c >= 0, s))
-    out_scale.view(-1).copy_(s)
+    error.copy_(c)  # the update c - s * sign(c) stays deferred, as in the kernels
+    out_scale.view(-1).copy_(_scale_of(c))
 
 
 def reference_decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -25,7 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any, args: tuple) -> None:
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any, args: tuple
+) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -41,7 +43,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be defined at module level; its result must be picklable. A failure on any
@@ -50,7 +54,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, q, args), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, q, args), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -38,7 +38,10 @@ class Simulation:
         w, m = self.w, self.m
         scales, signs = [], []
         for i, x in enumerate(xs):
-            y = torch.nn.functional.pad(x.reshape(-1), (0, self.n_pad - self.n)) + self.worker_err[i]
+            y = (
+                torch.nn.functional.pad(x.reshape(-1), (0, self.n_pad - self.n))
+                + self.worker_err[i]
+            )
             s, sg = self._compress(y)
             self.worker_err[i] = y - s * sg
             scales.append(s)
@@ -72,8 +75,10 @@ def _exchange_worker(rank: int, world: int, sizes: list[int], steps: int) -> dic
     for n in sizes:
         ex = CompressedAllreduce(n)
         assert ex.world_size == world and ex.rank == rank
-        outs[n] = [ex(_inputs(rank, t, n).view(-1, 1) if n % 2 else _inputs(rank, t, n)).clone().view(-1)
-                   for t in range(steps)]
+        outs[n] = [
+            ex(_inputs(rank, t, n).view(-1, 1) if n % 2 else _inputs(rank, t, n)).clone().view(-1)
+            for t in range(steps)
+        ]
         outs[(n, "bytes")] = ex.bytes_sent
     return outs
 
@@ -90,11 +95,17 @@ def test_exchange_matches_simulation_on_every_rank(world: int) -> None:
             for r in range(world):
                 got = results[r][n][t]
                 assert got.shape == (n,)
-                assert torch.equal(got, results[0][n][t]), f"rank {r} differs from rank 0 (n={n}, step {t})"
-                torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-7 * float(expect.abs().max()))
+                assert torch.equal(got, results[0][n][t]), (
+                    f"rank {r} differs from rank 0 (n={n}, step {t})"
+                )
+                torch.testing.assert_close(
+                    got, expect, rtol=1e-6, atol=1e-7 * float(expect.abs().max())
+                )
 
 
-def _error_feedback_worker(rank: int, world: int, n: int, calls: int, feedback: bool) -> list[torch.Tensor]:
+def _error_feedback_worker(
+    rank: int, world: int, n: int, calls: int, feedback: bool
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     base = torch.randn(n, generator=g) * torch.linspace(0.01, 3, n)  # mixed magnitudes
     ex = CompressedAllreduce(n)
@@ -110,7 +121,9 @@ def _error_feedback_worker(rank: int, world: int, n: int, calls: int, feedback: 
 def _true_mean(world: int, n: int, calls: int) -> torch.Tensor:
     total = torch.zeros(n)
     for r in range(world):
-        base = torch.randn(n, generator=torch.Generator().manual_seed(r)) * torch.linspace(0.01, 3, n)
+        base = torch.randn(n, generator=torch.Generator().manual_seed(r)) * torch.linspace(
+            0.01, 3, n
+        )
         for t in range(calls):
             noise = torch.randn(n, generator=torch.Generator().manual_seed(10_000 + 100 * t + r))
             total += base + 0.1 * noise
@@ -127,8 +140,10 @@ def test_error_feedback_makes_the_running_mean_converge(world: int) -> None:
         outs = run_distributed(_error_feedback_worker, world, n, calls, feedback)
         mean = torch.stack(outs[0]).mean(0)
         rel[feedback] = float((mean - truth).norm() / truth.norm())
-    print(f"W={world}: running-mean relative error after {calls} calls: "
-          f"with error feedback {rel[True]:.4f}, without {rel[False]:.4f}")
+    print(
+        f"W={world}: running-mean relative error after {calls} calls: "
+        f"with error feedback {rel[True]:.4f}, without {rel[False]:.4f}"
+    )
     # with error feedback the running-mean error shrinks like 1/calls (0.09 here after 50);
     # without it the 1-bit bias stays (about 0.9, whatever the number of calls)
     assert rel[True] < 0.15
@@ -157,8 +172,12 @@ def _bytes_worker(rank: int, world: int, n: int) -> dict:
         ex(torch.randn(n))
     finally:
         comm.dist.all_to_all_single, comm._all_gather_single = real_a2a, real_gather
-    return {"counted": counted["a2a"] + counted["gather"], "reported": ex.bytes_sent,
-            "n_pad": ex.padded_numel, "fp32": ex.fp32_allreduce_bytes}
+    return {
+        "counted": counted["a2a"] + counted["gather"],
+        "reported": ex.bytes_sent,
+        "n_pad": ex.padded_numel,
+        "fp32": ex.fp32_allreduce_bytes,
+    }
 
 
 @pytest.mark.slow
@@ -167,11 +186,15 @@ def test_bytes_sent_match_formula_and_are_32x_below_fp32(world: int) -> None:
     n = 10**6 + 3
     res = run_distributed(_bytes_worker, world, n)
     for r in res:
-        assert r["reported"] == r["counted"], "reported bytes differ from what went through the collectives"
+        assert r["reported"] == r["counted"], (
+            "reported bytes differ from what went through the collectives"
+        )
         formula = 2 * (world - 1) / world * r["n_pad"] / 8 + 2 * (world - 1) * 4  # bits + scales
         assert abs(r["reported"] - formula) / formula < 0.02
         assert r["fp32"] == fp32_allreduce_bytes(n, world)
-        print(f"W={world}: {r['reported']:,} bytes/call vs fp32 ring {r['fp32']:,}: {r['fp32'] / r['reported']:.1f}x less")
+        print(
+            f"W={world}: {r['reported']:,} bytes/call vs fp32 ring {r['fp32']:,}: {r['fp32'] / r['reported']:.1f}x less"
+        )
         assert r["fp32"] / r["reported"] >= 30
 
 
@@ -183,7 +206,9 @@ def _state_worker(rank: int, world: int) -> bool:
     b = CompressedAllreduce(n)
     b.load_state_dict(a.state_dict())
     # both continue identically from the same error state
-    return all(torch.equal(a(_inputs(rank, t, n)), b(_inputs(rank, t, n)).clone()) for t in range(3, 5))
+    return all(
+        torch.equal(a(_inputs(rank, t, n)), b(_inputs(rank, t, n)).clone()) for t in range(3, 5)
+    )
 
 
 @pytest.mark.slow
@@ -220,8 +245,10 @@ def test_reset_and_state_dict() -> None:
     ex = CompressedAllreduce(50)
     ex(torch.randn(50))
     assert ex.worker_error.abs().sum() > 0
-    ex.server_error.fill_(0.5)  # with W = 1 the server error stays 0: |c| = s everywhere
     sd = ex.state_dict()
+    sd["server_error"].fill_(0.5)  # with W = 1 the server error stays 0: |c| = s everywhere
+    ex.load_state_dict(sd)
+    assert torch.equal(ex.server_error, sd["server_error"])
     ex.reset_error()
     assert ex.worker_error.abs().sum() == 0 and ex.server_error.abs().sum() == 0
     ex.load_state_dict(sd)
