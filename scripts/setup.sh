@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install the project with its test and example extras.
+# CPU torch 2.13.0 first where torch is missing (on these machines it installs from local disk;
+# a plain "torch" requirement could pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q torch==2.13.0 || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+# Builds the C++ extension (and the CUDA kernels when nvcc is on PATH; ONEBIT_CUDA=OFF skips them).
+python -m pip install -q -e '.[test,examples]'
