@@ -378,12 +378,13 @@ def reference_worker_compress(
     x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
 ) -> None:
     """Pure-torch :func:`worker_compress` (same arguments, same results)."""
-    n, w = error.numel(), bits.size(0)
-    y = error.clone()
+    e = error.view(-1)
+    n, w = e.numel(), bits.size(0)
+    y = e.clone()
     y[: x.numel()] += x.reshape(-1)
     s = _scale_of(y)
     bits.copy_(_pack(y.view(w, n // w)))
-    error.copy_(y - _sign_times(y >= 0, s))
+    e.copy_(y - _sign_times(y >= 0, s))
     scale.view(-1).copy_(s)
 
 
@@ -396,17 +397,18 @@ def reference_server_reduce(
     pending: bool = False,
 ) -> None:
     """Pure-torch :func:`server_reduce` (same arguments, same results)."""
+    e = error.view(-1)
     if pending:
-        finish_pending(error, out_bits, out_scale)
+        finish_pending(e, out_bits, out_scale)
     w = bits.size(0)
     weights = scales.float() / w  # float32 division, as in the kernels
     positive = _unpack(bits)  # (W, m)
-    c = torch.zeros(error.numel(), dtype=torch.float32, device=error.device)
+    c = torch.zeros(e.numel(), dtype=torch.float32, device=e.device)
     for i in range(w):  # row order matters for bitwise-identical floats
         c += _sign_times(positive[i], weights[i])
-    c += error
+    c += e
     out_bits.view(-1).copy_(_pack(c))
-    error.copy_(c)  # the update c - s * sign(c) stays deferred, as in the kernels
+    e.copy_(c)  # the update c - s * sign(c) stays deferred, as in the kernels
     out_scale.view(-1).copy_(_scale_of(c))
 
 

@@ -1,0 +1,112 @@
+// Standalone checks of the CPU kernels, meant to run under AddressSanitizer/UBSan or valgrind
+// (scripts/sanitize.sh; tests/test_sanitizers.py runs it). Every buffer is a separate heap
+// allocation of exactly the size the kernel may touch, so any out-of-bounds read or write is
+// reported. The numerical checks are self-contained (no torch): decode(encode(y)) + e == y.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "onebit.h"
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const char* what, int64_t a, int64_t b) {
+  if (!ok) {
+    ++failures;
+    std::fprintf(stderr, "FAIL %s (%lld, %lld)\n", what, static_cast<long long>(a), static_cast<long long>(b));
+  }
+}
+
+template <class T>
+std::unique_ptr<T[]> buf(int64_t n) { return std::unique_ptr<T[]>(new T[static_cast<size_t>(n > 0 ? n : 1)]); }
+
+void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, int nthreads) {
+  const int64_t n = W * m, row = m / 8, stride = row + pad;
+  std::normal_distribution<float> normal;
+  auto x = buf<float>(nx);
+  auto e = buf<float>(n);
+  auto y = buf<float>(n);
+  for (int64_t i = 0; i < nx; ++i) x[i] = (i % 13 == 0) ? (i % 2 ? -0.0f : 0.0f) : normal(rng);
+  for (int64_t i = 0; i < n; ++i) e[i] = 0.1f * normal(rng);
+  for (int64_t i = 0; i < n; ++i) y[i] = (i < nx ? x[i] : 0.0f) + e[i];
+  // rows of `row` bytes, `pad` bytes apart: the bytes in between must stay untouched
+  auto bits = buf<uint8_t>((W - 1) * stride + row);
+  for (int64_t i = 0; i < (W - 1) * stride + row; ++i) bits[i] = 0xA5;
+  float scale = -1.0f;
+  const float s = onebit::worker_compress_cpu(x.get(), nx, e.get(), n, bits.get(), W, stride, &scale, nthreads);
+  check(s == scale && s >= 0.0f, "scale written", W, m);
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += double(y[i]) * y[i];
+  check(std::fabs(s - std::sqrt(ss / double(n))) <= 1e-6 * s + 1e-30, "scale value", W, m);
+  for (int64_t j = 0; j < W; ++j) {
+    for (int64_t p = row; p < stride && j < W - 1; ++p) check(bits[j * stride + p] == 0xA5, "padding untouched", j, p);
+    for (int64_t k = 0; k < m; ++k) {
+      const bool bit = (bits[j * stride + k / 8] >> (k % 8)) & 1;
+      check(bit == (y[j * m + k] >= 0.0f), "sign bit", j, k);
+      const float back = e[j * m + k] + (bit ? s : -s);
+      check(std::fabs(back - y[j * m + k]) <= 1e-6f * (std::fabs(y[j * m + k]) + s), "error feedback", j, k);
+    }
+  }
+  // decompress into an output shorter than W*m (the padding is dropped): exact size allocation
+  const int64_t nout = n - (n > 3 ? 3 : 0);
+  auto out = buf<float>(nout);
+  auto scales = buf<float>(2 * W);  // strided scales
+  for (int64_t j = 0; j < W; ++j) scales[2 * j] = 0.5f + j;
+  onebit::decompress_cpu(bits.get(), W, stride, scales.get(), 2, m, out.get(), nout, nthreads);
+  for (int64_t i = 0; i < nout; ++i) {
+    const int64_t j = i / m, k = i % m;
+    const bool bit = (bits[j * stride + k / 8] >> (k % 8)) & 1;
+    check(out[i] == (bit ? scales[2 * j] : -scales[2 * j]), "decompress", j, k);
+  }
+  // server reduce twice (the second call applies the first one's deferred error update)
+  auto se = buf<float>(m);
+  auto ob = buf<uint8_t>(row);
+  std::vector<double> eager(static_cast<size_t>(m));
+  for (int64_t k = 0; k < m; ++k) eager[k] = se[k] = 0.05f * normal(rng);
+  float sscale = 0.0f;
+  for (int call = 0; call < 2; ++call) {
+    const float s2 = onebit::server_reduce_cpu(bits.get(), W, stride, scales.get(), 2, se.get(), m, ob.get(),
+                                               &sscale, call > 0, nthreads);
+    double norm = 0;
+    std::vector<double> c(static_cast<size_t>(m));
+    for (int64_t k = 0; k < m; ++k) {
+      double v = 0;
+      for (int64_t r = 0; r < W; ++r) v += ((bits[r * stride + k / 8] >> (k % 8)) & 1 ? 1.0 : -1.0) * scales[2 * r] / W;
+      c[k] = v + eager[k];
+      norm += c[k] * c[k];
+    }
+    check(std::fabs(s2 - std::sqrt(norm / double(m))) <= 1e-5 * s2, "server scale", W, call);
+    for (int64_t k = 0; k < m; ++k) {
+      const bool bit = (ob[k / 8] >> (k % 8)) & 1;
+      check(bit == (c[k] >= 0) || std::fabs(c[k]) < 1e-6, "server bit", call, k);
+      check(std::fabs(se[k] - c[k]) <= 1e-5 * (std::fabs(c[k]) + s2), "server accumulator", call, k);
+      eager[k] = c[k] - (bit ? s2 : -s2);
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(1234);
+  std::printf("simd path: %s\n", onebit::cpu_has_simd() ? "avx2" : "portable");
+  int cases = 0;
+  for (int64_t W : {1, 2, 3, 4, 7, 8}) {
+    for (int64_t m : {8, 16, 24, 1000, 8192, 8200, 70000}) {
+      for (int64_t nx : {int64_t(0), W * m / 2 + 3, W * m - 5, W * m}) {
+        for (int nt : {1, 2}) {
+          run_case(rng, W, m, nx, (m / 8) % 3 + 1, nt);
+          ++cases;
+        }
+      }
+    }
+  }
+  std::printf("%d cases, %d failures\n", cases, failures);
+  return failures ? 1 : 0;
+}
