@@ -1,0 +1,17 @@
+"""The 1-bit optimizers: plain ``torch.optim.Optimizer`` subclasses, usable without Lightning.
+
+* :class:`OneBitAdam` — 1-bit Adam: Adam warmup, then frozen variance and 1-bit momentum.
+* :class:`ZeroOneAdam` — 0/1 Adam: adaptive variance freezing, 1-bit gradients, local steps.
+* :class:`OneBitLamb` — 1-bit LAMB: frozen trust ratios corrected by a fresh-variance factor.
+
+All three share :class:`~lightning_onebit.optim._base.OneBitOptimizer` (flat state buffers,
+one compressed exchange per step, phases, checkpoints); its docstring states the gradient
+averaging contract.
+"""
+
+from lightning_onebit.optim._base import OneBitOptimizer
+from lightning_onebit.optim.onebit_adam import OneBitAdam
+from lightning_onebit.optim.onebit_lamb import OneBitLamb
+from lightning_onebit.optim.zero_one_adam import ZeroOneAdam
+
+__all__ = ["OneBitAdam", "OneBitLamb", "OneBitOptimizer", "ZeroOneAdam"]

@@ -1,0 +1,588 @@
+"""Machinery shared by the three 1-bit optimizers: flat state, the exchange, phases, checkpoints.
+
+Each algorithm (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) subclasses
+:class:`OneBitOptimizer` and implements one method, ``_step``, that reads like its paper's
+Algorithm 1. Everything else lives here, once:
+
+* **Flat buffers.** All trainable parameters of all groups (``requires_grad=True`` when the first
+  step runs) are laid out back to back, group after group, in one flat fp32 buffer per state
+  (``exp_avg``, ``exp_avg_sq``, ...). ``optimizer.state[p]["exp_avg"]`` is a view into it, so the
+  usual per-parameter view of torch optimizers still works, and the algorithm works on one
+  contiguous slice per parameter group (``self._segments()``) instead of one tensor at a time.
+* **One exchange.** A single :class:`~lightning_onebit.comm.CompressedAllreduce` over the flat
+  buffer (built at the first step, on the parameters' device, over ``process_group``): one
+  compressed collective per step instead of one per tensor, and one pair of error buffers.
+* **Gradients.** Each step copies the gradients into a persistent flat fp32 buffer; a parameter
+  whose ``.grad`` is ``None`` contributes zeros. All ranks therefore run the same arithmetic on
+  the same layout even when some parameter is unused on some rank (as DDP's
+  ``find_unused_parameters`` does). Its momentum keeps decaying and it keeps moving by it,
+  unlike ``torch.optim.Adam``, which skips such parameters.
+* **Phases.** ``optimizer.phase`` is public; ``optimizer.freeze()`` switches to the compression
+  phase from the next ``step()`` on. The switch must happen on the same step on every rank: the
+  built-in switch depends only on the step counter, which every rank advances identically; a
+  caller that switches by hand must call ``freeze()`` on every rank between the same two steps.
+* **Checkpoints.** ``state_dict()`` is torch's (per-parameter state, param groups) plus an
+  ``"onebit"`` entry with the step counter, the phase, each algorithm's counters and this rank's
+  exchange error buffers; ``load_state_dict()`` restores all of it, so a run continues exactly as
+  if it had never stopped. Nothing is re-derived from the step count on load (DeepSpeed's 0/1
+  Adam decides the next step's allreduce from the saved interval and then resets the interval,
+  so ranks can drift after a reload).
+
+Gradient averaging contract, common to the three optimizers: steps that need full-precision
+averaged gradients (warmup of 1-bit Adam and 1-bit LAMB, variance-update steps of 0/1 Adam;
+``optimizer.expects_averaged_grads`` says whether the *next* step is one) average the flat
+gradient themselves with one fp32 ``all_reduce`` when ``average_warmup_grads=True`` (the
+default: plain ``torch.distributed`` use, call ``step()`` on local gradients). A strategy whose
+DDP already averaged those gradients passes ``average_warmup_grads=False``. All other steps
+expect *local* gradients: the optimizer communicates only what its algorithm compresses.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.comm import CompressedAllreduce, fp32_allreduce_bytes
+
+__all__ = ["OneBitOptimizer"]
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def _check_real(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Raise a ValueError naming ``name``, its value and the valid range unless it is inside."""
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high
+        )
+    if not ok:
+        raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_betas(betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class _Layout:
+    """Where each trainable parameter lives in the flat buffers (group after group)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.params: list[torch.Tensor] = []
+        self.offsets: list[int] = []
+        self.group_of: list[int] = []
+        self.segments: list[slice] = []  # one contiguous slice of the flat buffers per group
+        n = 0
+        for gi, group in enumerate(param_groups):
+            start = n
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.params.append(p)
+                    self.offsets.append(n)
+                    self.group_of.append(gi)
+                    n += p.numel()
+            self.segments.append(slice(start, n))
+        if not self.params:
+            raise ValueError("the optimizer has no parameters with requires_grad=True")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"all parameters must be on one device, got {sorted(map(str, devices))}; "
+                "move the model with .to(device) before the first step"
+            )
+        self.device = devices.pop()
+        self.numel = n
+        self.key = tuple(id(p) for p in self.params)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views (shaped like the parameters) into a flat buffer."""
+        return [
+            flat[o : o + p.numel()].view_as(p)
+            for p, o in zip(self.params, self.offsets, strict=True)
+        ]
+
+    def group_params(self, gi: int) -> list[int]:
+        return [j for j, g in enumerate(self.group_of) if g == gi]
+
+
+# --------------------------------------------------------------------------- base optimizer
+
+
+class OneBitOptimizer(torch.optim.Optimizer):
+    """Base class: see the module docstring. Subclasses define the class attributes below and
+    ``_step()``, and call ``super().__init__`` with their defaults.
+
+    Args (shared by every subclass):
+        process_group: the group to communicate over; ``None`` is the default group, and without
+            an initialised process group the optimizer runs with ``W = 1``.
+        average_warmup_grads: whether steps that need averaged gradients average them here (one
+            fp32 ``all_reduce``); ``False`` when DDP already averaged them.
+    """
+
+    #: The two phases, the first one active at construction.
+    PHASES: tuple[str, str] = ("warmup", "compression")
+    #: Flat per-parameter states (one fp32 value per parameter value).
+    _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    #: Per-parameter scalar states and their initial values (one fp32 value per parameter).
+    _scalar_states: ClassVar[dict[str, float]] = {}
+    #: Optimizer-wide attributes that go into the checkpoint (besides step count and phase).
+    _checkpoint_attrs: tuple[str, ...] = ()
+    #: Flat scratch buffers (not checkpointed).
+    _work_buffers: tuple[str, ...] = ("update",)
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        average_warmup_grads: bool = True,
+        amsgrad: bool = False,
+    ) -> None:
+        name = type(self).__name__
+        if amsgrad:
+            raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
+        self._check_hparams(defaults)
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.average_warmup_grads = bool(average_warmup_grads)
+
+        # internal state (checkpointed)
+        self.step_count = 0  # steps taken; identical on every rank
+        self._phase = self.PHASES[0]
+        self.comm_stats: dict[str, int] = {
+            "bytes_last_step": 0,  # bytes this rank sent in the last step
+            "bytes_total": 0,  # ... since the start of training
+            "fp32_equiv_total": 0,  # what fp32 ring allreduces of the gradients would have sent
+        }
+
+        # internal state (rebuilt lazily by _prepare)
+        self._layout: _Layout | None = None
+        self._flat: dict[str, torch.Tensor] = {}
+        self._scalars: dict[str, torch.Tensor] = {}
+        self._views: dict[str, list[torch.Tensor]] = {}
+        self._work: dict[str, torch.Tensor] = {}
+        self._grad: torch.Tensor | None = None
+        self._param_flat: torch.Tensor | None = None
+        self._exchange: CompressedAllreduce | None = None
+        self._pending_exchange_state: dict[str, Any] | None = None
+        self._bytes_step = 0
+
+    # ------------------------------------------------------------------ hyperparameters
+
+    @staticmethod
+    def _check_hparams(h: dict[str, Any]) -> None:
+        """Validate one param group's hyperparameters (subclasses extend)."""
+        _check_real("lr", h["lr"], 0.0, math.inf)
+        _check_betas(h["betas"])
+        _check_real("eps", h["eps"], 0.0, math.inf)
+        _check_real("weight_decay", h["weight_decay"], 0.0, math.inf)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._check_hparams(group)
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError(
+                    f"{type(self).__name__} does not support complex parameters "
+                    "(view them as real with torch.view_as_real)"
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"parameters must be floating point, got {p.dtype}")
+        mask = group.get("exp_avg_mask")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
+        self._layout = None  # re-layout at the next step
+
+    # ------------------------------------------------------------------ phases
+
+    @property
+    def phase(self) -> str:
+        """The current phase, one of :attr:`PHASES`."""
+        return self._phase
+
+    @property
+    def expects_averaged_grads(self) -> bool:
+        """Whether the next ``step()`` uses full-precision averaged gradients.
+
+        With ``average_warmup_grads=False`` the caller (e.g. DDP) must provide averaged
+        gradients exactly on these steps and local gradients on all others.
+        """
+        return self._phase == self.PHASES[0]
+
+    def freeze(self) -> None:
+        """Switch to the compression phase from the next ``step()`` on.
+
+        Call it on every rank between the same two steps (the built-in switch, driven by the
+        step counter, always does). Calling it again is a no-op.
+        """
+        if self._phase == self.PHASES[1]:
+            return
+        self._prepare()
+        self._phase = self.PHASES[1]
+        self._on_freeze()
+
+    def _on_freeze(self) -> None:
+        """What the algorithm does when its phase switches (subclasses override)."""
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Perform one optimization step (see the class docstring for the algorithm).
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._prepare()
+        self.step_count += 1
+        self._bytes_step = 0
+        self._step()
+        stats = self.comm_stats
+        stats["bytes_last_step"] = self._bytes_step
+        stats["bytes_total"] += self._bytes_step
+        stats["fp32_equiv_total"] += fp32_allreduce_bytes(self._layout.numel, self.world_size)
+        return loss
+
+    def _step(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in ``process_group`` (1 without an initialised process group)."""
+        if self._exchange is not None:
+            return self._exchange.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.process_group)
+        return 1
+
+    # ------------------------------------------------------------------ building blocks
+
+    def _segments(self) -> Iterator[tuple[int, dict[str, Any], slice]]:
+        """(group index, group, slice of the flat buffers) for every non-empty group."""
+        for gi, (group, seg) in enumerate(
+            zip(self.param_groups, self._layout.segments, strict=True)
+        ):
+            if seg.stop > seg.start:
+                yield gi, group, seg
+
+    def _gather_grads(self) -> torch.Tensor:
+        """Copy every gradient into the flat fp32 gradient buffer (zeros where ``.grad`` is None)."""
+        for p, view in zip(self._layout.params, self._views["grad"], strict=True):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients "
+                    "(use a dense embedding: nn.Embedding(..., sparse=False))"
+                )
+            view.copy_(g)
+        return self._grad
+
+    def _gather_params(self) -> torch.Tensor:
+        """Copy the parameters into a flat fp32 buffer (for weight decay and norms)."""
+        for p, view in zip(self._layout.params, self._views["param"], strict=True):
+            view.copy_(p)
+        return self._param_flat
+
+    def _average_(self, flat: torch.Tensor) -> None:
+        """Full-precision average over the ranks, in place (unless the caller already averaged).
+
+        The bytes of this fp32 allreduce count in ``comm_stats`` either way: the algorithm needs
+        them, whether this optimizer or DDP sends them.
+        """
+        w = self.world_size
+        if w > 1 and self.average_warmup_grads:
+            dist.all_reduce(flat, group=self.process_group)
+            flat.div_(w)
+        self._bytes_step += fp32_allreduce_bytes(flat.numel(), w)
+
+    def _compressed_average_(self, flat: torch.Tensor) -> None:
+        """Error-compensated 1-bit average over the ranks, in place (W = 1: compression only)."""
+        self._exchange(flat, out=flat)
+        self._bytes_step += self._exchange.bytes_sent
+
+    def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
+        """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
+        views = None
+        for gi, group, _ in self._segments():
+            mask = group.get("exp_avg_mask")
+            if mask is None:
+                continue
+            if mask.device != flat.device or mask.dtype != flat.dtype:
+                mask = group["exp_avg_mask"] = mask.to(device=flat.device, dtype=flat.dtype)
+            views = views if views is not None else self._layout.views(flat)
+            for j in self._layout.group_params(gi):
+                views[j].mul_(mask)
+
+    def _adam_direction(self, out: torch.Tensor) -> torch.Tensor:
+        """``out = exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (decoupled decay)."""
+        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        p = self._gather_params() if self._any_weight_decay() else None
+        for _, group, s in self._segments():
+            torch.sqrt(v[s], out=out[s]).add_(group["eps"])
+            torch.div(m[s], out[s], out=out[s])
+            if group["weight_decay"] > 0:
+                out[s].add_(p[s], alpha=group["weight_decay"])
+        return out
+
+    def _any_weight_decay(self) -> bool:
+        return any(group["weight_decay"] > 0 for _, group, _ in self._segments())
+
+    def _add_to_params_(self, flat: torch.Tensor, alpha: float | list[float]) -> None:
+        """``p += alpha * flat`` for every parameter; ``alpha`` may be one value per group."""
+        views = self._views_of(flat)
+        for gi, _, _ in self._segments():
+            a = alpha[gi] if isinstance(alpha, list) else alpha
+            idx = self._layout.group_params(gi)
+            torch._foreach_add_(
+                [self._layout.params[j] for j in idx], [views[j] for j in idx], alpha=a
+            )
+
+    def _copy_to_params_(self, flat: torch.Tensor) -> None:
+        """``p = flat`` (cast to each parameter's dtype) for every parameter."""
+        torch._foreach_copy_(self._layout.params, self._views_of(flat))
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        for name, buf in (*self._flat.items(), *self._work.items()):
+            if buf is flat:
+                return self._views[name]
+        return self._layout.views(flat)
+
+    def _lrs(self) -> list[float]:
+        return [group["lr"] for group in self.param_groups]
+
+    # ------------------------------------------------------------------ layout and buffers
+
+    def _prepare(self) -> None:
+        """(Re)build the flat layout when needed, adopting any existing per-parameter state.
+
+        Runs at the first step and again whenever the parameters, their device, or a state
+        tensor changed behind our back (``load_state_dict``, ``add_param_group``, a tool that
+        moved the state to another device).
+        """
+        layout = self._layout
+        if layout is not None and self._layout_intact(layout):
+            return
+        layout = _Layout(self.param_groups)
+        device, n, kw = layout.device, layout.numel, {"device": layout.device}
+        flat = {name: torch.zeros(n, dtype=torch.float32, **kw) for name in self._flat_states}
+        scalars = {
+            name: torch.full((len(layout.params),), init, dtype=torch.float32, **kw)
+            for name, init in self._scalar_states.items()
+        }
+        views: dict[str, list[torch.Tensor]] = {}
+        for name, buf in flat.items():
+            views[name] = layout.views(buf)
+        for name, buf in scalars.items():
+            views[name] = list(buf.unbind())
+        for j, p in enumerate(layout.params):
+            state = self.state[p]
+            for name in (*flat, *scalars):
+                old = state.get(name)
+                if old is not None:  # adopt what load_state_dict (or the last layout) left
+                    views[name][j].copy_(old.detach().reshape(views[name][j].shape))
+                state[name] = views[name][j]
+        self._flat, self._scalars = flat, scalars
+        self._grad = torch.zeros(n, dtype=torch.float32, **kw)
+        self._param_flat = torch.zeros(n, dtype=torch.float32, **kw)
+        self._work = {
+            name: torch.zeros(n, dtype=torch.float32, **kw) for name in self._work_buffers
+        }
+        views["grad"] = layout.views(self._grad)
+        views["param"] = layout.views(self._param_flat)
+        for name, buf in self._work.items():
+            views[name] = layout.views(buf)
+        self._views = views
+
+        ex = self._exchange
+        if ex is not None and (ex.numel != n or ex.device != device):
+            if ex.numel == n:  # only the device changed: carry the error buffers over
+                if self._pending_exchange_state is None:
+                    self._pending_exchange_state = ex.state_dict()
+            elif ex.calls > 0:
+                warnings.warn(
+                    "the set of trainable parameters changed: the 1-bit error buffers restart "
+                    "from zero",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            ex = None
+        if ex is None:
+            ex = CompressedAllreduce(n, device=device, group=self.process_group)
+        pending, self._pending_exchange_state = self._pending_exchange_state, None
+        if pending == "reset":  # loaded a checkpoint taken before the first exchange
+            ex.reset_error()
+        elif pending is not None:
+            try:
+                ex.load_state_dict(pending)
+            except ValueError as err:  # another world size: the per-rank errors do not map
+                warnings.warn(
+                    f"{err}; the 1-bit error buffers restart from zero",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                ex.reset_error()
+        self._exchange = ex
+        self._layout = layout
+        self._check_masks()
+        self._on_layout()
+
+    def _check_masks(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            mask = group.get("exp_avg_mask")
+            if mask is None:
+                continue
+            for j in self._layout.group_params(gi):
+                shape = self._layout.params[j].shape
+                if torch.broadcast_shapes(mask.shape, shape) != shape:
+                    raise ValueError(
+                        f"exp_avg_mask of shape {tuple(mask.shape)} in param group {gi} does not "
+                        f"broadcast to its parameter of shape {tuple(shape)}; the mask multiplies "
+                        "every parameter of its group: put the masked parameter in its own group"
+                    )
+
+    def _on_layout(self) -> None:
+        """Hook for subclasses whose own state depends on the layout (e.g. per-group lists)."""
+
+    def _layout_intact(self, layout: _Layout) -> bool:
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if tuple(id(p) for p in params) != layout.key:
+            return False
+        if any(p.device != layout.device for p in params):
+            return False
+        for j, p in enumerate(params):
+            state = self.state.get(p)
+            if state is None:
+                return False
+            for name in (*self._flat, *self._scalars):
+                if state.get(name) is not self._views[name][j]:
+                    return False
+        return True
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _global_state(self) -> dict[str, Any]:
+        pending = self._pending_exchange_state  # loaded but not yet applied
+        if isinstance(pending, dict):
+            ex_state = pending
+        elif pending == "reset" or self._exchange is None:
+            ex_state = None
+        else:
+            ex_state = self._exchange.state_dict()
+        return {
+            "step_count": self.step_count,
+            "phase": self._phase,
+            "comm_stats": dict(self.comm_stats),
+            **{k: copy.deepcopy(getattr(self, k)) for k in self._checkpoint_attrs},
+            "exchange": ex_state,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus ``"onebit"``: step count, phase, counters, error buffers.
+
+        The error buffers belong to this rank: save one state dict per rank to resume exactly.
+        """
+        state = super().state_dict()
+        state["onebit"] = self._global_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the next step continues exactly where it left off.
+
+        Per-parameter states are copied into this optimizer's fp32 flat buffers (torch's loader
+        would cast them to the parameters' dtype). Each group's current ``exp_avg_mask`` is kept
+        (as in DeepSpeed: the mask belongs to the training script, not to the checkpoint).
+        A state dict without ``"onebit"`` (e.g. from ``torch.optim.Adam``) loads the moments and
+        restarts in the first phase with step count 0.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit", None)
+        saved_groups = [dict(g) for g in state_dict["param_groups"]]
+        if [len(g["params"]) for g in saved_groups] != [
+            len(g["params"]) for g in self.param_groups
+        ]:
+            raise ValueError(
+                "loaded state dict has param groups of sizes "
+                f"{[len(g['params']) for g in saved_groups]}, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}: build the optimizer over the "
+                "same parameters as the one that was saved"
+            )
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            saved.pop("exp_avg_mask", None)
+            if "exp_avg_mask" in group:
+                saved["exp_avg_mask"] = group["exp_avg_mask"]
+        state_dict["param_groups"] = saved_groups
+
+        # take our per-parameter tensors out before torch's loader casts them
+        ours = (*self._flat_states, *self._scalar_states)
+        id_map = {
+            idx: p
+            for saved, group in zip(saved_groups, self.param_groups, strict=True)
+            for idx, p in zip(saved["params"], group["params"], strict=True)
+        }
+        kept: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        rest: dict[Any, Any] = {}
+        for idx, pstate in state_dict["state"].items():
+            mine = {k: v for k, v in pstate.items() if k in ours and isinstance(v, torch.Tensor)}
+            other = {k: v for k, v in pstate.items() if k not in mine}
+            if mine and idx in id_map:
+                kept[id_map[idx]] = mine
+            if other:
+                rest[idx] = other
+        state_dict["state"] = rest
+        super().load_state_dict(state_dict)
+        for p, mine in kept.items():
+            self.state[p].update(
+                {
+                    k: v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                    for k, v in mine.items()
+                }
+            )
+
+        extra = extra or {}
+        self.step_count = int(extra.get("step_count", 0))
+        self._phase = extra.get("phase", self.PHASES[0])
+        if self._phase not in self.PHASES:
+            raise ValueError(f"checkpoint phase {self._phase!r} is not one of {self.PHASES}")
+        self.comm_stats.update(extra.get("comm_stats", {}))
+        for k in self._checkpoint_attrs:
+            if k in extra:
+                setattr(self, k, copy.deepcopy(extra[k]))
+        self._pending_exchange_state = extra.get("exchange") or "reset"
+        self._layout = None  # adopt the loaded tensors at the next step

@@ -1,0 +1,134 @@
+"""1-bit Adam (Tang et al., 2021, https://arxiv.org/abs/2102.02888), as DeepSpeed runs it.
+
+Adam's variance becomes stable early in training. 1-bit Adam runs plain Adam for ``freeze_step``
+steps (the warmup), then freezes the variance and turns Adam into momentum SGD with a fixed
+per-coordinate preconditioner. Momentum SGD tolerates compressed communication with error
+feedback, so from then on each rank updates its momentum with its *local* gradient and only the
+momentum is exchanged, 1 bit per value, and every rank receives the same averaged momentum,
+so parameters stay identical on all ranks.
+
+Why compression cannot start at step 1: with a variance still moving, the preconditioned
+compression error is not bounded and Adam diverges (the paper's Section 3); the warmup is what
+makes the frozen variance a good preconditioner.
+
+Communication contract: warmup steps need averaged gradients. With
+``average_warmup_grads=True`` (default) this optimizer averages the local gradients itself, one
+fp32 ``all_reduce`` per step, so plain ``torch.distributed`` code just calls ``step()``; a DDP
+strategy that already averaged them passes ``False``. Compression steps always expect *local*
+gradients (switch DDP's allreduce off) and send about ``n / 4`` bytes per rank instead of
+``8 n (W - 1) / W``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.optim._base import OneBitOptimizer, _check_int
+
+__all__ = ["OneBitAdam"]
+
+
+class OneBitAdam(OneBitOptimizer):
+    """1-bit Adam: Adam warmup, then frozen variance and 1-bit compressed momentum.
+
+    Each step, with ``g`` the gradient, ``m``/``v`` the first/second moments, all fp32:
+
+    1. Warmup (``phase == "warmup"``, the first ``freeze_step`` steps):
+
+       a. ``g = mean over ranks of g`` (fp32 allreduce; see ``average_warmup_grads``).
+       b. ``m = beta1 * m + (1 - beta1) * g``;  ``v = beta2 * v + (1 - beta2) * g**2``.
+
+    2. Compression (``phase == "compression"``, after ``freeze_step`` steps or ``freeze()``):
+
+       a. ``m = beta1 * m + (1 - beta1) * g_local``  (this rank's gradient).
+       b. ``m = compressed_allreduce(m)``: error-compensated 1-bit average, identical on
+          every rank; then ``m *= exp_avg_mask`` where the group has one.
+       c. ``v`` is frozen.
+
+    3. Both phases: ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)`` (no bias
+       correction, decoupled weight decay, as DeepSpeed).
+
+    At ``W = 1`` step 2b still compresses (no communication), so a single process sees the
+    compression error a multi-rank run would; DeepSpeed skips it there.
+
+    Args:
+        params: parameters or param groups. Groups may override ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and may carry an ``exp_avg_mask`` tensor (broadcastable to each of
+            the group's parameters) that multiplies the momentum after each exchange: 1-bit
+            signs cannot encode an exact zero, so momenta that must stay zero (e.g. position
+            embeddings beyond the trained sequence length) need a mask.
+        lr: learning rate.
+        freeze_step: number of warmup (uncompressed) steps before the variance freezes and the
+            compressed exchange starts (at least one step runs: a variance that never saw a
+            gradient cannot precondition). DeepSpeed's default is 100000; its tutorials use 15-25%
+            of the total steps.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay (``p -= lr * weight_decay * p``).
+        amsgrad: not supported; ``True`` raises ``ValueError``.
+        process_group: the group to average over; ``None`` is the default group, and without an
+            initialised process group the optimizer runs with ``W = 1``.
+        average_warmup_grads: average the gradients of warmup steps here (one fp32
+            ``all_reduce``); pass ``False`` when DDP already averaged them.
+
+    DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
+    ``process_group`` of the backend you want (gloo, NCCL).
+    """
+
+    PHASES = ("warmup", "compression")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        average_warmup_grads: bool = True,
+    ) -> None:
+        _check_int("freeze_step", freeze_step, 0)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            average_warmup_grads=average_warmup_grads,
+            amsgrad=amsgrad,
+        )
+        self.freeze_step = freeze_step
+
+    def _step(self) -> None:
+        g = self._gather_grads()
+        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+
+        if self.phase == "warmup":
+            # 1a. full-precision average of the gradients
+            self._average_(g)
+            # 1b. Adam's moments
+            for _, group, s in self._segments():
+                beta1, beta2 = group["betas"]
+                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+                v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
+        else:
+            # 2a. momentum from the local gradient
+            for _, group, s in self._segments():
+                beta1 = group["betas"][0]
+                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+            # 2b. 1-bit average of the momentum: every rank gets the same m
+            self._compressed_average_(m)
+            self._apply_exp_avg_mask_(m)
+            # 2c. v stays frozen
+
+        # 3. the update, with the (frozen) variance as preconditioner
+        u = self._adam_direction(self._work["update"])
+        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+
+        if self.phase == "warmup" and self.step_count >= self.freeze_step:
+            self.freeze()

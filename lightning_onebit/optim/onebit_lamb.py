@@ -1,0 +1,273 @@
+"""1-bit LAMB (Li et al., 2021, https://arxiv.org/abs/2104.06069), as DeepSpeed runs it.
+
+LAMB scales each layer's Adam update by a trust ratio ``||p|| / ||u||``. Under 1-bit
+compression that ratio cannot be computed from the compressed momentum (its norm is
+distorted), so 1-bit LAMB:
+
+* runs plain LAMB for ``freeze_step`` steps and keeps an exponential moving average of each
+  layer's (clamped) trust ratio, ``lamb_coeff_freeze``;
+* then freezes the variance ``v`` and the ratio, and exchanges the momentum with 1-bit
+  compression, like 1-bit Adam;
+* corrects the frozen ratio with a *fresh variance* ``v_fresh``, tracked from gradients
+  reconstructed from successive compressed momenta: ``factor = max((sqrt(v) + eps) /
+  (sqrt(v_fresh) + eps))`` per layer, clipped in value and in how fast it may change;
+* multiplies each layer's momentum by a ``scaling_coeff`` before compression so that all layers
+  have similar magnitudes: the whole model shares one 1-bit scale, and without this the large
+  layers would drown the small ones.
+
+All momenta live in one flat buffer and are exchanged in one compressed allreduce per step.
+
+Communication contract: warmup steps need averaged gradients. With ``average_warmup_grads=True``
+(default) this optimizer averages them itself (one fp32 ``all_reduce``); a DDP strategy that
+already averaged them passes ``False``. Compression steps expect *local* gradients.
+
+Differences from DeepSpeed: at ``W = 1`` the exchange still compresses (DeepSpeed skips it);
+a layer whose momentum is exactly zero when the scaling coefficients are computed gets
+``scaling_coeff = 1`` (DeepSpeed divides by zero); ``lamb_coeff_freeze`` is updated only when
+both norms are non-zero (DeepSpeed: when the clamped ratio differs from 1.0, meant as the same);
+checkpoints keep the frozen coefficients and the error buffers (DeepSpeed drops the errors, and
+resets the coefficients when reloading inside warmup).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.optim._base import OneBitOptimizer, _check_int, _check_real
+
+__all__ = ["OneBitLamb"]
+
+
+class OneBitLamb(OneBitOptimizer):
+    """1-bit LAMB: LAMB warmup, then frozen trust ratios corrected by a fresh-variance factor.
+
+    Per layer (parameter) ``k``, with ``g`` the gradient, ``m``/``v`` the moments:
+
+    1. Warmup (``phase == "warmup"``, the first ``freeze_step`` steps):
+
+       a. ``g = mean over ranks of g`` (fp32 allreduce; see ``average_warmup_grads``).
+       b. ``m = beta1 m + (1 - beta1) g``;  ``v = beta2 v + (1 - beta2) g**2``.
+       c. ``u = m / (sqrt(v) + eps) + weight_decay * p``.
+       d. ``coeff_k = clamp(||p_k|| / ||u_k||, min_coeff, max_coeff)`` (1 if a norm is 0);
+          ``lamb_coeff_freeze_k = coeff_beta * lamb_coeff_freeze_k + (1 - coeff_beta) * coeff_k``.
+       e. ``p_k -= lr * coeff_k * u_k``.
+
+    2. At the end of step ``freeze_step`` (or ``freeze()``): ``v_fresh = v``; ``v`` freezes.
+
+    3. Compression (``phase == "compression"``):
+
+       a. First compression step only: ``scaling_coeff_k = mean_j(rms(m_j)) / rms(m_k)``.
+       b. ``m_last = m``;  ``m_k = (beta1 m_k + (1 - beta1) g_local,k) * scaling_coeff_k``.
+       c. ``m = compressed_allreduce(m)`` (one flat exchange for all layers);
+          ``m_k /= scaling_coeff_k``;  ``m *= exp_avg_mask``.
+       d. ``g_rec = (m - beta1 m_last) / (1 - beta1)``;
+          ``v_fresh = beta2 v_fresh + (1 - beta2) g_rec**2``.
+       e. ``u_prelim = m / (sqrt(v) + eps)``;  ``u = u_prelim + weight_decay * p``.
+       f. ``factor_k = max((sqrt(v_k) + eps) / (sqrt(v_fresh,k) + eps))``; with weight decay,
+          ``r = min(1, ||u_prelim_k|| / ||u_k||)`` and ``factor_k = r factor_k + 1 - r``;
+          clip to ``[factor_min, factor_max]`` and to
+          ``last_factor_k * [1 - factor_threshold, 1 + factor_threshold]``;
+          ``last_factor_k = factor_k``.
+       g. ``p_k -= lr * lamb_coeff_freeze_k * factor_k * u_k``.
+
+    Args:
+        params: parameters or param groups. Groups may override ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``max_coeff``, ``min_coeff`` and may carry an ``exp_avg_mask``
+            (see :class:`OneBitAdam`).
+        lr: learning rate.
+        freeze_step: number of warmup (uncompressed LAMB) steps (at least one runs). Keep
+            ``1 / (1 - coeff_beta) <= freeze_step`` so that the frozen ratios have warmed up.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay.
+        max_coeff: upper bound of the trust ratio in warmup.
+        min_coeff: lower bound of the trust ratio in warmup.
+        coeff_beta: coefficient of the moving average of the trust ratio in warmup.
+        factor_max: upper bound of the fresh-variance factor.
+        factor_min: lower bound of the fresh-variance factor.
+        factor_threshold: how much the factor may change from one step to the next (relative).
+        amsgrad: not supported; ``True`` raises ``ValueError``.
+        process_group: the group to average over; ``None`` is the default group, and without an
+            initialised process group the optimizer runs with ``W = 1``.
+        average_warmup_grads: average the gradients of warmup steps here (one fp32
+            ``all_reduce``); pass ``False`` when DDP already averaged them.
+    """
+
+    PHASES = ("warmup", "compression")
+    _flat_states = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+    _scalar_states: ClassVar[dict[str, float]] = {
+        "lamb_coeff_freeze": 0.0,
+        "last_factor": 1.0,
+        "scaling_coeff": 1.0,
+    }
+    _checkpoint_attrs = ("scaling_coeff_ready",)
+    _work_buffers = ("update", "exp_avg_last")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        amsgrad: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        average_warmup_grads: bool = True,
+    ) -> None:
+        _check_int("freeze_step", freeze_step, 0)
+        _check_real("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
+        _check_real("factor_min", factor_min, 0.0, 1.0, low_open=True)
+        _check_real("factor_max", factor_max, 1.0, math.inf)
+        _check_real("factor_threshold", factor_threshold, 0.0, math.inf)
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+        }
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            average_warmup_grads=average_warmup_grads,
+            amsgrad=amsgrad,
+        )
+        # hyperparameters
+        self.freeze_step = freeze_step
+        self.coeff_beta = coeff_beta
+        self.factor_max = factor_max
+        self.factor_min = factor_min
+        self.factor_threshold = factor_threshold
+        # internal state (checkpointed; per-layer coefficients are in optimizer.state[p])
+        self.scaling_coeff_ready = False  # computed at the first compression step
+        self.lamb_coeffs: list[float] = []  # the last step's effective trust ratios (logging)
+
+    @staticmethod
+    def _check_hparams(h: dict[str, Any]) -> None:
+        OneBitOptimizer._check_hparams(h)
+        _check_real("max_coeff", h["max_coeff"], 0.0, math.inf, low_open=True)
+        _check_real("min_coeff", h["min_coeff"], 0.0, h["max_coeff"], low_open=True)
+
+    def get_lamb_coeffs(self) -> list[float]:
+        """The effective per-layer trust ratios of the last step (DeepSpeed's name)."""
+        return list(self.lamb_coeffs)
+
+    def _on_freeze(self) -> None:
+        # 2. the fresh variance starts from the frozen one
+        self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
+
+    def _per_layer(self, key: str) -> torch.Tensor:
+        """A group hyperparameter broadcast to one value per layer."""
+        groups = self.param_groups
+        return torch.tensor(
+            [groups[gi][key] for gi in self._layout.group_of],
+            dtype=torch.float32,
+            device=self._layout.device,
+        )
+
+    def _norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-layer L2 norms of a flat buffer."""
+        return torch.stack(torch._foreach_norm(self._views_of(flat)))
+
+    def _step(self) -> None:
+        g = self._gather_grads()
+        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        v_fresh, u = self._flat["exp_avg_sq_fresh"], self._work["update"]
+        m_last = self._work["exp_avg_last"]
+        lamb_coeff_freeze = self._scalars["lamb_coeff_freeze"]
+        last_factor = self._scalars["last_factor"]
+        scaling = self._scalars["scaling_coeff"]
+
+        if self.phase == "warmup":
+            # 1a. full-precision average of the gradients
+            self._average_(g)
+            # 1b. moments
+            for _, group, s in self._segments():
+                beta1, beta2 = group["betas"]
+                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+                v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
+            # 1c. Adam direction with decoupled weight decay
+            self._adam_direction(u)
+            # 1d. trust ratio per layer, and its moving average
+            p_norm, u_norm = self._norms(self._gather_params()), self._norms(u)
+            defined = (p_norm > 0) & (u_norm > 0)
+            coeff = (p_norm / u_norm).clamp_(self._per_layer("min_coeff"))
+            coeff = torch.where(defined, coeff.minimum(self._per_layer("max_coeff")), 1.0)
+            beta = self.coeff_beta
+            ema = lamb_coeff_freeze * beta + coeff * (1 - beta)
+            lamb_coeff_freeze.copy_(torch.where(defined, ema, lamb_coeff_freeze))
+            # 1e. update
+            self._scale_layers_and_step_(u, coeff)
+            if self.step_count >= self.freeze_step:
+                self.freeze()  # 2.
+            return
+
+        # 3a. per-layer scaling so that one 1-bit scale fits every layer
+        if not self.scaling_coeff_ready:
+            rms = torch.stack(
+                [mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in self._views["exp_avg"]]
+            )
+            scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
+            self.scaling_coeff_ready = True
+        # 3b. local momentum, scaled
+        m_last.copy_(m)
+        for _, group, s in self._segments():
+            beta1 = group["betas"][0]
+            m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+        scaling_list = scaling.tolist()
+        torch._foreach_mul_(self._views["exp_avg"], scaling_list)
+        # 3c. one compressed exchange for all layers, unscaled, masked
+        self._compressed_average_(m)
+        torch._foreach_div_(self._views["exp_avg"], scaling_list)
+        self._apply_exp_avg_mask_(m)
+        # 3d. reconstructed gradient updates the fresh variance (g is free: reuse it)
+        for _, group, s in self._segments():
+            beta1, beta2 = group["betas"]
+            torch.add(m[s], m_last[s], alpha=-beta1, out=g[s]).div_(1 - beta1)
+            v_fresh[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
+        # 3e. update with the frozen variance; u_prelim's norms first (before weight decay)
+        p = self._gather_params() if self._any_weight_decay() else None
+        for _, group, s in self._segments():
+            torch.sqrt(v[s], out=u[s]).add_(group["eps"])
+            torch.sqrt(v_fresh[s], out=g[s]).add_(group["eps"])
+            torch.div(u[s], g[s], out=g[s])  # g = (sqrt(v) + eps) / (sqrt(v_fresh) + eps)
+            torch.div(m[s], u[s], out=u[s])  # u = u_prelim
+        ratio_max = torch.stack(
+            [r.amax() if r.numel() else r.new_ones(()) for r in self._views["grad"]]
+        )
+        prelim_norm = self._norms(u)
+        for _, group, s in self._segments():
+            if group["weight_decay"] > 0:
+                u[s].add_(p[s], alpha=group["weight_decay"])
+        # 3f. the fresh-variance factor, blended, clipped in value and in speed
+        factor = ratio_max
+        wd = self._per_layer("weight_decay")
+        if bool((wd > 0).any()):
+            r = (prelim_norm / self._norms(u)).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
+            factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)
+        factor = factor.clamp(self.factor_min, self.factor_max)
+        factor = torch.minimum(factor, last_factor * (1.0 + self.factor_threshold))
+        factor = torch.maximum(factor, last_factor * (1.0 - self.factor_threshold))
+        last_factor.copy_(factor)
+        # 3g. update
+        self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)
+
+    def _scale_layers_and_step_(self, u: torch.Tensor, coeff: torch.Tensor) -> None:
+        """``p_k -= lr * coeff_k * u_k`` for every layer ``k``."""
+        self.lamb_coeffs = coeff.tolist()
+        torch._foreach_mul_(self._views["update"], self.lamb_coeffs)
+        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])

@@ -1,0 +1,235 @@
+"""0/1 Adam (Lu et al., 2022, https://arxiv.org/abs/2202.06009), as DeepSpeed runs it.
+
+1-bit Adam still needs a full-precision warmup, and it communicates every step. 0/1 Adam removes
+both costs with two policies:
+
+* **Adaptive variance freezing.** From the first step, the variance is updated only on a sparse,
+  exponentially thinning set of steps (every step at first; the interval doubles after every
+  ``var_update_scaler`` updates), and only those steps need a full-precision gradient
+  allreduce. On all other steps the *gradient* is exchanged with 1-bit compression and only the
+  momentum is updated. After ``var_freeze_step`` the variance is frozen for good.
+* **Local steps.** Once the variance is frozen, ranks take local Adam steps with their own
+  gradients and synchronise every ``local_step_interval`` steps by exchanging (1-bit) the
+  accumulated update, preconditioned back into momentum units. The interval grows from 1 up to
+  ``local_step_clipper``, doubling every ``local_step_scaler`` steps (a learning-rate-aware
+  policy: tie ``local_step_scaler`` to your LR schedule).
+
+Between synchronisations the ranks' parameters differ (they are local steps); after each
+synchronisation they are identical again.
+
+Communication contract: variance-update steps of phase 1 need averaged gradients
+(``optimizer.expects_averaged_grads`` says whether the next step is one). With
+``average_warmup_grads=True`` (default) this optimizer averages them itself (one fp32
+``all_reduce``); a DDP strategy that already averaged them passes ``False`` and must let DDP
+allreduce exactly on those steps. All other steps expect *local* gradients.
+
+Differences from DeepSpeed: phase 1 covers steps ``1..var_freeze_step`` (DeepSpeed switches one
+step later than its docstring says); ``local_step_scaler`` defaults to 32768 (DeepSpeed's
+32678 is a typo); at ``W = 1`` the exchanges still compress (DeepSpeed skips them, and at
+``W = 1`` never updates the momentum on compressed steps); after a checkpoint load the
+intervals and counters continue from the saved values (DeepSpeed resets them to 1 after having
+decided the next step's allreduce from the saved interval, so ranks can drift).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.optim._base import OneBitOptimizer, _check_int
+
+__all__ = ["ZeroOneAdam"]
+
+
+class ZeroOneAdam(OneBitOptimizer):
+    """0/1 Adam: adaptive variance freezing, 1-bit gradient exchange, then 1-bit local steps.
+
+    Each step ``t`` (counted from 1), with ``g`` the gradient, ``m``/``v`` the moments,
+    ``acc`` the momentum accumulator and ``lrs`` the sum of learning rates since the last sync:
+
+    1. Phase 1 (``phase == "variance"``, ``t <= var_freeze_step``):
+
+       a. If ``t % var_interval == 0`` (a variance step, T_v in the paper):
+          ``g = mean over ranks of g`` in fp32; ``v = beta2 v + (1 - beta2) g**2``;
+          ``m = beta1 m + (1 - beta1) g``.
+       b. Otherwise: ``g = compressed_allreduce(g_local) * exp_avg_mask``;
+          ``m = beta1 m + (1 - beta1) g`` (``v`` unchanged).
+       c. ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``.
+       d. After each variance step ``var_counter += 1``; every ``var_update_scaler`` of them
+          ``var_interval *= 2``.
+
+    2. At the end of step ``var_freeze_step`` (or ``freeze()``): ``v`` freezes; both error
+       buffers are zeroed, because from now on they track the accumulator, not gradients.
+       ``var_freeze_step=0`` freezes after the first step (DeepSpeed does the same).
+
+    3. Phase 2 (``phase == "local"``):
+
+       a. ``m = beta1 m + (1 - beta1) g_local``;  ``lrs += lr``.
+       b. ``u = m / (sqrt(v) + eps) + weight_decay * p``;  ``p -= lr u``;  ``acc -= lr u``.
+       c. If ``t % local_step_interval == 0`` (a sync step, T_u in the paper):
+          ``p -= acc`` (back to the last synced point, restored from a copy of it so that every
+          rank gets bitwise the same parameters; DeepSpeed subtracts, which is equal only up
+          to rounding and lets the ranks drift apart by a few ulps per sync);
+          ``acc = compressed_allreduce(acc * (sqrt(v) + eps)) * exp_avg_mask``;
+          ``m = -acc / lrs``;  ``p += acc / (sqrt(v) + eps)``;  ``acc = 0``;  ``lrs = 0``.
+       d. ``local_step_counter += 1``; every ``local_step_scaler`` steps
+          ``local_step_interval = min(local_step_clipper, 2 * local_step_interval)``.
+
+    Args:
+        params: parameters or param groups. Groups may override ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and may carry an ``exp_avg_mask`` (see :class:`OneBitAdam`).
+        lr: learning rate.
+        var_freeze_step: the last step that may update the variance (max of T_v in the paper);
+            usually the end of the learning-rate warmup.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay.
+        var_update_scaler: variance updates between doublings of the variance interval
+            (kappa in the paper).
+        local_step_scaler: steps between doublings of the local step interval in phase 2.
+        local_step_clipper: the largest local step interval (H in the paper).
+        amsgrad: not supported; ``True`` raises ``ValueError``.
+        process_group: the group to average over; ``None`` is the default group, and without an
+            initialised process group the optimizer runs with ``W = 1``.
+        average_warmup_grads: average the gradients of variance steps here (one fp32
+            ``all_reduce``); pass ``False`` when DDP already averaged them.
+    """
+
+    PHASES = ("variance", "local")
+    _flat_states = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "synced_params")
+    _checkpoint_attrs = (
+        "var_interval",
+        "var_counter",
+        "local_step_interval",
+        "local_step_counter",
+        "lrs",
+    )
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        var_freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32768,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        average_warmup_grads: bool = True,
+    ) -> None:
+        _check_int("var_freeze_step", var_freeze_step, 0)
+        _check_int("var_update_scaler", var_update_scaler, 1)
+        _check_int("local_step_scaler", local_step_scaler, 1)
+        _check_int("local_step_clipper", local_step_clipper, 1)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            average_warmup_grads=average_warmup_grads,
+            amsgrad=amsgrad,
+        )
+        # hyperparameters
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        # internal state (checkpointed)
+        self.var_interval = 1  # phase 1: variance steps are the multiples of this
+        self.var_counter = 0  # variance steps since the last doubling
+        self.local_step_interval = 1  # phase 2: sync steps are the multiples of this
+        self.local_step_counter = 0  # phase 2 steps since the last doubling
+        self.lrs: list[float] = [0.0] * len(self.param_groups)  # per group, since the last sync
+
+    @property
+    def expects_averaged_grads(self) -> bool:
+        return self.phase == "variance" and (self.step_count + 1) % self.var_interval == 0
+
+    @property
+    def next_step_syncs(self) -> bool:
+        """Whether the next step communicates at all (always in phase 1; sync steps in phase 2)."""
+        return self.phase == "variance" or (self.step_count + 1) % self.local_step_interval == 0
+
+    def _on_layout(self) -> None:
+        self.lrs = list(self.lrs) + [0.0] * (len(self.param_groups) - len(self.lrs))
+
+    def _on_freeze(self) -> None:
+        # 2. the error buffers held gradient residuals; from now on they hold accumulator ones
+        self._exchange.reset_error()
+        self._flat["synced_params"].copy_(self._gather_params())
+
+    def _step(self) -> None:
+        g = self._gather_grads()
+        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        acc, u = self._flat["momentum_accumulator"], self._work["update"]
+        t = self.step_count
+
+        if self.phase == "variance":
+            if t % self.var_interval == 0:
+                # 1a. variance step: full-precision gradient, both moments
+                self._average_(g)
+                for _, group, s in self._segments():
+                    beta1, beta2 = group["betas"]
+                    v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
+                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+            else:
+                # 1b. 1-bit averaged gradient, momentum only
+                self._compressed_average_(g)
+                self._apply_exp_avg_mask_(g)
+                for _, group, s in self._segments():
+                    beta1 = group["betas"][0]
+                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+            # 1c. Adam update
+            self._adam_direction(u)
+            self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+            # 1d. the variance interval doubles every var_update_scaler variance steps
+            if t % self.var_interval == 0:
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+            if t >= self.var_freeze_step:
+                self.freeze()  # 2.
+            return
+
+        # 3a. local momentum
+        for gi, group, s in self._segments():
+            beta1 = group["betas"][0]
+            m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+            self.lrs[gi] += group["lr"]
+        # 3b. local step, remembered in the accumulator
+        self._adam_direction(u)
+        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+        for _, group, s in self._segments():
+            acc[s].add_(u[s], alpha=-group["lr"])
+        # 3c. synchronise
+        if t % self.local_step_interval == 0:
+            # back to the last synchronised point: p -= acc, taken from a copy so that the
+            # result is bitwise identical on every rank (p - acc is only equal up to rounding)
+            self._copy_to_params_(self._flat["synced_params"])
+            for _, group, s in self._segments():  # u = sqrt(v) + eps (v is frozen)
+                torch.sqrt(v[s], out=u[s]).add_(group["eps"])
+            acc.mul_(u)
+            self._compressed_average_(acc)
+            self._apply_exp_avg_mask_(acc)
+            for gi, _, s in self._segments():
+                if self.lrs[gi] > 0:
+                    torch.div(acc[s], -self.lrs[gi], out=m[s])
+                else:  # lr == 0 since the last sync: no step was taken
+                    m[s].zero_()
+            acc.div_(u)
+            self._add_to_params_(acc, alpha=1.0)
+            self._flat["synced_params"].copy_(self._gather_params())
+            acc.zero_()
+            self.lrs = [0.0] * len(self.lrs)
+        # 3d. the local step interval doubles every local_step_scaler steps
+        self.local_step_counter += 1
+        if self.local_step_counter == self.local_step_scaler:
+            self.local_step_counter = 0
+            self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)

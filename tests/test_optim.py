@@ -1,0 +1,688 @@
+"""Single-process tests of the 1-bit optimizers, and the references the multi-process tests use.
+
+The references below are written straight from the update rules (DESIGN.md §3), one parameter
+at a time, in float64, and share no code with ``lightning_onebit.optim``. The compression is
+simulated here too (two-stage, error-compensated, DESIGN.md §2), for any number of ranks, so the
+same simulation checks ``W = 1`` here and ``W = 2, 4`` in ``test_optim_dist.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+# --------------------------------------------------------------------------- the test problem
+#
+# Five parameters in two groups; one is frozen (requires_grad=False) and one has grad=None on
+# some steps (on some ranks). Gradients are a deterministic function of (rank, step, parameter,
+# current value), so the implementation (float32) and the simulation (float64) see the same
+# problem.
+
+SHAPES = [(6, 5), (5,), (4,), (3, 4), (7,)]
+FROZEN = 2  # index of the requires_grad=False parameter
+SOMETIMES_NONE = 4  # index of the parameter whose grad is None on some steps
+GROUPS = [  # parameter indices, hyperparameter overrides
+    ([0, 1], {"lr": 0.01, "weight_decay": 0.0}),
+    ([2, 3, 4], {"lr": 0.02, "weight_decay": 0.1}),
+]
+TRAINABLE = [k for idx, _ in GROUPS for k in idx if k != FROZEN]  # flat layout order
+
+
+def initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+
+
+def _targets() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+
+
+TARGETS = _targets()
+
+
+def grad_of(rank: int, step: int, k: int, p: torch.Tensor) -> torch.Tensor | None:
+    """Rank ``rank``'s gradient of parameter ``k`` at step ``step`` (float64), or None."""
+    if k == SOMETIMES_NONE and (step + rank) % 5 == 0:
+        return None
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + k)
+    noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+    return (p.double() - TARGETS[k]) * (0.5 + 0.3 * k) + 0.5 * noise + 0.2 * (rank - 1.5)
+
+
+def make_params() -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(t.float()) for t in initial_params()]
+    params[FROZEN].requires_grad_(False)
+    return params
+
+
+def make_groups(params: list[torch.nn.Parameter], **extra: dict) -> list[dict]:
+    return [
+        {"params": [params[k] for k in idx], **hp, **extra.get(str(i), {})}
+        for i, (idx, hp) in enumerate(GROUPS)
+    ]
+
+
+def set_grads(params: list[torch.nn.Parameter], rank: int, step: int) -> None:
+    for k, p in enumerate(params):
+        if not p.requires_grad:
+            continue
+        g = grad_of(rank, step, k, p.detach())
+        p.grad = None if g is None else g.float()
+
+
+def flat_trainable(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([params[k].detach().double().reshape(-1) for k in TRAINABLE])
+
+
+def hparams_of(k: int) -> dict:
+    for idx, hp in GROUPS:
+        if k in idx:
+            return hp
+    raise KeyError(k)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# --------------------------------------------------------------------------- simulated 1-bit exchange
+
+
+class SimExchange:
+    """All W ranks of the error-compensated two-stage 1-bit allreduce, in float64."""
+
+    def __init__(self, n: int, world: int) -> None:
+        self.n, self.w = n, world
+        self.n_pad = -(-n // (8 * world)) * 8 * world
+        self.m = self.n_pad // world
+        self.reset()
+
+    def reset(self) -> None:
+        self.worker_err = [torch.zeros(self.n_pad, dtype=torch.float64) for _ in range(self.w)]
+        self.server_err = [torch.zeros(self.m, dtype=torch.float64) for _ in range(self.w)]
+
+    def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        w, m = self.w, self.m
+        signs, scales = [], []
+        for i, x in enumerate(xs):  # stage 1: every worker compresses its whole buffer
+            y = self.worker_err[i].clone()
+            y[: self.n] += x
+            s = y.norm() / math.sqrt(self.n_pad)
+            sign = torch.where(y >= 0, 1.0, -1.0).double()
+            self.worker_err[i] = y - s * sign
+            signs.append(sign)
+            scales.append(s)
+        out = torch.empty(self.n_pad, dtype=torch.float64)
+        for j in range(w):  # stage 2: rank j averages chunk j and compresses it again
+            c = sum(scales[i] / w * signs[i][j * m : (j + 1) * m] for i in range(w))
+            c = c + self.server_err[j]
+            s = c.norm() / math.sqrt(m)
+            sign = torch.where(c >= 0, 1.0, -1.0).double()
+            self.server_err[j] = c - s * sign
+            out[j * m : (j + 1) * m] = s * sign
+        return out[: self.n]
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, o = [], 0
+    for t in like:
+        out.append(flat[o : o + t.numel()].view_as(t).clone())
+        o += t.numel()
+    return out
+
+
+def _local_grads(
+    world: int, step: int, params: list[list[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """Per rank, per trainable parameter (zeros where the gradient is None)."""
+    out = []
+    for r in range(world):
+        gs = []
+        for j, k in enumerate(TRAINABLE):
+            g = grad_of(r, step, k, params[r][j])
+            gs.append(torch.zeros_like(params[r][j]) if g is None else g)
+        out.append(gs)
+    return out
+
+
+def _mean(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    w = len(grads)
+    return [sum(grads[r][j] for r in range(w)) / w for j in range(len(grads[0]))]
+
+
+def _start(world: int):
+    p0 = initial_params()
+    params = [[p0[k].clone() for k in TRAINABLE] for _ in range(world)]
+    zeros = lambda: [[torch.zeros_like(t) for t in params[0]] for _ in range(world)]  # noqa: E731
+    hp = [hparams_of(k) for k in TRAINABLE]
+    n = sum(t.numel() for t in params[0])
+    return params, zeros, hp, n
+
+
+def simulate_onebit_adam(
+    world: int, steps: int, freeze_step: int, lrs=None, betas=(0.9, 0.999), eps=1e-8
+) -> list[list[torch.Tensor]]:
+    """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step."""
+    b1, b2 = betas
+    p, zeros, hp, n = _start(world)
+    m, v = zeros(), zeros()
+    ex = SimExchange(n, world)
+    history = []
+    for t in range(1, steps + 1):
+        grads = _local_grads(world, t, p)
+        if t <= freeze_step:  # warmup: Adam on the averaged gradient
+            gbar = _mean(grads)
+            for r in range(world):
+                for j in range(len(gbar)):
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+                    v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+        else:  # local momentum, compressed average of the momentum, frozen v
+            for r in range(world):
+                for j in range(len(grads[r])):
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
+            avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
+            for r in range(world):
+                m[r] = _split(avg, m[r])
+        for r in range(world):
+            for j in range(len(p[r])):
+                lr = hp[j]["lr"] if lrs is None else lrs[t - 1][j]
+                u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                p[r][j] = p[r][j] - lr * u
+        history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
+    return history
+
+
+def simulate_zero_one_adam(
+    world: int,
+    steps: int,
+    var_freeze_step: int,
+    var_update_scaler: int,
+    local_step_scaler: int,
+    local_step_clipper: int,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps."""
+    b1, b2 = betas
+    p, zeros, hp, n = _start(world)
+    m, v, acc = zeros(), zeros(), zeros()
+    lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
+    ex = SimExchange(n, world)
+    var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
+    history, synced = [], []
+    for t in range(1, steps + 1):
+        grads = _local_grads(world, t, p)
+        if t <= var_freeze_step:
+            if t % var_interval == 0:  # variance step: exact average, both moments
+                gbar = _mean(grads)
+                for r in range(world):
+                    for j in range(len(gbar)):
+                        v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+                        m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+            else:  # 1-bit average of the gradient, momentum only
+                avg = _split(
+                    ex([torch.cat([x.reshape(-1) for x in grads[r]]) for r in range(world)]),
+                    grads[0],
+                )
+                for r in range(world):
+                    for j in range(len(avg)):
+                        m[r][j] = b1 * m[r][j] + (1 - b1) * avg[j]
+            for r in range(world):
+                for j in range(len(p[r])):
+                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                    p[r][j] = p[r][j] - hp[j]["lr"] * u
+            if t % var_interval == 0:
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+            if t == var_freeze_step:
+                ex.reset()
+            synced.append(t)
+        else:
+            for r in range(world):
+                for j in range(len(p[r])):
+                    lr = hp[j]["lr"]
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
+                    lrs[r][j] += lr
+                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                    p[r][j] = p[r][j] - lr * u
+                    acc[r][j] = acc[r][j] - lr * u
+            if t % local_interval == 0:
+                denom = [x.sqrt() + eps for x in v[0]]
+                for r in range(world):
+                    p[r] = [p[r][j] - acc[r][j] for j in range(len(p[r]))]
+                avg = _split(
+                    ex(
+                        [
+                            torch.cat(
+                                [(acc[r][j] * denom[j]).reshape(-1) for j in range(len(denom))]
+                            )
+                            for r in range(world)
+                        ]
+                    ),
+                    denom,
+                )
+                for r in range(world):
+                    for j in range(len(p[r])):
+                        m[r][j] = -avg[j] / lrs[r][j]
+                        p[r][j] = p[r][j] + avg[j] / denom[j]
+                        acc[r][j] = torch.zeros_like(acc[r][j])
+                        lrs[r][j] = 0.0
+                synced.append(t)
+            local_counter += 1
+            if local_counter == local_step_scaler:
+                local_counter, local_interval = 0, min(local_step_clipper, 2 * local_interval)
+        history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
+    return history, synced
+
+
+def simulate_onebit_lamb(
+    world: int,
+    steps: int,
+    freeze_step: int,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    max_coeff=10.0,
+    min_coeff=0.01,
+    coeff_beta=0.9,
+    factor_max=4.0,
+    factor_min=0.5,
+    factor_threshold=0.1,
+) -> list[list[torch.Tensor]]:
+    """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step."""
+    b1, b2 = betas
+    p, zeros, hp, n = _start(world)
+    m, v, v_fresh = zeros(), zeros(), zeros()
+    P = len(hp)
+    coeff_freeze = [[0.0] * P for _ in range(world)]
+    last_factor = [[1.0] * P for _ in range(world)]
+    scaling = None
+    ex = SimExchange(n, world)
+    history = []
+    for t in range(1, steps + 1):
+        grads = _local_grads(world, t, p)
+        if t <= freeze_step:
+            gbar = _mean(grads)
+            for r in range(world):
+                for j in range(P):
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+                    v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                    pn, un = float(p[r][j].norm()), float(u.norm())
+                    coeff = 1.0
+                    if pn > 0 and un > 0:
+                        coeff = min(max(pn / un, min_coeff), max_coeff)
+                        coeff_freeze[r][j] = (
+                            coeff_beta * coeff_freeze[r][j] + (1 - coeff_beta) * coeff
+                        )
+                    p[r][j] = p[r][j] - hp[j]["lr"] * coeff * u
+            if t == freeze_step:
+                v_fresh = [[x.clone() for x in v[r]] for r in range(world)]
+        else:
+            if scaling is None:  # from the momentum at the end of warmup (same on every rank)
+                rms = [float(x.norm()) / math.sqrt(x.numel()) for x in m[0]]
+                scaling = [sum(rms) / P / s for s in rms]
+            m_last = [[x.clone() for x in m[r]] for r in range(world)]
+            for r in range(world):
+                for j in range(P):
+                    m[r][j] = (b1 * m[r][j] + (1 - b1) * grads[r][j]) * scaling[j]
+            avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
+            for r in range(world):
+                m[r] = [x / scaling[j] for j, x in enumerate(_split(avg, m[r]))]
+                for j in range(P):
+                    g_rec = (m[r][j] - b1 * m_last[r][j]) / (1 - b1)
+                    v_fresh[r][j] = b2 * v_fresh[r][j] + (1 - b2) * g_rec**2
+                    denom = v[r][j].sqrt() + eps
+                    u_prelim = m[r][j] / denom
+                    wd = hp[j]["weight_decay"]
+                    u = u_prelim + wd * p[r][j]
+                    factor = float((denom / (v_fresh[r][j].sqrt() + eps)).max())
+                    if wd > 0:
+                        ratio = min(1.0, float(u_prelim.norm() / u.norm()))
+                        factor = factor * ratio + (1.0 - ratio)
+                    factor = min(max(factor, factor_min), factor_max)
+                    factor = min(factor, last_factor[r][j] * (1 + factor_threshold))
+                    factor = max(factor, last_factor[r][j] * (1 - factor_threshold))
+                    last_factor[r][j] = factor
+                    p[r][j] = p[r][j] - hp[j]["lr"] * coeff_freeze[r][j] * factor * u
+        history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
+    return history
+
+
+# --------------------------------------------------------------------------- W = 1: equal to the references
+
+
+def _run(opt_factory, steps: int, rank: int = 0, sched=None) -> tuple[list[torch.Tensor], list]:
+    params = make_params()
+    opt = opt_factory(make_groups(params))
+    scheduler = sched(opt) if sched else None
+    hist = []
+    for t in range(1, steps + 1):
+        set_grads(params, rank, t)
+        opt.step()
+        if scheduler:
+            scheduler.step()
+        hist.append(flat_trainable(params))
+    return hist, params
+
+
+def test_onebit_adam_warmup_is_adam_without_bias_correction() -> None:
+    """100 warmup steps with an LR schedule: equal to plain (no bias correction) Adam."""
+    steps, gamma = 100, 0.97
+    sched = lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma)  # noqa: E731
+    hist, params = _run(lambda g: OneBitAdam(g, freeze_step=10**6), steps, sched=sched)
+    lrs = [[hparams_of(k)["lr"] * gamma ** (t - 1) for k in TRAINABLE] for t in range(1, steps + 1)]
+    ref = simulate_onebit_adam(1, steps, freeze_step=10**6, lrs=lrs)
+    p0 = flat_trainable(make_params())
+    errs = [rel_err(h, r[0]) for h, r in zip(hist, ref, strict=True)]
+    assert max(errs) <= 1e-6, max(errs)
+    assert rel_err(hist[-1] - p0, ref[-1][0] - p0) <= 1e-5  # the displacement too, not just p
+    assert torch.equal(params[FROZEN], initial_params()[FROZEN].float())  # frozen untouched
+
+
+def test_onebit_lamb_warmup_is_lamb() -> None:
+    hist, _ = _run(lambda g: OneBitLamb(g, freeze_step=10**6), 100)
+    ref = simulate_onebit_lamb(1, 100, freeze_step=10**6)
+    errs = [rel_err(h, r[0]) for h, r in zip(hist, ref, strict=True)]
+    assert max(errs) <= 1e-6, max(errs)
+
+
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_single_process_compression_matches_simulation(algo: str) -> None:
+    """W = 1 still compresses (no communication): the same math as the rank simulation."""
+    steps = 40
+    opt, ref = _algo(algo, 1, steps)
+    hist, _ = _run(opt, steps)
+    errs = [rel_err(h, r[0]) for h, r in zip(hist, ref, strict=True)]
+    assert max(errs) <= 1e-5, max(errs)
+
+
+def _algo(algo: str, world: int, steps: int):
+    """(optimizer factory, simulated history) for one algorithm through both phases."""
+    if algo == "onebit_adam":
+        return (
+            lambda g: OneBitAdam(g, freeze_step=10),
+            simulate_onebit_adam(world, steps, freeze_step=10),
+        )
+    if algo == "zero_one_adam":
+        kw = dict(
+            var_freeze_step=14, var_update_scaler=3, local_step_scaler=5, local_step_clipper=4
+        )
+        hist, _ = simulate_zero_one_adam(world, steps, **kw)
+        return lambda g: ZeroOneAdam(g, **kw), hist
+    if algo == "onebit_lamb":
+        return (
+            lambda g: OneBitLamb(g, freeze_step=10),
+            simulate_onebit_lamb(world, steps, freeze_step=10),
+        )
+    raise ValueError(algo)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+CKPT_CASES = {
+    # name: (factory, steps, save points) — save points inside each phase
+    "onebit_adam": (lambda g: OneBitAdam(g, freeze_step=8), 20, [4, 13]),
+    "zero_one_adam": (
+        lambda g: ZeroOneAdam(
+            g, var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4
+        ),
+        30,
+        [9, 23],  # 9: var_interval 4, a non-variance step next; 23: mid local-step interval
+    ),
+    "onebit_lamb": (lambda g: OneBitLamb(g, freeze_step=8, weight_decay=0.01), 20, [4, 13]),
+}
+
+
+def _roundtrip(sd: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def run_with_restart(factory, steps: int, save_at: int | None, rank: int = 0) -> list[torch.Tensor]:
+    """Train ``steps`` steps; if ``save_at``, rebuild params and optimizer from a checkpoint there."""
+    params = make_params()
+    opt = factory(make_groups(params))
+    hist = []
+    for t in range(1, steps + 1):
+        set_grads(params, rank, t)
+        opt.step()
+        hist.append(flat_trainable(params))
+        if t == save_at:
+            saved_p = _roundtrip([p.detach().clone() for p in params])
+            saved_o = _roundtrip(opt.state_dict())
+            params = make_params()  # fresh objects, initial values
+            with torch.no_grad():
+                for p, s in zip(params, saved_p, strict=True):
+                    p.copy_(s)
+            opt = factory(make_groups(params))
+            opt.load_state_dict(saved_o)
+    return hist
+
+
+@pytest.mark.parametrize("algo", sorted(CKPT_CASES))
+def test_checkpoint_round_trip_is_bitwise(algo: str) -> None:
+    factory, steps, save_points = CKPT_CASES[algo]
+    straight = run_with_restart(factory, steps, None)
+    for save_at in save_points:
+        resumed = run_with_restart(factory, steps, save_at)
+        for t, (a, b) in enumerate(zip(straight, resumed, strict=True), 1):
+            assert torch.equal(a, b), f"{algo}: differs at step {t} after a restart at {save_at}"
+
+
+def test_checkpoint_carries_phase_counters_and_error_buffers() -> None:
+    params = make_params()
+    opt = ZeroOneAdam(
+        make_groups(params), var_freeze_step=12, var_update_scaler=2, local_step_scaler=3
+    )
+    for t in range(1, 18):
+        set_grads(params, 0, t)
+        opt.step()
+    sd = opt.state_dict()["onebit"]
+    assert sd["phase"] == "local" and sd["step_count"] == 17
+    assert sd["var_interval"] == opt.var_interval > 1
+    assert sd["local_step_interval"] == 2 and sd["local_step_counter"] == 2
+    assert sd["exchange"]["worker_error"].abs().sum() > 0
+    assert any(lr > 0 for lr in sd["lrs"])  # mid local interval: accumulated learning rates
+    params = make_params()
+    lamb = OneBitLamb(make_groups(params), freeze_step=2)
+    for t in range(1, 5):
+        set_grads(params, 0, t)
+        lamb.step()
+    state = lamb.state_dict()
+    p_state = next(iter(state["state"].values()))
+    assert {
+        "exp_avg",
+        "exp_avg_sq",
+        "exp_avg_sq_fresh",
+        "lamb_coeff_freeze",
+        "last_factor",
+        "scaling_coeff",
+    } <= set(p_state)
+    assert state["onebit"]["scaling_coeff_ready"] is True
+
+
+# --------------------------------------------------------------------------- phases and API
+
+
+def test_phase_switch_is_driven_by_step_count_or_freeze() -> None:
+    params = make_params()
+    opt = OneBitAdam(make_groups(params), freeze_step=3)
+    phases = []
+    for t in range(1, 6):
+        assert opt.expects_averaged_grads == (t <= 3)
+        set_grads(params, 0, t)
+        opt.step()
+        phases.append(opt.phase)
+    assert phases == ["warmup", "warmup", "compression", "compression", "compression"]
+
+    opt = OneBitLamb(make_groups(make_params()), freeze_step=100)
+    opt.freeze()  # before any step: compression from step 1
+    assert opt.phase == "compression" and not opt.expects_averaged_grads
+    opt.freeze()  # idempotent
+    assert opt.phase == "compression"
+
+
+def test_zero_one_adam_variance_schedule() -> None:
+    """Variance steps: every step until var_update_scaler of them, then every 2nd, 4th, ..."""
+    params = make_params()
+    opt = ZeroOneAdam(make_groups(params), var_freeze_step=20, var_update_scaler=3)
+    variance_steps = []
+    for t in range(1, 26):
+        if opt.expects_averaged_grads:
+            variance_steps.append(t)
+        set_grads(params, 0, t)
+        opt.step()
+    assert variance_steps == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    assert opt.phase == "local" and opt.var_interval == 8
+
+
+def test_exp_avg_mask_keeps_masked_momentum_and_params_fixed() -> None:
+    params = make_params()
+    mask = torch.ones(SHAPES[0])
+    mask[:, :2] = 0
+    groups = make_groups(params)
+    with pytest.raises(ValueError, match="put the masked parameter in its own group"):
+        OneBitAdam([{**groups[0], "exp_avg_mask": mask}, groups[1]]).step()
+    groups = [
+        {"params": [params[0]], "lr": 0.01, "exp_avg_mask": mask},
+        {"params": [params[1]], "lr": 0.01},
+        groups[1],
+    ]
+    opt = OneBitAdam(groups, freeze_step=3)
+    for t in range(1, 4):
+        set_grads(params, 0, t)
+        opt.step()
+    before = params[0].detach().clone()
+    for t in range(4, 10):
+        set_grads(params, 0, t)
+        opt.step()
+    exp_avg = opt.state[params[0]]["exp_avg"]
+    assert torch.all(exp_avg[:, :2] == 0)
+    assert torch.equal(params[0][:, :2], before[:, :2])  # weight_decay 0 in group 0
+    assert not torch.equal(params[0][:, 2:], before[:, 2:])
+
+
+def test_state_views_share_the_flat_buffers() -> None:
+    params = make_params()
+    opt = OneBitAdam(make_groups(params), freeze_step=3)
+    set_grads(params, 0, 1)
+    opt.step()
+    a, b = opt.state[params[0]]["exp_avg"], opt.state[params[1]]["exp_avg"]
+    assert a.shape == params[0].shape
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert FROZEN not in [i for i, p in enumerate(params) if p in opt.state]
+
+
+def test_comm_stats_single_process_are_zero_but_counted() -> None:
+    params = make_params()
+    opt = OneBitAdam(make_groups(params), freeze_step=2)
+    for t in range(1, 5):
+        set_grads(params, 0, t)
+        opt.step()
+    assert opt.comm_stats == {"bytes_last_step": 0, "bytes_total": 0, "fp32_equiv_total": 0}
+
+
+def test_closure_and_plain_module() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    opt = OneBitAdam(model.parameters(), lr=0.05, freeze_step=5)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    first = float(opt.step(closure).detach())
+    for _ in range(30):
+        last = float(opt.step(closure).detach())
+    assert last < first
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (OneBitAdam, {"lr": -1.0}, r"lr must be a number in \[0.0, inf\], got -1.0"),
+        (
+            OneBitAdam,
+            {"betas": (0.9, 1.0)},
+            r"betas\[1\] must be a number in \[0.0, 1.0\), got 1.0",
+        ),
+        (OneBitAdam, {"betas": (0.9,)}, r"betas must be a pair"),
+        (OneBitAdam, {"eps": float("nan")}, r"eps must be a number"),
+        (OneBitAdam, {"weight_decay": -0.1}, r"weight_decay must be .*got -0.1"),
+        (OneBitAdam, {"freeze_step": -1}, r"freeze_step must be an integer >= 0, got -1"),
+        (OneBitAdam, {"freeze_step": 1.5}, r"freeze_step must be an integer"),
+        (OneBitAdam, {"amsgrad": True}, r"amsgrad"),
+        (
+            ZeroOneAdam,
+            {"var_update_scaler": 0},
+            r"var_update_scaler must be an integer >= 1, got 0",
+        ),
+        (ZeroOneAdam, {"local_step_scaler": 0}, r"local_step_scaler must be an integer >= 1"),
+        (ZeroOneAdam, {"local_step_clipper": 0}, r"local_step_clipper must be an integer >= 1"),
+        (ZeroOneAdam, {"var_freeze_step": -5}, r"var_freeze_step must be an integer >= 0"),
+        (ZeroOneAdam, {"amsgrad": True}, r"amsgrad"),
+        (OneBitLamb, {"max_coeff": 0.0}, r"max_coeff must be a number in \(0.0, inf\]"),
+        (OneBitLamb, {"min_coeff": 20.0}, r"min_coeff must be a number in \(0.0, 10.0\], got 20.0"),
+        (OneBitLamb, {"coeff_beta": 1.0}, r"coeff_beta must be a number in \[0.0, 1.0\)"),
+        (OneBitLamb, {"factor_max": 0.5}, r"factor_max must be a number in \[1.0, inf\]"),
+        (OneBitLamb, {"factor_min": 0.0}, r"factor_min must be a number in \(0.0, 1.0\]"),
+        (OneBitLamb, {"factor_threshold": -1}, r"factor_threshold must be"),
+    ],
+)
+def test_bad_hyperparameters_are_rejected(cls, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_group_overrides_are_validated() -> None:
+    with pytest.raises(ValueError, match="lr must be"):
+        OneBitAdam([{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": -1}])
+
+
+def test_complex_and_sparse_are_rejected() -> None:
+    with pytest.raises(ValueError, match="complex"):
+        OneBitAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = ZeroOneAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+
+def test_parameters_on_several_devices_or_none_trainable_are_rejected() -> None:
+    p = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    opt = OneBitAdam([p])
+    with pytest.raises(ValueError, match="no parameters with requires_grad=True"):
+        opt.step()
+
+
+def test_load_state_dict_keeps_fp32_state_for_low_precision_params() -> None:
+    p = torch.nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
+    opt = OneBitAdam([p], freeze_step=2)
+    for _ in range(3):
+        p.grad = torch.randn(10, dtype=torch.bfloat16)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = OneBitAdam([p], freeze_step=2)
+    opt2.load_state_dict(sd)
+    p.grad = torch.randn(10, dtype=torch.bfloat16)
+    opt2.step()
+    assert opt2.state[p]["exp_avg"].dtype == torch.float32
+    assert opt2.step_count == 4 and opt2.phase == "compression"
