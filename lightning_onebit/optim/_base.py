@@ -254,6 +254,30 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _on_freeze(self) -> None:
         """What the algorithm does when its phase switches (subclasses override)."""
 
+    @property
+    def switch_step(self) -> int:
+        """The step after which the built-in phase switch happens (``freeze_step`` or, for 0/1
+        Adam, ``var_freeze_step``). Settable: a callback may move it before that step."""
+        return int(getattr(self, self._switch_attr))
+
+    @switch_step.setter
+    def switch_step(self, step: int) -> None:
+        _check_int(self._switch_attr, step, 0)
+        setattr(self, self._switch_attr, int(step))
+
+    _switch_attr = "freeze_step"
+
+    @property
+    def params_differ_across_ranks(self) -> bool:
+        """Whether parameters (and momenta) may differ across ranks right now, so a checkpoint
+        must keep every rank's copy (0/1 Adam between synchronisations)."""
+        return False
+
+    @property
+    def variance(self) -> torch.Tensor | None:
+        """The flat second-moment buffer (``None`` before the first step)."""
+        return self._flat.get("exp_avg_sq")
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()

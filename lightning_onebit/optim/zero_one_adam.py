@@ -151,6 +151,12 @@ class ZeroOneAdam(OneBitOptimizer):
     def expects_averaged_grads(self) -> bool:
         return self.phase == "variance" and (self.step_count + 1) % self.var_interval == 0
 
+    _switch_attr = "var_freeze_step"
+
+    @property
+    def params_differ_across_ranks(self) -> bool:
+        return self.phase == "local"
+
     @property
     def next_step_syncs(self) -> bool:
         """Whether the next step communicates at all (always in phase 1; sync steps in phase 2)."""

@@ -1,0 +1,198 @@
+"""``CompressionScheduler``: switches the 1-bit optimizer's phase and logs what it sends."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_onebit.optim import OneBitOptimizer
+
+__all__ = ["CompressionScheduler"]
+
+_DEFAULT_FRACTION = 0.2
+
+
+class CompressionScheduler(Callback):
+    """Decides when compression starts, identically on every rank, and logs the byte counters.
+
+    The switch happens after optimizer step ``freeze_step`` (the optimizer's built-in switch, so it
+    is tied to the optimizer's own step counter and survives checkpoints), or earlier with
+    ``adaptive=True`` once the second moment has stabilised: every ``window`` optimizer steps
+    the relative change ``||v_t - v_{t-window}|| / ||v_t||`` (on a fixed strided sample of at most
+    ``sample`` coordinates) is compared with ``threshold``; the decision is combined across ranks
+    so that every rank switches on the same step.
+
+    Logged every optimizer step (``self.log``, rank 0's values; they are equal on every rank):
+    ``onebit/phase`` (0 = warmup / variance phase, 1 = compression), ``onebit/bytes_step`` and
+    ``onebit/bytes_total`` (bytes this rank sent), ``onebit/ratio_vs_ddp`` (bytes an fp32 DDP
+    allreduce would have sent so far, divided by ``bytes_total``).
+
+    :class:`~lightning_onebit.OneBitStrategy` adds one automatically when the Trainer has none.
+
+    Args:
+        freeze_step: an int (optimizer steps of warmup), a float in (0, 1) (fraction of the run's
+            optimizer steps), or ``None``: keep the optimizer's own ``freeze_step`` if
+            ``configure_optimizers`` built a 1-bit optimizer, else 0.2 of the run.
+        adaptive: also switch as soon as the variance is stable (see above).
+        threshold: relative variance change below which it counts as stable.
+        window: optimizer steps between variance snapshots.
+        log_stats: log the ``onebit/*`` metrics.
+        sample: the most variance coordinates kept per snapshot (memory bound for large models).
+    """
+
+    def __init__(
+        self,
+        freeze_step: int | float | None = None,
+        adaptive: bool = False,
+        threshold: float = 0.05,
+        window: int = 50,
+        log_stats: bool = True,
+        sample: int = 1_000_000,
+    ) -> None:
+        from lightning_onebit.strategy import _check_freeze_step
+
+        _check_freeze_step(freeze_step)
+        if window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if not threshold > 0:
+            raise ValueError(f"threshold must be > 0, got {threshold!r}")
+        self.freeze_step = freeze_step
+        self.adaptive = adaptive
+        self.threshold = threshold
+        self.window = window
+        self.log_stats = log_stats
+        self.sample = sample
+        # state (in the checkpoint)
+        self.switch_step: int | None = None  # the resolved step
+        self.switched_at: int | None = None  # optimizer step after which compression started
+        self._snapshot: torch.Tensor | None = None
+        self._last_logged_step = -1
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _optimizer(trainer: pl.Trainer) -> OneBitOptimizer:
+        for opt in trainer.strategy.optimizers:
+            opt = getattr(opt, "_optimizer", opt)
+            if isinstance(opt, OneBitOptimizer):
+                return opt
+        raise RuntimeError(
+            "CompressionScheduler needs a lightning_onebit optimizer: use OneBitStrategy "
+            "(strategy='onebit_adam' etc.) or return OneBitAdam/ZeroOneAdam/OneBitLamb from configure_optimizers"
+        )
+
+    @staticmethod
+    def _total_steps(trainer: pl.Trainer) -> float:
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return float(trainer.max_steps)
+        return float(trainer.estimated_stepping_batches)
+
+    # ------------------------------------------------------------------ hooks
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        opt = self._optimizer(trainer)
+        fs = self.freeze_step
+        if fs is None and getattr(trainer.strategy, "_converted_optimizer", False):
+            fs = _DEFAULT_FRACTION
+        if fs is None:
+            self.switch_step = opt.switch_step
+            return
+        total = self._total_steps(trainer)
+        if isinstance(fs, float):
+            if not math.isfinite(total):
+                raise ValueError(
+                    f"freeze_step={fs} is a fraction of the run's steps, but the run has no step limit; "
+                    "set Trainer(max_steps=...) or max_epochs, or pass an int freeze_step"
+                )
+            step = max(1, round(fs * total))
+        else:
+            step = fs
+        if step > total:
+            rank_zero_warn(
+                f"freeze_step={step} is beyond the run's {int(total)} optimizer steps: compression will not start"
+            )
+        opt.switch_step = step
+        self.switch_step = step
+        rank_zero_info(
+            f"1-bit compression starts after optimizer step {step} ({type(opt).__name__})"
+        )
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        opt = self._optimizer(trainer)
+        if opt.step_count == self._last_logged_step:
+            return  # no optimizer step on this batch (gradient accumulation, skipped step)
+        self._last_logged_step = opt.step_count
+        compressing = opt.phase != opt.PHASES[0]
+        if compressing and self.switched_at is None:
+            self.switched_at = opt.step_count - 1
+        if self.adaptive and not compressing and opt.step_count % self.window == 0:
+            self._adaptive_check(opt)
+        if self.log_stats:
+            stats = opt.comm_stats
+            total = stats["bytes_total"]
+            pl_module.log_dict(
+                {
+                    "onebit/phase": float(compressing),
+                    "onebit/bytes_step": float(stats["bytes_last_step"]),
+                    "onebit/bytes_total": float(total),
+                    "onebit/ratio_vs_ddp": float(stats["fp32_equiv_total"] / total)
+                    if total
+                    else 1.0,
+                },
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+            )
+
+    def _adaptive_check(self, opt: OneBitOptimizer) -> None:
+        v = opt.variance
+        if v is None:
+            return
+        stride = max(1, v.numel() // self.sample)
+        now = v[::stride].detach().clone()
+        if self._snapshot is not None and self._snapshot.shape == now.shape:
+            change = float((now - self._snapshot).norm() / now.norm().clamp_min(1e-30))
+            stable = torch.tensor([1.0 if change < self.threshold else 0.0], device=now.device)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(stable, op=dist.ReduceOp.MIN)  # every rank decides the same
+            if stable.item() == 1.0:
+                rank_zero_info(
+                    f"variance stable (relative change {change:.3g} < {self.threshold} over {self.window} steps): "
+                    f"1-bit compression starts after step {opt.step_count}"
+                )
+                opt.freeze()
+                self._snapshot = None
+                return
+        self._snapshot = now
+
+    # ------------------------------------------------------------------ checkpoint
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "switch_step": self.switch_step,
+            "switched_at": self.switched_at,
+            "snapshot": self._snapshot,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.switch_step = state_dict.get("switch_step")
+        self.switched_at = state_dict.get("switched_at")
+        self._snapshot = state_dict.get("snapshot")

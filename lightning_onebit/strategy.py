@@ -1,0 +1,539 @@
+"""``OneBitStrategy``: DDP whose gradient allreduce is replaced by 1-bit compressed momentum exchange.
+
+What it changes relative to :class:`~lightning.pytorch.strategies.DDPStrategy`:
+
+* **The optimizer.** ``configure_optimizers`` may return ``torch.optim.Adam``/``AdamW`` (with or
+  without LR schedulers, with any param groups): the strategy replaces it by the chosen 1-bit
+  optimizer, carrying over lr, betas, eps, weight_decay and the groups, and re-points the
+  schedulers. One of our optimizers (:mod:`lightning_onebit.optim`) is used as is.
+* **DDP's gradient allreduce.** A DDP communication hook, registered on every device (Lightning
+  registers hooks only on CUDA), averages gradients in full precision on the steps whose
+  optimizer needs that (warmup; 0/1 Adam's variance steps) and sends nothing otherwise: those
+  steps use local gradients, and the optimizer exchanges its 1-bit compressed momentum.
+* **The phase switch.** A :class:`~lightning_onebit.callbacks.CompressionScheduler` is added when
+  the Trainer has none; it switches every rank on the same step and logs the byte counters.
+* **Mixed precision.** With ``16-mixed`` the gradient scaler's overflow check is combined across
+  ranks (local gradients can overflow on one rank only), so every rank skips the same step.
+* **Checkpoints.** Lightning writes checkpoints on rank 0 only; the error buffers (and, for 0/1
+  Adam between synchronisations, the parameters and momenta) differ per rank. Every rank writes
+  its own ``<checkpoint>.onebit-rank<R>-of-<W>`` file beside the checkpoint and reads it back on
+  resume with the same world size; otherwise the error buffers restart from zero, with a warning.
+
+Gradient clipping clips what ``optimizer.step()`` receives: the averaged gradient in warmup and
+this rank's *local* gradient in the compression phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+
+__all__ = ["ALGORITHMS", "OneBitStrategy"]
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
+    "onebit_adam": OneBitAdam,
+    "zero_one_adam": ZeroOneAdam,
+    "onebit_lamb": OneBitLamb,
+}
+_ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
+    "onebit_adam": (),
+    "zero_one_adam": ("var_update_scaler", "local_step_scaler", "local_step_clipper"),
+    "onebit_lamb": (
+        "max_coeff",
+        "min_coeff",
+        "coeff_beta",
+        "factor_max",
+        "factor_min",
+        "factor_threshold",
+    ),
+}
+
+
+class _HookState:
+    """What the communication hook needs: the group, and the optimizer that says which kind of
+    gradients its next step wants (set once the optimizer exists)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self.process_group = process_group
+        self.optimizer: OneBitOptimizer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # the process group cannot be pickled
+        return {"optimizer": None, "process_group": None}
+
+
+def _onebit_comm_hook(
+    state: _HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Full-precision average on steps that need it, nothing on the others (local gradients)."""
+    if state.optimizer is None or state.optimizer.expects_averaged_grads:
+        return default_hooks.allreduce_hook(state.process_group, bucket)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings.
+_onebit_comm_hook.__annotations__ = {
+    "state": _HookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+class _RankSyncedGradScaler(torch.amp.GradScaler):
+    """GradScaler whose overflow flag is the maximum over ranks.
+
+    In the compression phase every rank has its own local gradients, so one rank can overflow
+    while the others do not; skipping the step on that rank alone would desynchronise the
+    optimizers (and deadlock their exchange). One extra 1-element all_reduce per step.
+    """
+
+    group: dist.ProcessGroup | None = None
+
+    @override
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not (self._enabled and dist.is_available() and dist.is_initialized()):
+            return
+        for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+
+
+class OneBitStrategy(DDPStrategy):
+    """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB.
+
+    Use a registered name — ``Trainer(strategy="onebit_adam")``, ``"zero_one_adam"``,
+    ``"onebit_lamb"``, or the fork-started ``"onebit_adam_notebook"`` etc. for notebooks (after
+    ``import lightning_onebit``) — or an instance for full control. The LightningModule stays
+    unmodified: ``configure_optimizers`` may keep returning ``torch.optim.Adam``/``AdamW``.
+
+    Args:
+        algorithm: ``"onebit_adam"``, ``"zero_one_adam"`` or ``"onebit_lamb"``.
+        freeze_step: when compression starts. An int is the number of warmup (uncompressed)
+            optimizer steps; a float in (0, 1) is a fraction of the run's total optimizer steps
+            (``Trainer.estimated_stepping_batches``). ``None`` keeps the ``freeze_step`` /
+            ``var_freeze_step`` of an optimizer that ``configure_optimizers`` built itself, and
+            means 0.2 when the strategy builds the optimizer. The 1-bit Adam paper and DeepSpeed's
+            tutorials use 15–25% of the steps; too short a warmup leaves a variance that does not
+            precondition well, too long a warmup sends full-precision bytes for longer.
+            For 0/1 Adam this is ``var_freeze_step``.
+        adaptive_freeze: switch earlier, as soon as the variance has stabilised: its relative
+            change over ``freeze_window`` steps falls below ``freeze_threshold`` (evaluated
+            identically on every rank). ``freeze_step`` stays the latest switch.
+        freeze_threshold: relative change of the variance that counts as stable (adaptive only).
+        freeze_window: steps between two variance snapshots (adaptive only).
+        var_update_scaler: 0/1 Adam: variance updates between doublings of the variance interval.
+        local_step_scaler: 0/1 Adam: steps between doublings of the local-step interval.
+        local_step_clipper: 0/1 Adam: the largest local-step interval.
+        max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio.
+        min_coeff: 1-bit LAMB: lower clamp of the layer-wise trust ratio.
+        coeff_beta: 1-bit LAMB: moving-average factor of the trust ratio in warmup.
+        factor_max: 1-bit LAMB: upper clamp of the fresh-variance correction factor.
+        factor_min: 1-bit LAMB: lower clamp of the fresh-variance correction factor.
+        factor_threshold: 1-bit LAMB: largest relative change of the factor per step.
+        log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
+        timeout: collective timeout: a dead or stuck rank makes the others fail after this long.
+        start_method: how processes start: ``"popen"`` (scripts), ``"fork"`` (notebooks),
+            ``"spawn"``, ``"forkserver"``.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` and on to
+            ``DistributedDataParallel`` (e.g. ``find_unused_parameters``, ``bucket_cap_mb``).
+    """
+
+    strategy_name = "onebit"
+
+    def __init__(
+        self,
+        algorithm: Literal["onebit_adam", "zero_one_adam", "onebit_lamb"] = "onebit_adam",
+        freeze_step: int | float | None = None,
+        adaptive_freeze: bool = False,
+        freeze_threshold: float = 0.05,
+        freeze_window: int = 50,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32768,
+        local_step_clipper: int = 16,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        log_comm_stats: bool = True,
+        timeout: timedelta | None = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_wrapper") is not None:
+            raise ValueError(
+                "OneBitStrategy installs its own DDP communication hook; remove ddp_comm_hook/ddp_comm_wrapper"
+            )
+        _check_freeze_step(freeze_step)
+        if freeze_window < 1:
+            raise ValueError(f"freeze_window must be an int >= 1, got {freeze_window!r}")
+        if not freeze_threshold > 0:
+            raise ValueError(f"freeze_threshold must be > 0, got {freeze_threshold!r}")
+        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
+        self.algorithm = algorithm
+        self.freeze_step = freeze_step
+        self.adaptive_freeze = adaptive_freeze
+        self.freeze_threshold = freeze_threshold
+        self.freeze_window = freeze_window
+        self.log_comm_stats = log_comm_stats
+        self.optimizer_options: dict[str, Any] = {
+            "var_update_scaler": var_update_scaler,
+            "local_step_scaler": local_step_scaler,
+            "local_step_clipper": local_step_clipper,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+            "coeff_beta": coeff_beta,
+            "factor_max": factor_max,
+            "factor_min": factor_min,
+            "factor_threshold": factor_threshold,
+        }
+        self._validate_optimizer_options()
+        self._hook_state: _HookState | None = None
+        self._rank_state: dict[str, Any] | None = None
+        self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
+
+    def _validate_optimizer_options(self) -> None:
+        """Build a throwaway optimizer: its constructor validates every hyperparameter now,
+        before any process starts, with messages that name the parameter and the valid range."""
+        cls = ALGORITHMS[self.algorithm]
+        cls([torch.nn.Parameter(torch.zeros(1))], **self._algorithm_kwargs(cls, {}))
+
+    def _algorithm_kwargs(
+        self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
+    ) -> dict[str, Any]:
+        kw = dict(defaults)
+        kw.update({k: self.optimizer_options[k] for k in _ALGORITHM_OPTIONS[self.algorithm]})
+        kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
+        return kw
+
+    # ------------------------------------------------------------------ registry
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for algorithm in ALGORITHMS:
+            for name, start_method in ((algorithm, "popen"), (f"{algorithm}_notebook", "fork")):
+                if name in strategy_registry:
+                    continue  # a second import (or registration) must not fail
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"1-bit compressed DDP ({algorithm}), start_method={start_method!r}",
+                    algorithm=algorithm,
+                    start_method=start_method,
+                )
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Add the phase-switch callback before Lightning restores callback states from a
+        # checkpoint (that happens before ``setup``), so its state is restored too.
+        from lightning_onebit.callbacks import CompressionScheduler
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and not any(
+            isinstance(c, CompressionScheduler) for c in trainer.callbacks
+        ):
+            trainer.callbacks.append(
+                CompressionScheduler(
+                    freeze_step=self.freeze_step,
+                    adaptive=self.adaptive_freeze,
+                    threshold=self.freeze_threshold,
+                    window=self.freeze_window,
+                    log_stats=self.log_comm_stats,
+                )
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if (
+            trainer.lightning_module is not None
+            and not trainer.lightning_module.automatic_optimization
+        ):
+            raise MisconfigurationException(
+                "OneBitStrategy supports automatic optimization only (the strategy decides which "
+                "gradients each step uses); remove `self.automatic_optimization = False`"
+            )
+        super().setup(trainer)
+        if (
+            isinstance(self.precision_plugin, MixedPrecision)
+            and self.precision_plugin.scaler is not None
+        ):
+            self.precision_plugin.scaler = _synced_scaler(self.precision_plugin.scaler)
+        if self._hook_state is not None:
+            self._hook_state.optimizer = self.onebit_optimizer
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers hooks on CUDA only; ours must run on every device.
+        assert isinstance(self.model, DistributedDataParallel)
+        self._hook_state = _HookState(process_group=None)
+        self.model.register_comm_hook(self._hook_state, _onebit_comm_hook)
+
+    @property
+    def onebit_optimizer(self) -> OneBitOptimizer:
+        """The 1-bit optimizer being trained with (after setup)."""
+        if len(self.optimizers) != 1:
+            raise RuntimeError(
+                "OneBitStrategy has no optimizer yet (it exists after Trainer setup)"
+            )
+        opt = self.optimizers[0]
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+        assert isinstance(opt, OneBitOptimizer)
+        return opt
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"OneBitStrategy trains with one optimizer, configure_optimizers returned {len(self.optimizers)}; "
+                "return a single torch.optim.Adam/AdamW or a lightning_onebit.optim optimizer"
+            )
+        original = self.optimizers[0]
+        if isinstance(original, OneBitOptimizer):
+            original.average_warmup_grads = False
+            new = original
+        elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
+            new = self._convert(original)
+            self._converted_optimizer = True
+            for config in self.lr_scheduler_configs:
+                _repoint_scheduler(config.scheduler, original, new)
+            self.optimizers = [new]
+        else:
+            raise MisconfigurationException(
+                f"OneBitStrategy cannot run {type(original).__name__}: configure_optimizers must return "
+                "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
+                "ZeroOneAdam / OneBitLamb"
+            )
+        _check_same_model_on_every_rank(new)
+
+    def _convert(self, original: torch.optim.Optimizer) -> OneBitOptimizer:
+        """Build the 1-bit optimizer from a torch Adam/AdamW with the same groups and settings."""
+        cls = ALGORITHMS[self.algorithm]
+        d = original.defaults
+        if d.get("amsgrad") or any(g.get("amsgrad") for g in original.param_groups):
+            raise MisconfigurationException(
+                f"{self.algorithm} has no amsgrad variant; use amsgrad=False"
+            )
+        if d.get("maximize"):
+            raise MisconfigurationException(
+                f"{self.algorithm} does not support maximize=True; negate the loss"
+            )
+        if type(original) is torch.optim.Adam and any(
+            g["weight_decay"] for g in original.param_groups
+        ):
+            warnings.warn(
+                "torch.optim.Adam's weight_decay is an L2 term added to the gradient; the 1-bit "
+                "optimizers apply weight decay decoupled from the gradient, as AdamW and DeepSpeed do",
+                UserWarning,
+                stacklevel=2,
+            )
+        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr", "exp_avg_mask")
+        groups = [
+            {"params": g["params"], **{k: _plain(g[k]) for k in keep if k in g}}
+            for g in original.param_groups
+        ]
+        defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
+        new = cls(groups, **self._algorithm_kwargs(cls, defaults))
+        if self.is_global_zero:
+            log.info(
+                f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
+                f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "
+                f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')})"
+            )
+        return new
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _rank_file(self, filepath: _PATH) -> str:
+        return f"{os.fspath(filepath)}.onebit-rank{self.global_rank}-of-{self.world_size}"
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self.optimizers and isinstance(
+            getattr(self.optimizers[0], "_optimizer", self.optimizers[0]), OneBitOptimizer
+        ):
+            opt = self.onebit_optimizer
+            rank_state = {
+                "world_size": self.world_size,
+                "rank": self.global_rank,
+                "global_step": checkpoint.get("global_step"),
+                "optimizer": opt.state_dict(),
+                # 0/1 Adam's local steps: parameters differ per rank until the next sync
+                "model": self.lightning_module.state_dict()
+                if opt.params_differ_across_ranks
+                else None,
+            }
+            _atomic_save(
+                rank_state, self._rank_file(filepath)
+            )  # temp file + rename: never half-written
+            for state in checkpoint.get("optimizer_states", []):
+                if (
+                    isinstance(state, dict) and "onebit" in state
+                ):  # rank 0's error buffers: not for other ranks
+                    state["onebit"] = {**state["onebit"], "exchange": None}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        fs = get_filesystem(filepath)
+        rank_file = self._rank_file(filepath)
+        if fs.exists(rank_file):
+            fs.rm(rank_file)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._rank_state = None
+        rank_file = self._rank_file(checkpoint_path)
+        saved = sorted(
+            p.name
+            for p in Path(os.fspath(checkpoint_path)).parent.glob(
+                Path(os.fspath(checkpoint_path)).name + ".onebit-rank*"
+            )
+        )
+        if get_filesystem(rank_file).exists(rank_file):
+            state = pl_load(rank_file, weights_only=False)
+            if state.get("global_step") != checkpoint.get("global_step"):
+                warnings.warn(
+                    f"{rank_file} is from step {state.get('global_step')} but the checkpoint from step "
+                    f"{checkpoint.get('global_step')}: ignoring it; this rank's error buffers restart from zero",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            else:
+                self._rank_state = state
+        elif "optimizer_states" in checkpoint:
+            warnings.warn(
+                f"no per-rank 1-bit state for rank {self.global_rank} of {self.world_size} beside "
+                f"{checkpoint_path} (found: {saved or 'none'}); resuming with the error buffers reset to zero"
+                + (" (world size changed)" if saved else ""),
+                UserWarning,
+                stacklevel=2,
+            )
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._rank_state is not None and self._rank_state.get("model") is not None:
+            self.lightning_module.load_state_dict(self._rank_state["model"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._rank_state is not None:
+            self.onebit_optimizer.load_state_dict(self._rank_state["optimizer"])
+        self._rank_state = None
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_freeze_step(freeze_step: Any) -> None:
+    if freeze_step is None:
+        return
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, float)):
+        raise ValueError(
+            f"freeze_step must be an int >= 0, a float in (0, 1), or None; got {freeze_step!r}"
+        )
+    if isinstance(freeze_step, int) and freeze_step < 0:
+        raise ValueError(f"freeze_step must be >= 0 steps, got {freeze_step}")
+    if isinstance(freeze_step, float) and not 0.0 < freeze_step < 1.0:
+        raise ValueError(
+            f"a float freeze_step is a fraction of the total steps and must be in (0, 1), got {freeze_step}; "
+            "pass an int for a step count"
+        )
+
+
+def _plain(value: Any) -> Any:
+    """Hyperparameters as Python numbers (torch allows 0-dim tensors for lr/betas)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _repoint_scheduler(
+    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer
+) -> None:
+    """Make an LR scheduler built for ``old`` drive ``new`` (same groups, same order)."""
+    if getattr(scheduler, "optimizer", None) is not old:
+        raise MisconfigurationException(
+            f"LR scheduler {type(scheduler).__name__} does not drive the optimizer returned by configure_optimizers"
+        )
+    scheduler.optimizer = new
+    # torch wraps optimizer.step to warn when scheduler.step() comes first; wrap the new one too
+    step = new.step
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        new._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    if not hasattr(new.step, "_wrapped_by_lr_sched"):
+        new.step = wrapped  # type: ignore[method-assign]
+
+
+def _synced_scaler(scaler: torch.amp.GradScaler) -> _RankSyncedGradScaler:
+    synced = _RankSyncedGradScaler(
+        device=scaler._device,
+        init_scale=scaler._init_scale,
+        growth_factor=scaler._growth_factor,
+        backoff_factor=scaler._backoff_factor,
+        growth_interval=scaler._growth_interval,
+        enabled=scaler._enabled,
+    )
+    if scaler._scale is not None:  # already used: keep its current scale
+        synced.load_state_dict(scaler.state_dict())
+    return synced
+
+
+def _check_same_model_on_every_rank(optimizer: torch.optim.Optimizer) -> None:
+    """Catch a model that differs across ranks now, with a clear error, not as a hang later."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    mine = (len(shapes), sum(torch.Size(s).numel() for s in shapes), hash(tuple(shapes)))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if any(o != mine for o in everyone):
+        raise RuntimeError(
+            "the model differs across ranks (parameter count, numel, shapes hash per rank: "
+            f"{everyone}); every rank must build the same model"
+        )

@@ -1,0 +1,450 @@
+"""OneBitStrategy with real multi-process CPU training (gloo, fork-started ranks).
+
+The same LightningModule (``configure_optimizers`` returns ``torch.optim.AdamW``) trains under
+``strategy="ddp_notebook"`` and under the 1-bit strategies; the data is Python's own standard
+library source (next-character prediction), no downloads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_onebit
+from lightning_onebit import CompressionScheduler, OneBitStrategy
+from lightning_onebit.comm import fp32_allreduce_bytes
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+VOCAB, CONTEXT, EMBED, HIDDEN = 48, 8, 16, 64
+ALGOS = ["onebit_adam", "zero_one_adam", "onebit_lamb"]
+
+
+# --------------------------------------------------------------------------- the module
+
+
+def _corpus(nbytes: int = 120_000) -> torch.Tensor:
+    """Standard-library source as token ids; the VOCAB-1 most frequent bytes get their own id
+    (every id occurs often in warmup: a frozen variance of 0 would make 1-bit steps explode)."""
+    lib = Path(os.__file__).parent
+    text = b""
+    for path in sorted(lib.glob("*.py")):
+        text += path.read_bytes()
+        if len(text) > nbytes:
+            break
+    raw = torch.frombuffer(bytearray(text[:nbytes]), dtype=torch.uint8).long()
+    frequent = torch.bincount(raw, minlength=256).argsort(descending=True)[: VOCAB - 1]
+    ids = torch.full((256,), VOCAB - 1, dtype=torch.long)
+    ids[frequent] = torch.arange(VOCAB - 1)
+    return ids[raw]
+
+
+class CharWindows(Dataset):
+    """(CONTEXT characters, next character) pairs at fixed, evenly spread offsets."""
+
+    def __init__(self, data: torch.Tensor, n: int, start: int = 0) -> None:
+        self.data = data
+        self.offsets = torch.linspace(start, len(data) - CONTEXT - 1, n).long()
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        o = int(self.offsets[i])
+        return self.data[o : o + CONTEXT], self.data[o + CONTEXT]
+
+
+class CharModel(L.LightningModule):
+    """A plain LightningModule: nothing in it knows about 1-bit training."""
+
+    def __init__(
+        self, lr: float = 3e-3, weight_decay: float = 0.0, scheduler: bool = False, nan_at: int = -1
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Embedding(VOCAB, EMBED),  # (B, T, E)
+            torch.nn.Flatten(),  # (B, T*E)
+            torch.nn.Linear(CONTEXT * EMBED, HIDDEN),
+            torch.nn.Tanh(),
+            torch.nn.Linear(HIDDEN, VOCAB),  # (B, V)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.global_step == self.hparams.nan_at and self.global_rank == 1:
+            loss = loss * float("inf")  # an overflow on one rank only
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        if not self.hparams.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class RecordRanks(Callback):
+    """Every rank writes its parameters, optimizer step count and counters at the end of fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = trainer.strategy.optimizers[0]
+        opt = getattr(opt, "_optimizer", opt)
+        record = {
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "step_count": getattr(opt, "step_count", None),
+            "comm_stats": dict(getattr(opt, "comm_stats", {})),
+            "phase": getattr(opt, "phase", None),
+            "optimizer": type(opt).__name__,
+            "lr": [g["lr"] for g in opt.param_groups],
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        }
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit(
+    tmp: Path,
+    strategy: Any,
+    devices: int = 2,
+    steps: int = 40,
+    model: CharModel | None = None,
+    ckpt_path: str | None = None,
+    callbacks: list[Callback] | None = None,
+    batch: int = 32,
+    epoch_steps: int | None = None,
+    **trainer_kw: Any,
+) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = _corpus()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RecordRanks(tmp), *(callbacks or [])],
+        default_root_dir=tmp,
+        **trainer_kw,
+    )
+    # one epoch of `epoch_steps` optimizer steps (default: the whole run sees each window once);
+    # resuming at an epoch boundary replays exactly the same batches
+    n = (epoch_steps or steps) * batch * devices * trainer_kw.get("accumulate_grad_batches", 1)
+    loader = DataLoader(CharWindows(data, n), batch_size=batch, shuffle=True)
+    trainer.fit(model or CharModel(), loader, ckpt_path=ckpt_path)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def _per_call(numel: int, world: int) -> int:
+    """Bytes one compressed exchange sends per rank: 2 (W - 1) records of scale + bits + pad."""
+    row = math.ceil(numel / (8 * world))  # bytes of signs per chunk
+    return 2 * (world - 1) * (4 + math.ceil(row / 4) * 4)
+
+
+def _assert_same_on_all_ranks(records: list[dict]) -> None:
+    for r in records[1:]:
+        for k, v in records[0]["params"].items():
+            assert torch.equal(v, r["params"][k]), f"parameter {k} differs across ranks"
+
+
+def _held_out_loss(params: dict[str, torch.Tensor]) -> float:
+    model = CharModel()
+    model.load_state_dict(params)
+    data = _corpus(200_000)[120_000:]
+    x, y = next(iter(DataLoader(CharWindows(data, 4096), batch_size=4096)))
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model.net(x), y))
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_names_resolve_to_the_strategy() -> None:
+    for algo in ALGOS:
+        for name, start in ((algo, "popen"), (f"{algo}_notebook", "fork")):
+            strategy = StrategyRegistry.get(name)
+            assert isinstance(strategy, OneBitStrategy)
+            assert strategy.algorithm == algo
+            assert strategy._start_method == start
+    # importing again, or registering again, must not fail
+    import importlib
+
+    importlib.reload(lightning_onebit)
+    OneBitStrategy.register_strategies(StrategyRegistry)
+    assert isinstance(StrategyRegistry.get("onebit_lamb"), OneBitStrategy)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"algorithm": "onebit_sgd"}, "algorithm must be one of"),
+        ({"freeze_step": -1}, "freeze_step must be >= 0"),
+        ({"freeze_step": 1.5}, r"must be in \(0, 1\)"),
+        ({"freeze_step": "10"}, "freeze_step must be an int"),
+        ({"algorithm": "onebit_lamb", "min_coeff": 5.0, "max_coeff": 1.0}, "min_coeff"),
+        ({"algorithm": "onebit_lamb", "factor_min": 5.0}, "factor_min"),
+        ({"algorithm": "zero_one_adam", "var_update_scaler": 0}, "var_update_scaler"),
+        ({"algorithm": "zero_one_adam", "local_step_clipper": 0}, "local_step_clipper"),
+        ({"freeze_window": 0}, "freeze_window"),
+        ({"ddp_comm_hook": lambda s, b: None}, "installs its own DDP communication hook"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OneBitStrategy(**kwargs)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [2, 4])
+def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
+    """Each algorithm against DDP + AdamW (same module, same steps); 1-bit LAMB against LAMB."""
+    steps, switch = 200, 50  # compression after 25% of the steps
+    results: dict[str, tuple[float, list[dict]]] = {}
+    runs: dict[str, Any] = {
+        "ddp": "ddp_notebook",
+        **{a: OneBitStrategy(algorithm=a, freeze_step=switch, start_method="fork") for a in ALGOS},
+        # LAMB baseline: 1-bit LAMB that never leaves its (uncompressed) warmup
+        "lamb": OneBitStrategy(algorithm="onebit_lamb", freeze_step=10**9, start_method="fork"),
+    }
+    for name, strategy in runs.items():
+        # a frozen variance scales the step like lr / sqrt(v): short runs need a modest lr
+        lr = 5e-3 if "lamb" in name else 6e-4
+        records = _fit(
+            tmp_path / name, strategy, devices=devices, steps=steps, model=CharModel(lr=lr)
+        )
+        _assert_same_on_all_ranks(records)
+        results[name] = (_held_out_loss(records[0]["params"]), records)
+    initial = _held_out_loss(CharModel().state_dict())
+    print(
+        f"\nW={devices}, {steps} steps, switch after {switch}: held-out loss (initial {initial:.3f})"
+    )
+    for name, (loss, recs) in results.items():
+        stats = recs[0]["comm_stats"]
+        ratio = stats.get("fp32_equiv_total", 0) / max(stats.get("bytes_total", 1), 1)
+        print(
+            f"  {name:14s} {loss:.4f}  bytes/rank {stats.get('bytes_total', '-')}  x{ratio:.2f} fewer than fp32"
+        )
+    for name in ALGOS:
+        baseline = results["lamb" if name == "onebit_lamb" else "ddp"][0]
+        loss, recs = results[name]
+        assert loss < 0.9 * initial, f"{name} did not learn"
+        assert loss <= 1.05 * baseline, f"{name}: {loss:.4f} vs baseline {baseline:.4f}"
+        rec = recs[0]
+        assert rec["optimizer"] == {
+            "onebit_adam": "OneBitAdam",
+            "zero_one_adam": "ZeroOneAdam",
+        }.get(name, "OneBitLamb")
+        assert rec["phase"] != {"onebit_adam": "warmup", "zero_one_adam": "variance"}.get(
+            name, "warmup"
+        )
+        # logged counters are the optimizer's, and they add up to the expected traffic
+        stats = rec["comm_stats"]
+        assert rec["metrics"]["onebit/bytes_total"] == stats["bytes_total"]
+        numel = sum(v.numel() for v in rec["params"].values())
+        assert stats["fp32_equiv_total"] == steps * fp32_allreduce_bytes(numel, devices)
+        if name != "zero_one_adam":  # warmup: fp32 allreduce; then one 1-bit exchange per step
+            per_call = _per_call(numel, devices)
+            expect = switch * fp32_allreduce_bytes(numel, devices) + (steps - switch) * per_call
+            assert stats["bytes_total"] == expect
+        assert stats["fp32_equiv_total"] / stats["bytes_total"] > 3.0
+
+
+@pytest.mark.slow
+def test_adam_with_scheduler_and_groups_is_converted(tmp_path: Path) -> None:
+    class Grouped(CharModel):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(
+                [
+                    {"params": self.net[0].parameters(), "lr": 1e-3},
+                    {"params": list(self.net[2:].parameters()), "weight_decay": 0.01},
+                ],
+                lr=2e-3,
+                betas=(0.8, 0.99),
+                eps=1e-7,
+            )
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    with pytest.warns(UserWarning, match="decoupled"):
+        records = _fit(
+            tmp_path, OneBitStrategy(freeze_step=4, start_method="fork"), steps=10, model=Grouped()
+        )
+    rec = records[0]
+    assert rec["optimizer"] == "OneBitAdam"
+    # StepLR halves every 4 steps: after 10 steps the lrs are a quarter of the initial ones
+    assert rec["lr"] == pytest.approx([1e-3 / 4, 2e-3 / 4])
+    _assert_same_on_all_ranks(records)
+
+
+def test_unsupported_optimizers_get_a_clear_error(tmp_path: Path) -> None:
+    class SGDModel(CharModel):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class TwoOpts(CharModel):
+        def configure_optimizers(self) -> Any:
+            return [
+                torch.optim.Adam(self.net[0].parameters()),
+                torch.optim.Adam(self.net[2].parameters()),
+            ]
+
+    # (several optimizers: Lightning itself refuses them under automatic optimization)
+    for model, match in ((SGDModel(), "cannot run SGD"), (TwoOpts(), "multiple optimizers")):
+        with pytest.raises((MisconfigurationException, RuntimeError), match=match):
+            _fit(tmp_path, OneBitStrategy(), devices=1, steps=1, model=model)
+
+
+@pytest.mark.slow
+def test_own_optimizer_is_used_as_is_and_accumulation_works(tmp_path: Path) -> None:
+    class Own(CharModel):
+        def configure_optimizers(self) -> Any:
+            return OneBitLamb(self.parameters(), lr=5e-3, freeze_step=3)
+
+    records = _fit(
+        tmp_path,
+        OneBitStrategy(algorithm="onebit_adam", start_method="fork"),
+        steps=8,
+        model=Own(),
+        accumulate_grad_batches=2,
+    )
+    assert records[0]["optimizer"] == "OneBitLamb"  # the strategy's algorithm does not override it
+    assert records[0]["step_count"] == 8 and records[0]["phase"] == "compression"
+    _assert_same_on_all_ranks(records)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ALGOS)
+def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
+    """Stop at step 16 (in the compression phase), resume to 32: same parameters as 32 at once."""
+
+    def strategy() -> OneBitStrategy:
+        return OneBitStrategy(algorithm=algo, freeze_step=6, start_method="fork")
+
+    kw = {"model": CharModel(lr=5e-3), "epoch_steps": 8}
+    full = _fit(tmp_path / "full", strategy(), steps=32, **kw)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1)
+    _fit(tmp_path / "first", strategy(), steps=16, callbacks=[ckpt], **kw)
+    path = tmp_path / "ckpt" / "epoch=1-step=16.ckpt"
+    assert path.exists() and all(Path(f"{path}.onebit-rank{r}-of-2").exists() for r in range(2))
+    resumed = _fit(
+        tmp_path / "second", strategy(), steps=32, model=CharModel(lr=5e-3), ckpt_path=str(path)
+    )
+    for r in range(2):
+        assert resumed[r]["step_count"] == full[r]["step_count"] == 32
+        for k, v in full[r]["params"].items():
+            torch.testing.assert_close(resumed[r]["params"][k], v, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_resume_without_rank_files_resets_error_buffers_with_a_warning(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
+    _fit(
+        tmp_path / "a",
+        OneBitStrategy(freeze_step=4, start_method="fork"),
+        steps=8,
+        callbacks=[ckpt],
+    )
+    path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    for r in range(2):
+        Path(f"{path}.onebit-rank{r}-of-2").unlink()
+    with pytest.warns(UserWarning, match="error buffers reset"):
+        # devices=1: the warning is raised in this process (no fork)
+        records = _fit(
+            tmp_path / "b", OneBitStrategy(freeze_step=4), devices=1, steps=12, ckpt_path=str(path)
+        )
+    assert records[0]["step_count"] == 12
+
+
+# --------------------------------------------------------------------------- precision
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision(tmp_path: Path, precision: str) -> None:
+    records = _fit(
+        tmp_path, OneBitStrategy(freeze_step=4, start_method="fork"), steps=12, precision=precision
+    )
+    _assert_same_on_all_ranks(records)
+    assert records[0]["step_count"] == 12
+
+
+@pytest.mark.slow
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """16-mixed: an inf loss on rank 1 only, in the compression phase: every rank skips it."""
+    records = _fit(
+        tmp_path,
+        OneBitStrategy(freeze_step=4, start_method="fork"),
+        steps=12,
+        precision="16-mixed",
+        model=CharModel(nan_at=8),
+    )
+    _assert_same_on_all_ranks(records)
+    counts = {r["step_count"] for r in records}
+    assert counts == {11}, counts  # 12 batches, one optimizer step skipped everywhere
+    assert all(torch.isfinite(v).all() for v in records[0]["params"].values())
+
+
+# --------------------------------------------------------------------------- the callback
+
+
+def test_compression_scheduler_validates_its_arguments() -> None:
+    with pytest.raises(ValueError, match="window"):
+        CompressionScheduler(window=0)
+    with pytest.raises(ValueError, match="fraction"):
+        CompressionScheduler(freeze_step=2.0)
+
+
+@pytest.mark.slow
+def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
+    records = _fit(
+        tmp_path / "frac", OneBitStrategy(freeze_step=0.25, start_method="fork"), steps=16
+    )
+    assert records[0]["phase"] == "compression"
+    numel = sum(v.numel() for v in records[0]["params"].values())
+    # 0.25 of 16 steps: exactly 4 warmup steps in fp32, then 12 compressed exchanges
+    assert records[0]["comm_stats"]["bytes_total"] == 4 * fp32_allreduce_bytes(
+        numel, 2
+    ) + 12 * _per_call(numel, 2)
+    sched = CompressionScheduler(freeze_step=10**6, adaptive=True, threshold=0.5, window=3)
+    records = _fit(
+        tmp_path / "adaptive",
+        OneBitStrategy(start_method="fork"),
+        steps=20,
+        callbacks=[sched],
+        model=CharModel(lr=1e-3),
+    )
+    assert records[0]["phase"] == "compression", "the variance never counted as stable"
+
+
+def test_optimizer_from_our_package_keeps_its_own_freeze_step() -> None:
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=7)
+    assert opt.switch_step == 7
+    z = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))], var_freeze_step=9)
+    assert z.switch_step == 9
+    z.switch_step = 11
+    assert z.var_freeze_step == 11
