@@ -56,9 +56,9 @@ class CompressionScheduler(Callback):
         log_stats: bool = True,
         sample: int = 1_000_000,
     ) -> None:
-        from lightning_onebit.strategy import _check_freeze_step
+        from lightning_onebit.strategy import _normalize_freeze_step
 
-        _check_freeze_step(freeze_step)
+        freeze_step = _normalize_freeze_step(freeze_step)
         if window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         if not threshold > 0:

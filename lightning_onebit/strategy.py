@@ -190,7 +190,7 @@ class OneBitStrategy(DDPStrategy):
             raise ValueError(
                 "OneBitStrategy installs its own DDP communication hook; remove ddp_comm_hook/ddp_comm_wrapper"
             )
-        _check_freeze_step(freeze_step)
+        freeze_step = _normalize_freeze_step(freeze_step)
         if freeze_window < 1:
             raise ValueError(f"freeze_window must be an int >= 1, got {freeze_window!r}")
         if not freeze_threshold > 0:
@@ -252,7 +252,34 @@ class OneBitStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
 
     @override
+    def setup_distributed(self) -> None:
+        expected = self.num_nodes * self.num_processes
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != expected:
+            # A group inherited through fork from an earlier fit in the parent process (e.g. a
+            # notebook that ran devices=1 under plain DDP). Its first collective would never
+            # return, and it cannot be destroyed from a forked child.
+            raise RuntimeError(
+                f"a torch.distributed process group of world size {dist.get_world_size()} from an "
+                f"earlier run is still initialised in this process, but this run has {expected} "
+                "ranks; call torch.distributed.destroy_process_group() before Trainer.fit"
+            )
+        super().setup_distributed()
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            # A single-process run initialised a group in this process; leaving it would be
+            # inherited by the ranks of a later fork-started fit (notebooks) and break them.
+            dist.destroy_process_group()
+
+    @override
     def setup_environment(self) -> None:
+        if self._start_method == "fork" and self.num_processes > 1:
+            # GNU OpenMP cannot run a parallel region in a forked child once the parent has
+            # used its thread pool (the child waits forever for threads that did not survive
+            # the fork), and a notebook's parent process usually has. One thread per rank.
+            torch.set_num_threads(1)
         super().setup_environment()
         # Add the phase-switch callback before Lightning restores callback states from a
         # checkpoint (that happens before ``setup``), so its state is restored too.
@@ -395,13 +422,12 @@ class OneBitStrategy(DDPStrategy):
                 if opt.params_differ_across_ranks
                 else None,
             }
-            _atomic_save(
-                rank_state, self._rank_file(filepath)
-            )  # temp file + rename: never half-written
+            rank_file = self._rank_file(filepath)
+            get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
+            _atomic_save(rank_state, rank_file)  # temp file + rename: never half-written
+            # rank 0's error buffers do not belong in the checkpoint every rank loads
             for state in checkpoint.get("optimizer_states", []):
-                if (
-                    isinstance(state, dict) and "onebit" in state
-                ):  # rank 0's error buffers: not for other ranks
+                if isinstance(state, dict) and "onebit" in state:
                     state["onebit"] = {**state["onebit"], "exchange": None}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -464,20 +490,27 @@ class OneBitStrategy(DDPStrategy):
 # ---------------------------------------------------------------------- helpers
 
 
-def _check_freeze_step(freeze_step: Any) -> None:
+def _normalize_freeze_step(freeze_step: Any) -> int | float | None:
+    """Validate ``freeze_step``: an int step count, a fraction in (0, 1), or None.
+
+    A whole float >= 1 (``12.0``, as a CLI or YAML may deliver ``12``) means that many steps.
+    """
     if freeze_step is None:
-        return
+        return None
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, float)):
         raise ValueError(
             f"freeze_step must be an int >= 0, a float in (0, 1), or None; got {freeze_step!r}"
         )
+    if isinstance(freeze_step, float) and freeze_step >= 1.0 and freeze_step.is_integer():
+        freeze_step = int(freeze_step)
     if isinstance(freeze_step, int) and freeze_step < 0:
         raise ValueError(f"freeze_step must be >= 0 steps, got {freeze_step}")
     if isinstance(freeze_step, float) and not 0.0 < freeze_step < 1.0:
         raise ValueError(
-            f"a float freeze_step is a fraction of the total steps and must be in (0, 1), got {freeze_step}; "
-            "pass an int for a step count"
+            f"freeze_step={freeze_step}: a float is a fraction of the total steps and must be in "
+            "(0, 1); pass a whole number for a step count"
         )
+    return freeze_step
 
 
 def _plain(value: Any) -> Any:
