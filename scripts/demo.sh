@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python examples/allreduce_demo.py "$@"
+python examples/compare.py "$@"
