@@ -1,0 +1,373 @@
+"""One rank of the emulated-cluster benchmark: a plain ``torch.distributed`` (gloo) training loop.
+
+Started by ``benchmarks/cluster.py`` inside a rank's network namespace, one process per rank:
+
+    ip netns exec NS env MASTER_ADDR=... MASTER_PORT=... RANK=r WORLD_SIZE=W \\
+        GLOO_SOCKET_IFNAME=veth0 python benchmarks/cluster_worker.py --config JSON --out FILE
+
+No Lightning here on purpose: the loop is a dozen lines, so the step time is the model, the
+optimizer and the communication, nothing else. Every rank writes one JSON file with, per step,
+its start/end timestamps (``time.monotonic()``, one clock for every process on the machine,
+network namespaces included), the phase, the bytes the method says it sent, and the bytes the
+interface says it sent (``/sys/class/net/<if>/statistics/tx_bytes``: ``ip netns exec`` mounts
+the namespace's own sysfs). The orchestrator turns these into "time until the slowest rank
+finishes" per step, without a barrier inside the timed region.
+
+Methods (``--config`` key ``method``):
+
+* ``nocomm``: every rank steps torch Adam on its local gradient, no collective: the floor.
+* ``ddp_adam``: DDP (fp32 allreduce, overlapped with backward) + torch Adam.
+* ``ddp_fp16``: DDP with ``default_hooks.fp16_compress_hook`` + torch Adam.
+* ``powersgd_r1`` / ``powersgd_r4``: DDP with ``powerSGD_hook`` (rank 1 / 4) + torch Adam.
+  One bucket larger than the model: with several buckets gloo aborts with "collective
+  mismatch" at W = 4. Compression starts after the same warmup as the 1-bit methods.
+* ``onebit_adam`` / ``zero_one_adam`` / ``onebit_lamb``: ``lightning_onebit.optim``
+  optimizers without a DDP wrapper (they average warmup gradients themselves and exchange
+  1-bit momentum / gradients afterwards), ``freeze_step`` = the warmup.
+
+The model is a small GPT-style character-level LM (:class:`GPT`) trained on the Python standard
+library's source text; ``--model-source examples`` (:func:`build`) trains ``examples/gpt.py``'s
+model on its ``TextDataModule`` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "build", "load_corpus", "main"]
+
+ONEBIT_METHODS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+DDP_METHODS = ("ddp_adam", "ddp_fp16", "powersgd_r1", "powersgd_r4")
+
+
+# --------------------------------------------------------------------------- model
+
+
+class _Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(n_embd)
+        # no qkv bias: the key bias has a zero gradient (softmax ignores a shift shared by all
+        # keys), so v = 0 there and a 1-bit exchange, which cannot send zeros, blows it up
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.fc_out = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)  # 3 x (B, T, C)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-style decoder: token + position embeddings, pre-LN blocks, tied output head."""
+
+    def __init__(self, vocab: int, block: int, n_layer: int, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        self.blocks = nn.ModuleList(_Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab, bias=False)
+        self.head.weight = self.wte.weight  # weight tying
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = (
+                    0.02 / math.sqrt(2 * n_layer)
+                    if name.endswith(("proj.weight", "fc_out.weight"))
+                    else 0.02
+                )
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))  # (B, T, C)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class _WithLoss(nn.Module):
+    """``forward(idx, targets) -> loss`` around a module that returns logits (B, T, V)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(idx).flatten(0, 1), targets.flatten())
+
+
+def build(cfg: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The benchmark's model (``forward(idx, targets) -> loss``) and its train/val token ids.
+
+    ``cfg["model_source"]``: ``"builtin"`` is :class:`GPT` on :func:`load_corpus`;
+    ``"examples"`` is ``examples/gpt.py``'s ``GPT`` (a LightningModule, used here as a plain
+    module: only its ``forward``) on its ``TextDataModule``'s tokens. Both use the same preset
+    sizes and the same sampling of windows below.
+    """
+    m, seed = cfg["model"], cfg.get("seed", 0)
+    max_bytes = cfg.get("corpus_bytes", 2_000_000)
+    if cfg.get("model_source") == "examples":
+        from examples.gpt import GPT as ExampleGPT
+        from examples.gpt import TextDataModule
+
+        dm = TextDataModule(block_size=m["block"], max_bytes=max_bytes)
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        model = ExampleGPT(
+            vocab_size=dm.vocab_size,
+            block_size=m["block"],
+            n_layer=m["n_layer"],
+            n_head=m["n_head"],
+            n_embd=m["n_embd"],
+        )
+        return _WithLoss(model), dm.train_tokens.long(), dm.val_tokens.long()
+    tokens, vocab = load_corpus(max_bytes)
+    torch.manual_seed(seed)
+    model = GPT(vocab, m["block"], m["n_layer"], m["n_embd"], m["n_head"])
+    n_val = max(len(tokens) // 10, 4 * (m["block"] + 1))
+    return model, tokens[:-n_val], tokens[-n_val:]
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_corpus(max_bytes: int) -> tuple[torch.Tensor, int]:
+    """Token ids and vocabulary size of the standard library's top-level ``.py`` files, in
+    sorted order (deterministic for a given Python), at most ``max_bytes`` of them.
+
+    The vocabulary is the bytes that occur (about 100): an embedding row that never sees a
+    gradient has ``v = 0``, and a 1-bit exchange (which cannot send a zero) would move it by
+    ``m / eps``.
+    """
+    stdlib = Path(os.__file__).resolve().parent
+    chunks, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
+    vocab, ids = torch.unique(raw, return_inverse=True)
+    return ids, len(vocab)
+
+
+def _batch(
+    tokens: torch.Tensor, offsets: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = offsets[:, None] + torch.arange(block + 1)  # (B, T+1)
+    w = tokens[idx]
+    return w[:, :-1], w[:, 1:]
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def _powersgd_bytes(model: nn.Module, rank: int, world: int) -> int:
+    """Bytes a rank sends per compressed PowerSGD step (ring allreduce of P, Q and of the
+    tensors PowerSGD leaves uncompressed), following ``powerSGD_hook``'s own rules."""
+    values = 0
+    for p in model.parameters():  # DDP buckets each (shared) parameter once
+        if p.dim() <= 1:
+            values += p.numel()
+            continue
+        rows, cols = p.shape[0], p.numel() // p.shape[0]
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * 2 < rows * cols:  # min_compression_rate = 2
+            values += (rows + cols) * r
+        else:
+            values += rows * cols
+    return 2 * (world - 1) * 4 * values // world
+
+
+def _build_method(
+    name: str, model: nn.Module, cfg: dict[str, Any], world: int
+) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, int]]:
+    """Return (module to call, optimizer, bytes per step by phase)."""
+    lr, warmup = cfg["lr"], cfg["warmup"]
+    betas = tuple(cfg.get("betas", (0.9, 0.999)))
+    numel = sum(p.numel() for p in model.parameters())
+    fp32 = 2 * (world - 1) * 4 * numel // world
+    if name == "nocomm":
+        return (
+            model,
+            torch.optim.Adam(model.parameters(), lr=lr, betas=betas),
+            {"warmup": 0, "compression": 0},
+        )
+    if name in ONEBIT_METHODS:
+        from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+        if name == "onebit_adam":
+            opt = OneBitAdam(model.parameters(), lr=lr, betas=betas, freeze_step=warmup)
+        elif name == "zero_one_adam":
+            opt = ZeroOneAdam(model.parameters(), lr=lr, betas=betas, var_freeze_step=warmup)
+        else:
+            opt = OneBitLamb(
+                model.parameters(), lr=cfg.get("lr_lamb", lr), betas=betas, freeze_step=warmup
+            )
+        return model, opt, {}  # the optimizer counts its own bytes
+    if name not in DDP_METHODS:
+        raise ValueError(f"unknown method {name!r}")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if name.startswith("powersgd"):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        # one bucket larger than the model: several buckets abort on gloo at W = 4
+        size_mb = 4 * numel / 2**20
+        ddp = DDP(model, bucket_cap_mb=size_mb + 1)
+        rank = int(name.rsplit("_r", 1)[1])
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=max(2, warmup + 1),  # vanilla allreduce on the warmup steps
+            random_seed=0,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        bytes_ = {"warmup": fp32, "compression": _powersgd_bytes(model, rank, world)}
+    else:
+        ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"))
+        bytes_ = {"warmup": fp32, "compression": fp32}
+        if name == "ddp_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            bytes_ = {"warmup": fp32 // 2, "compression": fp32 // 2}
+    return ddp, torch.optim.Adam(model.parameters(), lr=lr, betas=betas), bytes_
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _tx_bytes(ifname: str | None) -> int:
+    if not ifname:
+        return 0
+    try:
+        return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+    except OSError:
+        return 0
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was = model.training
+    model.eval()
+    loss = sum(float(model(x, y)) for x, y in val) / len(val)
+    model.train(was)
+    return loss
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train ``cfg["steps"]`` steps of ``cfg["method"]`` on this rank; return its records."""
+    torch.set_num_threads(cfg.get("threads", 1))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.get("timeout", 600))
+    )
+    try:
+        return _train(cfg, rank, world, ifname)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> dict[str, Any]:
+    method, steps, warmup = cfg["method"], cfg["steps"], cfg["warmup"]
+    block, batch = cfg["model"]["block"], cfg["batch"]
+    model, train_tok, val_tok = build(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(cfg.get("seed", 0) * 1000 + 1)
+    vb = cfg.get("val_batch", 8)
+    val_off = torch.randint(
+        0, len(val_tok) - block - 1, (cfg.get("val_windows", 32),), generator=gen
+    )
+    val = [_batch(val_tok, val_off[i : i + vb], block) for i in range(0, len(val_off), vb)]
+    gen.manual_seed(cfg.get("seed", 0) * 1000 + 17 + rank)  # each rank its own data stream
+    train_off = torch.randint(0, len(train_tok) - block - 1, (steps, batch), generator=gen)
+
+    module, opt, ddp_bytes = _build_method(method, model, cfg, world)
+    eval_every = cfg.get("eval_every", 0)
+    evals: list[dict[str, Any]] = []
+
+    def evaluate(step: int) -> None:
+        # rank 0 evaluates its copy of the model (identical on all ranks except nocomm and
+        # zero_one_adam's local steps), the others wait: outside the timed region
+        if rank == 0 and method != "nocomm":
+            evals.append({"step": step, "val_loss": _evaluate(model, val)})
+        dist.barrier()
+
+    evaluate(0)
+    records = []
+    for step in range(1, steps + 1):
+        x, y = _batch(train_tok, train_off[step - 1], block)
+        phase = "warmup" if step <= warmup else "compression"
+        opt_phase = getattr(opt, "phase", None)
+        tx0 = _tx_bytes(ifname)
+        t0 = time.monotonic()
+        opt.zero_grad(set_to_none=True)
+        loss = module(x, y)
+        loss.backward()
+        opt.step()
+        t1 = time.monotonic()
+        tx1 = _tx_bytes(ifname)
+        # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
+        sent = opt.comm_stats["bytes_last_step"] if method in ONEBIT_METHODS else ddp_bytes[phase]
+        records.append(
+            {
+                "step": step,
+                "t0": t0,
+                "t1": t1,
+                "phase": phase,
+                "opt_phase": opt_phase,
+                "bytes": sent,
+                "tx_bytes": tx1 - tx0,
+                "loss": float(loss),
+            }
+        )
+        if (eval_every and step % eval_every == 0) or step == steps:
+            evaluate(step)
+    return {
+        "rank": rank,
+        "world_size": world,
+        "method": method,
+        "numel": numel,
+        "records": records,
+        "evals": evals,
+        "ifname": ifname,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="JSON configuration (see benchmarks/cluster.py)")
+    p.add_argument("--out", required=True, help="where this rank writes its JSON result")
+    args = p.parse_args(argv)
+    result = run(json.loads(args.config))
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
