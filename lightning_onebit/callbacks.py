@@ -60,9 +60,13 @@ class CompressionScheduler(Callback):
 
         freeze_step = _normalize_freeze_step(freeze_step)
         if window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+            raise ValueError(
+                f"window (OneBitStrategy: freeze_window) must be an int >= 1, got {window!r}"
+            )
         if not threshold > 0:
-            raise ValueError(f"threshold must be > 0, got {threshold!r}")
+            raise ValueError(
+                f"threshold (OneBitStrategy: freeze_threshold) must be > 0, got {threshold!r}"
+            )
         self.freeze_step = freeze_step
         self.adaptive = adaptive
         self.threshold = threshold

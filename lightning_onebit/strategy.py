@@ -190,18 +190,17 @@ class OneBitStrategy(DDPStrategy):
             raise ValueError(
                 "OneBitStrategy installs its own DDP communication hook; remove ddp_comm_hook/ddp_comm_wrapper"
             )
-        freeze_step = _normalize_freeze_step(freeze_step)
-        if freeze_window < 1:
-            raise ValueError(f"freeze_window must be an int >= 1, got {freeze_window!r}")
-        if not freeze_threshold > 0:
-            raise ValueError(f"freeze_threshold must be > 0, got {freeze_threshold!r}")
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self.algorithm = algorithm
-        self.freeze_step = freeze_step
-        self.adaptive_freeze = adaptive_freeze
-        self.freeze_threshold = freeze_threshold
-        self.freeze_window = freeze_window
-        self.log_comm_stats = log_comm_stats
+        # the callback this strategy adds when the Trainer has none (validated here, now)
+        self.scheduler_args: dict[str, Any] = {
+            "freeze_step": freeze_step,
+            "adaptive": adaptive_freeze,
+            "threshold": freeze_threshold,
+            "window": freeze_window,
+            "log_stats": log_comm_stats,
+        }
+        self.freeze_step = self._new_scheduler().freeze_step
         self.optimizer_options: dict[str, Any] = {
             "var_update_scaler": var_update_scaler,
             "local_step_scaler": local_step_scaler,
@@ -289,15 +288,12 @@ class OneBitStrategy(DDPStrategy):
         if trainer is not None and not any(
             isinstance(c, CompressionScheduler) for c in trainer.callbacks
         ):
-            trainer.callbacks.append(
-                CompressionScheduler(
-                    freeze_step=self.freeze_step,
-                    adaptive=self.adaptive_freeze,
-                    threshold=self.freeze_threshold,
-                    window=self.freeze_window,
-                    log_stats=self.log_comm_stats,
-                )
-            )
+            trainer.callbacks.append(self._new_scheduler())
+
+    def _new_scheduler(self) -> Any:
+        from lightning_onebit.callbacks import CompressionScheduler
+
+        return CompressionScheduler(**self.scheduler_args)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -188,3 +188,27 @@ def test_notebook_runs(tmp_path: Path) -> None:
         if "image/png" in o.get("data", {})
     ]
     assert images, "the plot cell produced no image"
+
+
+@pytest.mark.slow
+def test_cli_strategy_by_name_and_help(tmp_path: Path) -> None:
+    """`--trainer.strategy onebit_adam` (a registered name) works, and `--help` documents the
+    strategy's hyperparameters (LightningCLI reads them from OneBitStrategy's docstring)."""
+    r = _train(tmp_path, "ddp_adam.yaml", "--trainer.strategy", "onebit_adam")
+    assert r["optimizer"] == "OneBitAdam" and r["world_size"] == 2
+    assert 0 < r["bytes_per_rank"] < r["fp32_ddp_bytes_per_rank"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        "fit",
+        "--trainer.strategy.help",
+        "lightning_onebit.OneBitStrategy",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in (
+        "--trainer.strategy.freeze_step",
+        "fraction of the run",
+        "--trainer.strategy.max_coeff",
+    ):
+        assert text in proc.stdout, text

@@ -213,7 +213,7 @@ def test_registry_names_resolve_to_the_strategy() -> None:
         ({"algorithm": "onebit_lamb", "factor_min": 5.0}, "factor_min"),
         ({"algorithm": "zero_one_adam", "var_update_scaler": 0}, "var_update_scaler"),
         ({"algorithm": "zero_one_adam", "local_step_clipper": 0}, "local_step_clipper"),
-        ({"freeze_window": 0}, "freeze_window"),
+        ({"freeze_window": 0}, "window"),
         ({"ddp_comm_hook": lambda s, b: None}, "installs its own DDP communication hook"),
     ],
 )
