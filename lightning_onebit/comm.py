@@ -22,6 +22,8 @@ the fp32 buffer (``8 * n * (W - 1) / W`` bytes).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,7 +61,8 @@ class ExchangeHandle:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
-                self._work.wait()
+                with self._exchange._explained("all_gather"):
+                    self._work.wait()
             self._result = self._exchange._decode(self._out).view(self._shape)
         return self._result
 
@@ -207,7 +210,8 @@ class CompressedAllreduce:
         self._scales(self._send).copy_(self._scale.expand(w))
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
-            dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
+            with self._explained("all_to_all"):
+                dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
         kernels.server_reduce(
@@ -222,14 +226,28 @@ class CompressedAllreduce:
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
         work = None
         if w > 1:
-            work = _all_gather_single(
-                self._gathered.view(-1), self._server, group=self.group, async_op=True
-            )
+            with self._explained("all_gather"):
+                work = _all_gather_single(
+                    self._gathered.view(-1), self._server, group=self.group, async_op=True
+                )
 
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
         self.calls += 1
         return ExchangeHandle(self, work, out, tensor.shape)
+
+    @contextlib.contextmanager
+    def _explained(self, what: str) -> Iterator[None]:
+        """Re-raise a collective's failure with what it most likely means."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"1-bit exchange failed in its {what} (rank {self.rank} of {self.world_size}): a "
+                "peer rank died, stopped, or did not reach the same exchange within the process "
+                "group's timeout (OneBitStrategy(timeout=...), init_process_group(timeout=...)). "
+                f"Check the other ranks' logs for the first error. Cause: {e}"
+            ) from e
 
     def _decode(self, out: torch.Tensor) -> torch.Tensor:
         # 5. decode all W server chunks, dropping the padding

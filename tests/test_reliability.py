@@ -1,0 +1,85 @@
+"""Failure modes: a dead or stuck rank ends the others with an error within the timeout, and
+runs are bitwise reproducible on CPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.comm import CompressedAllreduce
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from tests._dist import free_port, run_distributed
+
+
+def _peer(rank: int, port: int, mode: str, q: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=5))
+    exchange = CompressedAllreduce(10_000)
+    exchange(torch.randn(10_000))  # one good call together
+    if rank == 1:
+        if mode == "dies":
+            os._exit(1)  # no goodbye: the socket closes under rank 0
+        time.sleep(60)  # stuck: never reaches the next collective
+        return
+    t0 = time.monotonic()
+    try:
+        exchange(torch.randn(10_000))
+        q.put(("returned", time.monotonic() - t0, ""))
+    except Exception as e:  # what the user sees
+        q.put(("raised", time.monotonic() - t0, f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dies", "stuck"])
+def test_dead_or_stuck_rank_ends_the_others_with_an_error(mode: str) -> None:
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_peer, args=(r, port, mode, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        status, seconds, message = q.get(timeout=60)  # never hangs: the group timeout is 5 s
+    finally:
+        for p in procs:
+            p.kill()
+    print(f"\nrank 1 {mode}: rank 0 {status} after {seconds:.1f} s: {message[:200]}")
+    assert status == "raised", "rank 0 returned from an exchange its peer never joined"
+    assert "1-bit exchange failed" in message and "peer rank died, stopped" in message
+    assert seconds < 30
+
+
+def _train(rank: int, world: int, algo: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)  # same model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    make = {
+        "onebit_adam": lambda p: OneBitAdam(p, lr=1e-2, freeze_step=5),
+        "zero_one_adam": lambda p: ZeroOneAdam(p, lr=1e-2, var_freeze_step=5),
+        "onebit_lamb": lambda p: OneBitLamb(p, lr=1e-2, freeze_step=5),
+    }[algo]
+    opt = make(model.parameters())
+    gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
+    for _ in range(20):
+        x = torch.randn(16, 32, generator=gen)
+        loss = (model(x) - x[:, :8]).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_two_runs_with_the_same_seed_are_bitwise_identical(algo: str) -> None:
+    a = run_distributed(_train, 2, algo)
+    b = run_distributed(_train, 2, algo)
+    for ra, rb in zip(a, b, strict=True):
+        for k in ra:
+            assert torch.equal(ra[k], rb[k]), f"{algo}: {k} differs between two identical runs"
