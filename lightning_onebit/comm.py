@@ -23,6 +23,7 @@ the fp32 buffer (``8 * n * (W - 1) / W`` bytes).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,10 +32,14 @@ import torch.distributed as dist
 
 from lightning_onebit import kernels
 
-__all__ = ["CompressedAllreduce", "ExchangeHandle", "fp32_allreduce_bytes"]
+__all__ = ["CompressedAllreduce", "ExchangeHandle", "NonFiniteError", "fp32_allreduce_bytes"]
 
 # torch >= 2.10 renames all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf reached the compressed exchange (raised on every rank in the same call)."""
 
 
 def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
@@ -212,6 +217,9 @@ class CompressedAllreduce:
         if w > 1:
             with self._explained("all_to_all"):
                 dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
+        # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
+        # same call, so all stop here together, before the server error or any output is touched.
+        self._check_finite(self._scales(self._recv))
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
         kernels.server_reduce(
@@ -235,6 +243,18 @@ class CompressedAllreduce:
         self.total_bytes_sent += self.bytes_sent
         self.calls += 1
         return ExchangeHandle(self, work, out, tensor.shape)
+
+    def _check_finite(self, scales: torch.Tensor) -> None:
+        if bool(torch.isfinite(scales).all()):
+            return
+        bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]
+        raise NonFiniteError(
+            f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
+            f"{self.world_size} (call {self.calls + 1}); every rank stops in this call and no "
+            "rank applied it, but those ranks' error buffers are no longer valid: resume from the "
+            "last checkpoint, and lower the learning rate or check the data (with 16-mixed the "
+            "loss scaler skips overflowing steps on every rank instead)"
+        )
 
     @contextlib.contextmanager
     def _explained(self, what: str) -> Iterator[None]:

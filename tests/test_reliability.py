@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import CompressedAllreduce
+from lightning_onebit.comm import CompressedAllreduce, NonFiniteError
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests._dist import free_port, run_distributed
 
@@ -83,3 +83,32 @@ def test_two_runs_with_the_same_seed_are_bitwise_identical(algo: str) -> None:
     for ra, rb in zip(a, b, strict=True):
         for k in ra:
             assert torch.equal(ra[k], rb[k]), f"{algo}: {k} differs between two identical runs"
+
+
+def _nan_worker(rank: int, world: int) -> list[str]:
+    exchange = CompressedAllreduce(1000)
+    seen = []
+    for call in range(3):
+        x = torch.randn(1000)
+        if rank == 1 and call == 1:
+            x[123] = float("nan")
+        try:
+            exchange(x)
+            seen.append("ok")
+        except NonFiniteError as e:
+            seen.append(str(e))
+    return seen
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_stops_every_rank_in_the_same_call() -> None:
+    results = run_distributed(_nan_worker, 2)
+    for seen in results:
+        assert seen[0] == "ok"
+        assert "rank(s) [1] of 2 (call 2)" in seen[1], seen[1]
+    assert results[0][1] == results[1][1]  # the same error on every rank, and no hang
+
+
+def test_nan_single_process() -> None:
+    with pytest.raises(NonFiniteError, match=r"rank\(s\) \[0\] of 1"):
+        CompressedAllreduce(10)(torch.tensor([1.0] * 9 + [float("inf")]))
