@@ -110,15 +110,13 @@ class _RankSyncedGradScaler(torch.amp.GradScaler):
     optimizers (and deadlock their exchange). One extra 1-element all_reduce per step.
     """
 
-    group: dist.ProcessGroup | None = None
-
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
         if not (self._enabled and dist.is_available() and dist.is_initialized()):
             return
         for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
 
 class OneBitStrategy(DDPStrategy):
@@ -442,12 +440,6 @@ class OneBitStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._rank_state = None
         rank_file = self._rank_file(checkpoint_path)
-        saved = sorted(
-            p.name
-            for p in Path(os.fspath(checkpoint_path)).parent.glob(
-                Path(os.fspath(checkpoint_path)).name + ".onebit-rank*"
-            )
-        )
         if get_filesystem(rank_file).exists(rank_file):
             state = pl_load(rank_file, weights_only=False)
             if state.get("global_step") != checkpoint.get("global_step"):
@@ -460,6 +452,8 @@ class OneBitStrategy(DDPStrategy):
             else:
                 self._rank_state = state
         elif "optimizer_states" in checkpoint:
+            path = Path(os.fspath(checkpoint_path))  # only to name what is there instead
+            saved = sorted(p.name for p in path.parent.glob(path.name + ".onebit-rank*"))
             warnings.warn(
                 f"no per-rank 1-bit state for rank {self.global_rank} of {self.world_size} beside "
                 f"{checkpoint_path} (found: {saved or 'none'}); resuming with the error buffers reset to zero"

@@ -458,7 +458,7 @@ def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
     assert records[0]["phase"] == "compression", "the variance never counted as stable"
 
 
-def test_optimizer_from_our_package_keeps_its_own_freeze_step() -> None:
+def test_switch_step_maps_to_each_optimizers_freeze_parameter() -> None:
     opt = OneBitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=7)
     assert opt.switch_step == 7
     z = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))], var_freeze_step=9)
