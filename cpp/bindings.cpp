@@ -19,9 +19,13 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("worker_compress_cpu", [](ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
                                   int64_t row_stride, ptr scale_out, int nthreads) {
-    return onebit::worker_compress_cpu(P<const float>(x), nx, P<float>(e), n, P<uint8_t>(bits), W,
-                                       row_stride, P<float>(scale_out), nthreads);
-  }, release(), "y = x + e; pack sign(y); e <- y - scale*sign(y); returns scale = ||y||/sqrt(n)");
+    return onebit::worker_compress_cpu(P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits),
+                                       W, row_stride, P<float>(scale_out), nthreads);
+  }, release(), "y = x + e; pack sign(y); returns scale = ||y||/sqrt(n) (e is not written)");
+
+  m.def("worker_update_error_cpu", [](ptr x, int64_t nx, ptr e, int64_t n, float scale, int nthreads) {
+    onebit::worker_update_error_cpu(P<const float>(x), nx, P<float>(e), n, scale, nthreads);
+  }, release(), "e <- y - scale*sign(y) with y = x + e");
 
   m.def("server_reduce_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                                 int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
@@ -44,9 +48,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_workspace_bytes", &onebit::cuda_workspace_bytes, "device workspace the CUDA compressions need");
   m.def("worker_compress_cuda", [](ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
                                    int64_t row_stride, ptr scale_out, ptr ws, ptr stream) {
-    onebit::worker_compress_cuda(P<const float>(x), nx, P<float>(e), n, P<uint8_t>(bits), W,
+    onebit::worker_compress_cuda(P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits), W,
                                  row_stride, P<float>(scale_out), P<void>(ws), P<void>(stream));
   }, release(), "worker compress on the given CUDA stream; scale written to device memory");
+  m.def("worker_update_error_cuda", [](ptr x, int64_t nx, ptr e, int64_t n, ptr scale, ptr stream) {
+    onebit::worker_update_error_cuda(P<const float>(x), nx, P<float>(e), n, P<const float>(scale),
+                                     P<void>(stream));
+  }, release(), "worker error update on the given CUDA stream; scale read from device memory");
   m.def("server_reduce_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                                  int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
                                  ptr scale_out, bool pending, ptr ws, ptr stream) {

@@ -14,11 +14,16 @@
 
 namespace onebit {
 
-// y = x + e (x zero-extended from nx to n values); scale = ||y||_2 / sqrt(n);
-// bits of row j = packed signs of y[j*m, (j+1)*m) with m = n / W; e <- y - scale * sign(y).
-// Writes the scale to *scale_out and returns it. n must be a multiple of 8 * W.
-float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits,
+// Worker compression, in two calls so that nothing changes until the caller knows the step
+// goes ahead (every rank's scale is finite):
+// 1. y = x + e (x zero-extended from nx to n values); scale = ||y||_2 / sqrt(n); bits of row j =
+//    packed signs of y[j*m, (j+1)*m) with m = n / W. Reads x and e only. Writes the scale to
+//    *scale_out and returns it. n must be a multiple of 8 * W.
+float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
                           int64_t W, int64_t row_stride, float* scale_out, int nthreads);
+// 2. e <- y - scale * sign(y), y = x + e recomputed bit for bit (x unchanged since step 1).
+void worker_update_error_cpu(const float* x, int64_t nx, float* e, int64_t n, float scale,
+                             int nthreads);
 
 // c = sum_i sign_i * (scale_i / W), summed over i = 0..W-1 in order, then + e_true;
 // scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e <- c.
@@ -44,9 +49,12 @@ bool cpu_has_simd();
 // asynchronous: the scale is written to device memory at *scale_out. `workspace` is device
 // memory of at least cuda_workspace_bytes() bytes, owned by the caller.
 int64_t cuda_workspace_bytes();
-void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits,
+void worker_compress_cuda(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
                           int64_t W, int64_t row_stride, float* scale_out, void* workspace,
                           void* stream);
+// The scale is read from device memory (the scale_out of worker_compress_cuda).
+void worker_update_error_cuda(const float* x, int64_t nx, float* e, int64_t n, const float* scale,
+                              void* stream);
 void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
                         float* scale_out, bool pending, void* workspace, void* stream);

@@ -1,5 +1,5 @@
-// CPU kernels. Each compression makes two passes over memory (the scale needs the global norm
-// before any error value can be written); each pass is one streaming sweep over fixed blocks,
+// CPU kernels. The worker compression makes two passes over memory (the scale needs the global
+// norm before any error value can be written), the server one; each pass is one streaming sweep over fixed blocks,
 // parallelised with OpenMP. Per-block work is done by block functions in two flavours:
 // AVX2 (chosen at run time when the CPU has it; the binary stays portable, no -march=native)
 // and portable scalar code (any CPU, also the reference for the AVX2 path).
@@ -27,20 +27,28 @@ inline int threads_for(int64_t n, int nthreads) { return n >= kParallelMin && nt
 // ---------------------------------------------------------------- block functions: scalar
 // Each handles [lo, hi) with lo, hi multiples of 8 and returns the block's sum of squares.
 
-// y = x + e (x read only below nx), e <- y, out <- packed sign(y).
-double compress_block_scalar(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, uint8_t* out) {
+// y = x + e (x read only below nx), out <- packed sign(y). Reads only: e is written by the
+// update pass, once the caller knows the step goes ahead (see worker_update_error_cpu).
+double compress_block_scalar(const float* x, int64_t nx, const float* e, int64_t lo, int64_t hi, uint8_t* out) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = lo; i < hi; i += 8) {
     uint8_t b = 0;
     for (int t = 0; t < 8; ++t) {
       const float y = (i + t < nx ? x[i + t] : 0.0f) + e[i + t];
-      e[i + t] = y;
       acc[t] += static_cast<double>(y) * y;
       b |= static_cast<uint8_t>(y >= 0.0f) << t;
     }
     *out++ = b;
   }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// e <- y - s * sign(y) with y = x + e recomputed (the same float add as the compress pass).
+void update_block_scalar(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, float s) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float y = (i < nx ? x[i] : 0.0f) + e[i];
+    e[i] = y >= 0.0f ? y - s : y + s;
+  }
 }
 
 // Server block: c = sum_r sign_r * w_r (rows in order) + e_true, e <- c, out <- packed sign(c).
@@ -76,11 +84,6 @@ void decode_block_scalar(const uint8_t* in, float s, float* out, int64_t lo, int
   for (int64_t i = lo; i < hi; ++i) out[i] = ((in[(i - lo) / 8] >> ((i - lo) % 8)) & 1u) ? s : -s;
 }
 
-// e <- e - s * sign(e): the second pass of both compressions.
-void subtract_block_scalar(float* e, int64_t lo, int64_t hi, float s) {
-  for (int64_t i = lo; i < hi; ++i) e[i] = e[i] >= 0.0f ? e[i] - s : e[i] + s;
-}
-
 #ifdef ONEBIT_X86
 // ---------------------------------------------------------------- block functions: AVX2
 // movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
@@ -106,7 +109,7 @@ AVX2 inline double hsum(__m256d a0, __m256d a1) {
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-AVX2 double compress_block_avx2(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, uint8_t* out) {
+AVX2 double compress_block_avx2(const float* x, int64_t nx, const float* e, int64_t lo, int64_t hi, uint8_t* out) {
   const int64_t full = std::max(lo, std::min(hi, nx - nx % 8));  // x fully present below this
   if (full < hi) {  // the block holds the end of x: do the tail in scalar code
     double a = full > lo ? compress_block_avx2(x, nx, e, lo, full, out) : 0.0;
@@ -116,11 +119,22 @@ AVX2 double compress_block_avx2(const float* x, int64_t nx, float* e, int64_t lo
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = lo; i < hi; i += 8) {
     const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
-    _mm256_storeu_ps(e + i, y);
     *out++ = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ)));
     accumulate_squares(y, a0, a1);
   }
   return hsum(a0, a1);
+}
+
+AVX2 void update_block_avx2(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, float s) {
+  const int64_t full = std::max(lo, std::min(hi, nx));  // x present below this (any alignment)
+  const __m256 zero = _mm256_setzero_ps(), sv = _mm256_set1_ps(s);
+  int64_t i = lo;
+  for (; i + 8 <= full; i += 8) {
+    const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    const __m256 ge = _mm256_cmp_ps(y, zero, _CMP_GE_OQ);
+    _mm256_storeu_ps(e + i, _mm256_blendv_ps(_mm256_add_ps(y, sv), _mm256_sub_ps(y, sv), ge));
+  }
+  if (i < hi) update_block_scalar(x, nx, e, i, hi, s);
 }
 
 AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
@@ -147,34 +161,24 @@ AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, 
   if (i < hi) decode_block_scalar(in, s, out, i, hi);
 }
 
-AVX2 void subtract_block_avx2(float* e, int64_t lo, int64_t hi, float s) {
-  const __m256 zero = _mm256_setzero_ps(), sv = _mm256_set1_ps(s);
-  int64_t i = lo;
-  for (; i + 8 <= hi; i += 8) {
-    const __m256 y = _mm256_loadu_ps(e + i);
-    const __m256 ge = _mm256_cmp_ps(y, zero, _CMP_GE_OQ);
-    _mm256_storeu_ps(e + i, _mm256_blendv_ps(_mm256_add_ps(y, sv), _mm256_sub_ps(y, sv), ge));
-  }
-  if (i < hi) subtract_block_scalar(e, i, hi, s);
-}
 #endif  // ONEBIT_X86
 
 // ---------------------------------------------------------------- dispatch
 
 struct Impl {
-  double (*compress)(const float*, int64_t, float*, int64_t, int64_t, uint8_t*);
+  double (*compress)(const float*, int64_t, const float*, int64_t, int64_t, uint8_t*);
   double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, float*, int64_t, int64_t, uint8_t*, bool, float);
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
-  void (*subtract)(float*, int64_t, int64_t, float);
+  void (*update)(const float*, int64_t, float*, int64_t, int64_t, float);
 };
 
 const Impl& impl() {
   static const Impl chosen = [] {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
-      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, subtract_block_avx2};
+      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2};
 #endif
-    return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, subtract_block_scalar};
+    return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar};
   }();
   return chosen;
 }
@@ -186,18 +190,11 @@ float finish_scale(const std::vector<double>& partial, int64_t n) {
   return static_cast<float>(std::sqrt(total) / std::sqrt(static_cast<double>(n)));
 }
 
-void subtract_sign(float* e, int64_t n, float s, int nt) {
-  const auto sub = impl().subtract;
-  const int64_t nblk = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t blk = 0; blk < nblk; ++blk) sub(e, blk * kBlock, std::min(n, (blk + 1) * kBlock), s);
-}
-
 }  // namespace
 
 bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
 
-float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits, int64_t W,
+float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits, int64_t W,
                           int64_t row_stride, float* scale_out, int nthreads) {
   const int64_t m = n / W;
   const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
@@ -213,9 +210,16 @@ float worker_compress_cpu(const float* x, int64_t nx, float* e, int64_t n, uint8
     partial[blk] = compress(x, nx, e, lo, hi, bits + j * row_stride + (lo - j * m) / 8);
   }
   const float s = finish_scale(partial, n);
-  subtract_sign(e, n, s, nt);
   *scale_out = s;
   return s;
+}
+
+void worker_update_error_cpu(const float* x, int64_t nx, float* e, int64_t n, float scale, int nthreads) {
+  const auto update = impl().update;
+  const int64_t nblk = (n + kBlock - 1) / kBlock;
+  const int nt = threads_for(n, nthreads);
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t blk = 0; blk < nblk; ++blk) update(x, nx, e, blk * kBlock, std::min(n, (blk + 1) * kBlock), scale);
 }
 
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,

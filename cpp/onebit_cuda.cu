@@ -8,9 +8,11 @@
 // segment's 16 bytes). Rows are m values (m % 8 == 0), so a segment's length is a multiple of 8
 // and every lane's 4 values are either all inside or all outside the segment.
 //
-// Each compression is three launches on the caller's stream: a fused pass writing e, the bits and
-// one double partial sum of squares per block into the workspace; a single-block finalize that
-// adds the partials in a fixed order and writes the scale to device memory; and e <- e - s*sign(e).
+// Each compression is two launches on the caller's stream: a fused pass writing the bits and one
+// double partial sum of squares per block into the workspace (the server pass also writes e), and
+// a single-block finalize that adds the partials in a fixed order and writes the scale to device
+// memory. The worker's error update (e <- y - s*sign(y)) is a separate launch that the caller
+// makes once it knows the step goes ahead.
 // The grid depends only on the problem size (capped at kMaxBlocks, independent of the GPU), so
 // the scale is reproducible. No atomics, no host synchronisation, no allocation.
 #include "onebit.h"
@@ -117,9 +119,20 @@ __device__ __forceinline__ double block_sum(double v) {
   return total;
 }
 
-// Worker pass 1: y = x + e (x zero beyond nx), e <- y, bits <- sign(y), partial <- sum y^2.
+// x[i..i+3], zero beyond nx; float4 when x is 16-byte aligned and the four are inside.
+__device__ __forceinline__ float4 load_x4(const float* x, int64_t nx, int64_t i, bool xvec) {
+  if (xvec && i + 4 <= nx) return __ldg(reinterpret_cast<const float4*>(x + i));
+  float4 v;  // unaligned x, or the float4 straddling / beyond nx (zero extension)
+  v.x = i + 0 < nx ? __ldg(x + i + 0) : 0.0f;
+  v.y = i + 1 < nx ? __ldg(x + i + 1) : 0.0f;
+  v.z = i + 2 < nx ? __ldg(x + i + 2) : 0.0f;
+  v.w = i + 3 < nx ? __ldg(x + i + 3) : 0.0f;
+  return v;
+}
+
+// Worker pass 1: y = x + e (x zero beyond nx), bits <- sign(y), partial <- sum y^2. Reads e only.
 __global__ void __launch_bounds__(kThreads)
-worker_pass1(const float* x, int64_t nx, float* e, int64_t m, int64_t nseg, int64_t spr,
+worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg, int64_t spr,
              uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4, double* partial) {
   const int lane = threadIdx.x & 31;
   double acc = 0.0;
@@ -131,18 +144,9 @@ worker_pass1(const float* x, int64_t nx, float* e, int64_t m, int64_t nseg, int6
     const int64_t i = row * m + off + 4 * lane;
     uint32_t nib = 0;
     if (4 * lane < len) {
-      float4 xv;
-      if (xvec && i + 4 <= nx) {
-        xv = __ldg(reinterpret_cast<const float4*>(x + i));
-      } else {  // unaligned x, or the float4 straddling / beyond nx (zero extension)
-        xv.x = i + 0 < nx ? __ldg(x + i + 0) : 0.0f;
-        xv.y = i + 1 < nx ? __ldg(x + i + 1) : 0.0f;
-        xv.z = i + 2 < nx ? __ldg(x + i + 2) : 0.0f;
-        xv.w = i + 3 < nx ? __ldg(x + i + 3) : 0.0f;
-      }
+      const float4 xv = load_x4(x, nx, i, xvec);
       const float4 ev = load4(e + i, evec);
       const float4 y = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
-      store4(e + i, y, evec);
       acc += sq4(y);
       nib = nibble(y);
     }
@@ -237,23 +241,24 @@ finalize_scale(const double* partial, int nparts, int64_t count, float* scale_ou
   if (threadIdx.x == 0) *scale_out = __double2float_rn(sqrt(total) / sqrt(static_cast<double>(count)));
 }
 
-// Pass 2 of both compressions: e <- e - s * sign(e), s read from device memory.
+// Worker pass 2: e <- y - s * sign(y), y = x + e recomputed (x zero beyond nx), s from device memory.
 __global__ void __launch_bounds__(kThreads)
-subtract_scaled_sign(float* e, int64_t n, const float* scale, bool evec) {
+worker_update(const float* x, int64_t nx, float* e, int64_t n, const float* scale, bool xvec, bool evec) {
   const float s = *scale;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   int64_t done = 0;
-  if (evec) {
-    float4* e4 = reinterpret_cast<float4*>(e);
+  if (evec) {  // n is a multiple of 8, so float4s cover e exactly
     for (int64_t k = tid; k < n / 4; k += stride) {
-      float4 v = e4[k];
-      v.x = sub_sign(v.x, s); v.y = sub_sign(v.y, s); v.z = sub_sign(v.z, s); v.w = sub_sign(v.w, s);
-      e4[k] = v;
+      const float4 xv = load_x4(x, nx, 4 * k, xvec);
+      float4 v = reinterpret_cast<float4*>(e)[k];
+      v.x = sub_sign(xv.x + v.x, s); v.y = sub_sign(xv.y + v.y, s);
+      v.z = sub_sign(xv.z + v.z, s); v.w = sub_sign(xv.w + v.w, s);
+      reinterpret_cast<float4*>(e)[k] = v;
     }
     done = n / 4 * 4;
   }
-  for (int64_t k = done + tid; k < n; k += stride) e[k] = sub_sign(e[k], s);
+  for (int64_t k = done + tid; k < n; k += stride) e[k] = sub_sign((k < nx ? x[k] : 0.0f) + e[k], s);
 }
 
 // out[row*m + k] = bit ? s_row : -s_row for row*m + k < nout.
@@ -294,7 +299,7 @@ void check_rows(int64_t W, int64_t m, const char* what) {
 
 int64_t cuda_workspace_bytes() { return kMaxBlocks * static_cast<int64_t>(sizeof(double)); }
 
-void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8_t* bits, int64_t W,
+void worker_compress_cuda(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits, int64_t W,
                           int64_t row_stride, float* scale_out, void* workspace, void* stream) {
   if (W <= 0 || n % (8 * W) != 0 || nx < 0 || nx > n)
     throw std::invalid_argument("onebit: worker_compress_cuda: need n % (8*W) == 0 and 0 <= nx <= n");
@@ -302,14 +307,21 @@ void worker_compress_cuda(const float* x, int64_t nx, float* e, int64_t n, uint8
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   const int grid = grid_for(nseg, kWarps);
-  const bool evec = aligned(e, 16);
   worker_pass1<<<grid, kThreads, 0, st>>>(x, nx, e, m, nseg, spr > 0 ? spr : 1, bits, row_stride,
-                                          aligned(x, 16), evec, rows_aligned4(bits, W, row_stride), partial);
+                                          aligned(x, 16), aligned(e, 16), rows_aligned4(bits, W, row_stride),
+                                          partial);
   check_launch("worker_pass1");
   finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, n, scale_out);
   check_launch("finalize_scale");
-  subtract_scaled_sign<<<grid_for(n / 4, kThreads), kThreads, 0, st>>>(e, n, scale_out, evec);
-  check_launch("subtract_scaled_sign");
+}
+
+void worker_update_error_cuda(const float* x, int64_t nx, float* e, int64_t n, const float* scale, void* stream) {
+  if (n % 8 != 0 || nx < 0 || nx > n)
+    throw std::invalid_argument("onebit: worker_update_error_cuda: need n % 8 == 0 and 0 <= nx <= n");
+  if (n == 0) return;
+  worker_update<<<grid_for(n / 4, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      x, nx, e, n, scale, aligned(x, 16), aligned(e, 16));
+  check_launch("worker_update");
 }
 
 void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,

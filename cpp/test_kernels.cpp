@@ -41,6 +41,8 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   float scale = -1.0f;
   const float s = onebit::worker_compress_cpu(x.get(), nx, e.get(), n, bits.get(), W, stride, &scale, nthreads);
   check(s == scale && s >= 0.0f, "scale written", W, m);
+  for (int64_t i = 0; i < n; ++i) check(e[i] + (i < nx ? x[i] : 0.0f) == y[i], "compress leaves e alone", W, i);
+  onebit::worker_update_error_cpu(x.get(), nx, e.get(), n, s, nthreads);
   double ss = 0;
   for (int64_t i = 0; i < n; ++i) ss += double(y[i]) * y[i];
   check(std::fabs(s - std::sqrt(ss / double(n))) <= 1e-6 * s + 1e-30, "scale value", W, m);

@@ -39,7 +39,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class NonFiniteError(FloatingPointError):
-    """A NaN or Inf reached the compressed exchange (raised on every rank in the same call)."""
+    """A NaN or Inf reached the compressed exchange: raised on every rank in the same call, before
+    anything changed (error buffers as before the call, nothing sent after the scales)."""
 
 
 def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
@@ -210,16 +211,20 @@ class CompressedAllreduce:
             )
         w, row = self.world_size, self.chunk_numel // 8
 
-        # 1. worker compression straight into the send records, scale copied into each record
-        kernels.worker_compress(x, self.worker_error, self._bits(self._send, row), self._scale)
+        # 1. worker compression straight into the send records, scale copied into each record;
+        #    the worker error is updated only once every rank's scale is known to be finite
+        kernels.worker_compress(
+            x, self.worker_error, self._bits(self._send, row), self._scale, update_error=False
+        )
         self._scales(self._send).copy_(self._scale.expand(w))
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
             with self._explained("all_to_all"):
                 dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
-        # same call, so all stop here together, before the server error or any output is touched.
+        # same call, so all stop here together with both error buffers as they were.
         self._check_finite(self._scales(self._recv))
+        kernels.worker_update_error(x, self.worker_error, self._scale)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
         kernels.server_reduce(
@@ -247,13 +252,13 @@ class CompressedAllreduce:
     def _check_finite(self, scales: torch.Tensor) -> None:
         if bool(torch.isfinite(scales).all()):
             return
+        self.bytes_sent = self.bytes_per_call // 2  # the all_to_all went out; nothing after it
+        self.total_bytes_sent += self.bytes_sent
         bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]
         raise NonFiniteError(
             f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
-            f"{self.world_size} (call {self.calls + 1}); every rank stops in this call and no "
-            "rank applied it, but those ranks' error buffers are no longer valid: resume from the "
-            "last checkpoint, and lower the learning rate or check the data (with 16-mixed the "
-            "loss scaler skips overflowing steps on every rank instead)"
+            f"{self.world_size} (call {self.calls + 1}); every rank stops in this call with its "
+            "error buffers unchanged (the 1-bit optimizers skip the step on every rank)"
         )
 
     @contextlib.contextmanager

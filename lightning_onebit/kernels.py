@@ -30,8 +30,10 @@ __all__ = [
     "reference_decompress",
     "reference_server_reduce",
     "reference_worker_compress",
+    "reference_worker_update_error",
     "server_reduce",
     "worker_compress",
+    "worker_update_error",
 ]
 
 try:
@@ -153,7 +155,12 @@ def _workspace(device: torch.device) -> torch.Tensor:
 
 
 def worker_compress(
-    x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    update_error: bool = True,
 ) -> None:
     """Error-compensated 1-bit compression of ``x`` (the worker side of the exchange).
 
@@ -162,11 +169,17 @@ def worker_compress(
     ``bits`` receives the packed signs of ``y[j*n/W : (j+1)*n/W]``, and
     ``error <- y - scale * sign(y)``.
 
+    With ``update_error=False`` the error is left as it was, and :func:`worker_update_error`
+    (same ``x``, ``error``, ``scale``) applies the update later: the exchange first learns
+    whether every rank's scale is finite, so a skipped step changes nothing. Both ways cost the
+    same memory traffic (the update pass recomputes ``y`` instead of storing it).
+
     Args:
         x: float32, contiguous, at most ``n`` values (any shape).
-        error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``; updated in place.
+        error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
         bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
         scale: float32 with one element; receives the scale (on the tensors' device).
+        update_error: update ``error`` in place now.
     """
     for name, t, dt in (
         ("x", x, torch.float32),
@@ -186,7 +199,8 @@ def worker_compress(
     if x.numel() > n:
         raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
     if not _use_cpp():
-        return reference_worker_compress(x, error, bits, scale)
+        reference_worker_compress(x, error, bits, scale, update_error=update_error)
+        return
     if device.type == "cuda":
         _C.worker_compress_cuda(
             x.data_ptr(),
@@ -211,6 +225,42 @@ def worker_compress(
             bits.stride(0),
             scale.data_ptr(),
             _nthreads(),
+        )
+    if update_error:
+        _update_error(x, error, scale, device)
+
+
+def worker_update_error(x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor) -> None:
+    """The deferred half of ``worker_compress(..., update_error=False)``:
+    ``error <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since)."""
+    _check_tensor("x", x, torch.float32)
+    _check_tensor("error", error, torch.float32)
+    _check_scale("scale", scale)
+    device = _check_device(("x", x), ("error", error), ("scale", scale))
+    _check_contiguous("x", x)
+    _check_contiguous("error", error)
+    n = error.numel()
+    if n == 0 or n % 8:
+        raise ValueError(f"error.numel() must be a positive multiple of 8, got {n}")
+    if x.numel() > n:
+        raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if not _use_cpp():
+        reference_worker_update_error(x, error, scale)
+        return
+    _update_error(x, error, scale, device)
+
+
+def _update_error(
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, device: torch.device
+) -> None:
+    n = error.numel()
+    if device.type == "cuda":
+        _C.worker_update_error_cuda(
+            x.data_ptr(), x.numel(), error.data_ptr(), n, scale.data_ptr(), _stream(device)
+        )
+    else:
+        _C.worker_update_error_cpu(
+            x.data_ptr(), x.numel(), error.data_ptr(), n, float(scale), _nthreads()
         )
 
 
@@ -375,7 +425,12 @@ def _sign_times(positive: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def reference_worker_compress(
-    x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    update_error: bool = True,
 ) -> None:
     """Pure-torch :func:`worker_compress` (same arguments, same results)."""
     e = error.view(-1)
@@ -384,8 +439,19 @@ def reference_worker_compress(
     y[: x.numel()] += x.reshape(-1)
     s = _scale_of(y)
     bits.copy_(_pack(y.view(w, n // w)))
-    e.copy_(y - _sign_times(y >= 0, s))
     scale.view(-1).copy_(s)
+    if update_error:
+        e.copy_(y - _sign_times(y >= 0, s))
+
+
+def reference_worker_update_error(
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Pure-torch :func:`worker_update_error` (same arguments, same results)."""
+    e = error.view(-1)
+    y = e.clone()
+    y[: x.numel()] += x.reshape(-1)
+    e.copy_(y - _sign_times(y >= 0, scale.reshape(())))
 
 
 def reference_server_reduce(

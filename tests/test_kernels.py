@@ -57,6 +57,30 @@ def test_worker_compress_matches_reference(n: int, w: int, device: str) -> None:
     assert np.array_equal(bits.cpu().reshape(-1).numpy(), expect)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [5, 1023, 10**6 + 3])
+def test_deferred_error_update_matches_the_eager_one(n: int, device: str) -> None:
+    """update_error=False leaves the error untouched; worker_update_error then gives bitwise
+    what the one-call form gives (the exchange relies on this to skip non-finite steps)."""
+    gen = torch.Generator().manual_seed(n)
+    w, n_pad = 4, _padded(n, 4)
+    x, e0 = _rand(n, gen, device), _rand(n_pad, gen, device) * 0.3
+    bits, bits_eager = (
+        torch.zeros(w, n_pad // (8 * w), dtype=torch.uint8, device=device) for _ in "ab"
+    )
+    e, e_eager = e0.clone(), e0.clone()
+    s, s_eager = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    K.worker_compress(x, e, bits, s, update_error=False)
+    assert torch.equal(e, e0)
+    K.worker_compress(x, e_eager, bits_eager, s_eager)
+    assert torch.equal(bits, bits_eager) and torch.equal(s, s_eager)
+    K.worker_update_error(x, e, s)
+    assert torch.equal(e, e_eager)
+    e_ref = e0.clone()
+    K.reference_worker_update_error(x, e_ref, s)
+    torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s))
+
+
 def test_worker_compress_error_identity() -> None:
     """e_new = y - s*sign(y) exactly, s = ||y|| / sqrt(n), computed independently in float64."""
     gen = torch.Generator().manual_seed(0)
