@@ -32,7 +32,8 @@ class CompressionScheduler(Callback):
     Logged every optimizer step (``self.log``, rank 0's values; they are equal on every rank):
     ``onebit/phase`` (0 = warmup / variance phase, 1 = compression), ``onebit/bytes_step`` and
     ``onebit/bytes_total`` (bytes this rank sent), ``onebit/ratio_vs_ddp`` (bytes an fp32 DDP
-    allreduce would have sent so far, divided by ``bytes_total``).
+    allreduce would have sent so far, divided by ``bytes_total``), ``onebit/skipped_steps`` (steps
+    the optimizer dropped because a NaN/Inf reached what it communicates).
 
     :class:`~lightning_onebit.OneBitStrategy` adds one automatically when the Trainer has none.
 
@@ -77,7 +78,7 @@ class CompressionScheduler(Callback):
         self.switch_step: int | None = None  # the resolved step
         self.switched_at: int | None = None  # optimizer step after which compression started
         self._snapshot: torch.Tensor | None = None
-        self._last_logged_step = -1
+        self._last_logged_step: tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------------ helpers
 
@@ -139,9 +140,10 @@ class CompressionScheduler(Callback):
         batch_idx: int,
     ) -> None:
         opt = self._optimizer(trainer)
-        if opt.step_count == self._last_logged_step:
-            return  # no optimizer step on this batch (gradient accumulation, skipped step)
-        self._last_logged_step = opt.step_count
+        key = (opt.step_count, opt.skipped_steps)
+        if key == self._last_logged_step:
+            return  # no optimizer step on this batch (gradient accumulation, scaler skip)
+        self._last_logged_step = key
         compressing = opt.phase != opt.PHASES[0]
         if compressing and self.switched_at is None:
             self.switched_at = opt.step_count - 1
@@ -158,6 +160,7 @@ class CompressionScheduler(Callback):
                     "onebit/ratio_vs_ddp": float(stats["fp32_equiv_total"] / total)
                     if total
                     else 1.0,
+                    "onebit/skipped_steps": float(opt.skipped_steps),
                 },
                 on_step=True,
                 on_epoch=False,

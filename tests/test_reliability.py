@@ -3,6 +3,7 @@ runs are bitwise reproducible on CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -126,3 +127,91 @@ def test_nan_on_one_rank_stops_every_rank_in_the_same_call_and_changes_nothing()
 def test_nan_single_process() -> None:
     with pytest.raises(NonFiniteError, match=r"rank\(s\) \[0\] of 1"):
         CompressedAllreduce(10)(torch.tensor([1.0] * 9 + [float("inf")]))
+
+
+# --------------------------------------------------------------------------- skip and continue
+
+# (algorithm, steps where rank 1's gradient gets a NaN): one per communicating kind of step
+NAN_CASES = {
+    "onebit_adam": [3, 13],  # warmup (fp32 average), compression (1-bit momentum)
+    "zero_one_adam": [2, 5],  # variance step (fp32 average), 1-bit gradient step
+    "onebit_lamb": [3, 13],  # warmup, compression
+}
+
+
+def _nan_skip_worker(rank: int, world: int, skip_batches: bool) -> dict:
+    import warnings
+
+    from tests.test_optim import _algo, flat_trainable, make_groups, make_params, set_grads
+
+    out = {}
+    for algo, bad in NAN_CASES.items():
+        factory, _ = _algo(algo, 1, 0)
+        params = make_params()
+        opt = factory(make_groups(params))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(1, 21):
+                if t in bad and skip_batches:
+                    continue  # the reference: these batches never happened
+                set_grads(params, rank, t)
+                if t in bad and rank == 1:
+                    next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+                opt.step()
+        out[algo] = {
+            "params": flat_trainable(params),
+            "skipped": opt.skipped_steps,
+            "steps": opt.step_count,
+            "warnings": [str(w.message) for w in caught if "skipped step" in str(w.message)],
+        }
+    return out
+
+
+def test_nan_on_one_rank_skips_the_step_on_every_rank_as_if_the_batch_was_not_there() -> None:
+    runs = run_distributed(_nan_skip_worker, 2, False)
+    refs = run_distributed(_nan_skip_worker, 2, True)
+    for algo, bad in NAN_CASES.items():
+        for rank in range(2):
+            r, ref = runs[rank][algo], refs[rank][algo]
+            assert r["skipped"] == len(bad) and ref["skipped"] == 0, algo
+            assert r["steps"] == ref["steps"] == 20 - len(bad), algo
+            assert len(r["warnings"]) == len(bad), (algo, r["warnings"])
+            assert torch.isfinite(r["params"]).all(), algo
+            # bitwise: the skipped steps changed nothing (moments, error buffers, counters)
+            assert torch.equal(r["params"], ref["params"]), algo
+        assert torch.equal(runs[0][algo]["params"], runs[1][algo]["params"]), algo
+
+
+def _local_nan_worker(rank: int, world: int) -> dict:
+    from tests.test_optim import flat_trainable, make_groups, make_params, set_grads
+
+    params = make_params()
+    opt = ZeroOneAdam(
+        make_groups(params),
+        var_freeze_step=6,
+        var_update_scaler=2,
+        local_step_scaler=100,
+        local_step_clipper=4,
+    )
+    synced = []
+    for t in range(1, 13):
+        set_grads(params, rank, t)
+        if t == 7 and rank == 1:  # the first local step (phase 2 starts after step 6)
+            next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
+        with (
+            pytest.warns(RuntimeWarning, match="skips its local update")
+            if (t == 7 and rank == 1)
+            else contextlib.nullcontext()
+        ):
+            opt.step()
+        synced.append((opt.phase, flat_trainable(params)))
+    return {"hist": synced, "skipped": opt.skipped_steps, "m": opt._flat["exp_avg"].clone()}
+
+
+def test_nan_in_a_local_step_of_zero_one_adam_is_dropped_by_that_rank_only() -> None:
+    a, b = run_distributed(_local_nan_worker, 2)
+    assert (a["skipped"], b["skipped"]) == (0, 1)
+    # local_step_interval 1 -> every step synchronises here: identical and finite after each
+    for (phase, pa), (_, pb) in zip(a["hist"], b["hist"], strict=True):
+        assert torch.isfinite(pa).all() and torch.equal(pa, pb), phase
+    assert torch.equal(a["m"], b["m"])

@@ -424,6 +424,23 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> No
     assert all(torch.isfinite(v).all() for v in records[0]["params"].values())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nan_at", [2, 8])
+def test_nan_on_one_rank_in_fp32_skips_the_step_on_every_rank(tmp_path: Path, nan_at: int) -> None:
+    """fp32, no loss scaler: an inf loss on rank 1 in the warmup (2) or the compression phase (8)
+    poisons a communicated quantity; the optimizer drops the step on every rank and logs it."""
+    records = _fit(
+        tmp_path,
+        OneBitStrategy(freeze_step=4, start_method="fork"),
+        steps=12,
+        model=CharModel(nan_at=nan_at),
+    )
+    _assert_same_on_all_ranks(records)
+    assert {r["step_count"] for r in records} == {11}
+    assert records[0]["metrics"]["onebit/skipped_steps"] == 1.0
+    assert all(torch.isfinite(v).all() for v in records[0]["params"].values())
+
+
 # --------------------------------------------------------------------------- the callback
 
 

@@ -28,6 +28,13 @@ Algorithm 1. Everything else lives here, once:
   Adam decides the next step's allreduce from the saved interval and then resets the interval,
   so ranks can drift after a reload).
 
+* **Non-finite values.** A NaN/Inf in what a step communicates (the averaged gradient, or any
+  rank's input to the compressed exchange) is known to every rank in the same call, before any
+  state was written (the exchange reads its input into scratch buffers and updates its error
+  buffers only once every rank's scale is finite). The step is then dropped on every rank as if
+  its batch had not been there (``skipped_steps`` counts them, a ``RuntimeWarning`` says so);
+  ``max_consecutive_skips`` in a row raise :class:`~lightning_onebit.comm.NonFiniteError`.
+
 Gradient averaging contract, common to the three optimizers: steps that need full-precision
 averaged gradients (warmup of 1-bit Adam and 1-bit LAMB, variance-update steps of 0/1 Adam;
 ``optimizer.expects_averaged_grads`` says whether the *next* step is one) average the flat
@@ -49,7 +56,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import CompressedAllreduce, fp32_allreduce_bytes
+from lightning_onebit.comm import CompressedAllreduce, NonFiniteError, fp32_allreduce_bytes
 
 __all__ = ["OneBitOptimizer"]
 
@@ -157,6 +164,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
     _checkpoint_attrs: tuple[str, ...] = ()
     #: Flat scratch buffers (not checkpointed).
     _work_buffers: tuple[str, ...] = ("update",)
+    #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
+    max_consecutive_skips: int = 10
 
     def __init__(
         self,
@@ -178,6 +187,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         # internal state (checkpointed)
         self.step_count = 0  # steps taken; identical on every rank
         self._phase = self.PHASES[0]
+        self.skipped_steps = 0  # steps skipped for non-finite values (see step())
+        self._consecutive_skips = 0
         self.comm_stats: dict[str, int] = {
             "bytes_last_step": 0,  # bytes this rank sent in the last step
             "bytes_total": 0,  # ... since the start of training
@@ -294,7 +305,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._prepare()
         self.step_count += 1
         self._bytes_step = 0
-        self._step()
+        skipped = self.skipped_steps
+        try:
+            self._step()
+        except NonFiniteError as err:
+            self.step_count -= 1
+            self._skipped(err)
+        if self.skipped_steps == skipped:
+            self._consecutive_skips = 0
         stats = self.comm_stats
         stats["bytes_last_step"] = self._bytes_step
         stats["bytes_total"] += self._bytes_step
@@ -303,6 +321,25 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _skipped(self, err: NonFiniteError) -> None:
+        """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and
+        nothing was changed yet (the algorithms only write their state after the exchange), so
+        the step is dropped on every rank, as if its batch had not been there."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"{self._consecutive_skips} steps in a row had non-finite values (last: {err}); the "
+                "run has diverged: lower the learning rate or check the data, and resume from the "
+                "last checkpoint"
+            ) from err
+        warnings.warn(
+            f"{type(self).__name__}: skipped step {self.step_count + 1} on every rank "
+            f"({self.skipped_steps} so far): {err}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     @property
     def world_size(self) -> int:
@@ -355,11 +392,25 @@ class OneBitOptimizer(torch.optim.Optimizer):
             dist.all_reduce(flat, group=self.process_group)
             flat.div_(w)
         self._bytes_step += fp32_allreduce_bytes(flat.numel(), w)
+        if not self._finite(flat):  # averaged: the same verdict on every rank
+            raise NonFiniteError(
+                f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
+            )
 
-    def _compressed_average_(self, flat: torch.Tensor) -> None:
-        """Error-compensated 1-bit average over the ranks, in place (W = 1: compression only)."""
-        self._exchange(flat, out=flat)
-        self._bytes_step += self._exchange.bytes_sent
+    @staticmethod
+    def _finite(flat: torch.Tensor) -> bool:
+        """Whether every value is finite: one read-only sweep (a float64 sum cannot overflow
+        from float32 values, and NaN/Inf propagate)."""
+        return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
+
+    def _compressed_average_(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Error-compensated 1-bit average of ``flat`` over the ranks into ``out`` (default: in
+        place; W = 1: compression only). Raises NonFiniteError on every rank, with ``out`` and the
+        error buffers untouched, when any rank's input has a NaN/Inf."""
+        try:
+            self._exchange(flat, out=flat if out is None else out)
+        finally:
+            self._bytes_step += self._exchange.bytes_sent
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
         """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
@@ -532,6 +583,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return {
             "step_count": self.step_count,
             "phase": self._phase,
+            "skipped_steps": self.skipped_steps,
             "comm_stats": dict(self.comm_stats),
             **{k: copy.deepcopy(getattr(self, k)) for k in self._checkpoint_attrs},
             "exchange": ex_state,
@@ -601,6 +653,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
         extra = extra or {}
         self.step_count = int(extra.get("step_count", 0))
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._phase = extra.get("phase", self.PHASES[0])
         if self._phase not in self.PHASES:
             raise ValueError(f"checkpoint phase {self._phase!r} is not one of {self.PHASES}")

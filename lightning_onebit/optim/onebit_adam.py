@@ -106,7 +106,7 @@ class OneBitAdam(OneBitOptimizer):
 
     def _step(self) -> None:
         g = self._gather_grads()
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        m, v, u = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._work["update"]
 
         if self.phase == "warmup":
             # 1a. full-precision average of the gradients
@@ -117,17 +117,17 @@ class OneBitAdam(OneBitOptimizer):
                 m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
                 v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
         else:
-            # 2a. momentum from the local gradient
+            # 2a. momentum from the local gradient (into u: m changes only if 2b goes through)
             for _, group, s in self._segments():
                 beta1 = group["betas"][0]
-                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+                torch.mul(m[s], beta1, out=u[s]).add_(g[s], alpha=1 - beta1)
             # 2b. 1-bit average of the momentum: every rank gets the same m
-            self._compressed_average_(m)
+            self._compressed_average_(u, out=m)
             self._apply_exp_avg_mask_(m)
             # 2c. v stays frozen
 
         # 3. the update, with the (frozen) variance as preconditioner
-        u = self._adam_direction(self._work["update"])
+        self._adam_direction(u)
         self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
 
         if self.phase == "warmup" and self.step_count >= self.freeze_step:

@@ -223,15 +223,15 @@ class OneBitLamb(OneBitOptimizer):
             )
             scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
             self.scaling_coeff_ready = True
-        # 3b. local momentum, scaled
-        m_last.copy_(m)
+        # 3b. local momentum, scaled (into u: m changes only if 3c goes through)
         for _, group, s in self._segments():
             beta1 = group["betas"][0]
-            m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+            torch.mul(m[s], beta1, out=u[s]).add_(g[s], alpha=1 - beta1)
         scaling_list = scaling.tolist()
-        torch._foreach_mul_(self._views["exp_avg"], scaling_list)
+        torch._foreach_mul_(self._views["update"], scaling_list)
         # 3c. one compressed exchange for all layers, unscaled, masked
-        self._compressed_average_(m)
+        m_last.copy_(m)
+        self._compressed_average_(u, out=m)
         torch._foreach_div_(self._views["exp_avg"], scaling_list)
         self._apply_exp_avg_mask_(m)
         # 3d. reconstructed gradient updates the fresh variance (g is free: reuse it)

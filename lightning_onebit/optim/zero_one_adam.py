@@ -33,12 +33,14 @@ decided the next step's allreduce from the saved interval, so ranks can drift).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim._base import OneBitOptimizer, _check_int
 
 __all__ = ["ZeroOneAdam"]
@@ -162,6 +164,22 @@ class ZeroOneAdam(OneBitOptimizer):
         """Whether the next step communicates at all (always in phase 1; sync steps in phase 2)."""
         return self.phase == "variance" or (self.step_count + 1) % self.local_step_interval == 0
 
+    def _skipped_locally(self) -> None:
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"0/1 Adam: {self._consecutive_skips} local steps in a row had a non-finite "
+                f"gradient on rank {self._exchange.rank}: lower the learning rate or check the "
+                "data, and resume from the last checkpoint"
+            )
+        warnings.warn(
+            f"0/1 Adam: non-finite local gradient at step {self.step_count} on rank "
+            f"{self._exchange.rank}: this rank skips its local update ({self.skipped_steps} so far)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
     def _on_layout(self) -> None:
         self.lrs = list(self.lrs) + [0.0] * (len(self.param_groups) - len(self.lrs))
 
@@ -204,16 +222,23 @@ class ZeroOneAdam(OneBitOptimizer):
                 self.freeze()  # 2.
             return
 
-        # 3a. local momentum
+        # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to its
+        #     rank alone: that rank sits the step out (its lr still counts, so that every rank
+        #     derives the same m at the next synchronisation).
+        local_ok = self._finite(g)
+        if not local_ok:
+            self._skipped_locally()
         for gi, group, s in self._segments():
-            beta1 = group["betas"][0]
-            m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
             self.lrs[gi] += group["lr"]
+            if local_ok:
+                beta1 = group["betas"][0]
+                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
         # 3b. local step, remembered in the accumulator
-        self._adam_direction(u)
-        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
-        for _, group, s in self._segments():
-            acc[s].add_(u[s], alpha=-group["lr"])
+        if local_ok:
+            self._adam_direction(u)
+            self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+            for _, group, s in self._segments():
+                acc[s].add_(u[s], alpha=-group["lr"])
         # 3c. synchronise
         if t % self.local_step_interval == 0:
             # back to the last synchronised point: p -= acc, taken from a copy so that the
@@ -222,7 +247,13 @@ class ZeroOneAdam(OneBitOptimizer):
             for _, group, s in self._segments():  # u = sqrt(v) + eps (v is frozen)
                 torch.sqrt(v[s], out=u[s]).add_(group["eps"])
             acc.mul_(u)
-            self._compressed_average_(acc)
+            try:
+                self._compressed_average_(acc)
+            except NonFiniteError as err:  # finite local steps cannot cause this: divergence
+                raise FloatingPointError(
+                    f"0/1 Adam: the accumulated update overflowed at step {t} ({err}); the run "
+                    "has diverged: lower the learning rate and resume from the last checkpoint"
+                ) from err
             self._apply_exp_avg_mask_(acc)
             for gi, _, s in self._segments():
                 if self.lrs[gi] > 0:
