@@ -72,8 +72,10 @@ def _check_real(
     *,
     low_open: bool = False,
     high_open: bool = False,
+    hint: str = "",
 ) -> None:
-    """Raise a ValueError naming ``name``, its value and the valid range unless it is inside."""
+    """Raise a ValueError naming ``name``, its value and the valid range unless it is inside
+    (``hint``, if given, is appended: what the range depends on, or what to do)."""
     lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
     if ok:
@@ -81,7 +83,10 @@ def _check_real(
             value < high if high_open else value <= high
         )
     if not ok:
-        raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}")
+        raise ValueError(
+            f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}"
+            + (f" ({hint})" if hint else "")
+        )
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
@@ -212,27 +217,52 @@ class OneBitOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _check_hparams(h: dict[str, Any]) -> None:
         """Validate one param group's hyperparameters (subclasses extend)."""
-        _check_real("lr", h["lr"], 0.0, math.inf)
+        if "initial_lr" in h:
+            # An LR scheduler is attached and ``lr`` is its current value, which may be 0 (a
+            # warmup from zero): the configured lr is ``initial_lr``.
+            _check_real("initial_lr", h["initial_lr"], 0.0, math.inf, low_open=True, high_open=True)
+            _check_real("lr", h["lr"], 0.0, math.inf, high_open=True)
+        else:
+            _check_real("lr", h["lr"], 0.0, math.inf, low_open=True, high_open=True)
         _check_betas(h["betas"])
-        _check_real("eps", h["eps"], 0.0, math.inf)
+        _check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True)
         _check_real("weight_decay", h["weight_decay"], 0.0, math.inf)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_group(len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()  # a refused group must not stay in the optimizer
+            raise
+        self._layout = None  # re-layout at the next step
+
+    def _check_group(self, gi: int) -> None:
+        """Validate param group ``gi``: hyperparameters, parameter kinds, mask type."""
+        group = self.param_groups[gi]
         self._check_hparams(group)
-        for p in group["params"]:
+        name = type(self).__name__
+        for i, p in enumerate(group["params"]):
+            what = f"parameter {i} of param group {gi} (shape {tuple(p.shape)}, dtype {p.dtype})"
+            if p.layout != torch.strided:
+                raise ValueError(
+                    f"{what} has layout {p.layout}: {name} supports dense (torch.strided) "
+                    "parameters only; make the parameter dense (.to_dense())"
+                )
             if p.is_complex():
                 raise ValueError(
-                    f"{type(self).__name__} does not support complex parameters "
-                    "(view them as real with torch.view_as_real)"
+                    f"{what} is complex: {name} supports real floating-point parameters only "
+                    "(float32, float16, bfloat16, float64); view complex ones as real with "
+                    "torch.view_as_real"
                 )
             if not p.is_floating_point():
-                raise ValueError(f"parameters must be floating point, got {p.dtype}")
+                raise ValueError(
+                    f"{what}: parameters must be floating point (float32, float16, bfloat16, "
+                    "float64)"
+                )
         mask = group.get("exp_avg_mask")
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
-        self._layout = None  # re-layout at the next step
 
     # ------------------------------------------------------------------ phases
 

@@ -128,8 +128,11 @@ class OneBitLamb(OneBitOptimizer):
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         _check_real("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
-        _check_real("factor_min", factor_min, 0.0, 1.0, low_open=True)
-        _check_real("factor_max", factor_max, 1.0, math.inf)
+        # the factor starts at 1 (no correction): factor_min <= 1 <= factor_max
+        _check_real(
+            "factor_min", factor_min, 0.0, 1.0, low_open=True, hint="factor_min <= 1 <= factor_max"
+        )
+        _check_real("factor_max", factor_max, 1.0, math.inf, hint="factor_min <= 1 <= factor_max")
         _check_real("factor_threshold", factor_threshold, 0.0, math.inf)
         defaults = {
             "lr": lr,
@@ -160,7 +163,14 @@ class OneBitLamb(OneBitOptimizer):
     def _check_hparams(h: dict[str, Any]) -> None:
         OneBitOptimizer._check_hparams(h)
         _check_real("max_coeff", h["max_coeff"], 0.0, math.inf, low_open=True)
-        _check_real("min_coeff", h["min_coeff"], 0.0, h["max_coeff"], low_open=True)
+        _check_real(
+            "min_coeff",
+            h["min_coeff"],
+            0.0,
+            h["max_coeff"],
+            low_open=True,
+            hint=f"min_coeff <= max_coeff={h['max_coeff']}",
+        )
 
     def get_lamb_coeffs(self) -> list[float]:
         """The effective per-layer trust ratios of the last step (DeepSpeed's name)."""
