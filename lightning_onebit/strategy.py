@@ -39,7 +39,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -184,6 +185,11 @@ class OneBitStrategy(DDPStrategy):
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
+            raise ValueError(
+                f"timeout must be a datetime.timedelta > 0 or None, got {timeout!r}; "
+                "e.g. timeout=timedelta(minutes=30)"
+            )
         if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_wrapper") is not None:
             raise ValueError(
                 "OneBitStrategy installs its own DDP communication hook; remove ddp_comm_hook/ddp_comm_wrapper"
@@ -216,10 +222,13 @@ class OneBitStrategy(DDPStrategy):
         self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
 
     def _validate_optimizer_options(self) -> None:
-        """Build a throwaway optimizer: its constructor validates every hyperparameter now,
-        before any process starts, with messages that name the parameter and the valid range."""
-        cls = ALGORITHMS[self.algorithm]
-        cls([torch.nn.Parameter(torch.zeros(1))], **self._algorithm_kwargs(cls, {}))
+        """Build throwaway optimizers: their constructors validate every hyperparameter now,
+        before any process starts, with messages that name the parameter and the valid range.
+        Every algorithm's options are checked, not only the chosen one's: a bad value is a
+        mistake even where this algorithm ignores it."""
+        for algorithm, cls in ALGORITHMS.items():
+            options = {k: self.optimizer_options[k] for k in _ALGORITHM_OPTIONS[algorithm]}
+            cls([torch.nn.Parameter(torch.zeros(1))], **options)
 
     def _algorithm_kwargs(
         self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
@@ -228,6 +237,22 @@ class OneBitStrategy(DDPStrategy):
         kw.update({k: self.optimizer_options[k] for k in _ALGORITHM_OPTIONS[self.algorithm]})
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
         return kw
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # The Trainer sets the plugin at construction: refuse what cannot work before any fit.
+        if isinstance(plugin, DoublePrecision):
+            raise ValueError(
+                "precision='64-true' is not supported by OneBitStrategy: the 1-bit optimizers keep "
+                "their states and the compressed exchange in float32, so float64 parameters would "
+                "be updated with float32 arithmetic (0/1 Adam would even round them to float32 at "
+                "every synchronisation); use precision='32-true', 'bf16-mixed' or '16-mixed'"
+            )
+        self._precision_plugin = plugin
 
     # ------------------------------------------------------------------ registry
 
@@ -303,6 +328,8 @@ class OneBitStrategy(DDPStrategy):
                 "OneBitStrategy supports automatic optimization only (the strategy decides which "
                 "gradients each step uses); remove `self.automatic_optimization = False`"
             )
+        if trainer.lightning_module is not None:
+            _check_dense_gradients(trainer.lightning_module)
         super().setup(trainer)
         if (
             isinstance(self.precision_plugin, MixedPrecision)
@@ -311,6 +338,15 @@ class OneBitStrategy(DDPStrategy):
             self.precision_plugin.scaler = _synced_scaler(self.precision_plugin.scaler)
         if self._hook_state is not None:
             self._hook_state.optimizer = self.onebit_optimizer
+
+    @override
+    def configure_ddp(self) -> None:
+        # before DDP's own check, whose message names neither the parameter nor what to do
+        assert self.model is not None
+        _check_same_model_on_every_rank(
+            [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
+        )
+        super().configure_ddp()
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -340,6 +376,12 @@ class OneBitStrategy(DDPStrategy):
                 "return a single torch.optim.Adam/AdamW or a lightning_onebit.optim optimizer"
             )
         original = self.optimizers[0]
+        if isinstance(original, _MockOptimizer):
+            raise MisconfigurationException(
+                "OneBitStrategy needs an optimizer, but configure_optimizers returned none; return "
+                "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
+                "ZeroOneAdam / OneBitLamb"
+            )
         if isinstance(original, OneBitOptimizer):
             original.average_warmup_grads = False
             new = original
@@ -355,7 +397,13 @@ class OneBitStrategy(DDPStrategy):
                 "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
                 "ZeroOneAdam / OneBitLamb"
             )
-        _check_same_model_on_every_rank(new)
+        _check_same_model_on_every_rank(
+            [
+                (f"param_groups[{gi}][{i}]", tuple(p.shape))
+                for gi, g in enumerate(new.param_groups)
+                for i, p in enumerate(g["params"])
+            ]
+        )
 
     def _convert(self, original: torch.optim.Optimizer) -> OneBitOptimizer:
         """Build the 1-bit optimizer from a torch Adam/AdamW with the same groups and settings."""
@@ -547,16 +595,54 @@ def _synced_scaler(scaler: torch.amp.GradScaler) -> _RankSyncedGradScaler:
     return synced
 
 
-def _check_same_model_on_every_rank(optimizer: torch.optim.Optimizer) -> None:
-    """Catch a model that differs across ranks now, with a clear error, not as a hang later."""
+def _check_same_model_on_every_rank(shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Catch a model that differs across ranks now, with a clear error, not as a hang later.
+
+    ``shapes``: (name, shape) of every parameter, in order. Every rank raises the same error.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
-    mine = (len(shapes), sum(torch.Size(s).numel() for s in shapes), hash(tuple(shapes)))
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if any(o != mine for o in everyone):
-        raise RuntimeError(
-            "the model differs across ranks (parameter count, numel, shapes hash per rank: "
-            f"{everyone}); every rank must build the same model"
+    dist.all_gather_object(everyone, shapes)
+    if all(o == everyone[0] for o in everyone):
+        return
+
+    def summary(r: int) -> str:
+        o = everyone[r]
+        return f"rank {r}: {len(o)} parameters, {sum(torch.Size(s).numel() for _, s in o):,} values"
+
+    ref = everyone[0]
+    r = next(r for r, o in enumerate(everyone) if o != ref)
+    other = everyone[r]
+    common = min(len(ref), len(other))
+    i = next((i for i in range(common) if ref[i] != other[i]), common)
+    if i < common:
+        first = (
+            f"{ref[i][0]!r} has shape {ref[i][1]} on rank 0, {other[i][0]!r} has shape "
+            f"{other[i][1]} on rank {r}"
         )
+    else:
+        longer, q = (ref, 0) if len(ref) > len(other) else (other, r)
+        first = (
+            f"rank {q} has extra parameters, the first is {longer[i][0]!r} of shape {longer[i][1]}"
+        )
+    raise RuntimeError(
+        f"the model differs across ranks ({'; '.join(summary(q) for q in range(len(everyone)))}): "
+        f"{first}. Every rank must build the same model (look for rank-dependent code in "
+        "__init__, setup or configure_model)"
+    )
+
+
+def _check_dense_gradients(module: torch.nn.Module) -> None:
+    """Refuse modules that produce sparse gradients before the first step."""
+    for name, mod in module.named_modules():
+        if (
+            isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and mod.sparse
+            and mod.weight.requires_grad
+        ):
+            raise ValueError(
+                f"{name or type(module).__name__} ({type(mod).__name__}) has sparse=True: its "
+                "gradients are sparse, and the 1-bit optimizers need dense gradients (they average "
+                "and compress every value); build it with sparse=False"
+            )
