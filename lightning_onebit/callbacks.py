@@ -99,6 +99,18 @@ class CompressionScheduler(Callback):
             return float(trainer.max_steps)
         return float(trainer.estimated_stepping_batches)
 
+    @staticmethod
+    def _warn_if_never_switches(opt: OneBitOptimizer, step: int, total: float, name: str) -> None:
+        """Warn (before the first step) when the switch comes at or after the run's last step."""
+        if not (math.isfinite(total) and step >= total) or opt.phase != opt.PHASES[0]:
+            return
+        rank_zero_warn(
+            f"{name}={step} is not below the run's {int(total)} optimizer steps (max_steps): the "
+            f"phase switch would come after the last step, so {type(opt).__name__} stays in its "
+            f"{opt.PHASES[0]!r} phase for the whole run and its {opt.PHASES[1]!r} phase never "
+            f"starts; pass a freeze_step below {int(total)} (or a fraction of the run, e.g. 0.2)"
+        )
+
     # ------------------------------------------------------------------ hooks
 
     @override
@@ -107,10 +119,13 @@ class CompressionScheduler(Callback):
         fs = self.freeze_step
         if fs is None and getattr(trainer.strategy, "_converted_optimizer", False):
             fs = _DEFAULT_FRACTION
+        total = self._total_steps(trainer)
         if fs is None:
             self.switch_step = opt.switch_step
+            self._warn_if_never_switches(
+                opt, self.switch_step, total, f"{type(opt).__name__}.{opt._switch_attr}"
+            )
             return
-        total = self._total_steps(trainer)
         if isinstance(fs, float):
             if not math.isfinite(total):
                 raise ValueError(
@@ -120,15 +135,13 @@ class CompressionScheduler(Callback):
             step = max(1, round(fs * total))
         else:
             step = fs
-        if step > total:
-            rank_zero_warn(
-                f"freeze_step={step} is beyond the run's {int(total)} optimizer steps: compression will not start"
-            )
+        self._warn_if_never_switches(opt, step, total, "freeze_step")
         opt.switch_step = step
         self.switch_step = step
-        rank_zero_info(
-            f"1-bit compression starts after optimizer step {step} ({type(opt).__name__})"
-        )
+        if step < total:
+            rank_zero_info(
+                f"1-bit compression starts after optimizer step {step} ({type(opt).__name__})"
+            )
 
     @override
     def on_train_batch_end(
