@@ -23,17 +23,21 @@ PYBIND11_MODULE(_C, m) {
                                        W, row_stride, P<float>(scale_out), nthreads);
   }, release(), "y = x + e; pack sign(y); returns scale = ||y||/sqrt(n) (e is not written)");
 
-  m.def("worker_update_error_cpu", [](ptr x, int64_t nx, ptr e, int64_t n, float scale, int nthreads) {
-    onebit::worker_update_error_cpu(P<const float>(x), nx, P<float>(e), n, scale, nthreads);
-  }, release(), "e <- y - scale*sign(y) with y = x + e");
+  m.def("worker_update_error_cpu", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, float scale,
+                                      int nthreads) {
+    onebit::worker_update_error_cpu(P<const float>(x), nx, P<const float>(e), P<float>(e_out), n, scale,
+                                    nthreads);
+  }, release(), "e_out <- y - scale*sign(y) with y = x + e (e_out may be e)");
 
   m.def("server_reduce_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
-                                int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
-                                ptr scale_out, bool pending, int nthreads) {
+                                int64_t scale_stride, ptr e, ptr e_out, int64_t mm, ptr prev_bits,
+                                float prev_scale, ptr out_bits, ptr scale_out, bool pending,
+                                int nthreads) {
     return onebit::server_reduce_cpu(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
-                                     scale_stride, P<float>(e), mm, P<uint8_t>(out_bits),
+                                     scale_stride, P<const float>(e), P<float>(e_out), mm,
+                                     P<const uint8_t>(prev_bits), prev_scale, P<uint8_t>(out_bits),
                                      P<float>(scale_out), pending, nthreads);
-  }, release(), "c = mean of W decoded chunks + e; pack sign(c); e <- c (error update deferred)");
+  }, release(), "c = mean of W decoded chunks + e; pack sign(c); e_out <- c (error update deferred)");
 
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 
@@ -51,16 +55,20 @@ PYBIND11_MODULE(_C, m) {
     onebit::worker_compress_cuda(P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits), W,
                                  row_stride, P<float>(scale_out), P<void>(ws), P<void>(stream));
   }, release(), "worker compress on the given CUDA stream; scale written to device memory");
-  m.def("worker_update_error_cuda", [](ptr x, int64_t nx, ptr e, int64_t n, ptr scale, ptr stream) {
-    onebit::worker_update_error_cuda(P<const float>(x), nx, P<float>(e), n, P<const float>(scale),
-                                     P<void>(stream));
+  m.def("worker_update_error_cuda", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, ptr scale,
+                                       ptr stream) {
+    onebit::worker_update_error_cuda(P<const float>(x), nx, P<const float>(e), P<float>(e_out), n,
+                                     P<const float>(scale), P<void>(stream));
   }, release(), "worker error update on the given CUDA stream; scale read from device memory");
   m.def("server_reduce_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
-                                 int64_t scale_stride, ptr e, int64_t mm, ptr out_bits,
-                                 ptr scale_out, bool pending, ptr ws, ptr stream) {
+                                 int64_t scale_stride, ptr e, ptr e_out, int64_t mm, ptr prev_bits,
+                                 ptr prev_scale, ptr out_bits, ptr scale_out, bool pending, ptr ws,
+                                 ptr stream) {
     onebit::server_reduce_cuda(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
-                               scale_stride, P<float>(e), mm, P<uint8_t>(out_bits),
-                               P<float>(scale_out), pending, P<void>(ws), P<void>(stream));
+                               scale_stride, P<const float>(e), P<float>(e_out), mm,
+                               P<const uint8_t>(prev_bits), P<const float>(prev_scale),
+                               P<uint8_t>(out_bits), P<float>(scale_out), pending, P<void>(ws),
+                               P<void>(stream));
   }, release(), "server reduce on the given CUDA stream");
   m.def("decompress_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                               int64_t scale_stride, int64_t mm, ptr out, int64_t nout, ptr stream) {

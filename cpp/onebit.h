@@ -21,19 +21,22 @@ namespace onebit {
 //    *scale_out and returns it. n must be a multiple of 8 * W.
 float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
                           int64_t W, int64_t row_stride, float* scale_out, int nthreads);
-// 2. e <- y - scale * sign(y), y = x + e recomputed bit for bit (x unchanged since step 1).
-void worker_update_error_cpu(const float* x, int64_t nx, float* e, int64_t n, float scale,
-                             int nthreads);
+// 2. e_out <- y - scale * sign(y), y = x + e recomputed bit for bit (x and e unchanged since
+//    step 1). e_out may be e (in place) or another buffer (the exchange's double buffering).
+void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
+                             float scale, int nthreads);
 
 // c = sum_i sign_i * (scale_i / W), summed over i = 0..W-1 in order, then + e_true;
-// scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e <- c.
-// The error update e <- c - scale * sign(c) is deferred, which saves a second sweep over e:
-// after the call e holds c, and the true error is e - scale * sign(out_bits). With pending=true
-// the call starts by applying the previous call's deferred update (e_true = e - *scale_out *
-// sign(out_bits), read before they are overwritten); with pending=false e_true = e.
+// scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e_out <- c.
+// The error update c - scale * sign(c) is deferred, which saves a second sweep over e: after the
+// call e_out holds c, and the true error is e_out - scale * sign(out_bits). With pending=true
+// the call starts by applying the previous call's deferred update from its outputs prev_bits and
+// prev_scale (e_true = e - prev_scale * sign(prev_bits)); with pending=false e_true = e.
+// e_out may be e and prev_bits may be out_bits (in place), or not (double buffering).
 // Input row i starts at bits + i * row_stride; its scale is scales[i * scale_stride].
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
+                        int64_t scale_stride, const float* e, float* e_out, int64_t m,
+                        const uint8_t* prev_bits, float prev_scale, uint8_t* out_bits,
                         float* scale_out, bool pending, int nthreads);
 
 // out[j*m + k] = scales[j * scale_stride] * sign(bit k of row j), for the first nout values
@@ -53,10 +56,12 @@ void worker_compress_cuda(const float* x, int64_t nx, const float* e, int64_t n,
                           int64_t W, int64_t row_stride, float* scale_out, void* workspace,
                           void* stream);
 // The scale is read from device memory (the scale_out of worker_compress_cuda).
-void worker_update_error_cuda(const float* x, int64_t nx, float* e, int64_t n, const float* scale,
-                              void* stream);
+void worker_update_error_cuda(const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
+                              const float* scale, void* stream);
+// prev_scale: device memory (the previous call's scale_out), read only with pending.
 void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits,
+                        int64_t scale_stride, const float* e, float* e_out, int64_t m,
+                        const uint8_t* prev_bits, const float* prev_scale, uint8_t* out_bits,
                         float* scale_out, bool pending, void* workspace, void* stream);
 void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                      int64_t scale_stride, int64_t m, float* out, int64_t nout, void* stream);

@@ -43,21 +43,24 @@ double compress_block_scalar(const float* x, int64_t nx, const float* e, int64_t
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// e <- y - s * sign(y) with y = x + e recomputed (the same float add as the compress pass).
-void update_block_scalar(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, float s) {
+// eo <- y - s * sign(y) with y = x + e recomputed (the same float add as the compress pass);
+// eo may be e.
+void update_block_scalar(const float* x, int64_t nx, const float* e, float* eo, int64_t lo, int64_t hi, float s) {
   for (int64_t i = lo; i < hi; ++i) {
     const float y = (i < nx ? x[i] : 0.0f) + e[i];
-    e[i] = y >= 0.0f ? y - s : y + s;
+    eo[i] = y >= 0.0f ? y - s : y + s;
   }
 }
 
-// Server block: c = sum_r sign_r * w_r (rows in order) + e_true, e <- c, out <- packed sign(c).
-// With `pending`, e holds the previous call's c and e_true = e - sp * sign(out_previous) (the
-// old byte of `out` is read before it is overwritten); otherwise e_true = e.
+// Server block: c = sum_r sign_r * w_r (rows in order) + e_true, eo <- c, out <- packed sign(c).
+// With `pending`, e holds the previous call's c and e_true = e - sp * sign(prev) (prev: that
+// call's packed output); otherwise e_true = e. eo may be e and prev may be out (each byte of prev
+// is read before the same byte of out is written).
 // lut[(r * 256 + b) * 8 + t] is what bit t of byte b of row r decodes to (+-w_r): one load
 // per row and 8 values instead of 8 bit tests.
-double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
-                           int64_t lo, int64_t hi, uint8_t* out, bool pending, float sp) {
+double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, const float* e,
+                           float* eo, int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out, bool pending,
+                           float sp) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = lo; i < hi; i += 8) {
     float c[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -65,12 +68,12 @@ double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, c
       const float* v = lut + (r * 256 + bits[r * row_stride + i / 8]) * 8;
       for (int t = 0; t < 8; ++t) c[t] += v[t];
     }
-    const unsigned prev = pending ? out[i / 8] : 0u;
+    const unsigned pb = pending ? prev[i / 8] : 0u;
     uint8_t ob = 0;
     for (int t = 0; t < 8; ++t) {
-      const float et = !pending ? e[i + t] : ((prev >> t) & 1u) ? e[i + t] - sp : e[i + t] + sp;
+      const float et = !pending ? e[i + t] : ((pb >> t) & 1u) ? e[i + t] - sp : e[i + t] + sp;
       c[t] += et;
-      e[i + t] = c[t];
+      eo[i + t] = c[t];
       acc[t] += static_cast<double>(c[t]) * c[t];
       ob |= static_cast<uint8_t>(c[t] >= 0.0f) << t;
     }
@@ -125,29 +128,30 @@ AVX2 double compress_block_avx2(const float* x, int64_t nx, const float* e, int6
   return hsum(a0, a1);
 }
 
-AVX2 void update_block_avx2(const float* x, int64_t nx, float* e, int64_t lo, int64_t hi, float s) {
+AVX2 void update_block_avx2(const float* x, int64_t nx, const float* e, float* eo, int64_t lo, int64_t hi, float s) {
   const int64_t full = std::max(lo, std::min(hi, nx));  // x present below this (any alignment)
   const __m256 zero = _mm256_setzero_ps(), sv = _mm256_set1_ps(s);
   int64_t i = lo;
   for (; i + 8 <= full; i += 8) {
     const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
     const __m256 ge = _mm256_cmp_ps(y, zero, _CMP_GE_OQ);
-    _mm256_storeu_ps(e + i, _mm256_blendv_ps(_mm256_add_ps(y, sv), _mm256_sub_ps(y, sv), ge));
+    _mm256_storeu_ps(eo + i, _mm256_blendv_ps(_mm256_add_ps(y, sv), _mm256_sub_ps(y, sv), ge));
   }
-  if (i < hi) update_block_scalar(x, nx, e, i, hi, s);
+  if (i < hi) update_block_scalar(x, nx, e, eo, i, hi, s);
 }
 
-AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, float* e,
-                              int64_t lo, int64_t hi, uint8_t* out, bool pending, float sp) {
+AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, const float* e,
+                              float* eo, int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out, bool pending,
+                              float sp) {
   const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = lo; i < hi; i += 8) {
     __m256 c = zero;
     for (int64_t r = 0; r < W; ++r) c = _mm256_add_ps(c, _mm256_loadu_ps(lut + (r * 256 + bits[r * row_stride + i / 8]) * 8));
     __m256 et = _mm256_loadu_ps(e + i);
-    if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(out[i / 8]));
+    if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(prev[i / 8]));
     c = _mm256_add_ps(c, et);
-    _mm256_storeu_ps(e + i, c);
+    _mm256_storeu_ps(eo + i, c);
     out[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(c, zero, _CMP_GE_OQ)));
     accumulate_squares(c, a0, a1);
   }
@@ -167,9 +171,10 @@ AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, 
 
 struct Impl {
   double (*compress)(const float*, int64_t, const float*, int64_t, int64_t, uint8_t*);
-  double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, float*, int64_t, int64_t, uint8_t*, bool, float);
+  double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t,
+                   const uint8_t*, uint8_t*, bool, float);
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
-  void (*update)(const float*, int64_t, float*, int64_t, int64_t, float);
+  void (*update)(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
 };
 
 const Impl& impl() {
@@ -214,17 +219,18 @@ float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n,
   return s;
 }
 
-void worker_update_error_cpu(const float* x, int64_t nx, float* e, int64_t n, float scale, int nthreads) {
+void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, float scale,
+                             int nthreads) {
   const auto update = impl().update;
   const int64_t nblk = (n + kBlock - 1) / kBlock;
   const int nt = threads_for(n, nthreads);
 #pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t blk = 0; blk < nblk; ++blk) update(x, nx, e, blk * kBlock, std::min(n, (blk + 1) * kBlock), scale);
+  for (int64_t blk = 0; blk < nblk; ++blk) update(x, nx, e, e_out, blk * kBlock, std::min(n, (blk + 1) * kBlock), scale);
 }
 
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits, float* scale_out,
-                        bool pending, int nthreads) {
+                        int64_t scale_stride, const float* e, float* e_out, int64_t m, const uint8_t* prev_bits,
+                        float prev_scale, uint8_t* out_bits, float* scale_out, bool pending, int nthreads) {
   // Decode table: 8 KiB per row, built once per call (W * 2048 floats), shared by all threads.
   std::vector<float> lut(static_cast<size_t>(W) * 256 * 8);
   for (int64_t r = 0; r < W; ++r) {
@@ -232,7 +238,7 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
     for (int b = 0; b < 256; ++b)
       for (int t = 0; t < 8; ++t) lut[(r * 256 + b) * 8 + t] = ((b >> t) & 1) ? w : -w;
   }
-  const float sp = pending ? *scale_out : 0.0f;  // the previous call's scale, before we overwrite it
+  const float sp = pending ? prev_scale : 0.0f;
   const int64_t nblk = (m + kBlock - 1) / kBlock;
   std::vector<double> partial(static_cast<size_t>(nblk));
   const int nt = threads_for(m, nthreads);
@@ -240,8 +246,8 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
 
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t blk = 0; blk < nblk; ++blk)
-    partial[blk] = reduce(bits, W, row_stride, lut.data(), e, blk * kBlock, std::min(m, (blk + 1) * kBlock),
-                          out_bits, pending, sp);
+    partial[blk] = reduce(bits, W, row_stride, lut.data(), e, e_out, blk * kBlock, std::min(m, (blk + 1) * kBlock),
+                          prev_bits, out_bits, pending, sp);
   // No second pass: the error update e <- c - s * sign(c) is left pending (one sweep over e
   // instead of two; the next call applies it, or kernels.finish_pending for checkpoints).
   const float s = finish_scale(partial, m);

@@ -158,13 +158,15 @@ worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
 }
 
-// Server pass: c = sum_i (bit_i ? w_i : -w_i) in row order, + e_true; e <- c; bits <- sign(c).
-// With `pending` (a non-null prev_scale), e_true = e - prev_scale * sign(old out_bits): the
-// previous call's deferred error update (see onebit.h), read before out_bits is overwritten.
+// Server pass: c = sum_i (bit_i ? w_i : -w_i) in row order, + e_true; e_out <- c; bits <- sign(c).
+// With `pending` (a non-null prev_scale), e_true = e - prev_scale * sign(prev_bits): the previous
+// call's deferred error update (see onebit.h). prev_bits may be out_bits: every lane reads its
+// word before lane 8r overwrites it; e_out may be e (each thread reads its values first).
 __global__ void __launch_bounds__(kThreads)
 server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-             int64_t scale_stride, float* e, int64_t m, int64_t nseg, uint8_t* out_bits,
-             bool evec, bool al4_in, bool al4_out, const float* prev_scale, double* partial) {
+             int64_t scale_stride, const float* e, float* e_out, int64_t m, int64_t nseg,
+             const uint8_t* prev_bits, uint8_t* out_bits, bool evec, bool al4_in, bool al4_out,
+             const float* prev_scale, double* partial) {
   __shared__ float w_s[kTile];
   const bool pending = prev_scale != nullptr;
   const float sp = pending ? *prev_scale : 0.0f;  // w_i = scale_i / W (float division, as on the CPU)
@@ -208,8 +210,8 @@ server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* sc
     }
     uint32_t nib = 0;
     if (act && pending) {  // every lane reads the old word before lane 8r overwrites it below
-      // plain loads, not __ldg: out_bits is written by this kernel
-      const uint8_t* q = out_bits + off / 8 + 4 * r;
+      // plain loads, not __ldg: prev_bits may be out_bits, which this kernel writes
+      const uint8_t* q = prev_bits + off / 8 + 4 * r;
       uint32_t ob = 0;
       if (nb == 4 && al4_out) ob = *reinterpret_cast<const uint32_t*>(q);
       else for (int b = 0; b < nb; ++b) ob |= uint32_t(q[b]) << (8 * b);
@@ -221,7 +223,7 @@ server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* sc
     }
     if (act) {
       c.x += ev.x; c.y += ev.y; c.z += ev.z; c.w += ev.w;
-      store4(e + off + 4 * lane, c, evec);
+      store4(e_out + off + 4 * lane, c, evec);
       acc += sq4(c);
       nib = nibble(c);
     }
@@ -241,9 +243,11 @@ finalize_scale(const double* partial, int nparts, int64_t count, float* scale_ou
   if (threadIdx.x == 0) *scale_out = __double2float_rn(sqrt(total) / sqrt(static_cast<double>(count)));
 }
 
-// Worker pass 2: e <- y - s * sign(y), y = x + e recomputed (x zero beyond nx), s from device memory.
+// Worker pass 2: e_out <- y - s * sign(y), y = x + e recomputed (x zero beyond nx), s from
+// device memory. e_out may be e.
 __global__ void __launch_bounds__(kThreads)
-worker_update(const float* x, int64_t nx, float* e, int64_t n, const float* scale, bool xvec, bool evec) {
+worker_update(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, const float* scale,
+              bool xvec, bool evec) {
   const float s = *scale;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -251,14 +255,14 @@ worker_update(const float* x, int64_t nx, float* e, int64_t n, const float* scal
   if (evec) {  // n is a multiple of 8, so float4s cover e exactly
     for (int64_t k = tid; k < n / 4; k += stride) {
       const float4 xv = load_x4(x, nx, 4 * k, xvec);
-      float4 v = reinterpret_cast<float4*>(e)[k];
+      float4 v = reinterpret_cast<const float4*>(e)[k];
       v.x = sub_sign(xv.x + v.x, s); v.y = sub_sign(xv.y + v.y, s);
       v.z = sub_sign(xv.z + v.z, s); v.w = sub_sign(xv.w + v.w, s);
-      reinterpret_cast<float4*>(e)[k] = v;
+      reinterpret_cast<float4*>(e_out)[k] = v;
     }
     done = n / 4 * 4;
   }
-  for (int64_t k = done + tid; k < n; k += stride) e[k] = sub_sign((k < nx ? x[k] : 0.0f) + e[k], s);
+  for (int64_t k = done + tid; k < n; k += stride) e_out[k] = sub_sign((k < nx ? x[k] : 0.0f) + e[k], s);
 }
 
 // out[row*m + k] = bit ? s_row : -s_row for row*m + k < nout.
@@ -315,28 +319,31 @@ void worker_compress_cuda(const float* x, int64_t nx, const float* e, int64_t n,
   check_launch("finalize_scale");
 }
 
-void worker_update_error_cuda(const float* x, int64_t nx, float* e, int64_t n, const float* scale, void* stream) {
+void worker_update_error_cuda(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, const float* scale,
+                              void* stream) {
   if (n % 8 != 0 || nx < 0 || nx > n)
     throw std::invalid_argument("onebit: worker_update_error_cuda: need n % 8 == 0 and 0 <= nx <= n");
   if (n == 0) return;
   worker_update<<<grid_for(n / 4, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, nx, e, n, scale, aligned(x, 16), aligned(e, 16));
+      x, nx, e, e_out, n, scale, aligned(x, 16), aligned(e, 16) && aligned(e_out, 16));
   check_launch("worker_update");
 }
 
 void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-                        int64_t scale_stride, float* e, int64_t m, uint8_t* out_bits, float* scale_out,
-                        bool pending, void* workspace, void* stream) {
+                        int64_t scale_stride, const float* e, float* e_out, int64_t m, const uint8_t* prev_bits,
+                        const float* prev_scale, uint8_t* out_bits, float* scale_out, bool pending, void* workspace,
+                        void* stream) {
   check_rows(W, m, "server_reduce_cuda");
   const int64_t nseg = (m + kSeg - 1) / kSeg;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   const int grid = grid_for(nseg, kWarps);
-  const bool evec = aligned(e, 16);
-  // scale_out still holds the previous scale while server_pass runs (finalize runs after it).
-  server_pass1<<<grid, kThreads, 0, st>>>(bits, W, row_stride, scales, scale_stride, e, m, nseg, out_bits,
-                                          evec, rows_aligned4(bits, W, row_stride), aligned(out_bits, 4),
-                                          pending ? scale_out : nullptr, partial);
+  const bool evec = aligned(e, 16) && aligned(e_out, 16);
+  // prev_scale may be scale_out: finalize_scale overwrites it only after server_pass1 has run.
+  server_pass1<<<grid, kThreads, 0, st>>>(bits, W, row_stride, scales, scale_stride, e, e_out, m, nseg,
+                                          prev_bits, out_bits, evec, rows_aligned4(bits, W, row_stride),
+                                          aligned(out_bits, 4) && aligned(prev_bits, 4),
+                                          pending ? prev_scale : nullptr, partial);
   check_launch("server_pass1");
   finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, m, scale_out);
   check_launch("finalize_scale");

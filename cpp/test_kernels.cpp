@@ -42,7 +42,7 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   const float s = onebit::worker_compress_cpu(x.get(), nx, e.get(), n, bits.get(), W, stride, &scale, nthreads);
   check(s == scale && s >= 0.0f, "scale written", W, m);
   for (int64_t i = 0; i < n; ++i) check(e[i] + (i < nx ? x[i] : 0.0f) == y[i], "compress leaves e alone", W, i);
-  onebit::worker_update_error_cpu(x.get(), nx, e.get(), n, s, nthreads);
+  onebit::worker_update_error_cpu(x.get(), nx, e.get(), e.get(), n, s, nthreads);
   double ss = 0;
   for (int64_t i = 0; i < n; ++i) ss += double(y[i]) * y[i];
   check(std::fabs(s - std::sqrt(ss / double(n))) <= 1e-6 * s + 1e-30, "scale value", W, m);
@@ -73,8 +73,8 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   for (int64_t k = 0; k < m; ++k) eager[k] = se[k] = 0.05f * normal(rng);
   float sscale = 0.0f;
   for (int call = 0; call < 2; ++call) {
-    const float s2 = onebit::server_reduce_cpu(bits.get(), W, stride, scales.get(), 2, se.get(), m, ob.get(),
-                                               &sscale, call > 0, nthreads);
+    const float s2 = onebit::server_reduce_cpu(bits.get(), W, stride, scales.get(), 2, se.get(), se.get(), m,
+                                               ob.get(), sscale, ob.get(), &sscale, call > 0, nthreads);
     double norm = 0;
     std::vector<double> c(static_cast<size_t>(m));
     for (int64_t k = 0; k < m; ++k) {

@@ -230,37 +230,58 @@ def worker_compress(
         _update_error(x, error, scale, device)
 
 
-def worker_update_error(x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor) -> None:
+def worker_update_error(
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
     """The deferred half of ``worker_compress(..., update_error=False)``:
-    ``error <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since)."""
+    ``out <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since).
+
+    ``out`` defaults to ``error`` (in place); another buffer of the same size keeps ``error`` as
+    it was (the exchange's double buffering, for steps that may still be dropped).
+    """
     _check_tensor("x", x, torch.float32)
     _check_tensor("error", error, torch.float32)
     _check_scale("scale", scale)
-    device = _check_device(("x", x), ("error", error), ("scale", scale))
+    out = error if out is None else out
+    _check_tensor("out", out, torch.float32)
+    device = _check_device(("x", x), ("error", error), ("scale", scale), ("out", out))
     _check_contiguous("x", x)
     _check_contiguous("error", error)
+    _check_contiguous("out", out)
     n = error.numel()
     if n == 0 or n % 8:
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {n}")
+    if out.numel() != n:
+        raise ValueError(f"out must have error's {n} values, got {out.numel()}")
     if x.numel() > n:
         raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
     if not _use_cpp():
-        reference_worker_update_error(x, error, scale)
+        reference_worker_update_error(x, error, scale, out)
         return
-    _update_error(x, error, scale, device)
+    _update_error(x, error, scale, device, out)
 
 
 def _update_error(
-    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, device: torch.device
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    device: torch.device,
+    out: torch.Tensor | None = None,
 ) -> None:
-    n = error.numel()
+    n, out = error.numel(), error if out is None else out
     if device.type == "cuda":
         _C.worker_update_error_cuda(
-            x.data_ptr(), x.numel(), error.data_ptr(), n, scale.data_ptr(), _stream(device)
+            x.data_ptr(),
+            x.numel(),
+            error.data_ptr(),
+            out.data_ptr(),
+            n,
+            scale.data_ptr(),
+            _stream(device),
         )
     else:
         _C.worker_update_error_cpu(
-            x.data_ptr(), x.numel(), error.data_ptr(), n, float(scale), _nthreads()
+            x.data_ptr(), x.numel(), error.data_ptr(), out.data_ptr(), n, float(scale), _nthreads()
         )
 
 
@@ -271,6 +292,10 @@ def server_reduce(
     out_bits: torch.Tensor,
     out_scale: torch.Tensor,
     pending: bool = False,
+    *,
+    error_out: torch.Tensor | None = None,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
 ) -> None:
     """Average ``W`` compressed chunks and recompress with error feedback (the server side).
 
@@ -278,23 +303,34 @@ def server_reduce(
     ``out_scale = ||c||_2 / sqrt(m)``; ``out_bits`` receives the packed signs of ``c``.
 
     The error update ``e <- c - out_scale * sign(c)`` is *deferred* to save a second sweep
-    over the buffer: afterwards ``error`` holds ``c``, and the true error is
-    ``error - out_scale * sign(out_bits)``. Pass ``pending=True`` on the next call (with the same
-    ``out_bits`` and ``out_scale``, still holding the previous results) and the kernel applies the
-    deferred update on the fly; or call :func:`finish_pending` to apply it explicitly.
+    over the buffer: afterwards ``error_out`` (default: ``error``) holds ``c``, and the true error
+    is ``c - out_scale * sign(out_bits)``. Pass ``pending=True`` on the next call with that
+    call's outputs as ``prev_bits``/``prev_scale`` (default: ``out_bits``/``out_scale``, still
+    holding them when the same buffers are reused) and the kernel applies the deferred update on
+    the fly; or call :func:`finish_pending` to apply it explicitly. Separate output buffers
+    leave the inputs as they were (double buffering: a call that may still be dropped).
 
     Args:
         bits: uint8 ``(W, m // 8)``, one compressed chunk per row (rows may be strided).
         scales: float32 ``(W,)``, the rows' scales (may be strided).
-        error: float32, contiguous, ``m`` values (``m % 8 == 0``); updated in place.
+        error: float32, contiguous, ``m`` values (``m % 8 == 0``).
         out_bits: uint8, contiguous, ``m // 8`` bytes.
         out_scale: float32 with one element.
         pending: whether ``error`` still awaits the previous call's deferred update.
+        error_out: float32, contiguous, ``m`` values; default ``error`` (in place).
+        prev_bits: uint8, contiguous, ``m // 8`` bytes; default ``out_bits``.
+        prev_scale: float32 with one element; default ``out_scale``.
     """
+    error_out = error if error_out is None else error_out
+    prev_bits = out_bits if prev_bits is None else prev_bits
+    prev_scale = out_scale if prev_scale is None else prev_scale
     _check_tensor("bits", bits, torch.uint8)
     _check_tensor("error", error, torch.float32)
+    _check_tensor("error_out", error_out, torch.float32)
     _check_tensor("out_bits", out_bits, torch.uint8)
+    _check_tensor("prev_bits", prev_bits, torch.uint8)
     _check_scale("out_scale", out_scale)
+    _check_scale("prev_scale", prev_scale)
     _check_rows("bits", bits)
     w = bits.size(0)
     _check_scales("scales", scales, w)
@@ -302,36 +338,57 @@ def server_reduce(
         ("bits", bits),
         ("scales", scales),
         ("error", error),
+        ("error_out", error_out),
         ("out_bits", out_bits),
+        ("prev_bits", prev_bits),
         ("out_scale", out_scale),
+        ("prev_scale", prev_scale),
     )
-    _check_contiguous("error", error)
-    _check_contiguous("out_bits", out_bits)
+    for name, t in (
+        ("error", error),
+        ("error_out", error_out),
+        ("out_bits", out_bits),
+        ("prev_bits", prev_bits),
+    ):
+        _check_contiguous(name, t)
     m = error.numel()
     if m == 0 or m % 8:
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
+    if error_out.numel() != m:
+        raise ValueError(f"error_out must have error's {m} values, got {error_out.numel()}")
     _check_rows("bits", bits, m // 8)
-    if out_bits.numel() != m // 8:
-        raise ValueError(f"out_bits must hold m // 8 = {m // 8} bytes, got {out_bits.numel()}")
+    for name, t in (("out_bits", out_bits), ("prev_bits", prev_bits)):
+        if t.numel() != m // 8:
+            raise ValueError(f"{name} must hold m // 8 = {m // 8} bytes, got {t.numel()}")
     if not _use_cpp():
-        return reference_server_reduce(bits, scales, error, out_bits, out_scale, pending)
-    args = (
-        bits.data_ptr(),
-        w,
-        bits.stride(0),
-        scales.data_ptr(),
-        scales.stride(0),
-        error.data_ptr(),
-        m,
-        out_bits.data_ptr(),
-        out_scale.data_ptr(),
-        bool(pending),
-    )
+        reference_server_reduce(
+            bits,
+            scales,
+            error,
+            out_bits,
+            out_scale,
+            pending,
+            error_out=error_out,
+            prev_bits=prev_bits,
+            prev_scale=prev_scale,
+        )
+        return
+    head = (bits.data_ptr(), w, bits.stride(0), scales.data_ptr(), scales.stride(0))
+    bufs = (error.data_ptr(), error_out.data_ptr(), m, prev_bits.data_ptr())
+    tail = (out_bits.data_ptr(), out_scale.data_ptr(), bool(pending))
     if device.type == "cuda":
-        _C.server_reduce_cuda(*args, _workspace(device).data_ptr(), _stream(device))
+        _C.server_reduce_cuda(
+            *head,
+            *bufs,
+            prev_scale.data_ptr(),
+            *tail,
+            _workspace(device).data_ptr(),
+            _stream(device),
+        )
     else:
-        _C.server_reduce_cpu(*args, _nthreads())
-    return None
+        _C.server_reduce_cpu(
+            *head, *bufs, float(prev_scale) if pending else 0.0, *tail, _nthreads()
+        )
 
 
 def finish_pending(error: torch.Tensor, out_bits: torch.Tensor, out_scale: torch.Tensor) -> None:
@@ -445,13 +502,12 @@ def reference_worker_compress(
 
 
 def reference_worker_update_error(
-    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> None:
     """Pure-torch :func:`worker_update_error` (same arguments, same results)."""
-    e = error.view(-1)
-    y = e.clone()
+    y = error.reshape(-1).clone()
     y[: x.numel()] += x.reshape(-1)
-    e.copy_(y - _sign_times(y >= 0, scale.reshape(())))
+    (error if out is None else out).view(-1).copy_(y - _sign_times(y >= 0, scale.reshape(())))
 
 
 def reference_server_reduce(
@@ -461,11 +517,16 @@ def reference_server_reduce(
     out_bits: torch.Tensor,
     out_scale: torch.Tensor,
     pending: bool = False,
+    *,
+    error_out: torch.Tensor | None = None,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
 ) -> None:
     """Pure-torch :func:`server_reduce` (same arguments, same results)."""
-    e = error.view(-1)
+    e = error.reshape(-1).clone()
     if pending:
-        finish_pending(e, out_bits, out_scale)
+        prev_bits = out_bits if prev_bits is None else prev_bits
+        finish_pending(e, prev_bits, out_scale if prev_scale is None else prev_scale)
     w = bits.size(0)
     weights = scales.float() / w  # float32 division, as in the kernels
     positive = _unpack(bits)  # (W, m)
@@ -474,7 +535,8 @@ def reference_server_reduce(
         c += _sign_times(positive[i], weights[i])
     c += e
     out_bits.view(-1).copy_(_pack(c))
-    e.copy_(c)  # the update c - s * sign(c) stays deferred, as in the kernels
+    # the update c - s * sign(c) stays deferred, as in the kernels
+    (error if error_out is None else error_out).view(-1).copy_(c)
     out_scale.view(-1).copy_(_scale_of(c))
 
 

@@ -74,11 +74,73 @@ def test_deferred_error_update_matches_the_eager_one(n: int, device: str) -> Non
     assert torch.equal(e, e0)
     K.worker_compress(x, e_eager, bits_eager, s_eager)
     assert torch.equal(bits, bits_eager) and torch.equal(s, s_eager)
+    e_next = torch.full_like(e, float("nan"))
+    K.worker_update_error(x, e, s, out=e_next)  # double buffering: e stays as it was
+    assert torch.equal(e, e0) and torch.equal(e_next, e_eager)
     K.worker_update_error(x, e, s)
     assert torch.equal(e, e_eager)
     e_ref = e0.clone()
     K.reference_worker_update_error(x, e_ref, s)
     torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("w", [1, 3, 4])
+def test_server_reduce_double_buffered_matches_in_place(w: int, device: str) -> None:
+    """Separate error_out / prev_bits / prev_scale give bitwise the in-place results and leave
+    the previous state untouched (a dropped call changes nothing)."""
+    gen = torch.Generator().manual_seed(w)
+    m = 8 * 1001
+    e = _rand(m, gen, device) * 0.1
+    state = [
+        (
+            e.clone(),
+            torch.zeros(m // 8, dtype=torch.uint8, device=device),
+            torch.zeros(1, device=device),
+        )
+    ]
+    e_ip, ob_ip, s_ip = (
+        e.clone(),
+        torch.zeros(m // 8, dtype=torch.uint8, device=device),
+        torch.zeros(1, device=device),
+    )
+    for call in range(3):
+        bits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8).to(device)
+        scales = (torch.rand(w, generator=gen) + 0.1).to(device)
+        K.server_reduce(bits, scales, e_ip, ob_ip, s_ip, pending=call > 0)
+        cur = state[-1]
+        kept = [t.clone() for t in cur]
+        nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]), torch.empty_like(cur[2]))
+        K.server_reduce(
+            bits,
+            scales,
+            cur[0],
+            nxt[1],
+            nxt[2],
+            pending=call > 0,
+            error_out=nxt[0],
+            prev_bits=cur[1],
+            prev_scale=cur[2],
+        )
+        assert all(torch.equal(a, b) for a, b in zip(cur, kept, strict=True))
+        assert (
+            torch.equal(nxt[0], e_ip) and torch.equal(nxt[1], ob_ip) and torch.equal(nxt[2], s_ip)
+        )
+        ref = (torch.empty_like(cur[0]), torch.empty_like(cur[1]), torch.empty_like(cur[2]))
+        K.reference_server_reduce(
+            bits,
+            scales,
+            cur[0],
+            ref[1],
+            ref[2],
+            pending=call > 0,
+            error_out=ref[0],
+            prev_bits=cur[1],
+            prev_scale=cur[2],
+        )
+        assert torch.equal(ref[1], nxt[1])
+        torch.testing.assert_close(ref[0], nxt[0], rtol=1e-6, atol=1e-6 * float(nxt[2]))
+        state.append(nxt)
 
 
 def test_worker_compress_error_identity() -> None:
