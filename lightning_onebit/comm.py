@@ -52,25 +52,59 @@ class ExchangeHandle:
     """An exchange in flight: stage 1 is done, the final ``all_gather`` may still be running.
 
     ``wait()`` finishes it and returns the averaged tensor; ``get_future()`` gives a
-    ``torch.futures.Future`` for use in DDP communication hooks.
+    ``torch.futures.Future`` for use in DDP communication hooks. A handle from
+    ``start(..., commit=False)`` also has ``finite`` (whether every rank's input was finite) and
+    ``commit()`` / ``discard()``: the exchange's error buffers advance only on ``commit()``.
     """
 
     def __init__(
-        self, exchange: CompressedAllreduce, work: Any, out: torch.Tensor, shape: torch.Size
+        self,
+        exchange: CompressedAllreduce,
+        work: Any,
+        out: torch.Tensor,
+        shape: torch.Size,
+        *,
+        finite: bool = True,
+        bad_ranks: list[int] | None = None,
+        call: int = 0,
     ) -> None:
         self._exchange = exchange
         self._work = work
         self._out = out
         self._shape = shape
         self._result: torch.Tensor | None = None
+        self.finite = finite
+        self.bad_ranks = bad_ranks or []
+        self._call = call
+        self._gathered: torch.Tensor | None = None  # the records to decode
+        self._next = 0  # the error-buffer set this call wrote
 
     def wait(self) -> torch.Tensor:
+        """The averaged tensor (identical on every rank). Raises NonFiniteError if not finite."""
+        if not self.finite:
+            raise self._exchange._non_finite(self.bad_ranks, self._call)
         if self._result is None:
-            if self._work is not None:
-                with self._exchange._explained("all_gather"):
-                    self._work.wait()
-            self._result = self._exchange._decode(self._out).view(self._shape)
+            self._drain()
+            self._result = self._exchange._decode(self._gathered, self._out).view(self._shape)
         return self._result
+
+    def _drain(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            with self._exchange._explained("all_gather"):
+                work.wait()
+
+    def commit(self) -> None:
+        """Make this call's error-buffer updates the exchange's state (``commit=False`` calls)."""
+        if not self.finite:
+            raise self._exchange._non_finite(self.bad_ranks, self._call)
+        self._exchange._commit(self)
+
+    def discard(self) -> None:
+        """Drop this call: its all_gather is drained, the error buffers stay as before it."""
+        self._drain()
+        if self._exchange._uncommitted is self:
+            self._exchange._uncommitted = None
 
     def get_future(self) -> torch.futures.Future:
         if self._work is None:
@@ -93,6 +127,9 @@ class CompressedAllreduce:
         device: where the buffers live (``cpu`` with gloo, ``cuda`` with NCCL).
         group: the process group; ``None`` means the default group, and without an initialised
             process group the exchange runs as ``W = 1`` (the same compression, no communication).
+        double_buffered: keep a second set of error buffers, so that ``start(..., commit=False)``
+            can leave the current ones untouched until the caller commits (several exchanges
+            that must all go through or all be dropped, e.g. the buckets of one step).
 
     Example::
 
@@ -102,7 +139,12 @@ class CompressedAllreduce:
     """
 
     def __init__(
-        self, numel: int, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None
+        self,
+        numel: int,
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+        *,
+        double_buffered: bool = False,
     ) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -128,27 +170,39 @@ class CompressedAllreduce:
         self._record = 4 + -(-row // 4) * 4  # [scale][bits][pad to 4 bytes]: aligned scales
 
         kw = {"device": self.device}
-        self.worker_error = torch.zeros(self.padded_numel, dtype=torch.float32, **kw)
-        # The server kernel defers its error update to its next call (one sweep over the buffer
-        # instead of two): _server_acc holds c, the true error is c - s * sign(c), with s and
-        # sign(c) still in the server record. See kernels.server_reduce.
-        self._server_acc = torch.zeros(self.chunk_numel, dtype=torch.float32, **kw)
+        # Error state: worker error e_w, server accumulator and the server's last record. The
+        # server kernel defers its error update to its next call (one sweep over the buffer
+        # instead of two): the accumulator holds c, the true error is c - s * sign(c), with s and
+        # sign(c) still in the server record. See kernels.server_reduce. Double buffered: calls
+        # write set 1 - cur and commit flips cur; otherwise calls update set cur in place.
+        sets = 2 if double_buffered else 1
+        self._werr = [
+            torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(sets)
+        ]
+        self._sacc = [torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)]
+        self._srec = [torch.zeros(self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
+        self._cur = 0
         self._server_pending = False
+        self._uncommitted: ExchangeHandle | None = None
         self._send = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
         self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else self._send
-        self._server = torch.zeros(self._record, dtype=torch.uint8, **kw)
-        self._gathered = (
-            torch.zeros(w, self._record, dtype=torch.uint8, **kw)
-            if w > 1
-            else self._server.view(1, -1)
-        )
-        self._server_scale = self._server.view(torch.float32)[:1]
+        # W = 1: the "gathered" records are the server record itself (set per call)
+        self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
         self._scale = torch.zeros(1, dtype=torch.float32, **kw)
 
         self.bytes_sent = 0  # this rank, last call
         self.total_bytes_sent = 0  # this rank, since construction
         self.calls = 0
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """This rank's worker error buffer (``padded_numel`` values; the live tensor)."""
+        return self._werr[self._cur]
+
+    @property
+    def double_buffered(self) -> bool:
+        return len(self._werr) == 2
 
     # ------------------------------------------------------------------ views into records
 
@@ -189,14 +243,29 @@ class CompressedAllreduce:
             )
         return tensor.reshape(-1)  # a view when contiguous
 
-    def start(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> ExchangeHandle:
+    def start(
+        self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, commit: bool = True
+    ) -> ExchangeHandle:
         """Run compression and the server stage now; return with the final all_gather in flight.
 
         Args:
             tensor: float32, ``numel`` values, any shape; not modified (unless it is ``out``).
             out: where to write the result (``numel`` float32 values, contiguous; may be
                 ``tensor`` itself). Default: an internal buffer, overwritten by the next call.
+            commit: update the error buffers now. ``False`` (needs ``double_buffered=True``)
+                leaves them as they are until ``handle.commit()``; a non-finite input then
+                returns a handle with ``finite=False`` instead of raising.
+
+        Raises:
+            NonFiniteError: (``commit=True``) on every rank, when any rank's input has a NaN/Inf;
+                nothing changed.
         """
+        if not commit and not self.double_buffered:
+            raise ValueError("start(commit=False) needs CompressedAllreduce(double_buffered=True)")
+        if self._uncommitted is not None:
+            raise RuntimeError(
+                "the previous start(commit=False) was neither committed nor discarded"
+            )
         x = self._check_input(tensor)
         if out is None:
             out = self._out
@@ -210,54 +279,78 @@ class CompressedAllreduce:
                 f"out must be a contiguous float32 tensor of {self.numel} values on {self.device}"
             )
         w, row = self.world_size, self.chunk_numel // 8
+        cur = self._cur
+        nxt = 1 - cur if self.double_buffered else cur
 
         # 1. worker compression straight into the send records, scale copied into each record;
         #    the worker error is updated only once every rank's scale is known to be finite
         kernels.worker_compress(
-            x, self.worker_error, self._bits(self._send, row), self._scale, update_error=False
+            x, self._werr[cur], self._bits(self._send, row), self._scale, update_error=False
         )
         self._scales(self._send).copy_(self._scale.expand(w))
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
             with self._explained("all_to_all"):
                 dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
+        self.calls += 1
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
         # same call, so all stop here together with both error buffers as they were.
-        self._check_finite(self._scales(self._recv))
-        kernels.worker_update_error(x, self.worker_error, self._scale)
+        scales = self._scales(self._recv)
+        if not bool(torch.isfinite(scales).all()):
+            self.bytes_sent = self.bytes_per_call // 2  # the all_to_all went out, nothing after
+            self.total_bytes_sent += self.bytes_sent
+            bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]
+            if commit:
+                raise self._non_finite(bad, self.calls)
+            return ExchangeHandle(
+                self, None, out, tensor.shape, finite=False, bad_ranks=bad, call=self.calls
+            )
+        kernels.worker_update_error(x, self._werr[cur], self._scale, out=self._werr[nxt])
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
+        rec, prev = self._srec[nxt], self._srec[cur]
         kernels.server_reduce(
             self._bits(self._recv, row),
-            self._scales(self._recv),
-            self._server_acc,
-            self._server[4 : 4 + row],
-            self._server_scale,
+            scales,
+            self._sacc[cur],
+            rec[4 : 4 + row],
+            rec.view(torch.float32)[:1],
             pending=self._server_pending,
+            error_out=self._sacc[nxt],
+            prev_bits=prev[4 : 4 + row],
+            prev_scale=prev.view(torch.float32)[:1],
         )
-        self._server_pending = True
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
         work = None
+        gathered = rec.view(1, -1)
         if w > 1:
+            gathered = self._gathered
             with self._explained("all_gather"):
-                work = _all_gather_single(
-                    self._gathered.view(-1), self._server, group=self.group, async_op=True
-                )
+                work = _all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
 
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
-        self.calls += 1
-        return ExchangeHandle(self, work, out, tensor.shape)
+        handle = ExchangeHandle(self, work, out, tensor.shape, call=self.calls)
+        handle._gathered, handle._next = gathered, nxt
+        if commit:
+            self._commit(handle)
+        else:
+            self._uncommitted = handle
+        return handle
 
-    def _check_finite(self, scales: torch.Tensor) -> None:
-        if bool(torch.isfinite(scales).all()):
-            return
-        self.bytes_sent = self.bytes_per_call // 2  # the all_to_all went out; nothing after it
-        self.total_bytes_sent += self.bytes_sent
-        bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]
-        raise NonFiniteError(
+    def _commit(self, handle: ExchangeHandle) -> None:
+        if handle._exchange is not self or (
+            self._uncommitted is not handle and self._uncommitted is not None
+        ):
+            raise RuntimeError("this handle is not the exchange's latest uncommitted call")
+        self._cur = handle._next
+        self._server_pending = True
+        self._uncommitted = None
+
+    def _non_finite(self, bad: list[int], call: int) -> NonFiniteError:
+        return NonFiniteError(
             f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
-            f"{self.world_size} (call {self.calls + 1}); every rank stops in this call with its "
+            f"{self.world_size} (call {call}); every rank stops in this call with its "
             "error buffers unchanged (the 1-bit optimizers skip the step on every rank)"
         )
 
@@ -274,12 +367,10 @@ class CompressedAllreduce:
                 f"Check the other ranks' logs for the first error. Cause: {e}"
             ) from e
 
-    def _decode(self, out: torch.Tensor) -> torch.Tensor:
+    def _decode(self, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # 5. decode all W server chunks, dropping the padding
         row = self.chunk_numel // 8
-        kernels.decompress(
-            self._bits(self._gathered, row), self._scales(self._gathered), out.view(-1)
-        )
+        kernels.decompress(self._bits(gathered, row), self._scales(gathered), out.view(-1))
         return out
 
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,16 +386,16 @@ class CompressedAllreduce:
     @property
     def server_error(self) -> torch.Tensor:
         """This rank's server error (a copy, with any deferred update applied)."""
-        err = self._server_acc.clone()
+        err = self._sacc[self._cur].clone()
         if self._server_pending:
-            row = self.chunk_numel // 8
-            kernels.finish_pending(err, self._server[4 : 4 + row], self._server_scale)
+            rec, row = self._srec[self._cur], self.chunk_numel // 8
+            kernels.finish_pending(err, rec[4 : 4 + row], rec.view(torch.float32)[:1])
         return err
 
     def reset_error(self) -> None:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
         self.worker_error.zero_()
-        self._server_acc.zero_()
+        self._sacc[self._cur].zero_()
         self._server_pending = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -329,7 +420,7 @@ class CompressedAllreduce:
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
             )
         self.worker_error.copy_(state_dict["worker_error"])
-        self._server_acc.copy_(state_dict["server_error"])
+        self._sacc[self._cur].copy_(state_dict["server_error"])
         self._server_pending = False
 
     def __repr__(self) -> str:

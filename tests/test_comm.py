@@ -275,3 +275,48 @@ def test_bad_input_is_rejected(arg, exc, match) -> None:
 def test_bad_numel_is_rejected(numel) -> None:
     with pytest.raises(ValueError, match="positive int"):
         CompressedAllreduce(numel)
+
+
+def _double_buffered_worker(rank: int, world: int) -> dict:
+    gen = torch.Generator().manual_seed(10 + rank)
+    xs = [torch.randn(3001, generator=gen) for _ in range(6)]
+    xs[3][7] = float("inf") if rank == world - 1 else xs[3][7]
+    plain = CompressedAllreduce(3001)
+    double = CompressedAllreduce(3001, double_buffered=True)
+    finite, same = [], []
+    for k, x in enumerate(xs):
+        if k == 3:  # non-finite on the last rank: the plain one would raise; skip it there
+            h = double.start(x, commit=False)
+            finite.append(h.finite)
+            h.discard()
+            continue
+        if k == 1:  # dropped on purpose although finite: nothing may change
+            before = double.state_dict()
+            h = double.start(x, commit=False)
+            finite.append(h.finite)
+            h.wait()
+            h.discard()
+            after = double.state_dict()
+            same.append(
+                all(torch.equal(before[n], after[n]) for n in ("worker_error", "server_error"))
+            )
+            continue
+        h = double.start(x, commit=False)
+        finite.append(h.finite)
+        h.commit()
+        same.append(torch.equal(h.wait(), plain(x)))
+    return {"finite": finite, "same": same}
+
+
+def test_double_buffered_commit_and_discard() -> None:
+    """commit=False + commit() is bitwise the plain exchange; discard() (finite or not) leaves the
+    error buffers as they were, so the next calls continue as if the dropped one never happened."""
+    for rank, r in enumerate(run_distributed(_double_buffered_worker, 3)):
+        assert r["finite"] == [True, True, True, False, True, True], rank
+        assert all(r["same"]) and len(r["same"]) == 5, (rank, r["same"])
+    with pytest.raises(ValueError, match="double_buffered=True"):
+        CompressedAllreduce(8).start(torch.zeros(8), commit=False)
+    ex = CompressedAllreduce(8, double_buffered=True)
+    ex.start(torch.ones(8), commit=False)
+    with pytest.raises(RuntimeError, match="neither committed nor discarded"):
+        ex.start(torch.ones(8))
