@@ -496,7 +496,6 @@ class _DiffersOnRank1(CharModel):
             self.net[4] = torch.nn.Linear(65, 48)
 
 
-@pytest.mark.slow
 def test_model_that_differs_across_ranks_fails_at_setup_on_every_rank(tmp_path: Path) -> None:
     """Two fork-started ranks; the error comes from our check, before DDP's and before any step."""
     with pytest.raises(Exception) as err:
