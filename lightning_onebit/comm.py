@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,13 @@ import torch.distributed as dist
 
 from lightning_onebit import kernels
 
-__all__ = ["CompressedAllreduce", "ExchangeHandle", "NonFiniteError", "fp32_allreduce_bytes"]
+__all__ = [
+    "BucketedAllreduce",
+    "CompressedAllreduce",
+    "ExchangeHandle",
+    "NonFiniteError",
+    "fp32_allreduce_bytes",
+]
 
 # torch >= 2.10 renames all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -414,7 +420,11 @@ class CompressedAllreduce:
             ValueError: if the state was saved with another size or world size (error buffers
                 are per rank and per chunk; call :meth:`reset_error` instead).
         """
-        if state_dict.get("numel") != self.numel or state_dict.get("world_size") != self.world_size:
+        if (
+            state_dict.get("numel") != self.numel
+            or state_dict.get("world_size") != self.world_size
+            or "buckets" in state_dict
+        ):
             raise ValueError(
                 f"error buffers saved for numel={state_dict.get('numel')}, world_size={state_dict.get('world_size')} "
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
@@ -427,4 +437,140 @@ class CompressedAllreduce:
         return (
             f"{type(self).__name__}(numel={self.numel}, world_size={self.world_size}, "
             f"device={self.device}, bytes_per_call={self.bytes_per_call})"
+        )
+
+
+class BucketedAllreduce:
+    """The compressed average of one flat buffer, split into buckets exchanged separately.
+
+    Each bucket (a contiguous slice) has its own :class:`CompressedAllreduce` (its own scale and
+    error buffers, double buffered), so a bucket can be sent as soon as its values exist, e.g.
+    while backward is still producing the rest of the gradient: :meth:`start_bucket`. A call
+    goes through for all buckets or for none: :meth:`finish` commits every bucket only when every
+    rank's every bucket was finite, else drops them all (error buffers as before) and raises
+    :class:`NonFiniteError` on every rank.
+
+    Buckets are started in index order on every rank (the collectives must match).
+
+    Args:
+        bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
+        device, group: as for :class:`CompressedAllreduce`.
+    """
+
+    def __init__(
+        self,
+        bounds: list[tuple[int, int]],
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        tiles = sorted(bounds)
+        if (
+            not tiles
+            or tiles[0][0] != 0
+            or any(a >= b for a, b in tiles)
+            or any(tiles[i][1] != tiles[i + 1][0] for i in range(len(tiles) - 1))
+        ):
+            raise ValueError(f"bounds must tile [0, numel) with non-empty buckets, got {bounds}")
+        self.bounds = [(int(a), int(b)) for a, b in bounds]  # in exchange order, any layout
+        self.numel = tiles[-1][1]
+        self.buckets = [
+            CompressedAllreduce(b - a, device=device, group=group, double_buffered=True)
+            for a, b in self.bounds
+        ]
+        self.device = self.buckets[0].device
+        self.world_size, self.rank = self.buckets[0].world_size, self.buckets[0].rank
+        self._handles: list[ExchangeHandle | None] = [None] * len(self.buckets)
+        self.bytes_sent = 0
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def started(self) -> list[bool]:
+        return [h is not None for h in self._handles]
+
+    def start_bucket(self, b: int, values: torch.Tensor) -> None:
+        """Start bucket ``b`` (every bucket before it must have been started) from ``values``
+        (its ``stop - start`` values; read now and not needed afterwards)."""
+        if b and self._handles[b - 1] is None:
+            raise RuntimeError(f"bucket {b} started before bucket {b - 1}: start them in order")
+        self._handles[b] = self.buckets[b].start(values, commit=False)
+
+    def finish(
+        self,
+        source: torch.Tensor | Callable[[int, int], torch.Tensor],
+        out: torch.Tensor,
+    ) -> None:
+        """Start the buckets not started yet from ``source`` (the flat input, or a function
+        ``(start, stop) -> values`` computing only what is needed), then commit every bucket and
+        decode into ``out`` (``numel`` values), or drop all and raise NonFiniteError on every rank.
+        """
+        for b, (lo, hi) in enumerate(self.bounds):
+            if self._handles[b] is None:
+                values = source(lo, hi) if callable(source) else source[lo:hi]
+                self.start_bucket(b, values)
+        handles, self._handles = self._handles, [None] * len(self.buckets)
+        self.bytes_sent = sum(ex.bytes_sent for ex in self.buckets)
+        self.calls += 1
+        bad = [h for h in handles if not h.finite]
+        if bad:
+            for h in handles:
+                h.discard()
+            raise bad[0]._exchange._non_finite(bad[0].bad_ranks, bad[0]._call)
+        for h in handles:
+            h.commit()
+        for h, (lo, hi) in zip(handles, self.bounds, strict=True):
+            h._out = out[lo:hi]
+            h.wait()
+
+    def discard(self) -> None:
+        """Drop the buckets started so far (e.g. a backward whose step never came)."""
+        for h in self._handles:
+            if h is not None:
+                h.discard()
+        self._handles = [None] * len(self.buckets)
+
+    def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All buckets at once: the compressed average of ``tensor`` into ``out`` (default: in
+        place)."""
+        out = tensor if out is None else out
+        self.finish(tensor.reshape(-1), out.view(-1))
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def reset_error(self) -> None:
+        for ex in self.buckets:
+            ex.reset_error()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "numel": self.numel,
+            "world_size": self.world_size,
+            "bounds": list(self.bounds),
+            "buckets": [ex.state_dict() for ex in self.buckets],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if (
+            state_dict.get("bounds") != self.bounds
+            or state_dict.get("world_size") != self.world_size
+        ):
+            raise ValueError(
+                f"error buffers saved for buckets {state_dict.get('bounds', 'none (one exchange)')}"
+                f", world_size={state_dict.get('world_size')} cannot be loaded into buckets "
+                f"{self.bounds}, world_size={self.world_size}; use reset_error()"
+            )
+        for ex, sd in zip(self.buckets, state_dict["buckets"], strict=True):
+            ex.load_state_dict(sd)
+
+    @property
+    def bytes_per_call(self) -> int:
+        return sum(ex.bytes_per_call for ex in self.buckets)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(numel={self.numel}, buckets={len(self.buckets)}, "
+            f"world_size={self.world_size}, device={self.device})"
         )

@@ -50,13 +50,19 @@ import copy
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import CompressedAllreduce, NonFiniteError, fp32_allreduce_bytes
+from lightning_onebit.comm import (
+    BucketedAllreduce,
+    CompressedAllreduce,
+    NonFiniteError,
+    fp32_allreduce_bytes,
+)
+from lightning_onebit.optim._overlap import BackwardOverlap
 
 __all__ = ["OneBitOptimizer"]
 
@@ -208,9 +214,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._work: dict[str, torch.Tensor] = {}
         self._grad: torch.Tensor | None = None
         self._param_flat: torch.Tensor | None = None
-        self._exchange: CompressedAllreduce | None = None
+        self._exchange: CompressedAllreduce | BucketedAllreduce | None = None
         self._pending_exchange_state: dict[str, Any] | None = None
         self._bytes_step = 0
+        self._overlap: BackwardOverlap | None = None  # see overlap_with_backward()
+        self._skip_gather: set[int] = set()
+        #: Set True around backward passes that are not followed by ``step()`` (gradient
+        #: accumulation) when overlapping the exchange with backward.
+        self.overlap_paused = False
 
     # ------------------------------------------------------------------ hyperparameters
 
@@ -319,6 +330,46 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """The flat second-moment buffer (``None`` before the first step)."""
         return self._flat.get("exp_avg_sq")
 
+    # ------------------------------------------------------------------ overlap with backward
+
+    def overlap_with_backward(self, bucket_cap_mb: float | None = 25.0) -> None:
+        """Start the compressed exchange during backward, bucket by bucket (``None``: off).
+
+        The flat buffers are cut into buckets of about ``bucket_cap_mb`` MiB (whole parameters,
+        last layers first), each exchanged as soon as backward has produced its gradients, on a
+        communication thread and a process group of its own; ``step()`` then only finishes what
+        is left. Each bucket has its own 1-bit scale and error buffers (so the numbers differ
+        slightly from one exchange for the whole model); a NaN/Inf in any bucket still drops the
+        whole step on every rank. See ``lightning_onebit/optim/_overlap.py`` for the contract:
+        the exchange sees ``.grad`` as backward leaves it (no clipping or unscaling in between),
+        and backward passes not followed by ``step()`` need ``overlap_paused = True``.
+
+        Call it on every rank, before the first step or between two steps; changing the buckets
+        of a run in progress restarts the error buffers (with a warning).
+        """
+        if bucket_cap_mb is not None:
+            _check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
+        cap = None if bucket_cap_mb is None else max(4, int(bucket_cap_mb * 2**20))
+        if self._overlap is not None:
+            if cap == self._overlap.cap:
+                return
+            self._overlap.close()
+        self._overlap = None if cap is None else BackwardOverlap(self, cap)
+        self._layout = None  # new buckets (and hooks) at the next step
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether the exchange is started during backward (see :meth:`overlap_with_backward`)."""
+        return self._overlap is not None
+
+    def _overlappable(self) -> bool:
+        """Whether the next step's exchange can start from its gradients alone (subclasses)."""
+        return False
+
+    def _exchange_source(self, s: slice) -> torch.Tensor:  # pragma: no cover - abstract
+        """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
@@ -333,6 +384,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._prepare()
+        if self._overlap is not None:  # buckets the communication thread already started
+            self._skip_gather = self._overlap.collect()
         self.step_count += 1
         self._bytes_step = 0
         skipped = self.skipped_steps
@@ -341,6 +394,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         except NonFiniteError as err:
             self.step_count -= 1
             self._skipped(err)
+        finally:
+            self._skip_gather = set()
+            if self._overlap is not None:
+                self._exchange.discard()  # started buckets a step did not use (none normally)
+                self._overlap.end_step()
         if self.skipped_steps == skipped:
             self._consecutive_skips = 0
         stats = self.comm_stats
@@ -390,9 +448,22 @@ class OneBitOptimizer(torch.optim.Optimizer):
             if seg.stop > seg.start:
                 yield gi, group, seg
 
-    def _gather_grads(self) -> torch.Tensor:
-        """Copy every gradient into the flat fp32 gradient buffer (zeros where ``.grad`` is None)."""
-        for p, view in zip(self._layout.params, self._views["grad"], strict=True):
+    def _segments_in(self, s: slice) -> Iterator[tuple[int, dict[str, Any], slice]]:
+        """(group index, group, sub-slice) for every group that intersects the flat slice ``s``."""
+        for gi, group, seg in self._segments():
+            lo, hi = max(seg.start, s.start), min(seg.stop, s.stop)
+            if lo < hi:
+                yield gi, group, slice(lo, hi)
+
+    def _gather_grads(self, only: list[int] | None = None) -> torch.Tensor:
+        """Copy the gradients into the flat fp32 gradient buffer (zeros where ``.grad`` is None):
+        those of the parameters ``only`` (indices into the layout), or every one not copied yet
+        this step."""
+        params, views = self._layout.params, self._views["grad"]
+        for j in range(len(params)) if only is None else only:
+            if only is None and j in self._skip_gather:
+                continue
+            p, view = params[j], views[j]
             g = p.grad
             if g is None:
                 view.zero_()
@@ -433,14 +504,31 @@ class OneBitOptimizer(torch.optim.Optimizer):
         from float32 values, and NaN/Inf propagate)."""
         return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
 
-    def _compressed_average_(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> None:
-        """Error-compensated 1-bit average of ``flat`` over the ranks into ``out`` (default: in
-        place; W = 1: compression only). Raises NonFiniteError on every rank, with ``out`` and the
-        error buffers untouched, when any rank's input has a NaN/Inf."""
+    def _compressed_average_(
+        self,
+        source: torch.Tensor | Callable[[slice], torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
+
+        ``source`` is the flat input (``out`` defaults to it: in place) or a function computing
+        it for a flat slice, so that with :meth:`overlap_with_backward` only the buckets not
+        started during backward are computed here. Raises NonFiniteError on every rank, with
+        ``out`` and the error buffers untouched, when any rank's input has a NaN/Inf.
+        """
+        if out is None:
+            if callable(source):
+                raise TypeError("out is required when source is a function")
+            out = source
+        ex = self._exchange
         try:
-            self._exchange(flat, out=flat if out is None else out)
+            if isinstance(ex, BucketedAllreduce):
+                fn = (lambda lo, hi: source(slice(lo, hi))) if callable(source) else source
+                ex.finish(fn, out)
+            else:
+                ex(source(slice(0, out.numel())) if callable(source) else source, out=out)
         finally:
-            self._bytes_step += self._exchange.bytes_sent
+            self._bytes_step += ex.bytes_sent
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
         """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
@@ -535,21 +623,27 @@ class OneBitOptimizer(torch.optim.Optimizer):
             views[name] = layout.views(buf)
         self._views = views
 
+        bounds = self._overlap.plan(layout) if self._overlap is not None else None
         ex = self._exchange
-        if ex is not None and (ex.numel != n or ex.device != device):
-            if ex.numel == n:  # only the device changed: carry the error buffers over
+        same_buckets = getattr(ex, "bounds", None) == bounds
+        if ex is not None and (ex.numel != n or ex.device != device or not same_buckets):
+            if ex.numel == n and same_buckets:  # only the device changed: carry the errors over
                 if self._pending_exchange_state is None:
                     self._pending_exchange_state = ex.state_dict()
             elif ex.calls > 0:
                 warnings.warn(
-                    "the set of trainable parameters changed: the 1-bit error buffers restart "
-                    "from zero",
+                    "the set of trainable parameters or the exchange's buckets changed: the "
+                    "1-bit error buffers restart from zero",
                     RuntimeWarning,
                     stacklevel=3,
                 )
             ex = None
-        if ex is None:
+        if ex is None and bounds is not None:
+            ex = BucketedAllreduce(bounds, device=device, group=self._overlap.group())
+        elif ex is None:
             ex = CompressedAllreduce(n, device=device, group=self.process_group)
+        if self._overlap is not None:
+            self._overlap.install(layout)
         pending, self._pending_exchange_state = self._pending_exchange_state, None
         if pending == "reset":  # loaded a checkpoint taken before the first exchange
             ex.reset_error()

@@ -104,6 +104,17 @@ class OneBitAdam(OneBitOptimizer):
         )
         self.freeze_step = freeze_step
 
+    def _overlappable(self) -> bool:
+        return self.phase == "compression"
+
+    def _exchange_source(self, s: slice) -> torch.Tensor:
+        """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged)."""
+        m, g, u = self._flat["exp_avg"], self._grad, self._work["update"]
+        for _, group, t in self._segments_in(s):
+            beta1 = group["betas"][0]
+            torch.mul(m[t], beta1, out=u[t]).add_(g[t], alpha=1 - beta1)
+        return u[s]
+
     def _step(self) -> None:
         g = self._gather_grads()
         m, v, u = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._work["update"]
@@ -117,12 +128,10 @@ class OneBitAdam(OneBitOptimizer):
                 m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
                 v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
         else:
-            # 2a. momentum from the local gradient (into u: m changes only if 2b goes through)
-            for _, group, s in self._segments():
-                beta1 = group["betas"][0]
-                torch.mul(m[s], beta1, out=u[s]).add_(g[s], alpha=1 - beta1)
-            # 2b. 1-bit average of the momentum: every rank gets the same m
-            self._compressed_average_(u, out=m)
+            # 2a. momentum from the local gradient (_exchange_source), and
+            # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
+            #     backward with overlap_with_backward(); m changes only if every bucket goes through)
+            self._compressed_average_(self._exchange_source, out=m)
             self._apply_exp_avg_mask_(m)
             # 2c. v stays frozen
 

@@ -179,6 +179,33 @@ class OneBitLamb(OneBitOptimizer):
     def _on_freeze(self) -> None:
         # 2. the fresh variance starts from the frozen one
         self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
+        # 3a. (computed now: m is what the first compression step starts from)
+        self._compute_scaling()
+
+    def _compute_scaling(self) -> None:
+        """3a. per-layer scaling so that one 1-bit scale fits every layer."""
+        rms = torch.stack(
+            [mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in self._views["exp_avg"]]
+        )
+        scaling = self._scalars["scaling_coeff"]
+        scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
+        self.scaling_coeff_ready = True
+
+    def _overlappable(self) -> bool:
+        return self.phase == "compression" and self.scaling_coeff_ready
+
+    def _exchange_source(self, s: slice) -> torch.Tensor:
+        """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``."""
+        m, g, u = self._flat["exp_avg"], self._grad, self._work["update"]
+        for _, group, t in self._segments_in(s):
+            beta1 = group["betas"][0]
+            torch.mul(m[t], beta1, out=u[t]).add_(g[t], alpha=1 - beta1)
+        layers = [j for j, o in enumerate(self._layout.offsets) if s.start <= o < s.stop]
+        scaling = self._scalars["scaling_coeff"].tolist()
+        torch._foreach_mul_(
+            [self._views["update"][j] for j in layers], [scaling[j] for j in layers]
+        )
+        return u[s]
 
     def _per_layer(self, key: str) -> torch.Tensor:
         """A group hyperparameter broadcast to one value per layer."""
@@ -226,23 +253,15 @@ class OneBitLamb(OneBitOptimizer):
                 self.freeze()  # 2.
             return
 
-        # 3a. per-layer scaling so that one 1-bit scale fits every layer
+        # 3a. per-layer scaling (at the freeze; here for checkpoints that predate that)
         if not self.scaling_coeff_ready:
-            rms = torch.stack(
-                [mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in self._views["exp_avg"]]
-            )
-            scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
-            self.scaling_coeff_ready = True
-        # 3b. local momentum, scaled (into u: m changes only if 3c goes through)
-        for _, group, s in self._segments():
-            beta1 = group["betas"][0]
-            torch.mul(m[s], beta1, out=u[s]).add_(g[s], alpha=1 - beta1)
-        scaling_list = scaling.tolist()
-        torch._foreach_mul_(self._views["update"], scaling_list)
-        # 3c. one compressed exchange for all layers, unscaled, masked
+            self._compute_scaling()
+        # 3b. local momentum, scaled (_exchange_source), and
+        # 3c. one compressed exchange for all layers (bucket by bucket with
+        #     overlap_with_backward(); m changes only if every bucket goes through), unscaled, masked
         m_last.copy_(m)
-        self._compressed_average_(u, out=m)
-        torch._foreach_div_(self._views["exp_avg"], scaling_list)
+        self._compressed_average_(self._exchange_source, out=m)
+        torch._foreach_div_(self._views["exp_avg"], scaling.tolist())
         self._apply_exp_avg_mask_(m)
         # 3d. reconstructed gradient updates the fresh variance (g is free: reuse it)
         for _, group, s in self._segments():

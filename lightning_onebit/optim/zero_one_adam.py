@@ -180,6 +180,12 @@ class ZeroOneAdam(OneBitOptimizer):
             stacklevel=4,
         )
 
+    def _overlappable(self) -> bool:
+        return self.phase == "variance" and (self.step_count + 1) % self.var_interval != 0
+
+    def _exchange_source(self, s: slice) -> torch.Tensor:
+        return self._grad[s]  # 1b exchanges the gradient itself
+
     def _on_layout(self) -> None:
         self.lrs = list(self.lrs) + [0.0] * (len(self.param_groups) - len(self.lrs))
 
@@ -204,7 +210,7 @@ class ZeroOneAdam(OneBitOptimizer):
                     m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
             else:
                 # 1b. 1-bit averaged gradient, momentum only
-                self._compressed_average_(g)
+                self._compressed_average_(self._exchange_source, out=g)
                 self._apply_exp_avg_mask_(g)
                 for _, group, s in self._segments():
                     beta1 = group["betas"][0]

@@ -1,0 +1,151 @@
+"""Overlap of the compressed exchange with backward (``OneBitOptimizer.overlap_with_backward``).
+
+Backward produces gradients from the last layer to the first. The flat buffers are cut into
+buckets of about ``bucket_cap_mb`` each, from the end of the layout (the last parameters, whose
+gradients come first) to its start; bucket ``b`` is exchanged by its own double-buffered
+:class:`~lightning_onebit.comm.CompressedAllreduce` (``comm.BucketedAllreduce``). A
+post-accumulate-grad hook on every parameter notes its gradient as ready; as soon as buckets
+``0..b`` are complete, bucket ``b`` goes to a single communication thread, which copies its
+gradients into the flat buffer, computes what the algorithm exchanges for those values (e.g. the
+new momentum) and runs the exchange's compression, all_to_all and server stage while backward
+goes on (C++ kernels and collectives release the GIL). ``step()`` waits for the thread, starts
+the buckets that were not complete (a parameter without a gradient), and commits all buckets or,
+if any rank had a NaN/Inf anywhere, none.
+
+Every rank starts the buckets in index order, on a process group of their own (so that they never
+interleave with collectives the training loop issues on the default group), hence the
+collectives match across ranks whatever the timing.
+
+The exchange sees the gradients as backward leaves them: gradient clipping, loss-scaler
+unscaling or anything else that edits ``.grad`` between backward and ``step()`` is not seen.
+Pause the overlap (``optimizer.overlap_paused = True``) around backward passes whose step does
+not follow directly (gradient accumulation); the strategy does this for you.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_onebit.optim._base import OneBitOptimizer, _Layout
+
+__all__ = ["BackwardOverlap"]
+
+
+class BackwardOverlap:
+    """The bucket plan, the gradient hooks and the communication thread of one optimizer."""
+
+    def __init__(self, optimizer: OneBitOptimizer, bucket_cap_bytes: int) -> None:
+        self.opt = optimizer
+        self.cap = bucket_cap_bytes
+        self.bounds: list[tuple[int, int]] = []
+        self.bucket_params: list[list[int]] = []
+        self._bucket_of: list[int] = []
+        self._hooks: list[Any] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._group: Any = None
+        self._group_made = False
+        self._futures: list[Future] = []
+        self._ready: set[int] = set()
+        self._missing: list[int] = []
+        self._next = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def plan(self, layout: _Layout) -> list[tuple[int, int]]:
+        """Bucket bounds in exchange order: whole parameters, from the end of the layout."""
+        bounds, params, of = [], [], [0] * len(layout.params)
+        stop, members, size = layout.numel, [], 0
+        for j in reversed(range(len(layout.params))):
+            members.append(j)
+            size += layout.params[j].numel() * 4  # fp32 in the flat buffers
+            if size >= self.cap or j == 0:
+                start = layout.offsets[j]
+                for k in members:
+                    of[k] = len(bounds)
+                bounds.append((start, stop))
+                params.append(members)
+                stop, members, size = start, [], 0
+        self.bounds, self.bucket_params, self._bucket_of = bounds, params, of
+        self._reset_round()
+        return bounds
+
+    def group(self) -> Any:
+        """The exchanges' own process group (made once, by every rank at the same step)."""
+        if not self._group_made:
+            pg = self.opt.process_group
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(pg) > 1:
+                ranks = None if pg is None else dist.get_process_group_ranks(pg)
+                self._group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+            self._group_made = True
+        return self._group
+
+    def install(self, layout: _Layout) -> None:
+        """(Re)register the gradient hooks on the layout's parameters."""
+        self.remove()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, j))
+            for j, p in enumerate(layout.params)
+        ]
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ during backward
+
+    def _on_grad(self, j: int, _param: torch.Tensor) -> None:
+        opt = self.opt
+        if opt.overlap_paused or opt._layout is None or not opt._overlappable():
+            return
+        if j in self._ready:  # a second backward before step(): drop what the first started
+            self.drop()
+        self._ready.add(j)
+        self._missing[self._bucket_of[j]] -= 1
+        while self._next < len(self.bounds) and self._missing[self._next] == 0:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
+            self._futures.append(self._pool.submit(self._launch, self._next))
+            self._next += 1
+
+    def _launch(self, b: int) -> None:  # on the communication thread
+        opt = self.opt
+        with torch.no_grad():
+            opt._gather_grads(self.bucket_params[b])
+            lo, hi = self.bounds[b]
+            opt._exchange.start_bucket(b, opt._exchange_source(slice(lo, hi)))
+
+    # ------------------------------------------------------------------ in step()
+
+    def collect(self) -> set[int]:
+        """Wait for the thread; return the parameters whose gradients it already copied."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()  # re-raises a failure of the thread (e.g. a dead peer)
+        return {j for b in range(self._next) for j in self.bucket_params[b]}
+
+    def drop(self) -> None:
+        """Forget the current round: wait for the thread, discard the started buckets."""
+        self.collect()
+        self.opt._exchange.discard()
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        self._ready = set()
+        self._missing = [len(m) for m in self.bucket_params]
+        self._next = 0
+
+    def end_step(self) -> None:
+        self._reset_round()
+
+    def close(self) -> None:
+        self.remove()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
