@@ -71,6 +71,8 @@ METHODS = (
     "zero_one_adam",
     "onebit_lamb",
 )
+#: The 1-bit methods with their exchange in step() after backward (not run by default).
+SYNC_METHODS = ("onebit_adam_sync", "zero_one_adam_sync", "onebit_lamb_sync")
 RATES = ("100mbit", "1gbit", "10gbit", "uncapped")
 #: Model presets (character-level GPT, ~100 tokens). "base" is the ~19M-parameter LM of DESIGN.md §5.
 MODELS = {
@@ -400,12 +402,14 @@ def _mb(x: float | None) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    overlap = f"{meta['overlap_mb']} MiB buckets" if meta.get("overlap_mb") else "no"
     lines = [
         "# Emulated-cluster benchmark",
         "",
         f"{meta['when']} · {meta['host']} · {meta['cpus']} CPUs · torch {meta['torch']} · "
         f"model `{meta['model']}` ({_fmt(meta.get('numel'), ',')} params) · "
-        f"{meta['steps']} steps, warmup {meta['warmup']} · {meta['threads']} torch thread(s)/rank",
+        f"{meta['steps']} steps, warmup {meta['warmup']} · {meta['threads']} torch thread(s)/rank"
+        f" · 1-bit exchange overlapped with backward: {overlap}",
         "",
         "Step time = median over the phase of the time until the slowest rank finishes the step "
         "(first step of each phase skipped). *x floor*: compression-phase step / `nocomm`'s. "
@@ -529,6 +533,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Adam betas for every method (examples/gpt.py uses 0.9,0.95 for short runs)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--overlap-mb",
+        type=float,
+        default=25.0,
+        help="1-bit methods: bucket size of the exchange overlapped with backward (0: exchange "
+        "in step() after backward)",
+    )
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-slack", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method run")
@@ -544,7 +555,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rates, args.methods, args.workloads = map(_csv, (args.rates, args.methods, args.workloads))
     for what, got, ok in (
         ("rate", args.rates, None),
-        ("method", args.methods, METHODS),
+        ("method", args.methods, METHODS + SYNC_METHODS),
         ("workload", args.workloads, WORKLOADS),
     ):
         bad = [g for g in got if ok is not None and g not in ok]
@@ -590,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "model_config": MODELS[args.model],
         "model_source": args.model_source,
+        "overlap_mb": args.overlap_mb,
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": args.threads,
@@ -625,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "betas": args.betas,
                                 "threads": args.threads,
                                 "timeout": max(60, args.timeout / 2),
+                                "overlap_mb": args.overlap_mb,
                             }
                             row = {
                                 "workload": wl,

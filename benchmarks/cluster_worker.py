@@ -23,7 +23,10 @@ Methods (``--config`` key ``method``):
   mismatch" at W = 4. Compression starts after the same warmup as the 1-bit methods.
 * ``onebit_adam`` / ``zero_one_adam`` / ``onebit_lamb``: ``lightning_onebit.optim``
   optimizers without a DDP wrapper (they average warmup gradients themselves and exchange
-  1-bit momentum / gradients afterwards), ``freeze_step`` = the warmup.
+  1-bit momentum / gradients afterwards), ``freeze_step`` = the warmup; with ``overlap_mb``
+  (``--overlap-mb``, default 25) the exchange runs bucket by bucket during backward
+  (``optimizer.overlap_with_backward``); ``<method>_sync`` (e.g. ``onebit_adam_sync``) exchanges
+  in ``step()`` after backward instead, for comparison.
 
 The model is a small GPT-style character-level LM (:class:`GPT`) trained on the Python standard
 library's source text; ``--model-source examples`` (:func:`build`) trains ``examples/gpt.py``'s
@@ -217,6 +220,8 @@ def _build_method(
             torch.optim.Adam(model.parameters(), lr=lr, betas=betas),
             {"warmup": 0, "compression": 0},
         )
+    sync = name.endswith("_sync")  # a 1-bit method with its exchange after backward
+    name = name.removesuffix("_sync") if sync and name[:-5] in ONEBIT_METHODS else name
     if name in ONEBIT_METHODS:
         from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
@@ -228,6 +233,8 @@ def _build_method(
             opt = OneBitLamb(
                 model.parameters(), lr=cfg.get("lr_lamb", lr), betas=betas, freeze_step=warmup
             )
+        if cfg.get("overlap_mb") and not sync:  # exchange bucket by bucket during backward
+            opt.overlap_with_backward(cfg["overlap_mb"])
         return model, opt, {}  # the optimizer counts its own bytes
     if name not in DDP_METHODS:
         raise ValueError(f"unknown method {name!r}")
@@ -334,7 +341,7 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
         t1 = time.monotonic()
         tx1 = _tx_bytes(ifname)
         # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
-        sent = opt.comm_stats["bytes_last_step"] if method in ONEBIT_METHODS else ddp_bytes[phase]
+        sent = opt.comm_stats["bytes_last_step"] if hasattr(opt, "comm_stats") else ddp_bytes[phase]
         records.append(
             {
                 "step": step,
