@@ -331,6 +331,13 @@ class OneBitStrategy(DDPStrategy):
         if trainer.lightning_module is not None:
             _check_dense_gradients(trainer.lightning_module)
         super().setup(trainer)
+        if self._rank_state is not None and self._rank_state.get("model") is not None:
+            # Lightning restored the model before this setup, and wrapping it in DDP just now
+            # broadcast rank 0's parameters to every rank: put this rank's own back (0/1 Adam
+            # checkpointed between two synchronisations, when they differ across ranks).
+            self.lightning_module.load_state_dict(
+                self._rank_state["model"], strict=self._rank_state.get("strict", True)
+            )
         if (
             isinstance(self.precision_plugin, MixedPrecision)
             and self.precision_plugin.scaler is not None
@@ -515,6 +522,8 @@ class OneBitStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         if self._rank_state is not None and self._rank_state.get("model") is not None:
+            # (again after DDP's broadcast in setup, when the restore comes before it)
+            self._rank_state["strict"] = strict
             self.lightning_module.load_state_dict(self._rank_state["model"], strict=strict)
 
     @override
