@@ -474,6 +474,12 @@ class OneBitStrategy(DDPStrategy):
             rank_file = self._rank_file(filepath)
             get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
             _atomic_save(rank_state, rank_file)  # temp file + rename: never half-written
+            # what a resume with another world size (or without this rank file) needs to know
+            checkpoint["onebit"] = {
+                "world_size": self.world_size,
+                "optimizer": type(opt).__name__,
+                "params_differ_across_ranks": opt.params_differ_across_ranks,
+            }
             # rank 0's error buffers do not belong in the checkpoint every rank loads
             for state in checkpoint.get("optimizer_states", []):
                 if isinstance(state, dict) and "onebit" in state:
@@ -500,7 +506,8 @@ class OneBitStrategy(DDPStrategy):
             if state.get("global_step") != checkpoint.get("global_step"):
                 warnings.warn(
                     f"{rank_file} is from step {state.get('global_step')} but the checkpoint from step "
-                    f"{checkpoint.get('global_step')}: ignoring it; this rank's error buffers restart from zero",
+                    f"{checkpoint.get('global_step')}: ignoring it; this rank's error buffers restart from zero"
+                    + _local_phase_note(checkpoint, every_rank=False),
                     UserWarning,
                     stacklevel=2,
                 )
@@ -509,10 +516,20 @@ class OneBitStrategy(DDPStrategy):
         elif "optimizer_states" in checkpoint:
             path = Path(os.fspath(checkpoint_path))  # only to name what is there instead
             saved = sorted(p.name for p in path.parent.glob(path.name + ".onebit-rank*"))
+            saved_world = (checkpoint.get("onebit") or {}).get("world_size")
+            if saved_world is None and saved:  # a checkpoint from before the "onebit" entry
+                saved_world = int(saved[0].rsplit("-of-", 1)[-1])
+            changed = saved_world is not None and saved_world != self.world_size
             warnings.warn(
                 f"no per-rank 1-bit state for rank {self.global_rank} of {self.world_size} beside "
-                f"{checkpoint_path} (found: {saved or 'none'}); resuming with the error buffers reset to zero"
-                + (" (world size changed)" if saved else ""),
+                f"{checkpoint_path} (found: {saved or 'none'})"
+                + (
+                    f": the world size changed from {saved_world} to {self.world_size}"
+                    if changed
+                    else ""
+                )
+                + "; resuming with this rank's 1-bit error buffers reset to zero"
+                + _local_phase_note(checkpoint, every_rank=changed),
                 UserWarning,
                 stacklevel=2,
             )
@@ -535,6 +552,27 @@ class OneBitStrategy(DDPStrategy):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
+    """What a resume without this rank's file does to parameters that differ across ranks."""
+    meta = checkpoint.get("onebit") or {}
+    differ = meta.get("params_differ_across_ranks")
+    if differ is None:  # a checkpoint from before the "onebit" entry: 0/1 Adam's local phase
+        states = checkpoint.get("optimizer_states") or [{}]
+        differ = (
+            isinstance(states[0], Mapping)
+            and (states[0].get("onebit") or {}).get("phase") == ZeroOneAdam.PHASES[1]
+        )
+    if not differ:
+        return ""
+    who = "every rank resumes" if every_rank else "this rank resumes"
+    return (
+        "; the checkpoint was taken between two synchronisations of 0/1 Adam's local phase, when "
+        f"each rank had its own parameters and momenta: {who} from rank 0's (the ones in the "
+        "checkpoint), so the local steps the other ranks took since the last synchronisation are "
+        "dropped" + (" and all ranks start from identical parameters" if every_rank else "")
+    )
 
 
 def _normalize_freeze_step(freeze_step: Any) -> int | float | None:
