@@ -25,6 +25,7 @@ this rank's *local* gradient in the compression phase.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -36,6 +37,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.types import _PATH
@@ -473,7 +475,7 @@ class OneBitStrategy(DDPStrategy):
             }
             rank_file = self._rank_file(filepath)
             get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
-            _atomic_save(rank_state, rank_file)  # temp file + rename: never half-written
+            _save_atomically(rank_state, rank_file)
             # what a resume with another world size (or without this rank file) needs to know
             checkpoint["onebit"] = {
                 "world_size": self.world_size,
@@ -573,6 +575,34 @@ def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
         "checkpoint), so the local steps the other ranks took since the last synchronisation are "
         "dropped" + (" and all ranks start from identical parameters" if every_rank else "")
     )
+
+
+def _save_atomically(obj: Any, path: str) -> None:
+    """Write ``path`` so that it is never half-written, even if the process dies mid-write.
+
+    Local paths: a temporary file in the same directory (so the same filesystem), flushed to
+    disk, then renamed over ``path`` in one step. (Lightning's ``_atomic_save`` writes its
+    temporary file into the system temp directory; when that is another filesystem than the
+    checkpoint's, its final move is a copy, which a crash can leave half-written.) Remote
+    (fsspec) paths use Lightning's transaction.
+    """
+    fs = get_filesystem(path)
+    if not isinstance(fs, LocalFileSystem):
+        _atomic_save(obj, path)
+        return
+    path = fs._strip_protocol(path)
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _normalize_freeze_step(freeze_step: Any) -> int | float | None:
