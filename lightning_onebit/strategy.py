@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +45,7 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -155,6 +156,11 @@ class OneBitStrategy(DDPStrategy):
         factor_min: 1-bit LAMB: lower clamp of the fresh-variance correction factor.
         factor_threshold: 1-bit LAMB: largest relative change of the factor per step.
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
+        overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB
+            (``optimizer.overlap_with_backward``); ``None`` exchanges in ``optimizer.step()``
+            after backward. Turned off (with an info message) where something edits the
+            gradients between backward and the step: gradient clipping, the ``16-mixed`` loss
+            scaler. Gradient accumulation pauses it on the backward passes without a step.
         timeout: collective timeout: a dead or stuck rank makes the others fail after this long.
         start_method: how processes start: ``"popen"`` (scripts), ``"fork"`` (notebooks),
             ``"spawn"``, ``"forkserver"``.
@@ -181,6 +187,7 @@ class OneBitStrategy(DDPStrategy):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         log_comm_stats: bool = True,
+        overlap_bucket_mb: float | None = 25.0,
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
@@ -219,6 +226,16 @@ class OneBitStrategy(DDPStrategy):
             "factor_threshold": factor_threshold,
         }
         self._validate_optimizer_options()
+        if overlap_bucket_mb is not None and not (
+            isinstance(overlap_bucket_mb, (int, float))
+            and not isinstance(overlap_bucket_mb, bool)
+            and 0 < overlap_bucket_mb < float("inf")
+        ):
+            raise ValueError(
+                f"overlap_bucket_mb must be a number in (0, inf) or None (no overlap), got "
+                f"{overlap_bucket_mb!r}"
+            )
+        self.overlap_bucket_mb = overlap_bucket_mb
         self._hook_state: _HookState | None = None
         self._rank_state: dict[str, Any] | None = None
         self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
@@ -291,6 +308,9 @@ class OneBitStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, OneBitOptimizer) and opt.overlaps_backward:
+                opt.overlap_with_backward(None)  # stops its thread, removes its hooks
         super().teardown()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
             # A single-process run initialised a group in this process; leaving it would be
@@ -347,6 +367,40 @@ class OneBitStrategy(DDPStrategy):
             self.precision_plugin.scaler = _synced_scaler(self.precision_plugin.scaler)
         if self._hook_state is not None:
             self._hook_state.optimizer = self.onebit_optimizer
+        self._configure_overlap(trainer)
+
+    def _configure_overlap(self, trainer: pl.Trainer) -> None:
+        if self.overlap_bucket_mb is None or trainer.state.fn != "fit":
+            return
+        opt = self.onebit_optimizer
+        scaler = isinstance(self.precision_plugin, MixedPrecision) and (
+            self.precision_plugin.scaler is not None
+        )
+        why = (
+            "gradient clipping edits the gradients after backward"
+            if trainer.gradient_clip_val
+            else "the 16-mixed loss scaler unscales the gradients after backward"
+            if scaler
+            else None
+        )
+        if why is not None:
+            rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
+            return
+        opt.overlap_with_backward(self.overlap_bucket_mb)
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # a backward without a step (gradient accumulation): the exchange must not start yet
+        opts = [o for o in self.optimizers if isinstance(o, OneBitOptimizer)]
+        for o in opts:
+            o.overlap_paused = True
+        try:
+            with super().block_backward_sync():
+                yield
+        finally:
+            for o in opts:
+                o.overlap_paused = False
 
     @override
     def configure_ddp(self) -> None:

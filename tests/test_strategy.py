@@ -116,6 +116,8 @@ class RecordRanks(Callback):
             "optimizer": type(opt).__name__,
             "lr": [g["lr"] for g in opt.param_groups],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "overlap": getattr(opt, "overlaps_backward", None),
+            "buckets": len(getattr(getattr(opt, "_exchange", None), "buckets", [None])),
         }
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
@@ -439,6 +441,48 @@ def test_nan_on_one_rank_in_fp32_skips_the_step_on_every_rank(tmp_path: Path, na
     assert {r["step_count"] for r in records} == {11}
     assert records[0]["metrics"]["onebit/skipped_steps"] == 1.0
     assert all(torch.isfinite(v).all() for v in records[0]["params"].values())
+
+
+class PauseOverlap(Callback):
+    """Keeps the optimizer's overlap paused: the same buckets, all exchanged inside step()."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.strategy.optimizers[0].overlap_paused = True
+
+
+@pytest.mark.slow
+def test_overlap_with_gradient_accumulation_equals_the_exchange_in_step(tmp_path: Path) -> None:
+    """Buckets exchanged during the last micro-batch's backward (the others pause the overlap)
+    give bitwise the parameters of the same buckets exchanged in step(); every rank agrees."""
+    kw = dict(steps=10, accumulate_grad_batches=2)
+    strategy = lambda: OneBitStrategy(  # noqa: E731
+        freeze_step=3, overlap_bucket_mb=0.005, start_method="fork"
+    )
+    live = _fit(tmp_path / "live", strategy(), **kw)
+    late = _fit(tmp_path / "late", strategy(), callbacks=[PauseOverlap()], **kw)
+    _assert_same_on_all_ranks(live)
+    assert live[0]["overlap"] and live[0]["buckets"] >= 3, (live[0]["overlap"], live[0]["buckets"])
+    for k, v in live[0]["params"].items():
+        assert torch.equal(v, late[0]["params"][k]), k
+    assert live[0]["step_count"] == 10
+
+
+def test_overlap_is_off_where_gradients_change_after_backward(tmp_path: Path) -> None:
+    clipped = _fit(
+        tmp_path / "clip",
+        OneBitStrategy(freeze_step=2, start_method="fork"),
+        steps=4,
+        gradient_clip_val=1.0,
+    )
+    assert clipped[0]["overlap"] is False
+    off = _fit(
+        tmp_path / "off",
+        OneBitStrategy(freeze_step=2, overlap_bucket_mb=None, start_method="fork"),
+        steps=4,
+    )
+    assert off[0]["overlap"] is False
+    with pytest.raises(ValueError, match=r"overlap_bucket_mb must be a number in \(0, inf\)"):
+        OneBitStrategy(overlap_bucket_mb=0)
 
 
 # --------------------------------------------------------------------------- the callback
