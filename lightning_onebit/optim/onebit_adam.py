@@ -136,8 +136,11 @@ class OneBitAdam(OneBitOptimizer):
             # 2c. v stays frozen
 
         # 3. the update, with the (frozen) variance as preconditioner
-        self._adam_direction(u)
-        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+        if self.phase == "compression":
+            self._frozen_adam_update_()
+        else:
+            self._adam_direction(u)
+            self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
 
         if self.phase == "warmup" and self.step_count >= self.freeze_step:
             self.freeze()
