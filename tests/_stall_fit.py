@@ -4,9 +4,10 @@ Used by ``tests/test_strategy_timeout.py``: the :class:`Stall` callback in fork-
 inside pytest, and the whole file as a script for the default ``popen`` launcher, which starts
 rank 1 by running this file again::
 
-    python tests/_stall_fit.py {dies|stuck} TIMEOUT_SECONDS OUT_DIR
+    python tests/_stall_fit.py {dies|stuck} TIMEOUT_SECONDS OUT_DIR {OVERLAP_MB|none}
 
-Rank 1 writes the time at which it stopped to ``OUT_DIR/stopped``.
+Rank 1 writes the time at which it stopped to ``OUT_DIR/stopped``. A stopped rank 1 sleeps
+three timeouts, then goes on: a rank 0 that does not honour the timeout finishes the fit.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ STEPS = 20
 class Stall(Callback):
     """On rank 1, at the start of step ``STOP_AT``: exit without a goodbye, or sleep."""
 
-    def __init__(self, mode: str, out: Path, sleep: float = 120.0) -> None:
+    def __init__(self, mode: str, out: Path, sleep: float) -> None:
         self.mode, self.out, self.sleep = mode, Path(out), sleep
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -42,21 +43,24 @@ class Stall(Callback):
         time.sleep(self.sleep)  # stopped: never reaches the next exchange
 
 
-def strategy(timeout_s: float, start_method: str) -> Any:
+def strategy(timeout_s: float, start_method: str, overlap_mb: float | None) -> Any:
     from lightning_onebit import OneBitStrategy
 
     return OneBitStrategy(
-        freeze_step=FREEZE, timeout=timedelta(seconds=timeout_s), start_method=start_method
+        freeze_step=FREEZE,
+        timeout=timedelta(seconds=timeout_s),
+        start_method=start_method,
+        overlap_bucket_mb=overlap_mb,
     )
 
 
-def main(mode: str, timeout_s: float, out: Path) -> None:
+def main(mode: str, timeout_s: float, out: Path, overlap_mb: float | None) -> None:
     from torch.utils.data import DataLoader
 
     from tests.test_strategy import CharModel, CharWindows, _corpus
 
     trainer = L.Trainer(
-        strategy=strategy(timeout_s, "popen"),
+        strategy=strategy(timeout_s, "popen", overlap_mb),
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
@@ -64,7 +68,7 @@ def main(mode: str, timeout_s: float, out: Path) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Stall(mode, out)],
+        callbacks=[Stall(mode, out, sleep=3 * timeout_s)],
     )
     loader = DataLoader(CharWindows(_corpus(), STEPS * 32 * 2), batch_size=32)
     trainer.fit(CharModel(), loader)
@@ -73,4 +77,5 @@ def main(mode: str, timeout_s: float, out: Path) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` and the package
-    main(sys.argv[1], float(sys.argv[2]), Path(sys.argv[3]))
+    overlap = None if sys.argv[4] == "none" else float(sys.argv[4])
+    main(sys.argv[1], float(sys.argv[2]), Path(sys.argv[3]), overlap)

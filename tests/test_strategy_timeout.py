@@ -9,6 +9,10 @@ phase) ends the run with a clear error within ``OneBitStrategy(timeout=...)``, n
 * the default launcher (``popen``: one process per rank, as under torchrun), run as a script in
   a subprocess with a hard wall-clock limit: nobody stops rank 0 for us, so rank 0 must find
   out itself — at once when rank 1 dies (its socket closes), after the timeout when it stops.
+
+Each with the exchange in ``optimizer.step()`` (``overlap_bucket_mb=None``) and overlapped with
+backward on its communication thread (the default, 25 MiB buckets). A stopped rank 1 sleeps
+three timeouts and then goes on, so a rank 0 that ignores the timeout fails the test in seconds.
 """
 
 from __future__ import annotations
@@ -34,73 +38,103 @@ EXPLAINED = (
 )
 SCRIPT = Path(__file__).with_name("_stall_fit.py")
 
+# The overlapped exchange runs on a process group of its own (lightning_onebit/optim/_overlap.py:
+# dist.new_group(ranks=..., backend=...)), created without timeout=: it waits torch's default
+# 30 minutes, not OneBitStrategy(timeout=...). strict: this turns into a failure once fixed.
+_OVERLAP_IGNORES_TIMEOUT = pytest.mark.xfail(
+    strict=True,
+    reason="the overlap's process group (optim/_overlap.py new_group) does not get the timeout",
+)
+OVERLAP = [
+    pytest.param(None, id="exchange-in-step"),
+    pytest.param(25.0, id="overlapped", marks=_OVERLAP_IGNORES_TIMEOUT),
+]
+
 
 def _since_stop(tmp: Path) -> float:
     return time.time() - float((tmp / "stopped").read_text())
 
 
-def test_stuck_rank_fork_started_fails_within_the_timeout(tmp_path: Path) -> None:
-    t0 = time.monotonic()
+@pytest.mark.parametrize("overlap", OVERLAP)
+def test_stuck_rank_fork_started_fails_within_the_timeout(
+    tmp_path: Path, overlap: float | None
+) -> None:
     with pytest.raises(Exception) as err:
-        _fit(tmp_path, strategy(TIMEOUT, "fork"), steps=20, callbacks=[Stall("stuck", tmp_path)])
+        _fit(
+            tmp_path,
+            strategy(TIMEOUT, "fork", overlap),
+            steps=20,
+            callbacks=[Stall("stuck", tmp_path, sleep=3 * TIMEOUT)],
+        )
     after_stop = _since_stop(tmp_path)
     message = str(err.value)
-    print(
-        f"\nfork, rank 1 stuck: error {after_stop:.1f} s after it stopped ({time.monotonic() - t0:.1f} s in all)"
-    )
+    print(f"\nfork, rank 1 stuck: error {after_stop:.1f} s after it stopped")
     for part in (*EXPLAINED, "rank 0 of 2"):
         assert part in message, f"{part!r} not in: {message[-2000:]}"
-    assert TIMEOUT - 0.5 < after_stop < TIMEOUT + 10
+    assert TIMEOUT - 0.5 < after_stop < TIMEOUT + 8
 
 
 def test_dead_rank_fork_started_stops_the_fit_at_once(tmp_path: Path) -> None:
     with pytest.raises(Exception) as err:
-        _fit(tmp_path, strategy(TIMEOUT, "fork"), steps=20, callbacks=[Stall("dies", tmp_path)])
+        _fit(
+            tmp_path,
+            strategy(TIMEOUT, "fork", 25.0),
+            steps=20,
+            callbacks=[Stall("dies", tmp_path, sleep=0)],
+        )
     after_stop = _since_stop(tmp_path)
     print(f"\nfork, rank 1 died: {type(err.value).__name__} {after_stop:.1f} s later: {err.value}")
     assert "process 1 terminated with exit code 1" in str(err.value)
     assert after_stop < TIMEOUT
 
 
-def _run_script(mode: str, tmp: Path, limit: float) -> tuple[int, str, float]:
+def _run_script(mode: str, tmp: Path, overlap: float | None, limit: float) -> tuple:
     """Run the 2-rank popen fit; return (exit code, output, seconds from rank 1's stop to exit).
 
     Output goes to a file, not a pipe: a stopped rank 1 would keep a pipe open after rank 0 has
     exited. The whole process group is killed at the end (rank 1 may still be sleeping)."""
     log = tmp / "output.txt"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(SCRIPT), mode, str(TIMEOUT), str(tmp), str(overlap).lower()]
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), mode, str(TIMEOUT), str(tmp)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
+            cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             code = proc.wait(timeout=limit)
-            ended = time.time()
         except subprocess.TimeoutExpired:
-            code, ended = None, time.time()
-        finally:
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            code = None
+        ended = time.time()
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     output = log.read_text(errors="replace")
     assert code is not None, f"rank 0 still running after {limit} s (hang):\n{output[-3000:]}"
     stopped = tmp / "stopped"
-    assert stopped.exists(), f"rank 1 never reached step to stop at:\n{output[-3000:]}"
+    assert stopped.exists(), f"rank 1 never reached the step to stop at:\n{output[-3000:]}"
     return code, output, ended - float(stopped.read_text())
 
 
-@pytest.mark.parametrize("mode", ["dies", "stuck"])
-def test_dead_or_stuck_rank_popen_fails_with_an_explained_error(tmp_path: Path, mode: str) -> None:
-    code, output, after_stop = _run_script(mode, tmp_path, limit=120)
+@pytest.mark.parametrize(
+    ("mode", "overlap"),
+    [
+        pytest.param("dies", None, id="dies-exchange-in-step"),
+        pytest.param("dies", 25.0, id="dies-overlapped"),
+        pytest.param("stuck", None, id="stuck-exchange-in-step"),
+        pytest.param(
+            "stuck", 25.0, id="stuck-overlapped", marks=[_OVERLAP_IGNORES_TIMEOUT, pytest.mark.slow]
+        ),
+    ],
+)
+def test_dead_or_stuck_rank_popen_fails_with_an_explained_error(
+    tmp_path: Path, mode: str, overlap: float | None
+) -> None:
+    code, output, after_stop = _run_script(mode, tmp_path, overlap, limit=120)
     print(f"\npopen, rank 1 {mode}: rank 0 exited with {code} {after_stop:.1f} s after the stop")
-    assert code != 0 and "fit returned" not in output
+    assert code != 0 and "fit returned" not in output, output[-3000:]
     for part in (*EXPLAINED, "rank 0 of 2"):
         assert part in output, f"{part!r} not in rank 0's output:\n{output[-3000:]}"
     if mode == "dies":  # the closed socket is seen at once, no need to wait for the timeout
         assert after_stop < TIMEOUT
     else:
-        assert TIMEOUT - 0.5 < after_stop < TIMEOUT + 10
+        assert TIMEOUT - 0.5 < after_stop < TIMEOUT + 8
