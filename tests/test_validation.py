@@ -255,6 +255,11 @@ _STRATEGY_ROWS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["coeff_beta must be", "got 1.0", "[0.0, 1.0)"],
     ),
     (
+        "overlap_bucket_mb <= 0",
+        {"overlap_bucket_mb": 0},
+        ["overlap_bucket_mb must be", "got 0", "(0, inf)"],
+    ),
+    (
         "timeout zero",
         {"timeout": timedelta(0)},
         ["timeout must be a datetime.timedelta > 0", "got datetime.timedelta(0)"],
