@@ -386,7 +386,7 @@ class OneBitStrategy(DDPStrategy):
         if why is not None:
             rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
             return
-        opt.overlap_with_backward(self.overlap_bucket_mb)
+        opt.overlap_with_backward(self.overlap_bucket_mb, timeout=self._timeout)
 
     @override
     @contextlib.contextmanager

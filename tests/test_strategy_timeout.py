@@ -38,16 +38,9 @@ EXPLAINED = (
 )
 SCRIPT = Path(__file__).with_name("_stall_fit.py")
 
-# The overlapped exchange runs on a process group of its own (lightning_onebit/optim/_overlap.py:
-# dist.new_group(ranks=..., backend=...)), created without timeout=: it waits torch's default
-# 30 minutes, not OneBitStrategy(timeout=...). strict: this turns into a failure once fixed.
-_OVERLAP_IGNORES_TIMEOUT = pytest.mark.xfail(
-    strict=True,
-    reason="the overlap's process group (optim/_overlap.py new_group) does not get the timeout",
-)
 OVERLAP = [
     pytest.param(None, id="exchange-in-step"),
-    pytest.param(25.0, id="overlapped", marks=_OVERLAP_IGNORES_TIMEOUT),
+    pytest.param(25.0, id="overlapped"),
 ]
 
 
@@ -121,9 +114,7 @@ def _run_script(mode: str, tmp: Path, overlap: float | None, limit: float) -> tu
         pytest.param("dies", None, id="dies-exchange-in-step"),
         pytest.param("dies", 25.0, id="dies-overlapped"),
         pytest.param("stuck", None, id="stuck-exchange-in-step"),
-        pytest.param(
-            "stuck", 25.0, id="stuck-overlapped", marks=[_OVERLAP_IGNORES_TIMEOUT, pytest.mark.slow]
-        ),
+        pytest.param("stuck", 25.0, id="stuck-overlapped", marks=pytest.mark.slow),
     ],
 )
 def test_dead_or_stuck_rank_popen_fails_with_an_explained_error(

@@ -51,6 +51,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -333,7 +334,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ overlap with backward
 
-    def overlap_with_backward(self, bucket_cap_mb: float | None = 25.0) -> None:
+    def overlap_with_backward(
+        self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
+    ) -> None:
         """Start the compressed exchange during backward, bucket by bucket (``None``: off).
 
         The flat buffers are cut into buckets of about ``bucket_cap_mb`` MiB (whole parameters,
@@ -346,16 +349,18 @@ class OneBitOptimizer(torch.optim.Optimizer):
         and backward passes not followed by ``step()`` need ``overlap_paused = True``.
 
         Call it on every rank, before the first step or between two steps; changing the buckets
-        of a run in progress restarts the error buffers (with a warning).
+        of a run in progress restarts the error buffers (with a warning). ``timeout`` is that of
+        the exchange's process group (a dead or stuck peer raises after it; ``None``: torch's
+        default for new groups, 30 minutes): pass the one of your ``init_process_group``.
         """
         if bucket_cap_mb is not None:
             _check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
         cap = None if bucket_cap_mb is None else max(4, int(bucket_cap_mb * 2**20))
         if self._overlap is not None:
-            if cap == self._overlap.cap:
+            if cap == self._overlap.cap and timeout == self._overlap.timeout:
                 return
             self._overlap.close()
-        self._overlap = None if cap is None else BackwardOverlap(self, cap)
+        self._overlap = None if cap is None else BackwardOverlap(self, cap, timeout)
         self._layout = None  # new buckets (and hooks) at the next step
 
     @property

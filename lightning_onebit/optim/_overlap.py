@@ -25,6 +25,7 @@ not follow directly (gradient accumulation); the strategy does this for you.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +41,12 @@ __all__ = ["BackwardOverlap"]
 class BackwardOverlap:
     """The bucket plan, the gradient hooks and the communication thread of one optimizer."""
 
-    def __init__(self, optimizer: OneBitOptimizer, bucket_cap_bytes: int) -> None:
+    def __init__(
+        self, optimizer: OneBitOptimizer, bucket_cap_bytes: int, timeout: timedelta | None
+    ) -> None:
         self.opt = optimizer
         self.cap = bucket_cap_bytes
+        self.timeout = timeout
         self.bounds: list[tuple[int, int]] = []
         self.bucket_params: list[list[int]] = []
         self._bucket_of: list[int] = []
@@ -81,7 +85,8 @@ class BackwardOverlap:
             pg = self.opt.process_group
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(pg) > 1:
                 ranks = None if pg is None else dist.get_process_group_ranks(pg)
-                self._group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+                kw = {} if self.timeout is None else {"timeout": self.timeout}
+                self._group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg), **kw)
             self._group_made = True
         return self._group
 
