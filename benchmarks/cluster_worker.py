@@ -234,7 +234,9 @@ def _build_method(
                 model.parameters(), lr=cfg.get("lr_lamb", lr), betas=betas, freeze_step=warmup
             )
         if cfg.get("overlap_mb") and not sync:  # exchange bucket by bucket during backward
-            opt.overlap_with_backward(cfg["overlap_mb"])
+            opt.overlap_with_backward(
+                cfg["overlap_mb"], timeout=timedelta(seconds=cfg.get("timeout", 600))
+            )
         return model, opt, {}  # the optimizer counts its own bytes
     if name not in DDP_METHODS:
         raise ValueError(f"unknown method {name!r}")
