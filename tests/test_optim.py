@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -686,3 +687,19 @@ def test_load_state_dict_keeps_fp32_state_for_low_precision_params() -> None:
     opt2.step()
     assert opt2.state[p]["exp_avg"].dtype == torch.float32
     assert opt2.step_count == 4 and opt2.phase == "compression"
+
+
+def test_freezing_a_young_variance_warns() -> None:
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = OneBitAdam([p], freeze_step=3)  # beta2 = 0.999: 0.3% of steady state after 3 steps
+    with pytest.warns(RuntimeWarning, match=r"freezes after 3 step\(s\) with beta2=0.999.*693"):
+        for _ in range(3):
+            p.grad = torch.ones(4)
+            opt.step()
+    ok = OneBitAdam([p], freeze_step=20, betas=(0.9, 0.95))  # 64% after 20 steps: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            p.grad = torch.ones(4)
+            ok.step()
+    assert ok.phase == "compression"

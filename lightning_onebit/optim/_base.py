@@ -303,7 +303,28 @@ class OneBitOptimizer(torch.optim.Optimizer):
             return
         self._prepare()
         self._phase = self.PHASES[1]
+        self._warn_if_variance_is_young()
         self._on_freeze()
+
+    def _warn_if_variance_is_young(self) -> None:
+        """The variance has no bias correction (as in DeepSpeed): after ``t`` warmup steps it
+        holds ``1 - beta2**t`` of its steady-state value, and frozen at that, every later step is
+        ``1 / sqrt(1 - beta2**t)`` times larger than Adam's. Say so when that is above ~1.4x."""
+        t = self.step_count
+        young = [g["betas"][1] for g in self.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
+        if not young or (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
+            return
+        b2 = max(young)
+        held = 1.0 - b2 ** max(t, 1)
+        need = math.ceil(math.log(0.5) / math.log(b2))
+        warnings.warn(
+            f"{type(self).__name__}: the variance freezes after {t} step(s) with beta2={b2}, when "
+            f"it holds {held:.0%} of its steady-state value (no bias correction): every later "
+            f"step is about {1 / math.sqrt(held):.1f}x larger than Adam's. Warm up for at least "
+            f"{need} steps, or lower beta2 (e.g. betas=(0.9, 0.95) for short runs)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _on_freeze(self) -> None:
         """What the algorithm does when its phase switches (subclasses override)."""
