@@ -84,6 +84,15 @@ def test_deferred_error_update_matches_the_eager_one(n: int, device: str) -> Non
     torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s))
 
 
+def _double_buffered(fn, bits, scales, cur, pending):
+    """One server call (``fn``: the kernel or its reference) from state ``cur`` = (error, bits,
+    scale) into fresh buffers; returns them."""
+    out = tuple(torch.empty_like(t) for t in cur)
+    fn(bits, scales, cur[0], out[1], out[2], pending=pending, error_out=out[0],
+       prev_bits=cur[1], prev_scale=cur[2])  # fmt: skip
+    return out
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("w", [1, 3, 4])
 def test_server_reduce_double_buffered_matches_in_place(w: int, device: str) -> None:
@@ -110,33 +119,14 @@ def test_server_reduce_double_buffered_matches_in_place(w: int, device: str) -> 
         K.server_reduce(bits, scales, e_ip, ob_ip, s_ip, pending=call > 0)
         cur = state[-1]
         kept = [t.clone() for t in cur]
-        nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]), torch.empty_like(cur[2]))
-        K.server_reduce(
-            bits,
-            scales,
-            cur[0],
-            nxt[1],
-            nxt[2],
-            pending=call > 0,
-            error_out=nxt[0],
-            prev_bits=cur[1],
-            prev_scale=cur[2],
+
+        nxt, ref = (
+            _double_buffered(fn, bits, scales, cur, call > 0)
+            for fn in (K.server_reduce, K.reference_server_reduce)
         )
         assert all(torch.equal(a, b) for a, b in zip(cur, kept, strict=True))
         assert (
             torch.equal(nxt[0], e_ip) and torch.equal(nxt[1], ob_ip) and torch.equal(nxt[2], s_ip)
-        )
-        ref = (torch.empty_like(cur[0]), torch.empty_like(cur[1]), torch.empty_like(cur[2]))
-        K.reference_server_reduce(
-            bits,
-            scales,
-            cur[0],
-            ref[1],
-            ref[2],
-            pending=call > 0,
-            error_out=ref[0],
-            prev_bits=cur[1],
-            prev_scale=cur[2],
         )
         assert torch.equal(ref[1], nxt[1])
         torch.testing.assert_close(ref[0], nxt[0], rtol=1e-6, atol=1e-6 * float(nxt[2]))
