@@ -2,7 +2,8 @@
 
 Real backward passes on 2 gloo ranks: the buckets started by the communication thread while
 backward runs give bitwise the parameters of the same buckets exchanged inside ``step()``, one
-bucket gives bitwise the plain single exchange, a NaN on one rank still drops the whole step on
+bucket gives bitwise the plain single exchange, the warmup's bucketed fp32 average is the plain
+one, a NaN on one rank still drops the whole step on
 every rank exactly, and a backward whose step never came is forgotten.
 """
 
@@ -84,6 +85,7 @@ def test_buckets_started_during_backward_equal_buckets_started_in_step(algo: str
     late = run_distributed(_train, 2, algo, 0.01, True)
     assert live[0]["buckets"] == 3, live[0]["buckets"]
     assert max(live[0]["started"]) == live[0]["buckets"], live[0]["started"]  # all overlapped
+    assert live[0]["started"][1] == live[0]["buckets"]  # warmup's fp32 average too (step 1 builds)
     assert max(late[0]["started"]) == 0  # paused: nothing ran during backward
     for a, b in zip(live, late, strict=True):
         assert torch.isfinite(a["hist"]).all()
@@ -100,9 +102,21 @@ def test_one_bucket_is_the_plain_exchange() -> None:
         assert torch.equal(a["hist"], b["hist"])
 
 
-def test_nan_with_overlap_drops_the_step_exactly() -> None:
-    bad = run_distributed(_train, 2, "onebit_adam", 0.01, False, 7)
-    ref = run_distributed(_train, 2, "onebit_adam", 0.01, False, 7, True)
+def test_overlapped_warmup_average_is_the_plain_average() -> None:
+    # with 2 ranks a sum is exact whatever the bucketing: warmup steps (1..3) must be bitwise
+    # those of one all_reduce of the whole gradient
+    live = run_distributed(_train, 2, "onebit_adam", 0.01, False)
+    plain = run_distributed(_train, 2, "onebit_adam", None, False)
+    assert live[0]["started"][1:3] == [live[0]["buckets"]] * 2  # (hooks exist from step 2 on)
+    for a, b in zip(live, plain, strict=True):
+        assert torch.equal(a["hist"][:3], b["hist"][:3])
+        assert not torch.equal(a["hist"][3:], b["hist"][3:])  # then each bucket has its scale
+
+
+@pytest.mark.parametrize("nan_at", [2, 7], ids=["warmup", "compression"])
+def test_nan_with_overlap_drops_the_step_exactly(nan_at: int) -> None:
+    bad = run_distributed(_train, 2, "onebit_adam", 0.01, False, nan_at)
+    ref = run_distributed(_train, 2, "onebit_adam", 0.01, False, nan_at, True)
     for a, b in zip(bad, ref, strict=True):
         assert torch.equal(a["hist"][-1], b["hist"][-1])
         assert torch.isfinite(a["hist"]).all()

@@ -358,12 +358,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def overlap_with_backward(
         self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
     ) -> None:
-        """Start the compressed exchange during backward, bucket by bucket (``None``: off).
+        """Start the step's communication during backward, bucket by bucket (``None``: off).
 
         The flat buffers are cut into buckets of about ``bucket_cap_mb`` MiB (whole parameters,
         last layers first), each exchanged as soon as backward has produced its gradients, on a
         communication thread and a process group of its own; ``step()`` then only finishes what
-        is left. Each bucket has its own 1-bit scale and error buffers (so the numbers differ
+        is left. Compression steps start the compressed exchange; steps that average fp32
+        gradients (warmup, with ``average_warmup_grads=True``) start async ``all_reduce`` s, as
+        DDP does. Each bucket has its own 1-bit scale and error buffers (so the numbers differ
         slightly from one exchange for the whole model); a NaN/Inf in any bucket still drops the
         whole step on every rank. See ``lightning_onebit/optim/_overlap.py`` for the contract:
         the exchange sees ``.grad`` as backward leaves it (no clipping or unscaling in between),
@@ -392,6 +394,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _overlappable(self) -> bool:
         """Whether the next step's exchange can start from its gradients alone (subclasses)."""
         return False
+
+    def _overlap_mode(self) -> str | None:
+        """What backward may start for the next step: ``"average"`` (the fp32 average of the
+        gradients), ``"exchange"`` (the compressed exchange) or ``None`` (nothing)."""
+        if self.expects_averaged_grads:
+            return "average" if self.average_warmup_grads and self.world_size > 1 else None
+        return "exchange" if self._overlappable() else None
 
     def _exchange_source(self, s: slice) -> torch.Tensor:  # pragma: no cover - abstract
         """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
@@ -517,7 +526,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """
         w = self.world_size
         if w > 1 and self.average_warmup_grads:
-            dist.all_reduce(flat, group=self.process_group)
+            if self._overlap is not None and flat is self._grad:
+                self._overlap.all_reduce()  # per bucket, some started during backward
+            else:
+                dist.all_reduce(flat, group=self.process_group)
             flat.div_(w)
         self._bytes_step += fp32_allreduce_bytes(flat.numel(), w)
         if not self._finite(flat):  # averaged: the same verdict on every rank

@@ -12,6 +12,12 @@ goes on (C++ kernels and collectives release the GIL). ``step()`` waits for the 
 the buckets that were not complete (a parameter without a gradient), and commits all buckets or,
 if any rank had a NaN/Inf anywhere, none.
 
+Steps that average full-precision gradients (warmup; 0/1 Adam's variance steps) are overlapped
+the same way, as DDP does: bucket ``b``'s gradients go into the flat gradient buffer and an async
+fp32 ``all_reduce`` of that slice starts; ``step()`` starts the remaining buckets' and waits for
+all of them (:meth:`BackwardOverlap.all_reduce`). The same buckets are reduced, in the same
+order, whether backward started them or ``step()`` did, so the result does not depend on timing.
+
 Every rank starts the buckets in index order, on a process group of their own (so that they never
 interleave with collectives the training loop issues on the default group), hence the
 collectives match across ranks whatever the timing.
@@ -24,6 +30,7 @@ not follow directly (gradient accumulation); the strategy does this for you.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
@@ -55,6 +62,8 @@ class BackwardOverlap:
         self._group: Any = None
         self._group_made = False
         self._futures: list[Future] = []
+        self._mode: str | None = None  # what this round's hooks start: "average" / "exchange"
+        self._works: list[Any] = []  # this round's started async all_reduces, by bucket
         self._ready: set[int] = set()
         self._missing: list[int] = []
         self._next = 0
@@ -107,10 +116,14 @@ class BackwardOverlap:
 
     def _on_grad(self, j: int, _param: torch.Tensor) -> None:
         opt = self.opt
-        if opt.overlap_paused or opt._layout is None or not opt._overlappable():
+        if opt.overlap_paused or opt._layout is None:
+            return
+        mode = opt._overlap_mode()
+        if mode is None:
             return
         if j in self._ready:  # a second backward before step(): drop what the first started
             self.drop()
+        self._mode = mode
         self._ready.add(j)
         self._missing[self._bucket_of[j]] -= 1
         while self._next < len(self.bounds) and self._missing[self._next] == 0:
@@ -119,12 +132,19 @@ class BackwardOverlap:
             self._futures.append(self._pool.submit(self._launch, self._next))
             self._next += 1
 
-    def _launch(self, b: int) -> None:  # on the communication thread
+    def _launch(self, b: int) -> Any:  # on the communication thread
         opt = self.opt
         with torch.no_grad():
             opt._gather_grads(self.bucket_params[b])
             lo, hi = self.bounds[b]
+            if self._mode == "average":
+                return self._start_all_reduce(b)
             opt._exchange.start_bucket(b, opt._exchange_source(slice(lo, hi)))
+            return None
+
+    def _start_all_reduce(self, b: int) -> Any:
+        lo, hi = self.bounds[b]
+        return dist.all_reduce(self.opt._grad[lo:hi], group=self.group(), async_op=True)
 
     # ------------------------------------------------------------------ in step()
 
@@ -132,21 +152,43 @@ class BackwardOverlap:
         """Wait for the thread; return the parameters whose gradients it already copied."""
         futures, self._futures = self._futures, []
         for f in futures:
-            f.result()  # re-raises a failure of the thread (e.g. a dead peer)
+            work = f.result()  # re-raises a failure of the thread (e.g. a dead peer)
+            if work is not None:
+                self._works.append(work)
         return {j for b in range(self._next) for j in self.bucket_params[b]}
+
+    def all_reduce(self) -> None:
+        """Sum the flat gradient buffer over the ranks, bucket by bucket: wait for the buckets
+        backward started, start the others (their gradients are in the buffer by now)."""
+        works, self._works = self._works, []
+        works += [self._start_all_reduce(b) for b in range(len(works), len(self.bounds))]
+        for work in works:
+            work.wait()
 
     def drop(self) -> None:
         """Forget the current round: wait for the thread, discard the started buckets."""
         self.collect()
+        self._settle()
         self.opt._exchange.discard()
         self._reset_round()
+
+    def _settle(self) -> None:
+        """Wait for started all_reduces nobody waited for (a dropped round, a failed step):
+        they write into the gradient buffer the next round fills."""
+        works, self._works = self._works, []
+        for work in works:
+            with contextlib.suppress(Exception):  # the step that started it already failed
+                work.wait()
 
     def _reset_round(self) -> None:
         self._ready = set()
         self._missing = [len(m) for m in self.bucket_params]
         self._next = 0
+        self._mode = None
+        self._works = []
 
     def end_step(self) -> None:
+        self._settle()
         self._reset_round()
 
     def close(self) -> None:
