@@ -87,6 +87,8 @@ def test_buckets_started_during_backward_equal_buckets_started_in_step(algo: str
     assert max(live[0]["started"]) == live[0]["buckets"], live[0]["started"]  # all overlapped
     assert live[0]["started"][1] == live[0]["buckets"]  # warmup's fp32 average too (step 1 builds)
     assert max(late[0]["started"]) == 0  # paused: nothing ran during backward
+    if algo == "zero_one_adam":  # phase 2 (steps 9-12) synchronises every step here
+        assert live[0]["started"][8:] == [live[0]["buckets"]] * 4, live[0]["started"]
     for a, b in zip(live, late, strict=True):
         assert torch.isfinite(a["hist"]).all()
         assert torch.equal(a["hist"], b["hist"])

@@ -182,36 +182,53 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_as_if_the_batch_was_not_th
         assert torch.equal(runs[0][algo]["params"], runs[1][algo]["params"]), algo
 
 
-def _local_nan_worker(rank: int, world: int) -> dict:
+def _local_nan_worker(rank: int, world: int, nan_at: int, skip: bool = False) -> dict:
     from tests.test_optim import flat_trainable, make_groups, make_params, set_grads
 
     params = make_params()
+    # phase 2 from step 7; the local step interval doubles every step up to 4: steps 7, 8 and
+    # 12 synchronise, 9-11 are local
     opt = ZeroOneAdam(
         make_groups(params),
         var_freeze_step=6,
         var_update_scaler=2,
-        local_step_scaler=100,
+        local_step_scaler=1,
         local_step_clipper=4,
     )
-    synced = []
+    hist = []
     for t in range(1, 13):
+        if skip and t == nan_at:
+            continue
         set_grads(params, rank, t)
-        if t == 7 and rank == 1:  # the first local step (phase 2 starts after step 6)
+        if t == nan_at and rank == 1:
             next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
+        warns = "skips its local update" if nan_at > 8 else "skipped step"
         with (
-            pytest.warns(RuntimeWarning, match="skips its local update")
-            if (t == 7 and rank == 1)
+            pytest.warns(RuntimeWarning, match=warns)
+            if t == nan_at and (rank == 1 or nan_at <= 8)
             else contextlib.nullcontext()
         ):
             opt.step()
-        synced.append((opt.phase, flat_trainable(params)))
-    return {"hist": synced, "skipped": opt.skipped_steps, "m": opt._flat["exp_avg"].clone()}
+        hist.append(flat_trainable(params))
+    return {"hist": hist, "skipped": opt.skipped_steps, "m": opt._flat["exp_avg"].clone()}
 
 
 def test_nan_in_a_local_step_of_zero_one_adam_is_dropped_by_that_rank_only() -> None:
-    a, b = run_distributed(_local_nan_worker, 2)
+    a, b = run_distributed(_local_nan_worker, 2, 9)
     assert (a["skipped"], b["skipped"]) == (0, 1)
-    # local_step_interval 1 -> every step synchronises here: identical and finite after each
-    for (phase, pa), (_, pb) in zip(a["hist"], b["hist"], strict=True):
-        assert torch.isfinite(pa).all() and torch.equal(pa, pb), phase
-    assert torch.equal(a["m"], b["m"])
+    assert not torch.equal(a["hist"][8], b["hist"][8])  # step 9 is local: ranks differ
+    for h in (a["hist"][-1], b["hist"][-1], a["m"]):  # step 12 synchronises
+        assert torch.isfinite(h).all()
+    assert torch.equal(a["hist"][-1], b["hist"][-1]) and torch.equal(a["m"], b["m"])
+
+
+def test_nan_in_a_sync_step_of_zero_one_adam_drops_it_on_every_rank() -> None:
+    bad = run_distributed(_local_nan_worker, 2, 8)
+    ref = run_distributed(_local_nan_worker, 2, 8, True)  # that batch never happened
+    assert [r["skipped"] for r in bad] == [1, 1]
+    for a, b in zip(bad, ref, strict=True):
+        assert torch.equal(a["hist"][-1], b["hist"][-1]) and torch.equal(a["m"], b["m"])
+    for a in bad:
+        assert torch.equal(a["hist"][7], a["hist"][6])  # the dropped step changed nothing
+    # batch 9 became sync step 8: identical ranks after it
+    assert torch.equal(bad[0]["hist"][8], bad[1]["hist"][8])

@@ -303,6 +303,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             return
         self._prepare()
         self._phase = self.PHASES[1]
+        self._denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
         self._warn_if_variance_is_young()
         self._on_freeze()
 
@@ -512,10 +513,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
             view.copy_(g)
         return self._grad
 
-    def _gather_params(self) -> torch.Tensor:
-        """Copy the parameters into a flat fp32 buffer (for weight decay and norms)."""
-        for p, view in zip(self._layout.params, self._views["param"], strict=True):
-            view.copy_(p)
+    def _gather_params(self, s: slice | None = None) -> torch.Tensor:
+        """Copy the parameters (those starting in the flat slice ``s``, default all) into a flat
+        fp32 buffer (for weight decay and norms)."""
+        views, offsets = self._views["param"], self._layout.offsets
+        for j, p in enumerate(self._layout.params):
+            if s is None or s.start <= offsets[j] < s.stop:
+                views[j].copy_(p)
         return self._param_flat
 
     def _average_(self, flat: torch.Tensor) -> None:

@@ -72,11 +72,19 @@ class ZeroOneAdam(OneBitOptimizer):
        a. ``m = beta1 m + (1 - beta1) g_local``;  ``lrs += lr``.
        b. ``u = m / (sqrt(v) + eps) + weight_decay * p``;  ``p -= lr u``;  ``acc -= lr u``.
        c. If ``t % local_step_interval == 0`` (a sync step, T_u in the paper):
-          ``p -= acc`` (back to the last synced point, restored from a copy of it so that every
-          rank gets bitwise the same parameters; DeepSpeed subtracts, which is equal only up
-          to rounding and lets the ranks drift apart by a few ulps per sync);
+          ``p -= acc`` (back to the last synced point);
           ``acc = compressed_allreduce(acc * (sqrt(v) + eps)) * exp_avg_mask``;
           ``m = -acc / lrs``;  ``p += acc / (sqrt(v) + eps)``;  ``acc = 0``;  ``lrs = 0``.
+
+       On a sync step a-c run as one: the exchange's input ``(acc - lr u) * (sqrt(v) + eps)``
+       needs only this step's gradient, so it is computed bucket by bucket (and, with
+       ``overlap_with_backward()``, during backward); ``p -= lr u`` is skipped (``p`` is
+       rebuilt). The synced point is kept in fp32 (``synced_params``) and ``p`` is copied from
+       ``synced_params += acc / (sqrt(v) + eps)``, so that every rank gets bitwise the same
+       parameters (DeepSpeed subtracts, which is equal only up to rounding and lets the ranks
+       drift apart by a few ulps per sync). ``sqrt(v) + eps`` is computed once, when ``v``
+       freezes. A NaN/Inf on any rank drops a sync step on every rank; on a local step, only
+       the rank that has it sits the step out.
        d. ``local_step_counter += 1``; every ``local_step_scaler`` steps
           ``local_step_interval = min(local_step_clipper, 2 * local_step_interval)``.
 
@@ -181,10 +189,39 @@ class ZeroOneAdam(OneBitOptimizer):
         )
 
     def _overlappable(self) -> bool:
-        return self.phase == "variance" and (self.step_count + 1) % self.var_interval != 0
+        t = self.step_count + 1
+        if self.phase == "variance":
+            return t % self.var_interval != 0  # 1b
+        return t % self.local_step_interval == 0  # 3c
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
-        return self._grad[s]  # 1b exchanges the gradient itself
+        """What the next step exchanges, for the flat slice ``s``: 1b the gradient itself; 3c
+        ``(acc - lr u) * (sqrt(v) + eps) = acc * d - lr * (m_new + weight_decay * p * d)`` with
+        ``m_new = beta1 m + (1 - beta1) g`` (into scratch: m and acc change after the exchange)."""
+        if self.phase == "variance":
+            return self._grad[s]
+        m, g, acc, x = self._flat["exp_avg"], self._grad, self._acc, self._work["update"]
+        d, _ = self._frozen_denominator()  # sqrt(v) + eps: v is frozen in this phase
+        p = self._gather_params(s) if self._any_weight_decay() else None
+        for _, group, t in self._segments_in(s):
+            beta1, wd = group["betas"][0], group["weight_decay"]
+            torch.mul(m[t], beta1, out=x[t]).add_(g[t], alpha=1 - beta1)
+            if wd > 0:
+                x[t].addcmul_(p[t], d[t], value=wd)
+            x[t].mul_(-group["lr"])
+            if self._local_steps_taken:
+                x[t].addcmul_(acc[t], d[t])
+        return x[s]
+
+    @property
+    def _acc(self) -> torch.Tensor:
+        return self._flat["momentum_accumulator"]
+
+    @property
+    def _local_steps_taken(self) -> bool:
+        """Whether acc != 0: a local step was taken since the last sync (with
+        ``local_step_interval`` 1, never: then acc is neither read nor cleared)."""
+        return any(lr != 0 for lr in self.lrs)
 
     def _on_layout(self) -> None:
         self.lrs = list(self.lrs) + [0.0] * (len(self.param_groups) - len(self.lrs))
@@ -228,49 +265,47 @@ class ZeroOneAdam(OneBitOptimizer):
                 self.freeze()  # 2.
             return
 
-        # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to its
-        #     rank alone: that rank sits the step out (its lr still counts, so that every rank
-        #     derives the same m at the next synchronisation).
-        local_ok = self._finite(g)
-        if not local_ok:
-            self._skipped_locally()
-        for gi, group, s in self._segments():
-            self.lrs[gi] += group["lr"]
-            if local_ok:
-                beta1 = group["betas"][0]
-                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
-        # 3b. local step, remembered in the accumulator
-        if local_ok:
-            self._adam_direction(u)
-            self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
-            for _, group, s in self._segments():
-                acc[s].add_(u[s], alpha=-group["lr"])
-        # 3c. synchronise
         if t % self.local_step_interval == 0:
-            # back to the last synchronised point: p -= acc, taken from a copy so that the
-            # result is bitwise identical on every rank (p - acc is only equal up to rounding)
-            self._copy_to_params_(self._flat["synced_params"])
-            for _, group, s in self._segments():  # u = sqrt(v) + eps (v is frozen)
-                torch.sqrt(v[s], out=u[s]).add_(group["eps"])
-            acc.mul_(u)
-            try:
-                self._compressed_average_(acc)
-            except NonFiniteError as err:  # finite local steps cannot cause this: divergence
-                raise FloatingPointError(
-                    f"0/1 Adam: the accumulated update overflowed at step {t} ({err}); the run "
-                    "has diverged: lower the learning rate and resume from the last checkpoint"
-                ) from err
-            self._apply_exp_avg_mask_(acc)
-            for gi, _, s in self._segments():
+            # 3a-c. a sync step: its local step goes straight into the exchange
+            #       (_exchange_source; started during backward with overlap_with_backward()).
+            #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
+            self._compressed_average_(self._exchange_source, out=u)  # u: the averaged acc
+            if self._local_steps_taken:
+                acc.zero_()  # consumed by the exchange
+            self._apply_exp_avg_mask_(u)
+            for gi, group, s in self._segments():
+                self.lrs[gi] += group["lr"]
                 if self.lrs[gi] > 0:
-                    torch.div(acc[s], -self.lrs[gi], out=m[s])
+                    torch.div(u[s], -self.lrs[gi], out=m[s])
                 else:  # lr == 0 since the last sync: no step was taken
                     m[s].zero_()
-            acc.div_(u)
-            self._add_to_params_(acc, alpha=1.0)
-            self._flat["synced_params"].copy_(self._gather_params())
-            acc.zero_()
+            # p = last synced point + acc / (sqrt(v) + eps), computed on the synced copy (bitwise
+            # the same on every rank, unlike p - acc + ...) and copied into p
+            synced = self._flat["synced_params"]
+            synced.addcdiv_(u, self._frozen_denominator()[0])
+            self._copy_to_params_(synced)
             self.lrs = [0.0] * len(self.lrs)
+        else:
+            # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
+            #     its rank alone: that rank sits the step out (its lr still counts, so that every
+            #     rank derives the same m at the next synchronisation).
+            local_ok = self._finite(g)
+            if not local_ok:
+                self._skipped_locally()
+            for gi, group, _ in self._segments():
+                self.lrs[gi] += group["lr"]
+            if local_ok:
+                # 3b. u = m / (sqrt(v) + eps) + weight_decay * p; p -= lr u; acc -= lr u
+                d, _ = self._frozen_denominator()
+                p = self._gather_params() if self._any_weight_decay() else None
+                for _, group, s in self._segments():
+                    beta1 = group["betas"][0]
+                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+                    torch.div(m[s], d[s], out=u[s])
+                    if group["weight_decay"] > 0:
+                        u[s].add_(p[s], alpha=group["weight_decay"])
+                    acc[s].add_(u[s], alpha=-group["lr"])
+                self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
         # 3d. the local step interval doubles every local_step_scaler steps
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
