@@ -270,11 +270,11 @@ class OneBitLamb(OneBitOptimizer):
             v_fresh[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
         # 3e. update with the frozen variance; u_prelim's norms first (before weight decay)
         p = self._gather_params() if self._any_weight_decay() else None
+        d, _ = self._frozen_denominator()  # sqrt(v) + eps, computed once: v is frozen
         for _, group, s in self._segments():
-            torch.sqrt(v[s], out=u[s]).add_(group["eps"])
             torch.sqrt(v_fresh[s], out=g[s]).add_(group["eps"])
-            torch.div(u[s], g[s], out=g[s])  # g = (sqrt(v) + eps) / (sqrt(v_fresh) + eps)
-            torch.div(m[s], u[s], out=u[s])  # u = u_prelim
+            torch.div(d[s], g[s], out=g[s])  # g = (sqrt(v) + eps) / (sqrt(v_fresh) + eps)
+            torch.div(m[s], d[s], out=u[s])  # u = u_prelim
         ratio_max = torch.stack(
             [r.amax() if r.numel() else r.new_ones(()) for r in self._views["grad"]]
         )
