@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = ["BackwardOverlap"]
 
+#: The first bucket's cap (DDP's ``first_bucket_cap``: 1 MiB).
+FIRST_BUCKET_BYTES = 2**20
+
 
 class BackwardOverlap:
     """The bucket plan, the gradient hooks and the communication thread of one optimizer."""
@@ -71,13 +74,16 @@ class BackwardOverlap:
     # ------------------------------------------------------------------ setup
 
     def plan(self, layout: _Layout) -> list[tuple[int, int]]:
-        """Bucket bounds in exchange order: whole parameters, from the end of the layout."""
+        """Bucket bounds in exchange order: whole parameters, from the end of the layout; the
+        first bucket holds at most ``FIRST_BUCKET_BYTES`` (as DDP's), so that the link starts
+        working early in backward instead of idling until ``bucket_cap_mb`` of gradients exist."""
         bounds, params, of = [], [], [0] * len(layout.params)
         stop, members, size = layout.numel, [], 0
         for j in reversed(range(len(layout.params))):
             members.append(j)
             size += layout.params[j].numel() * 4  # fp32 in the flat buffers
-            if size >= self.cap or j == 0:
+            cap = min(self.cap, FIRST_BUCKET_BYTES) if not bounds else self.cap
+            if size >= cap or j == 0:
                 start = layout.offsets[j]
                 for k in members:
                     of[k] = len(bounds)
