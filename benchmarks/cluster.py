@@ -328,6 +328,10 @@ def summarize(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         timed = idx[1:] or idx  # skip the first step of the phase (one-off allocations)
         out[f"step_time_{ph}"] = _median([times[k] for k in timed])
         out[f"step_time_{ph}_mean"] = statistics.fmean([times[k] for k in timed]) if timed else None
+        # what is left after backward (step(): the exchange's tail, the update), slowest rank
+        out[f"after_backward_{ph}"] = _median(
+            [max(rr[k]["t1"] - rr[k].get("tb", rr[k]["t1"]) for rr in recs) for k in timed]
+        )
         n = len(idx) * world
         out[f"bytes_{ph}"] = sum(rr[k]["bytes"] for rr in recs for k in idx) / n if n else None
         out[f"tx_bytes_{ph}"] = (
@@ -417,7 +421,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "warmup / compression; *counter*: the method's own count, *tx*: the veth's tx_bytes "
         "(TCP/IP headers included). Loss: rank 0's validation loss after the run's samples; "
         "time to target: training time (evaluations excluded) until the validation loss first "
-        "reached the target.",
+        "reached the target. *after bwd*: compression phase, median of the slowest rank's time "
+        "from the end of backward to the end of `step()` (DDP waits for its allreduce inside "
+        "backward; the 1-bit methods finish their exchange in `step()`).",
     ]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
@@ -430,10 +436,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "",
             f"## {wl} (batch {grp[0]['batch']}/rank) · W={w} · {rate}",
             "",
-            f"| method | warmup s/step | compression s/step | x floor | vs DDP | "
+            f"| method | warmup s/step | compression s/step | x floor | vs DDP | after bwd | "
             f"MB/step counter | MB/step tx | val loss @ {grp[0]['samples']} samples | "
             f"s to loss ≤ {_fmt(target)} |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in grp:
             if r.get("error"):
@@ -444,6 +450,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"| {r['method']} | {_fmt(r.get('step_time_warmup'))} | {_fmt(c)} | "
                 f"{_fmt(c / floor if c and floor else None, '.2f')} | "
                 f"{_fmt(ddp / c if c and ddp else None, '.2f')} | "
+                f"{_fmt(r.get('after_backward_compression'))} | "
                 f"{_mb(r.get('bytes_warmup'))} / {_mb(r.get('bytes_compression'))} | "
                 f"{_mb(r.get('tx_bytes_warmup'))} / {_mb(r.get('tx_bytes_compression'))} | "
                 f"{'diverged' if r.get('diverged') else _fmt(r.get('final_val_loss'))} | "
@@ -674,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     keep = [
         "workload", "world_size", "rate", "method", "batch", "samples", "numel",
-        "step_time_warmup", "step_time_compression", "bytes_warmup", "bytes_compression",
+        "step_time_warmup", "step_time_compression", "after_backward_compression",
+        "bytes_warmup", "bytes_compression",
         "tx_bytes_warmup", "tx_bytes_compression", "final_val_loss", "target_loss",
         "time_to_target_s",
     ]  # fmt: skip

@@ -7,8 +7,8 @@ Started by ``benchmarks/cluster.py`` inside a rank's network namespace, one proc
 
 No Lightning here on purpose: the loop is a dozen lines, so the step time is the model, the
 optimizer and the communication, nothing else. Every rank writes one JSON file with, per step,
-its start/end timestamps (``time.monotonic()``, one clock for every process on the machine,
-network namespaces included), the phase, the bytes the method says it sent, and the bytes the
+its start / end-of-backward / end timestamps (``time.monotonic()``, one clock for every process
+on the machine, network namespaces included), the phase, the bytes the method says it sent, and the bytes the
 interface says it sent (``/sys/class/net/<if>/statistics/tx_bytes``: ``ip netns exec`` mounts
 the namespace's own sysfs). The orchestrator turns these into "time until the slowest rank
 finishes" per step, without a barrier inside the timed region.
@@ -339,6 +339,7 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
         opt.zero_grad(set_to_none=True)
         loss = module(x, y)
         loss.backward()
+        tb = time.monotonic()
         opt.step()
         t1 = time.monotonic()
         tx1 = _tx_bytes(ifname)
@@ -348,6 +349,7 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
             {
                 "step": step,
                 "t0": t0,
+                "tb": tb,
                 "t1": t1,
                 "phase": phase,
                 "opt_phase": opt_phase,

@@ -73,6 +73,7 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     for r in rows.values():
         assert "error" not in r
         assert r["step_time_warmup"] > 0 and r["step_time_compression"] > 0
+        assert 0 < r["after_backward_compression"] < r["step_time_compression"]
         assert r["final_val_loss"] is not None
         # the project's counters agree with the interface's (which add TCP/IP headers)
         for ph in ("warmup", "compression"):
