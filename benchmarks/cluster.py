@@ -413,7 +413,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['when']} · {meta['host']} · {meta['cpus']} CPUs · torch {meta['torch']} · "
         f"model `{meta['model']}` ({_fmt(meta.get('numel'), ',')} params) · "
         f"{meta['steps']} steps, warmup {meta['warmup']} · {meta['threads']} torch thread(s)/rank"
-        f" · 1-bit exchange overlapped with backward: {overlap}",
+        f" · 1-bit exchange overlapped with backward: {overlap}"
+        + (" · denormals flushed" if meta.get("flush_denormal") else ""),
         "",
         "Step time = median over the phase of the time until the slowest rank finishes the step "
         "(first step of each phase skipped). *x floor*: compression-phase step / `nocomm`'s. "
@@ -547,6 +548,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="1-bit methods: bucket size of the exchange overlapped with backward (0: exchange "
         "in step() after backward)",
     )
+    p.add_argument(
+        "--flush-denormal",
+        action="store_true",
+        help="torch.set_flush_denormal(True) in every rank: a model that sharpens (low loss) "
+        "produces denormal floats, which slow CPU forward/backward several-fold and drown the "
+        "communication being measured",
+    )
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-slack", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method run")
@@ -609,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_config": MODELS[args.model],
         "model_source": args.model_source,
         "overlap_mb": args.overlap_mb,
+        "flush_denormal": args.flush_denormal,
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": args.threads,
@@ -645,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "threads": args.threads,
                                 "timeout": max(60, args.timeout / 2),
                                 "overlap_mb": args.overlap_mb,
+                                "flush_denormal": args.flush_denormal,
                             }
                             row = {
                                 "workload": wl,

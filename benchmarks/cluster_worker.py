@@ -292,6 +292,8 @@ def _evaluate(model: nn.Module, val: list[tuple[torch.Tensor, torch.Tensor]]) ->
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train ``cfg["steps"]`` steps of ``cfg["method"]`` on this rank; return its records."""
     torch.set_num_threads(cfg.get("threads", 1))
+    if cfg.get("flush_denormal"):
+        torch.set_flush_denormal(True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     dist.init_process_group(
