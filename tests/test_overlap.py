@@ -139,3 +139,15 @@ def test_overlap_arguments_are_checked() -> None:
     assert opt.overlaps_backward
     opt.overlap_with_backward(None)
     assert not opt.overlaps_backward
+
+
+def test_first_bucket_is_small_like_ddps() -> None:
+    # 10 parameters of 0.4 MB: the first bucket (the last parameters) closes once it passes
+    # 1 MiB (3 of them), the second takes the other 7 (2.8 MB < 25 MiB)
+    params = [torch.nn.Parameter(torch.zeros(100_000)) for _ in range(10)]
+    opt = OneBitAdam(params)
+    opt.overlap_with_backward(25.0)
+    opt._prepare()
+    sizes = [hi - lo for lo, hi in opt._overlap.bounds]
+    assert sizes == [300_000, 700_000], sizes
+    assert opt._overlap.bounds[0][1] == 1_000_000  # exchanged first: the end of the layout
