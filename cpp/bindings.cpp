@@ -39,6 +39,14 @@ PYBIND11_MODULE(_C, m) {
                                      P<float>(scale_out), pending, nthreads);
   }, release(), "c = mean of W decoded chunks + e; pack sign(c); e_out <- c (error update deferred)");
 
+  m.def("lamb_frozen_update_cpu", [](ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L, ptr offsets,
+                                     ptr scaling, ptr beta1, ptr beta2, ptr eps, ptr wd, ptr stats, int nthreads) {
+    onebit::lamb_frozen_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
+                                   P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
+                                   P<const float>(scaling), P<const float>(beta1), P<const float>(beta2),
+                                   P<const float>(eps), P<const float>(wd), P<double>(stats), nthreads);
+  }, release(), "1-bit LAMB compression-phase update of L layers in one sweep (p may be 0: no decay)");
+
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 
   m.def("decompress_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,

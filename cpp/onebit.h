@@ -44,6 +44,17 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
 void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                     int64_t scale_stride, int64_t m, float* out, int64_t nout, int nthreads);
 
+// 1-bit LAMB's compression-phase update after the exchange, one sweep for L layers of flat buffers.
+// Layer k holds values [offsets[k], offsets[k+1]); per value, with the layer's hyperparameters:
+//   mn = x / scaling;  g = (mn - beta1 * m) / (1 - beta1);  vf <- beta2 * vf + (1 - beta2) * g * g;
+//   up = mn / d;  u <- up + wd * p;  m <- mn
+// (x: the exchanged, scaled momentum; d = sqrt(v) + eps of the frozen variance; p may be null when
+// every wd is 0). stats[3k..3k+2] <- max(d / (sqrt(vf) + eps)), sum(up^2), sum(u^2) over the layer
+// (1, 0, 0 for an empty layer); the sums accumulate in double over fixed blocks, added in order.
+void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u,
+                            int64_t L, const int64_t* offsets, const float* scaling, const float* beta1,
+                            const float* beta2, const float* eps, const float* wd, double* stats, int nthreads);
+
 // True when the CPU kernels use the AVX2 path (set ONEBIT_NO_SIMD=1 to force portable code).
 bool cpu_has_simd();
 

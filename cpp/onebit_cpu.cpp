@@ -87,6 +87,35 @@ void decode_block_scalar(const uint8_t* in, float s, float* out, int64_t lo, int
   for (int64_t i = lo; i < hi; ++i) out[i] = ((in[(i - lo) / 8] >> ((i - lo) % 8)) & 1u) ? s : -s;
 }
 
+// 1-bit LAMB's compression-phase update of [lo, hi), all in one layer (see onebit.h);
+// s <- the block's max d / (sqrt(vf) + eps), sum(up^2), sum(u^2). p may be null (no decay).
+struct LambCoef {
+  float scaling, beta1, beta2, eps, wd;
+};
+
+void lamb_block_scalar(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t lo,
+                       int64_t hi, LambCoef c, double* s) {
+  const float ob1 = 1.0f - c.beta1, ob2 = 1.0f - c.beta2;
+  float rmax = 0.0f;
+  double up2 = 0.0, u2 = 0.0;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float mn = x[i] / c.scaling;
+    const float g = (mn - c.beta1 * m[i]) / ob1;
+    const float v = vf[i] * c.beta2 + ob2 * (g * g);
+    const float up = mn / d[i];
+    const float uu = p ? up + c.wd * p[i] : up;
+    rmax = std::max(rmax, d[i] / (std::sqrt(v) + c.eps));
+    up2 += static_cast<double>(up) * up;
+    u2 += static_cast<double>(uu) * uu;
+    m[i] = mn;
+    vf[i] = v;
+    u[i] = uu;
+  }
+  s[0] = rmax;
+  s[1] = up2;
+  s[2] = u2;
+}
+
 #ifdef ONEBIT_X86
 // ---------------------------------------------------------------- block functions: AVX2
 // movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
@@ -165,6 +194,39 @@ AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, 
   if (i < hi) decode_block_scalar(in, s, out, i, hi);
 }
 
+AVX2 void lamb_block_avx2(const float* x, float* m, const float* d, float* vf, const float* p, float* u,
+                          int64_t lo, int64_t hi, LambCoef c, double* s) {
+  const __m256 sc = _mm256_set1_ps(c.scaling), b1 = _mm256_set1_ps(c.beta1), ob1 = _mm256_set1_ps(1.0f - c.beta1);
+  const __m256 b2 = _mm256_set1_ps(c.beta2), ob2 = _mm256_set1_ps(1.0f - c.beta2);
+  const __m256 eps = _mm256_set1_ps(c.eps), wd = _mm256_set1_ps(c.wd);
+  __m256 rmax = _mm256_setzero_ps();
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(), b0 = _mm256_setzero_pd(), bb1 = _mm256_setzero_pd();
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 mn = _mm256_div_ps(_mm256_loadu_ps(x + i), sc);
+    const __m256 g = _mm256_div_ps(_mm256_sub_ps(mn, _mm256_mul_ps(b1, _mm256_loadu_ps(m + i))), ob1);
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(vf + i), b2), _mm256_mul_ps(ob2, _mm256_mul_ps(g, g)));
+    const __m256 dd = _mm256_loadu_ps(d + i);
+    const __m256 up = _mm256_div_ps(mn, dd);
+    const __m256 uu = p ? _mm256_add_ps(up, _mm256_mul_ps(wd, _mm256_loadu_ps(p + i))) : up;
+    rmax = _mm256_max_ps(rmax, _mm256_div_ps(dd, _mm256_add_ps(_mm256_sqrt_ps(v), eps)));
+    accumulate_squares(up, a0, a1);
+    accumulate_squares(uu, b0, bb1);
+    _mm256_storeu_ps(m + i, mn);
+    _mm256_storeu_ps(vf + i, v);
+    _mm256_storeu_ps(u + i, uu);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, rmax);
+  double tail[3] = {0.0, 0.0, 0.0};
+  if (i < hi) lamb_block_scalar(x, m, d, vf, p, u, i, hi, c, tail);
+  float r = static_cast<float>(tail[0]);
+  for (float q : t) r = std::max(r, q);
+  s[0] = r;
+  s[1] = hsum(a0, a1) + tail[1];
+  s[2] = hsum(b0, bb1) + tail[2];
+}
+
 #endif  // ONEBIT_X86
 
 // ---------------------------------------------------------------- dispatch
@@ -175,15 +237,18 @@ struct Impl {
                    const uint8_t*, uint8_t*, bool, float);
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
   void (*update)(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
+  void (*lamb)(const float*, float*, const float*, float*, const float*, float*, int64_t, int64_t, LambCoef,
+               double*);
 };
 
 const Impl& impl() {
   static const Impl chosen = [] {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
-      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2};
+      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2};
 #endif
-    return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar};
+    return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar,
+                lamb_block_scalar};
   }();
   return chosen;
 }
@@ -267,6 +332,41 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
     const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
     const int64_t hi = std::min(std::min(lo + kBlock, (j + 1) * m), nout);
     if (lo < hi) decode(bits + j * row_stride + (lo - j * m) / 8, scales[j * scale_stride], out, lo, hi);
+  }
+}
+
+void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
+                            const int64_t* offsets, const float* scaling, const float* beta1, const float* beta2,
+                            const float* eps, const float* wd, double* stats, int nthreads) {
+  // Blocks never straddle layers; partials are folded per layer in block order (thread-count independent).
+  std::vector<int64_t> first(static_cast<size_t>(L) + 1, 0), lows;
+  for (int64_t k = 0; k < L; ++k) {
+    first[k] = static_cast<int64_t>(lows.size());
+    for (int64_t lo = offsets[k]; lo < offsets[k + 1]; lo += kBlock) lows.push_back(lo);
+  }
+  first[L] = static_cast<int64_t>(lows.size());
+  std::vector<int64_t> layer(lows.size());
+  for (int64_t k = 0; k < L; ++k)
+    for (int64_t b = first[k]; b < first[k + 1]; ++b) layer[b] = k;
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  std::vector<double> part(static_cast<size_t>(3 * nblk));
+  const int nt = threads_for(offsets[L] - offsets[0], nthreads);
+  const auto lamb = impl().lamb;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t k = layer[b], lo = lows[b], hi = std::min(lo + kBlock, offsets[k + 1]);
+    lamb(x, m, d, vf, p, u, lo, hi, LambCoef{scaling[k], beta1[k], beta2[k], eps[k], wd[k]}, &part[3 * b]);
+  }
+  for (int64_t k = 0; k < L; ++k) {
+    double* s = stats + 3 * k;
+    s[0] = first[k] == first[k + 1] ? 1.0 : 0.0;
+    s[1] = s[2] = 0.0;
+    for (int64_t b = first[k]; b < first[k + 1]; ++b) {
+      s[0] = std::max(s[0], part[3 * b]);
+      s[1] += part[3 * b + 1];
+      s[2] += part[3 * b + 2];
+    }
   }
 }
 

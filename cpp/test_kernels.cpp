@@ -93,6 +93,45 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   }
 }
 
+// 1-bit LAMB update on exact-size buffers: values against a double evaluation, and stats.
+void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool decay, int nthreads) {
+  const int64_t L = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> off(1, 0);
+  for (int64_t s : sizes) off.push_back(off.back() + s);
+  const int64_t n = off.back();
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  auto x = buf<float>(n), m = buf<float>(n), d = buf<float>(n), vf = buf<float>(n), p = buf<float>(n),
+       u = buf<float>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = normal(rng), m[i] = normal(rng), d[i] = uni(rng), vf[i] = uni(rng), p[i] = normal(rng);
+  }
+  std::vector<float> x0(x.get(), x.get() + n), m0(m.get(), m.get() + n), vf0(vf.get(), vf.get() + n);
+  std::vector<float> sc(L), b1(L), b2(L), eps(L), wd(L);
+  for (int64_t k = 0; k < L; ++k) sc[k] = 2 * uni(rng), b1[k] = 0.9f, b2[k] = 0.99f, eps[k] = 1e-6f,
+                                  wd[k] = decay ? 0.01f * k : 0.0f;
+  auto stats = buf<double>(3 * L);
+  onebit::lamb_frozen_update_cpu(x.get(), m.get(), d.get(), vf.get(), decay ? p.get() : nullptr, u.get(), L,
+                                 off.data(), sc.data(), b1.data(), b2.data(), eps.data(), wd.data(), stats.get(),
+                                 nthreads);
+  for (int64_t k = 0; k < L; ++k) {
+    double rmax = off[k] == off[k + 1] ? 1.0 : 0.0, up2 = 0, u2 = 0;
+    for (int64_t i = off[k]; i < off[k + 1]; ++i) {
+      const double mn = double(x0[i]) / sc[k], g = (mn - double(b1[k]) * m0[i]) / (1.0 - double(b1[k]));
+      const double v = double(b2[k]) * vf0[i] + (1.0 - double(b2[k])) * g * g;
+      const double up = mn / d[i], uu = up + (decay ? double(wd[k]) * p[i] : 0.0);
+      rmax = std::fmax(rmax, d[i] / (std::sqrt(v) + eps[k]));
+      up2 += up * up, u2 += uu * uu;
+      check(std::fabs(m[i] - mn) <= 1e-6 * std::fabs(mn) + 1e-30, "lamb m", k, i);
+      check(std::fabs(vf[i] - v) <= 1e-5 * v, "lamb v_fresh", k, i);
+      check(std::fabs(u[i] - uu) <= 1e-5 * (std::fabs(uu) + std::fabs(up)), "lamb u", k, i);
+    }
+    check(std::fabs(stats[3 * k] - rmax) <= 1e-5 * rmax, "lamb ratio max", k, 0);
+    check(std::fabs(stats[3 * k + 1] - up2) <= 1e-5 * up2, "lamb ||u_prelim||^2", k, 0);
+    check(std::fabs(stats[3 * k + 2] - u2) <= 1e-5 * u2, "lamb ||u||^2", k, 0);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -107,6 +146,12 @@ int main() {
           ++cases;
         }
       }
+    }
+  }
+  for (bool decay : {false, true}) {
+    for (int nt : {1, 2}) {
+      run_lamb_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, decay, nt);
+      ++cases;
     }
   }
   std::printf("%d cases, %d failures\n", cases, failures);

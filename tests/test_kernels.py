@@ -228,6 +228,131 @@ def test_kernels_independent_of_thread_count() -> None:
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
 
 
+# --------------------------------------------------------------------------- 1-bit LAMB update
+
+LAMB_SIZES = [0, 5, 8, 1, 20_000, 77, 3, 70_000]  # empty, sub-vector, multi-block, threaded
+
+
+def _lamb_case(seed: int, decay: bool, sizes: list[int] = LAMB_SIZES):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    L = len(sizes)
+    u01 = lambda: torch.rand(L, generator=gen).tolist()  # noqa: E731
+    hp = {
+        "scaling": [0.25 + 2 * a for a in u01()],
+        "beta1": [0.8 + 0.15 * a for a in u01()],
+        "beta2": [0.9 + 0.099 * a for a in u01()],
+        "eps": [10 ** (-8 + 2 * a) for a in u01()],
+        "weight_decay": [0.1 * a if decay and a > 0.3 else 0.0 for a in u01()],
+    }
+    bufs = {
+        "exchanged": torch.randn(n, generator=gen),
+        "exp_avg": torch.randn(n, generator=gen) * 0.5,
+        "denom": torch.rand(n, generator=gen) + 1e-3,
+        "exp_avg_sq_fresh": torch.rand(n, generator=gen) * 0.1,
+        "param": torch.randn(n, generator=gen) if decay else None,
+        "update": torch.full((n,), float("nan")),  # written before read
+    }
+    return bufs, offsets, hp
+
+
+def _lamb_run(fn, bufs, offsets, hp):
+    b = {k: (v.clone() if v is not None else None) for k, v in bufs.items()}
+    stats = fn(*b.values(), offsets, **hp)
+    return b, stats
+
+
+def _assert_lamb_close(got, ref) -> None:
+    (b1, s1), (b2, s2) = got, ref
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        torch.testing.assert_close(b1[k], b2[k], rtol=2e-6, atol=1e-7, msg=k)
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
+    bufs, offsets, hp = _lamb_case(11 + decay, decay)
+    got = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+    ref = _lamb_run(K.reference_lamb_frozen_update, bufs, offsets, hp)
+    _assert_lamb_close(got, ref)
+    stats = got[1]
+    assert stats.shape == (len(offsets) - 1, 3) and stats.dtype == torch.float64
+    assert stats[0].tolist() == [1.0, 0.0, 0.0]  # the empty layer
+    # the reference itself, against a float64 evaluation of the formulas
+    x, m, d = (bufs[k].double() for k in ("exchanged", "exp_avg", "denom"))
+    vf = bufs["exp_avg_sq_fresh"].double()
+    lo, hi = offsets[4], offsets[5]  # the multi-block layer
+    c = {k: v[4] for k, v in hp.items()}
+    m_new = x[lo:hi] / c["scaling"]
+    g = (m_new - c["beta1"] * m[lo:hi]) / (1 - c["beta1"])
+    vf_new = c["beta2"] * vf[lo:hi] + (1 - c["beta2"]) * g * g
+    up = m_new / d[lo:hi]
+    u = up + c["weight_decay"] * bufs["param"].double()[lo:hi] if decay else up
+    torch.testing.assert_close(
+        got[0]["exp_avg_sq_fresh"][lo:hi].double(), vf_new, rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(got[0]["update"][lo:hi].double(), u, rtol=1e-5, atol=1e-7)
+    want = [(d[lo:hi] / (vf_new.sqrt() + c["eps"])).max(), up.square().sum(), u.square().sum()]
+    torch.testing.assert_close(stats[4], torch.stack(want), rtol=1e-5, atol=0)
+
+
+def test_lamb_frozen_update_portable_path_matches_reference() -> None:
+    """The scalar (non-AVX2) kernel, forced with ONEBIT_NO_SIMD=1 in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tests.test_kernels as T; from lightning_onebit import kernels as K\n"
+        "assert not K._C.cpu_has_simd()\n"
+        "for decay in (False, True):\n"
+        "    bufs, offsets, hp = T._lamb_case(7, decay)\n"
+        "    T._assert_lamb_close(T._lamb_run(K.lamb_frozen_update, bufs, offsets, hp),\n"
+        "                         T._lamb_run(K.reference_lamb_frozen_update, bufs, offsets, hp))\n"
+    )
+    env = {**os.environ, "ONEBIT_NO_SIMD": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_lamb_frozen_update_independent_of_thread_count() -> None:
+    bufs, offsets, hp = _lamb_case(3, True, [200_000, 90_001])
+    old = torch.get_num_threads()
+    try:
+        runs = []
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            runs.append(_lamb_run(K.lamb_frozen_update, bufs, offsets, hp))
+    finally:
+        torch.set_num_threads(old)
+    (b1, s1), (b2, s2) = runs
+    assert torch.equal(s1, s2)
+    assert all(torch.equal(b1[k], b2[k]) for k in ("exp_avg", "exp_avg_sq_fresh", "update"))
+
+
+def test_lamb_frozen_update_rejects_bad_input() -> None:
+    bufs, offsets, hp = _lamb_case(1, True, [4, 4])
+    args = list(bufs.values())
+    with pytest.raises(ValueError, match="param is required"):
+        K.lamb_frozen_update(*args[:4], None, args[5], offsets, **hp)
+    with pytest.raises(ValueError, match="one value per layer"):
+        K.lamb_frozen_update(*args, offsets, **{**hp, "eps": [1e-8]})
+    with pytest.raises(ValueError, match="non-decreasing"):
+        K.lamb_frozen_update(*args, [0, 5, 4], **hp)
+    with pytest.raises(ValueError, match="the layers need 9"):
+        K.lamb_frozen_update(*args, [0, 4, 9], **hp)
+    with pytest.raises(TypeError, match=r"denom must have dtype torch\.float32"):
+        K.lamb_frozen_update(*args[:2], args[2].double(), *args[3:], offsets, **hp)
+    with pytest.raises(ValueError, match="update must be contiguous"):
+        K.lamb_frozen_update(*args[:5], torch.zeros(16)[::2], offsets, **hp)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

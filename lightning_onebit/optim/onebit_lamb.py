@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.kernels import lamb_frozen_update
 from lightning_onebit.optim._base import OneBitOptimizer, _check_int, _check_real
 
 __all__ = ["OneBitLamb"]
@@ -106,7 +107,7 @@ class OneBitLamb(OneBitOptimizer):
         "scaling_coeff": 1.0,
     }
     _checkpoint_attrs = ("scaling_coeff_ready",)
-    _work_buffers = ("update", "exp_avg_last")
+    _work_buffers = ("update", "exchanged")
 
     def __init__(
         self,
@@ -195,26 +196,27 @@ class OneBitLamb(OneBitOptimizer):
         return self.phase == "compression" and self.scaling_coeff_ready
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
-        """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``."""
-        m, g, u = self._flat["exp_avg"], self._grad, self._work["update"]
-        for _, group, t in self._segments_in(s):
-            beta1 = group["betas"][0]
-            torch.mul(m[t], beta1, out=u[t]).add_(g[t], alpha=1 - beta1)
-        layers = [j for j, o in enumerate(self._layout.offsets) if s.start <= o < s.stop]
+        """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
+        (two sweeps per layer, the scaling folded into the coefficients)."""
+        m, g, u = self._views["exp_avg"], self._views["grad"], self._views["update"]
         scaling = self._scalars["scaling_coeff"].tolist()
-        torch._foreach_mul_(
-            [self._views["update"][j] for j in layers], [scaling[j] for j in layers]
-        )
-        return u[s]
+        for j, o in enumerate(self._layout.offsets):
+            if s.start <= o < s.stop:
+                beta1, c = self.param_groups[self._layout.group_of[j]]["betas"][0], scaling[j]
+                torch.mul(m[j], beta1 * c, out=u[j]).add_(g[j], alpha=(1 - beta1) * c)
+        return self._work["update"][s]
+
+    def _per_layer_values(self, key: str) -> list[float]:
+        """A group hyperparameter, one value per layer (``beta1``/``beta2``: from ``betas``)."""
+        groups, of = self.param_groups, self._layout.group_of
+        if key in ("beta1", "beta2"):
+            return [groups[gi]["betas"][int(key[-1]) - 1] for gi in of]
+        return [groups[gi][key] for gi in of]
 
     def _per_layer(self, key: str) -> torch.Tensor:
-        """A group hyperparameter broadcast to one value per layer."""
-        groups = self.param_groups
-        return torch.tensor(
-            [groups[gi][key] for gi in self._layout.group_of],
-            dtype=torch.float32,
-            device=self._layout.device,
-        )
+        """A group hyperparameter broadcast to one value per layer, as a tensor."""
+        values = self._per_layer_values(key)
+        return torch.tensor(values, dtype=torch.float32, device=self._layout.device)
 
     def _norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-layer L2 norms of a flat buffer."""
@@ -224,7 +226,6 @@ class OneBitLamb(OneBitOptimizer):
         g = self._gather_grads()
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
         v_fresh, u = self._flat["exp_avg_sq_fresh"], self._work["update"]
-        m_last = self._work["exp_avg_last"]
         lamb_coeff_freeze = self._scalars["lamb_coeff_freeze"]
         last_factor = self._scalars["last_factor"]
         scaling = self._scalars["scaling_coeff"]
@@ -258,35 +259,34 @@ class OneBitLamb(OneBitOptimizer):
             self._compute_scaling()
         # 3b. local momentum, scaled (_exchange_source), and
         # 3c. one compressed exchange for all layers (bucket by bucket with
-        #     overlap_with_backward(); m changes only if every bucket goes through), unscaled, masked
-        m_last.copy_(m)
-        self._compressed_average_(self._exchange_source, out=m)
-        torch._foreach_div_(self._views["exp_avg"], scaling.tolist())
-        self._apply_exp_avg_mask_(m)
-        # 3d. reconstructed gradient updates the fresh variance (g is free: reuse it)
-        for _, group, s in self._segments():
-            beta1, beta2 = group["betas"]
-            torch.add(m[s], m_last[s], alpha=-beta1, out=g[s]).div_(1 - beta1)
-            v_fresh[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
-        # 3e. update with the frozen variance; u_prelim's norms first (before weight decay)
+        #     overlap_with_backward(); x changes only if every bucket goes through), masked (the
+        #     mask commutes with the scaling); m still holds the last momentum, for 3d
+        x = self._work["exchanged"]
+        self._compressed_average_(self._exchange_source, out=x)
+        self._apply_exp_avg_mask_(x)
+        # 3c (unscaling), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
+        # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
+        # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
         p = self._gather_params() if self._any_weight_decay() else None
         d, _ = self._frozen_denominator()  # sqrt(v) + eps, computed once: v is frozen
-        for _, group, s in self._segments():
-            torch.sqrt(v_fresh[s], out=g[s]).add_(group["eps"])
-            torch.div(d[s], g[s], out=g[s])  # g = (sqrt(v) + eps) / (sqrt(v_fresh) + eps)
-            torch.div(m[s], d[s], out=u[s])  # u = u_prelim
-        ratio_max = torch.stack(
-            [r.amax() if r.numel() else r.new_ones(()) for r in self._views["grad"]]
-        )
-        prelim_norm = self._norms(u)
-        for _, group, s in self._segments():
-            if group["weight_decay"] > 0:
-                u[s].add_(p[s], alpha=group["weight_decay"])
+        hparams = ("beta1", "beta2", "eps", "weight_decay")
+        stats = lamb_frozen_update(
+            x,
+            m,
+            d,
+            v_fresh,
+            p,
+            u,
+            [*self._layout.offsets, self._layout.numel],
+            scaling.tolist(),
+            *(self._per_layer_values(k) for k in hparams),
+        ).to(device=scaling.device, dtype=torch.float32)
+        ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
         # 3f. the fresh-variance factor, blended, clipped in value and in speed
         factor = ratio_max
         wd = self._per_layer("weight_decay")
         if bool((wd > 0).any()):
-            r = (prelim_norm / self._norms(u)).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
+            r = (prelim_norm / u_norm).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
             factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)
         factor = factor.clamp(self.factor_min, self.factor_max)
         factor = torch.minimum(factor, last_factor * (1.0 + self.factor_threshold))
@@ -296,7 +296,8 @@ class OneBitLamb(OneBitOptimizer):
         self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)
 
     def _scale_layers_and_step_(self, u: torch.Tensor, coeff: torch.Tensor) -> None:
-        """``p_k -= lr * coeff_k * u_k`` for every layer ``k``."""
+        """``p_k -= lr * coeff_k * u_k`` for every layer ``k`` (one sweep per layer)."""
         self.lamb_coeffs = coeff.tolist()
-        torch._foreach_mul_(self._views["update"], self.lamb_coeffs)
-        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+        lrs, of, views = self._lrs(), self._layout.group_of, self._views_of(u)
+        for j, p in enumerate(self._layout.params):
+            p.add_(views[j], alpha=-lrs[of[j]] * self.lamb_coeffs[j])
