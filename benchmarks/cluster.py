@@ -322,16 +322,23 @@ def summarize(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         after_eval = k == 0 or (eval_every and k % eval_every == 0)  # barrier before step k+1
         times.append(t1[k] - (t0[k] if after_eval else t1[k - 1]))
     phases = [recs[0][k]["phase"] for k in range(steps)]
-    out: dict[str, Any] = {"numel": ranks[0]["numel"], "step_times": times, "phases": phases}
+    # per step, the slowest rank's time inside step() (where optimizer-side creep would show)
+    after_bwd = [
+        max(rr[k]["t1"] - rr[k].get("tb", rr[k]["t1"]) for rr in recs) for k in range(steps)
+    ]
+    out: dict[str, Any] = {
+        "numel": ranks[0]["numel"],
+        "step_times": times,
+        "after_backward_times": after_bwd,
+        "phases": phases,
+    }
     for ph in ("warmup", "compression"):
         idx = [k for k in range(steps) if phases[k] == ph]
         timed = idx[1:] or idx  # skip the first step of the phase (one-off allocations)
         out[f"step_time_{ph}"] = _median([times[k] for k in timed])
         out[f"step_time_{ph}_mean"] = statistics.fmean([times[k] for k in timed]) if timed else None
         # what is left after backward (step(): the exchange's tail, the update), slowest rank
-        out[f"after_backward_{ph}"] = _median(
-            [max(rr[k]["t1"] - rr[k].get("tb", rr[k]["t1"]) for rr in recs) for k in timed]
-        )
+        out[f"after_backward_{ph}"] = _median([after_bwd[k] for k in timed])
         n = len(idx) * world
         out[f"bytes_{ph}"] = sum(rr[k]["bytes"] for rr in recs for k in idx) / n if n else None
         out[f"tx_bytes_{ph}"] = (
