@@ -475,7 +475,7 @@ def lamb_frozen_update(
         u_prelim = m_new / d
         u <- u_prelim + weight_decay * p;  m <- m_new
 
-    Returns float64 ``(L, 3)``: per layer ``max(d / (sqrt(v_fresh) + eps))``,
+    Returns float64 ``(L, 3)`` on the buffers' device: per layer ``max(d / (sqrt(v_fresh) + eps))``,
     ``||u_prelim||**2`` and ``||u||**2`` (``1, 0, 0`` for an empty layer). The torch version of
     this is ~13 sweeps over the buffers; the C++ kernel is one (reads 4-5 buffers, writes 3).
     CUDA tensors take the pure-torch path (:func:`reference_lamb_frozen_update`).
@@ -659,11 +659,13 @@ def reference_lamb_frozen_update(
     eps: list[float],
     weight_decay: list[float],
 ) -> torch.Tensor:
-    """Pure-torch :func:`lamb_frozen_update` (same arguments, same results up to rounding)."""
-    stats = torch.empty(len(offsets) - 1, 3, dtype=torch.float64)
+    """Pure-torch :func:`lamb_frozen_update` (same arguments, same results up to rounding).
+
+    The statistics stay on the buffers' device (one tensor, no host sync per layer)."""
+    rows = []
     for k, (lo, hi) in enumerate(itertools.pairwise(offsets)):
         if lo == hi:
-            stats[k] = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+            rows.append(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64, device=update.device))
             continue
         x, m, d = exchanged[lo:hi], exp_avg[lo:hi], denom[lo:hi]
         vf, u = exp_avg_sq_fresh[lo:hi], update[lo:hi]
@@ -676,5 +678,7 @@ def reference_lamb_frozen_update(
         if weight_decay[k] != 0:
             u.add_(param[lo:hi], alpha=weight_decay[k])
         m.copy_(m_new)
-        stats[k] = torch.stack([ratio.double(), prelim, u.double().square().sum()]).cpu()
-    return stats
+        rows.append(torch.stack([ratio.double(), prelim, u.double().square().sum()]))
+    if not rows:
+        return torch.empty(0, 3, dtype=torch.float64, device=update.device)
+    return torch.stack(rows)
