@@ -65,6 +65,12 @@ def main() -> None:
     sscale = torch.zeros(1)  # steady state: every call applies the previous deferred update
     out = torch.empty(n)
 
+    # 1-bit LAMB's compression-phase update: 10 layers, weight decay on
+    lb = [torch.rand(n, generator=gen) + 0.01 for _ in range(6)]  # x, m, d, v_fresh, p, u
+    lo = [n * k // 10 for k in range(11)]
+    lh = {"scaling": [1.0] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
+    lh["weight_decay"] = [0.01] * 10
+
     # (name, fused call, reference call, input bytes, traffic-floor bytes)
     cases = [
         (
@@ -87,6 +93,13 @@ def main() -> None:
             lambda: K.reference_decompress(dbits, sscales, out),
             n // 8,
             n // 8 + 4 * n,
+        ),
+        (
+            "lamb_update",
+            lambda: K.lamb_frozen_update(*lb, lo, **lh),
+            lambda: K.reference_lamb_frozen_update(*lb, lo, **lh),
+            20 * n,
+            32 * n,  # reads x, m, d, v_fresh, p; writes m, v_fresh, u
         ),
     ]
     print(
