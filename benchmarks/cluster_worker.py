@@ -5,8 +5,9 @@ Started by ``benchmarks/cluster.py`` inside a rank's network namespace, one proc
     ip netns exec NS env MASTER_ADDR=... MASTER_PORT=... RANK=r WORLD_SIZE=W \\
         GLOO_SOCKET_IFNAME=veth0 python benchmarks/cluster_worker.py --config JSON --out FILE
 
-No Lightning here on purpose: the loop is a dozen lines, so the step time is the model, the
-optimizer and the communication, nothing else. Every rank writes one JSON file with, per step,
+The default is a plain loop (a dozen lines), so the step time is the model, the optimizer and
+the communication, nothing else; ``pl_<method>`` runs the same training through
+``L.Trainer(strategy=...)`` as users do, to measure what Lightning adds. Every rank writes one JSON file with, per step,
 its start / end-of-backward / end timestamps (``time.monotonic()``, one clock for every process
 on the machine, network namespaces included), the phase, the bytes the method says it sent, and the bytes the
 interface says it sent (``/sys/class/net/<if>/statistics/tx_bytes``: ``ip netns exec`` mounts
@@ -27,6 +28,9 @@ Methods (``--config`` key ``method``):
   (``--overlap-mb``, default 25) the exchange runs bucket by bucket during backward
   (``optimizer.overlap_with_backward``); ``<method>_sync`` (e.g. ``onebit_adam_sync``) exchanges
   in ``step()`` after backward instead, for comparison.
+* ``pl_ddp_adam`` / ``pl_onebit_adam`` / ``pl_zero_one_adam`` / ``pl_onebit_lamb``: the same
+  through ``L.Trainer``: Lightning's ``DDPStrategy`` + Adam, or ``OneBitStrategy(algorithm=...,
+  freeze_step=warmup, overlap_bucket_mb=overlap_mb)`` converting ``configure_optimizers``' Adam.
 
 The model is a small GPT-style character-level LM (:class:`GPT`) trained on the Python standard
 library's source text; ``--model-source examples`` (:func:`build`) trains ``examples/gpt.py``'s
@@ -53,6 +57,8 @@ __all__ = ["GPT", "build", "load_corpus", "main"]
 
 ONEBIT_METHODS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 DDP_METHODS = ("ddp_adam", "ddp_fp16", "powersgd_r1", "powersgd_r4")
+#: ``pl_<method>`` trains through ``L.Trainer`` (see :func:`_fit_lightning`)
+LIGHTNING_PREFIX = "pl_"
 
 
 # --------------------------------------------------------------------------- model
@@ -302,11 +308,67 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         return _train(cfg, rank, world, ifname)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Recorder:
+    """Per step: timestamps, bytes sent (the method's count and the interface's) and the loss;
+    between steps: rank 0's validation loss, outside the timed region (the others wait)."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        rank: int,
+        model: nn.Module,
+        val: list[tuple[torch.Tensor, torch.Tensor]],
+        ifname: str | None,
+        ddp_bytes: dict[str, int],
+    ) -> None:
+        self.cfg, self.rank, self.model, self.val = cfg, rank, model, val
+        self.ifname, self.ddp_bytes = ifname, ddp_bytes
+        self.records: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def evaluate(self, step: int) -> None:
+        # the model is identical on all ranks except for nocomm and 0/1 Adam's local steps
+        if self.rank == 0 and self.cfg["method"] != "nocomm":
+            self.evals.append({"step": step, "val_loss": _evaluate(self.model, self.val)})
+        dist.barrier()
+
+    def start(self) -> None:
+        self.tx0 = _tx_bytes(self.ifname)
+        self.t0 = self.tb = time.monotonic()
+
+    def backward_done(self) -> None:
+        self.tb = time.monotonic()
+
+    def end(self, step: int, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+        t1 = time.monotonic()
+        tx1 = _tx_bytes(self.ifname)
+        phase = "warmup" if step <= self.cfg["warmup"] else "compression"
+        # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
+        stats = getattr(opt, "comm_stats", None)
+        self.records.append(
+            {
+                "step": step,
+                "t0": self.t0,
+                "tb": self.tb,
+                "t1": t1,
+                "phase": phase,
+                "opt_phase": getattr(opt, "phase", None),
+                "bytes": stats["bytes_last_step"] if stats else self.ddp_bytes[phase],
+                "tx_bytes": tx1 - self.tx0,
+                "loss": float(loss),
+            }
+        )
+        every = self.cfg.get("eval_every", 0)
+        if (every and step % every == 0) or step == self.cfg["steps"]:
+            self.evaluate(step)
 
 
 def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> dict[str, Any]:
-    method, steps, warmup = cfg["method"], cfg["steps"], cfg["warmup"]
+    method, steps = cfg["method"], cfg["steps"]
     block, batch = cfg["model"]["block"], cfg["batch"]
     model, train_tok, val_tok = build(cfg)
     numel = sum(p.numel() for p in model.parameters())
@@ -318,59 +380,120 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
     val = [_batch(val_tok, val_off[i : i + vb], block) for i in range(0, len(val_off), vb)]
     gen.manual_seed(cfg.get("seed", 0) * 1000 + 17 + rank)  # each rank its own data stream
     train_off = torch.randint(0, len(train_tok) - block - 1, (steps, batch), generator=gen)
+    batches = [_batch(train_tok, train_off[k], block) for k in range(steps)]
 
-    module, opt, ddp_bytes = _build_method(method, model, cfg, world)
-    eval_every = cfg.get("eval_every", 0)
-    evals: list[dict[str, Any]] = []
-
-    def evaluate(step: int) -> None:
-        # rank 0 evaluates its copy of the model (identical on all ranks except nocomm and
-        # zero_one_adam's local steps), the others wait: outside the timed region
-        if rank == 0 and method != "nocomm":
-            evals.append({"step": step, "val_loss": _evaluate(model, val)})
-        dist.barrier()
-
-    evaluate(0)
-    records = []
-    for step in range(1, steps + 1):
-        x, y = _batch(train_tok, train_off[step - 1], block)
-        phase = "warmup" if step <= warmup else "compression"
-        opt_phase = getattr(opt, "phase", None)
-        tx0 = _tx_bytes(ifname)
-        t0 = time.monotonic()
-        opt.zero_grad(set_to_none=True)
-        loss = module(x, y)
-        loss.backward()
-        tb = time.monotonic()
-        opt.step()
-        t1 = time.monotonic()
-        tx1 = _tx_bytes(ifname)
-        # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
-        sent = opt.comm_stats["bytes_last_step"] if hasattr(opt, "comm_stats") else ddp_bytes[phase]
-        records.append(
-            {
-                "step": step,
-                "t0": t0,
-                "tb": tb,
-                "t1": t1,
-                "phase": phase,
-                "opt_phase": opt_phase,
-                "bytes": sent,
-                "tx_bytes": tx1 - tx0,
-                "loss": float(loss),
-            }
-        )
-        if (eval_every and step % eval_every == 0) or step == steps:
-            evaluate(step)
+    if method.startswith(LIGHTNING_PREFIX):
+        rec = _fit_lightning(cfg, model, batches, rank, world, val, ifname)
+    else:
+        module, opt, ddp_bytes = _build_method(method, model, cfg, world)
+        rec = _Recorder(cfg, rank, model, val, ifname, ddp_bytes)
+        rec.evaluate(0)
+        for step, (x, y) in enumerate(batches, start=1):
+            rec.start()
+            opt.zero_grad(set_to_none=True)
+            loss = module(x, y)
+            loss.backward()
+            rec.backward_done()
+            opt.step()
+            rec.end(step, opt, loss)
     return {
         "rank": rank,
         "world_size": world,
         "method": method,
         "numel": numel,
-        "records": records,
-        "evals": evals,
+        "records": rec.records,
+        "evals": rec.evals,
         "ifname": ifname,
     }
+
+
+def _fit_lightning(
+    cfg: dict[str, Any],
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world: int,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+    ifname: str | None,
+) -> _Recorder:
+    """``pl_<method>``: the same training through ``L.Trainer(strategy=...)``, as users run it.
+
+    ``configure_optimizers`` returns ``torch.optim.Adam``; ``OneBitStrategy`` converts it (as
+    in the README), ``pl_ddp_adam`` keeps it under Lightning's ``DDPStrategy``. The process
+    group is already up (Lightning reuses it); ``LOCAL_RANK``/``NODE_RANK`` tell Lightning that
+    this process is rank ``NODE_RANK`` of ``num_nodes`` one-process nodes, started externally.
+    Timestamps come from callbacks: batch start, ``on_before_optimizer_step`` (after backward),
+    batch end; Lightning's own per-step work between batches counts in the step time.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader
+
+    from lightning_onebit import OneBitStrategy
+
+    algorithm = cfg["method"].removeprefix(LIGHTNING_PREFIX)
+    lr = cfg.get("lr_lamb", cfg["lr"]) if algorithm == "onebit_lamb" else cfg["lr"]
+    betas = tuple(cfg.get("betas", (0.9, 0.999)))
+    timeout = timedelta(seconds=cfg.get("timeout", 600))
+    numel = sum(p.numel() for p in model.parameters())
+    fp32 = 2 * (world - 1) * 4 * numel // world
+    rec = _Recorder(cfg, rank, model, val, ifname, {"warmup": fp32, "compression": fp32})
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+            return self.net(*batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=lr, betas=betas)
+
+    class Timer(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            rec.evaluate(0)
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            rec.start()
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            rec.backward_done()
+
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any
+        ) -> None:
+            rec.end(trainer.global_step, trainer.strategy.optimizers[0], outputs["loss"])
+
+    if algorithm == "ddp_adam":
+        strategy = DDPStrategy(timeout=timeout)
+    elif algorithm in ONEBIT_METHODS:
+        strategy = OneBitStrategy(
+            algorithm=algorithm,
+            freeze_step=cfg["warmup"],
+            overlap_bucket_mb=cfg.get("overlap_mb") or None,
+            timeout=timeout,
+        )
+    else:
+        raise ValueError(f"unknown method {cfg['method']!r}")
+    os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy=strategy,
+        max_steps=len(batches),
+        callbacks=[Timer()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Module(), DataLoader(batches, batch_size=None))
+    return rec
 
 
 def main(argv: list[str] | None = None) -> None:
