@@ -33,11 +33,14 @@ import torch.distributed as dist
 from lightning_onebit import kernels
 
 __all__ = [
+    "AVERAGE_DTYPES",
     "BucketedAllreduce",
     "CompressedAllreduce",
     "ExchangeHandle",
     "NonFiniteError",
+    "as_average_dtype",
     "fp32_allreduce_bytes",
+    "start_average",
 ]
 
 # torch >= 2.10 renames all_gather_into_tensor to all_gather_single (the old name warns).
@@ -52,6 +55,58 @@ class NonFiniteError(FloatingPointError):
 def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
     """Bytes one rank sends in a ring allreduce of ``numel`` fp32 values (the DDP baseline)."""
     return 0 if world_size <= 1 else 2 * (world_size - 1) * numel * 4 // world_size
+
+
+#: The dtypes a full-precision gradient average may travel in, by the names a config may use.
+AVERAGE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def as_average_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32``/``bfloat16``/``float16`` from a dtype or its name (``"bf16"`` too)."""
+    got = AVERAGE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if got not in AVERAGE_DTYPES.values():
+        raise ValueError(
+            f"average_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or one of "
+            f"{sorted(AVERAGE_DTYPES)}), got {dtype!r}"
+        )
+    return got
+
+
+def start_average(
+    flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None = None
+) -> Callable[[], None]:
+    """Start averaging the fp32 tensor ``flat`` over the group's ranks; the returned ``wait()``
+    leaves the mean in ``flat``.
+
+    ``float32`` sums exactly as DDP does, then divides. ``bfloat16``/``float16`` send half the
+    bytes as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: cast, divide by ``W``, sum
+    in that dtype, cast back (float16 flushes values below ~6e-8 * W to zero; bfloat16 keeps
+    fp32's range with 8 bits of mantissa).
+    """
+    w = dist.get_world_size(group)
+    if dtype == torch.float32:
+        work = dist.all_reduce(flat, group=group, async_op=True)
+
+        def wait() -> None:
+            work.wait()
+            flat.div_(w)
+
+        return wait
+    buf = flat.to(dtype).div_(w)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+
+    def wait_half() -> None:
+        work.wait()
+        flat.copy_(buf)
+
+    return wait_half
 
 
 class ExchangeHandle:

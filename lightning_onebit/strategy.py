@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_onebit.comm import as_average_dtype
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
@@ -87,12 +88,22 @@ class _HookState:
         return {"optimizer": None, "process_group": None}
 
 
+#: DDP's hook for the average in each ``average_dtype`` (the half ones cast, divide, sum, cast back).
+_AVERAGE_HOOKS = {
+    torch.float32: default_hooks.allreduce_hook,
+    torch.bfloat16: default_hooks.bf16_compress_hook,
+    torch.float16: default_hooks.fp16_compress_hook,
+}
+
+
 def _onebit_comm_hook(
     state: _HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Full-precision average on steps that need it, nothing on the others (local gradients)."""
-    if state.optimizer is None or state.optimizer.expects_averaged_grads:
+    if state.optimizer is None:
         return default_hooks.allreduce_hook(state.process_group, bucket)
+    if state.optimizer.expects_averaged_grads:
+        return _AVERAGE_HOOKS[state.optimizer.average_dtype](state.process_group, bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
@@ -161,6 +172,10 @@ class OneBitStrategy(DDPStrategy):
             after backward. Turned off (with an info message) where something edits the
             gradients between backward and the step: gradient clipping, the ``16-mixed`` loss
             scaler. Gradient accumulation pauses it on the backward passes without a step.
+        average_dtype: the dtype of the warmup's gradient average (0/1 Adam: of its variance
+            steps): ``"float32"``, or ``"bf16"``/``"fp16"`` for half the bytes on those steps,
+            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
+            ``None``: float32, or what an optimizer from ``configure_optimizers`` was given.
         timeout: collective timeout: a dead or stuck rank makes the others fail after this long.
         start_method: how processes start: ``"popen"`` (scripts), ``"fork"`` (notebooks),
             ``"spawn"``, ``"forkserver"``.
@@ -188,6 +203,7 @@ class OneBitStrategy(DDPStrategy):
         factor_threshold: float = 0.1,
         log_comm_stats: bool = True,
         overlap_bucket_mb: float | None = 25.0,
+        average_dtype: str | torch.dtype | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
@@ -236,6 +252,7 @@ class OneBitStrategy(DDPStrategy):
                 f"{overlap_bucket_mb!r}"
             )
         self.overlap_bucket_mb = overlap_bucket_mb
+        self.average_dtype = None if average_dtype is None else as_average_dtype(average_dtype)
         self._hook_state: _HookState | None = None
         self._rank_state: dict[str, Any] | None = None
         self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
@@ -255,6 +272,7 @@ class OneBitStrategy(DDPStrategy):
         kw = dict(defaults)
         kw.update({k: self.optimizer_options[k] for k in _ALGORITHM_OPTIONS[self.algorithm]})
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
+        kw["average_dtype"] = self.average_dtype or torch.float32
         return kw
 
     @property  # type: ignore[override]
@@ -447,6 +465,8 @@ class OneBitStrategy(DDPStrategy):
             )
         if isinstance(original, OneBitOptimizer):
             original.average_warmup_grads = False
+            if self.average_dtype is not None:
+                original.average_dtype = self.average_dtype
             new = original
         elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
             new = self._convert(original)

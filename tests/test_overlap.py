@@ -3,7 +3,7 @@
 Real backward passes on 2 gloo ranks: the buckets started by the communication thread while
 backward runs give bitwise the parameters of the same buckets exchanged inside ``step()``, one
 bucket gives bitwise the plain single exchange, the warmup's bucketed fp32 average is the plain
-one, a NaN on one rank still drops the whole step on
+one (and a bf16/fp16 one is DDP's compress hooks' average), a NaN on one rank still drops the whole step on
 every rank exactly, and a backward whose step never came is forgotten.
 """
 
@@ -113,6 +113,59 @@ def test_overlapped_warmup_average_is_the_plain_average() -> None:
     for a, b in zip(live, plain, strict=True):
         assert torch.equal(a["hist"][:3], b["hist"][:3])
         assert not torch.equal(a["hist"][3:], b["hist"][3:])  # then each bucket has its scale
+
+
+def _half_warmup(rank: int, world: int, dtype: torch.dtype, cap_mb: float | None) -> dict:
+    """Two warmup steps averaged in ``dtype``; the local gradients and the parameters."""
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=5, average_dtype=dtype)
+    if cap_mb is not None:
+        opt.overlap_with_backward(cap_mb)
+    grads, started = [], []
+    for t in (1, 2):
+        x, y = _batch(rank, t)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        started.append(opt._overlap._next if opt._overlap is not None else 0)
+        opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    bytes_ = opt.comm_stats["bytes_last_step"]
+    return {"grads": grads, "params": params, "bytes": bytes_, "started": started}
+
+
+@pytest.mark.parametrize("cap_mb", [None, 0.01], ids=["in_step", "overlapped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_warmup_average(dtype: torch.dtype, cap_mb: float | None) -> None:
+    # the warmup equals one process stepping on (g0 / 2 + g1 / 2) computed in `dtype`, as DDP's
+    # bf16/fp16 compress hooks do (a sum of two values rounds once, in any order: bitwise)
+    runs = run_distributed(_half_warmup, 2, dtype, cap_mb)
+    ref_model = _model()
+    ref = OneBitAdam(ref_model.parameters(), lr=1e-2, freeze_step=5)
+    for t in range(2):
+        pairs = zip(runs[0]["grads"][t], runs[1]["grads"][t], strict=True)
+        for p, (g0, g1) in zip(ref_model.parameters(), pairs, strict=True):
+            p.grad = (g0.to(dtype).div(2) + g1.to(dtype).div(2)).float()
+        ref.step()
+    if cap_mb is not None:  # step 2's average ran bucket by bucket during backward
+        assert runs[0]["started"][1] == 3, runs[0]["started"]
+    for r in runs:
+        for a, b in zip(r["params"], ref_model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        numel = sum(p.numel() for p in ref_model.parameters())
+        assert r["bytes"] == numel * 2  # ring allreduce of 2-byte values: 2 (W-1)/W * 2 B each
+    # and the rounding is real: fp32 averages differ from these
+    fp32 = run_distributed(_half_warmup, 2, torch.float32, cap_mb)
+    assert not all(
+        torch.equal(a, b) for a, b in zip(fp32[0]["params"], runs[0]["params"], strict=True)
+    )
+
+
+def test_average_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="average_dtype must be"):
+        OneBitAdam([torch.nn.Parameter(torch.zeros(3))], average_dtype=torch.float64)
+    opt = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))], average_dtype="bf16")
+    assert opt.average_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("nan_at", [2, 7], ids=["warmup", "compression"])

@@ -217,6 +217,8 @@ def test_registry_names_resolve_to_the_strategy() -> None:
         ({"algorithm": "zero_one_adam", "local_step_clipper": 0}, "local_step_clipper"),
         ({"freeze_window": 0}, "window"),
         ({"ddp_comm_hook": lambda s, b: None}, "installs its own DDP communication hook"),
+        ({"average_dtype": "fp64"}, "average_dtype must be"),
+        ({"average_dtype": torch.float64}, "average_dtype must be"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> None:
@@ -280,6 +282,31 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
             expect = switch * fp32_allreduce_bytes(numel, devices) + (steps - switch) * per_call
             assert stats["bytes_total"] == expect
         assert stats["fp32_equiv_total"] / stats["bytes_total"] > 3.0
+
+
+@pytest.mark.slow
+def test_half_precision_warmup_average(tmp_path: Path) -> None:
+    """``average_dtype="bf16"``: DDP's bf16 hook averages the warmup gradients: half the warmup
+    bytes, a (rounded) different trajectory that learns as well."""
+    steps, switch = 30, 20
+    runs = {
+        d: _fit(
+            tmp_path / d,
+            OneBitStrategy(freeze_step=switch, average_dtype=d, start_method="fork"),
+            steps=steps,
+        )
+        for d in ("float32", "bf16")
+    }
+    numel = sum(v.numel() for v in runs["float32"][0]["params"].values())
+    for d, records in runs.items():
+        _assert_same_on_all_ranks(records)
+        warm = fp32_allreduce_bytes(numel, 2) // (2 if d == "bf16" else 1)
+        expect = switch * warm + (steps - switch) * _per_call(numel, 2)
+        assert records[0]["comm_stats"]["bytes_total"] == expect
+    fp32, bf16 = runs["float32"][0]["params"], runs["bf16"][0]["params"]
+    assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # the hook did round
+    loss32, loss16 = _held_out_loss(fp32), _held_out_loss(bf16)
+    assert abs(loss16 - loss32) < 0.02 * loss32, (loss32, loss16)
 
 
 @pytest.mark.slow

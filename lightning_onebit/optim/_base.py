@@ -61,7 +61,9 @@ from lightning_onebit.comm import (
     BucketedAllreduce,
     CompressedAllreduce,
     NonFiniteError,
+    as_average_dtype,
     fp32_allreduce_bytes,
+    start_average,
 )
 from lightning_onebit.optim._overlap import BackwardOverlap
 
@@ -164,6 +166,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
             an initialised process group the optimizer runs with ``W = 1``.
         average_warmup_grads: whether steps that need averaged gradients average them here (one
             fp32 ``all_reduce``); ``False`` when DDP already averaged them.
+        average_dtype: the dtype those averages travel in: ``torch.float32`` (default, exact),
+            or ``torch.bfloat16``/``torch.float16`` (or ``"bf16"``/``"fp16"``) for half the
+            bytes on the warmup steps, as DDP's bf16/fp16 compress hooks (see
+            :func:`~lightning_onebit.comm.start_average`). An explicit trade: the warmup's
+            gradients, hence the variance that the compression phase freezes, lose precision.
     """
 
     #: The two phases, the first one active at construction.
@@ -186,15 +193,18 @@ class OneBitOptimizer(torch.optim.Optimizer):
         *,
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
+        average_dtype: torch.dtype | str = torch.float32,
         amsgrad: bool = False,
     ) -> None:
         name = type(self).__name__
+        average_dtype = as_average_dtype(average_dtype)
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         self._check_hparams(defaults)
         super().__init__(params, defaults)
         self.process_group = process_group
         self.average_warmup_grads = bool(average_warmup_grads)
+        self.average_dtype = average_dtype
 
         # internal state (checkpointed)
         self.step_count = 0  # steps taken; identical on every rank
@@ -523,9 +533,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return self._param_flat
 
     def _average_(self, flat: torch.Tensor) -> None:
-        """Full-precision average over the ranks, in place (unless the caller already averaged).
+        """Full-precision average over the ranks (in ``average_dtype``), in place, unless the
+        caller already averaged.
 
-        The bytes of this fp32 allreduce count in ``comm_stats`` either way: the algorithm needs
+        The bytes of this allreduce count in ``comm_stats`` either way: the algorithm needs
         them, whether this optimizer or DDP sends them.
         """
         w = self.world_size
@@ -533,9 +544,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             if self._overlap is not None and flat is self._grad:
                 self._overlap.all_reduce()  # per bucket, some started during backward
             else:
-                dist.all_reduce(flat, group=self.process_group)
-            flat.div_(w)
-        self._bytes_step += fp32_allreduce_bytes(flat.numel(), w)
+                start_average(flat, self.average_dtype, self.process_group)()
+        self._bytes_step += fp32_allreduce_bytes(flat.numel(), w) * self.average_dtype.itemsize // 4
         if not self._finite(flat):  # averaged: the same verdict on every rank
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"

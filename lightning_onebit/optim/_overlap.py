@@ -14,7 +14,7 @@ if any rank had a NaN/Inf anywhere, none.
 
 Steps that average full-precision gradients (warmup; 0/1 Adam's variance steps) are overlapped
 the same way, as DDP does: bucket ``b``'s gradients go into the flat gradient buffer and an async
-fp32 ``all_reduce`` of that slice starts; ``step()`` starts the remaining buckets' and waits for
+``all_reduce`` of that slice starts (fp32, or ``average_dtype``); ``step()`` starts the remaining buckets' and waits for
 all of them (:meth:`BackwardOverlap.all_reduce`). The same buckets are reduced, in the same
 order, whether backward started them or ``step()`` did, so the result does not depend on timing.
 
@@ -31,6 +31,7 @@ not follow directly (gradient accumulation); the strategy does this for you.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
@@ -38,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_onebit.comm import start_average
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer, _Layout
@@ -66,7 +69,7 @@ class BackwardOverlap:
         self._group_made = False
         self._futures: list[Future] = []
         self._mode: str | None = None  # what this round's hooks start: "average" / "exchange"
-        self._works: list[Any] = []  # this round's started async all_reduces, by bucket
+        self._works: list[Callable[[], None]] = []  # this round's started averages' waits
         self._ready: set[int] = set()
         self._missing: list[int] = []
         self._next = 0
@@ -148,9 +151,9 @@ class BackwardOverlap:
             opt._exchange.start_bucket(b, opt._exchange_source(slice(lo, hi)))
             return None
 
-    def _start_all_reduce(self, b: int) -> Any:
+    def _start_all_reduce(self, b: int) -> Callable[[], None]:
         lo, hi = self.bounds[b]
-        return dist.all_reduce(self.opt._grad[lo:hi], group=self.group(), async_op=True)
+        return start_average(self.opt._grad[lo:hi], self.opt.average_dtype, self.group())
 
     # ------------------------------------------------------------------ in step()
 
@@ -164,12 +167,12 @@ class BackwardOverlap:
         return {j for b in range(self._next) for j in self.bucket_params[b]}
 
     def all_reduce(self) -> None:
-        """Sum the flat gradient buffer over the ranks, bucket by bucket: wait for the buckets
-        backward started, start the others (their gradients are in the buffer by now)."""
+        """Average the flat gradient buffer over the ranks, bucket by bucket: wait for the
+        buckets backward started, start the others (their gradients are in the buffer by now)."""
         works, self._works = self._works, []
         works += [self._start_all_reduce(b) for b in range(len(works), len(self.bounds))]
-        for work in works:
-            work.wait()
+        for wait in works:
+            wait()
 
     def drop(self) -> None:
         """Forget the current round: wait for the thread, discard the started buckets."""
@@ -182,9 +185,9 @@ class BackwardOverlap:
         """Wait for started all_reduces nobody waited for (a dropped round, a failed step):
         they write into the gradient buffer the next round fills."""
         works, self._works = self._works, []
-        for work in works:
+        for wait in works:
             with contextlib.suppress(Exception):  # the step that started it already failed
-                work.wait()
+                wait()
 
     def _reset_round(self) -> None:
         self._ready = set()

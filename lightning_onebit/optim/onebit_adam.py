@@ -74,6 +74,9 @@ class OneBitAdam(OneBitOptimizer):
             initialised process group the optimizer runs with ``W = 1``.
         average_warmup_grads: average the gradients of warmup steps here (one fp32
             ``all_reduce``); pass ``False`` when DDP already averaged them.
+        average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
+            (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
+            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
 
     DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
     ``process_group`` of the backend you want (gloo, NCCL).
@@ -92,6 +95,7 @@ class OneBitAdam(OneBitOptimizer):
         amsgrad: bool = False,
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
+        average_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -100,6 +104,7 @@ class OneBitAdam(OneBitOptimizer):
             defaults,
             process_group=process_group,
             average_warmup_grads=average_warmup_grads,
+            average_dtype=average_dtype,
             amsgrad=amsgrad,
         )
         self.freeze_step = freeze_step

@@ -97,6 +97,9 @@ class OneBitLamb(OneBitOptimizer):
             initialised process group the optimizer runs with ``W = 1``.
         average_warmup_grads: average the gradients of warmup steps here (one fp32
             ``all_reduce``); pass ``False`` when DDP already averaged them.
+        average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
+            (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
+            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
     """
 
     PHASES = ("warmup", "compression")
@@ -126,6 +129,7 @@ class OneBitLamb(OneBitOptimizer):
         amsgrad: bool = False,
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
+        average_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         _check_real("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
@@ -148,6 +152,7 @@ class OneBitLamb(OneBitOptimizer):
             defaults,
             process_group=process_group,
             average_warmup_grads=average_warmup_grads,
+            average_dtype=average_dtype,
             amsgrad=amsgrad,
         )
         # hyperparameters

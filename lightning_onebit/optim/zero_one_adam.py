@@ -106,6 +106,9 @@ class ZeroOneAdam(OneBitOptimizer):
             initialised process group the optimizer runs with ``W = 1``.
         average_warmup_grads: average the gradients of variance steps here (one fp32
             ``all_reduce``); pass ``False`` when DDP already averaged them.
+        average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
+            (``"bf16"``/``"fp16"``) to average the variance steps' gradients in half the bytes,
+            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
     """
 
     PHASES = ("variance", "local")
@@ -132,6 +135,7 @@ class ZeroOneAdam(OneBitOptimizer):
         amsgrad: bool = False,
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
+        average_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         _check_int("var_freeze_step", var_freeze_step, 0)
         _check_int("var_update_scaler", var_update_scaler, 1)
@@ -143,6 +147,7 @@ class ZeroOneAdam(OneBitOptimizer):
             defaults,
             process_group=process_group,
             average_warmup_grads=average_warmup_grads,
+            average_dtype=average_dtype,
             amsgrad=amsgrad,
         )
         # hyperparameters
