@@ -423,7 +423,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"model `{meta['model']}` ({_fmt(meta.get('numel'), ',')} params) · "
         f"{meta['steps']} steps, warmup {meta['warmup']} · {meta['threads']} torch thread(s)/rank"
         f" · 1-bit exchange overlapped with backward: {overlap}"
-        + (" · denormals flushed" if meta.get("flush_denormal") else ""),
+        + (" · denormals flushed" if meta.get("flush_denormal") else "")
+        + (
+            f" · 1-bit methods' warmup average in {meta['average_dtype']}"
+            if meta.get("average_dtype", "float32") != "float32"
+            else ""
+        ),
         "",
         "Step time = median over the phase of the time until the slowest rank finishes the step "
         "(first step of each phase skipped). *x floor*: compression-phase step / `nocomm`'s. "
@@ -564,6 +569,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "produces denormal floats, which slow CPU forward/backward several-fold and drown the "
         "communication being measured",
     )
+    p.add_argument(
+        "--average-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="1-bit methods: dtype of the warmup's gradient average (optimizer average_dtype)",
+    )
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-slack", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method run")
@@ -626,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_config": MODELS[args.model],
         "model_source": args.model_source,
         "overlap_mb": args.overlap_mb,
+        "average_dtype": args.average_dtype,
         "flush_denormal": args.flush_denormal,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -663,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "threads": args.threads,
                                 "timeout": max(60, args.timeout / 2),
                                 "overlap_mb": args.overlap_mb,
+                                "average_dtype": args.average_dtype,
                                 "flush_denormal": args.flush_denormal,
                             }
                             row = {

@@ -27,7 +27,8 @@ Methods (``--config`` key ``method``):
   1-bit momentum / gradients afterwards), ``freeze_step`` = the warmup; with ``overlap_mb``
   (``--overlap-mb``, default 25) the exchange runs bucket by bucket during backward
   (``optimizer.overlap_with_backward``); ``<method>_sync`` (e.g. ``onebit_adam_sync``) exchanges
-  in ``step()`` after backward instead, for comparison.
+  in ``step()`` after backward instead, for comparison. ``average_dtype`` (``--average-dtype``)
+  is the dtype of their warmup average.
 * ``pl_ddp_adam`` / ``pl_onebit_adam`` / ``pl_zero_one_adam`` / ``pl_onebit_lamb``: the same
   through ``L.Trainer``: Lightning's ``DDPStrategy`` + Adam, or ``OneBitStrategy(algorithm=...,
   freeze_step=warmup, overlap_bucket_mb=overlap_mb)`` converting ``configure_optimizers``' Adam.
@@ -231,14 +232,14 @@ def _build_method(
     if name in ONEBIT_METHODS:
         from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
+        kw = {"betas": betas, "average_dtype": cfg.get("average_dtype", "float32")}
         if name == "onebit_adam":
-            opt = OneBitAdam(model.parameters(), lr=lr, betas=betas, freeze_step=warmup)
+            opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=warmup, **kw)
         elif name == "zero_one_adam":
-            opt = ZeroOneAdam(model.parameters(), lr=lr, betas=betas, var_freeze_step=warmup)
+            opt = ZeroOneAdam(model.parameters(), lr=lr, var_freeze_step=warmup, **kw)
         else:
-            opt = OneBitLamb(
-                model.parameters(), lr=cfg.get("lr_lamb", lr), betas=betas, freeze_step=warmup
-            )
+            lr = cfg.get("lr_lamb", lr)
+            opt = OneBitLamb(model.parameters(), lr=lr, freeze_step=warmup, **kw)
         if cfg.get("overlap_mb") and not sync:  # exchange bucket by bucket during backward
             opt.overlap_with_backward(
                 cfg["overlap_mb"], timeout=timedelta(seconds=cfg.get("timeout", 600))
@@ -472,6 +473,7 @@ def _fit_lightning(
             algorithm=algorithm,
             freeze_step=cfg["warmup"],
             overlap_bucket_mb=cfg.get("overlap_mb") or None,
+            average_dtype=cfg.get("average_dtype", "float32"),
             timeout=timeout,
         )
     else:
