@@ -428,6 +428,13 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f" · 1-bit methods' warmup average in {meta['average_dtype']}"
             if meta.get("average_dtype", "float32") != "float32"
             else ""
+        )
+        + (
+            f" · 0/1 Adam: var_freeze_step {meta['var_freeze_step']}, var_update_scaler "
+            f"{meta['var_update_scaler']} (phase-1 steps between variance updates are 1-bit)"
+            if (meta.get("var_freeze_step"), meta.get("var_update_scaler"))
+            not in ((None, None), (meta["warmup"], 16))
+            else ""
         ),
         "",
         "Step time = median over the phase of the time until the slowest rank finishes the step "
@@ -575,6 +582,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="float32",
         help="1-bit methods: dtype of the warmup's gradient average (optimizer average_dtype)",
     )
+    p.add_argument(
+        "--var-freeze-step",
+        type=int,
+        default=None,
+        help="0/1 Adam: freeze the variance after this step (default: --warmup)",
+    )
+    p.add_argument(
+        "--var-update-scaler",
+        type=int,
+        default=16,
+        help="0/1 Adam: variance updates (fp32 gradient averages) before their interval doubles; "
+        "the other phase-1 steps exchange 1-bit gradients",
+    )
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-slack", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method run")
@@ -606,6 +626,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.warmup = min(max(16, round(0.2 * args.steps)), args.steps - 2)
     if not 2 <= args.warmup < args.steps:
         p.error("need 2 <= --warmup < --steps (each phase needs a timed step)")
+    if args.var_freeze_step is None:
+        args.var_freeze_step = args.warmup
+    if args.var_freeze_step < 0 or args.var_update_scaler < 1:
+        p.error("need --var-freeze-step >= 0 and --var-update-scaler >= 1")
     return args
 
 
@@ -638,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         "model_source": args.model_source,
         "overlap_mb": args.overlap_mb,
         "average_dtype": args.average_dtype,
+        "var_freeze_step": args.var_freeze_step,
+        "var_update_scaler": args.var_update_scaler,
         "flush_denormal": args.flush_denormal,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -676,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "timeout": max(60, args.timeout / 2),
                                 "overlap_mb": args.overlap_mb,
                                 "average_dtype": args.average_dtype,
+                                "var_freeze_step": args.var_freeze_step,
+                                "var_update_scaler": args.var_update_scaler,
                                 "flush_denormal": args.flush_denormal,
                             }
                             row = {

@@ -28,7 +28,9 @@ Methods (``--config`` key ``method``):
   (``--overlap-mb``, default 25) the exchange runs bucket by bucket during backward
   (``optimizer.overlap_with_backward``); ``<method>_sync`` (e.g. ``onebit_adam_sync``) exchanges
   in ``step()`` after backward instead, for comparison. ``average_dtype`` (``--average-dtype``)
-  is the dtype of their warmup average.
+  is the dtype of their warmup average. 0/1 Adam's ``var_freeze_step`` /
+  ``var_update_scaler`` (``--var-freeze-step``, default the warmup / ``--var-update-scaler``,
+  default 16) set its variance-update steps; its other phase-1 steps are 1-bit.
 * ``pl_ddp_adam`` / ``pl_onebit_adam`` / ``pl_zero_one_adam`` / ``pl_onebit_lamb``: the same
   through ``L.Trainer``: Lightning's ``DDPStrategy`` + Adam, or ``OneBitStrategy(algorithm=...,
   freeze_step=warmup, overlap_bucket_mb=overlap_mb)`` converting ``configure_optimizers``' Adam.
@@ -236,7 +238,13 @@ def _build_method(
         if name == "onebit_adam":
             opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=warmup, **kw)
         elif name == "zero_one_adam":
-            opt = ZeroOneAdam(model.parameters(), lr=lr, var_freeze_step=warmup, **kw)
+            opt = ZeroOneAdam(
+                model.parameters(),
+                lr=lr,
+                var_freeze_step=cfg.get("var_freeze_step", warmup),
+                var_update_scaler=cfg.get("var_update_scaler", 16),
+                **kw,
+            )
         else:
             lr = cfg.get("lr_lamb", lr)
             opt = OneBitLamb(model.parameters(), lr=lr, freeze_step=warmup, **kw)
@@ -469,9 +477,11 @@ def _fit_lightning(
     if algorithm == "ddp_adam":
         strategy = DDPStrategy(timeout=timeout)
     elif algorithm in ONEBIT_METHODS:
+        zero_one = algorithm == "zero_one_adam"
         strategy = OneBitStrategy(
             algorithm=algorithm,
-            freeze_step=cfg["warmup"],
+            freeze_step=cfg.get("var_freeze_step", cfg["warmup"]) if zero_one else cfg["warmup"],
+            var_update_scaler=cfg.get("var_update_scaler", 16),
             overlap_bucket_mb=cfg.get("overlap_mb") or None,
             average_dtype=cfg.get("average_dtype", "float32"),
             timeout=timeout,
