@@ -553,9 +553,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _finite(flat: torch.Tensor) -> bool:
-        """Whether every value is finite: one read-only sweep (a float64 sum cannot overflow
-        from float32 values, and NaN/Inf propagate)."""
-        return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
+        """Whether every value is finite: one read-only sweep, no temporary (min and max
+        propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
+        materialises a float64 copy: 20x slower, and it dominated the warmup step."""
+        if flat.numel() == 0:
+            return True
+        lo, hi = torch.aminmax(flat)
+        return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
     def _compressed_average_(
         self,
