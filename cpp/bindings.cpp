@@ -47,6 +47,15 @@ PYBIND11_MODULE(_C, m) {
                                    P<const float>(eps), P<const float>(wd), P<double>(stats), nthreads);
   }, release(), "1-bit LAMB compression-phase update of L layers in one sweep (p may be 0: no decay)");
 
+  m.def("adam_update_cpu", [](ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes, ptr lr,
+                              ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, bool update_v,
+                              int nthreads) {
+    onebit::adam_update_cpu(P<const float>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
+                            P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(lr),
+                            P<const float>(beta1), P<const float>(ob1), P<const float>(beta2), P<const float>(ob2),
+                            P<const float>(eps), P<const float>(wd), update_v, nthreads);
+  }, release(), "Adam step (no bias correction) of P parameters in one sweep (params: array of fp32 pointers)");
+
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 
   m.def("decompress_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,

@@ -55,6 +55,16 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
                             int64_t L, const int64_t* offsets, const float* scaling, const float* beta1,
                             const float* beta2, const float* eps, const float* wd, double* stats, int nthreads);
 
+// Adam's step without bias correction (1-bit Adam's warmup, 0/1 Adam's variance phase), one sweep.
+// Parameter j holds the flat values [starts[j], starts[j] + sizes[j]) and its own storage params[j]
+// (fp32, contiguous); per value, with j's hyperparameters (ob1 = 1 - beta1, ob2 = 1 - beta2, rounded
+// to float from double by the caller):
+//   m <- beta1 * m + ob1 * g;  v <- beta2 * v + ob2 * g * g  (only if update_v);
+//   p <- p - lr * (m / (sqrt(v) + eps) + wd * p)
+void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+                     const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
+                     const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads);
+
 // True when the CPU kernels use the AVX2 path (set ONEBIT_NO_SIMD=1 to force portable code).
 bool cpu_has_simd();
 

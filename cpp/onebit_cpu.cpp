@@ -116,6 +116,27 @@ void lamb_block_scalar(const float* x, float* m, const float* d, float* vf, cons
   s[2] = u2;
 }
 
+// Adam's step (no bias correction) of one parameter's values [lo, hi) of the flat buffers; the
+// parameter's own storage p is indexed from 0 at lo. v is read only when !update_v.
+// ob1 = 1 - beta1 and ob2 = 1 - beta2 come rounded from double: 1 - 0.999f is 4.7e-5 off 0.001.
+struct AdamCoef {
+  float lr, beta1, ob1, beta2, ob2, eps, wd;
+};
+
+void adam_block_scalar(const float* g, float* m, float* v, float* p, int64_t lo, int64_t hi, AdamCoef c,
+                       bool update_v) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float gi = g[i];
+    const float mi = m[i] * c.beta1 + c.ob1 * gi;
+    const float vi = update_v ? v[i] * c.beta2 + c.ob2 * (gi * gi) : v[i];
+    const float pi = p[i - lo];
+    const float u = mi / (std::sqrt(vi) + c.eps) + c.wd * pi;
+    m[i] = mi;
+    if (update_v) v[i] = vi;
+    p[i - lo] = pi - c.lr * u;
+  }
+}
+
 #ifdef ONEBIT_X86
 // ---------------------------------------------------------------- block functions: AVX2
 // movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
@@ -227,6 +248,27 @@ AVX2 void lamb_block_avx2(const float* x, float* m, const float* d, float* vf, c
   s[2] = hsum(b0, bb1) + tail[2];
 }
 
+AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t lo, int64_t hi, AdamCoef c,
+                          bool update_v) {
+  const __m256 b1 = _mm256_set1_ps(c.beta1), ob1 = _mm256_set1_ps(c.ob1);
+  const __m256 b2 = _mm256_set1_ps(c.beta2), ob2 = _mm256_set1_ps(c.ob2);
+  const __m256 eps = _mm256_set1_ps(c.eps), wd = _mm256_set1_ps(c.wd), lr = _mm256_set1_ps(c.lr);
+  float* q = p - lo;  // q[i] is the parameter's value of flat index i
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + i), b1), _mm256_mul_ps(ob1, gi));
+    __m256 vi = _mm256_loadu_ps(v + i);
+    if (update_v) vi = _mm256_add_ps(_mm256_mul_ps(vi, b2), _mm256_mul_ps(ob2, _mm256_mul_ps(gi, gi)));
+    const __m256 pi = _mm256_loadu_ps(q + i);
+    const __m256 u = _mm256_add_ps(_mm256_div_ps(mi, _mm256_add_ps(_mm256_sqrt_ps(vi), eps)), _mm256_mul_ps(wd, pi));
+    _mm256_storeu_ps(m + i, mi);
+    if (update_v) _mm256_storeu_ps(v + i, vi);
+    _mm256_storeu_ps(q + i, _mm256_sub_ps(pi, _mm256_mul_ps(lr, u)));
+  }
+  if (i < hi) adam_block_scalar(g, m, v, q + i, i, hi, c, update_v);
+}
+
 #endif  // ONEBIT_X86
 
 // ---------------------------------------------------------------- dispatch
@@ -239,16 +281,18 @@ struct Impl {
   void (*update)(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
   void (*lamb)(const float*, float*, const float*, float*, const float*, float*, int64_t, int64_t, LambCoef,
                double*);
+  void (*adam)(const float*, float*, float*, float*, int64_t, int64_t, AdamCoef, bool);
 };
 
 const Impl& impl() {
   static const Impl chosen = [] {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
-      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2};
+      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2,
+                  adam_block_avx2};
 #endif
     return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar,
-                lamb_block_scalar};
+                lamb_block_scalar, adam_block_scalar};
   }();
   return chosen;
 }
@@ -367,6 +411,28 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
       s[1] += part[3 * b + 1];
       s[2] += part[3 * b + 2];
     }
+  }
+}
+
+void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+                     const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
+                     const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads) {
+  // Blocks never straddle parameters; each value is written by one block (no reductions).
+  std::vector<int64_t> owner, lows;
+  int64_t n = 0;
+  for (int64_t j = 0; j < P; ++j) {
+    for (int64_t lo = starts[j]; lo < starts[j] + sizes[j]; lo += kBlock) owner.push_back(j), lows.push_back(lo);
+    n += sizes[j];
+  }
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  const int nt = threads_for(n, nthreads);
+  const auto adam = impl().adam;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t j = owner[b], lo = lows[b], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    adam(g, m, v, params[j] + (lo - starts[j]), lo, hi, AdamCoef{lr[j], beta1[j], ob1[j], beta2[j], ob2[j], eps[j], wd[j]},
+         update_v);
   }
 }
 

@@ -132,6 +132,49 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   }
 }
 
+// Parameters as separate heap buffers with a gap between their flat ranges (untouched values).
+void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool update_v, int nthreads) {
+  const int64_t P = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> starts;
+  int64_t n = 0;
+  for (int64_t s : sizes) starts.push_back(n + 3), n += s + 3;
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  auto g = buf<float>(n), m = buf<float>(n), v = buf<float>(n);
+  for (int64_t i = 0; i < n; ++i) g[i] = normal(rng), m[i] = 0.1f * normal(rng), v[i] = uni(rng);
+  std::vector<float> m0(m.get(), m.get() + n), v0(v.get(), v.get() + n);
+  std::vector<std::unique_ptr<float[]>> ps;
+  std::vector<std::vector<float>> p0;
+  std::vector<float*> ptrs;
+  for (int64_t s : sizes) {
+    ps.push_back(buf<float>(s));
+    for (int64_t i = 0; i < s; ++i) ps.back()[i] = normal(rng);
+    p0.emplace_back(ps.back().get(), ps.back().get() + s);
+    ptrs.push_back(ps.back().get());
+  }
+  std::vector<float> lr(P), b1(P), ob1(P), b2(P), ob2(P), eps(P), wd(P);
+  for (int64_t j = 0; j < P; ++j) lr[j] = 1e-3f * (j + 1), b1[j] = 0.9f, b2[j] = 0.99f, eps[j] = 1e-6f,
+                                  wd[j] = 0.01f * (j % 2), ob1[j] = 1.0f - b1[j], ob2[j] = 1.0f - b2[j];
+  onebit::adam_update_cpu(g.get(), m.get(), v.get(), ptrs.data(), P, starts.data(), sizes.data(), lr.data(),
+                          b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(), update_v, nthreads);
+  std::vector<bool> inside(static_cast<size_t>(n), false);
+  for (int64_t j = 0; j < P; ++j) {
+    for (int64_t k = 0; k < sizes[j]; ++k) {
+      const int64_t i = starts[j] + k;
+      inside[i] = true;
+      const double mn = double(b1[j]) * m0[i] + double(ob1[j]) * g[i];
+      const double vn = update_v ? double(b2[j]) * v0[i] + double(ob2[j]) * double(g[i]) * g[i] : v0[i];
+      const double u = mn / (std::sqrt(vn) + eps[j]) + double(wd[j]) * p0[j][k];
+      const double pn = p0[j][k] - double(lr[j]) * u;
+      check(std::fabs(m[i] - mn) <= 1e-6 * (std::fabs(mn) + std::fabs(g[i])), "adam m", j, k);
+      check(std::fabs(v[i] - vn) <= 1e-6 * vn, "adam v", j, k);
+      check(std::fabs(ps[j][k] - pn) <= 1e-6 * (std::fabs(pn) + 1e-3), "adam p", j, k);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!inside[i]) check(m[i] == m0[i] && v[i] == v0[i], "adam gap untouched", i, 0);
+}
+
 }  // namespace
 
 int main() {
@@ -151,6 +194,12 @@ int main() {
   for (bool decay : {false, true}) {
     for (int nt : {1, 2}) {
       run_lamb_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, decay, nt);
+      ++cases;
+    }
+  }
+  for (bool update_v : {false, true}) {
+    for (int nt : {1, 2}) {
+      run_adam_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, update_v, nt);
       ++cases;
     }
   }

@@ -336,6 +336,126 @@ def test_lamb_frozen_update_independent_of_thread_count() -> None:
     assert all(torch.equal(b1[k], b2[k]) for k in ("exp_avg", "exp_avg_sq_fresh", "update"))
 
 
+# --------------------------------------------------------------------------- Adam update
+
+ADAM_SIZES = [0, 5, 8, 1, 20_000, 77, 3, 70_000]
+
+
+def _adam_case(seed: int, dtype: torch.dtype = torch.float32, sizes: list[int] = ADAM_SIZES):
+    """Flat buffers with a 2-value gap before every parameter (must stay untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts, n = [], 0
+    for s in sizes:
+        starts.append(n + 2)
+        n += s + 2
+    u01 = lambda: torch.rand(len(sizes), generator=gen).tolist()  # noqa: E731
+    hp = {
+        "lr": [1e-3 * (0.5 + a) for a in u01()],
+        "beta1": [0.8 + 0.15 * a for a in u01()],
+        "beta2": [0.9 + 0.099 * a for a in u01()],
+        "eps": [10 ** (-8 + 2 * a) for a in u01()],
+        "weight_decay": [0.1 * a if a > 0.3 else 0.0 for a in u01()],
+    }
+    bufs = {
+        "grad": torch.randn(n, generator=gen),
+        "exp_avg": torch.randn(n, generator=gen) * 0.1,
+        "exp_avg_sq": torch.rand(n, generator=gen) * 0.1,
+    }
+    params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+    return bufs, params, starts, hp
+
+
+def _adam_run(fn, case, update_variance: bool):
+    bufs, params, starts, hp = case
+    b = {k: v.clone() for k, v in bufs.items()}
+    ps = [p.clone() for p in params]
+    fn(*b.values(), ps, starts, **hp, update_variance=update_variance)
+    return b, ps
+
+
+@pytest.mark.parametrize("update_variance", [False, True])
+def test_adam_update_matches_reference_and_float64(update_variance: bool) -> None:
+    case = _adam_case(5 + update_variance)
+    (b1, p1), (b2, p2) = (_adam_run(f, case, update_variance) for f in
+                          (K.adam_update, K.reference_adam_update))  # fmt: skip
+    # values are O(1): a few float32 ulps of the operands (the kernel rounds differently)
+    for k in b1:
+        torch.testing.assert_close(b1[k], b2[k], rtol=2e-6, atol=5e-7, msg=k)
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=5e-7)
+    bufs, params, starts, hp = case
+    gap = torch.ones(bufs["grad"].numel(), dtype=torch.bool)
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        gap[lo : lo + p.numel()] = False
+        s = slice(lo, lo + p.numel())
+        g, m, v = (bufs[k][s].double() for k in ("grad", "exp_avg", "exp_avg_sq"))
+        m = hp["beta1"][j] * m + (1 - hp["beta1"][j]) * g
+        if update_variance:
+            v = hp["beta2"][j] * v + (1 - hp["beta2"][j]) * g * g
+        u = m / (v.sqrt() + hp["eps"][j]) + hp["weight_decay"][j] * p.double()
+        # rtol 1e-5: the kernel takes the hyperparameters in float32 (1 - beta2 loses ~2e-6)
+        torch.testing.assert_close(b1["exp_avg"][s].double(), m, rtol=1e-5, atol=3e-7)
+        torch.testing.assert_close(b1["exp_avg_sq"][s].double(), v, rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            p1[j].double(), p.double() - hp["lr"][j] * u, rtol=1e-5, atol=1e-7
+        )
+    for k in b1:  # values outside every parameter's range are not touched
+        assert torch.equal(b1[k][gap], bufs[k][gap]), k
+
+
+def test_adam_update_portable_path_and_threads_and_dtypes() -> None:
+    """The scalar kernel (ONEBIT_NO_SIMD=1, fresh process) and 1 vs 2 threads match the
+    reference; a bf16 parameter (the pure-torch path) is updated like its fp32 twin."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tests.test_kernels as T; from lightning_onebit import kernels as K\n"
+        "assert not K._C.cpu_has_simd()\n"
+        "case = T._adam_case(9)\n"
+        "(b1, p1), (b2, p2) = (T._adam_run(f, case, True) for f in (K.adam_update, K.reference_adam_update))\n"
+        "for k in b1: torch.testing.assert_close(b1[k], b2[k], rtol=2e-6, atol=5e-7)\n"
+        "for a, b in zip(p1, p2): torch.testing.assert_close(a, b, rtol=2e-6, atol=5e-7)\n"
+    )
+    env = {**os.environ, "ONEBIT_NO_SIMD": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    case = _adam_case(4, sizes=[300_000, 90_001])
+    old = torch.get_num_threads()
+    try:
+        runs = []
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            runs.append(_adam_run(K.adam_update, case, True))
+    finally:
+        torch.set_num_threads(old)
+    (b1, p1), (b2, p2) = runs
+    assert all(torch.equal(b1[k], b2[k]) for k in b1)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
+
+    f32, bf16 = _adam_case(8, sizes=[1000, 24]), _adam_case(8, torch.bfloat16, sizes=[1000, 24])
+    (_, p32), (_, p16) = _adam_run(K.adam_update, f32, True), _adam_run(K.adam_update, bf16, True)
+    for a, b, b0 in zip(p32, p16, bf16[1], strict=True):
+        assert b.dtype == torch.bfloat16 and not torch.equal(b, b0)  # updated
+        torch.testing.assert_close(b.float(), a, rtol=2e-2, atol=2e-2)
+
+
+def test_adam_update_rejects_bad_input() -> None:
+    bufs, params, starts, hp = _adam_case(2, sizes=[4, 4])
+    args = list(bufs.values())
+    with pytest.raises(ValueError, match="one value per parameter"):
+        K.adam_update(*args, params, starts, **{**hp, "eps": [1e-8]})
+    with pytest.raises(ValueError, match="does not fit the flat buffers"):
+        K.adam_update(*args, params, [0, 9], **hp)
+    with pytest.raises(TypeError, match=r"exp_avg_sq must have dtype torch\.float32"):
+        K.adam_update(args[0], args[1], args[2].double(), params, starts, **hp)
+
+
 def test_lamb_frozen_update_rejects_bad_input() -> None:
     bufs, offsets, hp = _lamb_case(1, True, [4, 4])
     args = list(bufs.values())

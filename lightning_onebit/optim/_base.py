@@ -65,6 +65,7 @@ from lightning_onebit.comm import (
     fp32_allreduce_bytes,
     start_average,
 )
+from lightning_onebit.kernels import adam_update
 from lightning_onebit.optim._overlap import BackwardOverlap
 
 __all__ = ["OneBitOptimizer"]
@@ -637,6 +638,27 @@ class OneBitOptimizer(torch.optim.Optimizer):
             if wd > 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
             torch._foreach_addcdiv_(params, [m[j] for j in idx], [denom[j] for j in idx], value=-lr)
+
+    def _adam_step_(self, update_variance: bool = True) -> None:
+        """Adam's step without bias correction from the flat gradient buffer, one fused sweep
+        (:func:`~lightning_onebit.kernels.adam_update`): ``m = beta1 m + (1 - beta1) g``;
+        ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``;
+        ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``."""
+        layout, groups = self._layout, self.param_groups
+        hp = [groups[gi] for gi in layout.group_of]
+        adam_update(
+            self._grad,
+            self._flat["exp_avg"],
+            self._flat["exp_avg_sq"],
+            layout.params,
+            layout.offsets,
+            lr=[h["lr"] for h in hp],
+            beta1=[h["betas"][0] for h in hp],
+            beta2=[h["betas"][1] for h in hp],
+            eps=[h["eps"] for h in hp],
+            weight_decay=[h["weight_decay"] for h in hp],
+            update_variance=update_variance,
+        )
 
     def _any_weight_decay(self) -> bool:
         return any(group["weight_decay"] > 0 for _, group, _ in self._segments())

@@ -122,30 +122,21 @@ class OneBitAdam(OneBitOptimizer):
 
     def _step(self) -> None:
         g = self._gather_grads()
-        m, v, u = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._work["update"]
 
         if self.phase == "warmup":
             # 1a. full-precision average of the gradients
             self._average_(g)
-            # 1b. Adam's moments
-            for _, group, s in self._segments():
-                beta1, beta2 = group["betas"]
-                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
-                v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
-        else:
-            # 2a. momentum from the local gradient (_exchange_source), and
-            # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
-            #     backward with overlap_with_backward(); m changes only if every bucket goes through)
-            self._compressed_average_(self._exchange_source, out=m)
-            self._apply_exp_avg_mask_(m)
-            # 2c. v stays frozen
+            # 1b + 3. Adam's moments and update, one fused sweep
+            self._adam_step_()
+            if self.step_count >= self.freeze_step:
+                self.freeze()
+            return
 
-        # 3. the update, with the (frozen) variance as preconditioner
-        if self.phase == "compression":
-            self._frozen_adam_update_()
-        else:
-            self._adam_direction(u)
-            self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
-
-        if self.phase == "warmup" and self.step_count >= self.freeze_step:
-            self.freeze()
+        # 2a. momentum from the local gradient (_exchange_source), and
+        # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
+        #     backward with overlap_with_backward(); m changes only if every bucket goes through)
+        m = self._flat["exp_avg"]
+        self._compressed_average_(self._exchange_source, out=m)
+        self._apply_exp_avg_mask_(m)
+        # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
+        self._frozen_adam_update_()

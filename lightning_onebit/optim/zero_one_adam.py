@@ -238,28 +238,21 @@ class ZeroOneAdam(OneBitOptimizer):
 
     def _step(self) -> None:
         g = self._gather_grads()
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        m = self._flat["exp_avg"]
         acc, u = self._flat["momentum_accumulator"], self._work["update"]
         t = self.step_count
 
         if self.phase == "variance":
-            if t % self.var_interval == 0:
+            variance_step = t % self.var_interval == 0
+            if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
                 self._average_(g)
-                for _, group, s in self._segments():
-                    beta1, beta2 = group["betas"]
-                    v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
-                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
             else:
                 # 1b. 1-bit averaged gradient, momentum only
                 self._compressed_average_(self._exchange_source, out=g)
                 self._apply_exp_avg_mask_(g)
-                for _, group, s in self._segments():
-                    beta1 = group["betas"][0]
-                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
-            # 1c. Adam update
-            self._adam_direction(u)
-            self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+            # 1a/b moments + 1c. Adam update, one fused sweep
+            self._adam_step_(update_variance=variance_step)
             # 1d. the variance interval doubles every var_update_scaler variance steps
             if t % self.var_interval == 0:
                 self.var_counter += 1
