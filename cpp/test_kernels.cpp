@@ -107,18 +107,18 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
     x[i] = normal(rng), m[i] = normal(rng), d[i] = uni(rng), vf[i] = uni(rng), p[i] = normal(rng);
   }
   std::vector<float> x0(x.get(), x.get() + n), m0(m.get(), m.get() + n), vf0(vf.get(), vf.get() + n);
-  std::vector<float> sc(L), b1(L), b2(L), eps(L), wd(L);
-  for (int64_t k = 0; k < L; ++k) sc[k] = 2 * uni(rng), b1[k] = 0.9f, b2[k] = 0.99f, eps[k] = 1e-6f,
-                                  wd[k] = decay ? 0.01f * k : 0.0f;
+  std::vector<float> sc(L), b1(L), ob1(L), b2(L), ob2(L), eps(L), wd(L);
+  for (int64_t k = 0; k < L; ++k) sc[k] = 2 * uni(rng), b1[k] = 0.9f, b2[k] = 0.999f, eps[k] = 1e-6f,
+                                  wd[k] = decay ? 0.01f * k : 0.0f, ob1[k] = float(1.0 - 0.9), ob2[k] = float(1.0 - 0.999);
   auto stats = buf<double>(3 * L);
   onebit::lamb_frozen_update_cpu(x.get(), m.get(), d.get(), vf.get(), decay ? p.get() : nullptr, u.get(), L,
-                                 off.data(), sc.data(), b1.data(), b2.data(), eps.data(), wd.data(), stats.get(),
-                                 nthreads);
+                                 off.data(), sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(),
+                                 wd.data(), stats.get(), nthreads);
   for (int64_t k = 0; k < L; ++k) {
     double rmax = off[k] == off[k + 1] ? 1.0 : 0.0, up2 = 0, u2 = 0;
     for (int64_t i = off[k]; i < off[k + 1]; ++i) {
-      const double mn = double(x0[i]) / sc[k], g = (mn - double(b1[k]) * m0[i]) / (1.0 - double(b1[k]));
-      const double v = double(b2[k]) * vf0[i] + (1.0 - double(b2[k])) * g * g;
+      const double mn = double(x0[i]) / sc[k], g = (mn - double(b1[k]) * m0[i]) / (1.0 - 0.9);
+      const double v = double(b2[k]) * vf0[i] + (1.0 - 0.999) * g * g;
       const double up = mn / d[i], uu = up + (decay ? double(wd[k]) * p[i] : 0.0);
       rmax = std::fmax(rmax, d[i] / (std::sqrt(v) + eps[k]));
       up2 += up * up, u2 += uu * uu;
