@@ -11,6 +11,7 @@ A ratio of 1.0x means the kernel runs at copy speed for the bytes it cannot avoi
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -71,6 +72,12 @@ def main() -> None:
     lh = {"scaling": [1.0] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
     lh["weight_decay"] = [0.01] * 10
 
+    # Adam's warmup step: 10 parameters of the flat buffers g, m, v, updated in place
+    ab = [torch.rand(n, generator=gen) + 0.01 for _ in range(3)]
+    ap = [torch.rand(hi - lo_, generator=gen) for lo_, hi in itertools.pairwise(lo)]
+    ah = {"lr": [1e-4] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
+    ah["weight_decay"] = [0.01] * 10
+
     # (name, fused call, reference call, input bytes, traffic-floor bytes)
     cases = [
         (
@@ -100,6 +107,13 @@ def main() -> None:
             lambda: K.reference_lamb_frozen_update(*lb, lo, **lh),
             20 * n,
             32 * n,  # reads x, m, d, v_fresh, p; writes m, v_fresh, u
+        ),
+        (
+            "adam_update",
+            lambda: K.adam_update(*ab, ap, lo[:-1], **ah),
+            lambda: K.reference_adam_update(*ab, ap, lo[:-1], **ah),
+            16 * n,
+            28 * n,  # reads g, m, v, p; writes m, v, p
         ),
     ]
     print(
