@@ -738,6 +738,9 @@ def adam_update(
         update_variance,
         _nthreads(),
     )
+    # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
+    # saved a parameter then fails loudly in backward instead of using the new values)
+    torch.autograd.graph.increment_version(params)
 
 
 def reference_adam_update(

@@ -445,6 +445,18 @@ def test_adam_update_portable_path_and_threads_and_dtypes() -> None:
         torch.testing.assert_close(b.float(), a, rtol=2e-2, atol=2e-2)
 
 
+def test_adam_update_bumps_the_autograd_version() -> None:
+    """Parameters written by the kernel count as modified in place: backward through a graph
+    that saved one fails instead of silently using the updated values."""
+    bufs, params, starts, hp = _adam_case(3, sizes=[64, 8])
+    w = params[0].clone().requires_grad_()
+    loss = (w * w).sum()  # saves w for backward
+    with torch.no_grad():
+        K.adam_update(*bufs.values(), [w, params[1]], starts, **hp)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_adam_update_rejects_bad_input() -> None:
     bufs, params, starts, hp = _adam_case(2, sizes=[4, 4])
     args = list(bufs.values())
