@@ -432,8 +432,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         + (
             f" · 0/1 Adam: var_freeze_step {meta['var_freeze_step']}, var_update_scaler "
             f"{meta['var_update_scaler']} (phase-1 steps between variance updates are 1-bit)"
-            if (meta.get("var_freeze_step"), meta.get("var_update_scaler"))
-            not in ((None, None), (meta["warmup"], 16))
+            if meta.get("var_freeze_step", meta["warmup"]) != meta["warmup"]
+            or meta.get("var_update_scaler", 16) != 16
             else ""
         ),
         "",

@@ -698,13 +698,14 @@ def adam_update(
     for name, vals in (("starts", starts), *hp.items()):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
+    n_flat = min(t.numel() for _, t in named)
     for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
         if p.device != device:
             raise ValueError(f"params[{j}] is on {p.device}, the buffers on {device}")
-        if lo < 0 or lo + p.numel() > min(t.numel() for _, t in named):
+        if lo < 0 or lo + p.numel() > n_flat:
             raise ValueError(
                 f"params[{j}] ({p.numel()} values from {lo}) does not fit the flat buffers "
-                f"({grad.numel()} values)"
+                f"({n_flat} values)"
             )
     fast = device.type == "cpu" and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params

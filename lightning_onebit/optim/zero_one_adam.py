@@ -254,7 +254,7 @@ class ZeroOneAdam(OneBitOptimizer):
             # 1a/b moments + 1c. Adam update, one fused sweep
             self._adam_step_(update_variance=variance_step)
             # 1d. the variance interval doubles every var_update_scaler variance steps
-            if t % self.var_interval == 0:
+            if variance_step:
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
                     self.var_counter = 0
