@@ -167,10 +167,37 @@ def _start(world: int):
     return params, zeros, hp, n
 
 
+def _group_of(j: int) -> int:
+    """Param group of the ``j``-th trainable parameter."""
+    return next(i for i, (idx, _) in enumerate(GROUPS) if TRAINABLE[j] in idx)
+
+
+def _floor_(v: list[list[torch.Tensor]], floor: float) -> None:
+    """Every rank's variance raised to ``floor**2`` times its group's mean variance."""
+    for gi in range(len(GROUPS)):
+        js = [j for j in range(len(v[0])) if _group_of(j) == gi]
+        mean = torch.cat([v[0][j].reshape(-1) for j in js]).mean()
+        for vr in v:
+            for j in js:
+                vr[j] = vr[j].clamp(min=float(mean) * floor**2)
+
+
 def simulate_onebit_adam(
-    world: int, steps: int, freeze_step: int, lrs=None, betas=(0.9, 0.999), eps=1e-8
+    world: int,
+    steps: int,
+    freeze_step: int,
+    lrs=None,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    bias_correction: bool = False,
+    floor: float = 0.0,
+    preconditioned: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step."""
+    """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step.
+
+    ``bias_correction``: Adam's in warmup, folded into m and v at the freeze; ``floor``: the
+    frozen variance raised to ``floor**2`` times its group's mean; ``preconditioned``: the
+    momentum is exchanged as ``m / (sqrt(v) + eps)``."""
     b1, b2 = betas
     p, zeros, hp, n = _start(world)
     m, v = zeros(), zeros()
@@ -178,6 +205,7 @@ def simulate_onebit_adam(
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
+        direction = None
         if t <= freeze_step:  # warmup: Adam on the averaged gradient
             gbar = _mean(grads)
             for r in range(world):
@@ -185,17 +213,35 @@ def simulate_onebit_adam(
                     m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
                     v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
         else:  # local momentum, compressed average of the momentum, frozen v
+            d = [x.sqrt() + eps for x in v[0]]
             for r in range(world):
                 for j in range(len(grads[r])):
                     m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
-            avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
-            for r in range(world):
-                m[r] = _split(avg, m[r])
+            if preconditioned:
+                xs = [
+                    torch.cat([(m[r][j] / d[j]).reshape(-1) for j in range(len(d))])
+                    for r in range(world)
+                ]
+                direction = _split(ex(xs), d)
+                m = [[direction[j] * d[j] for j in range(len(d))] for _ in range(world)]
+            else:
+                avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
+                for r in range(world):
+                    m[r] = _split(avg, m[r])
+        bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction and t <= freeze_step else (1, 1)
         for r in range(world):
             for j in range(len(p[r])):
                 lr = hp[j]["lr"] if lrs is None else lrs[t - 1][j]
-                u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
-                p[r][j] = p[r][j] - lr * u
+                if direction is not None:
+                    u = direction[j]
+                else:
+                    u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
+                p[r][j] = p[r][j] - lr * (u + hp[j]["weight_decay"] * p[r][j])
+        if t == freeze_step:
+            for r in range(world):
+                m[r] = [x / bc1 for x in m[r]]
+                v[r] = [x / bc2 for x in v[r]]
+            _floor_(v, floor)
         history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
     return history
 
@@ -209,42 +255,60 @@ def simulate_zero_one_adam(
     local_step_clipper: int,
     betas=(0.9, 0.999),
     eps=1e-8,
+    bias_correction: bool = False,
+    floor: float = 0.0,
+    preconditioned: bool = False,
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
-    """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps."""
+    """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps.
+
+    ``bias_correction``: m by steps, v by variance updates, folded in at the freeze; ``floor``:
+    the variance floored after every variance update; ``preconditioned``: gradients exchanged
+    as ``g / (sqrt(v) + eps)``, the accumulator in parameter units."""
     b1, b2 = betas
     p, zeros, hp, n = _start(world)
     m, v, acc = zeros(), zeros(), zeros()
     lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
     ex = SimExchange(n, world)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
+    k = 0  # variance updates
     history, synced = [], []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
         if t <= var_freeze_step:
             if t % var_interval == 0:  # variance step: exact average, both moments
+                k += 1
                 gbar = _mean(grads)
                 for r in range(world):
                     for j in range(len(gbar)):
                         v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
                         m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
             else:  # 1-bit average of the gradient, momentum only
-                avg = _split(
-                    ex([torch.cat([x.reshape(-1) for x in grads[r]]) for r in range(world)]),
-                    grads[0],
-                )
+                d = [x.sqrt() + eps if preconditioned else torch.ones_like(x) for x in v[0]]
+                xs = [
+                    torch.cat([(grads[r][j] / d[j]).reshape(-1) for j in range(len(d))])
+                    for r in range(world)
+                ]
+                avg = _split(ex(xs), grads[0])
+                avg = [a * dj for a, dj in zip(avg, d, strict=True)]
                 for r in range(world):
                     for j in range(len(avg)):
                         m[r][j] = b1 * m[r][j] + (1 - b1) * avg[j]
+            bc1, bc2 = (1 - b1**t, 1 - b2 ** max(k, 1)) if bias_correction else (1, 1)
             for r in range(world):
                 for j in range(len(p[r])):
-                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
-                    p[r][j] = p[r][j] - hp[j]["lr"] * u
+                    u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
+                    p[r][j] = p[r][j] - hp[j]["lr"] * (u + hp[j]["weight_decay"] * p[r][j])
             if t % var_interval == 0:
+                _floor_(v, floor)
                 var_counter += 1
                 if var_counter == var_update_scaler:
                     var_counter, var_interval = 0, var_interval * 2
             if t == var_freeze_step:
                 ex.reset()
+                for r in range(world):
+                    m[r] = [x / bc1 for x in m[r]]
+                    v[r] = [x / bc2 for x in v[r]]
+                _floor_(v, floor)
             synced.append(t)
         else:
             for r in range(world):
@@ -257,13 +321,14 @@ def simulate_zero_one_adam(
                     acc[r][j] = acc[r][j] - lr * u
             if t % local_interval == 0:
                 denom = [x.sqrt() + eps for x in v[0]]
+                scale = [torch.ones_like(x) for x in denom] if preconditioned else denom
                 for r in range(world):
                     p[r] = [p[r][j] - acc[r][j] for j in range(len(p[r]))]
                 avg = _split(
                     ex(
                         [
                             torch.cat(
-                                [(acc[r][j] * denom[j]).reshape(-1) for j in range(len(denom))]
+                                [(acc[r][j] * scale[j]).reshape(-1) for j in range(len(denom))]
                             )
                             for r in range(world)
                         ]
@@ -272,8 +337,9 @@ def simulate_zero_one_adam(
                 )
                 for r in range(world):
                     for j in range(len(p[r])):
-                        m[r][j] = -avg[j] / lrs[r][j]
-                        p[r][j] = p[r][j] + avg[j] / denom[j]
+                        step = avg[j] / scale[j]  # in parameter units
+                        m[r][j] = -step * denom[j] / lrs[r][j]
+                        p[r][j] = p[r][j] + step
                         acc[r][j] = torch.zeros_like(acc[r][j])
                         lrs[r][j] = 0.0
                 synced.append(t)
@@ -296,8 +362,11 @@ def simulate_onebit_lamb(
     factor_max=4.0,
     factor_min=0.5,
     factor_threshold=0.1,
+    bias_correction: bool = False,
+    floor: float = 0.0,
 ) -> list[list[torch.Tensor]]:
-    """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step."""
+    """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step
+    (``bias_correction``/``floor`` as in :func:`simulate_onebit_adam`)."""
     b1, b2 = betas
     p, zeros, hp, n = _start(world)
     m, v, v_fresh = zeros(), zeros(), zeros()
@@ -311,11 +380,13 @@ def simulate_onebit_lamb(
         grads = _local_grads(world, t, p)
         if t <= freeze_step:
             gbar = _mean(grads)
+            bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1, 1)
             for r in range(world):
                 for j in range(P):
                     m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
                     v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
-                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                    u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
+                    u = u + hp[j]["weight_decay"] * p[r][j]
                     pn, un = float(p[r][j].norm()), float(u.norm())
                     coeff = 1.0
                     if pn > 0 and un > 0:
@@ -325,6 +396,10 @@ def simulate_onebit_lamb(
                         )
                     p[r][j] = p[r][j] - hp[j]["lr"] * coeff * u
             if t == freeze_step:
+                for r in range(world):
+                    m[r] = [x / bc1 for x in m[r]]
+                    v[r] = [x / bc2 for x in v[r]]
+                _floor_(v, floor)
                 v_fresh = [[x.clone() for x in v[r]] for r in range(world)]
         else:
             if scaling is None:  # from the momentum at the end of warmup (same on every rank)
@@ -395,33 +470,45 @@ def test_onebit_lamb_warmup_is_lamb() -> None:
     assert max(errs) <= 1e-6, max(errs)
 
 
+@pytest.mark.parametrize("robust", [False, True], ids=["deepspeed", "robust"])
 @pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
-def test_single_process_compression_matches_simulation(algo: str) -> None:
+def test_single_process_compression_matches_simulation(algo: str, robust: bool) -> None:
     """W = 1 still compresses (no communication): the same math as the rank simulation."""
     steps = 40
-    opt, ref = _algo(algo, 1, steps)
+    opt, ref = _algo(algo, 1, steps, robust)
     hist, _ = _run(opt, steps)
     errs = [rel_err(h, r[0]) for h, r in zip(hist, ref, strict=True)]
     assert max(errs) <= 1e-5, max(errs)
 
 
-def _algo(algo: str, world: int, steps: int):
-    """(optimizer factory, simulated history) for one algorithm through both phases."""
+#: DeepSpeed's arithmetic (the three optimizers' robustness options off)
+DEEPSPEED = {"variance_floor": 0.0, "preconditioned_exchange": False}
+#: what OneBitStrategy builds from a torch Adam/AdamW (a floor high enough to bite here)
+ROBUST = {"bias_correction": True, "variance_floor": 0.5, "preconditioned_exchange": True}
+SIM_ROBUST = {"bias_correction": True, "floor": 0.5, "preconditioned": True}
+
+
+def _algo(algo: str, world: int, steps: int, robust: bool = False):
+    """(optimizer factory, simulated history) for one algorithm through both phases, with
+    DeepSpeed's arithmetic or with bias correction, variance floor and preconditioned exchange."""
+    kw, sim = (dict(ROBUST), dict(SIM_ROBUST)) if robust else (dict(DEEPSPEED), {})
     if algo == "onebit_adam":
         return (
-            lambda g: OneBitAdam(g, freeze_step=10),
-            simulate_onebit_adam(world, steps, freeze_step=10),
+            lambda g: OneBitAdam(g, freeze_step=10, **kw),
+            simulate_onebit_adam(world, steps, freeze_step=10, **sim),
         )
     if algo == "zero_one_adam":
-        kw = dict(
+        hp = dict(
             var_freeze_step=14, var_update_scaler=3, local_step_scaler=5, local_step_clipper=4
         )
-        hist, _ = simulate_zero_one_adam(world, steps, **kw)
-        return lambda g: ZeroOneAdam(g, **kw), hist
+        hist, _ = simulate_zero_one_adam(world, steps, **hp, **sim)
+        return lambda g: ZeroOneAdam(g, **hp, **kw), hist
     if algo == "onebit_lamb":
+        kw.pop("preconditioned_exchange")
+        sim.pop("preconditioned", None)
         return (
-            lambda g: OneBitLamb(g, freeze_step=10),
-            simulate_onebit_lamb(world, steps, freeze_step=10),
+            lambda g: OneBitLamb(g, freeze_step=10, **kw),
+            simulate_onebit_lamb(world, steps, freeze_step=10, **sim),
         )
     raise ValueError(algo)
 
@@ -692,14 +779,92 @@ def test_load_state_dict_keeps_fp32_state_for_low_precision_params() -> None:
 def test_freezing_a_young_variance_warns() -> None:
     p = torch.nn.Parameter(torch.ones(4))
     opt = OneBitAdam([p], freeze_step=3)  # beta2 = 0.999: 0.3% of steady state after 3 steps
-    with pytest.warns(RuntimeWarning, match=r"freezes after 3 step\(s\) with beta2=0.999.*693"):
+    young = r"variance of 3 update\(s\) with beta2=0.999.*bias_correction=True.*693"
+    with pytest.warns(RuntimeWarning, match=young):
         for _ in range(3):
             p.grad = torch.ones(4)
             opt.step()
-    ok = OneBitAdam([p], freeze_step=20, betas=(0.9, 0.95))  # 64% after 20 steps: no warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for _ in range(20):
+    for quiet in (
+        OneBitAdam([p], freeze_step=20, betas=(0.9, 0.95)),  # 64% after 20 steps: no warning
+        OneBitAdam([p], freeze_step=3, bias_correction=True),  # unbiased: nothing to say
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(20):
+                p.grad = torch.ones(4)
+                quiet.step()
+        assert quiet.phase == "compression"
+
+
+def test_zero_one_adam_warns_of_a_young_variance_in_phase_one_counting_updates() -> None:
+    """0/1 Adam preconditions its 1-bit gradient steps with the variance from step 2 of phase 1
+    on: the warning fires at the first such step and counts variance updates, not steps."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = ZeroOneAdam([p], var_freeze_step=100, var_update_scaler=2)  # variance steps 1, 2, 4
+    with pytest.warns(RuntimeWarning, match=r"variance of 2 update\(s\)") as record:
+        for _ in range(5):
             p.grad = torch.ones(4)
-            ok.step()
-    assert ok.phase == "compression"
+            opt.step()
+    assert opt.phase == "variance" and opt.variance_updates == 3
+    assert len([w for w in record if "update(s)" in str(w.message)]) == 1  # once per run
+
+
+# --------------------------------------------------------------------------- ordinary models' needs
+
+
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam"])
+def test_bias_corrected_warmup_is_torch_adamw(algo: str) -> None:
+    """With bias_correction=True the steps that average full-precision gradients are torch's
+    AdamW, step for step (0/1 Adam: every step is a variance step while var_interval is 1)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 3), (5,), (33,)]]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    hp = {"lr": 3e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05}
+    if algo == "onebit_adam":
+        opt = OneBitAdam(ps, freeze_step=10**6, bias_correction=True, **hp)
+    else:
+        opt = ZeroOneAdam(
+            ps, var_freeze_step=10**6, var_update_scaler=10**6, bias_correction=True, **hp
+        )
+    torch_opt = torch.optim.AdamW(ref, **hp)
+    for _ in range(60):
+        for p, q in zip(ps, ref, strict=True):
+            q.grad = torch.randn_like(q) * (1 + q.detach().abs())
+            p.grad = q.grad.clone()
+        opt.step()
+        torch_opt.step()
+    for p, q in zip(ps, ref, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_zero_gradient_coordinates_stay_put_after_the_switch(algo: str) -> None:
+    """A tensor that never gets a gradient (a conv bias before BatchNorm, a dead unit) next to
+    ordinary ones: with DeepSpeed's arithmetic its 1-bit momentum of +-scale over sqrt(0) + eps
+    throws it to ~lr * scale / eps; with the defaults it moves at most a few Adam steps, and the
+    floor names it."""
+    cls = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}[algo]
+    switch = {"zero_one_adam": "var_freeze_step"}.get(algo, "freeze_step")
+
+    def run(**kw):
+        torch.manual_seed(0)
+        live, dead = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.zeros(8))
+        opt = cls([live, dead], lr=1e-2, **{switch: 10}, **kw)
+        opt.param_names = {live: "live", dead: "dead.bias"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # young variance, skipped steps
+            for _ in range(40):
+                live.grad = live.detach() - 1 + 0.3 * torch.randn(64)
+                dead.grad = torch.zeros(8)
+                try:
+                    opt.step()
+                except Exception:  # NonFiniteError: diverged
+                    return float("inf"), opt
+        return float(dead.detach().abs().max()), opt
+
+    moved, opt = run()
+    assert moved <= 30 * 1e-2, moved  # 30 compression steps of at most ~lr each
+    assert opt.floored == {"dead.bias (8,)": 8}
+    if algo != "onebit_lamb":  # (LAMB's trust ratio happens to tame it on this problem)
+        exploded, _ = run(variance_floor=0.0, preconditioned_exchange=False)
+        assert exploded > 1e3 * moved, (exploded, moved)

@@ -41,8 +41,10 @@ STEPS = 30
 
 def _trajectory_worker(rank: int, world: int, steps: int) -> dict:
     out = {}
-    for algo in ALGOS:
-        factory, _ = _algo(algo, 1, 0)  # the factory only; the simulation runs in the parent
+    for algo, robust in ((a, r) for a in ALGOS for r in (False, True)):
+        factory, _ = _algo(
+            algo, 1, 0, robust
+        )  # the factory only; the simulation runs in the parent
         params = make_params()
         opt = factory(make_groups(params))
         hist = []
@@ -50,7 +52,7 @@ def _trajectory_worker(rank: int, world: int, steps: int) -> dict:
             set_grads(params, rank, t)
             opt.step()
             hist.append(flat_trainable(params).float())
-        out[algo] = {"hist": torch.stack(hist), "stats": dict(opt.comm_stats)}
+        out[algo, robust] = {"hist": torch.stack(hist), "stats": dict(opt.comm_stats)}
     return out
 
 
@@ -58,8 +60,8 @@ def _trajectory_worker(rank: int, world: int, steps: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_parameters_match_rank_simulation_and_agree_across_ranks(world: int) -> None:
     results = run_distributed(_trajectory_worker, world, STEPS)
-    for algo in ALGOS:
-        _, ref = _algo(algo, world, STEPS)
+    for algo, robust in ((a, r) for a in ALGOS for r in (False, True)):
+        _, ref = _algo(algo, world, STEPS, robust)
         synced = list(range(1, STEPS + 1))
         if algo == "zero_one_adam":
             _, synced = simulate_zero_one_adam(
@@ -74,16 +76,16 @@ def test_parameters_match_rank_simulation_and_agree_across_ranks(world: int) -> 
         worst = 0.0
         for t in range(STEPS):
             for r in range(world):
-                worst = max(worst, rel_err(results[r][algo]["hist"][t], ref[t][r]))
+                worst = max(worst, rel_err(results[r][algo, robust]["hist"][t], ref[t][r]))
             if t + 1 in synced:  # parameters identical on every rank, bit for bit
                 for r in range(1, world):
-                    assert torch.equal(results[r][algo]["hist"][t], results[0][algo]["hist"][t]), (
-                        f"{algo}: rank {r} differs from rank 0 after step {t + 1}"
-                    )
-        print(f"W={world} {algo}: max relative error vs simulation {worst:.2e}")
-        assert worst <= 1e-5, (algo, worst)
+                    assert torch.equal(
+                        results[r][algo, robust]["hist"][t], results[0][algo, robust]["hist"][t]
+                    ), f"{algo}: rank {r} differs from rank 0 after step {t + 1}"
+        print(f"W={world} {algo} robust={robust}: max relative error vs simulation {worst:.2e}")
+        assert worst <= 1e-5, (algo, robust, worst)
         # every rank counted the same bytes, and they are non-zero
-        stats = [res[algo]["stats"] for res in results]
+        stats = [res[algo, robust]["stats"] for res in results]
         assert all(s == stats[0] for s in stats) and stats[0]["bytes_total"] > 0
 
 

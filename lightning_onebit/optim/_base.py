@@ -68,7 +68,12 @@ from lightning_onebit.comm import (
 from lightning_onebit.kernels import adam_update
 from lightning_onebit.optim._overlap import BackwardOverlap
 
-__all__ = ["OneBitOptimizer"]
+__all__ = ["VARIANCE_FLOOR", "OneBitOptimizer"]
+
+#: Default ``variance_floor``: where the compressed exchange preconditions with a variance, no
+#: coordinate's ``sqrt(v)`` counts as less than this fraction of the RMS of ``sqrt(v)`` over its
+#: parameter group (see :meth:`OneBitOptimizer._floor_variance_`).
+VARIANCE_FLOOR = 0.01
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -196,19 +201,32 @@ class OneBitOptimizer(torch.optim.Optimizer):
         average_warmup_grads: bool = True,
         average_dtype: torch.dtype | str = torch.float32,
         amsgrad: bool = False,
+        bias_correction: bool = False,
+        variance_floor: float = VARIANCE_FLOOR,
+        preconditioned_exchange: bool = False,
     ) -> None:
         name = type(self).__name__
         average_dtype = as_average_dtype(average_dtype)
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         self._check_hparams(defaults)
+        _check_real("variance_floor", variance_floor, 0.0, 1.0, high_open=True)
         super().__init__(params, defaults)
+        # hyperparameters shared by the three algorithms
+        self.bias_correction = bool(bias_correction)
+        self.variance_floor = float(variance_floor)
+        self.preconditioned_exchange = bool(preconditioned_exchange)
+        #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
+        self.param_names: dict[torch.Tensor, str] = {}
         self.process_group = process_group
         self.average_warmup_grads = bool(average_warmup_grads)
         self.average_dtype = average_dtype
 
         # internal state (checkpointed)
         self.step_count = 0  # steps taken; identical on every rank
+        self.variance_updates = 0  # steps that updated the variance (bias correction counts them)
+        #: coordinates whose variance was floored at the last floor, per parameter name
+        self.floored: dict[str, int] = {}
         self._phase = self.PHASES[0]
         self.skipped_steps = 0  # steps skipped for non-finite values (see step())
         self._consecutive_skips = 0
@@ -309,31 +327,99 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
         Call it on every rank between the same two steps (the built-in switch, driven by the
         step counter, always does). Calling it again is a no-op.
+
+        At the switch, with ``bias_correction``, the bias corrections are folded into the
+        moments (``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``): the compression phase then runs
+        the paper's algorithm unchanged, preconditioned by Adam's unbiased variance. Then the
+        variance is floored (:meth:`_floor_variance_`).
         """
         if self._phase == self.PHASES[1]:
             return
         self._prepare()
         self._phase = self.PHASES[1]
         self._denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
-        self._warn_if_variance_is_young()
+        if self.bias_correction:
+            self._fold_bias_correction_()
+        else:
+            self._warn_if_variance_is_young()
+        self._floor_variance_(report=True)
         self._on_freeze()
 
+    def _bias_corrections(self, gi: int) -> tuple[float, float]:
+        """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
+        variance updates (1 for a variance that never saw a gradient: nothing to correct)."""
+        beta1, beta2 = self.param_groups[gi]["betas"]
+        return 1.0 - beta1 ** max(self.step_count, 1), 1.0 - beta2 ** max(self.variance_updates, 1)
+
+    def _fold_bias_correction_(self) -> None:
+        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        for gi, _, s in self._segments():
+            bc1, bc2 = self._bias_corrections(gi)
+            m[s].div_(bc1)
+            v[s].div_(bc2)
+
+    def _floor_variance_(self, report: bool = False) -> None:
+        """Raise every coordinate's variance to at least ``(variance_floor * r)**2``, with ``r``
+        the RMS of ``sqrt(v)`` over its parameter group (``r**2`` = the group's mean variance).
+
+        Why: 1 bit cannot send a zero. Every coordinate of an exchange receives ``+-scale``
+        (about the RMS momentum of the exchange), error feedback keeps its *sum* right, and the
+        update divides it by ``sqrt(v) + eps``. A coordinate whose gradient was (near) zero
+        through the warmup -- a conv bias in front of BatchNorm, an attention key bias (softmax
+        ignores it), a dead ReLU unit, an embedding row never seen -- has ``v ~ 0`` and would
+        move by ``lr * scale / eps`` per step: the run explodes one step after the switch. With
+        the floor, its 1-bit noise moves it by at most ``lr * scale / (floor * r)``, bounded and
+        undone by error feedback; coordinates above the floor (all but the degenerate ones) are
+        untouched, and a floored coordinate only ever takes smaller steps than without it.
+        ``variance_floor=0`` is DeepSpeed's arithmetic.
+        """
+        self.floored = {}
+        if self.variance_floor <= 0:
+            return
+        v, views = self._flat["exp_avg_sq"], self._views["exp_avg_sq"]
+        counts: list[torch.Tensor] = []
+        for gi, _, s in self._segments():
+            floor = v[s].mean(dtype=torch.float64).item() * self.variance_floor**2
+            idx = self._layout.group_params(gi)
+            if report:
+                counts += [(views[j] <= floor).sum() for j in idx]
+            torch.clamp_min_(v[s], floor)
+        if report and counts:
+            n = torch.stack(counts).tolist()
+            gis = [j for gi, _, _ in self._segments() for j in self._layout.group_params(gi)]
+            self.floored = {self._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
+
+    def _param_name(self, j: int) -> str:
+        p = self._layout.params[j]
+        name = self.param_names.get(p)
+        if name is None:
+            gi = self._layout.group_of[j]
+            i = next(i for i, q in enumerate(self.param_groups[gi]["params"]) if q is p)
+            name = f"param_groups[{gi}][{i}]"
+        return f"{name} {tuple(p.shape)}"
+
     def _warn_if_variance_is_young(self) -> None:
-        """The variance has no bias correction (as in DeepSpeed): after ``t`` warmup steps it
-        holds ``1 - beta2**t`` of its steady-state value, and frozen at that, every later step is
-        ``1 / sqrt(1 - beta2**t)`` times larger than Adam's. Say so when that is above ~1.4x."""
-        t = self.step_count
+        """The variance has no bias correction (as in DeepSpeed): after ``k`` variance updates
+        it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
+        step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
+        ~1.4x (once per run)."""
+        if self.bias_correction or getattr(self, "_warned_young", False):
+            return
+        t = self.variance_updates
         young = [g["betas"][1] for g in self.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
         if not young or (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
             return
+        self._warned_young = True
         b2 = max(young)
         held = 1.0 - b2 ** max(t, 1)
         need = math.ceil(math.log(0.5) / math.log(b2))
         warnings.warn(
-            f"{type(self).__name__}: the variance freezes after {t} step(s) with beta2={b2}, when "
-            f"it holds {held:.0%} of its steady-state value (no bias correction): every later "
-            f"step is about {1 / math.sqrt(held):.1f}x larger than Adam's. Warm up for at least "
-            f"{need} steps, or lower beta2 (e.g. betas=(0.9, 0.95) for short runs)",
+            f"{type(self).__name__}: the 1-bit steps are preconditioned by a variance of {t} "
+            f"update(s) with beta2={b2}, which holds {held:.0%} of its steady-state value (no bias "
+            f"correction): every such step is about {1 / math.sqrt(held):.1f}x larger than "
+            f"Adam's. Pass bias_correction=True (OneBitStrategy does when it converts a torch "
+            f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
+            "betas=(0.9, 0.95) for short runs)",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -602,12 +688,19 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 views[j].mul_(mask)
 
     def _adam_direction(self, out: torch.Tensor) -> torch.Tensor:
-        """``out = exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (decoupled decay)."""
+        """``out = exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (decoupled decay);
+        with ``bias_correction`` the moments are bias-corrected first."""
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
         p = self._gather_params() if self._any_weight_decay() else None
-        for _, group, s in self._segments():
-            torch.sqrt(v[s], out=out[s]).add_(group["eps"])
+        for gi, group, s in self._segments():
+            eps, scale = group["eps"], 1.0
+            if self.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
+                bc1, bc2 = self._bias_corrections(gi)
+                eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
+            torch.sqrt(v[s], out=out[s]).add_(eps)
             torch.div(m[s], out[s], out=out[s])
+            if scale != 1.0:
+                out[s].mul_(scale)
             if group["weight_decay"] > 0:
                 out[s].add_(p[s], alpha=group["weight_decay"])
         return out
@@ -639,24 +732,44 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 torch._foreach_mul_(params, 1.0 - lr * wd)
             torch._foreach_addcdiv_(params, [m[j] for j in idx], [denom[j] for j in idx], value=-lr)
 
+    def _decoupled_update_(self, x: torch.Tensor) -> None:
+        """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction),
+        one fused sweep per group (decay first, as ``p * (1 - lr * wd)``)."""
+        views = self._views_of(x)
+        for gi, group, _ in self._segments():
+            idx = self._layout.group_params(gi)
+            params = [self._layout.params[j] for j in idx]
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd > 0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            torch._foreach_add_(params, [views[j] for j in idx], alpha=-lr)
+
     def _adam_step_(self, update_variance: bool = True) -> None:
-        """Adam's step without bias correction from the flat gradient buffer, one fused sweep
+        """Adam's step from the flat gradient buffer, one fused sweep
         (:func:`~lightning_onebit.kernels.adam_update`): ``m = beta1 m + (1 - beta1) g``;
         ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``;
-        ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``."""
+        ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``. With ``bias_correction``, as
+        torch's Adam/AdamW: ``m / (1 - beta1**t)`` over ``sqrt(v / (1 - beta2**k)) + eps``,
+        folded into the kernel's per-parameter ``lr``, ``eps`` and ``weight_decay``."""
         layout, groups = self._layout, self.param_groups
-        hp = [groups[gi] for gi in layout.group_of]
+        if update_variance:
+            self.variance_updates += 1
+        hp = []
+        for gi, group in enumerate(groups):
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            if self.bias_correction:
+                bc1, bc2 = self._bias_corrections(gi)
+                lr_c = lr * math.sqrt(bc2) / bc1
+                lr, eps, wd = lr_c, eps * math.sqrt(bc2), (wd * lr / lr_c if lr_c else wd)
+            hp.append((lr, *group["betas"], eps, wd))
+        per_param = [hp[gi] for gi in layout.group_of]
         adam_update(
             self._grad,
             self._flat["exp_avg"],
             self._flat["exp_avg_sq"],
             layout.params,
             layout.offsets,
-            lr=[h["lr"] for h in hp],
-            beta1=[h["betas"][0] for h in hp],
-            beta2=[h["betas"][1] for h in hp],
-            eps=[h["eps"] for h in hp],
-            weight_decay=[h["weight_decay"] for h in hp],
+            *(list(col) for col in zip(*per_param, strict=True)),
             update_variance=update_variance,
         )
 
@@ -813,6 +926,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             ex_state = self._exchange.state_dict()
         return {
             "step_count": self.step_count,
+            "variance_updates": self.variance_updates,
             "phase": self._phase,
             "skipped_steps": self.skipped_steps,
             "comm_stats": dict(self.comm_stats),
@@ -884,6 +998,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
         extra = extra or {}
         self.step_count = int(extra.get("step_count", 0))
+        # (a checkpoint from before the counter: every step had updated the variance)
+        self.variance_updates = int(extra.get("variance_updates", self.step_count))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._phase = extra.get("phase", self.PHASES[0])
         if self._phase not in self.PHASES:

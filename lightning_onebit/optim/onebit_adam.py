@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.optim._base import OneBitOptimizer, _check_int
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, _check_int
 
 __all__ = ["OneBitAdam"]
 
@@ -96,6 +96,9 @@ class OneBitAdam(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
         average_dtype: torch.dtype | str = torch.float32,
+        bias_correction: bool = False,
+        variance_floor: float = VARIANCE_FLOOR,
+        preconditioned_exchange: bool = True,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -106,6 +109,9 @@ class OneBitAdam(OneBitOptimizer):
             average_warmup_grads=average_warmup_grads,
             average_dtype=average_dtype,
             amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            variance_floor=variance_floor,
+            preconditioned_exchange=preconditioned_exchange,
         )
         self.freeze_step = freeze_step
 
@@ -113,11 +119,14 @@ class OneBitAdam(OneBitOptimizer):
         return self.phase == "compression"
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
-        """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged)."""
+        """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged),
+        divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
         m, g, u = self._flat["exp_avg"], self._grad, self._work["update"]
         for _, group, t in self._segments_in(s):
             beta1 = group["betas"][0]
             torch.mul(m[t], beta1, out=u[t]).add_(g[t], alpha=1 - beta1)
+        if self.preconditioned_exchange:
+            u[s].div_(self._frozen_denominator()[0][s])
         return u[s]
 
     def _step(self) -> None:
@@ -136,7 +145,16 @@ class OneBitAdam(OneBitOptimizer):
         # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
         #     backward with overlap_with_backward(); m changes only if every bucket goes through)
         m = self._flat["exp_avg"]
-        self._compressed_average_(self._exchange_source, out=m)
-        self._apply_exp_avg_mask_(m)
-        # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
-        self._frozen_adam_update_()
+        if not self.preconditioned_exchange:
+            self._compressed_average_(self._exchange_source, out=m)
+            self._apply_exp_avg_mask_(m)
+            # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
+            self._frozen_adam_update_()
+            return
+        # the same in the units of the update: x = 1-bit average of m / (sqrt(v) + eps), then
+        # m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p)
+        x = self._work["update"]
+        self._compressed_average_(self._exchange_source, out=x)
+        self._apply_exp_avg_mask_(x)
+        torch.mul(x, self._frozen_denominator()[0], out=m)
+        self._decoupled_update_(x)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import lamb_frozen_update
-from lightning_onebit.optim._base import OneBitOptimizer, _check_int, _check_real
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, _check_int, _check_real
 
 __all__ = ["OneBitLamb"]
 
@@ -130,6 +130,8 @@ class OneBitLamb(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
         average_dtype: torch.dtype | str = torch.float32,
+        bias_correction: bool = False,
+        variance_floor: float = VARIANCE_FLOOR,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         _check_real("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
@@ -154,6 +156,8 @@ class OneBitLamb(OneBitOptimizer):
             average_warmup_grads=average_warmup_grads,
             average_dtype=average_dtype,
             amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            variance_floor=variance_floor,
         )
         # hyperparameters
         self.freeze_step = freeze_step
@@ -239,6 +243,7 @@ class OneBitLamb(OneBitOptimizer):
             # 1a. full-precision average of the gradients
             self._average_(g)
             # 1b. moments
+            self.variance_updates += 1
             for _, group, s in self._segments():
                 beta1, beta2 = group["betas"]
                 m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)

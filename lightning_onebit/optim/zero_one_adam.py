@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
-from lightning_onebit.optim._base import OneBitOptimizer, _check_int
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, _check_int
 
 __all__ = ["ZeroOneAdam"]
 
@@ -136,6 +136,9 @@ class ZeroOneAdam(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
         average_dtype: torch.dtype | str = torch.float32,
+        bias_correction: bool = False,
+        variance_floor: float = VARIANCE_FLOOR,
+        preconditioned_exchange: bool = True,
     ) -> None:
         _check_int("var_freeze_step", var_freeze_step, 0)
         _check_int("var_update_scaler", var_update_scaler, 1)
@@ -149,6 +152,9 @@ class ZeroOneAdam(OneBitOptimizer):
             average_warmup_grads=average_warmup_grads,
             average_dtype=average_dtype,
             amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            variance_floor=variance_floor,
+            preconditioned_exchange=preconditioned_exchange,
         )
         # hyperparameters
         self.var_freeze_step = var_freeze_step
@@ -202,20 +208,32 @@ class ZeroOneAdam(OneBitOptimizer):
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """What the next step exchanges, for the flat slice ``s``: 1b the gradient itself; 3c
         ``(acc - lr u) * (sqrt(v) + eps) = acc * d - lr * (m_new + weight_decay * p * d)`` with
-        ``m_new = beta1 m + (1 - beta1) g`` (into scratch: m and acc change after the exchange)."""
+        ``m_new = beta1 m + (1 - beta1) g`` (into scratch: m and acc change after the exchange).
+        With ``preconditioned_exchange`` both are divided by ``d = sqrt(v) + eps``: 1b
+        ``g / d``, 3c ``acc - lr u`` (parameter units)."""
+        pre = self.preconditioned_exchange
+        d, _ = self._frozen_denominator()  # sqrt(v) + eps (phase 1: of the current v)
         if self.phase == "variance":
-            return self._grad[s]
+            if not pre:
+                return self._grad[s]
+            return torch.div(self._grad[s], d[s], out=self._work["update"][s])
         m, g, acc, x = self._flat["exp_avg"], self._grad, self._acc, self._work["update"]
-        d, _ = self._frozen_denominator()  # sqrt(v) + eps: v is frozen in this phase
         p = self._gather_params(s) if self._any_weight_decay() else None
         for _, group, t in self._segments_in(s):
             beta1, wd = group["betas"][0], group["weight_decay"]
             torch.mul(m[t], beta1, out=x[t]).add_(g[t], alpha=1 - beta1)
-            if wd > 0:
+            if pre:
+                x[t].div_(d[t])
+                if wd > 0:
+                    x[t].add_(p[t], alpha=wd)
+            elif wd > 0:
                 x[t].addcmul_(p[t], d[t], value=wd)
             x[t].mul_(-group["lr"])
             if self._local_steps_taken:
-                x[t].addcmul_(acc[t], d[t])
+                if pre:
+                    x[t].add_(acc[t])
+                else:
+                    x[t].addcmul_(acc[t], d[t])
         return x[s]
 
     @property
@@ -250,9 +268,16 @@ class ZeroOneAdam(OneBitOptimizer):
             else:
                 # 1b. 1-bit averaged gradient, momentum only
                 self._compressed_average_(self._exchange_source, out=g)
+                if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
+                    g.mul_(self._frozen_denominator()[0])
                 self._apply_exp_avg_mask_(g)
+                self._warn_if_variance_is_young()
             # 1a/b moments + 1c. Adam update, one fused sweep
             self._adam_step_(update_variance=variance_step)
+            if variance_step:
+                # the next 1-bit gradient steps are preconditioned by this variance
+                self._floor_variance_()
+                self._denominator = None
             # 1d. the variance interval doubles every var_update_scaler variance steps
             if variance_step:
                 self.var_counter += 1
@@ -271,6 +296,10 @@ class ZeroOneAdam(OneBitOptimizer):
             if self._local_steps_taken:
                 acc.zero_()  # consumed by the exchange
             self._apply_exp_avg_mask_(u)
+            d = self._frozen_denominator()[0]
+            if self.preconditioned_exchange:  # u was exchanged in parameter units: u = acc
+                synced_step, u = u, m
+                torch.mul(synced_step, d, out=u)  # back to momentum units, into m
             for gi, group, s in self._segments():
                 self.lrs[gi] += group["lr"]
                 if self.lrs[gi] > 0:
@@ -280,7 +309,10 @@ class ZeroOneAdam(OneBitOptimizer):
             # p = last synced point + acc / (sqrt(v) + eps), computed on the synced copy (bitwise
             # the same on every rank, unlike p - acc + ...) and copied into p
             synced = self._flat["synced_params"]
-            synced.addcdiv_(u, self._frozen_denominator()[0])
+            if self.preconditioned_exchange:
+                synced.add_(synced_step)
+            else:
+                synced.addcdiv_(u, d)
             self._copy_to_params_(synced)
             self.lrs = [0.0] * len(self.lrs)
         else:
