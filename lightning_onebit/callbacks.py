@@ -76,7 +76,7 @@ class CompressionScheduler(Callback):
         self.sample = sample
         # state (in the checkpoint)
         self.switch_step: int | None = None  # the resolved step
-        self.switched_at: int | None = None  # optimizer step after which compression started
+        self.switched_at: int | None = None  # the last optimizer step before compression
         self._snapshot: torch.Tensor | None = None
         self._last_logged_step: tuple[int, int] = (-1, -1)
 
@@ -157,17 +157,19 @@ class CompressionScheduler(Callback):
         if key == self._last_logged_step:
             return  # no optimizer step on this batch (gradient accumulation, scaler skip)
         self._last_logged_step = key
+        if self.adaptive and opt.phase == opt.PHASES[0] and opt.step_count % self.window == 0:
+            self._adaptive_check(opt)
         compressing = opt.phase != opt.PHASES[0]
         if compressing and self.switched_at is None:
-            self.switched_at = opt.step_count - 1
-        if self.adaptive and not compressing and opt.step_count % self.window == 0:
-            self._adaptive_check(opt)
+            self.switched_at = opt.step_count  # the last uncompressed step
+            rank_zero_info(_switch_message(opt))
         if self.log_stats:
             stats = opt.comm_stats
             total = stats["bytes_total"]
             pl_module.log_dict(
                 {
-                    "onebit/phase": float(compressing),
+                    # this step's phase (the switch happens at the end of the last warmup step)
+                    "onebit/phase": float(compressing and opt.step_count > self.switched_at),
                     "onebit/bytes_step": float(stats["bytes_last_step"]),
                     "onebit/bytes_total": float(total),
                     "onebit/ratio_vs_ddp": float(stats["fp32_equiv_total"] / total)
@@ -216,3 +218,22 @@ class CompressionScheduler(Callback):
         self.switch_step = state_dict.get("switch_step")
         self.switched_at = state_dict.get("switched_at")
         self._snapshot = state_dict.get("snapshot")
+
+
+def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:
+    """One line for the console at the switch: when, and which coordinates were floored."""
+    msg = (
+        f"{type(opt).__name__}: {opt.PHASES[1]} phase (1-bit exchange) from optimizer step "
+        f"{opt.step_count + 1} on"
+    )
+    floored = sorted(opt.floored.items(), key=lambda kv: -kv[1])
+    if floored:
+        total = sum(n for _, n in floored)
+        shown = ", ".join(f"{name}: {n}" for name, n in floored[:most])
+        more = f", and {len(floored) - most} more parameters" if len(floored) > most else ""
+        msg += (
+            f"; variance floor (variance_floor={opt.variance_floor}) raised {total} coordinates "
+            f"whose gradient was ~0 through the warmup (they cannot be preconditioned by their "
+            f"own variance): {shown}{more}"
+        )
+    return msg

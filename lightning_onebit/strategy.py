@@ -26,7 +26,6 @@ this rank's *local* gradient in the compression phase.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import warnings
 from collections.abc import Generator, Mapping
@@ -45,27 +44,34 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_onebit.comm import as_average_dtype
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from lightning_onebit.optim._base import VARIANCE_FLOOR
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
-
-log = logging.getLogger(__name__)
 
 ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "onebit_adam": OneBitAdam,
     "zero_one_adam": ZeroOneAdam,
     "onebit_lamb": OneBitLamb,
 }
+_ROBUST_OPTIONS = ("bias_correction", "variance_floor")
 _ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
-    "onebit_adam": (),
-    "zero_one_adam": ("var_update_scaler", "local_step_scaler", "local_step_clipper"),
+    "onebit_adam": (*_ROBUST_OPTIONS, "preconditioned_exchange"),
+    "zero_one_adam": (
+        *_ROBUST_OPTIONS,
+        "preconditioned_exchange",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+    ),
     "onebit_lamb": (
+        *_ROBUST_OPTIONS,
         "max_coeff",
         "min_coeff",
         "coeff_beta",
@@ -166,6 +172,26 @@ class OneBitStrategy(DDPStrategy):
         factor_max: 1-bit LAMB: upper clamp of the fresh-variance correction factor.
         factor_min: 1-bit LAMB: lower clamp of the fresh-variance correction factor.
         factor_threshold: 1-bit LAMB: largest relative change of the factor per step.
+        bias_correction: when converting a torch Adam/AdamW, keep its bias correction (the
+            warmup is then that optimizer, step for step, and the compression phase is
+            preconditioned by the bias-corrected variance; see the optimizers' docs). ``False``
+            is DeepSpeed's arithmetic: on short runs (a warmup of fewer than ~700 steps at
+            ``beta2=0.999``) its uncorrected variance makes every 1-bit step several times
+            larger than Adam's. An optimizer from ``configure_optimizers`` keeps its own setting.
+        variance_floor: when converting, the optimizer's ``variance_floor``: no coordinate's
+            ``sqrt(v)`` counts as less than this fraction of its group's RMS, so coordinates
+            whose gradient was ~0 through the warmup (conv biases before BatchNorm, attention
+            key biases, dead units, unseen embedding rows) cannot take ``lr * scale / eps``
+            steps. ``0`` is DeepSpeed's arithmetic.
+        preconditioned_exchange: when converting to 1-bit Adam or 0/1 Adam, exchange what the
+            optimizer sends divided by ``sqrt(v) + eps`` (in the units of the update), so the
+            1-bit error is the same size relative to every coordinate's Adam step. ``False``
+            exchanges the momentum as DeepSpeed does.
+        lamb_lr: 1-bit LAMB's learning rate when converting a torch Adam/AdamW to
+            ``onebit_lamb``. LAMB scales each layer's step by a trust ratio ``||p|| / ||u||``,
+            so Adam's lr is rarely right for it: the groups' learning rates (and LR schedulers'
+            base learning rates) are multiplied by ``lamb_lr / lr``. ``None`` keeps Adam's lr,
+            with a warning.
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
         overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB
             (``optimizer.overlap_with_backward``); ``None`` exchanges in ``optimizer.step()``
@@ -201,6 +227,10 @@ class OneBitStrategy(DDPStrategy):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        bias_correction: bool = True,
+        variance_floor: float = VARIANCE_FLOOR,
+        preconditioned_exchange: bool = True,
+        lamb_lr: float | None = None,
         log_comm_stats: bool = True,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
@@ -240,8 +270,16 @@ class OneBitStrategy(DDPStrategy):
             "factor_max": factor_max,
             "factor_min": factor_min,
             "factor_threshold": factor_threshold,
+            "bias_correction": bias_correction,
+            "variance_floor": variance_floor,
+            "preconditioned_exchange": preconditioned_exchange,
         }
         self._validate_optimizer_options()
+        if lamb_lr is not None and not (
+            isinstance(lamb_lr, (int, float)) and not isinstance(lamb_lr, bool) and lamb_lr > 0
+        ):
+            raise ValueError(f"lamb_lr must be a number > 0 or None, got {lamb_lr!r}")
+        self.lamb_lr = lamb_lr
         if overlap_bucket_mb is not None and not (
             isinstance(overlap_bucket_mb, (int, float))
             and not isinstance(overlap_bucket_mb, bool)
@@ -383,6 +421,10 @@ class OneBitStrategy(DDPStrategy):
             and self.precision_plugin.scaler is not None
         ):
             self.precision_plugin.scaler = _synced_scaler(self.precision_plugin.scaler)
+        if self.optimizers:  # names for the optimizer's messages (e.g. the variance floor's)
+            self.onebit_optimizer.param_names = {
+                p: name for name, p in self.lightning_module.named_parameters()
+            }
         if self._hook_state is not None:
             self._hook_state.optimizer = self.onebit_optimizer
         self._configure_overlap(trainer)
@@ -515,14 +557,43 @@ class OneBitStrategy(DDPStrategy):
             for g in original.param_groups
         ]
         defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
-        new = cls(groups, **self._algorithm_kwargs(cls, defaults))
-        if self.is_global_zero:
-            log.info(
-                f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
-                f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "
-                f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')})"
-            )
+        lr_scale = self._lamb_lr_scale(defaults.get("lr"))
+        if lr_scale != 1.0:
+            for g in groups:
+                for k in ("lr", "initial_lr"):
+                    if k in g:
+                        g[k] *= lr_scale
+            defaults["lr"] *= lr_scale
+            for config in self.lr_scheduler_configs:
+                base = getattr(config.scheduler, "base_lrs", None)
+                if isinstance(base, list):
+                    config.scheduler.base_lrs = [b * lr_scale for b in base]
+        kw = self._algorithm_kwargs(cls, defaults)
+        new = cls(groups, **kw)
+        robust = ", ".join(
+            f"{k}={kw[k]}" for k in (*_ROBUST_OPTIONS, "preconditioned_exchange") if k in kw
+        )
+        rank_zero_info(
+            f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
+            f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "
+            f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')}; {robust})"
+        )
         return new
+
+    def _lamb_lr_scale(self, adam_lr: float | None) -> float:
+        """What converting Adam/AdamW to 1-bit LAMB multiplies the learning rates by."""
+        if self.algorithm != "onebit_lamb":
+            return 1.0
+        if self.lamb_lr is None:
+            rank_zero_warn(
+                f"onebit_lamb runs at the converted optimizer's lr={adam_lr}, which was chosen for "
+                "Adam: LAMB scales each layer's step by ||p|| / ||u|| and usually wants another "
+                "lr. Pass OneBitStrategy(algorithm='onebit_lamb', lamb_lr=...) (it rescales "
+                "every group and LR scheduler), or return lightning_onebit.OneBitLamb from "
+                "configure_optimizers"
+            )
+            return 1.0
+        return self.lamb_lr / adam_lr if adam_lr else 1.0
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -7,6 +7,7 @@ library source (next-character prediction), no downloads.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -553,3 +554,60 @@ def test_switch_step_maps_to_each_optimizers_freeze_parameter() -> None:
     assert z.switch_step == 9
     z.switch_step = 11
     assert z.var_freeze_step == 11
+
+
+# --------------------------------------------------------------------------- ordinary models
+
+
+class WithUnusedBias(CharModel):
+    """A parameter whose gradient is exactly zero (like a conv bias in front of BatchNorm)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.unused_bias = torch.nn.Parameter(torch.zeros(4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 0.0 * self.unused_bias.sum()
+
+
+@pytest.mark.slow
+def test_conversion_and_switch_are_visible_and_zero_gradient_parameters_stay_put(
+    tmp_path: Path,
+) -> None:
+    # Lightning's console messages, as the forked ranks write them (a handler they inherit)
+    console = logging.FileHandler(tmp_path / "console.txt")
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(console)
+    try:
+        records = _fit(
+            tmp_path, OneBitStrategy(freeze_step=4, start_method="fork"), model=WithUnusedBias()
+        )
+    finally:
+        logger.removeHandler(console)
+        console.close()
+    text = (tmp_path / "console.txt").read_text()
+    assert text.count("replaced AdamW by OneBitAdam") == 1  # rank 0 only
+    assert "bias_correction=True, variance_floor=0.01, preconditioned_exchange=True" in text
+    assert text.count("compression phase (1-bit exchange) from optimizer step 5 on") == 1
+    assert "variance floor (variance_floor=0.01) raised" in text and "unused_bias (4,): 4" in text
+    _assert_same_on_all_ranks(records)
+    assert records[0]["params"]["unused_bias"].abs().max() <= 36 * 3e-3  # <= ~lr per step
+
+
+@pytest.mark.slow
+def test_lamb_conversion_takes_its_own_lr(tmp_path: Path) -> None:
+    records = _fit(
+        tmp_path,
+        OneBitStrategy(algorithm="onebit_lamb", lamb_lr=1e-2, freeze_step=4, start_method="fork"),
+        model=CharModel(lr=2e-3, scheduler=True),
+        steps=12,
+    )
+    # StepLR(step_size=5, gamma=0.5) over 12 steps, from lamb_lr instead of 2e-3
+    assert records[0]["lr"] == [pytest.approx(1e-2 * 0.5**2)]
+    with pytest.warns(UserWarning, match="onebit_lamb runs at the converted optimizer's lr=0.003"):
+        _fit(
+            tmp_path / "default",
+            OneBitStrategy(algorithm="onebit_lamb"),  # devices=1: warns in this process
+            devices=1,
+            steps=2,
+        )
