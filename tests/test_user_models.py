@@ -1,0 +1,124 @@
+"""Ordinary users' models under the 1-bit strategies, each next to DDP on the same seed and data.
+
+The models (``tests/_user_models.py``) carry what trips 1-bit optimizers in practice: conv biases
+in front of BatchNorm, dead ReLU units, attention key biases, unseen embedding rows, tied
+weights, an LR warmup from 0, torch's default betas on short runs; transformers' GPT-2, BERT,
+ResNet and ViT are built from configs (no downloads). Every run: 2 fork-started CPU ranks,
+``Trainer(strategy=...)`` with the module unchanged (it returns torch Adam/AdamW), a 20% warmup.
+
+What must hold (issue 15), each measured against ``strategy="ddp"`` + the user's optimizer:
+finishes; held-out loss within 1.25x of DDP's (1-bit LAMB: within 2x of DDP + Adam and within
+1.25x of the same LAMB never frozen); no parameter beyond 10x its DDP counterpart (``|p|`` max
+per tensor, DDP's floored at 1e-3); parameters identical on every rank; the compression phase
+reached; and its bytes 32x below fp32 DDP's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_onebit import OneBitStrategy
+from tests._user_models import MODELS, compare, fit_user_model
+
+pytestmark = pytest.mark.slow
+
+#: 1-bit LAMB's learning rate per model (``OneBitStrategy(lamb_lr=...)``): LAMB's trust ratio
+#: wants its own lr, not Adam's
+LAMB_LR = dict.fromkeys(MODELS, 1e-2)
+
+_ddp: dict[str, list[dict]] = {}
+
+
+def _ddp_run(name: str, tmp: Path) -> list[dict]:
+    if name not in _ddp:  # one DDP run per model, shared by its tests
+        _ddp[name] = fit_user_model(name, "ddp_notebook", tmp / "ddp")
+    return _ddp[name]
+
+
+def _problems(c: dict[str, Any], loss_limit: float) -> list[str]:
+    out = []
+    if c["loss_ratio"] > loss_limit:
+        out.append(f"loss {c['loss']:.4f} = {c['loss_ratio']:.2f}x DDP's (limit {loss_limit}x)")
+    if c["param_ratio"] > 10:
+        out.append(f"{c['param_name']} reaches {c['param_ratio']:.1f}x DDP's largest |value|")
+    if not (c["in_sync"] or c["may_differ"]):
+        out.append("parameters differ across ranks")
+    if c["compressed_steps"] == 0:
+        out.append(f"never compressed (phase {c['phase']})")
+    else:
+        # 32x minus padding and per-chunk scales, which weigh on a model of a few hundred values
+        want = 1 / 30 if c["fp32_bytes"] >= 40_000 else 1 / 20
+        if c["bytes_ratio"] is None or c["bytes_ratio"] > want:
+            out.append(
+                f"compression-phase bytes {c['bytes_ratio']} of fp32 DDP's (want <= {want:.3g})"
+            )
+    return out
+
+
+#: (model, algorithm) pairs that do not meet the bar yet (strict: a pass is reported)
+KNOWN = {
+    ("bert", "onebit_adam"): "value.bias: 1-bit noise of ~lr per step on a bias DDP moves 0.016",
+}
+
+
+@pytest.mark.parametrize(
+    "name, algo",
+    [
+        pytest.param(
+            n,
+            a,
+            marks=[pytest.mark.xfail(reason=KNOWN[n, a], strict=True)] if (n, a) in KNOWN else [],
+        )
+        for n in MODELS
+        for a in ("onebit_adam", "zero_one_adam")
+    ],
+)
+def test_trains_like_ddp(name: str, algo: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp = tmp_path_factory.mktemp(name)
+    records = fit_user_model(name, OneBitStrategy(algorithm=algo, start_method="fork"), tmp / algo)
+    c = compare(_ddp_run(name, tmp), records)
+    problems = _problems(c, 1.25)
+    assert not problems, f"{name} under {algo}: " + "; ".join(problems)
+
+
+#: models on which 1-bit LAMB (at lamb_lr 1e-2) does not meet the bar yet
+KNOWN_LAMB = {
+    "dead_relu": "1.28x the loss of LAMB never frozen",
+    "bert": "unused token-type rows reach 48x DDP's: the floored rows' 1-bit noise, amplified "
+    "by the frozen trust ratio (LAMB has no preconditioned exchange yet)",
+    "vit": "2.2x the loss of LAMB never frozen; k_proj.weight 14x DDP's",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.xfail(reason=KNOWN_LAMB[n], strict=True)])
+        if n in KNOWN_LAMB
+        else n
+        for n in MODELS
+    ],
+)
+def test_onebit_lamb_trains_like_lamb(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp = tmp_path_factory.mktemp(name)
+    lamb = fit_user_model(
+        name,
+        OneBitStrategy(algorithm="onebit_lamb", lamb_lr=LAMB_LR[name], start_method="fork"),
+        tmp / "onebit_lamb",
+    )
+    never = fit_user_model(
+        name,
+        OneBitStrategy(
+            algorithm="onebit_lamb", lamb_lr=LAMB_LR[name], freeze_step=10**9, start_method="fork"
+        ),
+        tmp / "lamb",
+    )
+    c = compare(_ddp_run(name, tmp), lamb)
+    problems = _problems(c, 2.0)
+    vs_lamb = lamb[0]["eval_loss"] / never[0]["eval_loss"]
+    if vs_lamb > 1.25:
+        problems.append(f"loss {vs_lamb:.2f}x that of LAMB never frozen (limit 1.25x)")
+    assert not problems, f"{name} under onebit_lamb: " + "; ".join(problems)
