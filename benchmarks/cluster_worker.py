@@ -234,7 +234,12 @@ def _build_method(
     if name in ONEBIT_METHODS:
         from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
-        kw = {"betas": betas, "average_dtype": cfg.get("average_dtype", "float32")}
+        # what OneBitStrategy builds from a torch Adam (the pl_ methods): Adam's bias correction
+        kw = {
+            "betas": betas,
+            "average_dtype": cfg.get("average_dtype", "float32"),
+            "bias_correction": True,
+        }
         if name == "onebit_adam":
             opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=warmup, **kw)
         elif name == "zero_one_adam":
