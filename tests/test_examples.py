@@ -156,11 +156,6 @@ def test_compare_quick_ddp_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="REGRESSION to fix first: the fork-started rank raises RecursionError under a Jupyter "
-    "kernel since the bias-correction/variance-floor commits (the same code as a script runs)",
-    strict=False,
-)
 def test_notebook_runs(tmp_path: Path) -> None:
     missing = [
         m for m in ("nbclient", "nbformat", "ipykernel") if importlib.util.find_spec(m) is None
