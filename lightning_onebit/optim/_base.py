@@ -177,6 +177,19 @@ class OneBitOptimizer(torch.optim.Optimizer):
             bytes on the warmup steps, as DDP's bf16/fp16 compress hooks (see
             :func:`~lightning_onebit.comm.start_average`). An explicit trade: the warmup's
             gradients, hence the variance that the compression phase freezes, lose precision.
+        bias_correction: Adam's bias correction, as torch's Adam/AdamW: ``m / (1 - beta1**t)``
+            over ``sqrt(v / (1 - beta2**k)) + eps`` (``k``: variance updates) on the steps with
+            full-precision gradients, folded into ``m`` and ``v`` at the switch, so the 1-bit
+            steps are preconditioned by the unbiased variance. ``False`` (default): DeepSpeed's
+            arithmetic, whose young variance makes short runs' 1-bit steps several times Adam's.
+        variance_floor: where a variance preconditions 1-bit steps, raise it to at least
+            ``(variance_floor * r)**2``, ``r**2`` the group's mean variance
+            (:meth:`_floor_variance_`): coordinates whose gradient was ~0 cannot take
+            ``lr * scale / eps`` steps. ``0``: DeepSpeed's arithmetic.
+        preconditioned_exchange: exchange what the algorithm sends divided by
+            ``sqrt(v) + eps`` and multiply back after it (1-bit Adam, 0/1 Adam): the 1-bit
+            error is then about the same size relative to every coordinate's Adam step.
+            ``False``: DeepSpeed's (the momentum, or 0/1 Adam's gradient, as is).
     """
 
     #: The two phases, the first one active at construction.
@@ -228,6 +241,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         #: coordinates whose variance was floored at the last floor, per parameter name
         self.floored: dict[str, int] = {}
         self._phase = self.PHASES[0]
+        self._warned_young = False  # _warn_if_variance_is_young says it once per run
         self.skipped_steps = 0  # steps skipped for non-finite values (see step())
         self._consecutive_skips = 0
         self.comm_stats: dict[str, int] = {
@@ -379,10 +393,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         v, views = self._flat["exp_avg_sq"], self._views["exp_avg_sq"]
         counts: list[torch.Tensor] = []
         for gi, _, s in self._segments():
-            floor = v[s].mean(dtype=torch.float64).item() * self.variance_floor**2
-            idx = self._layout.group_params(gi)
+            # (a tensor: no host synchronisation on a variance step of 0/1 Adam)
+            floor = (v[s].mean(dtype=torch.float64) * self.variance_floor**2).float()
             if report:
-                counts += [(views[j] <= floor).sum() for j in idx]
+                counts += [(views[j] <= floor).sum() for j in self._layout.group_params(gi)]
             torch.clamp_min_(v[s], floor)
         if report and counts:
             n = torch.stack(counts).tolist()
@@ -403,7 +417,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
         step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
         ~1.4x (once per run)."""
-        if self.bias_correction or getattr(self, "_warned_young", False):
+        if self.bias_correction or self._warned_young:
             return
         t = self.variance_updates
         young = [g["betas"][1] for g in self.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
@@ -719,30 +733,23 @@ class OneBitOptimizer(torch.optim.Optimizer):
             cache = self._denominator = (d, self._layout.views(d), eps)
         return cache[0], cache[1]
 
-    def _frozen_adam_update_(self) -> None:
-        """``p -= lr * (exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p)`` with the variance
-        frozen: one fused sweep per parameter (decay first, as ``p * (1 - lr * wd)``)."""
-        _, denom = self._frozen_denominator()
-        m = self._views["exp_avg"]
-        for gi, group, _ in self._segments():
-            idx = self._layout.group_params(gi)
-            params = [self._layout.params[j] for j in idx]
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd > 0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            torch._foreach_addcdiv_(params, [m[j] for j in idx], [denom[j] for j in idx], value=-lr)
-
-    def _decoupled_update_(self, x: torch.Tensor) -> None:
-        """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction),
-        one fused sweep per group (decay first, as ``p * (1 - lr * wd)``)."""
+    def _decoupled_update_(self, x: torch.Tensor, frozen_denominator: bool = False) -> None:
+        """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction), or
+        with ``frozen_denominator`` ``p -= lr * (x / (sqrt(v) + eps) + weight_decay * p)`` (the
+        variance frozen): one fused sweep per parameter (decay first, as ``p * (1 - lr * wd)``)."""
         views = self._views_of(x)
+        denom = self._frozen_denominator()[1] if frozen_denominator else None
         for gi, group, _ in self._segments():
             idx = self._layout.group_params(gi)
             params = [self._layout.params[j] for j in idx]
             lr, wd = group["lr"], group["weight_decay"]
             if wd > 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
-            torch._foreach_add_(params, [views[j] for j in idx], alpha=-lr)
+            xs = [views[j] for j in idx]
+            if denom is None:
+                torch._foreach_add_(params, xs, alpha=-lr)
+            else:
+                torch._foreach_addcdiv_(params, xs, [denom[j] for j in idx], value=-lr)
 
     def _adam_step_(self, update_variance: bool = True) -> None:
         """Adam's step from the flat gradient buffer, one fused sweep

@@ -77,6 +77,11 @@ class OneBitAdam(OneBitOptimizer):
         average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
             (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
+        bias_correction, variance_floor, preconditioned_exchange: see
+            :class:`~lightning_onebit.optim.OneBitOptimizer`. With ``preconditioned_exchange``
+            (default) step 2b exchanges ``m / (sqrt(v) + eps)`` and sets
+            ``m = result * (sqrt(v) + eps)``; ``variance_floor=0, preconditioned_exchange=False``
+            is DeepSpeed's arithmetic.
 
     DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
     ``process_group`` of the backend you want (gloo, NCCL).
@@ -149,7 +154,7 @@ class OneBitAdam(OneBitOptimizer):
             self._compressed_average_(self._exchange_source, out=m)
             self._apply_exp_avg_mask_(m)
             # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
-            self._frozen_adam_update_()
+            self._decoupled_update_(m, frozen_denominator=True)
             return
         # the same in the units of the update: x = 1-bit average of m / (sqrt(v) + eps), then
         # m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p)

@@ -100,6 +100,10 @@ class OneBitLamb(OneBitOptimizer):
         average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
             (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
+        bias_correction, variance_floor: see :class:`~lightning_onebit.optim.OneBitOptimizer`
+            (with bias correction, 1c uses the bias-corrected moments; the trust ratio is
+            invariant to their scale except through its clamps and ``eps``).
+            ``variance_floor=0`` is DeepSpeed's arithmetic.
     """
 
     PHASES = ("warmup", "compression")

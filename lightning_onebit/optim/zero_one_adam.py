@@ -109,6 +109,11 @@ class ZeroOneAdam(OneBitOptimizer):
         average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
             (``"bf16"``/``"fp16"``) to average the variance steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
+        bias_correction, variance_floor, preconditioned_exchange: see
+            :class:`~lightning_onebit.optim.OneBitOptimizer`. With ``preconditioned_exchange``
+            (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the accumulator in parameter
+            units (``acc - lr u``); the variance is floored after every variance step.
+            ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
     """
 
     PHASES = ("variance", "local")
@@ -278,8 +283,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 # the next 1-bit gradient steps are preconditioned by this variance
                 self._floor_variance_()
                 self._denominator = None
-            # 1d. the variance interval doubles every var_update_scaler variance steps
-            if variance_step:
+                # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
                     self.var_counter = 0
