@@ -60,12 +60,11 @@ ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "zero_one_adam": ZeroOneAdam,
     "onebit_lamb": OneBitLamb,
 }
-_ROBUST_OPTIONS = ("bias_correction", "variance_floor")
+_ROBUST_OPTIONS = ("bias_correction", "variance_floor", "preconditioned_exchange")
 _ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
-    "onebit_adam": (*_ROBUST_OPTIONS, "preconditioned_exchange"),
+    "onebit_adam": _ROBUST_OPTIONS,
     "zero_one_adam": (
         *_ROBUST_OPTIONS,
-        "preconditioned_exchange",
         "var_update_scaler",
         "local_step_scaler",
         "local_step_clipper",
@@ -183,8 +182,7 @@ class OneBitStrategy(DDPStrategy):
             whose gradient was ~0 through the warmup (conv biases before BatchNorm, attention
             key biases, dead units, unseen embedding rows) cannot take ``lr * scale / eps``
             steps. ``0`` is DeepSpeed's arithmetic.
-        preconditioned_exchange: when converting to 1-bit Adam or 0/1 Adam, exchange what the
-            optimizer sends divided by ``sqrt(v) + eps`` (in the units of the update), so the
+        preconditioned_exchange: when converting, exchange what the optimizer sends divided by ``sqrt(v) + eps`` (in the units of the update), so the
             1-bit error is the same size relative to every coordinate's Adam step. ``False``
             exchanges the momentum as DeepSpeed does.
         lamb_lr: 1-bit LAMB's learning rate when converting a torch Adam/AdamW to
@@ -570,9 +568,7 @@ class OneBitStrategy(DDPStrategy):
                     config.scheduler.base_lrs = [b * lr_scale for b in base]
         kw = self._algorithm_kwargs(cls, defaults)
         new = cls(groups, **kw)
-        robust = ", ".join(
-            f"{k}={kw[k]}" for k in (*_ROBUST_OPTIONS, "preconditioned_exchange") if k in kw
-        )
+        robust = ", ".join(f"{k}={kw[k]}" for k in _ROBUST_OPTIONS)
         rank_zero_info(
             f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
             f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "

@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 # --------------------------------------------------------------------------- the test problem
@@ -173,13 +174,15 @@ def _group_of(j: int) -> int:
 
 
 def _floor_(v: list[list[torch.Tensor]], floor: float) -> None:
-    """Every rank's variance raised to ``floor**2`` times its group's mean variance."""
+    """Every rank's variance raised to ``floor**2`` times the larger of its tensor's mean
+    variance and its group's."""
     for gi in range(len(GROUPS)):
         js = [j for j in range(len(v[0])) if _group_of(j) == gi]
-        mean = torch.cat([v[0][j].reshape(-1) for j in js]).mean()
-        for vr in v:
-            for j in js:
-                vr[j] = vr[j].clamp(min=float(mean) * floor**2)
+        group = float(torch.cat([v[0][j].reshape(-1) for j in js]).mean()) * floor**2
+        for j in js:
+            low = max(float(v[0][j].mean()) * floor**2, group)
+            for vr in v:
+                vr[j] = vr[j].clamp(min=low)
 
 
 def simulate_onebit_adam(
@@ -364,9 +367,10 @@ def simulate_onebit_lamb(
     factor_threshold=0.1,
     bias_correction: bool = False,
     floor: float = 0.0,
+    preconditioned: bool = False,
 ) -> list[list[torch.Tensor]]:
     """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step
-    (``bias_correction``/``floor`` as in :func:`simulate_onebit_adam`)."""
+    (``bias_correction``/``floor``/``preconditioned`` as in :func:`simulate_onebit_adam`)."""
     b1, b2 = betas
     p, zeros, hp, n = _start(world)
     m, v, v_fresh = zeros(), zeros(), zeros()
@@ -402,16 +406,20 @@ def simulate_onebit_lamb(
                 _floor_(v, floor)
                 v_fresh = [[x.clone() for x in v[r]] for r in range(world)]
         else:
+            d = [x.sqrt() + eps if preconditioned else torch.ones_like(x) for x in v[0]]
             if scaling is None:  # from the momentum at the end of warmup (same on every rank)
-                rms = [float(x.norm()) / math.sqrt(x.numel()) for x in m[0]]
+                rms = [
+                    float((x / dj).norm()) / math.sqrt(x.numel())
+                    for x, dj in zip(m[0], d, strict=True)
+                ]
                 scaling = [sum(rms) / P / s for s in rms]
             m_last = [[x.clone() for x in m[r]] for r in range(world)]
             for r in range(world):
                 for j in range(P):
-                    m[r][j] = (b1 * m[r][j] + (1 - b1) * grads[r][j]) * scaling[j]
+                    m[r][j] = (b1 * m[r][j] + (1 - b1) * grads[r][j]) * scaling[j] / d[j]
             avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
             for r in range(world):
-                m[r] = [x / scaling[j] for j, x in enumerate(_split(avg, m[r]))]
+                m[r] = [x * d[j] / scaling[j] for j, x in enumerate(_split(avg, m[r]))]
                 for j in range(P):
                     g_rec = (m[r][j] - b1 * m_last[r][j]) / (1 - b1)
                     v_fresh[r][j] = b2 * v_fresh[r][j] + (1 - b2) * g_rec**2
@@ -504,8 +512,6 @@ def _algo(algo: str, world: int, steps: int, robust: bool = False):
         hist, _ = simulate_zero_one_adam(world, steps, **hp, **sim)
         return lambda g: ZeroOneAdam(g, **hp, **kw), hist
     if algo == "onebit_lamb":
-        kw.pop("preconditioned_exchange")
-        sim.pop("preconditioned", None)
         return (
             lambda g: OneBitLamb(g, freeze_step=10, **kw),
             simulate_onebit_lamb(world, steps, freeze_step=10, **sim),
@@ -868,3 +874,28 @@ def test_zero_gradient_coordinates_stay_put_after_the_switch(algo: str) -> None:
     if algo != "onebit_lamb":  # (LAMB's trust ratio happens to tame it on this problem)
         exploded, _ = run(variance_floor=0.0, preconditioned_exchange=False)
         assert exploded > 1e3 * moved, (exploded, moved)
+
+
+def test_divergence_error_names_the_causes_it_can_see() -> None:
+    """DeepSpeed's arithmetic on a run with a zero-gradient tensor and a young variance: the
+    diverged error names both (and what to pass), not only "lower the learning rate"."""
+    live, dead = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.zeros(8))
+    opt = OneBitAdam([live, dead], freeze_step=5, variance_floor=0.0, preconditioned_exchange=False)
+    opt.param_names = {live: "live", dead: "dead.bias"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            live.grad, dead.grad = torch.randn(64), torch.zeros(8)
+            opt.step()
+        with pytest.raises(NonFiniteError) as info:
+            for _ in range(opt.max_consecutive_skips):
+                live.grad, dead.grad = torch.full((64,), float("nan")), torch.zeros(8)
+                opt.step()
+    msg = str(info.value)
+    assert "8 coordinates have a variance ~0 (dead.bias (8,): 8)" in msg
+    assert "variance_floor=0.01" in msg and "holds 0% of its steady state" in msg
+    assert "bias_correction=True" in msg and "lower the learning rate" in msg
+    # with the defaults and bias correction, only the generic advice remains
+    assert OneBitAdam([live], bias_correction=True)._divergence_hint() == (
+        "lower the learning rate or check the data"
+    )

@@ -100,10 +100,12 @@ class OneBitLamb(OneBitOptimizer):
         average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
             (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
-        bias_correction, variance_floor: see :class:`~lightning_onebit.optim.OneBitOptimizer`
-            (with bias correction, 1c uses the bias-corrected moments; the trust ratio is
-            invariant to their scale except through its clamps and ``eps``).
-            ``variance_floor=0`` is DeepSpeed's arithmetic.
+        bias_correction, variance_floor, preconditioned_exchange: see
+            :class:`~lightning_onebit.optim.OneBitOptimizer` (with bias correction, 1c uses the
+            bias-corrected moments; the trust ratio is invariant to their scale except through
+            its clamps and ``eps``). With ``preconditioned_exchange`` (default) 3a and 3b work on
+            ``m / (sqrt(v) + eps)``, and 3c multiplies the result back by ``sqrt(v) + eps``.
+            ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
     """
 
     PHASES = ("warmup", "compression")
@@ -136,6 +138,7 @@ class OneBitLamb(OneBitOptimizer):
         average_dtype: torch.dtype | str = torch.float32,
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
+        preconditioned_exchange: bool = True,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         _check_real("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
@@ -162,6 +165,7 @@ class OneBitLamb(OneBitOptimizer):
             amsgrad=amsgrad,
             bias_correction=bias_correction,
             variance_floor=variance_floor,
+            preconditioned_exchange=preconditioned_exchange,
         )
         # hyperparameters
         self.freeze_step = freeze_step
@@ -197,10 +201,13 @@ class OneBitLamb(OneBitOptimizer):
         self._compute_scaling()
 
     def _compute_scaling(self) -> None:
-        """3a. per-layer scaling so that one 1-bit scale fits every layer."""
-        rms = torch.stack(
-            [mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in self._views["exp_avg"]]
-        )
+        """3a. per-layer scaling so that one 1-bit scale fits every layer (of what is exchanged:
+        ``m``, or ``m / (sqrt(v) + eps)`` with ``preconditioned_exchange``)."""
+        m = self._views["exp_avg"]
+        if self.preconditioned_exchange:
+            d = self._frozen_denominator()[1]
+            m = [mk / dk for mk, dk in zip(m, d, strict=True)]
+        rms = torch.stack([mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in m])
         scaling = self._scalars["scaling_coeff"]
         scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
         self.scaling_coeff_ready = True
@@ -210,13 +217,17 @@ class OneBitLamb(OneBitOptimizer):
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
-        (two sweeps per layer, the scaling folded into the coefficients)."""
+        (two sweeps per layer, the scaling folded into the coefficients), divided by
+        ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
         m, g, u = self._views["exp_avg"], self._views["grad"], self._views["update"]
+        d = self._frozen_denominator()[1] if self.preconditioned_exchange else None
         scaling = self._scalars["scaling_coeff"].tolist()
         for j, o in enumerate(self._layout.offsets):
             if s.start <= o < s.stop:
                 beta1, c = self.param_groups[self._layout.group_of[j]]["betas"][0], scaling[j]
                 torch.mul(m[j], beta1 * c, out=u[j]).add_(g[j], alpha=(1 - beta1) * c)
+                if d is not None:
+                    u[j].div_(d[j])
         return self._work["update"][s]
 
     def _per_layer_values(self, key: str) -> list[float]:
@@ -278,11 +289,13 @@ class OneBitLamb(OneBitOptimizer):
         x = self._work["exchanged"]
         self._compressed_average_(self._exchange_source, out=x)
         self._apply_exp_avg_mask_(x)
+        d, _ = self._frozen_denominator()  # sqrt(v) + eps, computed once: v is frozen
+        if self.preconditioned_exchange:  # it was exchanged divided by sqrt(v) + eps
+            x.mul_(d)
         # 3c (unscaling), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
         # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
         # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
         p = self._gather_params() if self._any_weight_decay() else None
-        d, _ = self._frozen_denominator()  # sqrt(v) + eps, computed once: v is frozen
         hparams = ("beta1", "beta2", "eps", "weight_decay")
         stats = lamb_frozen_update(
             x,

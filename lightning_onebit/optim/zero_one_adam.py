@@ -194,8 +194,8 @@ class ZeroOneAdam(OneBitOptimizer):
         if self._consecutive_skips >= self.max_consecutive_skips:
             raise NonFiniteError(
                 f"0/1 Adam: {self._consecutive_skips} local steps in a row had a non-finite "
-                f"gradient on rank {self._exchange.rank}: lower the learning rate or check the "
-                "data, and resume from the last checkpoint"
+                f"gradient on rank {self._exchange.rank}: {self._divergence_hint()}, and resume "
+                "from the last checkpoint"
             )
         warnings.warn(
             f"0/1 Adam: non-finite local gradient at step {self.step_count} on rank "
