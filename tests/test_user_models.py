@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 #: 1-bit LAMB's learning rate per model (``OneBitStrategy(lamb_lr=...)``): LAMB's trust ratio
 #: wants its own lr, not Adam's
-LAMB_LR = dict.fromkeys(MODELS, 1e-2)
+LAMB_LR = {**dict.fromkeys(MODELS, 1e-2), "bert": 3e-3}  # at 1e-2 BERT's LayerNorms blow up
 
 _ddp: dict[str, list[dict]] = {}
 
@@ -60,7 +60,9 @@ def _problems(c: dict[str, Any], loss_limit: float) -> list[str]:
 
 #: (model, algorithm) pairs that do not meet the bar yet (strict: a pass is reported)
 KNOWN = {
-    ("bert", "onebit_adam"): "value.bias: 1-bit noise of ~lr per step on a bias DDP moves 0.016",
+    ("bert", "onebit_adam"): "one coordinate of value.bias reaches 0.17 (14x DDP's 0.012): 1-bit "
+    "error of ~lr per step on a bias that DDP barely moves",
+    ("bert", "zero_one_adam"): "intermediate.dense.bias 10.2x DDP's (same cause)",
 }
 
 
@@ -84,12 +86,9 @@ def test_trains_like_ddp(name: str, algo: str, tmp_path_factory: pytest.TempPath
     assert not problems, f"{name} under {algo}: " + "; ".join(problems)
 
 
-#: models on which 1-bit LAMB (at lamb_lr 1e-2) does not meet the bar yet
+#: models on which 1-bit LAMB (at LAMB_LR) does not meet the bar yet
 KNOWN_LAMB = {
-    "dead_relu": "1.28x the loss of LAMB never frozen",
-    "bert": "unused token-type rows reach 48x DDP's: the floored rows' 1-bit noise, amplified "
-    "by the frozen trust ratio (LAMB has no preconditioned exchange yet)",
-    "vit": "2.2x the loss of LAMB never frozen; k_proj.weight 14x DDP's",
+    "dead_relu": "1.47x the loss of LAMB never frozen (loss 1.33x DDP + Adam's)",
 }
 
 
