@@ -88,7 +88,9 @@ def test_trains_like_ddp(name: str, algo: str, tmp_path_factory: pytest.TempPath
 
 #: models on which 1-bit LAMB (at LAMB_LR) does not meet the bar yet
 KNOWN_LAMB = {
-    "dead_relu": "1.47x the loss of LAMB never frozen (loss 1.33x DDP + Adam's)",
+    "dead_relu": "1.29x the loss of LAMB never frozen",
+    "vit": "2.2x the loss of LAMB never frozen; k_proj.weight 14x DDP's (with "
+    "preconditioned_exchange=True: 1.0x and 4x, but the demo GPT loses 10%)",
 }
 
 
