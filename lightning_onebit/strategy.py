@@ -4,8 +4,8 @@ What it changes relative to :class:`~lightning.pytorch.strategies.DDPStrategy`:
 
 * **The optimizer.** ``configure_optimizers`` may return ``torch.optim.Adam``/``AdamW`` (with or
   without LR schedulers, with any param groups): the strategy replaces it by the chosen 1-bit
-  optimizer, carrying over lr, betas, eps, weight_decay and the groups, and re-points the
-  schedulers. One of our optimizers (:mod:`lightning_onebit.optim`) is used as is.
+  optimizer, carrying over the groups with every key in them (lr, betas, eps, weight_decay and
+  what LR schedulers store there), and re-points the schedulers (the ones they hold included). One of our optimizers (:mod:`lightning_onebit.optim`) is used as is.
 * **DDP's gradient allreduce.** A DDP communication hook, registered on every device (Lightning
   registers hooks only on CUDA), averages gradients in full precision on the steps whose
   optimizer needs that (warmup; 0/1 Adam's variance steps) and sends nothing otherwise: those
@@ -60,6 +60,25 @@ ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "zero_one_adam": ZeroOneAdam,
     "onebit_lamb": OneBitLamb,
 }
+#: torch Adam/AdamW group keys that are implementation switches the 1-bit optimizers lack
+_TORCH_ONLY = (
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
+#: learning rates that converting to 1-bit LAMB with ``lamb_lr`` rescales: param-group keys
+#: (torch's schedulers keep their own there) and LR scheduler attributes
+_LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+_TORCH_SCHEDULER_GROUP_KEYS = ("max_momentum", "base_momentum")
+_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "eta_min", "_last_lr")
+_SCHEDULER_TYPES = (
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+)
 _ROBUST_OPTIONS = ("bias_correction", "variance_floor", "preconditioned_exchange")
 _ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
     "onebit_adam": _ROBUST_OPTIONS,
@@ -189,9 +208,10 @@ class OneBitStrategy(DDPStrategy):
             off for 1-bit LAMB, where it worsened the demo's loss from -5.3% to +4.8%).
         lamb_lr: 1-bit LAMB's learning rate when converting a torch Adam/AdamW to
             ``onebit_lamb``. LAMB scales each layer's step by a trust ratio ``||p|| / ||u||``,
-            so Adam's lr is rarely right for it: the groups' learning rates (and LR schedulers'
-            base learning rates) are multiplied by ``lamb_lr / lr``. ``None`` keeps Adam's lr,
-            with a warning.
+            so Adam's lr is rarely right for it: every learning rate in the groups and in torch's
+            LR schedulers (``base_lrs``, ``max_lr``, ``eta_min``, ...) is multiplied by
+            ``lamb_lr / lr`` (a scheduler of your own gets a warning: its own learning rates
+            cannot be found). ``None`` keeps Adam's lr, with a warning.
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
         overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB
             (``optimizer.overlap_with_backward``); ``None`` exchanges in ``optimizer.step()``
@@ -294,6 +314,7 @@ class OneBitStrategy(DDPStrategy):
         self._hook_state: _HookState | None = None
         self._rank_state: dict[str, Any] | None = None
         self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
+        self._lr_scale = 1.0  # what the conversion multiplied the learning rates by
 
     def _validate_optimizer_options(self) -> None:
         """Build throwaway optimizers: their constructors validate every hyperparameter now,
@@ -516,7 +537,9 @@ class OneBitStrategy(DDPStrategy):
             new = self._convert(original)
             self._converted_optimizer = True
             for config in self.lr_scheduler_configs:
-                _repoint_scheduler(config.scheduler, original, new)
+                _repoint_scheduler(config.scheduler, original, new, self._lr_scale)
+            if self._lr_scale != 1.0:
+                self._warn_about_unscaled_schedulers(original)
             self.optimizers = [new]
         else:
             raise MisconfigurationException(
@@ -553,23 +576,21 @@ class OneBitStrategy(DDPStrategy):
                 UserWarning,
                 stacklevel=2,
             )
-        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr", "exp_avg_mask")
+        # Every group key is kept (LR schedulers store their own there: OneCycleLR's max_lr,
+        # min_lr, max_momentum, ...), except the torch implementation switches ours lack.
         groups = [
-            {"params": g["params"], **{k: _plain(g[k]) for k in keep if k in g}}
+            {k: v if k == "params" else _plain(v) for k, v in g.items() if k not in _TORCH_ONLY}
             for g in original.param_groups
         ]
         defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
         lr_scale = self._lamb_lr_scale(defaults.get("lr"))
         if lr_scale != 1.0:
             for g in groups:
-                for k in ("lr", "initial_lr"):
-                    if k in g:
+                for k in _LR_GROUP_KEYS:
+                    if isinstance(g.get(k), (int, float)):
                         g[k] *= lr_scale
             defaults["lr"] *= lr_scale
-            for config in self.lr_scheduler_configs:
-                base = getattr(config.scheduler, "base_lrs", None)
-                if isinstance(base, list):
-                    config.scheduler.base_lrs = [b * lr_scale for b in base]
+        self._lr_scale = lr_scale
         kw = self._algorithm_kwargs(cls, defaults)
         new = cls(groups, **kw)
         robust = ", ".join(f"{k}={getattr(new, k)}" for k in _ROBUST_OPTIONS)
@@ -579,6 +600,29 @@ class OneBitStrategy(DDPStrategy):
             f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')}; {robust})"
         )
         return new
+
+    def _warn_about_unscaled_schedulers(self, original: torch.optim.Optimizer) -> None:
+        """``lamb_lr`` rescales what torch's schedulers hold; a user's own may hold more."""
+        custom = sorted(
+            {
+                type(s).__name__
+                for config in self.lr_scheduler_configs
+                for s in _schedulers_within(config.scheduler)
+                if not type(s).__module__.startswith("torch.")
+            }
+        )
+        if not custom:
+            return
+        known = {"params", *_LR_GROUP_KEYS, *original.defaults, *_TORCH_SCHEDULER_GROUP_KEYS}
+        keys = sorted({k for g in original.param_groups for k in g if k not in known})
+        rank_zero_warn(
+            f"lamb_lr rescaled the learning rates in the param groups ({', '.join(_LR_GROUP_KEYS)}) "
+            f"and those torch's LR schedulers hold, but {', '.join(custom)} is not one of torch's: "
+            "learning rates it keeps elsewhere"
+            + (f" (param-group keys {keys})" if keys else "")
+            + " were not rescaled. Return lightning_onebit.OneBitLamb(lr=...) from "
+            "configure_optimizers to build the schedule for LAMB's lr yourself"
+        )
 
     def _lamb_lr_scale(self, adam_lr: float | None) -> float:
         """What converting Adam/AdamW to 1-bit LAMB multiplies the learning rates by."""
@@ -783,15 +827,38 @@ def _plain(value: Any) -> Any:
 
 
 def _repoint_scheduler(
-    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer
+    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer, lr_scale: float = 1.0
 ) -> None:
-    """Make an LR scheduler built for ``old`` drive ``new`` (same groups, same order)."""
-    if getattr(scheduler, "optimizer", None) is not old:
+    """Make an LR scheduler built for ``old`` drive ``new`` (same groups, same order).
+
+    Every reference to ``old`` is replaced, in the scheduler and in the schedulers it holds
+    (SequentialLR's and ChainedScheduler's children, or a custom scheduler's), and their
+    absolute learning rates (``base_lrs``, ``eta_min``, ...) are multiplied by ``lr_scale``.
+    """
+    found = False
+    for obj in _schedulers_within(scheduler):
+        for key, value in vars(obj).items():
+            if value is old:
+                setattr(obj, key, new)
+                found = True
+            elif isinstance(value, list) and any(v is old for v in value):
+                setattr(obj, key, [new if v is old else v for v in value])
+                found = True
+        if lr_scale != 1.0:
+            for key in _LR_SCHEDULER_ATTRS:
+                value = getattr(obj, key, None)
+                if isinstance(value, list):
+                    setattr(obj, key, [v * lr_scale for v in value])
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    setattr(obj, key, value * lr_scale)
+    if not found:
         raise MisconfigurationException(
-            f"LR scheduler {type(scheduler).__name__} does not drive the optimizer returned by configure_optimizers"
+            f"LR scheduler {type(scheduler).__name__} does not drive the optimizer returned by "
+            "configure_optimizers: build it on that optimizer"
         )
-    scheduler.optimizer = new
     # torch wraps optimizer.step to warn when scheduler.step() comes first; wrap the new one too
+    if hasattr(new.step, "_wrapped_by_lr_sched"):
+        return
     step = new.step
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -799,8 +866,23 @@ def _repoint_scheduler(
         return step(*args, **kwargs)
 
     wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    if not hasattr(new.step, "_wrapped_by_lr_sched"):
-        new.step = wrapped  # type: ignore[method-assign]
+    new.step = wrapped  # type: ignore[method-assign]
+
+
+def _schedulers_within(scheduler: Any) -> list[Any]:
+    """``scheduler`` and every scheduler it holds, at any depth (each once)."""
+    found: list[Any] = []
+    todo = [scheduler]
+    while todo:
+        obj = todo.pop()
+        if any(obj is f for f in found):
+            continue
+        found.append(obj)
+        for value in vars(obj).values():
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, _SCHEDULER_TYPES):
+                    todo.append(v)
+    return found
 
 
 def _synced_scaler(scaler: torch.amp.GradScaler) -> _RankSyncedGradScaler:
