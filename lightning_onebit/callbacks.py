@@ -79,6 +79,7 @@ class CompressionScheduler(Callback):
         self.switched_at: int | None = None  # the last optimizer step before compression
         self._snapshot: torch.Tensor | None = None
         self._last_logged_step: tuple[int, int] = (-1, -1)
+        self._restored = False  # state loaded from a checkpoint, not yet used by a fit
 
     # ------------------------------------------------------------------ helpers
 
@@ -116,6 +117,16 @@ class CompressionScheduler(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         opt = self._optimizer(trainer)
+        restored, self._restored = self._restored, False
+        if not restored:  # a new run (or a second fit of this Trainer without a checkpoint)
+            self.switched_at, self._snapshot = None, None
+        if restored and self.switched_at is not None:
+            # (the optimizer's own state, its phase included, is restored after this hook)
+            rank_zero_info(
+                f"{type(opt).__name__}: resuming in the {opt.PHASES[1]} phase (1-bit exchange "
+                f"since optimizer step {self.switched_at + 1})"
+            )
+            return
         fs = self.freeze_step
         if fs is None and getattr(trainer.strategy, "_converted_optimizer", False):
             fs = _DEFAULT_FRACTION
@@ -126,7 +137,13 @@ class CompressionScheduler(Callback):
                 opt, self.switch_step, total, f"{type(opt).__name__}.{opt._switch_attr}"
             )
             return
-        if isinstance(fs, float):
+        how = ""
+        if isinstance(fs, float) and restored and self.switch_step is not None:
+            # the run decided its switch when it started (a fraction of that fit's steps): a
+            # resumed fit with another max_steps must not move it
+            step = self.switch_step
+            how = f" (freeze_step={fs} of the run as it started, from the checkpoint)"
+        elif isinstance(fs, float):
             if not math.isfinite(total):
                 raise ValueError(
                     f"freeze_step={fs} is a fraction of the run's steps, but the run has no step limit; "
@@ -140,7 +157,7 @@ class CompressionScheduler(Callback):
         self.switch_step = step
         if step < total:
             rank_zero_info(
-                f"1-bit compression starts after optimizer step {step} ({type(opt).__name__})"
+                f"1-bit compression starts after optimizer step {step}{how} ({type(opt).__name__})"
             )
 
     @override
@@ -218,6 +235,7 @@ class CompressionScheduler(Callback):
         self.switch_step = state_dict.get("switch_step")
         self.switched_at = state_dict.get("switched_at")
         self._snapshot = state_dict.get("snapshot")
+        self._restored = True
 
 
 def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:

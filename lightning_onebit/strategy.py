@@ -642,7 +642,7 @@ class OneBitStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     def _rank_file(self, filepath: _PATH) -> str:
-        return f"{os.fspath(filepath)}.onebit-rank{self.global_rank}-of-{self.world_size}"
+        return _rank_file_name(filepath, self.global_rank, self.world_size)
 
     @override
     def save_checkpoint(
@@ -656,7 +656,8 @@ class OneBitStrategy(DDPStrategy):
                 "world_size": self.world_size,
                 "rank": self.global_rank,
                 "global_step": checkpoint.get("global_step"),
-                "optimizer": opt.state_dict(),
+                # only what differs across ranks: the checkpoint holds the rest once
+                "optimizer": opt.rank_state_dict(),
                 # 0/1 Adam's local steps: parameters differ per rank until the next sync
                 "model": self.lightning_module.state_dict()
                 if opt.params_differ_across_ranks
@@ -665,11 +666,13 @@ class OneBitStrategy(DDPStrategy):
             rank_file = self._rank_file(filepath)
             get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
             _save_atomically(rank_state, rank_file)
-            # what a resume with another world size (or without this rank file) needs to know
+            # what a resume from a copy, with another world size, or without this rank file
+            # needs to know
             checkpoint["onebit"] = {
                 "world_size": self.world_size,
                 "optimizer": type(opt).__name__,
                 "params_differ_across_ranks": opt.params_differ_across_ranks,
+                "saved_as": os.fspath(filepath),
             }
             # rank 0's error buffers do not belong in the checkpoint every rank loads
             for state in checkpoint.get("optimizer_states", []):
@@ -691,40 +694,57 @@ class OneBitStrategy(DDPStrategy):
     ) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._rank_state = None
-        rank_file = self._rank_file(checkpoint_path)
-        if get_filesystem(rank_file).exists(rank_file):
-            state = pl_load(rank_file, weights_only=False)
-            if state.get("global_step") != checkpoint.get("global_step"):
-                warnings.warn(
-                    f"{rank_file} is from step {state.get('global_step')} but the checkpoint from step "
-                    f"{checkpoint.get('global_step')}: ignoring it; this rank's error buffers restart from zero"
-                    + _local_phase_note(checkpoint, every_rank=False),
-                    UserWarning,
-                    stacklevel=2,
-                )
-            else:
-                self._rank_state = state
-        elif "optimizer_states" in checkpoint:
-            path = Path(os.fspath(checkpoint_path))  # only to name what is there instead
-            saved = sorted(p.name for p in path.parent.glob(path.name + ".onebit-rank*"))
-            saved_world = (checkpoint.get("onebit") or {}).get("world_size")
-            if saved_world is None and saved:  # a checkpoint from before the "onebit" entry
-                saved_world = int(saved[0].rsplit("-of-", 1)[-1])
-            changed = saved_world is not None and saved_world != self.world_size
+        if "optimizer_states" not in checkpoint:  # weights only: nothing per rank to restore
+            return checkpoint
+        state, looked = _find_rank_state(
+            checkpoint_path, checkpoint, self.global_rank, self.world_size
+        )
+        self._rank_state = state
+        if self.global_rank == 0:  # one message for every rank, from rank 0
+            note = self._rank_files_note(
+                checkpoint_path, checkpoint, found=state is not None, looked=looked
+            )
+            if note:
+                rank_zero_warn(note)
+        elif state is None and any("from step" in p for p in looked):  # what rank 0 cannot see
             warnings.warn(
-                f"no per-rank 1-bit state for rank {self.global_rank} of {self.world_size} beside "
-                f"{checkpoint_path} (found: {saved or 'none'})"
-                + (
-                    f": the world size changed from {saved_world} to {self.world_size}"
-                    if changed
-                    else ""
-                )
-                + "; resuming with this rank's 1-bit error buffers reset to zero"
-                + _local_phase_note(checkpoint, every_rank=changed),
+                f"rank {self.global_rank}: no per-rank 1-bit state from the checkpoint's step "
+                f"(looked for {', '.join(looked)}); this rank's error buffers restart from zero",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=1,
             )
         return checkpoint
+
+    def _rank_files_note(
+        self, path: _PATH, checkpoint: Mapping[str, Any], found: bool, looked: list[str]
+    ) -> str:
+        """What rank 0 sees of every rank's file (the filesystem is shared in the usual case)."""
+        missing: dict[int, list[str]] = {} if found else {0: looked}
+        for r in range(1, self.world_size):
+            there, where = _find_rank_state(path, checkpoint, r, self.world_size, load=False)
+            if not there:
+                missing[r] = where
+        if not missing:
+            return ""
+        p = Path(os.fspath(path))  # only to name what is there instead
+        saved = sorted(q.name for q in p.parent.glob(p.name + ".onebit-rank*"))
+        saved_world = (checkpoint.get("onebit") or {}).get("world_size")
+        if saved_world is None and saved:  # a checkpoint from before the "onebit" entry
+            saved_world = int(saved[0].rsplit("-of-", 1)[-1])
+        changed = saved_world is not None and saved_world != self.world_size
+        who = "every rank" if len(missing) == self.world_size else f"ranks {sorted(missing)}"
+        first, where = next(iter(missing.items()))
+        return (
+            f"no per-rank 1-bit state for {who} of {self.world_size} (rank {first}: looked for "
+            f"{', '.join(where)}; found beside {p.name}: {', '.join(saved) or 'none'})"
+            + (
+                f": the world size changed from {saved_world} to {self.world_size}"
+                if changed
+                else ""
+            )
+            + "; resuming with the 1-bit error buffers of those ranks reset to zero"
+            + _local_phase_note(checkpoint, every_rank=changed or len(missing) == self.world_size)
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -738,15 +758,56 @@ class OneBitStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         if self._rank_state is not None:
-            self.onebit_optimizer.load_state_dict(self._rank_state["optimizer"])
+            self.onebit_optimizer.load_rank_state_dict(self._rank_state["optimizer"])
         self._rank_state = None
 
 
 # ---------------------------------------------------------------------- helpers
 
 
+def _rank_file_name(checkpoint_path: _PATH, rank: int, world_size: int) -> str:
+    return f"{os.fspath(checkpoint_path)}.onebit-rank{rank}-of-{world_size}"
+
+
+def _find_rank_state(
+    checkpoint_path: _PATH,
+    checkpoint: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    load: bool = True,
+) -> tuple[Any, list[str]]:
+    """Rank ``rank``'s file for ``checkpoint`` (its content; with ``load=False`` only whether
+    there is one), and the paths looked at.
+
+    Beside the path the user resumes from, else beside the file a symlink points to
+    (``ModelCheckpoint(save_last="link")``), else beside the path the checkpoint was saved at
+    (a copy). A loaded file counts only if it is from the checkpoint's step.
+    """
+    candidates = [os.fspath(checkpoint_path)]
+    fs = get_filesystem(candidates[0])
+    if isinstance(fs, LocalFileSystem) and os.path.islink(candidates[0]):
+        candidates.append(os.path.realpath(candidates[0]))
+    saved_as = (checkpoint.get("onebit") or {}).get("saved_as")
+    if saved_as:
+        candidates.append(saved_as)
+    looked: list[str] = []
+    for candidate in dict.fromkeys(candidates):
+        rank_file = _rank_file_name(candidate, rank, world_size)
+        fs = get_filesystem(rank_file)
+        if not fs.exists(rank_file):
+            looked.append(rank_file)
+            continue
+        if not load:
+            return True, looked
+        state = pl_load(rank_file, weights_only=False)
+        if state.get("global_step") == checkpoint.get("global_step"):
+            return state, looked
+        looked.append(f"{rank_file} (from step {state.get('global_step')})")
+    return None, looked
+
+
 def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
-    """What a resume without this rank's file does to parameters that differ across ranks."""
+    """What a resume without some ranks' files does to parameters that differ across ranks."""
     meta = checkpoint.get("onebit") or {}
     differ = meta.get("params_differ_across_ranks")
     if differ is None:  # a checkpoint from before the "onebit" entry: 0/1 Adam's local phase
@@ -757,7 +818,7 @@ def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
         )
     if not differ:
         return ""
-    who = "every rank resumes" if every_rank else "this rank resumes"
+    who = "every rank resumes" if every_rank else "those ranks resume"
     return (
         "; the checkpoint was taken between two synchronisations of 0/1 Adam's local phase, when "
         f"each rank had its own parameters and momenta: {who} from rank 0's (the ones in the "

@@ -125,6 +125,7 @@ def test_local_phase_checkpoint_keeps_each_ranks_parameters(local_phase_checkpoi
         "world_size": 2,
         "optimizer": "ZeroOneAdam",
         "params_differ_across_ranks": True,
+        "saved_as": str(local_phase_checkpoint),
     }
     models = _saved_models(local_phase_checkpoint)
     assert len(models) == 2 and all(m is not None for m in models)
@@ -168,17 +169,21 @@ def test_local_phase_other_world_size_continues_from_identical_parameters(
         # every rank starts from rank 0's parameters: identical across the new ranks
         for k, v in rank0.items():
             assert torch.equal(start[r]["params"][k], v), f"rank {r}: {k}"
-        (warning,) = [w for w in start[r]["warnings"] if "per-rank 1-bit state" in w]
-        for part in (
-            f"rank {r} of {devices}",
-            f"world size changed from 2 to {devices}",
-            "error buffers reset to zero",
-            "between two synchronisations of 0/1 Adam's local phase",
-            "every rank resumes from rank 0's",
-            "local steps the other ranks took since the last synchronisation are dropped",
-            "all ranks start from identical parameters",
-        ):
-            assert part in warning, f"{part!r} not in: {warning}"
+        # one warning, from rank 0
+        warned = [w for w in start[r]["warnings"] if "per-rank 1-bit state" in w]
+        assert len(warned) == (r == 0), warned
+    (warning,) = [w for w in start[0]["warnings"] if "per-rank 1-bit state" in w]
+    for part in (
+        f"every rank of {devices}",
+        f"world size changed from 2 to {devices}",
+        "error buffers of those ranks reset to zero",
+        "between two synchronisations of 0/1 Adam's local phase",
+        "every rank resumes from rank 0's",
+        "local steps the other ranks took since the last synchronisation are dropped",
+        "all ranks start from identical parameters",
+    ):
+        assert part in warning, f"{part!r} not in: {warning}"
+    for r in range(devices):
         assert end[r]["step_count"] == TOTAL
         assert math.isfinite(end[r]["metrics"]["train_loss"])
         assert all(torch.isfinite(v).all() for v in end[r]["params"].values())
@@ -232,17 +237,39 @@ def test_rank_file_present_restores_the_error_buffers(
     assert not [w for w in start["warnings"] if "1-bit" in w], start["warnings"]
 
 
+def _without_saved_as(ckpt: Path) -> None:
+    """A checkpoint that does not say where it was saved (as before 0.3): only the rank files
+    beside it count."""
+    checkpoint = torch.load(ckpt, weights_only=False)
+    checkpoint["onebit"].pop("saved_as")
+    torch.save(checkpoint, ckpt)
+
+
+def test_copy_without_rank_files_finds_them_where_it_was_saved(
+    single_rank_checkpoints: dict[int, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "c").mkdir()
+    ckpt = tmp_path / "c" / "copy.ckpt"
+    shutil.copy(single_rank_checkpoints[12], ckpt)  # e.g. a callback that copies the best one
+    start = _single_resume(tmp_path, ckpt)
+    assert start["exchange"] is not None and start["step_count"] == 12
+    assert not [w for w in start["warnings"] if "1-bit" in w], start["warnings"]
+
+
 def test_missing_rank_file_warns_and_resets(
     single_rank_checkpoints: dict[int, Path], tmp_path: Path
 ) -> None:
     ckpt = _copy(single_rank_checkpoints[12], tmp_path / "c")
     for f in _rank_files(ckpt):
         f.unlink()
+    _without_saved_as(ckpt)
     start = _single_resume(tmp_path, ckpt)
     assert start["exchange"] is None and start["step_count"] == 12
     (warning,) = [w for w in start["warnings"] if "per-rank 1-bit state" in w]
-    assert "rank 0 of 1" in warning and "found: none" in warning
-    assert "error buffers reset to zero" in warning and "world size changed" not in warning
+    assert f"every rank of 1 (rank 0: looked for {ckpt}.onebit-rank0-of-1;" in warning
+    assert "found beside" in warning and ": none)" in warning
+    assert "error buffers of those ranks reset to zero" in warning
+    assert "world size changed" not in warning
 
 
 def test_rank_file_from_another_step_is_ignored_with_a_warning(
@@ -252,11 +279,12 @@ def test_rank_file_from_another_step_is_ignored_with_a_warning(
     (stale,) = _rank_files(single_rank_checkpoints[8])
     (rank_file,) = _rank_files(ckpt)
     shutil.copy(stale, rank_file)  # e.g. a rank file left over from an overwritten checkpoint
+    _without_saved_as(ckpt)
     start = _single_resume(tmp_path, ckpt)
     assert start["exchange"] is None and start["step_count"] == 12
-    (warning,) = [w for w in start["warnings"] if "is from step" in w]
-    assert "is from step 8 but the checkpoint from step 12" in warning
-    assert "ignoring it" in warning and "error buffers restart from zero" in warning
+    (warning,) = [w for w in start["warnings"] if "per-rank 1-bit state" in w]
+    assert f"looked for {rank_file} (from step 8)" in warning
+    assert "error buffers of those ranks reset to zero" in warning
 
 
 # --------------------------------------------------------------------------- atomic write

@@ -411,7 +411,7 @@ def test_resume_without_rank_files_resets_error_buffers_with_a_warning(tmp_path:
     path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
     for r in range(2):
         Path(f"{path}.onebit-rank{r}-of-2").unlink()
-    with pytest.warns(UserWarning, match="error buffers reset"):
+    with pytest.warns(UserWarning, match="error buffers of those ranks reset"):
         # devices=1: the warning is raised in this process (no fork)
         records = _fit(
             tmp_path / "b", OneBitStrategy(freeze_step=4), devices=1, steps=12, ckpt_path=str(path)

@@ -7,13 +7,17 @@ resume, files on disk).
 
 from __future__ import annotations
 
+import logging
+import shutil
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.optim import lr_scheduler as sched
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,11 +29,13 @@ STEPS = 12
 class Regression(L.LightningModule):
     """A linear regression whose ``configure_optimizers`` builds Adam and ``make_scheduler``'s."""
 
-    def __init__(self, make_scheduler: Callable[[torch.optim.Optimizer], dict], lr: float) -> None:
+    def __init__(
+        self, make_scheduler: Callable[[torch.optim.Optimizer], dict], lr: float, width: int = 16
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
         )
         self.make_scheduler = make_scheduler
         self.lr = lr
@@ -141,3 +147,177 @@ def test_every_lr_scheduler_drives_the_converted_optimizer_as_under_ddp(name: st
     assert _trace(lamb, name) == [
         [(pytest.approx(lr * 10, rel=1e-9), b1) for lr, b1 in step] for step in ddp
     ]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class Record(Callback):
+    """Every rank writes its parameters and optimizer step count at the end of fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = trainer.strategy.optimizers[0]
+        record = {
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "step_count": getattr(getattr(opt, "_optimizer", opt), "step_count", None),
+        }
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _no_scheduler(opt: torch.optim.Optimizer) -> dict:
+    return _step(sched.LambdaLR(opt, lambda s: 1.0))
+
+
+def _fit2(
+    tmp: Path,
+    strategy: Any,
+    max_steps: int,
+    callbacks: list[Callback] = (),  # type: ignore[assignment]
+    ckpt_path: str | Path | None = None,
+    epoch_steps: int = 6,
+    console: Path | None = None,
+    width: int = 16,
+    **trainer_kw: Any,
+) -> list[dict]:
+    """A 2-rank fit (fork-started) of the regression; epochs of ``epoch_steps`` steps, so a run
+    resumed at an epoch boundary sees exactly the batches of an uninterrupted one."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(epoch_steps * 16 * 2, 8, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16, shuffle=True)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record(tmp), *callbacks],
+        default_root_dir=tmp,
+        **trainer_kw,
+    )
+    handler = logging.FileHandler(console) if console else None
+    logger = logging.getLogger("lightning.pytorch")
+    if handler:  # the forked ranks inherit it
+        logger.addHandler(handler)
+    try:
+        trainer.fit(Regression(_no_scheduler, 3e-3, width), loader, ckpt_path=ckpt_path)
+    finally:
+        if handler:
+            logger.removeHandler(handler)
+            handler.close()
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _assert_bitwise_equal(a: list[dict], b: list[dict]) -> None:
+    for r in range(2):
+        assert a[r]["step_count"] == b[r]["step_count"]
+        for k, v in a[r]["params"].items():
+            assert torch.equal(v, b[r]["params"][k]), f"rank {r}: {k} differs"
+
+
+def _onebit() -> OneBitStrategy:
+    return OneBitStrategy(freeze_step=3, start_method="fork")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _fit2(tmp_path_factory.mktemp("full"), _onebit(), max_steps=12)
+
+
+@pytest.mark.parametrize("how", ["save_last=link", "save_last=True", "save_top_k", "a copy"])
+def test_resume_through_every_checkpoint_option_is_exact(
+    uninterrupted: list[dict], tmp_path: Path, how: str
+) -> None:
+    opts = {
+        "save_last=link": {"save_last": "link", "save_top_k": 1},
+        "save_last=True": {"save_last": True, "save_top_k": 0},
+        "save_top_k": {"save_top_k": 2, "monitor": "plateau", "mode": "max"},
+        "a copy": {"save_top_k": -1},
+    }[how]
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, **opts)
+    _fit2(tmp_path / "first", _onebit(), max_steps=6, callbacks=[ckpt])
+    if how.startswith("save_last"):
+        path = tmp_path / "ckpt" / "last.ckpt"
+        assert path.is_symlink() == (how == "save_last=link")
+    elif how == "save_top_k":
+        path = Path(ckpt.best_model_path)
+    else:  # copied elsewhere without its rank files, e.g. by the user's own callback
+        (tmp_path / "kept").mkdir()
+        path = tmp_path / "kept" / "model.ckpt"
+        shutil.copy(ckpt.best_model_path or next((tmp_path / "ckpt").glob("*.ckpt")), path)
+    with warnings.catch_warnings():  # (the forked ranks inherit the filter)
+        warnings.filterwarnings("error", ".*per-rank 1-bit state.*")  # no reset on any rank
+        resumed = _fit2(tmp_path / "second", _onebit(), max_steps=12, ckpt_path=path)
+    _assert_bitwise_equal(resumed, uninterrupted)
+
+
+def test_a_fractional_switch_belongs_to_the_run_across_a_resume(tmp_path: Path) -> None:
+    """freeze_step=0.5 of a 16-step run switches after step 8. The run stops after 6 steps
+    (one epoch, as a preempted job) and is resumed with max_steps=32: it still switches after
+    step 8 (not 0.5 * 32), exactly as a run with freeze_step=8 does."""
+    single = _fit2(
+        tmp_path / "single", OneBitStrategy(freeze_step=8, start_method="fork"), max_steps=32
+    )
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+
+    def half() -> OneBitStrategy:
+        return OneBitStrategy(freeze_step=0.5, start_method="fork")
+
+    _fit2(tmp_path / "a", half(), max_steps=16, max_epochs=1, callbacks=[ckpt])
+    console = tmp_path / "console.txt"
+    resumed = _fit2(
+        tmp_path / "b",
+        half(),
+        max_steps=32,
+        ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt",
+        console=console,
+    )
+    _assert_bitwise_equal(resumed, single)
+    text = console.read_text()
+    assert (
+        "1-bit compression starts after optimizer step 8 (freeze_step=0.5 of the run as it "
+        "started, from the checkpoint) (OneBitAdam)"
+    ) in text
+    assert "compression phase (1-bit exchange) from optimizer step 9 on" in text
+
+    # resumed once more, in the compression phase: no "starts after" of a switch long past
+    ckpt2 = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=12, save_top_k=-1)
+    _fit2(tmp_path / "c", half(), max_steps=12, callbacks=[ckpt2])
+    console.unlink()
+    _fit2(
+        tmp_path / "d",
+        half(),
+        max_steps=48,
+        ckpt_path=tmp_path / "ckpt2" / "epoch=1-step=12.ckpt",
+        console=console,
+    )
+    text = console.read_text()
+    assert "starts after" not in text
+    assert (
+        "OneBitAdam: resuming in the compression phase (1-bit exchange since optimizer step 7)"
+        in text
+    )
+
+
+def test_checkpoints_hold_what_is_identical_once(tmp_path: Path) -> None:
+    """The main checkpoint carries the moments (equal on every rank), each rank file only its
+    error buffers: its size is about (n + n / W) float32 values, and the main checkpoint about
+    DDP's with Adam."""
+    ckpt = lambda d: ModelCheckpoint(dirpath=d, every_n_train_steps=6, save_top_k=-1)  # noqa: E731
+    kw: dict[str, Any] = {"max_steps": 6, "width": 4096}
+    _fit2(tmp_path / "ddp", "ddp_notebook", callbacks=[ckpt(tmp_path / "c_ddp")], **kw)
+    _fit2(tmp_path / "ob", _onebit(), callbacks=[ckpt(tmp_path / "c_ob")], **kw)
+    n = sum(p.numel() for p in Regression(_no_scheduler, 1e-3, 4096).parameters())
+    ddp = (tmp_path / "c_ddp" / "epoch=0-step=6.ckpt").stat().st_size
+    main = tmp_path / "c_ob" / "epoch=0-step=6.ckpt"
+    assert main.stat().st_size < ddp + 8 * 1024  # + the 1-bit counters and metadata
+    for r in range(2):
+        rank_file = Path(f"{main}.onebit-rank{r}-of-2")
+        state = torch.load(rank_file, weights_only=False)["optimizer"]
+        assert set(state) == {"onebit"}  # no moments: those are in the main checkpoint
+        assert rank_file.stat().st_size < 4 * (n + n // 2) + 4 * 1024

@@ -990,6 +990,22 @@ class OneBitOptimizer(torch.optim.Optimizer):
         state["onebit"] = self._global_state()
         return state
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """What of this rank's state differs from the other ranks': its error buffers, or
+        (0/1 Adam between synchronisations, :attr:`params_differ_across_ranks`) the whole
+        :meth:`state_dict`. With every rank's :meth:`state_dict` saved once (they are
+        otherwise equal), each rank's ``rank_state_dict`` restores it exactly."""
+        if self.params_differ_across_ranks:
+            return self.state_dict()
+        return {"onebit": {"exchange": self._global_state()["exchange"]}}
+
+    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
+        if "state" in state_dict:  # a whole state dict
+            self.load_state_dict(state_dict)
+        else:
+            self._pending_exchange_state = state_dict["onebit"]["exchange"] or "reset"
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next step continues exactly where it left off.
 
