@@ -199,6 +199,14 @@ class CompressionScheduler(Callback):
                 rank_zero_only=True,
             )
 
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # 0/1 Adam may end between two synchronisations, each rank with its own parameters:
+        # the model a user saves, tests or exports must be the same on every rank
+        opt = self._optimizer(trainer)
+        if opt.params_differ_across_ranks:
+            opt.synchronize()
+
     def _adaptive_check(self, opt: OneBitOptimizer) -> None:
         v = opt.variance
         if v is None:

@@ -8,7 +8,10 @@ resume, files on disk).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,7 @@ from torch.optim import lr_scheduler as sched
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitStrategy
+from tests._dist import free_port, run_distributed
 
 STEPS = 12
 
@@ -153,12 +157,13 @@ def test_every_lr_scheduler_drives_the_converted_optimizer_as_under_ddp(name: st
 
 
 class Record(Callback):
-    """Every rank writes its parameters and optimizer step count at the end of fit."""
+    """Every rank writes its parameters and optimizer step count at the end of fit (after
+    every callback's ``on_train_end``)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         opt = trainer.strategy.optimizers[0]
         record = {
             "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
@@ -321,3 +326,106 @@ def test_checkpoints_hold_what_is_identical_once(tmp_path: Path) -> None:
         state = torch.load(rank_file, weights_only=False)["optimizer"]
         assert set(state) == {"onebit"}  # no moments: those are in the main checkpoint
         assert rank_file.stat().st_size < 4 * (n + n // 2) + 4 * 1024
+
+
+def test_zero_one_adam_ending_between_synchronisations_ends_with_identical_ranks(
+    tmp_path: Path,
+) -> None:
+    """Local phase from step 5 with local-step intervals 1, 1, 2, 2, 4: steps 9 and 10 are
+    local, so without a synchronisation at the end the ranks would keep their own parameters."""
+    strategy = OneBitStrategy(
+        algorithm="zero_one_adam",
+        freeze_step=4,
+        local_step_scaler=2,
+        local_step_clipper=4,
+        start_method="fork",
+    )
+    ranks = _fit2(tmp_path, strategy, max_steps=10)
+    assert ranks[0]["step_count"] == ranks[1]["step_count"] == 10
+    for k, v in ranks[0]["params"].items():
+        assert torch.equal(v, ranks[1]["params"][k]), f"{k} differs across ranks"
+
+
+def test_synchronize_is_a_synchronisation_step_without_a_step() -> None:
+    """``synchronize()`` after local steps 5-7 gives what the synchronisation step 8 gives when
+    its learning rate is 0 (its own local step then adds nothing): the same parameters,
+    momentum and error buffers, on both ranks, bitwise."""
+    results = run_distributed(_synchronize_vs_a_zero_lr_sync_step, 2)
+    for r in results:
+        for k in ("params", "exp_avg", "worker_error", "server_error"):
+            assert torch.equal(r["synchronized"][k], r["sync_step"][k]), k
+        assert r["synchronized"]["step_count"] == 7 and r["sync_step"]["step_count"] == 8
+    assert not torch.equal(results[0]["before"], results[1]["before"])  # they differed
+    assert torch.equal(results[0]["synchronized"]["params"], results[1]["synchronized"]["params"])
+
+
+def _synchronize_vs_a_zero_lr_sync_step(rank: int, world: int) -> dict:
+    from lightning_onebit.optim import ZeroOneAdam
+
+    def run(last: str) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 8)
+        opt = ZeroOneAdam(
+            model.parameters(),
+            lr=1e-2,
+            weight_decay=0.01,
+            var_freeze_step=3,
+            local_step_scaler=1,
+            local_step_clipper=4,
+        )
+        gen = torch.Generator().manual_seed(rank)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(torch.randn(16, 64, generator=gen)).square().mean().backward()
+            opt.step()
+
+        for _ in range(7):  # sync at 4 (intervals 1, 2, 4 from there): 5, 6, 7 are local
+            step()
+        out = {"before": torch.cat([p.detach().flatten().clone() for p in model.parameters()])}
+        if last == "synchronize":
+            opt.synchronize()
+        else:
+            opt.param_groups[0]["lr"] = 0.0
+            step()  # step 8: a synchronisation step
+        ex = opt.state_dict()["onebit"]["exchange"]
+        out.update(
+            params=torch.cat([p.detach().flatten().clone() for p in model.parameters()]),
+            exp_avg=opt._flat["exp_avg"].clone(),
+            worker_error=ex["worker_error"],
+            server_error=ex["server_error"],
+            step_count=opt.step_count,
+        )
+        return out
+
+    synchronized = run("synchronize")
+    return {
+        "before": synchronized.pop("before"),
+        "synchronized": synchronized,
+        "sync_step": run("step"),
+    }
+
+
+# --------------------------------------------------------------------------- clean exit
+
+EXIT_SCRIPT = Path(__file__).with_name("_exit_fit.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
+    """torchrun fails the job when any rank exits non-zero (an abort at interpreter exit
+    included): two fits per process, then exit 0 on both ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(EXIT_SCRIPT), algo],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
+    assert sorted(line for line in run.stdout.splitlines() if "exit-check" in line) == [
+        "exit-check: rank 0 done",
+        "exit-check: rank 1 done",
+    ]

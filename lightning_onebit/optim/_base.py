@@ -468,6 +468,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         must keep every rank's copy (0/1 Adam between synchronisations)."""
         return False
 
+    def synchronize(self) -> None:
+        """Make the parameters equal on every rank now, where :attr:`params_differ_across_ranks`
+        (0/1 Adam between synchronisations); a no-op for the others. Collective."""
+
     @property
     def variance(self) -> torch.Tensor | None:
         """The flat second-moment buffer (``None`` before the first step)."""

@@ -31,6 +31,7 @@ not follow directly (gradient accumulation); the strategy does this for you.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -73,6 +74,7 @@ class BackwardOverlap:
         self._ready: set[int] = set()
         self._missing: list[int] = []
         self._next = 0
+        self._finalizer = weakref.finalize(self, _shut_down, None, None)
 
     # ------------------------------------------------------------------ setup
 
@@ -105,8 +107,15 @@ class BackwardOverlap:
                 ranks = None if pg is None else dist.get_process_group_ranks(pg)
                 kw = {} if self.timeout is None else {"timeout": self.timeout}
                 self._group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg), **kw)
+                self._rearm()
             self._group_made = True
         return self._group
+
+    def _rearm(self) -> None:
+        """(Re)register the shutdown of the thread and the group: at :meth:`close`, or at the
+        interpreter's exit for an optimizer nobody closed."""
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _shut_down, self._pool, self._group)
 
     def install(self, layout: _Layout) -> None:
         """(Re)register the gradient hooks on the layout's parameters."""
@@ -138,6 +147,7 @@ class BackwardOverlap:
         while self._next < len(self.bounds) and self._missing[self._next] == 0:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
+                self._rearm()
             self._futures.append(self._pool.submit(self._launch, self._next))
             self._next += 1
 
@@ -201,7 +211,17 @@ class BackwardOverlap:
         self._reset_round()
 
     def close(self) -> None:
+        """Remove the hooks, stop the thread, destroy the exchanges' process group (what this
+        class started must not outlive it: a process group left to the interpreter's exit can
+        abort it)."""
         self.remove()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._finalizer()
+        self._pool, self._group, self._group_made = None, None, False
+
+
+def _shut_down(pool: ThreadPoolExecutor | None, group: Any) -> None:
+    if pool is not None:
+        pool.shutdown(wait=True)
+    if group is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # already gone with the default group
+            dist.destroy_process_group(group)

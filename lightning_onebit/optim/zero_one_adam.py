@@ -259,6 +259,55 @@ class ZeroOneAdam(OneBitOptimizer):
         self._exchange.reset_error()
         self._flat["synced_params"].copy_(self._gather_params())
 
+    def _synchronize_(self, source: Any, this_step: bool) -> None:
+        """3c: exchange ``source`` (the accumulated local steps, and this step's when
+        ``this_step``), rebuild the momentum from it and move every rank to the same point."""
+        m, acc, u = self._flat["exp_avg"], self._acc, self._work["update"]
+        self._compressed_average_(source, out=u)  # u: the averaged acc
+        if self._local_steps_taken:
+            acc.zero_()  # consumed by the exchange
+        self._apply_exp_avg_mask_(u)
+        d = self._frozen_denominator()[0]
+        if self.preconditioned_exchange:  # u was exchanged in parameter units: u = acc
+            synced_step, u = u, m
+            torch.mul(synced_step, d, out=u)  # back to momentum units, into m
+        for gi, group, s in self._segments():
+            if this_step:
+                self.lrs[gi] += group["lr"]
+            if self.lrs[gi] > 0:
+                torch.div(u[s], -self.lrs[gi], out=m[s])
+            else:  # lr == 0 since the last sync: no step was taken
+                m[s].zero_()
+        # p = last synced point + acc / (sqrt(v) + eps), computed on the synced copy (bitwise
+        # the same on every rank, unlike p - acc + ...) and copied into p
+        synced = self._flat["synced_params"]
+        if self.preconditioned_exchange:
+            synced.add_(synced_step)
+        else:
+            synced.addcdiv_(u, d)
+        self._copy_to_params_(synced)
+        self.lrs = [0.0] * len(self.lrs)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Bring every rank to the same parameters now, between two synchronisation steps of
+        the local phase: the local steps taken since the last one are exchanged and applied as
+        a synchronisation step would (3c, without a new gradient). Not a step: the counters
+        and intervals go on unchanged. Collective (every rank calls it); nothing happens
+        outside the local phase or right after a synchronisation. ``OneBitStrategy`` calls it
+        at the end of ``fit``."""
+        if self.phase != "local" or not self._local_steps_taken:
+            return
+        acc, x = self._acc, self._work["update"]
+        if self.preconditioned_exchange:  # acc is in parameter units already
+            source = acc
+        else:
+            source = torch.mul(acc, self._frozen_denominator()[0], out=x)
+        self._bytes_step = 0
+        self._synchronize_(source, this_step=False)
+        self.comm_stats["bytes_total"] += self._bytes_step
+        self.comm_stats["bytes_last_step"] += self._bytes_step
+
     def _step(self) -> None:
         g = self._gather_grads()
         m = self._flat["exp_avg"]
@@ -296,29 +345,7 @@ class ZeroOneAdam(OneBitOptimizer):
             # 3a-c. a sync step: its local step goes straight into the exchange
             #       (_exchange_source; started during backward with overlap_with_backward()).
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
-            self._compressed_average_(self._exchange_source, out=u)  # u: the averaged acc
-            if self._local_steps_taken:
-                acc.zero_()  # consumed by the exchange
-            self._apply_exp_avg_mask_(u)
-            d = self._frozen_denominator()[0]
-            if self.preconditioned_exchange:  # u was exchanged in parameter units: u = acc
-                synced_step, u = u, m
-                torch.mul(synced_step, d, out=u)  # back to momentum units, into m
-            for gi, group, s in self._segments():
-                self.lrs[gi] += group["lr"]
-                if self.lrs[gi] > 0:
-                    torch.div(u[s], -self.lrs[gi], out=m[s])
-                else:  # lr == 0 since the last sync: no step was taken
-                    m[s].zero_()
-            # p = last synced point + acc / (sqrt(v) + eps), computed on the synced copy (bitwise
-            # the same on every rank, unlike p - acc + ...) and copied into p
-            synced = self._flat["synced_params"]
-            if self.preconditioned_exchange:
-                synced.add_(synced_step)
-            else:
-                synced.addcdiv_(u, d)
-            self._copy_to_params_(synced)
-            self.lrs = [0.0] * len(self.lrs)
+            self._synchronize_(self._exchange_source, this_step=True)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
