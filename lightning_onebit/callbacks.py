@@ -46,6 +46,8 @@ class CompressionScheduler(Callback):
         window: optimizer steps between variance snapshots.
         log_stats: log the ``onebit/*`` metrics.
         sample: the most variance coordinates kept per snapshot (memory bound for large models).
+        progress_bar: show ``onebit/phase`` and ``onebit/ratio_vs_ddp`` on the progress bar
+            (with ``log_stats``).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class CompressionScheduler(Callback):
         window: int = 50,
         log_stats: bool = True,
         sample: int = 1_000_000,
+        progress_bar: bool = True,
     ) -> None:
         from lightning_onebit.strategy import _normalize_freeze_step
 
@@ -73,6 +76,7 @@ class CompressionScheduler(Callback):
         self.threshold = threshold
         self.window = window
         self.log_stats = log_stats
+        self.progress_bar = progress_bar
         self.sample = sample
         # state (in the checkpoint)
         self.switch_step: int | None = None  # the resolved step
@@ -183,21 +187,19 @@ class CompressionScheduler(Callback):
         if self.log_stats:
             stats = opt.comm_stats
             total = stats["bytes_total"]
-            pl_module.log_dict(
-                {
-                    # this step's phase (the switch happens at the end of the last warmup step)
-                    "onebit/phase": float(compressing and opt.step_count > self.switched_at),
-                    "onebit/bytes_step": float(stats["bytes_last_step"]),
-                    "onebit/bytes_total": float(total),
-                    "onebit/ratio_vs_ddp": float(stats["fp32_equiv_total"] / total)
-                    if total
-                    else 1.0,
-                    "onebit/skipped_steps": float(opt.skipped_steps),
-                },
-                on_step=True,
-                on_epoch=False,
-                rank_zero_only=True,
-            )
+            shown = {  # on the progress bar too
+                # this step's phase (the switch happens at the end of the last warmup step)
+                "onebit/phase": float(compressing and opt.step_count > self.switched_at),
+                "onebit/ratio_vs_ddp": float(stats["fp32_equiv_total"] / total) if total else 1.0,
+            }
+            logged = {
+                "onebit/bytes_step": float(stats["bytes_last_step"]),
+                "onebit/bytes_total": float(total),
+                "onebit/skipped_steps": float(opt.skipped_steps),
+            }
+            kw: dict[str, Any] = {"on_step": True, "on_epoch": False, "rank_zero_only": True}
+            pl_module.log_dict(shown, prog_bar=self.progress_bar, **kw)
+            pl_module.log_dict(logged, **kw)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

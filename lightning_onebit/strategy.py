@@ -26,6 +26,7 @@ this rank's *local* gradient in the compression phase.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 from collections.abc import Generator, Mapping
@@ -39,21 +40,31 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.ddp import _augment_message
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_onebit import _deepspeed
 from lightning_onebit.comm import as_average_dtype
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from lightning_onebit.optim._base import VARIANCE_FLOOR
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
+
+_ONE_OPTIMIZER = (
+    "OneBitStrategy trains with one optimizer (the 1-bit exchange compresses that optimizer's "
+    "momentum), but configure_optimizers returned several: return one torch.optim.Adam/AdamW "
+    "(or lightning_onebit OneBitAdam / ZeroOneAdam / OneBitLamb) with one param group per "
+    "former optimizer, each with its own lr, betas and weight_decay"
+)
 
 ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "onebit_adam": OneBitAdam,
@@ -213,6 +224,8 @@ class OneBitStrategy(DDPStrategy):
             ``lamb_lr / lr`` (a scheduler of your own gets a warning: its own learning rates
             cannot be found). ``None`` keeps Adam's lr, with a warning.
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
+        comm_stats_on_progress_bar: show the phase and the bytes ratio vs DDP
+            (``onebit/phase``, ``onebit/ratio_vs_ddp``) on the progress bar.
         overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB
             (``optimizer.overlap_with_backward``); ``None`` exchanges in ``optimizer.step()``
             after backward. Turned off (with an info message) where something edits the
@@ -252,12 +265,18 @@ class OneBitStrategy(DDPStrategy):
         preconditioned_exchange: bool | None = None,
         lamb_lr: float | None = None,
         log_comm_stats: bool = True,
+        comm_stats_on_progress_bar: bool = True,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        deepspeed_config: str | Path | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        if deepspeed_config is not None:
+            given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+            self._init_from_deepspeed(given)
+            return
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
         if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
@@ -265,11 +284,22 @@ class OneBitStrategy(DDPStrategy):
                 f"timeout must be a datetime.timedelta > 0 or None, got {timeout!r}; "
                 "e.g. timeout=timedelta(minutes=30)"
             )
-        if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_wrapper") is not None:
+        refused = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+        if any(kwargs.get(k) is not None for k in refused):
             raise ValueError(
-                "OneBitStrategy installs its own DDP communication hook; remove ddp_comm_hook/ddp_comm_wrapper"
+                "OneBitStrategy installs its own DDP communication hook (and averages no "
+                f"models); remove {'/'.join(refused)}"
             )
-        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
+        super().__init__(
+            timeout=timeout,
+            start_method=start_method,
+            # (given here, so that LightningCLI does not offer them as options)
+            ddp_comm_state=None,
+            ddp_comm_hook=None,
+            ddp_comm_wrapper=None,
+            model_averaging_period=None,
+            **kwargs,
+        )
         self.algorithm = algorithm
         # the callback this strategy adds when the Trainer has none (validated here, now)
         self.scheduler_args: dict[str, Any] = {
@@ -278,6 +308,7 @@ class OneBitStrategy(DDPStrategy):
             "threshold": freeze_threshold,
             "window": freeze_window,
             "log_stats": log_comm_stats,
+            "progress_bar": comm_stats_on_progress_bar,
         }
         self.freeze_step = self._new_scheduler().freeze_step
         self.optimizer_options: dict[str, Any] = {
@@ -315,6 +346,48 @@ class OneBitStrategy(DDPStrategy):
         self._rank_state: dict[str, Any] | None = None
         self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
         self._lr_scale = 1.0  # what the conversion multiplied the learning rates by
+        self.deepspeed_optimizer: dict[str, Any] | None = (
+            None  # lr, betas, ... of a DeepSpeed config
+        )
+
+    def _init_from_deepspeed(self, given: dict[str, Any]) -> None:
+        """``__init__`` with the options a DeepSpeed config sets (see ``from_deepspeed_config``)."""
+        config = given.pop("deepspeed_config")
+        kwargs = given.pop("kwargs")
+        algorithm, options, hparams, notes = _deepspeed.read(config)
+        defaults = {
+            k: p.default for k, p in inspect.signature(OneBitStrategy.__init__).parameters.items()
+        }
+        for key, value in options.items():
+            if given[key] != defaults[key] and given[key] != value:  # an explicit argument wins
+                notes.append(f"{key}={given[key]!r} given as an argument (the config: {value!r})")
+            else:
+                given[key] = value
+        OneBitStrategy.__init__(self, **given, **kwargs)
+        self.deepspeed_optimizer = hparams
+        if notes:
+            rank_zero_warn(
+                f"DeepSpeed config ({algorithm}): " + "; ".join(notes),
+                category=UserWarning,
+            )
+
+    @classmethod
+    def from_deepspeed_config(
+        cls, config: str | Path | dict[str, Any], **overrides: Any
+    ) -> OneBitStrategy:
+        """The strategy a DeepSpeed JSON config of ``OneBitAdam``/``ZeroOneAdam``/``OneBitLamb``
+        describes (a path or a dict): the ``"optimizer"`` section's type picks the algorithm,
+        its params map to the options of the same name (``var_freeze_step`` to ``freeze_step``),
+        and its ``lr``/``betas``/``eps``/``weight_decay`` build the optimizer when
+        ``configure_optimizers`` returns none (a torch Adam/AdamW it returns is converted as
+        usual, its own hyperparameters win). ``cuda_aware``, ``comm_backend_name`` and the other
+        keys with no effect here are named in one warning; unknown optimizer parameters raise.
+        ``overrides`` are further ``OneBitStrategy`` arguments (``start_method="fork"``, ...);
+        one the config also sets wins over the config (and is named in the warning).
+        The same as ``OneBitStrategy(deepspeed_config=config, ...)`` (LightningCLI:
+        ``init_args: {deepspeed_config: ds_config.json}``).
+        """
+        return cls(deepspeed_config=config, **overrides)
 
     def _validate_optimizer_options(self) -> None:
         """Build throwaway optimizers: their constructors validate every hyperparameter now,
@@ -359,15 +432,18 @@ class OneBitStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for algorithm in ALGORITHMS:
             for name, start_method in ((algorithm, "popen"), (f"{algorithm}_notebook", "fork")):
-                if name in strategy_registry:
-                    continue  # a second import (or registration) must not fail
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"1-bit compressed DDP ({algorithm}), start_method={start_method!r}",
-                    algorithm=algorithm,
-                    start_method=start_method,
-                )
+                for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
+                    if name + suffix in strategy_registry:
+                        continue  # a second import (or registration) must not fail
+                    strategy_registry.register(
+                        name + suffix,
+                        cls,
+                        description=f"1-bit compressed DDP ({algorithm}), "
+                        f"start_method={start_method!r}, find_unused_parameters={unused}",
+                        algorithm=algorithm,
+                        start_method=start_method,
+                        find_unused_parameters=unused,
+                    )
 
     # ------------------------------------------------------------------ setup
 
@@ -420,6 +496,36 @@ class OneBitStrategy(DDPStrategy):
         return CompressionScheduler(**self.scheduler_args)
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if (
+            _IS_INTERACTIVE
+            and self.launcher is not None
+            and not self.launcher.is_interactive_compatible
+        ):
+            # before Lightning's own check, which suggests 'ddp_notebook' (plain DDP)
+            raise MisconfigurationException(
+                f"strategy={self.algorithm!r} starts each rank by running your script again, and "
+                "an interactive session (a notebook, the Python shell) has none: use "
+                f"strategy='{self.algorithm}_notebook' (fork-started ranks), or "
+                f"OneBitStrategy(algorithm='{self.algorithm}', start_method='fork')"
+            )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "Some parameters of your LightningModule were not used in producing the loss "
+                "returned by training_step. If this is intentional, enable the detection of "
+                f"unused parameters: strategy='{self.algorithm}_find_unused_parameters_true' or "
+                f"OneBitStrategy(algorithm='{self.algorithm}', find_unused_parameters=True) "
+                "(DDPStrategy(find_unused_parameters=True) would train without 1-bit compression)"
+            ),
+        )
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if (
             trainer.lightning_module is not None
@@ -451,6 +557,13 @@ class OneBitStrategy(DDPStrategy):
         if self._hook_state is not None:
             self._hook_state.optimizer = self.onebit_optimizer
         self._configure_overlap(trainer)
+        if self.world_size == 1 and trainer.state.fn == "fit":
+            rank_zero_warn(
+                f"{self.algorithm} with a single process (devices=1, num_nodes=1) has nobody to "
+                "exchange with: it sends nothing either way, and its steps are those of a "
+                "1-rank 1-bit run (compressed momentum), not Adam's. Use it to debug; train on "
+                "one device with strategy='auto' and torch.optim.Adam/AdamW"
+            )
 
     def _configure_overlap(self, trainer: pl.Trainer) -> None:
         if self.overlap_bucket_mb is None or trainer.state.fn != "fit":
@@ -515,25 +628,41 @@ class OneBitStrategy(DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
+        try:
+            super().setup_optimizers(trainer)
+        except (MisconfigurationException, RuntimeError) as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            # Lightning's advice (manual optimization) is what this strategy cannot run
+            raise MisconfigurationException(_ONE_OPTIMIZER) from err
         if len(self.optimizers) != 1:
-            raise MisconfigurationException(
-                f"OneBitStrategy trains with one optimizer, configure_optimizers returned {len(self.optimizers)}; "
-                "return a single torch.optim.Adam/AdamW or a lightning_onebit.optim optimizer"
-            )
+            raise MisconfigurationException(_ONE_OPTIMIZER)
         original = self.optimizers[0]
-        if isinstance(original, _MockOptimizer):
+        if isinstance(original, _MockOptimizer) and self.deepspeed_optimizer is not None:
+            new = self._from_deepspeed_hparams(trainer.lightning_module)
+            self._converted_optimizer = True
+            self.optimizers = [new]
+        elif isinstance(original, _MockOptimizer):
             raise MisconfigurationException(
                 "OneBitStrategy needs an optimizer, but configure_optimizers returned none; return "
                 "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
                 "ZeroOneAdam / OneBitLamb"
             )
-        if isinstance(original, OneBitOptimizer):
+        elif isinstance(original, OneBitOptimizer):
+            if type(original) is not ALGORITHMS[self.algorithm]:
+                rank_zero_warn(
+                    f"configure_optimizers returned {type(original).__name__}, but the strategy is "
+                    f"{self.algorithm!r} ({ALGORITHMS[self.algorithm].__name__}): training with "
+                    f"{type(original).__name__} as built (the strategy's algorithm and optimizer "
+                    "options apply when it converts a torch.optim.Adam/AdamW)"
+                )
             original.average_warmup_grads = False
             if self.average_dtype is not None:
                 original.average_dtype = self.average_dtype
             new = original
         elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
+            if self.deepspeed_optimizer:
+                self._warn_if_config_differs(original)
             new = self._convert(original)
             self._converted_optimizer = True
             for config in self.lr_scheduler_configs:
@@ -554,6 +683,34 @@ class OneBitStrategy(DDPStrategy):
                 for i, p in enumerate(g["params"])
             ]
         )
+
+    def _from_deepspeed_hparams(self, module: pl.LightningModule) -> OneBitOptimizer:
+        """The optimizer of a DeepSpeed config, over every trainable parameter (one group)."""
+        cls = ALGORITHMS[self.algorithm]
+        hparams = self.deepspeed_optimizer or {}
+        params = [p for p in module.parameters() if p.requires_grad]
+        new = cls(params, **self._algorithm_kwargs(cls, dict(hparams)))
+        rank_zero_info(
+            f"OneBitStrategy: {cls.__name__} from the DeepSpeed config ({hparams or 'defaults'})"
+        )
+        return new
+
+    def _warn_if_config_differs(self, original: torch.optim.Optimizer) -> None:
+        d = original.defaults
+        differ = {
+            k: (v, _plain(d[k]))
+            for k, v in (self.deepspeed_optimizer or {}).items()
+            if k in d and _plain(d[k]) != v
+        }
+        if differ:
+            shown = ", ".join(
+                f"{k}={mine!r} (config: {cfg!r})" for k, (cfg, mine) in differ.items()
+            )
+            rank_zero_warn(
+                f"configure_optimizers returned {type(original).__name__} with {shown}: its "
+                "hyperparameters are used, the DeepSpeed config's optimizer params are not. Return "
+                "nothing from configure_optimizers to build the optimizer from the config"
+            )
 
     def _convert(self, original: torch.optim.Optimizer) -> OneBitOptimizer:
         """Build the 1-bit optimizer from a torch Adam/AdamW with the same groups and settings."""

@@ -623,6 +623,15 @@ class RecordUserRun(Callback):
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
 
+class OneThread(Callback):
+    """One torch thread per fork-started rank, as OneBitStrategy sets for its own: GNU OpenMP
+    hangs in a forked child once the parent process has used its thread pool (plain DDP's
+    ``ddp_notebook`` does not guard against it)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.set_num_threads(1)
+
+
 def fit_user_model(
     name: str,
     strategy: Any,
@@ -654,7 +663,7 @@ def fit_user_model(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[RecordUserRun(tmp), *trainer_kw.pop("callbacks", [])],
+        callbacks=[RecordUserRun(tmp), OneThread(), *trainer_kw.pop("callbacks", [])],
         default_root_dir=tmp,
         **trainer_kw,
     )

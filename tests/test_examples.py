@@ -104,9 +104,18 @@ def _train(tmp_path: Path, config: str, *extra: str) -> dict:
         str(out),
         *extra,
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=_launch_env()
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
+
+
+def _launch_env() -> dict[str, str]:
+    """This process's environment without what an earlier in-process fit left in it
+    (``LOCAL_RANK`` would make the script's launcher wait for ranks it never starts)."""
+    left = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in left}
 
 
 @pytest.mark.slow
@@ -146,7 +155,9 @@ def test_compare_quick_ddp_only(tmp_path: Path) -> None:
         "--out",
         str(tmp_path / "out"),
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=_launch_env()
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "| DDP + AdamW |" in proc.stdout
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
@@ -204,11 +215,34 @@ def test_cli_strategy_by_name_and_help(tmp_path: Path) -> None:
         "--trainer.strategy.help",
         "lightning_onebit.OneBitStrategy",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=_launch_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for text in (
         "--trainer.strategy.freeze_step",
         "fraction of the run",
         "--trainer.strategy.max_coeff",
+        "--trainer.strategy.deepspeed_config",
+        "--trainer.strategy.find_unused_parameters",  # DDP's own, passed on
     ):
         assert text in proc.stdout, text
+    # DDPStrategy's hook options, which OneBitStrategy refuses, are not offered
+    assert "ddp_comm_hook" not in proc.stdout and "model_averaging_period" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_takes_a_deepspeed_config(tmp_path: Path) -> None:
+    ds = EXAMPLES / "configs" / "deepspeed" / "zero_one_adam.json"
+    r = _train(
+        tmp_path,
+        "ddp_adam.yaml",
+        "--trainer.strategy",
+        "lightning_onebit.OneBitStrategy",
+        "--trainer.strategy.deepspeed_config",
+        str(ds),
+        "--trainer.strategy.freeze_step",
+        "1",  # the tutorial's 1000 is for a 100k-step run
+    )
+    assert r["optimizer"] == "ZeroOneAdam" and r["world_size"] == 2
+    assert 0 < r["bytes_per_rank"] < r["fp32_ddp_bytes_per_rank"]

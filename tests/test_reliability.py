@@ -175,7 +175,8 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_as_if_the_batch_was_not_th
             r, ref = runs[rank][algo], refs[rank][algo]
             assert r["skipped"] == len(bad) and ref["skipped"] == 0, algo
             assert r["steps"] == ref["steps"] == 20 - len(bad), algo
-            assert len(r["warnings"]) == len(bad), (algo, r["warnings"])
+            # said once, by rank 0, not once per rank
+            assert len(r["warnings"]) == (len(bad) if rank == 0 else 0), (algo, r["warnings"])
             assert torch.isfinite(r["params"]).all(), algo
             # bitwise: the skipped steps changed nothing (moments, error buffers, counters)
             assert torch.equal(r["params"], ref["params"]), algo
@@ -205,7 +206,8 @@ def _local_nan_worker(rank: int, world: int, nan_at: int, skip: bool = False) ->
         warns = "skips its local update" if nan_at > 8 else "skipped step"
         with (
             pytest.warns(RuntimeWarning, match=warns)
-            if t == nan_at and (rank == 1 or nan_at <= 8)
+            # a local skip: said by its rank; a skip on every rank: said once, by rank 0
+            if t == nan_at and rank == (1 if nan_at > 8 else 0)
             else contextlib.nullcontext()
         ):
             opt.step()

@@ -234,7 +234,7 @@ def test_rank_file_present_restores_the_error_buffers(
 ) -> None:
     start = _single_resume(tmp_path, _copy(single_rank_checkpoints[12], tmp_path / "c"))
     assert start["exchange"] is not None and start["step_count"] == 12
-    assert not [w for w in start["warnings"] if "1-bit" in w], start["warnings"]
+    assert not [w for w in start["warnings"] if "per-rank" in w], start["warnings"]
 
 
 def _without_saved_as(ckpt: Path) -> None:
@@ -253,7 +253,7 @@ def test_copy_without_rank_files_finds_them_where_it_was_saved(
     shutil.copy(single_rank_checkpoints[12], ckpt)  # e.g. a callback that copies the best one
     start = _single_resume(tmp_path, ckpt)
     assert start["exchange"] is not None and start["step_count"] == 12
-    assert not [w for w in start["warnings"] if "1-bit" in w], start["warnings"]
+    assert not [w for w in start["warnings"] if "per-rank" in w], start["warnings"]
 
 
 def test_missing_rank_file_warns_and_resets(

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitStrategy
 from tests._dist import free_port, run_distributed
+from tests._user_models import OneThread
 
 STEPS = 12
 
@@ -81,6 +82,21 @@ class WarmupToTarget(sched.LRScheduler):
         return [g["warmup_target"] * f for g in self.optimizer.param_groups]
 
 
+def _trainer(strategy: Any, devices: int, max_steps: int, **kw: Any) -> L.Trainer:
+    """A quiet CPU Trainer (no logger, progress bar, summary; checkpoints only if asked)."""
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
 def _step(s: Any) -> dict:
     return {"scheduler": s, "interval": "step"}
 
@@ -120,17 +136,8 @@ def _trace(strategy: Any, name: str, lr: float = 3e-3) -> list[list[tuple[float,
     x = torch.randn(STEPS * 16, 8, generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)
     tracer = TraceHyperparameters()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,  # the schedule does not depend on the ranks; one in-process rank is enough
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[tracer],
-    )
+    # the schedule does not depend on the ranks: one in-process rank is enough
+    trainer = _trainer(strategy, 1, STEPS, callbacks=[tracer])
     trainer.fit(Regression(SCHEDULERS[name], lr), loader)
     return tracer.trace
 
@@ -192,16 +199,12 @@ def _fit2(
     tmp.mkdir(parents=True, exist_ok=True)
     x = torch.randn(epoch_steps * 16 * 2, 8, generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16, shuffle=True)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=max_steps,
-        logger=False,
+    trainer = _trainer(
+        strategy,
+        2,
+        max_steps,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Record(tmp), *callbacks],
+        callbacks=[Record(tmp), OneThread(), *callbacks],
         default_root_dir=tmp,
         **trainer_kw,
     )
@@ -429,3 +432,127 @@ def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
         "exit-check: rank 0 done",
         "exit-check: rank 1 done",
     ]
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _fit1(strategy: Any, model: L.LightningModule | None = None, **trainer_kw: Any) -> L.Trainer:
+    """A 1-rank, in-process fit of the regression (messages are raised in this process)."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)
+    trainer = _trainer(strategy, 1, 4, **trainer_kw)
+    trainer.fit(model or Regression(_no_scheduler, 1e-3), loader)
+    return trainer
+
+
+class TwoOptimizers(Regression):
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.Adam(self.net[0].parameters()),
+            torch.optim.Adam(self.net[2].parameters()),
+        ]
+
+
+class OwnZeroOne(Regression):
+    def configure_optimizers(self) -> Any:
+        from lightning_onebit import ZeroOneAdam
+
+        return ZeroOneAdam(self.parameters(), lr=1e-3, var_freeze_step=2)
+
+
+def test_two_optimizers_get_our_message_not_lightnings() -> None:
+    with pytest.raises(Exception, match="trains with one optimizer") as err:
+        _fit1(OneBitStrategy(), TwoOptimizers(_no_scheduler, 1e-3))
+    assert "manual optimization" not in str(err.value)
+    assert "one param group per former optimizer" in str(err.value)
+
+
+def test_single_process_and_a_mismatched_optimizer_are_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.warns(UserWarning, match="single process .* has nobody to exchange with"):
+        trainer = _fit1(OneBitStrategy())
+    # the phase and the bytes ratio on the progress bar, unless turned off
+    assert {"onebit/phase", "onebit/ratio_vs_ddp"} <= set(trainer.progress_bar_metrics)
+    assert "onebit/bytes_total" not in trainer.progress_bar_metrics
+    trainer = _fit1(OneBitStrategy(comm_stats_on_progress_bar=False))
+    assert not [k for k in trainer.progress_bar_metrics if k.startswith("onebit/")]
+    assert "onebit/phase" in trainer.callback_metrics
+    with pytest.warns(
+        UserWarning, match=r"returned ZeroOneAdam, but the strategy is 'onebit_lamb'"
+    ):
+        _fit1(OneBitStrategy(algorithm="onebit_lamb"), OwnZeroOne(_no_scheduler, 1e-3))
+
+
+def test_interactive_sessions_are_sent_to_our_notebook_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_onebit.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "_IS_INTERACTIVE", True)
+    with pytest.raises(Exception, match="use strategy='zero_one_adam_notebook'") as err:
+        L.Trainer(strategy="zero_one_adam", accelerator="cpu", devices=2)
+    assert "ddp_notebook" not in str(err.value)
+    L.Trainer(strategy="zero_one_adam_notebook", accelerator="cpu", devices=2)  # accepted
+
+
+class Unused(Regression):
+    """A layer that never takes part in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__(_no_scheduler, 1e-3)
+        self.unused = torch.nn.Linear(4, 4)
+
+
+def test_unused_parameters_point_to_our_find_unused_names(tmp_path: Path) -> None:
+    with pytest.raises(Exception) as err:
+        _fit2u(tmp_path / "a", "onebit_adam_notebook")
+    text = str(err.value)
+    assert "strategy='onebit_adam_find_unused_parameters_true'" in text, text[-2000:]
+    assert "ddp_find_unused_parameters_true" not in text
+    _fit2u(tmp_path / "b", "onebit_adam_notebook_find_unused_parameters_true")  # trains
+
+
+def _fit2u(tmp: Path, strategy: str) -> None:
+    x = torch.randn(8 * 32, 8, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)
+    _trainer(strategy, 2, 6, callbacks=[OneThread()], default_root_dir=tmp).fit(Unused(), loader)
+
+
+def test_the_pytorch_lightning_package_gets_a_message_that_says_what_to_import() -> None:
+    code = (
+        "import pytorch_lightning as pl, lightning_onebit\n"
+        "pl.Trainer(strategy='onebit_lamb', accelerator='cpu', devices=2)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "is a lightning_onebit strategy for the `lightning` package" in run.stderr, run.stderr
+
+
+def test_a_1bit_optimizer_under_plain_ddp_is_said_once() -> None:
+    """Gradients DDP already averaged reach the optimizer: one warning, from rank 0; none when
+    each rank hands it its own gradients."""
+    ddp, local = run_distributed(_warnings_under, 2, "ddp"), run_distributed(_warnings_under, 2, "")
+    assert [len(w) for w in ddp] == [1, 0]
+    assert "received identical gradients on all 2 ranks" in ddp[0][0]
+    assert "DistributedDataParallel" in ddp[0][0]
+    assert local == [[], []]
+
+
+def _warnings_under(rank: int, world: int, wrapper: str) -> list[str]:
+    from lightning_onebit import OneBitAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    if wrapper == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            opt.step()
+    return [str(w.message) for w in seen if "identical gradients" in str(w.message)]

@@ -242,6 +242,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.floored: dict[str, int] = {}
         self._phase = self.PHASES[0]
         self._warned_young = False  # _warn_if_variance_is_young says it once per run
+        self._checked_local_grads = False  # _check_grads_are_local runs once
         self.skipped_steps = 0  # steps skipped for non-finite values (see step())
         self._consecutive_skips = 0
         self.comm_stats: dict[str, int] = {
@@ -544,6 +545,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._prepare()
+        if not self._checked_local_grads and (
+            self.average_warmup_grads or not self.expects_averaged_grads
+        ):
+            self._check_grads_are_local()
         if self._overlap is not None:  # buckets the communication thread already started
             self._skip_gather = self._overlap.collect()
         self.step_count += 1
@@ -567,6 +572,40 @@ class OneBitOptimizer(torch.optim.Optimizer):
         stats["fp32_equiv_total"] += fp32_allreduce_bytes(self._layout.numel, self.world_size)
         return loss
 
+    def _check_grads_are_local(self) -> None:
+        """Once, at the first step that should receive each rank's own gradients: warn if they
+        are identical on every rank. Then something averaged them in full precision already
+        (plain DDP: ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step
+        pays DDP's fp32 allreduce plus the 1-bit exchange; or every rank trains on the same
+        batches. Two 2-value all_reduces, once per run."""
+        self._checked_local_grads = True
+        if self.world_size < 2:
+            return
+        grads = [p.grad for p in self._layout.params if p.grad is not None]
+        summary = torch.zeros(2, dtype=torch.float64, device=self._layout.device)
+        for g in grads:  # (every rank takes part, with or without gradients)
+            summary += torch.stack([g.double().sum(), g.double().abs().sum()])
+        low = summary.clone()
+        group = self.process_group
+        dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        if not (torch.equal(low, summary) and float(summary[1]) > 0):
+            return
+        if (dist.get_rank(group) if group is not None else dist.get_rank()) == 0:
+            warnings.warn(
+                f"{type(self).__name__} received identical gradients on all {self.world_size} "
+                "ranks, where it expects each rank's own: they were averaged in full precision "
+                "before step() (DDP: strategy='ddp' or a DistributedDataParallel model), so every "
+                "step pays DDP's fp32 allreduce and the 1-bit exchange on top (the byte counters "
+                "count only the latter); or every rank trains on the same batches. With "
+                "Lightning use strategy='onebit_adam' / 'zero_one_adam' / 'onebit_lamb' (it "
+                "turns DDP's allreduce off where the optimizer exchanges); without it, do not "
+                "wrap the model in DistributedDataParallel, and give each rank its own data "
+                "(DistributedSampler)",
+                UserWarning,
+                stacklevel=3,
+            )
+
     def _step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -581,12 +620,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 f"{self._consecutive_skips} steps in a row had non-finite values (last: {err}); the "
                 f"run has diverged: {self._divergence_hint()}, and resume from the last checkpoint"
             ) from err
-        warnings.warn(
-            f"{type(self).__name__}: skipped step {self.step_count + 1} on every rank "
-            f"({self.skipped_steps} so far): {err}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        if self._exchange is None or self._exchange.rank == 0:  # the same on every rank
+            warnings.warn(
+                f"{type(self).__name__}: skipped step {self.step_count + 1} on every rank "
+                f"({self.skipped_steps} so far): {err}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _divergence_hint(self) -> str:
         """What to change after a divergence: the causes this optimizer can see in its own
