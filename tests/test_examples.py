@@ -201,6 +201,19 @@ def test_notebook_runs(tmp_path: Path) -> None:
     assert images, "the plot cell produced no image"
 
 
+def test_the_committed_notebook_shows_its_results() -> None:
+    """A reader who opens the notebook on GitHub sees the table, the plot and a sample
+    (``python scripts/execute_notebook.py`` re-executes it), in a file of modest size."""
+    nb = json.loads((EXAMPLES / "notebook.ipynb").read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    text = "".join("".join(o.get("text", "")) for o in outputs)
+    assert "| DDP + AdamW |" in text and "| 1-bit Adam |" in text
+    assert "compression phase (1-bit exchange)" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert "it/s" not in text and "\x1b" not in text  # no progress-bar redraws
+    assert (EXAMPLES / "notebook.ipynb").stat().st_size < 200_000
+
+
 @pytest.mark.slow
 def test_cli_strategy_by_name_and_help(tmp_path: Path) -> None:
     """`--trainer.strategy onebit_adam` (a registered name) works, and `--help` documents the
