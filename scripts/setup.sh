@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create or reuse .venv and install the project with its test and example extras.
+# Create or reuse .venv and install the project with its test, example and lint extras.
 # CPU torch 2.13.0 first where torch is missing (on these machines it installs from local disk;
 # a plain "torch" requirement could pull a multi-GB CUDA build).
 set -euo pipefail
@@ -14,4 +14,4 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q torch==2.13.0 || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
 # Builds the C++ extension (and the CUDA kernels when nvcc is on PATH; ONEBIT_CUDA=OFF skips them).
-python -m pip install -q -e '.[test,examples]'
+python -m pip install -q -e '.[test,examples,lint]'

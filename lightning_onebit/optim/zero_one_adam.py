@@ -23,8 +23,10 @@ Communication contract: variance-update steps of phase 1 need averaged gradients
 ``all_reduce``); a DDP strategy that already averaged them passes ``False`` and must let DDP
 allreduce exactly on those steps. All other steps expect *local* gradients.
 
-Differences from DeepSpeed: phase 1 covers steps ``1..var_freeze_step`` (DeepSpeed switches one
-step later than its docstring says); ``local_step_scaler`` defaults to 32768 (DeepSpeed's
+Differences from DeepSpeed: phase 1 covers steps ``1..var_freeze_step``, as DeepSpeed documents
+it (as DeepSpeed runs it, one zero-gradient ``step()`` at construction is counted, so its
+variance and synchronisation steps fall on the other parity: variance steps 1, 2, 3, 5, 7, 11,
+15 vs 1, 2, 4, 6, 8, 12 here); ``local_step_scaler`` defaults to 32768 (DeepSpeed's
 32678 is a typo); at ``W = 1`` the exchanges still compress (DeepSpeed skips them, and at
 ``W = 1`` never updates the momentum on compressed steps); after a checkpoint load the
 intervals and counters continue from the saved values (DeepSpeed resets them to 1 after having
