@@ -60,8 +60,6 @@ class CompressionScheduler(Callback):
         sample: int = 1_000_000,
         progress_bar: bool = True,
     ) -> None:
-        from lightning_onebit.strategy import _normalize_freeze_step
-
         freeze_step = _normalize_freeze_step(freeze_step)
         if window < 1:
             raise ValueError(
@@ -265,3 +263,26 @@ def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:
             f"own variance): {shown}{more}"
         )
     return msg
+
+
+def _normalize_freeze_step(freeze_step: Any) -> int | float | None:
+    """Validate ``freeze_step``: an int step count, a fraction in (0, 1), or None.
+
+    A whole float >= 1 (``12.0``, as a CLI or YAML may deliver ``12``) means that many steps.
+    """
+    if freeze_step is None:
+        return None
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, float)):
+        raise ValueError(
+            f"freeze_step must be an int >= 0, a float in (0, 1), or None; got {freeze_step!r}"
+        )
+    if isinstance(freeze_step, float) and freeze_step >= 1.0 and freeze_step.is_integer():
+        freeze_step = int(freeze_step)
+    if isinstance(freeze_step, int) and freeze_step < 0:
+        raise ValueError(f"freeze_step must be >= 0 steps, got {freeze_step}")
+    if isinstance(freeze_step, float) and not 0.0 < freeze_step < 1.0:
+        raise ValueError(
+            f"freeze_step={freeze_step}: a float is a fraction of the total steps and must be in "
+            "(0, 1); pass a whole number for a step count"
+        )
+    return freeze_step

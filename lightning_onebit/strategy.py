@@ -19,6 +19,12 @@ What it changes relative to :class:`~lightning.pytorch.strategies.DDPStrategy`:
   its own ``<checkpoint>.onebit-rank<R>-of-<W>`` file beside the checkpoint and reads it back on
   resume with the same world size; otherwise the error buffers restart from zero, with a warning.
 
+The pieces live in modules of one job each: :mod:`~lightning_onebit.convert` (Adam/AdamW to a
+1-bit optimizer, LR schedulers), :mod:`~lightning_onebit.hook` (the DDP communication hook),
+:mod:`~lightning_onebit.amp` (the rank-synced loss scaler), :mod:`~lightning_onebit.checkpoint_io`
+(per-rank files) and ``_checks`` (cross-rank model checks); this module wires them into
+Lightning's ``DDPStrategy``.
+
 Gradient clipping clips what ``optimizer.step()`` receives: the averaged gradient in warmup and
 this rank's *local* gradient in the compression phase.
 """
@@ -37,9 +43,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
-from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _MockOptimizer
@@ -48,12 +52,29 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import _augment_message
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_onebit import _deepspeed
+from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
+from lightning_onebit.amp import _synced_scaler
+from lightning_onebit.callbacks import CompressionScheduler
+from lightning_onebit.checkpoint_io import (
+    _find_rank_state,
+    _local_phase_note,
+    _rank_file_name,
+    _save_atomically,
+)
 from lightning_onebit.comm import as_average_dtype
+from lightning_onebit.convert import (
+    _LR_GROUP_KEYS,
+    _TORCH_ONLY,
+    _TORCH_SCHEDULER_GROUP_KEYS,
+    _plain,
+    _repoint_scheduler,
+    _schedulers_within,
+)
+from lightning_onebit.hook import _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from lightning_onebit.optim._base import VARIANCE_FLOOR
 
@@ -71,25 +92,6 @@ ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "zero_one_adam": ZeroOneAdam,
     "onebit_lamb": OneBitLamb,
 }
-#: torch Adam/AdamW group keys that are implementation switches the 1-bit optimizers lack
-_TORCH_ONLY = (
-    "amsgrad",
-    "maximize",
-    "foreach",
-    "capturable",
-    "differentiable",
-    "fused",
-    "decoupled_weight_decay",
-)
-#: learning rates that converting to 1-bit LAMB with ``lamb_lr`` rescales: param-group keys
-#: (torch's schedulers keep their own there) and LR scheduler attributes
-_LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
-_TORCH_SCHEDULER_GROUP_KEYS = ("max_momentum", "base_momentum")
-_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "eta_min", "_last_lr")
-_SCHEDULER_TYPES = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
 _ROBUST_OPTIONS = ("bias_correction", "variance_floor", "preconditioned_exchange")
 _ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
     "onebit_adam": _ROBUST_OPTIONS,
@@ -109,64 +111,6 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
         "factor_threshold",
     ),
 }
-
-
-class _HookState:
-    """What the communication hook needs: the group, and the optimizer that says which kind of
-    gradients its next step wants (set once the optimizer exists)."""
-
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
-        self.process_group = process_group
-        self.optimizer: OneBitOptimizer | None = None
-
-    def __getstate__(self) -> dict[str, Any]:  # the process group cannot be pickled
-        return {"optimizer": None, "process_group": None}
-
-
-#: DDP's hook for the average in each ``average_dtype`` (the half ones cast, divide, sum, cast back).
-_AVERAGE_HOOKS = {
-    torch.float32: default_hooks.allreduce_hook,
-    torch.bfloat16: default_hooks.bf16_compress_hook,
-    torch.float16: default_hooks.fp16_compress_hook,
-}
-
-
-def _onebit_comm_hook(
-    state: _HookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Full-precision average on steps that need it, nothing on the others (local gradients)."""
-    if state.optimizer is None:
-        return default_hooks.allreduce_hook(state.process_group, bucket)
-    if state.optimizer.expects_averaged_grads:
-        return _AVERAGE_HOOKS[state.optimizer.average_dtype](state.process_group, bucket)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-# DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings.
-_onebit_comm_hook.__annotations__ = {
-    "state": _HookState,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
-
-
-class _RankSyncedGradScaler(torch.amp.GradScaler):
-    """GradScaler whose overflow flag is the maximum over ranks.
-
-    In the compression phase every rank has its own local gradients, so one rank can overflow
-    while the others do not; skipping the step on that rank alone would desynchronise the
-    optimizers (and deadlock their exchange). One extra 1-element all_reduce per step.
-    """
-
-    @override
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)
-        if not (self._enabled and dist.is_available() and dist.is_initialized()):
-            return
-        for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
 
 class OneBitStrategy(DDPStrategy):
@@ -482,8 +426,6 @@ class OneBitStrategy(DDPStrategy):
         super().setup_environment()
         # Add the phase-switch callback before Lightning restores callback states from a
         # checkpoint (that happens before ``setup``), so its state is restored too.
-        from lightning_onebit.callbacks import CompressionScheduler
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and not any(
             isinstance(c, CompressionScheduler) for c in trainer.callbacks
@@ -491,8 +433,6 @@ class OneBitStrategy(DDPStrategy):
             trainer.callbacks.append(self._new_scheduler())
 
     def _new_scheduler(self) -> Any:
-        from lightning_onebit.callbacks import CompressionScheduler
-
         return CompressionScheduler(**self.scheduler_args)
 
     @override
@@ -920,251 +860,3 @@ class OneBitStrategy(DDPStrategy):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _rank_file_name(checkpoint_path: _PATH, rank: int, world_size: int) -> str:
-    return f"{os.fspath(checkpoint_path)}.onebit-rank{rank}-of-{world_size}"
-
-
-def _find_rank_state(
-    checkpoint_path: _PATH,
-    checkpoint: Mapping[str, Any],
-    rank: int,
-    world_size: int,
-    load: bool = True,
-) -> tuple[Any, list[str]]:
-    """Rank ``rank``'s file for ``checkpoint`` (its content; with ``load=False`` only whether
-    there is one), and the paths looked at.
-
-    Beside the path the user resumes from, else beside the file a symlink points to
-    (``ModelCheckpoint(save_last="link")``), else beside the path the checkpoint was saved at
-    (a copy). A loaded file counts only if it is from the checkpoint's step.
-    """
-    candidates = [os.fspath(checkpoint_path)]
-    fs = get_filesystem(candidates[0])
-    if isinstance(fs, LocalFileSystem) and os.path.islink(candidates[0]):
-        candidates.append(os.path.realpath(candidates[0]))
-    saved_as = (checkpoint.get("onebit") or {}).get("saved_as")
-    if saved_as:
-        candidates.append(saved_as)
-    looked: list[str] = []
-    for candidate in dict.fromkeys(candidates):
-        rank_file = _rank_file_name(candidate, rank, world_size)
-        fs = get_filesystem(rank_file)
-        if not fs.exists(rank_file):
-            looked.append(rank_file)
-            continue
-        if not load:
-            return True, looked
-        state = pl_load(rank_file, weights_only=False)
-        if state.get("global_step") == checkpoint.get("global_step"):
-            return state, looked
-        looked.append(f"{rank_file} (from step {state.get('global_step')})")
-    return None, looked
-
-
-def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
-    """What a resume without some ranks' files does to parameters that differ across ranks."""
-    meta = checkpoint.get("onebit") or {}
-    differ = meta.get("params_differ_across_ranks")
-    if differ is None:  # a checkpoint from before the "onebit" entry: 0/1 Adam's local phase
-        states = checkpoint.get("optimizer_states") or [{}]
-        differ = (
-            isinstance(states[0], Mapping)
-            and (states[0].get("onebit") or {}).get("phase") == ZeroOneAdam.PHASES[1]
-        )
-    if not differ:
-        return ""
-    who = "every rank resumes" if every_rank else "those ranks resume"
-    return (
-        "; the checkpoint was taken between two synchronisations of 0/1 Adam's local phase, when "
-        f"each rank had its own parameters and momenta: {who} from rank 0's (the ones in the "
-        "checkpoint), so the local steps the other ranks took since the last synchronisation are "
-        "dropped" + (" and all ranks start from identical parameters" if every_rank else "")
-    )
-
-
-def _save_atomically(obj: Any, path: str) -> None:
-    """Write ``path`` so that it is never half-written, even if the process dies mid-write.
-
-    Local paths: a temporary file in the same directory (so the same filesystem), flushed to
-    disk, then renamed over ``path`` in one step. (Lightning's ``_atomic_save`` writes its
-    temporary file into the system temp directory; when that is another filesystem than the
-    checkpoint's, its final move is a copy, which a crash can leave half-written.) Remote
-    (fsspec) paths use Lightning's transaction.
-    """
-    fs = get_filesystem(path)
-    if not isinstance(fs, LocalFileSystem):
-        _atomic_save(obj, path)
-        return
-    path = fs._strip_protocol(path)
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def _normalize_freeze_step(freeze_step: Any) -> int | float | None:
-    """Validate ``freeze_step``: an int step count, a fraction in (0, 1), or None.
-
-    A whole float >= 1 (``12.0``, as a CLI or YAML may deliver ``12``) means that many steps.
-    """
-    if freeze_step is None:
-        return None
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, float)):
-        raise ValueError(
-            f"freeze_step must be an int >= 0, a float in (0, 1), or None; got {freeze_step!r}"
-        )
-    if isinstance(freeze_step, float) and freeze_step >= 1.0 and freeze_step.is_integer():
-        freeze_step = int(freeze_step)
-    if isinstance(freeze_step, int) and freeze_step < 0:
-        raise ValueError(f"freeze_step must be >= 0 steps, got {freeze_step}")
-    if isinstance(freeze_step, float) and not 0.0 < freeze_step < 1.0:
-        raise ValueError(
-            f"freeze_step={freeze_step}: a float is a fraction of the total steps and must be in "
-            "(0, 1); pass a whole number for a step count"
-        )
-    return freeze_step
-
-
-def _plain(value: Any) -> Any:
-    """Hyperparameters as Python numbers (torch allows 0-dim tensors for lr/betas)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def _repoint_scheduler(
-    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer, lr_scale: float = 1.0
-) -> None:
-    """Make an LR scheduler built for ``old`` drive ``new`` (same groups, same order).
-
-    Every reference to ``old`` is replaced, in the scheduler and in the schedulers it holds
-    (SequentialLR's and ChainedScheduler's children, or a custom scheduler's), and their
-    absolute learning rates (``base_lrs``, ``eta_min``, ...) are multiplied by ``lr_scale``.
-    """
-    found = False
-    for obj in _schedulers_within(scheduler):
-        for key, value in vars(obj).items():
-            if value is old:
-                setattr(obj, key, new)
-                found = True
-            elif isinstance(value, list) and any(v is old for v in value):
-                setattr(obj, key, [new if v is old else v for v in value])
-                found = True
-        if lr_scale != 1.0:
-            for key in _LR_SCHEDULER_ATTRS:
-                value = getattr(obj, key, None)
-                if isinstance(value, list):
-                    setattr(obj, key, [v * lr_scale for v in value])
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    setattr(obj, key, value * lr_scale)
-    if not found:
-        raise MisconfigurationException(
-            f"LR scheduler {type(scheduler).__name__} does not drive the optimizer returned by "
-            "configure_optimizers: build it on that optimizer"
-        )
-    # torch wraps optimizer.step to warn when scheduler.step() comes first; wrap the new one too
-    if hasattr(new.step, "_wrapped_by_lr_sched"):
-        return
-    step = new.step
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        new._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    new.step = wrapped  # type: ignore[method-assign]
-
-
-def _schedulers_within(scheduler: Any) -> list[Any]:
-    """``scheduler`` and every scheduler it holds, at any depth (each once)."""
-    found: list[Any] = []
-    todo = [scheduler]
-    while todo:
-        obj = todo.pop()
-        if any(obj is f for f in found):
-            continue
-        found.append(obj)
-        for value in vars(obj).values():
-            for v in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(v, _SCHEDULER_TYPES):
-                    todo.append(v)
-    return found
-
-
-def _synced_scaler(scaler: torch.amp.GradScaler) -> _RankSyncedGradScaler:
-    synced = _RankSyncedGradScaler(
-        device=scaler._device,
-        init_scale=scaler._init_scale,
-        growth_factor=scaler._growth_factor,
-        backoff_factor=scaler._backoff_factor,
-        growth_interval=scaler._growth_interval,
-        enabled=scaler._enabled,
-    )
-    if scaler._scale is not None:  # already used: keep its current scale
-        synced.load_state_dict(scaler.state_dict())
-    return synced
-
-
-def _check_same_model_on_every_rank(shapes: list[tuple[str, tuple[int, ...]]]) -> None:
-    """Catch a model that differs across ranks now, with a clear error, not as a hang later.
-
-    ``shapes``: (name, shape) of every parameter, in order. Every rank raises the same error.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, shapes)
-    if all(o == everyone[0] for o in everyone):
-        return
-
-    def summary(r: int) -> str:
-        o = everyone[r]
-        return f"rank {r}: {len(o)} parameters, {sum(torch.Size(s).numel() for _, s in o):,} values"
-
-    ref = everyone[0]
-    r = next(r for r, o in enumerate(everyone) if o != ref)
-    other = everyone[r]
-    common = min(len(ref), len(other))
-    i = next((i for i in range(common) if ref[i] != other[i]), common)
-    if i < common:
-        first = (
-            f"{ref[i][0]!r} has shape {ref[i][1]} on rank 0, {other[i][0]!r} has shape "
-            f"{other[i][1]} on rank {r}"
-        )
-    else:
-        longer, q = (ref, 0) if len(ref) > len(other) else (other, r)
-        first = (
-            f"rank {q} has extra parameters, the first is {longer[i][0]!r} of shape {longer[i][1]}"
-        )
-    raise RuntimeError(
-        f"the model differs across ranks ({'; '.join(summary(q) for q in range(len(everyone)))}): "
-        f"{first}. Every rank must build the same model (look for rank-dependent code in "
-        "__init__, setup or configure_model)"
-    )
-
-
-def _check_dense_gradients(module: torch.nn.Module) -> None:
-    """Refuse modules that produce sparse gradients before the first step."""
-    for name, mod in module.named_modules():
-        if (
-            isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-            and mod.sparse
-            and mod.weight.requires_grad
-        ):
-            raise ValueError(
-                f"{name or type(module).__name__} ({type(mod).__name__}) has sparse=True: its "
-                "gradients are sparse, and the 1-bit optimizers need dense gradients (they average "
-                "and compress every value); build it with sparse=False"
-            )

@@ -1,0 +1,108 @@
+"""Per-rank checkpoint files: ``<checkpoint>.onebit-rank<R>-of-<W>`` beside a checkpoint, how
+they are found on resume (beside a link's target, where a copy was saved) and written
+(atomically)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.types import _PATH
+
+from lightning_onebit.optim import ZeroOneAdam
+
+
+def _rank_file_name(checkpoint_path: _PATH, rank: int, world_size: int) -> str:
+    return f"{os.fspath(checkpoint_path)}.onebit-rank{rank}-of-{world_size}"
+
+
+def _find_rank_state(
+    checkpoint_path: _PATH,
+    checkpoint: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    load: bool = True,
+) -> tuple[Any, list[str]]:
+    """Rank ``rank``'s file for ``checkpoint`` (its content; with ``load=False`` only whether
+    there is one), and the paths looked at.
+
+    Beside the path the user resumes from, else beside the file a symlink points to
+    (``ModelCheckpoint(save_last="link")``), else beside the path the checkpoint was saved at
+    (a copy). A loaded file counts only if it is from the checkpoint's step.
+    """
+    candidates = [os.fspath(checkpoint_path)]
+    fs = get_filesystem(candidates[0])
+    if isinstance(fs, LocalFileSystem) and os.path.islink(candidates[0]):
+        candidates.append(os.path.realpath(candidates[0]))
+    saved_as = (checkpoint.get("onebit") or {}).get("saved_as")
+    if saved_as:
+        candidates.append(saved_as)
+    looked: list[str] = []
+    for candidate in dict.fromkeys(candidates):
+        rank_file = _rank_file_name(candidate, rank, world_size)
+        fs = get_filesystem(rank_file)
+        if not fs.exists(rank_file):
+            looked.append(rank_file)
+            continue
+        if not load:
+            return True, looked
+        state = pl_load(rank_file, weights_only=False)
+        if state.get("global_step") == checkpoint.get("global_step"):
+            return state, looked
+        looked.append(f"{rank_file} (from step {state.get('global_step')})")
+    return None, looked
+
+
+def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
+    """What a resume without some ranks' files does to parameters that differ across ranks."""
+    meta = checkpoint.get("onebit") or {}
+    differ = meta.get("params_differ_across_ranks")
+    if differ is None:  # a checkpoint from before the "onebit" entry: 0/1 Adam's local phase
+        states = checkpoint.get("optimizer_states") or [{}]
+        differ = (
+            isinstance(states[0], Mapping)
+            and (states[0].get("onebit") or {}).get("phase") == ZeroOneAdam.PHASES[1]
+        )
+    if not differ:
+        return ""
+    who = "every rank resumes" if every_rank else "those ranks resume"
+    return (
+        "; the checkpoint was taken between two synchronisations of 0/1 Adam's local phase, when "
+        f"each rank had its own parameters and momenta: {who} from rank 0's (the ones in the "
+        "checkpoint), so the local steps the other ranks took since the last synchronisation are "
+        "dropped" + (" and all ranks start from identical parameters" if every_rank else "")
+    )
+
+
+def _save_atomically(obj: Any, path: str) -> None:
+    """Write ``path`` so that it is never half-written, even if the process dies mid-write.
+
+    Local paths: a temporary file in the same directory (so the same filesystem), flushed to
+    disk, then renamed over ``path`` in one step. (Lightning's ``_atomic_save`` writes its
+    temporary file into the system temp directory; when that is another filesystem than the
+    checkpoint's, its final move is a copy, which a crash can leave half-written.) Remote
+    (fsspec) paths use Lightning's transaction.
+    """
+    fs = get_filesystem(path)
+    if not isinstance(fs, LocalFileSystem):
+        _atomic_save(obj, path)
+        return
+    path = fs._strip_protocol(path)
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
