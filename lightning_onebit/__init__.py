@@ -5,20 +5,41 @@ Importing the package registers the Trainer strategy names ``onebit_adam``, ``ze
 ``*_find_unused_parameters_true`` variants in ``lightning.pytorch``'s registry. The separate
 ``pytorch_lightning`` package (if already imported) gets the same names, each raising an error
 that says to use ``lightning``.
+
+The optimizers (:mod:`lightning_onebit.optim`) and the compressed allreduce
+(:mod:`lightning_onebit.comm`) need only torch: without Lightning installed the package imports
+them and leaves the strategy and the callback out.
 """
 
 import sys
 from functools import partial
 from typing import Any
 
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.comm import CompressedAllreduce
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
 
-OneBitStrategy.register_strategies(StrategyRegistry)
+__version__ = "0.1.0"
+
+try:
+    from lightning.pytorch.strategies import StrategyRegistry
+except ModuleNotFoundError as err:  # the optimizers alone
+    if not (err.name or "").startswith("lightning"):
+        raise
+    __all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "__version__"]
+else:
+    from lightning_onebit.callbacks import CompressionScheduler
+    from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
+
+    OneBitStrategy.register_strategies(StrategyRegistry)
+    __all__ = [
+        "CompressedAllreduce",
+        "CompressionScheduler",
+        "OneBitAdam",
+        "OneBitLamb",
+        "OneBitStrategy",
+        "ZeroOneAdam",
+        "__version__",
+    ]
 
 
 def _register_in_pytorch_lightning() -> None:
@@ -41,16 +62,5 @@ def _refuse_pytorch_lightning(name: str, **_: Any) -> Any:
     )
 
 
-if "pytorch_lightning" in sys.modules:
+if "pytorch_lightning" in sys.modules and "ALGORITHMS" in globals():
     _register_in_pytorch_lightning()
-
-__version__ = "0.1.0"
-__all__ = [
-    "CompressedAllreduce",
-    "CompressionScheduler",
-    "OneBitAdam",
-    "OneBitLamb",
-    "OneBitStrategy",
-    "ZeroOneAdam",
-    "__version__",
-]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import io
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -926,3 +928,23 @@ def test_decoupled_weight_decay_of_frozen_steps_is_exact_to_rounding(pre: bool) 
         ref = (ref.double() * (1 - 1e-7)).float()
     assert opt.phase == "compression"
     assert (p.detach() != ref).float().mean() < 1e-3  # ties aside, bitwise
+
+
+def test_the_optimizers_need_no_lightning() -> None:
+    """``import lightning_onebit.optim`` (and the package) in a Python where ``lightning`` cannot
+    be imported: the optimizers train, the strategy is left out, nothing imports Lightning."""
+    code = (
+        "import sys\n"
+        "sys.modules['lightning'] = None  # import lightning -> ModuleNotFoundError\n"
+        "import torch, lightning_onebit\n"
+        "from lightning_onebit.optim import OneBitAdam\n"
+        "p = torch.nn.Parameter(torch.ones(8))\n"
+        "opt = OneBitAdam([p], lr=0.1, freeze_step=1)\n"
+        "for _ in range(3):\n"
+        "    p.grad = torch.ones(8); opt.step()\n"
+        "assert opt.phase == 'compression' and not hasattr(lightning_onebit, 'OneBitStrategy')\n"
+        "assert not any(m.startswith(('lightning.', 'pytorch_lightning')) for m in sys.modules)\n"
+        "print('ok', lightning_onebit.__version__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stderr[-2000:]
