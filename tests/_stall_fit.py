@@ -57,7 +57,7 @@ def strategy(timeout_s: float, start_method: str, overlap_mb: float | None) -> A
 def main(mode: str, timeout_s: float, out: Path, overlap_mb: float | None) -> None:
     from torch.utils.data import DataLoader
 
-    from tests.test_strategy import CharModel, CharWindows, _corpus
+    from tests._char_model import CharModel, CharWindows, _corpus
 
     trainer = L.Trainer(
         strategy=strategy(timeout_s, "popen", overlap_mb),

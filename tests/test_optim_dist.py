@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning_onebit.comm import fp32_allreduce_bytes
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests._dist import run_distributed
-from tests.test_optim import (
+from tests._reference import (
     CKPT_CASES,
     _algo,
     flat_trainable,

@@ -142,7 +142,7 @@ NAN_CASES = {
 def _nan_skip_worker(rank: int, world: int, skip_batches: bool) -> dict:
     import warnings
 
-    from tests.test_optim import _algo, flat_trainable, make_groups, make_params, set_grads
+    from tests._reference import _algo, flat_trainable, make_groups, make_params, set_grads
 
     out = {}
     for algo, bad in NAN_CASES.items():
@@ -184,7 +184,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_as_if_the_batch_was_not_th
 
 
 def _local_nan_worker(rank: int, world: int, nan_at: int, skip: bool = False) -> dict:
-    from tests.test_optim import flat_trainable, make_groups, make_params, set_grads
+    from tests._reference import flat_trainable, make_groups, make_params, set_grads
 
     params = make_params()
     # phase 2 from step 7; the local step interval doubles every step up to 4: steps 7, 8 and

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_onebit import OneBitStrategy
 from lightning_onebit.optim import OneBitAdam
-from tests.test_strategy import CharModel, _fit
+from tests._char_model import CharModel, _fit
 
 # 0/1 Adam: variance phase for steps 1-4; local phase from step 5 with the local-step interval
 # 1 (steps 5, 6), 2 (7, 8), then 4 (9-12): after step 10 the ranks are two local steps past

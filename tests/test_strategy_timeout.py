@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._char_model import _fit
 from tests._stall_fit import Stall, strategy
-from tests.test_strategy import _fit
 
 TIMEOUT = 5.0  # seconds: OneBitStrategy(timeout=...)
 # The popen launcher starts rank 1 as a new interpreter, and the rendezvous waits for it under

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_onebit import OneBitStrategy
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-from tests.test_strategy import CharModel, _fit
+from tests._char_model import CharModel, _fit
 
 OPTIMIZERS = [OneBitAdam, ZeroOneAdam, OneBitLamb]
 FREEZE = {OneBitAdam: "freeze_step", ZeroOneAdam: "var_freeze_step", OneBitLamb: "freeze_step"}

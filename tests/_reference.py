@@ -1,0 +1,529 @@
+"""The reference implementations the optimizer tests compare with, and their test problem.
+
+The references are written straight from the update rules (DESIGN.md §3), one parameter at a
+time, in float64, and share no code with ``lightning_onebit.optim``. The compression is
+simulated here too (two-stage, error-compensated, DESIGN.md §2), for any number of ranks, so the
+same simulation checks ``W = 1`` (``test_optim.py``) and ``W = 2, 4`` (``test_optim_dist.py``).
+
+The test problem: five parameters in two groups; one is frozen (requires_grad=False) and one has
+grad=None on some steps (on some ranks). Gradients are a deterministic function of (rank, step,
+parameter, current value), so the implementation (float32) and the simulation (float64) see the
+same problem.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import torch
+
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+SHAPES = [(6, 5), (5,), (4,), (3, 4), (7,)]
+
+
+FROZEN = 2  # index of the requires_grad=False parameter
+
+
+SOMETIMES_NONE = 4  # index of the parameter whose grad is None on some steps
+
+
+GROUPS = [  # parameter indices, hyperparameter overrides
+    ([0, 1], {"lr": 0.01, "weight_decay": 0.0}),
+    ([2, 3, 4], {"lr": 0.02, "weight_decay": 0.1}),
+]
+
+
+TRAINABLE = [k for idx, _ in GROUPS for k in idx if k != FROZEN]  # flat layout order
+
+
+def initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+
+
+def _targets() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+
+
+TARGETS = _targets()
+
+
+def grad_of(rank: int, step: int, k: int, p: torch.Tensor) -> torch.Tensor | None:
+    """Rank ``rank``'s gradient of parameter ``k`` at step ``step`` (float64), or None."""
+    if k == SOMETIMES_NONE and (step + rank) % 5 == 0:
+        return None
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + k)
+    noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+    return (p.double() - TARGETS[k]) * (0.5 + 0.3 * k) + 0.5 * noise + 0.2 * (rank - 1.5)
+
+
+def make_params() -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(t.float()) for t in initial_params()]
+    params[FROZEN].requires_grad_(False)
+    return params
+
+
+def make_groups(params: list[torch.nn.Parameter], **extra: dict) -> list[dict]:
+    return [
+        {"params": [params[k] for k in idx], **hp, **extra.get(str(i), {})}
+        for i, (idx, hp) in enumerate(GROUPS)
+    ]
+
+
+def set_grads(params: list[torch.nn.Parameter], rank: int, step: int) -> None:
+    for k, p in enumerate(params):
+        if not p.requires_grad:
+            continue
+        g = grad_of(rank, step, k, p.detach())
+        p.grad = None if g is None else g.float()
+
+
+def flat_trainable(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([params[k].detach().double().reshape(-1) for k in TRAINABLE])
+
+
+def hparams_of(k: int) -> dict:
+    for idx, hp in GROUPS:
+        if k in idx:
+            return hp
+    raise KeyError(k)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+class SimExchange:
+    """All W ranks of the error-compensated two-stage 1-bit allreduce, in float64."""
+
+    def __init__(self, n: int, world: int) -> None:
+        self.n, self.w = n, world
+        self.n_pad = -(-n // (8 * world)) * 8 * world
+        self.m = self.n_pad // world
+        self.reset()
+
+    def reset(self) -> None:
+        self.worker_err = [torch.zeros(self.n_pad, dtype=torch.float64) for _ in range(self.w)]
+        self.server_err = [torch.zeros(self.m, dtype=torch.float64) for _ in range(self.w)]
+
+    def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        w, m = self.w, self.m
+        signs, scales = [], []
+        for i, x in enumerate(xs):  # stage 1: every worker compresses its whole buffer
+            y = self.worker_err[i].clone()
+            y[: self.n] += x
+            s = y.norm() / math.sqrt(self.n_pad)
+            sign = torch.where(y >= 0, 1.0, -1.0).double()
+            self.worker_err[i] = y - s * sign
+            signs.append(sign)
+            scales.append(s)
+        out = torch.empty(self.n_pad, dtype=torch.float64)
+        for j in range(w):  # stage 2: rank j averages chunk j and compresses it again
+            c = sum(scales[i] / w * signs[i][j * m : (j + 1) * m] for i in range(w))
+            c = c + self.server_err[j]
+            s = c.norm() / math.sqrt(m)
+            sign = torch.where(c >= 0, 1.0, -1.0).double()
+            self.server_err[j] = c - s * sign
+            out[j * m : (j + 1) * m] = s * sign
+        return out[: self.n]
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, o = [], 0
+    for t in like:
+        out.append(flat[o : o + t.numel()].view_as(t).clone())
+        o += t.numel()
+    return out
+
+
+def _local_grads(
+    world: int, step: int, params: list[list[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """Per rank, per trainable parameter (zeros where the gradient is None)."""
+    out = []
+    for r in range(world):
+        gs = []
+        for j, k in enumerate(TRAINABLE):
+            g = grad_of(r, step, k, params[r][j])
+            gs.append(torch.zeros_like(params[r][j]) if g is None else g)
+        out.append(gs)
+    return out
+
+
+def _mean(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    w = len(grads)
+    return [sum(grads[r][j] for r in range(w)) / w for j in range(len(grads[0]))]
+
+
+def _start(world: int):
+    p0 = initial_params()
+    params = [[p0[k].clone() for k in TRAINABLE] for _ in range(world)]
+    zeros = lambda: [[torch.zeros_like(t) for t in params[0]] for _ in range(world)]  # noqa: E731
+    hp = [hparams_of(k) for k in TRAINABLE]
+    n = sum(t.numel() for t in params[0])
+    return params, zeros, hp, n
+
+
+def _group_of(j: int) -> int:
+    """Param group of the ``j``-th trainable parameter."""
+    return next(i for i, (idx, _) in enumerate(GROUPS) if TRAINABLE[j] in idx)
+
+
+def _floor_(v: list[list[torch.Tensor]], floor: float) -> None:
+    """Every rank's variance raised to ``floor**2`` times the larger of its tensor's mean
+    variance and its group's."""
+    for gi in range(len(GROUPS)):
+        js = [j for j in range(len(v[0])) if _group_of(j) == gi]
+        group = float(torch.cat([v[0][j].reshape(-1) for j in js]).mean()) * floor**2
+        for j in js:
+            low = max(float(v[0][j].mean()) * floor**2, group)
+            for vr in v:
+                vr[j] = vr[j].clamp(min=low)
+
+
+def simulate_onebit_adam(
+    world: int,
+    steps: int,
+    freeze_step: int,
+    lrs=None,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    bias_correction: bool = False,
+    floor: float = 0.0,
+    preconditioned: bool = False,
+) -> list[list[torch.Tensor]]:
+    """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step.
+
+    ``bias_correction``: Adam's in warmup, folded into m and v at the freeze; ``floor``: the
+    frozen variance raised to ``floor**2`` times its group's mean; ``preconditioned``: the
+    momentum is exchanged as ``m / (sqrt(v) + eps)``."""
+    b1, b2 = betas
+    p, zeros, hp, n = _start(world)
+    m, v = zeros(), zeros()
+    ex = SimExchange(n, world)
+    history = []
+    for t in range(1, steps + 1):
+        grads = _local_grads(world, t, p)
+        direction = None
+        if t <= freeze_step:  # warmup: Adam on the averaged gradient
+            gbar = _mean(grads)
+            for r in range(world):
+                for j in range(len(gbar)):
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+                    v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+        else:  # local momentum, compressed average of the momentum, frozen v
+            d = [x.sqrt() + eps for x in v[0]]
+            for r in range(world):
+                for j in range(len(grads[r])):
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
+            if preconditioned:
+                xs = [
+                    torch.cat([(m[r][j] / d[j]).reshape(-1) for j in range(len(d))])
+                    for r in range(world)
+                ]
+                direction = _split(ex(xs), d)
+                m = [[direction[j] * d[j] for j in range(len(d))] for _ in range(world)]
+            else:
+                avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
+                for r in range(world):
+                    m[r] = _split(avg, m[r])
+        bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction and t <= freeze_step else (1, 1)
+        for r in range(world):
+            for j in range(len(p[r])):
+                lr = hp[j]["lr"] if lrs is None else lrs[t - 1][j]
+                if direction is not None:
+                    u = direction[j]
+                else:
+                    u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
+                p[r][j] = p[r][j] - lr * (u + hp[j]["weight_decay"] * p[r][j])
+        if t == freeze_step:
+            for r in range(world):
+                m[r] = [x / bc1 for x in m[r]]
+                v[r] = [x / bc2 for x in v[r]]
+            _floor_(v, floor)
+        history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
+    return history
+
+
+def simulate_zero_one_adam(
+    world: int,
+    steps: int,
+    var_freeze_step: int,
+    var_update_scaler: int,
+    local_step_scaler: int,
+    local_step_clipper: int,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    bias_correction: bool = False,
+    floor: float = 0.0,
+    preconditioned: bool = False,
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps.
+
+    ``bias_correction``: m by steps, v by variance updates, folded in at the freeze; ``floor``:
+    the variance floored after every variance update; ``preconditioned``: gradients exchanged
+    as ``g / (sqrt(v) + eps)``, the accumulator in parameter units."""
+    b1, b2 = betas
+    p, zeros, hp, n = _start(world)
+    m, v, acc = zeros(), zeros(), zeros()
+    lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
+    ex = SimExchange(n, world)
+    var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
+    k = 0  # variance updates
+    history, synced = [], []
+    for t in range(1, steps + 1):
+        grads = _local_grads(world, t, p)
+        if t <= var_freeze_step:
+            if t % var_interval == 0:  # variance step: exact average, both moments
+                k += 1
+                gbar = _mean(grads)
+                for r in range(world):
+                    for j in range(len(gbar)):
+                        v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+                        m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+            else:  # 1-bit average of the gradient, momentum only
+                d = [x.sqrt() + eps if preconditioned else torch.ones_like(x) for x in v[0]]
+                xs = [
+                    torch.cat([(grads[r][j] / d[j]).reshape(-1) for j in range(len(d))])
+                    for r in range(world)
+                ]
+                avg = _split(ex(xs), grads[0])
+                avg = [a * dj for a, dj in zip(avg, d, strict=True)]
+                for r in range(world):
+                    for j in range(len(avg)):
+                        m[r][j] = b1 * m[r][j] + (1 - b1) * avg[j]
+            bc1, bc2 = (1 - b1**t, 1 - b2 ** max(k, 1)) if bias_correction else (1, 1)
+            for r in range(world):
+                for j in range(len(p[r])):
+                    u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
+                    p[r][j] = p[r][j] - hp[j]["lr"] * (u + hp[j]["weight_decay"] * p[r][j])
+            if t % var_interval == 0:
+                _floor_(v, floor)
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+            if t == var_freeze_step:
+                ex.reset()
+                for r in range(world):
+                    m[r] = [x / bc1 for x in m[r]]
+                    v[r] = [x / bc2 for x in v[r]]
+                _floor_(v, floor)
+            synced.append(t)
+        else:
+            for r in range(world):
+                for j in range(len(p[r])):
+                    lr = hp[j]["lr"]
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
+                    lrs[r][j] += lr
+                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                    p[r][j] = p[r][j] - lr * u
+                    acc[r][j] = acc[r][j] - lr * u
+            if t % local_interval == 0:
+                denom = [x.sqrt() + eps for x in v[0]]
+                scale = [torch.ones_like(x) for x in denom] if preconditioned else denom
+                for r in range(world):
+                    p[r] = [p[r][j] - acc[r][j] for j in range(len(p[r]))]
+                avg = _split(
+                    ex(
+                        [
+                            torch.cat(
+                                [(acc[r][j] * scale[j]).reshape(-1) for j in range(len(denom))]
+                            )
+                            for r in range(world)
+                        ]
+                    ),
+                    denom,
+                )
+                for r in range(world):
+                    for j in range(len(p[r])):
+                        step = avg[j] / scale[j]  # in parameter units
+                        m[r][j] = -step * denom[j] / lrs[r][j]
+                        p[r][j] = p[r][j] + step
+                        acc[r][j] = torch.zeros_like(acc[r][j])
+                        lrs[r][j] = 0.0
+                synced.append(t)
+            local_counter += 1
+            if local_counter == local_step_scaler:
+                local_counter, local_interval = 0, min(local_step_clipper, 2 * local_interval)
+        history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
+    return history, synced
+
+
+def simulate_onebit_lamb(
+    world: int,
+    steps: int,
+    freeze_step: int,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    max_coeff=10.0,
+    min_coeff=0.01,
+    coeff_beta=0.9,
+    factor_max=4.0,
+    factor_min=0.5,
+    factor_threshold=0.1,
+    bias_correction: bool = False,
+    floor: float = 0.0,
+    preconditioned: bool = False,
+) -> list[list[torch.Tensor]]:
+    """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step
+    (``bias_correction``/``floor``/``preconditioned`` as in :func:`simulate_onebit_adam`)."""
+    b1, b2 = betas
+    p, zeros, hp, n = _start(world)
+    m, v, v_fresh = zeros(), zeros(), zeros()
+    P = len(hp)
+    coeff_freeze = [[0.0] * P for _ in range(world)]
+    last_factor = [[1.0] * P for _ in range(world)]
+    scaling = None
+    ex = SimExchange(n, world)
+    history = []
+    for t in range(1, steps + 1):
+        grads = _local_grads(world, t, p)
+        if t <= freeze_step:
+            gbar = _mean(grads)
+            bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1, 1)
+            for r in range(world):
+                for j in range(P):
+                    m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+                    v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+                    u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
+                    u = u + hp[j]["weight_decay"] * p[r][j]
+                    pn, un = float(p[r][j].norm()), float(u.norm())
+                    coeff = 1.0
+                    if pn > 0 and un > 0:
+                        coeff = min(max(pn / un, min_coeff), max_coeff)
+                        coeff_freeze[r][j] = (
+                            coeff_beta * coeff_freeze[r][j] + (1 - coeff_beta) * coeff
+                        )
+                    p[r][j] = p[r][j] - hp[j]["lr"] * coeff * u
+            if t == freeze_step:
+                for r in range(world):
+                    m[r] = [x / bc1 for x in m[r]]
+                    v[r] = [x / bc2 for x in v[r]]
+                _floor_(v, floor)
+                v_fresh = [[x.clone() for x in v[r]] for r in range(world)]
+        else:
+            d = [x.sqrt() + eps if preconditioned else torch.ones_like(x) for x in v[0]]
+            if scaling is None:  # from the momentum at the end of warmup (same on every rank)
+                rms = [
+                    float((x / dj).norm()) / math.sqrt(x.numel())
+                    for x, dj in zip(m[0], d, strict=True)
+                ]
+                scaling = [sum(rms) / P / s for s in rms]
+            m_last = [[x.clone() for x in m[r]] for r in range(world)]
+            for r in range(world):
+                for j in range(P):
+                    m[r][j] = (b1 * m[r][j] + (1 - b1) * grads[r][j]) * scaling[j] / d[j]
+            avg = ex([torch.cat([x.reshape(-1) for x in m[r]]) for r in range(world)])
+            for r in range(world):
+                m[r] = [x * d[j] / scaling[j] for j, x in enumerate(_split(avg, m[r]))]
+                for j in range(P):
+                    g_rec = (m[r][j] - b1 * m_last[r][j]) / (1 - b1)
+                    v_fresh[r][j] = b2 * v_fresh[r][j] + (1 - b2) * g_rec**2
+                    denom = v[r][j].sqrt() + eps
+                    u_prelim = m[r][j] / denom
+                    wd = hp[j]["weight_decay"]
+                    u = u_prelim + wd * p[r][j]
+                    factor = float((denom / (v_fresh[r][j].sqrt() + eps)).max())
+                    if wd > 0:
+                        ratio = min(1.0, float(u_prelim.norm() / u.norm()))
+                        factor = factor * ratio + (1.0 - ratio)
+                    factor = min(max(factor, factor_min), factor_max)
+                    factor = min(factor, last_factor[r][j] * (1 + factor_threshold))
+                    factor = max(factor, last_factor[r][j] * (1 - factor_threshold))
+                    last_factor[r][j] = factor
+                    p[r][j] = p[r][j] - hp[j]["lr"] * coeff_freeze[r][j] * factor * u
+        history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
+    return history
+
+
+def _run(opt_factory, steps: int, rank: int = 0, sched=None) -> tuple[list[torch.Tensor], list]:
+    params = make_params()
+    opt = opt_factory(make_groups(params))
+    scheduler = sched(opt) if sched else None
+    hist = []
+    for t in range(1, steps + 1):
+        set_grads(params, rank, t)
+        opt.step()
+        if scheduler:
+            scheduler.step()
+        hist.append(flat_trainable(params))
+    return hist, params
+
+
+#: DeepSpeed's arithmetic (the three optimizers' robustness options off)
+DEEPSPEED = {"variance_floor": 0.0, "preconditioned_exchange": False}
+
+
+#: what OneBitStrategy builds from a torch Adam/AdamW (a floor high enough to bite here)
+ROBUST = {"bias_correction": True, "variance_floor": 0.5, "preconditioned_exchange": True}
+
+
+SIM_ROBUST = {"bias_correction": True, "floor": 0.5, "preconditioned": True}
+
+
+def _algo(algo: str, world: int, steps: int, robust: bool = False):
+    """(optimizer factory, simulated history) for one algorithm through both phases, with
+    DeepSpeed's arithmetic or with bias correction, variance floor and preconditioned exchange."""
+    kw, sim = (dict(ROBUST), dict(SIM_ROBUST)) if robust else (dict(DEEPSPEED), {})
+    if algo == "onebit_adam":
+        return (
+            lambda g: OneBitAdam(g, freeze_step=10, **kw),
+            simulate_onebit_adam(world, steps, freeze_step=10, **sim),
+        )
+    if algo == "zero_one_adam":
+        hp = dict(
+            var_freeze_step=14, var_update_scaler=3, local_step_scaler=5, local_step_clipper=4
+        )
+        hist, _ = simulate_zero_one_adam(world, steps, **hp, **sim)
+        return lambda g: ZeroOneAdam(g, **hp, **kw), hist
+    if algo == "onebit_lamb":
+        return (
+            lambda g: OneBitLamb(g, freeze_step=10, **kw),
+            simulate_onebit_lamb(world, steps, freeze_step=10, **sim),
+        )
+    raise ValueError(algo)
+
+
+CKPT_CASES = {
+    # name: (factory, steps, save points) — save points inside each phase
+    "onebit_adam": (lambda g: OneBitAdam(g, freeze_step=8), 20, [4, 13]),
+    "zero_one_adam": (
+        lambda g: ZeroOneAdam(
+            g, var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4
+        ),
+        30,
+        [9, 23],  # 9: var_interval 4, a non-variance step next; 23: mid local-step interval
+    ),
+    "onebit_lamb": (lambda g: OneBitLamb(g, freeze_step=8, weight_decay=0.01), 20, [4, 13]),
+}
+
+
+def _roundtrip(sd: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def run_with_restart(factory, steps: int, save_at: int | None, rank: int = 0) -> list[torch.Tensor]:
+    """Train ``steps`` steps; if ``save_at``, rebuild params and optimizer from a checkpoint there."""
+    params = make_params()
+    opt = factory(make_groups(params))
+    hist = []
+    for t in range(1, steps + 1):
+        set_grads(params, rank, t)
+        opt.step()
+        hist.append(flat_trainable(params))
+        if t == save_at:
+            saved_p = _roundtrip([p.detach().clone() for p in params])
+            saved_o = _roundtrip(opt.state_dict())
+            params = make_params()  # fresh objects, initial values
+            with torch.no_grad():
+                for p, s in zip(params, saved_p, strict=True):
+                    p.copy_(s)
+            opt = factory(make_groups(params))
+            opt.load_state_dict(saved_o)
+    return hist
