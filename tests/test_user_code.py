@@ -428,10 +428,8 @@ def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
-    assert sorted(line for line in run.stdout.splitlines() if "exit-check" in line) == [
-        "exit-check: rank 0 done",
-        "exit-check: rank 1 done",
-    ]
+    for rank in (0, 1):  # (the ranks' lines may interleave in torchrun's merged stdout)
+        assert run.stdout.count(f"exit-check: rank {rank} done") == 1, run.stdout[-2000:]
 
 
 # --------------------------------------------------------------------------- messages
