@@ -20,27 +20,6 @@ from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
 
-try:
-    from lightning.pytorch.strategies import StrategyRegistry
-except ModuleNotFoundError as err:  # the optimizers alone
-    if not (err.name or "").startswith("lightning"):
-        raise
-    __all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "__version__"]
-else:
-    from lightning_onebit.callbacks import CompressionScheduler
-    from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
-
-    OneBitStrategy.register_strategies(StrategyRegistry)
-    __all__ = [
-        "CompressedAllreduce",
-        "CompressionScheduler",
-        "OneBitAdam",
-        "OneBitLamb",
-        "OneBitStrategy",
-        "ZeroOneAdam",
-        "__version__",
-    ]
-
 
 def _register_in_pytorch_lightning() -> None:
     """The separate ``pytorch_lightning`` package's Trainer cannot run our ``lightning.pytorch``
@@ -62,5 +41,25 @@ def _refuse_pytorch_lightning(name: str, **_: Any) -> Any:
     )
 
 
-if "pytorch_lightning" in sys.modules and "ALGORITHMS" in globals():
-    _register_in_pytorch_lightning()
+try:
+    from lightning.pytorch.strategies import StrategyRegistry
+except ModuleNotFoundError as err:  # the optimizers alone
+    if not (err.name or "").startswith("lightning"):
+        raise
+    __all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "__version__"]
+else:
+    from lightning_onebit.callbacks import CompressionScheduler
+    from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
+
+    OneBitStrategy.register_strategies(StrategyRegistry)
+    __all__ = [
+        "CompressedAllreduce",
+        "CompressionScheduler",
+        "OneBitAdam",
+        "OneBitLamb",
+        "OneBitStrategy",
+        "ZeroOneAdam",
+        "__version__",
+    ]
+    if "pytorch_lightning" in sys.modules:
+        _register_in_pytorch_lightning()

@@ -203,9 +203,7 @@ class CompressionScheduler(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # 0/1 Adam may end between two synchronisations, each rank with its own parameters:
         # the model a user saves, tests or exports must be the same on every rank
-        opt = self._optimizer(trainer)
-        if opt.params_differ_across_ranks:
-            opt.synchronize()
+        self._optimizer(trainer).synchronize()  # (a no-op for the others)
 
     def _adaptive_check(self, opt: OneBitOptimizer) -> None:
         v = opt.variance

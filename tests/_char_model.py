@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
+from tests._user_models import OneThread, _stdlib_text
+
 VOCAB, CONTEXT, EMBED, HIDDEN = 48, 8, 16, 64
 
 
@@ -22,13 +24,7 @@ ALGOS = ["onebit_adam", "zero_one_adam", "onebit_lamb"]
 def _corpus(nbytes: int = 120_000) -> torch.Tensor:
     """Standard-library source as token ids; the VOCAB-1 most frequent bytes get their own id
     (every id occurs often in warmup: a frozen variance of 0 would make 1-bit steps explode)."""
-    lib = Path(os.__file__).parent
-    text = b""
-    for path in sorted(lib.glob("*.py")):
-        text += path.read_bytes()
-        if len(text) > nbytes:
-            break
-    raw = torch.frombuffer(bytearray(text[:nbytes]), dtype=torch.uint8).long()
+    raw = torch.frombuffer(bytearray(_stdlib_text(nbytes)), dtype=torch.uint8).long()
     frequent = torch.bincount(raw, minlength=256).argsort(descending=True)[: VOCAB - 1]
     ids = torch.full((256,), VOCAB - 1, dtype=torch.long)
     ids[frequent] = torch.arange(VOCAB - 1)
@@ -131,7 +127,7 @@ def _fit(
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[RecordRanks(tmp), *(callbacks or [])],
+        callbacks=[RecordRanks(tmp), OneThread(), *(callbacks or [])],
         default_root_dir=tmp,
         **trainer_kw,
     )
