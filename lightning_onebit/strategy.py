@@ -37,6 +37,7 @@ import os
 import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,7 @@ from typing_extensions import override
 
 from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
+from lightning_onebit._errors import misspellings, quiet_errors_on_this_rank, refuse_misspelled
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.checkpoint_io import (
@@ -388,6 +390,16 @@ class OneBitStrategy(DDPStrategy):
                         start_method=start_method,
                         find_unused_parameters=unused,
                     )
+        # near-miss names ("onebit-adam", "1bit_adam", "OneBitAdam"): an error naming the right one
+        canonical = set(strategy_registry)
+        for algorithm in ALGORITHMS:
+            for name, meant in misspellings(algorithm, canonical).items():
+                if name not in strategy_registry:
+                    strategy_registry.register(
+                        name,
+                        partial(refuse_misspelled, name, meant),
+                        description=f"not a name: did you mean {meant!r}?",
+                    )
 
     # ------------------------------------------------------------------ setup
 
@@ -424,6 +436,7 @@ class OneBitStrategy(DDPStrategy):
             # the fork), and a notebook's parent process usually has. One thread per rank.
             torch.set_num_threads(1)
         super().setup_environment()
+        quiet_errors_on_this_rank(self.global_rank)
         # Add the phase-switch callback before Lightning restores callback states from a
         # checkpoint (that happens before ``setup``), so its state is restored too.
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

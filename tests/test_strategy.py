@@ -51,6 +51,23 @@ def test_registry_names_resolve_to_the_strategy() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("onebit-adam", "onebit_adam"),
+        ("OneBitAdam", "onebit_adam"),  # DeepSpeed's type name (Lightning lowercases it)
+        ("1-bit-lamb", "onebit_lamb"),
+        ("0/1_adam", "zero_one_adam"),
+        ("zero-one-adam-notebook", "zero_one_adam_notebook"),
+    ],
+)
+def test_a_near_miss_name_says_which_name_was_meant(name: str, meant: str) -> None:
+    with pytest.raises(ValueError, match=f"did you mean strategy={meant!r}"):
+        L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    for canonical in ALGOS:  # and no registered name is taken for a misspelling
+        assert StrategyRegistry[canonical]["strategy"] is OneBitStrategy
+
+
+@pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"algorithm": "onebit_sgd"}, "algorithm must be one of"),

@@ -432,6 +432,23 @@ def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
         assert run.stdout.count(f"exit-check: rank {rank} done") == 1, run.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_a_diverged_run_prints_one_traceback_not_one_per_rank() -> None:
+    """Every rank raises NonFiniteError in the same step: rank 0 prints the traceback, rank 1 one
+    line (torchrun prefixes each rank's uncaught-error lines with ``[rankN]:``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(EXIT_SCRIPT), "onebit_adam", "diverge"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    err = run.stderr
+    assert run.returncode != 0, err[-3000:]
+    assert err.count("[rank0]: lightning_onebit.comm.NonFiniteError: 10 steps in a row") == 1, err
+    assert "[rank1]: Traceback" not in err, err[-3000:]
+    assert err.count("[rank 1] stopped: NonFiniteError (raised on every rank") == 1, err[-3000:]
+
+
 # --------------------------------------------------------------------------- messages
 
 
