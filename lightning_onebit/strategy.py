@@ -78,7 +78,6 @@ from lightning_onebit.convert import (
 )
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
-from lightning_onebit.optim._base import VARIANCE_FLOOR
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
 
@@ -94,25 +93,8 @@ ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "zero_one_adam": ZeroOneAdam,
     "onebit_lamb": OneBitLamb,
 }
-_ROBUST_OPTIONS = ("bias_correction", "variance_floor", "preconditioned_exchange")
-_ALGORITHM_OPTIONS: dict[str, tuple[str, ...]] = {
-    "onebit_adam": _ROBUST_OPTIONS,
-    "zero_one_adam": (
-        *_ROBUST_OPTIONS,
-        "var_update_scaler",
-        "local_step_scaler",
-        "local_step_clipper",
-    ),
-    "onebit_lamb": (
-        *_ROBUST_OPTIONS,
-        "max_coeff",
-        "min_coeff",
-        "coeff_beta",
-        "factor_max",
-        "factor_min",
-        "factor_threshold",
-    ),
-}
+#: the options every algorithm has (said in the conversion line)
+_ROBUST_OPTIONS = OneBitOptimizer.OPTIONS
 
 
 class OneBitStrategy(DDPStrategy):
@@ -138,10 +120,13 @@ class OneBitStrategy(DDPStrategy):
             identically on every rank). ``freeze_step`` stays the latest switch.
         freeze_threshold: relative change of the variance that counts as stable (adaptive only).
         freeze_window: steps between two variance snapshots (adaptive only).
-        var_update_scaler: 0/1 Adam: variance updates between doublings of the variance interval.
+        var_update_scaler: 0/1 Adam: variance updates between doublings of the variance interval
+            (``None``: :class:`~lightning_onebit.optim.ZeroOneAdam`'s default; so for every
+            algorithm option below: the optimizer's own declaration is the one source).
         local_step_scaler: 0/1 Adam: steps between doublings of the local-step interval.
         local_step_clipper: 0/1 Adam: the largest local-step interval.
-        max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio.
+        max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio
+            (:class:`~lightning_onebit.optim.OneBitLamb`).
         min_coeff: 1-bit LAMB: lower clamp of the layer-wise trust ratio.
         coeff_beta: 1-bit LAMB: moving-average factor of the trust ratio in warmup.
         factor_max: 1-bit LAMB: upper clamp of the fresh-variance correction factor.
@@ -154,10 +139,11 @@ class OneBitStrategy(DDPStrategy):
             ``beta2=0.999``) its uncorrected variance makes every 1-bit step several times
             larger than Adam's. An optimizer from ``configure_optimizers`` keeps its own setting.
         variance_floor: when converting, the optimizer's ``variance_floor``: no coordinate's
-            ``sqrt(v)`` counts as less than this fraction of its group's RMS, so coordinates
-            whose gradient was ~0 through the warmup (conv biases before BatchNorm, attention
-            key biases, dead units, unseen embedding rows) cannot take ``lr * scale / eps``
-            steps. ``0`` is DeepSpeed's arithmetic.
+            ``sqrt(v)`` counts as less than this fraction of its tensor's or group's RMS, so
+            coordinates whose gradient was ~0 through the warmup (conv biases before BatchNorm,
+            attention key biases, dead units, unseen embedding rows) cannot take
+            ``lr * scale / eps`` steps. ``0`` is DeepSpeed's arithmetic; ``None``: the
+            optimizer's default.
         preconditioned_exchange: when converting, exchange what the optimizer sends divided by
             ``sqrt(v) + eps`` (in the units of the update), so the 1-bit error is the same size
             relative to every coordinate's Adam step. ``False`` exchanges the momentum as
@@ -197,17 +183,17 @@ class OneBitStrategy(DDPStrategy):
         adaptive_freeze: bool = False,
         freeze_threshold: float = 0.05,
         freeze_window: int = 50,
-        var_update_scaler: int = 16,
-        local_step_scaler: int = 32768,
-        local_step_clipper: int = 16,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        coeff_beta: float = 0.9,
-        factor_max: float = 4.0,
-        factor_min: float = 0.5,
-        factor_threshold: float = 0.1,
+        var_update_scaler: int | None = None,
+        local_step_scaler: int | None = None,
+        local_step_clipper: int | None = None,
+        max_coeff: float | None = None,
+        min_coeff: float | None = None,
+        coeff_beta: float | None = None,
+        factor_max: float | None = None,
+        factor_min: float | None = None,
+        factor_threshold: float | None = None,
         bias_correction: bool = True,
-        variance_floor: float = VARIANCE_FLOOR,
+        variance_floor: float | None = None,
         preconditioned_exchange: bool | None = None,
         lamb_lr: float | None = None,
         log_comm_stats: bool = True,
@@ -336,21 +322,23 @@ class OneBitStrategy(DDPStrategy):
         return cls(deepspeed_config=config, **overrides)
 
     def _validate_optimizer_options(self) -> None:
-        """Build throwaway optimizers: their constructors validate every hyperparameter now,
-        before any process starts, with messages that name the parameter and the valid range.
-        Every algorithm's options are checked, not only the chosen one's: a bad value is a
-        mistake even where this algorithm ignores it."""
-        for algorithm, cls in ALGORITHMS.items():
-            options = {k: self.optimizer_options[k] for k in _ALGORITHM_OPTIONS[algorithm]}
-            options = {k: v for k, v in options.items() if v is not None}
-            cls([torch.nn.Parameter(torch.zeros(1))], **options)
+        """Each optimizer's own checks, now, before any process starts. Every algorithm's
+        options are checked, not only the chosen one's: a bad value is a mistake even where
+        this algorithm ignores it."""
+        for cls in ALGORITHMS.values():
+            cls.check_options(**self._given_options(cls))
+
+    def _given_options(self, cls: type[OneBitOptimizer]) -> dict[str, Any]:
+        """The options of ``cls`` given to this strategy (``None``: the optimizer's default)."""
+        return {
+            k: v for k, v in self.optimizer_options.items() if k in cls.OPTIONS and v is not None
+        }
 
     def _algorithm_kwargs(
         self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
     ) -> dict[str, Any]:
         kw = dict(defaults)
-        options = {k: self.optimizer_options[k] for k in _ALGORITHM_OPTIONS[self.algorithm]}
-        kw.update({k: v for k, v in options.items() if v is not None})  # None: the algorithm's
+        kw.update(self._given_options(ALGORITHMS[self.algorithm]))
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
         kw["average_dtype"] = self.average_dtype or torch.float32
         return kw

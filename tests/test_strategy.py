@@ -67,6 +67,43 @@ def test_a_near_miss_name_says_which_name_was_meant(name: str, meant: str) -> No
         assert StrategyRegistry[canonical]["strategy"] is OneBitStrategy
 
 
+def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
+    """The strategy offers every optimizer option with ``None`` = the optimizer's default (its
+    ``__init__`` signature), and validates with the optimizer's own checks."""
+    import inspect
+
+    strategy_params = inspect.signature(OneBitStrategy.__init__).parameters
+    for cls in (OneBitAdam, ZeroOneAdam, OneBitLamb):
+        for name in cls.OPTIONS:
+            # bias_correction: the strategy's own default (it converts a torch Adam, which has it)
+            want = True if name == "bias_correction" else None
+            assert strategy_params[name].default is want, name
+        strategy = OneBitStrategy(algorithm=_ALGO_OF[cls])
+        opt = cls([torch.nn.Parameter(torch.zeros(2))], **strategy._algorithm_kwargs(cls, {}))
+        for name, default in cls.option_defaults().items():
+            got = getattr(opt, name, None)
+            if got is None:  # (LAMB's trust-ratio clamps are param-group hyperparameters)
+                got = opt.param_groups[0][name]
+            assert got == (True if name == "bias_correction" else default), (cls, name)
+    bad = {
+        ZeroOneAdam: [{"var_update_scaler": 0}, {"local_step_clipper": 1.5}],
+        OneBitLamb: [{"factor_min": 2.0}, {"coeff_beta": 1.0}, {"min_coeff": 20.0}],
+        OneBitAdam: [{"variance_floor": 1.0}],
+    }
+    for cls, cases in bad.items():
+        for kwargs in cases:
+            with pytest.raises(ValueError) as built:
+                cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+            with pytest.raises(ValueError) as checked:
+                cls.check_options(**kwargs)
+            assert str(checked.value) == str(built.value)
+    with pytest.raises(TypeError, match="has no option"):
+        OneBitAdam.check_options(max_coeff=1.0)
+
+
+_ALGO_OF = {OneBitAdam: "onebit_adam", ZeroOneAdam: "zero_one_adam", OneBitLamb: "onebit_lamb"}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

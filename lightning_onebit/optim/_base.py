@@ -47,6 +47,7 @@ expect *local* gradients: the optimizer communicates only what its algorithm com
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 import warnings
@@ -192,6 +193,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
             ``False``: DeepSpeed's (the momentum, or 0/1 Adam's gradient, as is).
     """
 
+    #: The algorithm's options: keyword arguments of ``__init__``, whose signature holds their
+    #: defaults and whose docstring documents them; :meth:`check_options` validates them.
+    #: ``OneBitStrategy`` offers each one (``None`` there: this default) and reads them from here.
+    OPTIONS: ClassVar[tuple[str, ...]] = (
+        "bias_correction",
+        "variance_floor",
+        "preconditioned_exchange",
+    )
     #: The two phases, the first one active at construction.
     PHASES: tuple[str, str] = ("warmup", "compression")
     #: Flat per-parameter states (one fp32 value per parameter value).
@@ -223,7 +232,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         self._check_hparams(defaults)
-        _check_real("variance_floor", variance_floor, 0.0, 1.0, high_open=True)
+        OneBitOptimizer._check_options({"variance_floor": variance_floor})
         super().__init__(params, defaults)
         # hyperparameters shared by the three algorithms
         self.bias_correction = bool(bias_correction)
@@ -270,6 +279,29 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.overlap_paused = False
 
     # ------------------------------------------------------------------ hyperparameters
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """Each of :attr:`OPTIONS` with its default (from ``__init__``'s signature)."""
+        params = inspect.signature(cls.__init__).parameters
+        return {k: params[k].default for k in cls.OPTIONS}
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        """Raise the ``ValueError`` the constructor would raise for these options (any of
+        :attr:`OPTIONS`; the others at their defaults), without building an optimizer."""
+        unknown = sorted(set(options) - set(cls.OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__} has no option(s) {unknown}; it has {list(cls.OPTIONS)}"
+            )
+        cls._check_options({**cls.option_defaults(), **options})
+
+    @classmethod
+    def _check_options(cls, o: dict[str, Any]) -> None:
+        """Validate the options in ``o`` (subclasses extend; ``o`` may hold only some)."""
+        if "variance_floor" in o:
+            _check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
 
     @staticmethod
     def _check_hparams(h: dict[str, Any]) -> None:

@@ -143,13 +143,14 @@ class OneBitLamb(OneBitOptimizer):
         preconditioned_exchange: bool = False,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
-        _check_real("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
-        # the factor starts at 1 (no correction): factor_min <= 1 <= factor_max
-        _check_real(
-            "factor_min", factor_min, 0.0, 1.0, low_open=True, hint="factor_min <= 1 <= factor_max"
+        self._check_options(
+            {
+                "coeff_beta": coeff_beta,
+                "factor_min": factor_min,
+                "factor_max": factor_max,
+                "factor_threshold": factor_threshold,
+            }
         )
-        _check_real("factor_max", factor_max, 1.0, math.inf, hint="factor_min <= 1 <= factor_max")
-        _check_real("factor_threshold", factor_threshold, 0.0, math.inf)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -179,18 +180,56 @@ class OneBitLamb(OneBitOptimizer):
         self.scaling_coeff_ready = False  # computed at the first compression step
         self.lamb_coeffs: list[float] = []  # the last step's effective trust ratios (logging)
 
+    OPTIONS = (
+        *OneBitOptimizer.OPTIONS,
+        "max_coeff",
+        "min_coeff",
+        "coeff_beta",
+        "factor_max",
+        "factor_min",
+        "factor_threshold",
+    )
+
+    @classmethod
+    def _check_options(cls, o: dict[str, Any]) -> None:
+        super()._check_options(o)
+        if "coeff_beta" in o:
+            _check_real("coeff_beta", o["coeff_beta"], 0.0, 1.0, high_open=True)
+        # the factor starts at 1 (no correction): factor_min <= 1 <= factor_max
+        if "factor_min" in o:
+            _check_real(
+                "factor_min",
+                o["factor_min"],
+                0.0,
+                1.0,
+                low_open=True,
+                hint="factor_min <= 1 <= factor_max",
+            )
+        if "factor_max" in o:
+            _check_real(
+                "factor_max", o["factor_max"], 1.0, math.inf, hint="factor_min <= 1 <= factor_max"
+            )
+        if "factor_threshold" in o:
+            _check_real("factor_threshold", o["factor_threshold"], 0.0, math.inf)
+        if "max_coeff" in o and "min_coeff" in o:  # (also per param group: _check_hparams)
+            OneBitLamb._check_coeffs(o["max_coeff"], o["min_coeff"])
+
+    @staticmethod
+    def _check_coeffs(max_coeff: Any, min_coeff: Any) -> None:
+        _check_real("max_coeff", max_coeff, 0.0, math.inf, low_open=True)
+        _check_real(
+            "min_coeff",
+            min_coeff,
+            0.0,
+            max_coeff,
+            low_open=True,
+            hint=f"min_coeff <= max_coeff={max_coeff}",
+        )
+
     @staticmethod
     def _check_hparams(h: dict[str, Any]) -> None:
         OneBitOptimizer._check_hparams(h)
-        _check_real("max_coeff", h["max_coeff"], 0.0, math.inf, low_open=True)
-        _check_real(
-            "min_coeff",
-            h["min_coeff"],
-            0.0,
-            h["max_coeff"],
-            low_open=True,
-            hint=f"min_coeff <= max_coeff={h['max_coeff']}",
-        )
+        OneBitLamb._check_coeffs(h["max_coeff"], h["min_coeff"])
 
     def get_lamb_coeffs(self) -> list[float]:
         """The effective per-layer trust ratios of the last step (DeepSpeed's name)."""

@@ -148,9 +148,13 @@ class ZeroOneAdam(OneBitOptimizer):
         preconditioned_exchange: bool = True,
     ) -> None:
         _check_int("var_freeze_step", var_freeze_step, 0)
-        _check_int("var_update_scaler", var_update_scaler, 1)
-        _check_int("local_step_scaler", local_step_scaler, 1)
-        _check_int("local_step_clipper", local_step_clipper, 1)
+        self._check_options(
+            {
+                "var_update_scaler": var_update_scaler,
+                "local_step_scaler": local_step_scaler,
+                "local_step_clipper": local_step_clipper,
+            }
+        )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(
             params,
@@ -174,6 +178,20 @@ class ZeroOneAdam(OneBitOptimizer):
         self.local_step_interval = 1  # phase 2: sync steps are the multiples of this
         self.local_step_counter = 0  # phase 2 steps since the last doubling
         self.lrs: list[float] = [0.0] * len(self.param_groups)  # per group, since the last sync
+
+    OPTIONS = (
+        *OneBitOptimizer.OPTIONS,
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+    )
+
+    @classmethod
+    def _check_options(cls, o: dict[str, Any]) -> None:
+        super()._check_options(o)
+        for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            if key in o:
+                _check_int(key, o[key], 1)
 
     @property
     def expects_averaged_grads(self) -> bool:
