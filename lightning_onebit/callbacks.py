@@ -110,7 +110,7 @@ class CompressionScheduler(Callback):
         rank_zero_warn(
             f"{name}={step} is not below the run's {int(total)} optimizer steps (max_steps): the "
             f"phase switch would come after the last step, so {type(opt).__name__} stays in its "
-            f"{opt.PHASES[0]!r} phase for the whole run and its {opt.PHASES[1]!r} phase never "
+            f"{opt.PHASES[0].value!r} phase for the whole run and its {opt.PHASES[1].value!r} phase never "
             f"starts; pass a freeze_step below {int(total)} (or a fraction of the run, e.g. 0.2)"
         )
 

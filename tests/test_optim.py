@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_onebit.comm import NonFiniteError
-from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, Phase, ZeroOneAdam
 from tests._reference import (
     CKPT_CASES,
     FROZEN,
@@ -90,6 +90,8 @@ def test_checkpoint_carries_phase_counters_and_error_buffers() -> None:
         opt.step()
     sd = opt.state_dict()["onebit"]
     assert sd["phase"] == "local" and sd["step_count"] == 17
+    assert type(sd["phase"]) is str  # a plain string: loads with torch.load(weights_only=True)
+    assert opt.phase is Phase.LOCAL and f"{opt.phase}" == "local"
     assert sd["var_interval"] == opt.var_interval > 1
     assert sd["local_step_interval"] == 2 and sd["local_step_counter"] == 2
     assert sd["exchange"]["worker_error"].abs().sum() > 0
@@ -113,6 +115,18 @@ def test_checkpoint_carries_phase_counters_and_error_buffers() -> None:
 
 
 # --------------------------------------------------------------------------- phases and API
+
+
+def test_a_subclass_must_implement_the_step_and_the_exchange_source() -> None:
+    class Incomplete(OneBitOptimizer):
+        OPTIONS = ()
+
+        def _step(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="_exchange_source"):
+        Incomplete([torch.nn.Parameter(torch.zeros(1))], {"lr": 1e-3, "betas": (0.9, 0.999),
+                   "eps": 1e-8, "weight_decay": 0.0})  # fmt: skip
 
 
 def test_phase_switch_is_driven_by_step_count_or_freeze() -> None:

@@ -9,9 +9,9 @@ one compressed exchange per step, phases, checkpoints); its docstring states the
 averaging contract.
 """
 
-from lightning_onebit.optim._base import OneBitOptimizer
+from lightning_onebit.optim._base import OneBitOptimizer, Phase
 from lightning_onebit.optim.onebit_adam import OneBitAdam
 from lightning_onebit.optim.onebit_lamb import OneBitLamb
 from lightning_onebit.optim.zero_one_adam import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "OneBitLamb", "OneBitOptimizer", "ZeroOneAdam"]
+__all__ = ["OneBitAdam", "OneBitLamb", "OneBitOptimizer", "Phase", "ZeroOneAdam"]

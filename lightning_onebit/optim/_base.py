@@ -1,8 +1,31 @@
 """Machinery shared by the three 1-bit optimizers: flat state, the exchange, phases, checkpoints.
 
 Each algorithm (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) subclasses
-:class:`OneBitOptimizer` and implements one method, ``_step``, that reads like its paper's
-Algorithm 1. Everything else lives here, once:
+:class:`OneBitOptimizer`; its ``_step`` reads like its paper's Algorithm 1. The contract:
+
+==============================  ========  ===================================================
+what a subclass defines         needed    what it is
+==============================  ========  ===================================================
+``_step()``                     abstract  one step on the flat buffers (the algorithm)
+``_exchange_source(s)``         abstract  what the next step exchanges, for flat slice ``s``,
+                                          from the gradients alone (overlap with backward)
+``PHASES``                      yes       its two :class:`Phase` s, the first at construction
+``OPTIONS``, ``__init__``       yes       its options (defaults in ``__init__``'s signature)
+``_check_options(o)``           extend    validate options (classmethod; also for the strategy)
+``_check_hparams(h)``           extend    validate one param group's hyperparameters
+``_flat_states``                optional  flat fp32 states (default: ``exp_avg, exp_avg_sq``)
+``_scalar_states``              optional  one fp32 value per parameter, with initial values
+``_work_buffers``               optional  flat scratch buffers (not checkpointed)
+``_checkpoint_attrs``           optional  optimizer-wide attributes that are checkpointed
+``_switch_attr``                optional  the attribute holding the switch step
+``_overlappable()``             optional  whether the next step's exchange may start early
+``expects_averaged_grads``      optional  whether the next step wants averaged gradients
+``_on_freeze()``                optional  work at the phase switch
+``_on_layout()``                optional  work after the flat buffers were (re)built
+``params_differ_across_ranks``  optional  with ``synchronize()``: local steps (0/1 Adam)
+==============================  ========  ===================================================
+
+Everything else lives here, once:
 
 * **Flat buffers.** All trainable parameters of all groups (``requires_grad=True`` when the first
   step runs) are laid out back to back, group after group, in one flat fp32 buffer per state
@@ -51,8 +74,10 @@ import inspect
 import math
 import numbers
 import warnings
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -69,12 +94,25 @@ from lightning_onebit.comm import (
 from lightning_onebit.kernels import adam_update
 from lightning_onebit.optim._overlap import BackwardOverlap
 
-__all__ = ["VARIANCE_FLOOR", "OneBitOptimizer"]
+__all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
 #: Default ``variance_floor``: where a variance preconditions 1-bit steps, no coordinate's
 #: ``sqrt(v)`` counts as less than this fraction of its tensor's or its group's RMS ``sqrt(v)``
 #: (see :meth:`OneBitOptimizer._floor_variance_`).
 VARIANCE_FLOOR = 0.01
+
+
+class Phase(str, Enum):
+    """The phases of the three algorithms. A ``str``: ``opt.phase == "warmup"`` holds, and logs
+    and checkpoints keep the plain string values."""
+
+    WARMUP = "warmup"  # 1-bit Adam / LAMB: full-precision averaged gradients
+    COMPRESSION = "compression"  # 1-bit Adam / LAMB: frozen variance, 1-bit momentum exchange
+    VARIANCE = "variance"  # 0/1 Adam phase 1: variance updated on some steps, 1-bit gradients
+    LOCAL = "local"  # 0/1 Adam phase 2: frozen variance, local steps, 1-bit synchronisations
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -164,7 +202,7 @@ class _Layout:
 # --------------------------------------------------------------------------- base optimizer
 
 
-class OneBitOptimizer(torch.optim.Optimizer):
+class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     """Base class: see the module docstring. Subclasses define the class attributes below and
     ``_step()``, and call ``super().__init__`` with their defaults.
 
@@ -202,7 +240,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         "preconditioned_exchange",
     )
     #: The two phases, the first one active at construction.
-    PHASES: tuple[str, str] = ("warmup", "compression")
+    PHASES: ClassVar[tuple[Phase, Phase]] = (Phase.WARMUP, Phase.COMPRESSION)
     #: Flat per-parameter states (one fp32 value per parameter value).
     _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     #: Per-parameter scalar states and their initial values (one fp32 value per parameter).
@@ -356,7 +394,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ phases
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         """The current phase, one of :attr:`PHASES`."""
         return self._phase
 
@@ -559,9 +597,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
             return "average" if self.average_warmup_grads and self.world_size > 1 else None
         return "exchange" if self._overlappable() else None
 
-    def _exchange_source(self, s: slice) -> torch.Tensor:  # pragma: no cover - abstract
+    @abstractmethod
+    def _exchange_source(self, s: slice) -> torch.Tensor:
         """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the step
 
@@ -638,8 +676,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _step(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _step(self) -> None:
+        """One step of the algorithm on the flat buffers (``self.step_count`` already counts it).
+        Raise :class:`NonFiniteError` before writing any state to have the step dropped."""
 
     def _skipped(self, err: NonFiniteError) -> None:
         """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and
@@ -1053,7 +1093,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return {
             "step_count": self.step_count,
             "variance_updates": self.variance_updates,
-            "phase": self._phase,
+            "phase": self._phase.value,
             "skipped_steps": self.skipped_steps,
             "comm_stats": dict(self.comm_stats),
             **{k: copy.deepcopy(getattr(self, k)) for k in self._checkpoint_attrs},
@@ -1143,9 +1183,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
         # (a checkpoint from before the counter: every step had updated the variance)
         self.variance_updates = int(extra.get("variance_updates", self.step_count))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self._phase = extra.get("phase", self.PHASES[0])
-        if self._phase not in self.PHASES:
-            raise ValueError(f"checkpoint phase {self._phase!r} is not one of {self.PHASES}")
+        phase = extra.get("phase", self.PHASES[0].value)
+        if phase not in self.PHASES:
+            raise ValueError(
+                f"checkpoint phase {phase!r} is not one of {[p.value for p in self.PHASES]}"
+            )
+        self._phase = Phase(phase)
         self.comm_stats.update(extra.get("comm_stats", {}))
         for k in self._checkpoint_attrs:
             if k in extra:

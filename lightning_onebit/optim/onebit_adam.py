@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, _check_int
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, Phase, _check_int
 
 __all__ = ["OneBitAdam"]
 
@@ -87,7 +87,7 @@ class OneBitAdam(OneBitOptimizer):
     ``process_group`` of the backend you want (gloo, NCCL).
     """
 
-    PHASES = ("warmup", "compression")
+    PHASES = (Phase.WARMUP, Phase.COMPRESSION)
 
     def __init__(
         self,
@@ -121,7 +121,7 @@ class OneBitAdam(OneBitOptimizer):
         self.freeze_step = freeze_step
 
     def _overlappable(self) -> bool:
-        return self.phase == "compression"
+        return self.phase == Phase.COMPRESSION
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged),
@@ -137,7 +137,7 @@ class OneBitAdam(OneBitOptimizer):
     def _step(self) -> None:
         g = self._gather_grads()
 
-        if self.phase == "warmup":
+        if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
             self._average_(g)
             # 1b + 3. Adam's moments and update, one fused sweep

@@ -39,7 +39,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import lamb_frozen_update
-from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, _check_int, _check_real
+from lightning_onebit.optim._base import (
+    VARIANCE_FLOOR,
+    OneBitOptimizer,
+    Phase,
+    _check_int,
+    _check_real,
+)
 
 __all__ = ["OneBitLamb"]
 
@@ -110,7 +116,7 @@ class OneBitLamb(OneBitOptimizer):
             DeepSpeed's arithmetic.
     """
 
-    PHASES = ("warmup", "compression")
+    PHASES = (Phase.WARMUP, Phase.COMPRESSION)
     _flat_states = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
     _scalar_states: ClassVar[dict[str, float]] = {
         "lamb_coeff_freeze": 0.0,
@@ -254,7 +260,7 @@ class OneBitLamb(OneBitOptimizer):
         self.scaling_coeff_ready = True
 
     def _overlappable(self) -> bool:
-        return self.phase == "compression" and self.scaling_coeff_ready
+        return self.phase == Phase.COMPRESSION and self.scaling_coeff_ready
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
@@ -295,7 +301,7 @@ class OneBitLamb(OneBitOptimizer):
         last_factor = self._scalars["last_factor"]
         scaling = self._scalars["scaling_coeff"]
 
-        if self.phase == "warmup":
+        if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
             self._average_(g)
             # 1b. moments

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
-from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, _check_int
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, Phase, _check_int
 
 __all__ = ["ZeroOneAdam"]
 
@@ -118,7 +118,7 @@ class ZeroOneAdam(OneBitOptimizer):
             ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
     """
 
-    PHASES = ("variance", "local")
+    PHASES = (Phase.VARIANCE, Phase.LOCAL)
     _flat_states = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "synced_params")
     _checkpoint_attrs = (
         "var_interval",
@@ -195,18 +195,18 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @property
     def expects_averaged_grads(self) -> bool:
-        return self.phase == "variance" and (self.step_count + 1) % self.var_interval == 0
+        return self.phase == Phase.VARIANCE and (self.step_count + 1) % self.var_interval == 0
 
     _switch_attr = "var_freeze_step"
 
     @property
     def params_differ_across_ranks(self) -> bool:
-        return self.phase == "local"
+        return self.phase == Phase.LOCAL
 
     @property
     def next_step_syncs(self) -> bool:
         """Whether the next step communicates at all (always in phase 1; sync steps in phase 2)."""
-        return self.phase == "variance" or (self.step_count + 1) % self.local_step_interval == 0
+        return self.phase == Phase.VARIANCE or (self.step_count + 1) % self.local_step_interval == 0
 
     def _skipped_locally(self) -> None:
         self.skipped_steps += 1
@@ -226,7 +226,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     def _overlappable(self) -> bool:
         t = self.step_count + 1
-        if self.phase == "variance":
+        if self.phase == Phase.VARIANCE:
             return t % self.var_interval != 0  # 1b
         return t % self.local_step_interval == 0  # 3c
 
@@ -238,7 +238,7 @@ class ZeroOneAdam(OneBitOptimizer):
         ``g / d``, 3c ``acc - lr u`` (parameter units)."""
         pre = self.preconditioned_exchange
         d, _ = self._frozen_denominator()  # sqrt(v) + eps (phase 1: of the current v)
-        if self.phase == "variance":
+        if self.phase == Phase.VARIANCE:
             if not pre:
                 return self._grad[s]
             return torch.div(self._grad[s], d[s], out=self._work["update"][s])
@@ -316,7 +316,7 @@ class ZeroOneAdam(OneBitOptimizer):
         and intervals go on unchanged. Collective (every rank calls it); nothing happens
         outside the local phase or right after a synchronisation. ``OneBitStrategy`` calls it
         at the end of ``fit``."""
-        if self.phase != "local" or not self._local_steps_taken:
+        if self.phase != Phase.LOCAL or not self._local_steps_taken:
             return
         acc, x = self._acc, self._work["update"]
         if self.preconditioned_exchange:  # acc is in parameter units already
@@ -334,7 +334,7 @@ class ZeroOneAdam(OneBitOptimizer):
         acc, u = self._flat["momentum_accumulator"], self._work["update"]
         t = self.step_count
 
-        if self.phase == "variance":
+        if self.phase == Phase.VARIANCE:
             variance_step = t % self.var_interval == 0
             if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
