@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_onebit._compat import scaler_found_inf
+
 
 class _RankSyncedGradScaler(torch.amp.GradScaler):
     """GradScaler whose overflow flag is the maximum over ranks.
@@ -19,21 +21,15 @@ class _RankSyncedGradScaler(torch.amp.GradScaler):
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        if not (self._enabled and dist.is_available() and dist.is_initialized()):
+        if not (self.is_enabled() and dist.is_available() and dist.is_initialized()):
             return
-        for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        for found_inf in scaler_found_inf(self, optimizer):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
 
-def _synced_scaler(scaler: torch.amp.GradScaler) -> _RankSyncedGradScaler:
-    synced = _RankSyncedGradScaler(
-        device=scaler._device,
-        init_scale=scaler._init_scale,
-        growth_factor=scaler._growth_factor,
-        backoff_factor=scaler._backoff_factor,
-        growth_interval=scaler._growth_interval,
-        enabled=scaler._enabled,
-    )
-    if scaler._scale is not None:  # already used: keep its current scale
-        synced.load_state_dict(scaler.state_dict())
+def _synced_scaler(scaler: torch.amp.GradScaler, device: str) -> _RankSyncedGradScaler:
+    """``scaler`` as a :class:`_RankSyncedGradScaler` on ``device`` ("cuda", "cpu"): the same
+    current scale, growth and backoff settings and growth tracker (its ``state_dict``)."""
+    synced = _RankSyncedGradScaler(device=device, enabled=scaler.is_enabled())
+    synced.load_state_dict(scaler.state_dict())
     return synced

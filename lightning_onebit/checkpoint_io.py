@@ -5,17 +5,19 @@ they are found on resume (beside a link's target, where a copy was saved) and wr
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from fsspec.core import strip_protocol
 from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
-from lightning.fabric.utilities.cloud_io import _load as pl_load
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from lightning_onebit.optim import ZeroOneAdam
+
+_PATH = str | os.PathLike[str]  # what Lightning accepts as a checkpoint path
 
 
 def _rank_file_name(checkpoint_path: _PATH, rank: int, world_size: int) -> str:
@@ -52,7 +54,8 @@ def _find_rank_state(
             continue
         if not load:
             return True, looked
-        state = pl_load(rank_file, weights_only=False)
+        with fs.open(rank_file, "rb") as f:
+            state = torch.load(f, weights_only=False)
         if state.get("global_step") == checkpoint.get("global_step"):
             return state, looked
         looked.append(f"{rank_file} (from step {state.get('global_step')})")
@@ -87,13 +90,17 @@ def _save_atomically(obj: Any, path: str) -> None:
     disk, then renamed over ``path`` in one step. (Lightning's ``_atomic_save`` writes its
     temporary file into the system temp directory; when that is another filesystem than the
     checkpoint's, its final move is a copy, which a crash can leave half-written.) Remote
-    (fsspec) paths use Lightning's transaction.
+    (fsspec) paths: serialised in memory, then written in one fsspec transaction (an object
+    store publishes the object when the transaction commits), as Lightning does.
     """
     fs = get_filesystem(path)
     if not isinstance(fs, LocalFileSystem):
-        _atomic_save(obj, path)
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        with fs.transaction, fs.open(path, "wb") as f:
+            f.write(buffer.getvalue())
         return
-    path = fs._strip_protocol(path)
+    path = strip_protocol(path)
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
     try:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_onebit._compat import mark_step_for_lr_schedulers
+
 #: torch Adam/AdamW group keys that are implementation switches the 1-bit optimizers lack
 _TORCH_ONLY = (
     "amsgrad",
@@ -77,16 +79,7 @@ def _repoint_scheduler(
             "configure_optimizers: build it on that optimizer"
         )
     # torch wraps optimizer.step to warn when scheduler.step() comes first; wrap the new one too
-    if hasattr(new.step, "_wrapped_by_lr_sched"):
-        return
-    step = new.step
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        new._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    new.step = wrapped  # type: ignore[method-assign]
+    mark_step_for_lr_schedulers(new)
 
 
 def _schedulers_within(scheduler: Any) -> list[Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -45,12 +46,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.ddp import _augment_message
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -58,10 +55,12 @@ from typing_extensions import override
 
 from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
+from lightning_onebit._compat import IS_INTERACTIVE, MockOptimizer
 from lightning_onebit._errors import misspellings, quiet_errors_on_this_rank, refuse_misspelled
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.checkpoint_io import (
+    _PATH,
     _find_rank_state,
     _local_phase_note,
     _rank_file_name,
@@ -233,6 +232,8 @@ class OneBitStrategy(DDPStrategy):
             **kwargs,
         )
         self.algorithm = algorithm
+        self.start_method = start_method
+        self.timeout = timeout
         # the callback this strategy adds when the Trainer has none (validated here, now)
         self.scheduler_args: dict[str, Any] = {
             "freeze_step": freeze_step,
@@ -357,7 +358,7 @@ class OneBitStrategy(DDPStrategy):
                 "be updated with float32 arithmetic (0/1 Adam would even round them to float32 at "
                 "every synchronisation); use precision='32-true', 'bf16-mixed' or '16-mixed'"
             )
-        self._precision_plugin = plugin
+        DDPStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ registry
 
@@ -418,7 +419,7 @@ class OneBitStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._start_method == "fork" and self.num_processes > 1:
+        if self.start_method == "fork" and self.num_processes > 1:
             # GNU OpenMP cannot run a parallel region in a forked child once the parent has
             # used its thread pool (the child waits forever for threads that did not survive
             # the fork), and a notebook's parent process usually has. One thread per rank.
@@ -440,7 +441,7 @@ class OneBitStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if (
-            _IS_INTERACTIVE
+            IS_INTERACTIVE
             and self.launcher is not None
             and not self.launcher.is_interactive_compatible
         ):
@@ -454,16 +455,18 @@ class OneBitStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        _augment_message(
-            exception,
-            pattern=".*Expected to have finished reduction in the prior iteration.*",
-            new_message=(
-                "Some parameters of your LightningModule were not used in producing the loss "
-                "returned by training_step. If this is intentional, enable the detection of "
-                f"unused parameters: strategy='{self.algorithm}_find_unused_parameters_true' or "
-                f"OneBitStrategy(algorithm='{self.algorithm}', find_unused_parameters=True) "
-                "(DDPStrategy(find_unused_parameters=True) would train without 1-bit compression)"
-            ),
+        # (DDPStrategy's own message names DDP's strategies, which would drop 1-bit training)
+        pattern = ".*Expected to have finished reduction in the prior iteration.*"
+        new_message = (
+            "Some parameters of your LightningModule were not used in producing the loss "
+            "returned by training_step. If this is intentional, enable the detection of "
+            f"unused parameters: strategy='{self.algorithm}_find_unused_parameters_true' or "
+            f"OneBitStrategy(algorithm='{self.algorithm}', find_unused_parameters=True) "
+            "(DDPStrategy(find_unused_parameters=True) would train without 1-bit compression)"
+        )
+        exception.args = tuple(
+            new_message if isinstance(a, str) and re.match(pattern, a, re.DOTALL) else a
+            for a in exception.args
         )
 
     @override
@@ -490,7 +493,9 @@ class OneBitStrategy(DDPStrategy):
             isinstance(self.precision_plugin, MixedPrecision)
             and self.precision_plugin.scaler is not None
         ):
-            self.precision_plugin.scaler = _synced_scaler(self.precision_plugin.scaler)
+            self.precision_plugin.scaler = _synced_scaler(
+                self.precision_plugin.scaler, self.root_device.type
+            )
         if self.optimizers:  # names for the optimizer's messages (e.g. the variance floor's)
             self.onebit_optimizer.param_names = {
                 p: name for name, p in self.lightning_module.named_parameters()
@@ -523,7 +528,7 @@ class OneBitStrategy(DDPStrategy):
         if why is not None:
             rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
             return
-        opt.overlap_with_backward(self.overlap_bucket_mb, timeout=self._timeout)
+        opt.overlap_with_backward(self.overlap_bucket_mb, timeout=self.timeout)
 
     @override
     @contextlib.contextmanager
@@ -579,11 +584,11 @@ class OneBitStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise MisconfigurationException(_ONE_OPTIMIZER)
         original = self.optimizers[0]
-        if isinstance(original, _MockOptimizer) and self.deepspeed_optimizer is not None:
+        if isinstance(original, MockOptimizer) and self.deepspeed_optimizer is not None:
             new = self._from_deepspeed_hparams(trainer.lightning_module)
             self._converted_optimizer = True
             self.optimizers = [new]
-        elif isinstance(original, _MockOptimizer):
+        elif isinstance(original, MockOptimizer):
             raise MisconfigurationException(
                 "OneBitStrategy needs an optimizer, but configure_optimizers returned none; return "
                 "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "

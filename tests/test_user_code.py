@@ -505,7 +505,7 @@ def test_interactive_sessions_are_sent_to_our_notebook_names(
 ) -> None:
     import lightning_onebit.strategy as strategy_module
 
-    monkeypatch.setattr(strategy_module, "_IS_INTERACTIVE", True)
+    monkeypatch.setattr(strategy_module, "IS_INTERACTIVE", True)
     with pytest.raises(Exception, match="use strategy='zero_one_adam_notebook'") as err:
         L.Trainer(strategy="zero_one_adam", accelerator="cpu", devices=2)
     assert "ddp_notebook" not in str(err.value)

@@ -1,0 +1,74 @@
+"""Every private API of Lightning and torch that lightning_onebit relies on, in one place.
+
+Each entry names what it is, why no public API does the job, and the versions it was checked on;
+``tests/test_compat.py`` has one test per entry, so an upgrade that breaks one fails there, by
+name, instead of somewhere in a training run. Checked on torch 2.13.0 and Lightning 2.6.0 and
+2.6.6 (the floors in pyproject.toml). Not listed: ``torch._foreach_*`` ops, which torch's own
+optimizers are built on (a documented, stable family despite the underscore).
+
+What used to be private and is now done with public APIs: writing and reading rank files
+(``torch.save``/``torch.load`` through ``fsspec``, was Lightning's ``_atomic_save``/``_load``),
+local paths (``fsspec.core.strip_protocol``), the unused-parameters message (our own), the
+precision plugin (``Strategy.precision_plugin``'s setter), the start method and timeout (kept by
+``OneBitStrategy`` itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Lightning's own test for "a notebook or the Python shell", before which our message about
+# `*_notebook` names must come (Lightning's suggests 'ddp_notebook'). (2.6.0-2.6.6)
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
+
+# The placeholder optimizer Lightning installs when configure_optimizers returns None; a DeepSpeed
+# config then builds ours. (2.6.0-2.6.6)
+from lightning.pytorch.core.optimizer import _MockOptimizer as MockOptimizer
+
+__all__ = [
+    "DDP_HOOKS_OVERRIDDEN",
+    "IS_INTERACTIVE",
+    "MockOptimizer",
+    "mark_step_for_lr_schedulers",
+    "scaler_found_inf",
+]
+
+# --------------------------------------------------------------------------- Lightning
+
+#: DDPStrategy's private hooks that OneBitStrategy overrides (2.6.0-2.6.6):
+#: ``_register_ddp_hooks`` registers DDP's comm hook, on CUDA only (ours must run on every
+#: device); ``_configure_launcher`` builds the launcher (our interactive-session message must
+#: come before Lightning's check in ``Trainer``). If Lightning renames one, our override would
+#: silently never run: the test checks that Lightning still calls both.
+DDP_HOOKS_OVERRIDDEN = ("_register_ddp_hooks", "_configure_launcher")
+
+# --------------------------------------------------------------------------- torch
+
+
+def scaler_found_inf(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+) -> list[torch.Tensor]:
+    """The found-inf flags ``scaler.unscale_(optimizer)`` just computed (one per device), which
+    ``scaler.step`` reads: reducing them across ranks makes the skip decision the same on every
+    rank. No public accessor exists. (torch 2.3-2.13: ``_per_optimizer_states``)"""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
+def mark_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` as torch's LR schedulers do for the optimizer they were built on
+    (the scheduler warns "lr_scheduler.step() before optimizer.step()" unless the optimizer's
+    step set ``_opt_called``), for a scheduler re-pointed at the converted optimizer. A no-op
+    if already wrapped. (torch 2.3-2.13: ``_opt_called``, ``_wrapped_by_lr_sched``)"""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step: Callable[..., Any] = optimizer.step
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapped  # type: ignore[method-assign]
