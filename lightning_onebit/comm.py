@@ -125,6 +125,8 @@ class ExchangeHandle:
         out: torch.Tensor,
         shape: torch.Size,
         *,
+        gathered: torch.Tensor | None = None,
+        next_set: int = 0,
         finite: bool = True,
         bad_ranks: list[int] | None = None,
         call: int = 0,
@@ -137,16 +139,22 @@ class ExchangeHandle:
         self.finite = finite
         self.bad_ranks = bad_ranks or []
         self._call = call
-        self._gathered: torch.Tensor | None = None  # the records to decode
-        self._next = 0  # the error-buffer set this call wrote
+        self._gathered = gathered  # the records to decode
+        self._next = next_set  # the error-buffer set this call wrote
 
-    def wait(self) -> torch.Tensor:
-        """The averaged tensor (identical on every rank). Raises NonFiniteError if not finite."""
+    def error(self) -> NonFiniteError:
+        """The error of a call with non-finite input (``finite`` is False)."""
+        return self._exchange._non_finite(self.bad_ranks, self._call)
+
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The averaged tensor (identical on every rank), decoded into ``out`` if given (else
+        where ``start`` was told). Raises NonFiniteError if not finite."""
         if not self.finite:
-            raise self._exchange._non_finite(self.bad_ranks, self._call)
+            raise self.error()
         if self._result is None:
             self._drain()
-            self._result = self._exchange._decode(self._gathered, self._out).view(self._shape)
+            out = self._out if out is None else out
+            self._result = self._exchange._decode(self._gathered, out).view(self._shape)
         return self._result
 
     def _drain(self) -> None:
@@ -158,14 +166,13 @@ class ExchangeHandle:
     def commit(self) -> None:
         """Make this call's error-buffer updates the exchange's state (``commit=False`` calls)."""
         if not self.finite:
-            raise self._exchange._non_finite(self.bad_ranks, self._call)
-        self._exchange._commit(self)
+            raise self.error()
+        self._exchange._commit(self, self._next)
 
     def discard(self) -> None:
         """Drop this call: its all_gather is drained, the error buffers stay as before it."""
         self._drain()
-        if self._exchange._uncommitted is self:
-            self._exchange._uncommitted = None
+        self._exchange._forget(self)
 
     def get_future(self) -> torch.futures.Future:
         if self._work is None:
@@ -391,22 +398,27 @@ class CompressedAllreduce:
 
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
-        handle = ExchangeHandle(self, work, out, tensor.shape, call=self.calls)
-        handle._gathered, handle._next = gathered, nxt
+        handle = ExchangeHandle(
+            self, work, out, tensor.shape, gathered=gathered, next_set=nxt, call=self.calls
+        )
         if commit:
-            self._commit(handle)
+            self._commit(handle, nxt)
         else:
             self._uncommitted = handle
         return handle
 
-    def _commit(self, handle: ExchangeHandle) -> None:
-        if handle._exchange is not self or (
-            self._uncommitted is not handle and self._uncommitted is not None
-        ):
+    def _commit(self, handle: ExchangeHandle, next_set: int) -> None:
+        """Make ``handle``'s call (which wrote error-buffer set ``next_set``) the state."""
+        if self._uncommitted is not handle and self._uncommitted is not None:
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
-        self._cur = handle._next
+        self._cur = next_set
         self._server_pending = True
         self._uncommitted = None
+
+    def _forget(self, handle: ExchangeHandle) -> None:
+        """``handle``'s call was discarded: the error buffers stay as before it."""
+        if self._uncommitted is handle:
+            self._uncommitted = None
 
     def _non_finite(self, bad: list[int], call: int) -> NonFiniteError:
         return NonFiniteError(
@@ -572,12 +584,11 @@ class BucketedAllreduce:
         if bad:
             for h in handles:
                 h.discard()
-            raise bad[0]._exchange._non_finite(bad[0].bad_ranks, bad[0]._call)
+            raise bad[0].error()
         for h in handles:
             h.commit()
         for h, (lo, hi) in zip(handles, self.bounds, strict=True):
-            h._out = out[lo:hi]
-            h.wait()
+            h.wait(out[lo:hi])
 
     def discard(self) -> None:
         """Drop the buckets started so far (e.g. a backward whose step never came)."""
