@@ -9,7 +9,8 @@ one compressed exchange per step, phases, checkpoints); its docstring states the
 averaging contract.
 """
 
-from lightning_onebit.optim._base import OneBitOptimizer, Phase
+from lightning_onebit.optim._base import OneBitOptimizer
+from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim.onebit_adam import OneBitAdam
 from lightning_onebit.optim.onebit_lamb import OneBitLamb
 from lightning_onebit.optim.zero_one_adam import ZeroOneAdam

@@ -1,7 +1,11 @@
 """Machinery shared by the three 1-bit optimizers: flat state, the exchange, phases, checkpoints.
 
 Each algorithm (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) subclasses
-:class:`OneBitOptimizer`; its ``_step`` reads like its paper's Algorithm 1. The contract:
+:class:`OneBitOptimizer`; its ``_step`` reads like its paper's Algorithm 1. The base class is
+here (options, phases, the step and its skip policy, the overlap API); its other jobs have a
+module each: the flat layout and buffers (``_layout.py``), the arithmetic ``_step`` is written
+in (``_ops.py``), checkpoints (``_checkpoint.py``), argument checks (``_validation.py``). The
+contract:
 
 ==============================  ========  ===================================================
 what a subclass defines         needed    what it is
@@ -69,15 +73,12 @@ expect *local* gradients: the optimizer communicates only what its algorithm com
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
-import numbers
 import warnings
 from abc import ABCMeta, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from datetime import timedelta
-from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -89,10 +90,13 @@ from lightning_onebit.comm import (
     NonFiniteError,
     as_average_dtype,
     fp32_allreduce_bytes,
-    start_average,
 )
-from lightning_onebit.kernels import adam_update
+from lightning_onebit.optim._checkpoint import _Checkpointing
+from lightning_onebit.optim._layout import _FlatBuffers, _Layout
+from lightning_onebit.optim._ops import _FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
+from lightning_onebit.optim._phase import Phase
+from lightning_onebit.optim._validation import _check_betas, _check_int, _check_real
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
@@ -102,107 +106,9 @@ __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 VARIANCE_FLOOR = 0.01
 
 
-class Phase(str, Enum):
-    """The phases of the three algorithms. A ``str``: ``opt.phase == "warmup"`` holds, and logs
-    and checkpoints keep the plain string values."""
-
-    WARMUP = "warmup"  # 1-bit Adam / LAMB: full-precision averaged gradients
-    COMPRESSION = "compression"  # 1-bit Adam / LAMB: frozen variance, 1-bit momentum exchange
-    VARIANCE = "variance"  # 0/1 Adam phase 1: variance updated on some steps, 1-bit gradients
-    LOCAL = "local"  # 0/1 Adam phase 2: frozen variance, local steps, 1-bit synchronisations
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# --------------------------------------------------------------------------- validation helpers
-
-
-def _check_real(
-    name: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-    hint: str = "",
-) -> None:
-    """Raise a ValueError naming ``name``, its value and the valid range unless it is inside
-    (``hint``, if given, is appended: what the range depends on, or what to do)."""
-    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (
-            value < high if high_open else value <= high
-        )
-    if not ok:
-        raise ValueError(
-            f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}"
-            + (f" ({hint})" if hint else "")
-        )
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _check_betas(betas: Any) -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
-    _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
-
-
-# --------------------------------------------------------------------------- layout
-
-
-class _Layout:
-    """Where each trainable parameter lives in the flat buffers (group after group)."""
-
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        self.params: list[torch.Tensor] = []
-        self.offsets: list[int] = []
-        self.group_of: list[int] = []
-        self.segments: list[slice] = []  # one contiguous slice of the flat buffers per group
-        n = 0
-        for gi, group in enumerate(param_groups):
-            start = n
-            for p in group["params"]:
-                if p.requires_grad:
-                    self.params.append(p)
-                    self.offsets.append(n)
-                    self.group_of.append(gi)
-                    n += p.numel()
-            self.segments.append(slice(start, n))
-        if not self.params:
-            raise ValueError("the optimizer has no parameters with requires_grad=True")
-        devices = {p.device for p in self.params}
-        if len(devices) > 1:
-            raise ValueError(
-                f"all parameters must be on one device, got {sorted(map(str, devices))}; "
-                "move the model with .to(device) before the first step"
-            )
-        self.device = devices.pop()
-        self.numel = n
-        self.key = tuple(id(p) for p in self.params)
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views (shaped like the parameters) into a flat buffer."""
-        return [
-            flat[o : o + p.numel()].view_as(p)
-            for p, o in zip(self.params, self.offsets, strict=True)
-        ]
-
-    def group_params(self, gi: int) -> list[int]:
-        return [j for j, g in enumerate(self.group_of) if g == gi]
-
-
-# --------------------------------------------------------------------------- base optimizer
-
-
-class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
+class OneBitOptimizer(
+    _Checkpointing, _FlatBuffers, _FlatOps, torch.optim.Optimizer, metaclass=ABCMeta
+):
     """Base class: see the module docstring. Subclasses define the class attributes below and
     ``_step()``, and call ``super().__init__`` with their defaults.
 
@@ -590,12 +496,27 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Whether the next step's exchange can start from its gradients alone (subclasses)."""
         return False
 
+    # (the OverlapHost interface, what BackwardOverlap calls: _overlap_* and three attributes)
+
     def _overlap_mode(self) -> str | None:
         """What backward may start for the next step: ``"average"`` (the fp32 average of the
         gradients), ``"exchange"`` (the compressed exchange) or ``None`` (nothing)."""
+        if self._layout is None:
+            return None
         if self.expects_averaged_grads:
             return "average" if self.average_warmup_grads and self.world_size > 1 else None
         return "exchange" if self._overlappable() else None
+
+    def _overlap_gradients(self, params: list[int], s: slice) -> torch.Tensor:
+        if params:
+            self._gather_grads(params)
+        return self._grad[s]
+
+    def _overlap_start_exchange(self, bucket: int, s: slice) -> None:
+        self._exchange.start_bucket(bucket, self._exchange_source(s))
+
+    def _overlap_discard(self) -> None:
+        self._exchange.discard()
 
     @abstractmethod
     def _exchange_source(self, s: slice) -> torch.Tensor:
@@ -741,457 +662,3 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(self.process_group)
         return 1
-
-    # ------------------------------------------------------------------ building blocks
-
-    def _segments(self) -> Iterator[tuple[int, dict[str, Any], slice]]:
-        """(group index, group, slice of the flat buffers) for every non-empty group."""
-        for gi, (group, seg) in enumerate(
-            zip(self.param_groups, self._layout.segments, strict=True)
-        ):
-            if seg.stop > seg.start:
-                yield gi, group, seg
-
-    def _segments_in(self, s: slice) -> Iterator[tuple[int, dict[str, Any], slice]]:
-        """(group index, group, sub-slice) for every group that intersects the flat slice ``s``."""
-        for gi, group, seg in self._segments():
-            lo, hi = max(seg.start, s.start), min(seg.stop, s.stop)
-            if lo < hi:
-                yield gi, group, slice(lo, hi)
-
-    def _gather_grads(self, only: list[int] | None = None) -> torch.Tensor:
-        """Copy the gradients into the flat fp32 gradient buffer (zeros where ``.grad`` is None):
-        those of the parameters ``only`` (indices into the layout), or every one not copied yet
-        this step."""
-        params, views = self._layout.params, self._views["grad"]
-        for j in range(len(params)) if only is None else only:
-            if only is None and j in self._skip_gather:
-                continue
-            p, view = params[j], views[j]
-            g = p.grad
-            if g is None:
-                view.zero_()
-                continue
-            if g.is_sparse:
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support sparse gradients "
-                    "(use a dense embedding: nn.Embedding(..., sparse=False))"
-                )
-            view.copy_(g)
-        return self._grad
-
-    def _gather_params(self, s: slice | None = None) -> torch.Tensor:
-        """Copy the parameters (those starting in the flat slice ``s``, default all) into a flat
-        fp32 buffer (for weight decay and norms)."""
-        views, offsets = self._views["param"], self._layout.offsets
-        for j, p in enumerate(self._layout.params):
-            if s is None or s.start <= offsets[j] < s.stop:
-                views[j].copy_(p)
-        return self._param_flat
-
-    def _average_(self, flat: torch.Tensor) -> None:
-        """Full-precision average over the ranks (in ``average_dtype``), in place, unless the
-        caller already averaged.
-
-        The bytes of this allreduce count in ``comm_stats`` either way: the algorithm needs
-        them, whether this optimizer or DDP sends them.
-        """
-        w = self.world_size
-        if w > 1 and self.average_warmup_grads:
-            if self._overlap is not None and flat is self._grad:
-                self._overlap.all_reduce()  # per bucket, some started during backward
-            else:
-                start_average(flat, self.average_dtype, self.process_group)()
-        self._bytes_step += fp32_allreduce_bytes(flat.numel(), w) * self.average_dtype.itemsize // 4
-        if not self._finite(flat):  # averaged: the same verdict on every rank
-            raise NonFiniteError(
-                f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
-            )
-
-    @staticmethod
-    def _finite(flat: torch.Tensor) -> bool:
-        """Whether every value is finite: one read-only sweep, no temporary (min and max
-        propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
-        materialises a float64 copy: 20x slower, and it dominated the warmup step."""
-        if flat.numel() == 0:
-            return True
-        lo, hi = torch.aminmax(flat)
-        return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-    def _compressed_average_(
-        self,
-        source: torch.Tensor | Callable[[slice], torch.Tensor],
-        out: torch.Tensor | None = None,
-    ) -> None:
-        """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
-
-        ``source`` is the flat input (``out`` defaults to it: in place) or a function computing
-        it for a flat slice, so that with :meth:`overlap_with_backward` only the buckets not
-        started during backward are computed here. Raises NonFiniteError on every rank, with
-        ``out`` and the error buffers untouched, when any rank's input has a NaN/Inf.
-        """
-        if out is None:
-            if callable(source):
-                raise TypeError("out is required when source is a function")
-            out = source
-        ex = self._exchange
-        try:
-            if isinstance(ex, BucketedAllreduce):
-                fn = (lambda lo, hi: source(slice(lo, hi))) if callable(source) else source
-                ex.finish(fn, out)
-            else:
-                ex(source(slice(0, out.numel())) if callable(source) else source, out=out)
-        finally:
-            self._bytes_step += ex.bytes_sent
-
-    def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
-        """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
-        views = None
-        for gi, group, _ in self._segments():
-            mask = group.get("exp_avg_mask")
-            if mask is None:
-                continue
-            if mask.device != flat.device or mask.dtype != flat.dtype:
-                mask = group["exp_avg_mask"] = mask.to(device=flat.device, dtype=flat.dtype)
-            views = views if views is not None else self._layout.views(flat)
-            for j in self._layout.group_params(gi):
-                views[j].mul_(mask)
-
-    def _adam_direction(self, out: torch.Tensor) -> torch.Tensor:
-        """``out = exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (decoupled decay);
-        with ``bias_correction`` the moments are bias-corrected first."""
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        p = self._gather_params() if self._any_weight_decay() else None
-        for gi, group, s in self._segments():
-            eps, scale = group["eps"], 1.0
-            if self.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
-                bc1, bc2 = self._bias_corrections(gi)
-                eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
-            torch.sqrt(v[s], out=out[s]).add_(eps)
-            torch.div(m[s], out[s], out=out[s])
-            if scale != 1.0:
-                out[s].mul_(scale)
-            if group["weight_decay"] > 0:
-                out[s].add_(p[s], alpha=group["weight_decay"])
-        return out
-
-    def _frozen_denominator(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``sqrt(exp_avg_sq) + eps`` (and its per-parameter views), computed once while the
-        variance stays frozen: two sweeps fewer per step. Dropped when the layout or the state
-        is rebuilt (``_prepare``, ``load_state_dict``) or eps changes."""
-        eps = [group["eps"] for group in self.param_groups]
-        cache = self._denominator
-        if cache is None or cache[2] != eps:
-            v = self._flat["exp_avg_sq"]
-            d = torch.empty_like(v)
-            for _, group, s in self._segments():
-                torch.sqrt(v[s], out=d[s]).add_(group["eps"])
-            cache = self._denominator = (d, self._layout.views(d), eps)
-        return cache[0], cache[1]
-
-    def _decoupled_update_(self, x: torch.Tensor, frozen_denominator: bool = False) -> None:
-        """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction), or
-        with ``frozen_denominator`` ``p -= lr * (x / (sqrt(v) + eps) + weight_decay * p)`` (the
-        variance frozen): one fused sweep per parameter (decay first, as ``p * (1 - lr * wd)``;
-        that float32 factor decays 17% too much at ``lr * wd = 1e-7``, see issue 17: the exact
-        form moved the ViT check of tests/test_user_models.py, whose result swings 0.7-1.5x
-        DDP's across seeds, past its bar, so it waits for a seed-robust check)."""
-        views = self._views_of(x)
-        denom = self._frozen_denominator()[1] if frozen_denominator else None
-        for gi, group, _ in self._segments():
-            idx = self._layout.group_params(gi)
-            params = [self._layout.params[j] for j in idx]
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd > 0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            xs = [views[j] for j in idx]
-            if denom is None:
-                torch._foreach_add_(params, xs, alpha=-lr)
-            else:
-                torch._foreach_addcdiv_(params, xs, [denom[j] for j in idx], value=-lr)
-
-    def _adam_step_(self, update_variance: bool = True) -> None:
-        """Adam's step from the flat gradient buffer, one fused sweep
-        (:func:`~lightning_onebit.kernels.adam_update`): ``m = beta1 m + (1 - beta1) g``;
-        ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``;
-        ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``. With ``bias_correction``, as
-        torch's Adam/AdamW: ``m / (1 - beta1**t)`` over ``sqrt(v / (1 - beta2**k)) + eps``,
-        folded into the kernel's per-parameter ``lr``, ``eps`` and ``weight_decay``."""
-        layout, groups = self._layout, self.param_groups
-        if update_variance:
-            self.variance_updates += 1
-        hp = []
-        for gi, group in enumerate(groups):
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            if self.bias_correction:
-                bc1, bc2 = self._bias_corrections(gi)
-                lr_c = lr * math.sqrt(bc2) / bc1
-                lr, eps, wd = lr_c, eps * math.sqrt(bc2), (wd * lr / lr_c if lr_c else wd)
-            hp.append((lr, *group["betas"], eps, wd))
-        per_param = [hp[gi] for gi in layout.group_of]
-        adam_update(
-            self._grad,
-            self._flat["exp_avg"],
-            self._flat["exp_avg_sq"],
-            layout.params,
-            layout.offsets,
-            *(list(col) for col in zip(*per_param, strict=True)),
-            update_variance=update_variance,
-        )
-
-    def _any_weight_decay(self) -> bool:
-        return any(group["weight_decay"] > 0 for _, group, _ in self._segments())
-
-    def _add_to_params_(self, flat: torch.Tensor, alpha: float | list[float]) -> None:
-        """``p += alpha * flat`` for every parameter; ``alpha`` may be one value per group."""
-        views = self._views_of(flat)
-        for gi, _, _ in self._segments():
-            a = alpha[gi] if isinstance(alpha, list) else alpha
-            idx = self._layout.group_params(gi)
-            torch._foreach_add_(
-                [self._layout.params[j] for j in idx], [views[j] for j in idx], alpha=a
-            )
-
-    def _copy_to_params_(self, flat: torch.Tensor) -> None:
-        """``p = flat`` (cast to each parameter's dtype) for every parameter."""
-        torch._foreach_copy_(self._layout.params, self._views_of(flat))
-
-    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        for name, buf in (*self._flat.items(), *self._work.items()):
-            if buf is flat:
-                return self._views[name]
-        return self._layout.views(flat)
-
-    def _lrs(self) -> list[float]:
-        return [group["lr"] for group in self.param_groups]
-
-    # ------------------------------------------------------------------ layout and buffers
-
-    def _prepare(self) -> None:
-        """(Re)build the flat layout when needed, adopting any existing per-parameter state.
-
-        Runs at the first step and again whenever the parameters, their device, or a state
-        tensor changed behind our back (``load_state_dict``, ``add_param_group``, a tool that
-        moved the state to another device).
-        """
-        layout = self._layout
-        if layout is not None and self._layout_intact(layout):
-            return
-        layout = _Layout(self.param_groups)
-        device, n, kw = layout.device, layout.numel, {"device": layout.device}
-        flat = {name: torch.zeros(n, dtype=torch.float32, **kw) for name in self._flat_states}
-        scalars = {
-            name: torch.full((len(layout.params),), init, dtype=torch.float32, **kw)
-            for name, init in self._scalar_states.items()
-        }
-        views: dict[str, list[torch.Tensor]] = {}
-        for name, buf in flat.items():
-            views[name] = layout.views(buf)
-        for name, buf in scalars.items():
-            views[name] = list(buf.unbind())
-        for j, p in enumerate(layout.params):
-            state = self.state[p]
-            for name in (*flat, *scalars):
-                old = state.get(name)
-                if old is not None:  # adopt what load_state_dict (or the last layout) left
-                    views[name][j].copy_(old.detach().reshape(views[name][j].shape))
-                state[name] = views[name][j]
-        self._flat, self._scalars = flat, scalars
-        self._grad = torch.zeros(n, dtype=torch.float32, **kw)
-        self._param_flat = torch.zeros(n, dtype=torch.float32, **kw)
-        self._work = {
-            name: torch.zeros(n, dtype=torch.float32, **kw) for name in self._work_buffers
-        }
-        views["grad"] = layout.views(self._grad)
-        views["param"] = layout.views(self._param_flat)
-        for name, buf in self._work.items():
-            views[name] = layout.views(buf)
-        self._views = views
-
-        bounds = self._overlap.plan(layout) if self._overlap is not None else None
-        ex = self._exchange
-        same_buckets = getattr(ex, "bounds", None) == bounds
-        if ex is not None and (ex.numel != n or ex.device != device or not same_buckets):
-            if ex.numel == n and same_buckets:  # only the device changed: carry the errors over
-                if self._pending_exchange_state is None:
-                    self._pending_exchange_state = ex.state_dict()
-            elif ex.calls > 0:
-                warnings.warn(
-                    "the set of trainable parameters or the exchange's buckets changed: the "
-                    "1-bit error buffers restart from zero",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            ex = None
-        if ex is None and bounds is not None:
-            ex = BucketedAllreduce(bounds, device=device, group=self._overlap.group())
-        elif ex is None:
-            ex = CompressedAllreduce(n, device=device, group=self.process_group)
-        if self._overlap is not None:
-            self._overlap.install(layout)
-        pending, self._pending_exchange_state = self._pending_exchange_state, None
-        if pending == "reset":  # loaded a checkpoint taken before the first exchange
-            ex.reset_error()
-        elif pending is not None:
-            try:
-                ex.load_state_dict(pending)
-            except ValueError as err:  # another world size: the per-rank errors do not map
-                warnings.warn(
-                    f"{err}; the 1-bit error buffers restart from zero",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                ex.reset_error()
-        self._exchange = ex
-        self._layout = layout
-        self._denominator = None
-        self._check_masks()
-        self._on_layout()
-
-    def _check_masks(self) -> None:
-        for gi, group in enumerate(self.param_groups):
-            mask = group.get("exp_avg_mask")
-            if mask is None:
-                continue
-            for j in self._layout.group_params(gi):
-                shape = self._layout.params[j].shape
-                if torch.broadcast_shapes(mask.shape, shape) != shape:
-                    raise ValueError(
-                        f"exp_avg_mask of shape {tuple(mask.shape)} in param group {gi} does not "
-                        f"broadcast to its parameter of shape {tuple(shape)}; the mask multiplies "
-                        "every parameter of its group: put the masked parameter in its own group"
-                    )
-
-    def _on_layout(self) -> None:
-        """Hook for subclasses whose own state depends on the layout (e.g. per-group lists)."""
-
-    def _layout_intact(self, layout: _Layout) -> bool:
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if tuple(id(p) for p in params) != layout.key:
-            return False
-        if any(p.device != layout.device for p in params):
-            return False
-        for j, p in enumerate(params):
-            state = self.state.get(p)
-            if state is None:
-                return False
-            for name in (*self._flat, *self._scalars):
-                if state.get(name) is not self._views[name][j]:
-                    return False
-        return True
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _global_state(self) -> dict[str, Any]:
-        pending = self._pending_exchange_state  # loaded but not yet applied
-        if isinstance(pending, dict):
-            ex_state = pending
-        elif pending == "reset" or self._exchange is None:
-            ex_state = None
-        else:
-            ex_state = self._exchange.state_dict()
-        return {
-            "step_count": self.step_count,
-            "variance_updates": self.variance_updates,
-            "phase": self._phase.value,
-            "skipped_steps": self.skipped_steps,
-            "comm_stats": dict(self.comm_stats),
-            **{k: copy.deepcopy(getattr(self, k)) for k in self._checkpoint_attrs},
-            "exchange": ex_state,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"onebit"``: step count, phase, counters, error buffers.
-
-        The error buffers belong to this rank: save one state dict per rank to resume exactly.
-        """
-        state = super().state_dict()
-        state["onebit"] = self._global_state()
-        return state
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        """What of this rank's state differs from the other ranks': its error buffers, or
-        (0/1 Adam between synchronisations, :attr:`params_differ_across_ranks`) the whole
-        :meth:`state_dict`. With every rank's :meth:`state_dict` saved once (they are
-        otherwise equal), each rank's ``rank_state_dict`` restores it exactly."""
-        if self.params_differ_across_ranks:
-            return self.state_dict()
-        return {"onebit": {"exchange": self._global_state()["exchange"]}}
-
-    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
-        if "state" in state_dict:  # a whole state dict
-            self.load_state_dict(state_dict)
-        else:
-            self._pending_exchange_state = state_dict["onebit"]["exchange"] or "reset"
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the next step continues exactly where it left off.
-
-        Per-parameter states are copied into this optimizer's fp32 flat buffers (torch's loader
-        would cast them to the parameters' dtype). Each group's current ``exp_avg_mask`` is kept
-        (as in DeepSpeed: the mask belongs to the training script, not to the checkpoint).
-        A state dict without ``"onebit"`` (e.g. from ``torch.optim.Adam``) loads the moments and
-        restarts in the first phase with step count 0.
-        """
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("onebit", None)
-        saved_groups = [dict(g) for g in state_dict["param_groups"]]
-        if [len(g["params"]) for g in saved_groups] != [
-            len(g["params"]) for g in self.param_groups
-        ]:
-            raise ValueError(
-                "loaded state dict has param groups of sizes "
-                f"{[len(g['params']) for g in saved_groups]}, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}: build the optimizer over the "
-                "same parameters as the one that was saved"
-            )
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
-            saved.pop("exp_avg_mask", None)
-            if "exp_avg_mask" in group:
-                saved["exp_avg_mask"] = group["exp_avg_mask"]
-        state_dict["param_groups"] = saved_groups
-
-        # take our per-parameter tensors out before torch's loader casts them
-        ours = (*self._flat_states, *self._scalar_states)
-        id_map = {
-            idx: p
-            for saved, group in zip(saved_groups, self.param_groups, strict=True)
-            for idx, p in zip(saved["params"], group["params"], strict=True)
-        }
-        kept: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        rest: dict[Any, Any] = {}
-        for idx, pstate in state_dict["state"].items():
-            mine = {k: v for k, v in pstate.items() if k in ours and isinstance(v, torch.Tensor)}
-            other = {k: v for k, v in pstate.items() if k not in mine}
-            if mine and idx in id_map:
-                kept[id_map[idx]] = mine
-            if other:
-                rest[idx] = other
-        state_dict["state"] = rest
-        super().load_state_dict(state_dict)
-        for p, mine in kept.items():
-            self.state[p].update(
-                {
-                    k: v.detach().to(device=p.device, dtype=torch.float32, copy=True)
-                    for k, v in mine.items()
-                }
-            )
-
-        extra = extra or {}
-        self.step_count = int(extra.get("step_count", 0))
-        # (a checkpoint from before the counter: every step had updated the variance)
-        self.variance_updates = int(extra.get("variance_updates", self.step_count))
-        self.skipped_steps = int(extra.get("skipped_steps", 0))
-        phase = extra.get("phase", self.PHASES[0].value)
-        if phase not in self.PHASES:
-            raise ValueError(
-                f"checkpoint phase {phase!r} is not one of {[p.value for p in self.PHASES]}"
-            )
-        self._phase = Phase(phase)
-        self.comm_stats.update(extra.get("comm_stats", {}))
-        for k in self._checkpoint_attrs:
-            if k in extra:
-                setattr(self, k, copy.deepcopy(extra[k]))
-        self._pending_exchange_state = extra.get("exchange") or "reset"
-        self._layout = None  # adopt the loaded tensors at the next step

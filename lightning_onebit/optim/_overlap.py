@@ -36,27 +36,54 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import start_average
+from lightning_onebit.optim._layout import _Layout
 
-if TYPE_CHECKING:
-    from lightning_onebit.optim._base import OneBitOptimizer, _Layout
-
-__all__ = ["BackwardOverlap"]
+__all__ = ["BackwardOverlap", "OverlapHost"]
 
 #: The first bucket's cap (DDP's ``first_bucket_cap``: 1 MiB).
 FIRST_BUCKET_BYTES = 2**20
+
+
+class OverlapHost(Protocol):
+    """What :class:`BackwardOverlap` uses of its optimizer (``OneBitOptimizer`` implements it;
+    the overlap touches nothing else of it)."""
+
+    #: backward passes whose step does not follow directly start nothing
+    overlap_paused: bool
+    #: the group the exchange's own group is made from, and the warmup average's dtype
+    process_group: Any
+    average_dtype: torch.dtype
+
+    def _overlap_mode(self) -> str | None:
+        """What backward may start for the next step: ``"average"``, ``"exchange"`` or None."""
+        ...
+
+    def _overlap_gradients(self, params: list[int], s: slice) -> torch.Tensor:
+        """Copy the gradients of the layout's parameters ``params`` into the flat gradient
+        buffer; return its flat slice ``s``."""
+        ...
+
+    def _overlap_start_exchange(self, bucket: int, s: slice) -> None:
+        """Start bucket ``bucket``'s exchange of what the next step sends for flat slice ``s``
+        (its gradients are in the flat buffer)."""
+        ...
+
+    def _overlap_discard(self) -> None:
+        """Drop the exchange's started buckets."""
+        ...
 
 
 class BackwardOverlap:
     """The bucket plan, the gradient hooks and the communication thread of one optimizer."""
 
     def __init__(
-        self, optimizer: OneBitOptimizer, bucket_cap_bytes: int, timeout: timedelta | None
+        self, optimizer: OverlapHost, bucket_cap_bytes: int, timeout: timedelta | None
     ) -> None:
         self.opt = optimizer
         self.cap = bucket_cap_bytes
@@ -134,7 +161,7 @@ class BackwardOverlap:
 
     def _on_grad(self, j: int, _param: torch.Tensor) -> None:
         opt = self.opt
-        if opt.overlap_paused or opt._layout is None:
+        if opt.overlap_paused:
             return
         mode = opt._overlap_mode()
         if mode is None:
@@ -152,18 +179,16 @@ class BackwardOverlap:
             self._next += 1
 
     def _launch(self, b: int) -> Any:  # on the communication thread
-        opt = self.opt
+        s = slice(*self.bounds[b])
         with torch.no_grad():
-            opt._gather_grads(self.bucket_params[b])
-            lo, hi = self.bounds[b]
+            grad = self.opt._overlap_gradients(self.bucket_params[b], s)
             if self._mode == "average":
-                return self._start_all_reduce(b)
-            opt._exchange.start_bucket(b, opt._exchange_source(slice(lo, hi)))
+                return self._start_all_reduce(grad)
+            self.opt._overlap_start_exchange(b, s)
             return None
 
-    def _start_all_reduce(self, b: int) -> Callable[[], None]:
-        lo, hi = self.bounds[b]
-        return start_average(self.opt._grad[lo:hi], self.opt.average_dtype, self.group())
+    def _start_all_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
+        return start_average(grad, self.opt.average_dtype, self.group())
 
     # ------------------------------------------------------------------ in step()
 
@@ -180,7 +205,10 @@ class BackwardOverlap:
         """Average the flat gradient buffer over the ranks, bucket by bucket: wait for the
         buckets backward started, start the others (their gradients are in the buffer by now)."""
         works, self._works = self._works, []
-        works += [self._start_all_reduce(b) for b in range(len(works), len(self.bounds))]
+        works += [  # (step() gathered their gradients: nothing to copy)
+            self._start_all_reduce(self.opt._overlap_gradients([], slice(lo, hi)))
+            for lo, hi in self.bounds[len(works) :]
+        ]
         for wait in works:
             wait()
 
@@ -188,7 +216,7 @@ class BackwardOverlap:
         """Forget the current round: wait for the thread, discard the started buckets."""
         self.collect()
         self._settle()
-        self.opt._exchange.discard()
+        self.opt._overlap_discard()
         self._reset_round()
 
     def _settle(self) -> None:

@@ -39,13 +39,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import lamb_frozen_update
-from lightning_onebit.optim._base import (
-    VARIANCE_FLOOR,
-    OneBitOptimizer,
-    Phase,
-    _check_int,
-    _check_real,
-)
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._phase import Phase
+from lightning_onebit.optim._validation import _check_int, _check_real
 
 __all__ = ["OneBitLamb"]
 

@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
-from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer, Phase, _check_int
+from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._phase import Phase
+from lightning_onebit.optim._validation import _check_int
 
 __all__ = ["ZeroOneAdam"]
 

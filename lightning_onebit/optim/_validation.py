@@ -1,0 +1,47 @@
+"""Argument checks shared by the optimizers: a ``ValueError`` naming the argument, its value and
+the valid range."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+__all__ = ["_check_betas", "_check_int", "_check_real"]
+
+
+def _check_real(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    hint: str = "",
+) -> None:
+    """Raise a ValueError naming ``name``, its value and the valid range unless it is inside
+    (``hint``, if given, is appended: what the range depends on, or what to do)."""
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high
+        )
+    if not ok:
+        raise ValueError(
+            f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}"
+            + (f" ({hint})" if hint else "")
+        )
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_betas(betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
