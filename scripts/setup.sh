@@ -13,5 +13,6 @@ python -m pip install -q --upgrade pip >/dev/null
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q torch==2.13.0 || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
-# Builds the C++ extension (and the CUDA kernels when nvcc is on PATH; ONEBIT_CUDA=OFF skips them).
-python -m pip install -q -e '.[test,examples,lint]'
+# Builds the C++ extension (and the CUDA kernels when nvcc is on PATH; ONEBIT_CUDA=OFF skips them);
+# the test and lint tools are pyproject.toml's dependency group "dev" (pip >= 25.1).
+python -m pip install -q -e '.[examples]' --group dev
