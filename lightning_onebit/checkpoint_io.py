@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from fsspec.core import strip_protocol
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from lightning_onebit.optim import ZeroOneAdam
+from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
 _PATH = str | os.PathLike[str]  # what Lightning accepts as a checkpoint path
 
@@ -113,3 +114,66 @@ def _save_atomically(obj: Any, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def _write_rank_file(
+    opt: OneBitOptimizer,
+    module: torch.nn.Module,
+    checkpoint: dict[str, Any],
+    filepath: _PATH,
+    rank_file: str,
+    rank: int,
+    world_size: int,
+) -> None:
+    """Write this rank's file for ``checkpoint`` (about to be saved at ``filepath`` by rank 0)
+    and note in ``checkpoint`` what a resume needs to know."""
+    rank_state = {
+        "world_size": world_size,
+        "rank": rank,
+        "global_step": checkpoint.get("global_step"),
+        # only what differs across ranks: the checkpoint holds the rest once
+        "optimizer": opt.rank_state_dict(),
+        # 0/1 Adam's local steps: parameters differ per rank until the next sync
+        "model": module.state_dict() if opt.params_differ_across_ranks else None,
+    }
+    get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
+    _save_atomically(rank_state, rank_file)
+    # what a resume from a copy, with another world size, or without this rank file needs to know
+    checkpoint["onebit"] = {
+        "world_size": world_size,
+        "optimizer": type(opt).__name__,
+        "params_differ_across_ranks": opt.params_differ_across_ranks,
+        "saved_as": os.fspath(filepath),
+    }
+    # rank 0's error buffers do not belong in the checkpoint every rank loads
+    for state in checkpoint.get("optimizer_states", []):
+        if isinstance(state, dict) and "onebit" in state:
+            state["onebit"] = {**state["onebit"], "exchange": None}
+
+
+def _rank_files_note(
+    path: _PATH, checkpoint: Mapping[str, Any], world_size: int, found: bool, looked: list[str]
+) -> str:
+    """What rank 0 sees of every rank's file (the filesystem is shared in the usual case)."""
+    missing: dict[int, list[str]] = {} if found else {0: looked}
+    for r in range(1, world_size):
+        there, where = _find_rank_state(path, checkpoint, r, world_size, load=False)
+        if not there:
+            missing[r] = where
+    if not missing:
+        return ""
+    p = Path(os.fspath(path))  # only to name what is there instead
+    saved = sorted(q.name for q in p.parent.glob(p.name + ".onebit-rank*"))
+    saved_world = (checkpoint.get("onebit") or {}).get("world_size")
+    if saved_world is None and saved:  # a checkpoint from before the "onebit" entry
+        saved_world = int(saved[0].rsplit("-of-", 1)[-1])
+    changed = saved_world is not None and saved_world != world_size
+    who = "every rank" if len(missing) == world_size else f"ranks {sorted(missing)}"
+    first, where = next(iter(missing.items()))
+    return (
+        f"no per-rank 1-bit state for {who} of {world_size} (rank {first}: looked for "
+        f"{', '.join(where)}; found beside {p.name}: {', '.join(saved) or 'none'})"
+        + (f": the world size changed from {saved_world} to {world_size}" if changed else "")
+        + "; resuming with the 1-bit error buffers of those ranks reset to zero"
+        + _local_phase_note(checkpoint, every_rank=changed or len(missing) == world_size)
+    )

@@ -1,14 +1,19 @@
-"""Converting a torch Adam/AdamW into a 1-bit optimizer: group keys, learning-rate scaling and
-the LR schedulers that drove the original (the ones they hold included)."""
+"""Converting a torch Adam/AdamW into a 1-bit optimizer: group keys, learning-rate scaling
+(``lamb_lr``), the LR schedulers that drove the original (the ones they hold included), and what
+is said about it."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._compat import mark_step_for_lr_schedulers
+from lightning_onebit.optim import OneBitOptimizer
 
 #: torch Adam/AdamW group keys that are implementation switches the 1-bit optimizers lack
 _TORCH_ONLY = (
@@ -96,3 +101,107 @@ def _schedulers_within(scheduler: Any) -> list[Any]:
                 if isinstance(v, _SCHEDULER_TYPES):
                     todo.append(v)
     return found
+
+
+# --------------------------------------------------------------------------- the conversion
+
+
+def convert_adam(
+    original: torch.optim.Optimizer,
+    cls: type[OneBitOptimizer],
+    algorithm: str,
+    options: Callable[[dict[str, Any]], dict[str, Any]],
+    lamb_lr: float | None,
+) -> tuple[OneBitOptimizer, float]:
+    """Build the 1-bit optimizer ``cls`` from a torch Adam/AdamW with the same groups and
+    settings; ``options(defaults)`` gives its constructor's keyword arguments. Returns it and
+    what the learning rates were multiplied by (``lamb_lr``, 1-bit LAMB only)."""
+    d = original.defaults
+    if d.get("amsgrad") or any(g.get("amsgrad") for g in original.param_groups):
+        raise MisconfigurationException(f"{algorithm} has no amsgrad variant; use amsgrad=False")
+    if d.get("maximize"):
+        raise MisconfigurationException(
+            f"{algorithm} does not support maximize=True; negate the loss"
+        )
+    if type(original) is torch.optim.Adam and any(g["weight_decay"] for g in original.param_groups):
+        warnings.warn(
+            "torch.optim.Adam's weight_decay is an L2 term added to the gradient; the 1-bit "
+            "optimizers apply weight decay decoupled from the gradient, as AdamW and DeepSpeed do",
+            UserWarning,
+            stacklevel=3,
+        )
+    # Every group key is kept (LR schedulers store their own there: OneCycleLR's max_lr,
+    # min_lr, max_momentum, ...), except the torch implementation switches ours lack.
+    groups = [
+        {k: v if k == "params" else _plain(v) for k, v in g.items() if k not in _TORCH_ONLY}
+        for g in original.param_groups
+    ]
+    defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
+    lr_scale = _lamb_lr_scale(algorithm, lamb_lr, defaults.get("lr"))
+    if lr_scale != 1.0:
+        for g in groups:
+            for k in _LR_GROUP_KEYS:
+                if isinstance(g.get(k), (int, float)):
+                    g[k] *= lr_scale
+        defaults["lr"] *= lr_scale
+    new = cls(groups, **options(defaults))
+    robust = ", ".join(f"{k}={getattr(new, k)}" for k in OneBitOptimizer.OPTIONS)
+    rank_zero_info(
+        f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
+        f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "
+        f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')}; {robust})"
+    )
+    return new, lr_scale
+
+
+def _lamb_lr_scale(algorithm: str, lamb_lr: float | None, adam_lr: float | None) -> float:
+    """What converting Adam/AdamW to 1-bit LAMB multiplies the learning rates by."""
+    if algorithm != "onebit_lamb":
+        return 1.0
+    if lamb_lr is None:
+        rank_zero_warn(
+            f"onebit_lamb runs at the converted optimizer's lr={adam_lr}, which was chosen for "
+            "Adam: LAMB scales each layer's step by ||p|| / ||u|| and usually wants another "
+            "lr. Pass OneBitStrategy(algorithm='onebit_lamb', lamb_lr=...) (it rescales "
+            "every group and LR scheduler), or return lightning_onebit.OneBitLamb from "
+            "configure_optimizers"
+        )
+        return 1.0
+    return lamb_lr / adam_lr if adam_lr else 1.0
+
+
+def warn_about_unscaled_schedulers(schedulers: list[Any], original: torch.optim.Optimizer) -> None:
+    """``lamb_lr`` rescales what torch's schedulers hold; a user's own may hold more."""
+    custom = sorted(
+        {
+            type(s).__name__
+            for scheduler in schedulers
+            for s in _schedulers_within(scheduler)
+            if not type(s).__module__.startswith("torch.")
+        }
+    )
+    if not custom:
+        return
+    known = {"params", *_LR_GROUP_KEYS, *original.defaults, *_TORCH_SCHEDULER_GROUP_KEYS}
+    keys = sorted({k for g in original.param_groups for k in g if k not in known})
+    rank_zero_warn(
+        f"lamb_lr rescaled the learning rates in the param groups ({', '.join(_LR_GROUP_KEYS)}) "
+        f"and those torch's LR schedulers hold, but {', '.join(custom)} is not one of torch's: "
+        "learning rates it keeps elsewhere"
+        + (f" (param-group keys {keys})" if keys else "")
+        + " were not rescaled. Return lightning_onebit.OneBitLamb(lr=...) from "
+        "configure_optimizers to build the schedule for LAMB's lr yourself"
+    )
+
+
+def warn_if_config_differs(original: torch.optim.Optimizer, config: dict[str, Any]) -> None:
+    """A DeepSpeed config's optimizer params that the returned torch optimizer overrides."""
+    d = original.defaults
+    differ = {k: (v, _plain(d[k])) for k, v in config.items() if k in d and _plain(d[k]) != v}
+    if differ:
+        shown = ", ".join(f"{k}={mine!r} (config: {cfg!r})" for k, (cfg, mine) in differ.items())
+        rank_zero_warn(
+            f"configure_optimizers returned {type(original).__name__} with {shown}: its "
+            "hyperparameters are used, the DeepSpeed config's optimizer params are not. Return "
+            "nothing from configure_optimizers to build the optimizer from the config"
+        )

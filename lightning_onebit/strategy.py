@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import re
 import warnings
 from collections.abc import Generator, Mapping
@@ -62,18 +61,16 @@ from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.checkpoint_io import (
     _PATH,
     _find_rank_state,
-    _local_phase_note,
     _rank_file_name,
-    _save_atomically,
+    _rank_files_note,
+    _write_rank_file,
 )
 from lightning_onebit.comm import as_average_dtype
 from lightning_onebit.convert import (
-    _LR_GROUP_KEYS,
-    _TORCH_ONLY,
-    _TORCH_SCHEDULER_GROUP_KEYS,
-    _plain,
     _repoint_scheduler,
-    _schedulers_within,
+    convert_adam,
+    warn_about_unscaled_schedulers,
+    warn_if_config_differs,
 )
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
@@ -92,8 +89,6 @@ ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "zero_one_adam": ZeroOneAdam,
     "onebit_lamb": OneBitLamb,
 }
-#: the options every algorithm has (said in the conversion line)
-_ROBUST_OPTIONS = OneBitOptimizer.OPTIONS
 
 
 class OneBitStrategy(DDPStrategy):
@@ -608,13 +603,21 @@ class OneBitStrategy(DDPStrategy):
             new = original
         elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
             if self.deepspeed_optimizer:
-                self._warn_if_config_differs(original)
-            new = self._convert(original)
+                warn_if_config_differs(original, self.deepspeed_optimizer)
+            cls = ALGORITHMS[self.algorithm]
+            new, self._lr_scale = convert_adam(
+                original,
+                cls,
+                self.algorithm,
+                lambda defaults: self._algorithm_kwargs(cls, defaults),
+                self.lamb_lr,
+            )
             self._converted_optimizer = True
-            for config in self.lr_scheduler_configs:
-                _repoint_scheduler(config.scheduler, original, new, self._lr_scale)
+            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+            for scheduler in schedulers:
+                _repoint_scheduler(scheduler, original, new, self._lr_scale)
             if self._lr_scale != 1.0:
-                self._warn_about_unscaled_schedulers(original)
+                warn_about_unscaled_schedulers(schedulers, original)
             self.optimizers = [new]
         else:
             raise MisconfigurationException(
@@ -641,107 +644,6 @@ class OneBitStrategy(DDPStrategy):
         )
         return new
 
-    def _warn_if_config_differs(self, original: torch.optim.Optimizer) -> None:
-        d = original.defaults
-        differ = {
-            k: (v, _plain(d[k]))
-            for k, v in (self.deepspeed_optimizer or {}).items()
-            if k in d and _plain(d[k]) != v
-        }
-        if differ:
-            shown = ", ".join(
-                f"{k}={mine!r} (config: {cfg!r})" for k, (cfg, mine) in differ.items()
-            )
-            rank_zero_warn(
-                f"configure_optimizers returned {type(original).__name__} with {shown}: its "
-                "hyperparameters are used, the DeepSpeed config's optimizer params are not. Return "
-                "nothing from configure_optimizers to build the optimizer from the config"
-            )
-
-    def _convert(self, original: torch.optim.Optimizer) -> OneBitOptimizer:
-        """Build the 1-bit optimizer from a torch Adam/AdamW with the same groups and settings."""
-        cls = ALGORITHMS[self.algorithm]
-        d = original.defaults
-        if d.get("amsgrad") or any(g.get("amsgrad") for g in original.param_groups):
-            raise MisconfigurationException(
-                f"{self.algorithm} has no amsgrad variant; use amsgrad=False"
-            )
-        if d.get("maximize"):
-            raise MisconfigurationException(
-                f"{self.algorithm} does not support maximize=True; negate the loss"
-            )
-        if type(original) is torch.optim.Adam and any(
-            g["weight_decay"] for g in original.param_groups
-        ):
-            warnings.warn(
-                "torch.optim.Adam's weight_decay is an L2 term added to the gradient; the 1-bit "
-                "optimizers apply weight decay decoupled from the gradient, as AdamW and DeepSpeed do",
-                UserWarning,
-                stacklevel=2,
-            )
-        # Every group key is kept (LR schedulers store their own there: OneCycleLR's max_lr,
-        # min_lr, max_momentum, ...), except the torch implementation switches ours lack.
-        groups = [
-            {k: v if k == "params" else _plain(v) for k, v in g.items() if k not in _TORCH_ONLY}
-            for g in original.param_groups
-        ]
-        defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
-        lr_scale = self._lamb_lr_scale(defaults.get("lr"))
-        if lr_scale != 1.0:
-            for g in groups:
-                for k in _LR_GROUP_KEYS:
-                    if isinstance(g.get(k), (int, float)):
-                        g[k] *= lr_scale
-            defaults["lr"] *= lr_scale
-        self._lr_scale = lr_scale
-        kw = self._algorithm_kwargs(cls, defaults)
-        new = cls(groups, **kw)
-        robust = ", ".join(f"{k}={getattr(new, k)}" for k in _ROBUST_OPTIONS)
-        rank_zero_info(
-            f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
-            f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "
-            f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')}; {robust})"
-        )
-        return new
-
-    def _warn_about_unscaled_schedulers(self, original: torch.optim.Optimizer) -> None:
-        """``lamb_lr`` rescales what torch's schedulers hold; a user's own may hold more."""
-        custom = sorted(
-            {
-                type(s).__name__
-                for config in self.lr_scheduler_configs
-                for s in _schedulers_within(config.scheduler)
-                if not type(s).__module__.startswith("torch.")
-            }
-        )
-        if not custom:
-            return
-        known = {"params", *_LR_GROUP_KEYS, *original.defaults, *_TORCH_SCHEDULER_GROUP_KEYS}
-        keys = sorted({k for g in original.param_groups for k in g if k not in known})
-        rank_zero_warn(
-            f"lamb_lr rescaled the learning rates in the param groups ({', '.join(_LR_GROUP_KEYS)}) "
-            f"and those torch's LR schedulers hold, but {', '.join(custom)} is not one of torch's: "
-            "learning rates it keeps elsewhere"
-            + (f" (param-group keys {keys})" if keys else "")
-            + " were not rescaled. Return lightning_onebit.OneBitLamb(lr=...) from "
-            "configure_optimizers to build the schedule for LAMB's lr yourself"
-        )
-
-    def _lamb_lr_scale(self, adam_lr: float | None) -> float:
-        """What converting Adam/AdamW to 1-bit LAMB multiplies the learning rates by."""
-        if self.algorithm != "onebit_lamb":
-            return 1.0
-        if self.lamb_lr is None:
-            rank_zero_warn(
-                f"onebit_lamb runs at the converted optimizer's lr={adam_lr}, which was chosen for "
-                "Adam: LAMB scales each layer's step by ||p|| / ||u|| and usually wants another "
-                "lr. Pass OneBitStrategy(algorithm='onebit_lamb', lamb_lr=...) (it rescales "
-                "every group and LR scheduler), or return lightning_onebit.OneBitLamb from "
-                "configure_optimizers"
-            )
-            return 1.0
-        return self.lamb_lr / adam_lr if adam_lr else 1.0
-
     # ------------------------------------------------------------------ checkpoints
 
     def _rank_file(self, filepath: _PATH) -> str:
@@ -754,33 +656,10 @@ class OneBitStrategy(DDPStrategy):
         if self.optimizers and isinstance(
             getattr(self.optimizers[0], "_optimizer", self.optimizers[0]), OneBitOptimizer
         ):
-            opt = self.onebit_optimizer
-            rank_state = {
-                "world_size": self.world_size,
-                "rank": self.global_rank,
-                "global_step": checkpoint.get("global_step"),
-                # only what differs across ranks: the checkpoint holds the rest once
-                "optimizer": opt.rank_state_dict(),
-                # 0/1 Adam's local steps: parameters differ per rank until the next sync
-                "model": self.lightning_module.state_dict()
-                if opt.params_differ_across_ranks
-                else None,
-            }
-            rank_file = self._rank_file(filepath)
-            get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
-            _save_atomically(rank_state, rank_file)
-            # what a resume from a copy, with another world size, or without this rank file
-            # needs to know
-            checkpoint["onebit"] = {
-                "world_size": self.world_size,
-                "optimizer": type(opt).__name__,
-                "params_differ_across_ranks": opt.params_differ_across_ranks,
-                "saved_as": os.fspath(filepath),
-            }
-            # rank 0's error buffers do not belong in the checkpoint every rank loads
-            for state in checkpoint.get("optimizer_states", []):
-                if isinstance(state, dict) and "onebit" in state:
-                    state["onebit"] = {**state["onebit"], "exchange": None}
+            _write_rank_file(
+                self.onebit_optimizer, self.lightning_module, checkpoint, filepath,
+                self._rank_file(filepath), self.global_rank, self.world_size,
+            )  # fmt: skip
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -804,8 +683,8 @@ class OneBitStrategy(DDPStrategy):
         )
         self._rank_state = state
         if self.global_rank == 0:  # one message for every rank, from rank 0
-            note = self._rank_files_note(
-                checkpoint_path, checkpoint, found=state is not None, looked=looked
+            note = _rank_files_note(
+                checkpoint_path, checkpoint, self.world_size, found=state is not None, looked=looked
             )
             if note:
                 rank_zero_warn(note)
@@ -817,37 +696,6 @@ class OneBitStrategy(DDPStrategy):
                 stacklevel=1,
             )
         return checkpoint
-
-    def _rank_files_note(
-        self, path: _PATH, checkpoint: Mapping[str, Any], found: bool, looked: list[str]
-    ) -> str:
-        """What rank 0 sees of every rank's file (the filesystem is shared in the usual case)."""
-        missing: dict[int, list[str]] = {} if found else {0: looked}
-        for r in range(1, self.world_size):
-            there, where = _find_rank_state(path, checkpoint, r, self.world_size, load=False)
-            if not there:
-                missing[r] = where
-        if not missing:
-            return ""
-        p = Path(os.fspath(path))  # only to name what is there instead
-        saved = sorted(q.name for q in p.parent.glob(p.name + ".onebit-rank*"))
-        saved_world = (checkpoint.get("onebit") or {}).get("world_size")
-        if saved_world is None and saved:  # a checkpoint from before the "onebit" entry
-            saved_world = int(saved[0].rsplit("-of-", 1)[-1])
-        changed = saved_world is not None and saved_world != self.world_size
-        who = "every rank" if len(missing) == self.world_size else f"ranks {sorted(missing)}"
-        first, where = next(iter(missing.items()))
-        return (
-            f"no per-rank 1-bit state for {who} of {self.world_size} (rank {first}: looked for "
-            f"{', '.join(where)}; found beside {p.name}: {', '.join(saved) or 'none'})"
-            + (
-                f": the world size changed from {saved_world} to {self.world_size}"
-                if changed
-                else ""
-            )
-            + "; resuming with the 1-bit error buffers of those ranks reset to zero"
-            + _local_phase_note(checkpoint, every_rank=changed or len(missing) == self.world_size)
-        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
