@@ -414,7 +414,7 @@ class OneBitOptimizer(
         need = math.ceil(math.log(0.5) / math.log(b2))
         warnings.warn(
             f"{type(self).__name__}: the 1-bit steps are preconditioned by a variance of {t} "
-            f"update(s) with beta2={b2}, which holds {held:.0%} of its steady-state value (no bias "
+            f"update(s) with beta2={b2}, which holds {held * 100:.2g}% of its steady-state value (no bias "
             f"correction): every such step is about {1 / math.sqrt(held):.1f}x larger than "
             f"Adam's. Pass bias_correction=True (OneBitStrategy does when it converts a torch "
             f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
@@ -647,7 +647,7 @@ class OneBitOptimizer(
             held = 1.0 - b2 ** max(self.variance_updates, 1)
             if held < 0.5:
                 hints.append(
-                    f"the variance preconditioning the 1-bit steps holds {held:.0%} of its steady "
+                    f"the variance preconditioning the 1-bit steps holds {held * 100:.2g}% of its steady "
                     f"state (no bias correction; {self.variance_updates} updates, beta2={b2}): "
                     "pass bias_correction=True or lower beta2"
                 )
