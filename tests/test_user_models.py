@@ -58,7 +58,10 @@ def _problems(c: dict[str, Any], loss_limit: float) -> list[str]:
     return out
 
 
-#: (model, algorithm) pairs that do not meet the bar yet (strict: a pass is reported)
+#: (model, algorithm) pairs that do not meet the bar yet. Not strict: these runs are chaotic
+#: enough that the same code lands on either side of a bar on another CPU (the kernels' SIMD path
+#: and the thread count change the rounding; 1-bit LAMB on ViT measured 2.2x / 14x on one machine
+#: and 1.02x / 9.6x on another), so a pass is reported (XPASS) without failing the suite.
 KNOWN = {
     ("bert", "onebit_adam"): "one coordinate of value.bias reaches 0.17 (14x DDP's 0.012): 1-bit "
     "error of ~lr per step on a bias that DDP barely moves",
@@ -72,7 +75,7 @@ KNOWN = {
         pytest.param(
             n,
             a,
-            marks=[pytest.mark.xfail(reason=KNOWN[n, a], strict=True)] if (n, a) in KNOWN else [],
+            marks=[pytest.mark.xfail(reason=KNOWN[n, a], strict=False)] if (n, a) in KNOWN else [],
         )
         for n in MODELS
         for a in ("onebit_adam", "zero_one_adam")
@@ -86,18 +89,19 @@ def test_trains_like_ddp(name: str, algo: str, tmp_path_factory: pytest.TempPath
     assert not problems, f"{name} under {algo}: " + "; ".join(problems)
 
 
-#: models on which 1-bit LAMB (at LAMB_LR) does not meet the bar yet
+#: models on which 1-bit LAMB (at LAMB_LR) does not meet the bar yet (not strict: see KNOWN)
 KNOWN_LAMB = {
-    "dead_relu": "1.29x the loss of LAMB never frozen",
-    "vit": "2.2x the loss of LAMB never frozen; k_proj.weight 14x DDP's (with "
-    "preconditioned_exchange=True: 1.0x and 4x, but the demo GPT loses 10%)",
+    "dead_relu": "1.21-1.38x the loss of LAMB never frozen over seeds 0-2 (its frozen trust "
+    "ratio stays 10x below the never-frozen one's)",
+    "vit": "1.0-2.2x the loss of LAMB never frozen and 9.6-14x DDP's q/k_proj.weight, depending "
+    "on the machine (with preconditioned_exchange=True: 1.0x and 4x, but the demo GPT loses 10%)",
 }
 
 
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=[pytest.mark.xfail(reason=KNOWN_LAMB[n], strict=True)])
+        pytest.param(n, marks=[pytest.mark.xfail(reason=KNOWN_LAMB[n], strict=False)])
         if n in KNOWN_LAMB
         else n
         for n in MODELS
