@@ -1,129 +1,214 @@
-"""Property-based tests of the kernels' Python face: random sizes, dtypes, strides and devices
-give either a clear TypeError/ValueError or the reference result, never a crash."""
+"""Property-based tests of the kernels' Python face, on random sizes, values, strides and devices.
+
+Each draw is a valid call (about 3 in 4: random sizes and values, rows that are strided views)
+or a valid call with exactly one defect (a wrong dtype, device, contiguity, shape or size). A
+valid call must run and equal the pure-torch reference; a defective one must raise a clear
+TypeError/ValueError/RuntimeError (never crash, never write out of bounds). ``hypothesis``'s
+statistics (``pytest --hypothesis-show-statistics``) count both kinds as events.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lightning_onebit import kernels as K
 
 pytestmark = pytest.mark.skipif(not K.HAS_CPP, reason="C++ extension not built")
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.uint8, torch.int32]
 CLEAR = (TypeError, ValueError, RuntimeError)
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _tensor(draw, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``numel`` values, sometimes non-contiguous, sometimes on the meta device."""
-    layout = draw(st.sampled_from(["contiguous", "strided", "meta", "2d"]))
-    base = torch.arange(max(numel, 1) * 2, dtype=torch.float64).sin().mul(3).to(dtype)
-    if layout == "strided":
-        return base[: 2 * numel : 2]
-    if layout == "meta":
-        return base[:numel].to("meta")
-    if layout == "2d" and numel % 2 == 0 and numel > 0:
-        return base[:numel].view(2, -1)
-    return base[:numel].clone()
+def _values(draw: st.DrawFn, numel: int) -> torch.Tensor:
+    """``numel`` random float32 values (zeros included: sign(0) = +1 is part of the format)."""
+    seed = draw(st.integers(0, 2**16))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    if numel and draw(st.booleans()):
+        x[:: max(1, numel // 3)] = 0.0
+    return x
 
 
-@st.composite
-def worker_args(draw):
-    w = draw(st.integers(1, 5))
-    rows = draw(st.integers(0, 40))
-    n = draw(st.sampled_from([8 * w * rows, 8 * w * rows + draw(st.integers(1, 9))]))
-    nx = draw(st.integers(0, n + 3))
-    x = _tensor(draw, nx, draw(st.sampled_from(DTYPES)))
-    e = _tensor(draw, n, draw(st.sampled_from(DTYPES)))
-    brow = draw(st.sampled_from([rows, rows + 1, max(rows - 1, 0)]))
-    pad = draw(st.integers(0, 3))
-    bits = torch.zeros(w, brow + pad, dtype=draw(st.sampled_from([torch.uint8, torch.int8])))[
-        :, :brow
-    ]
-    if draw(st.booleans()):
-        bits = bits.t() if bits.dim() == 2 and draw(st.booleans()) else bits
-    scale = torch.zeros(
-        draw(st.sampled_from([1, 1, 2])),
-        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+def _rows(draw: st.DrawFn, w: int, row_bytes: int, random: bool = True) -> torch.Tensor:
+    """A valid ``(w, row_bytes)`` uint8 tensor: contiguous or a row-strided view."""
+    pad = draw(st.sampled_from([0, 0, 1, 3]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    base = (
+        torch.randint(0, 256, (w, row_bytes + pad), dtype=torch.uint8, generator=gen)
+        if random
+        else torch.zeros(w, row_bytes + pad, dtype=torch.uint8)
     )
-    return x, e, bits, scale
+    return base[:, :row_bytes]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(worker_args())
-def test_worker_compress_never_crashes(args) -> None:
-    x, e, bits, scale = args
-    ref_args = [t.clone() if t.device.type != "meta" else t for t in args]
-    try:
-        K.worker_compress(x, e, bits, scale)
-    except CLEAR:
-        return
-    # accepted: must equal the reference on copies of the same inputs
-    xr, er, br, sr = ref_args
-    K.reference_worker_compress(xr, er, br, sr)
-    assert torch.equal(bits, br)
-    torch.testing.assert_close(e, er, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(scale, sr, rtol=1e-6, atol=0)
+#: one defect each, applied to a valid call's tensors (a dict: name -> tensor)
+def _defects(names: dict[str, str]) -> list[tuple[str, Callable[[dict], None]]]:
+    """``names``: role -> argument name. The defects that apply to those roles."""
+    out: list[tuple[str, Callable[[dict], None]]] = []
+    for role, name in names.items():
+        if role in ("float", "bits", "scale"):
+            wrong = torch.float64 if role != "bits" else torch.int8
+            out.append((f"{name} dtype", lambda a, n=name, d=wrong: a.update({n: a[n].to(d)})))
+            out.append((f"{name} on meta", lambda a, n=name: a.update({n: a[n].to("meta")})))
+        if role == "float":
+            out.append(
+                (
+                    f"{name} not contiguous",
+                    lambda a, n=name: a.update(
+                        {n: torch.stack([a[n], a[n]], 1).reshape(-1)[::2]}
+                        if a[n].numel() > 1
+                        else {n: torch.zeros(2, 3).t()}
+                    ),
+                )
+            )
+        if role == "bits":
+            out.append((f"{name} 1-D", lambda a, n=name: a.update({n: a[n].contiguous().view(-1)})))
+            out.append(
+                (
+                    f"{name} rows not contiguous",
+                    lambda a, n=name: a.update(
+                        {n: torch.zeros(a[n].size(1) + 1, a[n].size(0) + 1, dtype=torch.uint8).t()}
+                    ),
+                )
+            )
+        if role == "scale":
+            out.append((f"{name} 2 values", lambda a, n=name: a.update({n: torch.zeros(2)})))
+    return out
+
+
+def _draw_call(draw: st.DrawFn, valid: dict, defects: list) -> tuple[dict, str | None]:
+    """The valid call, or it with one defect (a quarter of the draws)."""
+    if draw(st.integers(0, 3)) > 0:
+        event("valid call")
+        return valid, None
+    what, apply = draw(st.sampled_from(defects))
+    event(f"defect: {what}")
+    apply(valid)
+    return valid, what
+
+
+def _clone(args: dict) -> dict:
+    return {k: v.clone() for k, v in args.items()}
+
+
+# --------------------------------------------------------------------------- worker_compress
 
 
 @st.composite
-def decode_args(draw):
-    w = draw(st.integers(1, 5))
-    rows = draw(st.integers(0, 30))
-    pad = draw(st.integers(0, 5))
-    bits = torch.randint(0, 256, (w, rows + pad), dtype=torch.uint8)[:, :rows]
-    if draw(st.booleans()):
-        bits = bits.contiguous().view(-1) if draw(st.booleans()) else bits.to(torch.int16)
-    ns = draw(st.sampled_from([w, w, w + 1, max(w - 1, 0)]))
-    scales = _tensor(draw, ns, draw(st.sampled_from([torch.float32, torch.float32, torch.float64])))
-    nout = draw(st.integers(0, 8 * w * rows + 9))
-    out = _tensor(draw, nout, draw(st.sampled_from([torch.float32, torch.float32, torch.float16])))
-    return bits, scales, out
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(decode_args())
-def test_decompress_never_crashes(args) -> None:
-    bits, scales, out = args
-    try:
-        K.decompress(bits, scales, out)
-    except CLEAR:
-        return
-    ref = out.clone()
-    K.reference_decompress(bits, scales, ref)
-    assert torch.equal(out, ref)
-
-
-@st.composite
-def server_args(draw):
-    w = draw(st.integers(1, 5))
-    rows = draw(st.integers(0, 30))
-    m = 8 * rows + draw(st.sampled_from([0, 0, 3]))
-    bits = torch.randint(0, 256, (w, rows + 2), dtype=torch.uint8)[:, draw(st.integers(0, 2)) :][
-        :, :rows
+def worker_calls(draw: st.DrawFn) -> tuple[dict, str | None]:
+    w, rows = draw(st.integers(1, 5)), draw(st.integers(1, 40))
+    n = 8 * w * rows
+    args = {
+        "x": _values(draw, draw(st.integers(0, n))),
+        "error": _values(draw, n),
+        "bits": _rows(draw, w, rows, random=False),
+        "scale": torch.zeros(draw(st.sampled_from([(), (1,)]))),
+    }
+    defects = _defects({"float": "x", "bits": "bits", "scale": "scale"})
+    defects += _defects({"float": "error"})
+    defects += [
+        ("error not a multiple of 8 W", lambda a: a.update({"error": torch.zeros(n + 3)})),
+        ("x longer than error", lambda a: a.update({"x": torch.zeros(n + 1)})),
+        (
+            "bits rows of the wrong length",
+            lambda a: a.update({"bits": torch.zeros(w, rows + 1, dtype=torch.uint8)}),
+        ),
     ]
-    scales = _tensor(
-        draw,
-        draw(st.sampled_from([w, w + 1])),
-        draw(st.sampled_from([torch.float32, torch.float64])),
-    )
-    e = _tensor(draw, m, draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16])))
-    ob = torch.zeros(draw(st.sampled_from([rows, rows + 1])), dtype=torch.uint8)
-    os_ = torch.zeros(1)
-    return bits, scales, e, ob, os_, draw(st.booleans())
+    return _draw_call(draw, args, defects)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(server_args())
-def test_server_reduce_never_crashes(args) -> None:
-    bits, scales, e, ob, os_, pending = args
-    ref = [t.clone() if t.device.type != "meta" else t for t in (e, ob, os_)]
-    try:
-        K.server_reduce(bits, scales, e, ob, os_, pending=pending)
-    except CLEAR:
+@SETTINGS
+@given(worker_calls())
+def test_worker_compress_is_the_reference_or_refused(call: tuple[dict, str | None]) -> None:
+    args, defect = call
+    if defect is not None:
+        with pytest.raises(CLEAR):
+            K.worker_compress(**args)
         return
-    K.reference_server_reduce(bits, scales, *ref, pending=pending)
-    assert torch.equal(ob, ref[1])
-    torch.testing.assert_close(e, ref[0], rtol=1e-6, atol=1e-6)
+    ref = _clone(args)
+    K.worker_compress(**args)
+    K.reference_worker_compress(**ref)
+    assert torch.equal(args["bits"], ref["bits"])
+    torch.testing.assert_close(args["error"], ref["error"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(args["scale"], ref["scale"], rtol=1e-6, atol=0)
+
+
+# --------------------------------------------------------------------------- decompress
+
+
+@st.composite
+def decode_calls(draw: st.DrawFn) -> tuple[dict, str | None]:
+    w, rows = draw(st.integers(1, 5)), draw(st.integers(1, 30))
+    scales = _values(draw, w).abs()
+    if draw(st.booleans()):  # a strided view of the scales is fine
+        scales = torch.stack([scales, -scales], 1)[:, 0]
+    args = {
+        "bits": _rows(draw, w, rows),
+        "scales": scales,
+        "out": torch.full((draw(st.integers(1, 8 * w * rows)),), float("nan")),
+    }
+    defects = _defects({"bits": "bits", "float": "out"})
+    defects += [
+        ("scales dtype", lambda a: a.update({"scales": a["scales"].double()})),
+        ("scales one short", lambda a: a.update({"scales": a["scales"][: w - 1]})),
+        ("out longer than the bits", lambda a: a.update({"out": torch.zeros(8 * w * rows + 1)})),
+    ]
+    return _draw_call(draw, args, defects)
+
+
+@SETTINGS
+@given(decode_calls())
+def test_decompress_is_the_reference_or_refused(call: tuple[dict, str | None]) -> None:
+    args, defect = call
+    if defect is not None:
+        with pytest.raises(CLEAR):
+            K.decompress(**args)
+        return
+    ref = _clone(args)
+    K.decompress(**args)
+    K.reference_decompress(**ref)
+    assert torch.equal(args["out"], ref["out"])
+
+
+# --------------------------------------------------------------------------- server_reduce
+
+
+@st.composite
+def server_calls(draw: st.DrawFn) -> tuple[dict, str | None]:
+    w, rows = draw(st.integers(1, 5)), draw(st.integers(1, 30))
+    args = {
+        "bits": _rows(draw, w, rows),
+        "scales": _values(draw, w).abs(),
+        "error": _values(draw, 8 * rows),
+        "out_bits": torch.zeros(rows, dtype=torch.uint8),
+        "out_scale": torch.zeros(draw(st.sampled_from([(), (1,)]))),
+    }
+    defects = _defects({"bits": "bits", "float": "error", "scale": "out_scale"})
+    defects += [
+        ("scales one more", lambda a: a.update({"scales": torch.ones(w + 1)})),
+        ("error not a multiple of 8", lambda a: a.update({"error": torch.zeros(8 * rows + 3)})),
+        ("out_bits too long", lambda a: a.update({"out_bits": torch.zeros(rows + 1).byte()})),
+    ]
+    return _draw_call(draw, args, defects)
+
+
+@SETTINGS
+@given(server_calls(), st.booleans())
+def test_server_reduce_is_the_reference_or_refused(
+    call: tuple[dict, str | None], pending: bool
+) -> None:
+    args, defect = call
+    if defect is not None:
+        with pytest.raises(CLEAR):
+            K.server_reduce(**args, pending=pending)
+        return
+    ref = _clone(args)
+    K.server_reduce(**args, pending=pending)
+    K.reference_server_reduce(**ref, pending=pending)
+    assert torch.equal(args["out_bits"], ref["out_bits"])
+    torch.testing.assert_close(args["out_scale"], ref["out_scale"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(args["error"], ref["error"], rtol=1e-6, atol=1e-6)
