@@ -740,8 +740,10 @@ def adam_update(
         _nthreads(),
     )
     # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
-    # saved a parameter then fails loudly in backward instead of using the new values)
-    torch.autograd.graph.increment_version(params)
+    # saved a parameter then fails loudly in backward instead of using the new values).
+    # One tensor per call: torch < 2.4 takes no list.
+    for p in params:
+        torch.autograd.graph.increment_version(p)
 
 
 def reference_adam_update(
