@@ -2,7 +2,7 @@
 
 Each entry names what it is, why no public API does the job, and the versions it was checked on;
 ``tests/test_compat.py`` has one test per entry, so an upgrade that breaks one fails there, by
-name, instead of somewhere in a training run. Checked on torch 2.13.0 and Lightning 2.6.0 and
+name, instead of somewhere in a training run. Checked on torch 2.13.0 with Lightning 2.6.0 and
 2.6.6 (the floors in pyproject.toml). Not listed: ``torch._foreach_*`` ops, which torch's own
 optimizers are built on (a documented, stable family despite the underscore).
 
@@ -53,7 +53,7 @@ def scaler_found_inf(
 ) -> list[torch.Tensor]:
     """The found-inf flags ``scaler.unscale_(optimizer)`` just computed (one per device), which
     ``scaler.step`` reads: reducing them across ranks makes the skip decision the same on every
-    rank. No public accessor exists. (torch 2.3-2.13: ``_per_optimizer_states``)"""
+    rank. No public accessor exists. (torch 2.13; also in 2.3 and 2.6: ``_per_optimizer_states``)"""
     return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
@@ -61,7 +61,7 @@ def mark_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
     """Wrap ``optimizer.step`` as torch's LR schedulers do for the optimizer they were built on
     (the scheduler warns "lr_scheduler.step() before optimizer.step()" unless the optimizer's
     step set ``_opt_called``), for a scheduler re-pointed at the converted optimizer. A no-op
-    if already wrapped. (torch 2.3-2.13: ``_opt_called``, ``_wrapped_by_lr_sched``)"""
+    if already wrapped. (torch 2.13; also in 2.3 and 2.6: ``_opt_called``, ``_wrapped_by_lr_sched``)"""
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return
     step: Callable[..., Any] = optimizer.step
