@@ -14,6 +14,7 @@ same problem.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 
 import torch
@@ -97,7 +98,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class SimExchange:
-    """All W ranks of the error-compensated two-stage 1-bit allreduce, in float64."""
+    """All W ranks of the error-compensated two-stage 1-bit allreduce of the flat trainable
+    parameters, in float64: one exchange per param group (its own scale and error buffers)."""
+
+    def __init__(self, world: int) -> None:
+        sizes = [sum(math.prod(SHAPES[k]) for k in TRAINABLE if k in idx) for idx, _ in GROUPS]
+        bounds = itertools.pairwise(itertools.accumulate([0, *sizes]))
+        self.bounds = [(a, b) for a, b in bounds if b > a]
+        self.parts = [_SimExchangeOne(b - a, world) for a, b in self.bounds]
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+    def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(
+            [
+                part([x[a:b] for x in xs])
+                for part, (a, b) in zip(self.parts, self.bounds, strict=True)
+            ]
+        )
+
+
+class _SimExchangeOne:
+    """One error-compensated two-stage 1-bit allreduce over all W ranks, in float64."""
 
     def __init__(self, n: int, world: int) -> None:
         self.n, self.w = n, world
@@ -163,8 +187,7 @@ def _start(world: int):
     params = [[p0[k].clone() for k in TRAINABLE] for _ in range(world)]
     zeros = lambda: [[torch.zeros_like(t) for t in params[0]] for _ in range(world)]  # noqa: E731
     hp = [hparams_of(k) for k in TRAINABLE]
-    n = sum(t.numel() for t in params[0])
-    return params, zeros, hp, n
+    return params, zeros, hp
 
 
 def _group_of(j: int) -> int:
@@ -201,9 +224,9 @@ def simulate_onebit_adam(
     frozen variance raised to ``floor**2`` times its group's mean; ``preconditioned``: the
     momentum is exchanged as ``m / (sqrt(v) + eps)``."""
     b1, b2 = betas
-    p, zeros, hp, n = _start(world)
+    p, zeros, hp = _start(world)
     m, v = zeros(), zeros()
-    ex = SimExchange(n, world)
+    ex = SimExchange(world)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -267,10 +290,10 @@ def simulate_zero_one_adam(
     the variance floored after every variance update; ``preconditioned``: gradients exchanged
     as ``g / (sqrt(v) + eps)``, the accumulator in parameter units."""
     b1, b2 = betas
-    p, zeros, hp, n = _start(world)
+    p, zeros, hp = _start(world)
     m, v, acc = zeros(), zeros(), zeros()
     lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
-    ex = SimExchange(n, world)
+    ex = SimExchange(world)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
     k = 0  # variance updates
     history, synced = [], []
@@ -371,13 +394,13 @@ def simulate_onebit_lamb(
     """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step
     (``bias_correction``/``floor``/``preconditioned`` as in :func:`simulate_onebit_adam`)."""
     b1, b2 = betas
-    p, zeros, hp, n = _start(world)
+    p, zeros, hp = _start(world)
     m, v, v_fresh = zeros(), zeros(), zeros()
     P = len(hp)
     coeff_freeze = [[0.0] * P for _ in range(world)]
     last_factor = [[1.0] * P for _ in range(world)]
     scaling = None
-    ex = SimExchange(n, world)
+    ex = SimExchange(world)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_onebit.comm import NonFiniteError
+from lightning_onebit.comm import CompressedAllreduce, NonFiniteError
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, Phase, ZeroOneAdam
 from tests._reference import (
     CKPT_CASES,
@@ -94,7 +94,8 @@ def test_checkpoint_carries_phase_counters_and_error_buffers() -> None:
     assert opt.phase is Phase.LOCAL and f"{opt.phase}" == "local"
     assert sd["var_interval"] == opt.var_interval > 1
     assert sd["local_step_interval"] == 2 and sd["local_step_counter"] == 2
-    assert sd["exchange"]["worker_error"].abs().sum() > 0
+    buckets = sd["exchange"]["buckets"]  # one exchange (scale, error buffers) per param group
+    assert len(buckets) == 2 and all(b["worker_error"].abs().sum() > 0 for b in buckets)
     assert any(lr > 0 for lr in sd["lrs"])  # mid local interval: accumulated learning rates
     params = make_params()
     lamb = OneBitLamb(make_groups(params), freeze_step=2)
@@ -439,3 +440,34 @@ def test_the_optimizers_need_no_lightning() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_step", "overlapped"])
+def test_each_param_group_is_exchanged_with_its_own_scale(overlap: bool) -> None:
+    """A group of small values (biases, norms) next to one of weights: its 1-bit momentum is
+    +-its own scale, exactly as a CompressedAllreduce of that group alone, not +-the weights'
+    scale (issue 17: one scale for all groups sent the biases 100x their own magnitude)."""
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.zeros(16))
+    groups = [{"params": [w]}, {"params": [b], "weight_decay": 0.0}]
+    opt = OneBitAdam(groups, lr=1e-3, freeze_step=3, preconditioned_exchange=False)
+    warnings.filterwarnings("ignore", "OneBitAdam: the 1-bit steps are preconditioned")
+    if overlap:
+        opt.overlap_with_backward(1000.0)  # one bucket would hold everything
+    sizes, refs = (64, 16), [CompressedAllreduce(n) for n in (64, 16)]
+    for t in range(1, 6):
+        w.grad, b.grad = torch.randn(8, 8), 1e-3 * torch.randn(16)
+        m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in (w, b)]) if t > 1 else 0
+        local = 0.9 * m + 0.1 * torch.cat([w.grad.reshape(-1), b.grad])
+        opt.step()
+        got = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in (w, b)])
+        if t <= 3:  # warmup: Adam on the (here local) gradient
+            torch.testing.assert_close(got, local)
+            continue
+        want = torch.cat(
+            [ex(part.clone()) for ex, part in zip(refs, local.split(sizes), strict=True)]
+        )
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert got[64:].abs().max() < 1e-3  # the biases' own scale (all groups: ~0.05)
+    assert sorted(opt._exchange.bounds) == [(0, 64), (64, 80)]
+    opt.overlap_with_backward(None)

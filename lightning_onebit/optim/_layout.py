@@ -50,6 +50,10 @@ class _Layout:
             for p, o in zip(self.params, self.offsets, strict=True)
         ]
 
+    def group_bounds(self) -> list[tuple[int, int]]:
+        """The flat ``(start, stop)`` of every group with trainable parameters, in order."""
+        return [(s.start, s.stop) for s in self.segments if s.stop > s.start]
+
     def group_params(self, gi: int) -> list[int]:
         return [j for j, g in enumerate(self.group_of) if g == gi]
 
@@ -99,8 +103,14 @@ class _FlatBuffers:
             views[name] = layout.views(buf)
         self._views = views
 
+        # Each param group is exchanged on its own (its own scale and error buffers, as
+        # DeepSpeed does): biases and norms in a group of their own are not quantised with the
+        # weights' scale. With the overlap, its buckets never span two groups.
         bounds = self._overlap.plan(layout) if self._overlap is not None else None
         ex = self._exchange
+        groups = layout.group_bounds()
+        if bounds is None and len(groups) > 1:
+            bounds = groups
         same_buckets = getattr(ex, "bounds", None) == bounds
         if ex is not None and (ex.numel != n or ex.device != device or not same_buckets):
             if ex.numel == n and same_buckets:  # only the device changed: carry the errors over
@@ -115,7 +125,8 @@ class _FlatBuffers:
                 )
             ex = None
         if ex is None and bounds is not None:
-            ex = BucketedAllreduce(bounds, device=device, group=self._overlap.group())
+            group = self._overlap.group() if self._overlap is not None else self.process_group
+            ex = BucketedAllreduce(bounds, device=device, group=group)
         elif ex is None:
             ex = CompressedAllreduce(n, device=device, group=self.process_group)
         if self._overlap is not None:

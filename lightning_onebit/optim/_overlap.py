@@ -106,16 +106,18 @@ class BackwardOverlap:
     # ------------------------------------------------------------------ setup
 
     def plan(self, layout: _Layout) -> list[tuple[int, int]]:
-        """Bucket bounds in exchange order: whole parameters, from the end of the layout; the
-        first bucket holds at most ``FIRST_BUCKET_BYTES`` (as DDP's), so that the link starts
-        working early in backward instead of idling until ``bucket_cap_mb`` of gradients exist."""
+        """Bucket bounds in exchange order: whole parameters of one param group, from the end of
+        the layout; the first bucket holds at most ``FIRST_BUCKET_BYTES`` (as DDP's), so that the
+        link starts working early in backward instead of idling until ``bucket_cap_mb`` of
+        gradients exist."""
         bounds, params, of = [], [], [0] * len(layout.params)
         stop, members, size = layout.numel, [], 0
         for j in reversed(range(len(layout.params))):
             members.append(j)
             size += layout.params[j].numel() * 4  # fp32 in the flat buffers
             cap = min(self.cap, FIRST_BUCKET_BYTES) if not bounds else self.cap
-            if size >= cap or j == 0:
+            first_of_group = j == 0 or layout.group_of[j - 1] != layout.group_of[j]
+            if size >= cap or first_of_group:  # (a bucket is one group's: its own scale)
                 start = layout.offsets[j]
                 for k in members:
                     of[k] = len(bounds)
