@@ -570,21 +570,47 @@ def test_cuda_kernels_are_built_when_nvcc_is_present() -> None:
     assert K.HAS_CUDA, "nvcc is on PATH but lightning_onebit._C was built without CUDA kernels"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_matches_cpu_bitwise() -> None:
-    """Wire-format interop: a GPU rank and a CPU rank must produce the same bits and scales."""
-    gen = torch.Generator().manual_seed(3)
-    n, w = 8 * 4 * 12345, 4
-    x, e0 = torch.randn(n - 5, generator=gen), torch.randn(n, generator=gen)
-    outs = {}
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and K.HAS_CUDA), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cuda_matches_cpu_bitwise(w: int, seed: int) -> None:
+    """Wire-format interop: a GPU rank and a CPU rank produce the same bits, scales, errors and
+    decoded values, bit for bit, through all three stages (worker, server with a pending error,
+    decode). Both sides accumulate the squares in float64 and round the scale once, and every
+    other value is one float32 operation on equal inputs: the float64 sums differ only in their
+    last bits (~1e-13 relative), far below float32's rounding (6e-8), so equal is expected."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 8 * w * (12345 + 977 * seed)
+    x = torch.randn(n - 5, generator=gen) * (1 + seed)
+    e0, es = torch.randn(n, generator=gen), torch.randn(n // w, generator=gen)
+    outs: dict[str, list[torch.Tensor]] = {}
     for dev in ("cpu", "cuda"):
-        e, bits, s = (
-            e0.clone().to(dev),
-            torch.empty(w, n // (8 * w), dtype=torch.uint8, device=dev),
+        e = e0.clone().to(dev)
+        bits = torch.empty(w, n // (8 * w), dtype=torch.uint8, device=dev)
+        s = torch.empty(1, device=dev)
+        K.worker_compress(x.to(dev), e, bits, s)
+        scales = s.expand(w).contiguous() * torch.linspace(0.5, 1.5, w, device=dev)
+        err, ob, os_ = (
+            es.clone().to(dev),
+            torch.empty(n // (8 * w), dtype=torch.uint8, device=dev),
             torch.empty(1, device=dev),
         )
-        K.worker_compress(x.to(dev), e, bits, s)
-        outs[dev] = (e.cpu(), bits.cpu(), s.cpu())
-    assert torch.equal(outs["cpu"][1], outs["cuda"][1])
-    torch.testing.assert_close(outs["cpu"][2], outs["cuda"][2], rtol=1e-6, atol=0)
-    torch.testing.assert_close(outs["cpu"][0], outs["cuda"][0], rtol=1e-6, atol=1e-6)
+        K.server_reduce(bits, scales, err, ob, os_)
+        K.server_reduce(bits, scales, err, ob, os_, pending=True)  # applies the deferred error
+        out = torch.empty(n - 5, device=dev)
+        K.decompress(bits, scales, out)
+        outs[dev] = [t.cpu() for t in (bits, s, e, ob, os_, err, out)]
+    names = (
+        "bits",
+        "scale",
+        "worker error",
+        "server bits",
+        "server scale",
+        "server error",
+        "decoded",
+    )
+    for name, a, b in zip(names, outs["cpu"], outs["cuda"], strict=True):
+        assert torch.equal(a, b), (
+            f"{name} differs (max |diff| {(a.double() - b.double()).abs().max()})"
+        )
