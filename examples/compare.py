@@ -72,6 +72,7 @@ def run_one(name: str, config: str, extra: list[str], args, out: Path) -> dict |
         "--config",
         str(HERE / "configs" / config),
         *extra,
+        *(["--model.weight_decay", str(args.weight_decay)] if args.weight_decay else []),
         "--trainer.devices",
         str(args.devices),
         "--trainer.max_steps",
@@ -165,6 +166,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps per run (default 300; 60 quick)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="output folder")
     parser.add_argument("--only", nargs="*", help="run only these (e.g. --only 'DDP + AdamW')")
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="the model's weight decay (above 0: two param groups, matrices decayed; default 0)",
+    )
     args = parser.parse_args()
     args.devices = args.devices or (2 if args.quick else 4)
     args.steps = args.steps or (60 if args.quick else 300)

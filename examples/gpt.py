@@ -100,6 +100,9 @@ class GPT(L.LightningModule):
             warmup (uncompressed) steps so that the frozen variance has warmed up; 0.95 suits
             runs of a few hundred steps, 0.999 needs thousands of warmup steps.
         weight_decay: decoupled weight decay (AdamW's; the 1-bit optimizers use the same form).
+            Above 0, as in nanoGPT, only the matrices decay: biases and LayerNorms go in a
+            second param group without decay (the 1-bit optimizers exchange each group with
+            its own scale).
         warmup_steps: linear learning-rate warmup. Not the same thing as the 1-bit optimizers'
             ``freeze_step`` (the uncompressed phase), which should be longer.
         min_lr_ratio: final learning rate as a fraction of ``lr``.
@@ -182,7 +185,7 @@ class GPT(L.LightningModule):
             from lightning_onebit.optim import OneBitLamb
 
             return OneBitLamb(
-                self.parameters(),
+                self._param_groups(),
                 lr=hp.lr,
                 betas=hp.betas,
                 weight_decay=hp.weight_decay,
@@ -192,8 +195,19 @@ class GPT(L.LightningModule):
         # The 1-bit strategies replace this AdamW with their optimizer, carrying over lr, betas,
         # eps and weight_decay: the model code is the same for strategy="ddp" and "onebit_adam".
         return torch.optim.AdamW(
-            self.parameters(), lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay
+            self._param_groups(), lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay
         )
+
+    def _param_groups(self) -> list[dict]:
+        """One group, or (weight decay on) matrices decayed, biases and LayerNorms not."""
+        wd = self.hparams.weight_decay
+        if wd == 0:
+            return [{"params": list(self.parameters()), "weight_decay": 0.0}]
+        params = list(self.parameters())
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
