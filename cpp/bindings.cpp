@@ -1,6 +1,8 @@
 // The Python module lightning_onebit._C. Pointer-based: no torch headers, so it builds in
 // seconds with pybind11 alone and one wheel works with any torch. lightning_onebit/kernels.py
-// validates every argument (dtype, device, sizes, contiguity) before calling in here.
+// validates every argument (dtype, device, sizes, contiguity) before calling in here; the entry
+// points check sizes again (onebit.h, detail::). CUDA entry points take the device index of
+// their pointers.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -69,29 +71,29 @@ PYBIND11_MODULE(_C, m) {
 #ifdef ONEBIT_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("cuda_workspace_bytes", &onebit::cuda_workspace_bytes, "device workspace the CUDA compressions need");
-  m.def("worker_compress_cuda", [](ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
+  m.def("worker_compress_cuda", [](int device, ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
                                    int64_t row_stride, ptr scale_out, ptr ws, ptr stream) {
-    onebit::worker_compress_cuda(P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits), W,
+    onebit::worker_compress_cuda(device, P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits), W,
                                  row_stride, P<float>(scale_out), P<void>(ws), P<void>(stream));
   }, release(), "worker compress on the given CUDA stream; scale written to device memory");
-  m.def("worker_update_error_cuda", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, ptr scale,
-                                       ptr stream) {
-    onebit::worker_update_error_cuda(P<const float>(x), nx, P<const float>(e), P<float>(e_out), n,
+  m.def("worker_update_error_cuda", [](int device, ptr x, int64_t nx, ptr e, ptr e_out, int64_t n,
+                                       ptr scale, ptr stream) {
+    onebit::worker_update_error_cuda(device, P<const float>(x), nx, P<const float>(e), P<float>(e_out), n,
                                      P<const float>(scale), P<void>(stream));
   }, release(), "worker error update on the given CUDA stream; scale read from device memory");
-  m.def("server_reduce_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
+  m.def("server_reduce_cuda", [](int device, ptr bits, int64_t W, int64_t row_stride, ptr scales,
                                  int64_t scale_stride, ptr e, ptr e_out, int64_t mm, ptr prev_bits,
                                  ptr prev_scale, ptr out_bits, ptr scale_out, bool pending, ptr ws,
                                  ptr stream) {
-    onebit::server_reduce_cuda(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
+    onebit::server_reduce_cuda(device, P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
                                scale_stride, P<const float>(e), P<float>(e_out), mm,
                                P<const uint8_t>(prev_bits), P<const float>(prev_scale),
                                P<uint8_t>(out_bits), P<float>(scale_out), pending, P<void>(ws),
                                P<void>(stream));
   }, release(), "server reduce on the given CUDA stream");
-  m.def("decompress_cuda", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
+  m.def("decompress_cuda", [](int device, ptr bits, int64_t W, int64_t row_stride, ptr scales,
                               int64_t scale_stride, int64_t mm, ptr out, int64_t nout, ptr stream) {
-    onebit::decompress_cuda(P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
+    onebit::decompress_cuda(device, P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
                             scale_stride, mm, P<float>(out), nout, P<void>(stream));
   }, release(), "decompress on the given CUDA stream");
 #else

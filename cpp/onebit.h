@@ -11,8 +11,32 @@
 // sums are added in order, so results do not depend on the number of threads.
 #pragma once
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace onebit {
+
+// Argument checks shared by the CPU and CUDA entry points (kernels.py checks the same first,
+// with friendlier messages): a wrong size is an exception, never an out-of-bounds access.
+namespace detail {
+inline void require(bool ok, const char* what, const char* need) {
+  if (!ok) throw std::invalid_argument(std::string("onebit: ") + what + ": need " + need);
+}
+inline void check_compress(const char* what, int64_t nx, int64_t n, int64_t W) {
+  require(W > 0 && n > 0 && n % (8 * W) == 0 && nx >= 0 && nx <= n, what,
+          "W > 0, n > 0, n % (8*W) == 0 and 0 <= nx <= n");
+}
+inline void check_update(const char* what, int64_t nx, int64_t n) {
+  require(n >= 0 && n % 8 == 0 && nx >= 0 && nx <= n, what, "n % 8 == 0 and 0 <= nx <= n");
+}
+inline void check_reduce(const char* what, int64_t W, int64_t m) {
+  require(W > 0 && m > 0 && m % 8 == 0, what, "W > 0 and a chunk size m > 0 that is a multiple of 8");
+}
+inline void check_decompress(const char* what, int64_t W, int64_t m, int64_t nout) {
+  require(W > 0 && m >= 0 && m % 8 == 0 && nout >= 0 && nout <= W * m, what,
+          "W > 0, m % 8 == 0 and 0 <= nout <= W*m");
+}
+}  // namespace detail
 
 // Worker compression, in two calls so that nothing changes until the caller knows the step
 // goes ahead (every rank's scale is finite):
@@ -71,23 +95,28 @@ void adam_update_cpu(const float* g, float* m, float* v, float* const* params, i
 bool cpu_has_simd();
 
 #ifdef ONEBIT_WITH_CUDA
-// The same three operations on device pointers, enqueued on `stream` (a cudaStream_t) and
-// asynchronous: the scale is written to device memory at *scale_out. `workspace` is device
-// memory of at least cuda_workspace_bytes() bytes, owned by the caller.
+// The same three operations on device pointers of GPU `device`, enqueued on `stream` (a
+// cudaStream_t of that device) and asynchronous: the scale is written to device memory at
+// *scale_out. Each call makes `device` current for its launches and restores the calling
+// thread's device after them: this module links its own CUDA runtime (static), whose current
+// device is 0 on every thread whatever torch has set. `workspace` is device memory of at least
+// cuda_workspace_bytes() bytes, owned by the caller and used by no other call in flight.
 int64_t cuda_workspace_bytes();
-void worker_compress_cuda(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
-                          int64_t W, int64_t row_stride, float* scale_out, void* workspace,
-                          void* stream);
+void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, int64_t n,
+                          uint8_t* bits, int64_t W, int64_t row_stride, float* scale_out,
+                          void* workspace, void* stream);
 // The scale is read from device memory (the scale_out of worker_compress_cuda).
-void worker_update_error_cuda(const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
-                              const float* scale, void* stream);
+void worker_update_error_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out,
+                              int64_t n, const float* scale, void* stream);
 // prev_scale: device memory (the previous call's scale_out), read only with pending.
-void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-                        int64_t scale_stride, const float* e, float* e_out, int64_t m,
-                        const uint8_t* prev_bits, const float* prev_scale, uint8_t* out_bits,
-                        float* scale_out, bool pending, void* workspace, void* stream);
-void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
-                     int64_t scale_stride, int64_t m, float* out, int64_t nout, void* stream);
+void server_reduce_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_stride,
+                        const float* scales, int64_t scale_stride, const float* e, float* e_out,
+                        int64_t m, const uint8_t* prev_bits, const float* prev_scale,
+                        uint8_t* out_bits, float* scale_out, bool pending, void* workspace,
+                        void* stream);
+void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_stride,
+                     const float* scales, int64_t scale_stride, int64_t m, float* out, int64_t nout,
+                     void* stream);
 #endif
 
 }  // namespace onebit

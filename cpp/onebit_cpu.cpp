@@ -310,6 +310,7 @@ bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
 
 float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits, int64_t W,
                           int64_t row_stride, float* scale_out, int nthreads) {
+  detail::check_compress("worker_compress_cpu", nx, n, W);
   const int64_t m = n / W;
   const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
   const int64_t total = nb * W;
@@ -330,6 +331,7 @@ float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n,
 
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, float scale,
                              int nthreads) {
+  detail::check_update("worker_update_error_cpu", nx, n);
   const auto update = impl().update;
   const int64_t nblk = (n + kBlock - 1) / kBlock;
   const int nt = threads_for(n, nthreads);
@@ -340,6 +342,7 @@ void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* 
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, const float* e, float* e_out, int64_t m, const uint8_t* prev_bits,
                         float prev_scale, uint8_t* out_bits, float* scale_out, bool pending, int nthreads) {
+  detail::check_reduce("server_reduce_cpu", W, m);
   // Decode table: 8 KiB per row, built once per call (W * 2048 floats), shared by all threads.
   std::vector<float> lut(static_cast<size_t>(W) * 256 * 8);
   for (int64_t r = 0; r < W; ++r) {
@@ -366,6 +369,7 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
 
 void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales, int64_t scale_stride,
                     int64_t m, float* out, int64_t nout, int nthreads) {
+  detail::check_decompress("decompress_cpu", W, m, nout);
   const int64_t nb = (m + kBlock - 1) / kBlock;
   const int64_t total = nb * W;
   const int nt = threads_for(nout, nthreads);
@@ -383,6 +387,7 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
                             const int64_t* offsets, const float* scaling, const float* beta1, const float* ob1,
                             const float* beta2, const float* ob2, const float* eps, const float* wd, double* stats,
                             int nthreads) {
+  detail::require(L >= 0, "lamb_frozen_update_cpu", "L >= 0");
   // Blocks never straddle layers; partials are folded per layer in block order (thread-count independent).
   std::vector<int64_t> first(static_cast<size_t>(L) + 1, 0), lows;
   for (int64_t k = 0; k < L; ++k) {
@@ -418,6 +423,7 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
 void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
                      const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
                      const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads) {
+  detail::require(P >= 0, "adam_update_cpu", "P >= 0");
   // Blocks never straddle parameters; each value is written by one block (no reductions).
   std::vector<int64_t> owner, lows;
   int64_t n = 0;

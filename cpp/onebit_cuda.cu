@@ -21,6 +21,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace onebit {
 namespace {
@@ -32,10 +33,42 @@ constexpr int64_t kMaxBlocks = 1024;       // grid cap: also the number of parti
 constexpr int kTile = 2048;                // per-row weights staged in shared memory per tile
 constexpr unsigned kFull = 0xffffffffu;
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
+void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
-    throw std::runtime_error(std::string("onebit: ") + what + " launch failed: " + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("onebit: ") + what + " failed: " + cudaGetErrorString(err));
+}
+
+// Makes `device` this thread's current device (in this module's CUDA runtime) for the scope of
+// one entry point, and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(prev_); }  // (cannot fail for a device that was current)
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+// kernel<<<grid, threads, 0, stream>>>(args...) through cudaLaunchKernel, whose return value is
+// this launch's own error: cudaGetLastError after <<<>>> would also report (and clear) an
+// earlier error of someone else's. The arguments are converted to the kernel's parameter types.
+template <typename... Params, typename... Args>
+void launch(const char* what, void (*kernel)(Params...), int grid, int threads, cudaStream_t stream,
+            Args... args) {
+  static_assert(sizeof...(Params) == sizeof...(Args), "launch: wrong number of kernel arguments");
+  std::tuple<Params...> values(args...);
+  void* ptrs[sizeof...(Params)];
+  std::apply([&ptrs](auto&... v) {
+    int i = 0;
+    ((ptrs[i++] = static_cast<void*>(&v)), ...);
+  }, values);
+  check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(threads), ptrs, 0, stream),
+        what);
 }
 
 int grid_for(int64_t work_items, int64_t per_block) {
@@ -294,73 +327,61 @@ decompress_kernel(const uint8_t* bits, int64_t row_stride, const float* scales, 
   }
 }
 
-void check_rows(int64_t W, int64_t m, const char* what) {
-  if (W <= 0 || m < 0 || m % 8 != 0)
-    throw std::invalid_argument(std::string("onebit: ") + what + ": need W > 0 and a chunk size that is a multiple of 8");
-}
-
 }  // namespace
 
 int64_t cuda_workspace_bytes() { return kMaxBlocks * static_cast<int64_t>(sizeof(double)); }
 
-void worker_compress_cuda(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits, int64_t W,
-                          int64_t row_stride, float* scale_out, void* workspace, void* stream) {
-  if (W <= 0 || n % (8 * W) != 0 || nx < 0 || nx > n)
-    throw std::invalid_argument("onebit: worker_compress_cuda: need n % (8*W) == 0 and 0 <= nx <= n");
+void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
+                          int64_t W, int64_t row_stride, float* scale_out, void* workspace, void* stream) {
+  detail::check_compress("worker_compress_cuda", nx, n, W);
+  DeviceGuard guard(device);
   const int64_t m = n / W, spr = (m + kSeg - 1) / kSeg, nseg = spr * W;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   const int grid = grid_for(nseg, kWarps);
-  worker_pass1<<<grid, kThreads, 0, st>>>(x, nx, e, m, nseg, spr > 0 ? spr : 1, bits, row_stride,
-                                          aligned(x, 16), aligned(e, 16), rows_aligned4(bits, W, row_stride),
-                                          partial);
-  check_launch("worker_pass1");
-  finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, n, scale_out);
-  check_launch("finalize_scale");
+  launch("worker_pass1", worker_pass1, grid, kThreads, st, x, nx, e, m, nseg, spr, bits, row_stride,
+         aligned(x, 16), aligned(e, 16), rows_aligned4(bits, W, row_stride), partial);
+  launch("finalize_scale", finalize_scale, 1, kThreads, st, partial, grid, n, scale_out);
 }
 
-void worker_update_error_cuda(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, const float* scale,
-                              void* stream) {
-  if (n % 8 != 0 || nx < 0 || nx > n)
-    throw std::invalid_argument("onebit: worker_update_error_cuda: need n % 8 == 0 and 0 <= nx <= n");
+void worker_update_error_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
+                              const float* scale, void* stream) {
+  detail::check_update("worker_update_error_cuda", nx, n);
   if (n == 0) return;
-  worker_update<<<grid_for(n / 4, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, nx, e, e_out, n, scale, aligned(x, 16), aligned(e, 16) && aligned(e_out, 16));
-  check_launch("worker_update");
+  DeviceGuard guard(device);
+  launch("worker_update", worker_update, grid_for(n / 4, kThreads), kThreads, static_cast<cudaStream_t>(stream),
+         x, nx, e, e_out, n, scale, aligned(x, 16), aligned(e, 16) && aligned(e_out, 16));
 }
 
-void server_reduce_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+void server_reduce_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, const float* e, float* e_out, int64_t m, const uint8_t* prev_bits,
                         const float* prev_scale, uint8_t* out_bits, float* scale_out, bool pending, void* workspace,
                         void* stream) {
-  check_rows(W, m, "server_reduce_cuda");
+  detail::check_reduce("server_reduce_cuda", W, m);
+  DeviceGuard guard(device);
   const int64_t nseg = (m + kSeg - 1) / kSeg;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   const int grid = grid_for(nseg, kWarps);
   const bool evec = aligned(e, 16) && aligned(e_out, 16);
   // prev_scale may be scale_out: finalize_scale overwrites it only after server_pass1 has run.
-  server_pass1<<<grid, kThreads, 0, st>>>(bits, W, row_stride, scales, scale_stride, e, e_out, m, nseg,
-                                          prev_bits, out_bits, evec, rows_aligned4(bits, W, row_stride),
-                                          aligned(out_bits, 4) && aligned(prev_bits, 4),
-                                          pending ? prev_scale : nullptr, partial);
-  check_launch("server_pass1");
-  finalize_scale<<<1, kThreads, 0, st>>>(partial, grid, m, scale_out);
-  check_launch("finalize_scale");
+  launch("server_pass1", server_pass1, grid, kThreads, st, bits, W, row_stride, scales, scale_stride, e, e_out, m,
+         nseg, prev_bits, out_bits, evec, rows_aligned4(bits, W, row_stride),
+         aligned(out_bits, 4) && aligned(prev_bits, 4), pending ? prev_scale : nullptr, partial);
+  launch("finalize_scale", finalize_scale, 1, kThreads, st, partial, grid, m, scale_out);
 }
 
-void decompress_cuda(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
+void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                      int64_t scale_stride, int64_t m, float* out, int64_t nout, void* stream) {
-  check_rows(W, m, "decompress_cuda");
-  if (nout < 0 || nout > W * m) throw std::invalid_argument("onebit: decompress_cuda: need 0 <= nout <= W*m");
+  detail::check_decompress("decompress_cuda", W, m, nout);
   if (nout == 0) return;
+  DeviceGuard guard(device);
   const int64_t spr = (m + kSeg - 1) / kSeg;
   // Only rows holding output: rows past the last kept value are all padding.
   const int64_t rows = (nout + m - 1) / m, nseg = spr * rows;
-  decompress_kernel<<<grid_for(nseg, kWarps), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      bits, row_stride, scales, scale_stride, m, nseg, spr, out, nout, aligned(out, 16),
-      rows_aligned4(bits, rows, row_stride));
-  check_launch("decompress_kernel");
+  launch("decompress_kernel", decompress_kernel, grid_for(nseg, kWarps), kThreads, static_cast<cudaStream_t>(stream),
+         bits, row_stride, scales, scale_stride, m, nseg, spr, out, nout, aligned(out, 16),
+         rows_aligned4(bits, rows, row_stride));
 }
 
 }  // namespace onebit

@@ -53,7 +53,6 @@ HAS_CPP: bool = _C is not None
 HAS_CUDA: bool = bool(_C is not None and _C.has_cuda)
 
 _fallback_warned = False
-_cuda_workspace: dict[torch.device, torch.Tensor] = {}
 
 
 # --------------------------------------------------------------------------- validation
@@ -149,11 +148,10 @@ def _stream(device: torch.device) -> int:
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    ws = _cuda_workspace.get(device)
-    if ws is None:
-        ws = torch.empty(_C.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
-        _cuda_workspace[device] = ws
-    return ws
+    """Scratch for one CUDA call's partial sums, never shared: two exchanges in flight (buckets,
+    param groups, threads) each get their own. From torch's caching allocator on the current
+    stream, which the call's kernels run on, so it is reused only after they have read it."""
+    return torch.empty(_C.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -208,6 +206,7 @@ def worker_compress(
         return
     if device.type == "cuda":
         _C.worker_compress_cuda(
+            device.index,
             x.data_ptr(),
             x.numel(),
             error.data_ptr(),
@@ -276,6 +275,7 @@ def _update_error(
     n, out = error.numel(), error if out is None else out
     if device.type == "cuda":
         _C.worker_update_error_cuda(
+            device.index,
             x.data_ptr(),
             x.numel(),
             error.data_ptr(),
@@ -383,6 +383,7 @@ def server_reduce(
     tail = (out_bits.data_ptr(), out_scale.data_ptr(), bool(pending))
     if device.type == "cuda":
         _C.server_reduce_cuda(
+            device.index,
             *head,
             *bufs,
             prev_scale.data_ptr(),
@@ -426,6 +427,7 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
         return reference_decompress(bits, scales, out)
     if device.type == "cuda":
         _C.decompress_cuda(
+            device.index,
             bits.data_ptr(),
             w,
             bits.stride(0),

@@ -560,6 +560,32 @@ def test_server_reduce_and_decompress_reject_bad_input() -> None:
             K.decompress(bits, scales, torch.zeros(64, device="meta"))
 
 
+def test_the_cpp_entry_points_check_sizes_themselves() -> None:
+    """Behind kernels.py's checks, the C++ entry points refuse sizes that would read or write
+    out of bounds (or divide by zero: a NaN scale for n = 0) instead of trusting the caller."""
+    if K._C is None:
+        pytest.skip("the C++ extension is not built")
+    buf = torch.zeros(64)
+    bits, scale = torch.zeros(8, dtype=torch.uint8), torch.zeros(1)
+    x, e, b, s = buf.data_ptr(), buf.data_ptr(), bits.data_ptr(), scale.data_ptr()
+    with pytest.raises(ValueError, match="worker_compress_cpu: need"):
+        K._C.worker_compress_cpu(x, 0, e, 0, b, 1, 8, s, 1)  # n = 0
+    with pytest.raises(ValueError, match="worker_compress_cpu: need"):
+        K._C.worker_compress_cpu(x, 65, e, 64, b, 1, 8, s, 1)  # nx > n
+    with pytest.raises(ValueError, match="worker_compress_cpu: need"):
+        K._C.worker_compress_cpu(x, 24, e, 24, b, 2, 8, s, 1)  # n % (8 * W)
+    with pytest.raises(ValueError, match="worker_update_error_cpu: need"):
+        K._C.worker_update_error_cpu(x, 12, e, e, 12, 1.0, 1)
+    with pytest.raises(ValueError, match="server_reduce_cpu: need"):
+        K._C.server_reduce_cpu(b, 1, 8, s, 1, e, e, 0, b, 0.0, b, s, False, 1)  # m = 0
+    with pytest.raises(ValueError, match="server_reduce_cpu: need"):
+        K._C.server_reduce_cpu(b, 0, 8, s, 1, e, e, 64, b, 0.0, b, s, False, 1)  # W = 0
+    with pytest.raises(ValueError, match="decompress_cpu: need"):
+        K._C.decompress_cpu(b, 1, 8, s, 1, 64, x, 65, 1)  # nout > W * m
+    K._C.worker_compress_cpu(x, 64, e, 64, b, 1, 8, s, 1)  # (and a valid call goes through)
+    assert float(scale) == 0.0
+
+
 def test_cuda_kernels_are_built_when_nvcc_is_present() -> None:
     """CI compiles the CUDA kernels (they cannot run here): make sure the build did not skip them."""
     import os
