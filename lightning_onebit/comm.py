@@ -105,6 +105,8 @@ def start_average(
     def wait_half() -> None:
         work.wait()
         flat.copy_(buf)
+        if buf.is_cuda:  # made on another thread's stream (the overlap), read on this one
+            buf.record_stream(torch.cuda.current_stream(buf.device))
 
     return wait_half
 

@@ -26,6 +26,21 @@ The exchange sees the gradients as backward leaves them: gradient clipping, loss
 unscaling or anything else that edits ``.grad`` between backward and ``step()`` is not seen.
 Pause the overlap (``optimizer.overlap_paused = True``) around backward passes whose step does
 not follow directly (gradient accumulation); the strategy does this for you.
+
+On CUDA the work crosses threads and streams, so it is ordered explicitly (a new thread's
+current device is 0 and its current stream the default one, which orders nothing):
+
+1. Each gradient hook records an event on the current stream of its parameter's device: the
+   stream that produced the gradient (autograd runs a node's hooks with its stream current).
+2. The communication thread makes the parameters' device current and runs on a stream of its
+   own, which first waits on the events of the bucket's gradients; every kernel and collective
+   it starts goes on that stream (ProcessGroupNCCL orders its work after the calling thread's
+   current stream), and it records a "done" event after them.
+3. ``step()`` (:meth:`BackwardOverlap.collect`) makes its own current stream wait on each
+   bucket's done event before it reads what the thread wrote; the exchange's final all_gather
+   and the averages are waited for in ``step()`` (``work.wait()`` orders the current stream
+   after them). Buffers the thread writes are the optimizer's persistent ones; the kernels'
+   scratch is allocated on the stream that uses it.
 """
 
 from __future__ import annotations
@@ -96,6 +111,9 @@ class BackwardOverlap:
         self._group: Any = None
         self._group_made = False
         self._futures: list[Future] = []
+        self._events: list[list[Any]] = []  # per bucket: CUDA events of its gradients
+        self._stream: Any = None  # the thread's CUDA stream (made at the first CUDA bucket)
+        self._device: torch.device | None = None
         self._mode: str | None = None  # what this round's hooks start: "average" / "exchange"
         self._works: list[Callable[[], None]] = []  # this round's started averages' waits
         self._ready: set[int] = set()
@@ -149,6 +167,7 @@ class BackwardOverlap:
     def install(self, layout: _Layout) -> None:
         """(Re)register the gradient hooks on the layout's parameters."""
         self.remove()
+        self._device = layout.device
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, j))
             for j, p in enumerate(layout.params)
@@ -161,7 +180,7 @@ class BackwardOverlap:
 
     # ------------------------------------------------------------------ during backward
 
-    def _on_grad(self, j: int, _param: torch.Tensor) -> None:
+    def _on_grad(self, j: int, param: torch.Tensor) -> None:
         opt = self.opt
         if opt.overlap_paused:
             return
@@ -172,22 +191,45 @@ class BackwardOverlap:
             self.drop()
         self._mode = mode
         self._ready.add(j)
-        self._missing[self._bucket_of[j]] -= 1
+        b = self._bucket_of[j]
+        self._missing[b] -= 1
+        if param.device.type == "cuda":  # (1.) where this gradient was produced
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(param.device))
+            self._events[b].append(event)
         while self._next < len(self.bounds) and self._missing[self._next] == 0:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
                 self._rearm()
-            self._futures.append(self._pool.submit(self._launch, self._next))
+            b = self._next
+            self._futures.append(self._pool.submit(self._launch, b, self._events[b]))
             self._next += 1
 
-    def _launch(self, b: int) -> Any:  # on the communication thread
+    def _launch(self, b: int, events: list[Any]) -> tuple[Any, Any]:  # on the communication thread
+        """Start bucket ``b``; return its all_reduce's ``wait`` (or None) and, on CUDA, the event
+        recorded after everything it enqueued."""
         s = slice(*self.bounds[b])
-        with torch.no_grad():
-            grad = self.opt._overlap_gradients(self.bucket_params[b], s)
-            if self._mode == "average":
-                return self._start_all_reduce(grad)
-            self.opt._overlap_start_exchange(b, s)
-            return None
+        device = self._device
+        if device is None or device.type != "cuda":
+            with torch.no_grad():
+                return self._start_bucket(b, s), None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():  # (2.)
+            for event in events:
+                stream.wait_event(event)
+            work = self._start_bucket(b, s)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return work, done
+
+    def _start_bucket(self, b: int, s: slice) -> Any:
+        grad = self.opt._overlap_gradients(self.bucket_params[b], s)
+        if self._mode == "average":
+            return self._start_all_reduce(grad)
+        self.opt._overlap_start_exchange(b, s)
+        return None
 
     def _start_all_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
         return start_average(grad, self.opt.average_dtype, self.group())
@@ -198,7 +240,9 @@ class BackwardOverlap:
         """Wait for the thread; return the parameters whose gradients it already copied."""
         futures, self._futures = self._futures, []
         for f in futures:
-            work = f.result()  # re-raises a failure of the thread (e.g. a dead peer)
+            work, done = f.result()  # re-raises a failure of the thread (e.g. a dead peer)
+            if done is not None:  # (3.) this stream reads what the thread's stream wrote
+                torch.cuda.current_stream(self._device).wait_event(done)
             if work is not None:
                 self._works.append(work)
         return {j for b in range(self._next) for j in self.bucket_params[b]}
@@ -232,6 +276,7 @@ class BackwardOverlap:
     def _reset_round(self) -> None:
         self._ready = set()
         self._missing = [len(m) for m in self.bucket_params]
+        self._events = [[] for _ in self.bucket_params]
         self._next = 0
         self._mode = None
         self._works = []
