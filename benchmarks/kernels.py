@@ -1,6 +1,7 @@
 """Micro-benchmark of the fused kernels against the pure-torch reference and a plain copy.
 
     python benchmarks/kernels.py [--n 25000000] [--world 4] [--repeat 15] [--threads T]
+    python benchmarks/kernels.py --device cuda      # the CUDA kernels (adam/lamb: torch ops there)
 
 For each kernel it prints the median time, GB/s of input, and the fraction of the memory-traffic
 floor: the fewest bytes the kernel must read and write, divided by the bandwidth of a plain
@@ -22,12 +23,15 @@ import torch
 from lightning_onebit import kernels as K
 
 
-def _median_seconds(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up: page faults, thread pool start
+def _median_seconds(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: page faults, thread pool start, CUDA module load
+    sync()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
+        sync()  # (the CUDA kernels are asynchronous)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -42,7 +46,11 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)"
     )
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not (torch.cuda.is_available() and K.HAS_CUDA):
+        raise SystemExit("--device cuda needs a CUDA GPU and the extension built with CUDA")
     if args.threads:
         torch.set_num_threads(args.threads)
     w = args.world
@@ -50,31 +58,33 @@ def main() -> None:
     m = n  # the server kernel is timed on a chunk of n values too (W input rows of n / 8 bytes)
     gen = torch.Generator().manual_seed(0)
 
-    x = torch.randn(n, generator=gen)
-    e = torch.randn(n, generator=gen) * 0.1
-    bits = torch.empty(w, n // (8 * w), dtype=torch.uint8)
-    dbits = torch.randint(0, 256, (w, n // (8 * w)), generator=gen, dtype=torch.uint8)
-    scale = torch.empty(1)
-    dst = torch.empty(n)
-    copy_s = _median_seconds(lambda: dst.copy_(x), args.repeat)
+    x = torch.randn(n, generator=gen).to(dev)
+    e = (torch.randn(n, generator=gen) * 0.1).to(dev)
+    bits = torch.empty(w, n // (8 * w), dtype=torch.uint8, device=dev)
+    dbits = torch.randint(0, 256, (w, n // (8 * w)), generator=gen, dtype=torch.uint8).to(dev)
+    scale = torch.empty(1, device=dev)
+    dst = torch.empty(n, device=dev)
+    copy_s = _median_seconds(lambda: dst.copy_(x), args.repeat, dev)
     copy_bw = 8 * n / copy_s  # bytes moved per second (read + write)
 
-    sbits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8)
-    sscales = torch.rand(w, generator=gen)
-    se = torch.randn(m, generator=gen) * 0.1
-    sout = torch.zeros(m // 8, dtype=torch.uint8)
-    sscale = torch.zeros(1)  # steady state: every call applies the previous deferred update
-    out = torch.empty(n)
+    sbits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8).to(dev)
+    sscales = torch.rand(w, generator=gen).to(dev)
+    se = (torch.randn(m, generator=gen) * 0.1).to(dev)
+    sout = torch.zeros(m // 8, dtype=torch.uint8, device=dev)
+    sscale = torch.zeros(
+        1, device=dev
+    )  # steady state: every call applies the previous deferred update
+    out = torch.empty(n, device=dev)
 
     # 1-bit LAMB's compression-phase update: 10 layers, weight decay on
-    lb = [torch.rand(n, generator=gen) + 0.01 for _ in range(6)]  # x, m, d, v_fresh, p, u
+    lb = [(torch.rand(n, generator=gen) + 0.01).to(dev) for _ in range(6)]  # x, m, d, v_fresh, p, u
     lo = [n * k // 10 for k in range(11)]
     lh = {"scaling": [1.0] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
     lh["weight_decay"] = [0.01] * 10
 
     # Adam's warmup step: 10 parameters of the flat buffers g, m, v, updated in place
-    ab = [torch.rand(n, generator=gen) + 0.01 for _ in range(3)]
-    ap = [torch.rand(hi - lo_, generator=gen) for lo_, hi in itertools.pairwise(lo)]
+    ab = [(torch.rand(n, generator=gen) + 0.01).to(dev) for _ in range(3)]
+    ap = [torch.rand(hi - lo_, generator=gen).to(dev) for lo_, hi in itertools.pairwise(lo)]
     ah = {"lr": [1e-4] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
     ah["weight_decay"] = [0.01] * 10
 
@@ -117,7 +127,7 @@ def main() -> None:
         ),
     ]
     print(
-        f"n = {n:,} values, W = {w}, threads = {torch.get_num_threads()}, "
+        f"n = {n:,} values, W = {w}, device = {dev}, threads = {torch.get_num_threads()}, "
         f"fp32 copy: {copy_s * 1e3:.2f} ms = {copy_bw / 1e9:.1f} GB/s moved"
     )
     print()
@@ -127,9 +137,9 @@ def main() -> None:
     rows = []
     for name, fused, ref, in_bytes, floor_bytes in cases:
         floor_s = floor_bytes / copy_bw
-        t_fused = _median_seconds(fused, args.repeat)
-        t_ref = _median_seconds(ref, max(3, args.repeat // 3))
-        for impl, t in (("C++", t_fused), ("torch ref", t_ref)):
+        t_fused = _median_seconds(fused, args.repeat, dev)
+        t_ref = _median_seconds(ref, max(3, args.repeat // 3), dev)
+        for impl, t in (("CUDA" if dev.type == "cuda" else "C++", t_fused), ("torch ref", t_ref)):
             print(
                 f"| {name:<16} | {impl:<9} | {t * 1e3:8.2f} | {in_bytes / t / 1e9:8.2f} | "
                 f"{t / floor_s:6.2f}x | {t_ref / t:5.1f}x |"
@@ -153,6 +163,7 @@ def main() -> None:
             {
                 "n": n,
                 "world": w,
+                "device": str(dev),
                 "threads": torch.get_num_threads(),
                 "copy_ms": copy_s * 1e3,
                 "kernels": rows,

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU, one command that checks the GPU path (issue 18):
+#   1. builds the extension with CUDA (ONEBIT_CUDA=ON: no CUDA kernels is a failure),
+#   2. runs the GPU tests (pytest -m cuda) and the kernel tests on both devices,
+#   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda),
+#   4. fits the demo GPT for 40 steps on 1 GPU with each algorithm (and on every GPU, when there
+#      are several),
+# then prints a summary table. Uses the Python that has a CUDA torch (PYTHON, default python3);
+# installs nothing else: on a machine without internet access torch, Lightning and pytest must
+# be there already. Under 10 minutes on one GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+declare -a SUMMARY=()
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record ok/FAILED and seconds
+  local name=$1
+  shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    SUMMARY+=("| $name | ok | $((SECONDS - t0)) s |")
+  else
+    SUMMARY+=("| $name | FAILED (see $OUT/$name.log) | $((SECONDS - t0)) s |")
+  fi
+  tail -n 15 "$OUT/$name.log"
+}
+
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: $PY has no CUDA torch or sees no GPU (torch.cuda.is_available() is False)" >&2
+  exit 2
+fi
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+$PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
+
+# --no-deps / --no-build-isolation: keep the machine's torch (and build with its pybind11/cmake).
+step build env ONEBIT_CUDA=ON $PY -m pip install --no-deps --no-build-isolation -e .
+step cuda_built $PY -c "import lightning_onebit.kernels as K; assert K.HAS_CUDA, 'built without CUDA'; print('CUDA kernels: yes')"
+step gpu_tests $PY -m pytest -q -m cuda -rs tests/
+step kernel_tests $PY -m pytest -q -x tests/test_kernels.py tests/test_comm.py
+step bench_kernels $PY benchmarks/kernels.py --device cuda --n 100000000 --repeat 20
+for algo in onebit_adam zero_one_adam onebit_lamb; do
+  step "fit_1gpu_$algo" $PY examples/train.py fit --config "examples/configs/$algo.yaml" \
+    --trainer.accelerator gpu --trainer.devices 1 --trainer.max_steps 40 \
+    --trainer.val_check_interval 20 --trainer.default_root_dir "$OUT/fit_1gpu_$algo"
+  if [ "$GPUS" -gt 1 ]; then
+    step "fit_${GPUS}gpu_$algo" $PY examples/train.py fit --config "examples/configs/$algo.yaml" \
+      --trainer.accelerator gpu --trainer.devices "$GPUS" --trainer.max_steps 40 \
+      --trainer.val_check_interval 20 --trainer.default_root_dir "$OUT/fit_${GPUS}gpu_$algo"
+  fi
+done
+
+echo
+echo "| check | result | time |"
+echo "|---|---|---:|"
+printf '%s\n' "${SUMMARY[@]}"
+grep -E '^\| (worker_compress|server_reduce|decompress|lamb_update|adam_update|fp32 copy) ' \
+  "$OUT/bench_kernels.log" || true
+! printf '%s\n' "${SUMMARY[@]}" | grep -q FAILED
