@@ -299,7 +299,7 @@ def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
     torch.testing.assert_close(stats[4], torch.stack(want), rtol=1e-5, atol=0)
 
 
-def _run_portable(code: str) -> None:
+def _run_portable(code: str, *argv: str) -> None:
     """Run ``code`` (after importing torch, this module as T and the kernels as K) in a fresh
     process whose kernels take the scalar (non-AVX2) path: ONEBIT_NO_SIMD is read at import."""
     import os
@@ -313,7 +313,7 @@ def _run_portable(code: str) -> None:
     env = {**os.environ, "ONEBIT_NO_SIMD": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+        [sys.executable, "-c", code, *argv], env=env, cwd=root, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -441,6 +441,31 @@ def test_adam_update_portable_path_and_threads_and_dtypes() -> None:
     for a, b, b0 in zip(p32, p16, bf16[1], strict=True):
         assert b.dtype == torch.bfloat16 and not torch.equal(b, b0)  # updated
         torch.testing.assert_close(b.float(), a, rtol=2e-2, atol=2e-2)
+
+
+def test_simd_and_portable_paths_agree_bitwise(tmp_path) -> None:
+    """The AVX2 and the scalar kernels compute every element with the same float operations
+    (built with -ffp-contract=off: no fused multiply-add the other path lacks), so Adam's and
+    1-bit LAMB's updates agree bit for bit; only LAMB's per-layer double sums may differ in
+    their last bits (summation order)."""
+    if K._C is None or not K._C.cpu_has_simd():
+        pytest.skip("needs the AVX2 path")
+    code = (
+        "import sys\n"
+        "case = T._adam_case(9); lc = T._lamb_case(7, True)\n"
+        "torch.save({'adam': T._adam_run(K.adam_update, case, True),\n"
+        "            'lamb': T._lamb_run(K.lamb_frozen_update, *lc)}, sys.argv[1])\n"
+    )
+    out = tmp_path / "portable.pt"
+    _run_portable(code, str(out))
+    portable = torch.load(out, weights_only=True)
+    (b1, p1), (b2, p2) = _adam_run(K.adam_update, _adam_case(9), True), portable["adam"]
+    assert all(torch.equal(b1[k], b2[k]) for k in b1), "adam: a buffer differs"
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True)), "adam: a parameter differs"
+    (l1, s1), (l2, s2) = _lamb_run(K.lamb_frozen_update, *_lamb_case(7, True)), portable["lamb"]
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        assert torch.equal(l1[k], l2[k]), f"lamb: {k} differs"
+    torch.testing.assert_close(s1, s2, rtol=1e-12, atol=0)
 
 
 def test_adam_update_bumps_the_autograd_version() -> None:
