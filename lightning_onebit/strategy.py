@@ -37,7 +37,6 @@ import re
 import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,7 +54,7 @@ from typing_extensions import override
 from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, MockOptimizer
-from lightning_onebit._errors import misspellings, quiet_errors_on_this_rank, refuse_misspelled
+from lightning_onebit._errors import quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.checkpoint_io import (
@@ -65,15 +64,15 @@ from lightning_onebit.checkpoint_io import (
     _rank_files_note,
     _write_rank_file,
 )
-from lightning_onebit.comm import as_average_dtype
-from lightning_onebit.convert import (
-    _repoint_scheduler,
-    convert_adam,
-    warn_about_unscaled_schedulers,
-    warn_if_config_differs,
-)
+from lightning_onebit.convert import repoint_schedulers, warn_if_config_differs
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
-from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.options import (
+    ALGORITHMS,
+    OneBitOptions,
+    check_strategy_args,
+    register_names,
+)
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
 
@@ -84,14 +83,8 @@ _ONE_OPTIMIZER = (
     "former optimizer, each with its own lr, betas and weight_decay"
 )
 
-ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
-    "onebit_adam": OneBitAdam,
-    "zero_one_adam": ZeroOneAdam,
-    "onebit_lamb": OneBitLamb,
-}
 
-
-class OneBitStrategy(DDPStrategy):
+class OneBitStrategy(OneBitOptions, DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB.
 
     Use a registered name — ``Trainer(strategy="onebit_adam")``, ``"zero_one_adam"``,
@@ -203,19 +196,7 @@ class OneBitStrategy(DDPStrategy):
             given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
             self._init_from_deepspeed(given)
             return
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-        if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
-            raise ValueError(
-                f"timeout must be a datetime.timedelta > 0 or None, got {timeout!r}; "
-                "e.g. timeout=timedelta(minutes=30)"
-            )
-        refused = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-        if any(kwargs.get(k) is not None for k in refused):
-            raise ValueError(
-                "OneBitStrategy installs its own DDP communication hook (and averages no "
-                f"models); remove {'/'.join(refused)}"
-            )
+        check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(
             timeout=timeout,
             start_method=start_method,
@@ -226,9 +207,6 @@ class OneBitStrategy(DDPStrategy):
             model_averaging_period=None,
             **kwargs,
         )
-        self.algorithm = algorithm
-        self.start_method = start_method
-        self.timeout = timeout
         # the callback this strategy adds when the Trainer has none (validated here, now)
         self.scheduler_args: dict[str, Any] = {
             "freeze_step": freeze_step,
@@ -238,42 +216,34 @@ class OneBitStrategy(DDPStrategy):
             "log_stats": log_comm_stats,
             "progress_bar": comm_stats_on_progress_bar,
         }
-        self.freeze_step = self._new_scheduler().freeze_step
-        self.optimizer_options: dict[str, Any] = {
-            "var_update_scaler": var_update_scaler,
-            "local_step_scaler": local_step_scaler,
-            "local_step_clipper": local_step_clipper,
-            "max_coeff": max_coeff,
-            "min_coeff": min_coeff,
-            "coeff_beta": coeff_beta,
-            "factor_max": factor_max,
-            "factor_min": factor_min,
-            "factor_threshold": factor_threshold,
-            "bias_correction": bias_correction,
-            "variance_floor": variance_floor,
-            "preconditioned_exchange": preconditioned_exchange,
-        }
-        self._validate_optimizer_options()
-        if lamb_lr is not None and not (
-            isinstance(lamb_lr, (int, float)) and not isinstance(lamb_lr, bool) and lamb_lr > 0
-        ):
-            raise ValueError(f"lamb_lr must be a number > 0 or None, got {lamb_lr!r}")
-        self.lamb_lr = lamb_lr
-        if overlap_bucket_mb is not None and not (
-            isinstance(overlap_bucket_mb, (int, float))
-            and not isinstance(overlap_bucket_mb, bool)
-            and 0 < overlap_bucket_mb < float("inf")
-        ):
-            raise ValueError(
-                f"overlap_bucket_mb must be a number in (0, inf) or None (no overlap), got "
-                f"{overlap_bucket_mb!r}"
-            )
-        self.overlap_bucket_mb = overlap_bucket_mb
-        self.average_dtype = None if average_dtype is None else as_average_dtype(average_dtype)
+        self._set_options(
+            algorithm,
+            freeze_step,
+            adaptive_freeze,
+            freeze_threshold,
+            freeze_window,
+            {
+                "var_update_scaler": var_update_scaler,
+                "local_step_scaler": local_step_scaler,
+                "local_step_clipper": local_step_clipper,
+                "max_coeff": max_coeff,
+                "min_coeff": min_coeff,
+                "coeff_beta": coeff_beta,
+                "factor_max": factor_max,
+                "factor_min": factor_min,
+                "factor_threshold": factor_threshold,
+                "bias_correction": bias_correction,
+                "variance_floor": variance_floor,
+                "preconditioned_exchange": preconditioned_exchange,
+            },
+            lamb_lr,
+            overlap_bucket_mb,
+            average_dtype,
+            timeout,
+            start_method,
+        )
         self._hook_state: _HookState | None = None
         self._rank_state: dict[str, Any] | None = None
-        self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
-        self._lr_scale = 1.0  # what the conversion multiplied the learning rates by
         self.deepspeed_optimizer: dict[str, Any] | None = (
             None  # lr, betas, ... of a DeepSpeed config
         )
@@ -317,28 +287,6 @@ class OneBitStrategy(DDPStrategy):
         """
         return cls(deepspeed_config=config, **overrides)
 
-    def _validate_optimizer_options(self) -> None:
-        """Each optimizer's own checks, now, before any process starts. Every algorithm's
-        options are checked, not only the chosen one's: a bad value is a mistake even where
-        this algorithm ignores it."""
-        for cls in ALGORITHMS.values():
-            cls.check_options(**self._given_options(cls))
-
-    def _given_options(self, cls: type[OneBitOptimizer]) -> dict[str, Any]:
-        """The options of ``cls`` given to this strategy (``None``: the optimizer's default)."""
-        return {
-            k: v for k, v in self.optimizer_options.items() if k in cls.OPTIONS and v is not None
-        }
-
-    def _algorithm_kwargs(
-        self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
-    ) -> dict[str, Any]:
-        kw = dict(defaults)
-        kw.update(self._given_options(ALGORITHMS[self.algorithm]))
-        kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
-        kw["average_dtype"] = self.average_dtype or torch.float32
-        return kw
-
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
         return super().precision_plugin
@@ -347,12 +295,7 @@ class OneBitStrategy(DDPStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # The Trainer sets the plugin at construction: refuse what cannot work before any fit.
         if isinstance(plugin, DoublePrecision):
-            raise ValueError(
-                "precision='64-true' is not supported by OneBitStrategy: the 1-bit optimizers keep "
-                "their states and the compressed exchange in float32, so float64 parameters would "
-                "be updated with float32 arithmetic (0/1 Adam would even round them to float32 at "
-                "every synchronisation); use precision='32-true', 'bf16-mixed' or '16-mixed'"
-            )
+            self._refuse_float64("OneBitStrategy")
         DDPStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ registry
@@ -360,30 +303,7 @@ class OneBitStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for algorithm in ALGORITHMS:
-            for name, start_method in ((algorithm, "popen"), (f"{algorithm}_notebook", "fork")):
-                for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
-                    if name + suffix in strategy_registry:
-                        continue  # a second import (or registration) must not fail
-                    strategy_registry.register(
-                        name + suffix,
-                        cls,
-                        description=f"1-bit compressed DDP ({algorithm}), "
-                        f"start_method={start_method!r}, find_unused_parameters={unused}",
-                        algorithm=algorithm,
-                        start_method=start_method,
-                        find_unused_parameters=unused,
-                    )
-        # near-miss names ("onebit-adam", "1bit_adam", "OneBitAdam"): an error naming the right one
-        canonical = set(strategy_registry)
-        for algorithm in ALGORITHMS:
-            for name, meant in misspellings(algorithm, canonical).items():
-                if name not in strategy_registry:
-                    strategy_registry.register(
-                        name,
-                        partial(refuse_misspelled, name, meant),
-                        description=f"not a name: did you mean {meant!r}?",
-                    )
+        register_names(cls, strategy_registry)
 
     # ------------------------------------------------------------------ setup
 
@@ -589,49 +509,16 @@ class OneBitStrategy(DDPStrategy):
                 "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
                 "ZeroOneAdam / OneBitLamb"
             )
-        elif isinstance(original, OneBitOptimizer):
-            if type(original) is not ALGORITHMS[self.algorithm]:
-                rank_zero_warn(
-                    f"configure_optimizers returned {type(original).__name__}, but the strategy is "
-                    f"{self.algorithm!r} ({ALGORITHMS[self.algorithm].__name__}): training with "
-                    f"{type(original).__name__} as built (the strategy's algorithm and optimizer "
-                    "options apply when it converts a torch.optim.Adam/AdamW)"
-                )
-            original.average_warmup_grads = False
-            if self.average_dtype is not None:
-                original.average_dtype = self.average_dtype
-            new = original
-        elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
-            if self.deepspeed_optimizer:
-                warn_if_config_differs(original, self.deepspeed_optimizer)
-            cls = ALGORITHMS[self.algorithm]
-            new, self._lr_scale = convert_adam(
-                original,
-                cls,
-                self.algorithm,
-                lambda defaults: self._algorithm_kwargs(cls, defaults),
-                self.lamb_lr,
-            )
-            self._converted_optimizer = True
-            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-            for scheduler in schedulers:
-                _repoint_scheduler(scheduler, original, new, self._lr_scale)
-            if self._lr_scale != 1.0:
-                warn_about_unscaled_schedulers(schedulers, original)
-            self.optimizers = [new]
         else:
-            raise MisconfigurationException(
-                f"OneBitStrategy cannot run {type(original).__name__}: configure_optimizers must return "
-                "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
-                "ZeroOneAdam / OneBitLamb"
+            if self.deepspeed_optimizer and type(original) in (torch.optim.Adam, torch.optim.AdamW):
+                warn_if_config_differs(original, self.deepspeed_optimizer)
+            new = self._onebit_optimizer_from(
+                original, "configure_optimizers returned", "configure_optimizers must return"
             )
-        _check_same_model_on_every_rank(
-            [
-                (f"param_groups[{gi}][{i}]", tuple(p.shape))
-                for gi, g in enumerate(new.param_groups)
-                for i, p in enumerate(g["params"])
-            ]
-        )
+            if new is not original:
+                schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+                repoint_schedulers(schedulers, original, new, self._lr_scale)
+            self.optimizers = [new]
 
     def _from_deepspeed_hparams(self, module: pl.LightningModule) -> OneBitOptimizer:
         """The optimizer of a DeepSpeed config, over every trainable parameter (one group)."""

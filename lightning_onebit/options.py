@@ -1,0 +1,210 @@
+"""What the Trainer strategy (:class:`~lightning_onebit.OneBitStrategy`) and the Fabric strategy
+(:class:`~lightning_onebit.fabric.OneBitFabricStrategy`) share: the options and their checks,
+turning the user's optimizer into the 1-bit one, the names they are registered under.
+
+One implementation of each, used by both: the strategies differ only in how Lightning calls them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_onebit._checks import _check_same_model_on_every_rank
+from lightning_onebit._errors import misspellings, refuse_misspelled
+from lightning_onebit.comm import as_average_dtype
+from lightning_onebit.convert import convert_adam
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from lightning_onebit.phase_switch import PhaseSwitch
+
+__all__ = ["ALGORITHMS", "OneBitOptions"]
+
+ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
+    "onebit_adam": OneBitAdam,
+    "zero_one_adam": ZeroOneAdam,
+    "onebit_lamb": OneBitLamb,
+}
+
+#: DDP options that the 1-bit strategies set themselves
+_REFUSED_DDP_KWARGS = (
+    "ddp_comm_state",
+    "ddp_comm_hook",
+    "ddp_comm_wrapper",
+    "model_averaging_period",
+)
+
+_NO_FLOAT64 = (
+    "precision='64-true' is not supported by {who}: the 1-bit optimizers keep "
+    "their states and the compressed exchange in float32, so float64 parameters would "
+    "be updated with float32 arithmetic (0/1 Adam would even round them to float32 at "
+    "every synchronisation); use precision='32-true', 'bf16-mixed' or '16-mixed'"
+)
+
+
+def check_strategy_args(algorithm: str, timeout: Any, kwargs: dict[str, Any]) -> None:
+    """The checks that come before ``DDPStrategy.__init__`` (both strategies)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
+        raise ValueError(
+            f"timeout must be a datetime.timedelta > 0 or None, got {timeout!r}; "
+            "e.g. timeout=timedelta(minutes=30)"
+        )
+    if any(kwargs.get(k) is not None for k in _REFUSED_DDP_KWARGS):
+        raise ValueError(
+            "OneBitStrategy installs its own DDP communication hook (and averages no "
+            f"models); remove {'/'.join(_REFUSED_DDP_KWARGS)}"
+        )
+
+
+class OneBitOptions:
+    """The options of both strategies (validated at construction) and what they do with them:
+    the optimizer's keyword arguments, the conversion of a torch Adam/AdamW."""
+
+    algorithm: str
+
+    def _set_options(
+        self,
+        algorithm: str,
+        freeze_step: int | float | None,
+        adaptive_freeze: bool,
+        freeze_threshold: float,
+        freeze_window: int,
+        optimizer_options: dict[str, Any],
+        lamb_lr: float | None,
+        overlap_bucket_mb: float | None,
+        average_dtype: str | torch.dtype | None,
+        timeout: timedelta | None,
+        start_method: str,
+    ) -> None:
+        self.algorithm = algorithm
+        self.start_method = start_method
+        self.timeout = timeout
+        self.freeze_step = PhaseSwitch(
+            freeze_step, adaptive_freeze, freeze_threshold, freeze_window
+        ).freeze_step  # (validated now: the switch itself is built where it runs)
+        self.optimizer_options = optimizer_options
+        self._validate_optimizer_options()
+        if lamb_lr is not None and not (
+            isinstance(lamb_lr, (int, float)) and not isinstance(lamb_lr, bool) and lamb_lr > 0
+        ):
+            raise ValueError(f"lamb_lr must be a number > 0 or None, got {lamb_lr!r}")
+        self.lamb_lr = lamb_lr
+        if overlap_bucket_mb is not None and not (
+            isinstance(overlap_bucket_mb, (int, float))
+            and not isinstance(overlap_bucket_mb, bool)
+            and 0 < overlap_bucket_mb < float("inf")
+        ):
+            raise ValueError(
+                f"overlap_bucket_mb must be a number in (0, inf) or None (no overlap), got "
+                f"{overlap_bucket_mb!r}"
+            )
+        self.overlap_bucket_mb = overlap_bucket_mb
+        self.average_dtype = None if average_dtype is None else as_average_dtype(average_dtype)
+        self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
+        self._lr_scale = 1.0  # what the conversion multiplied the learning rates by
+
+    def _validate_optimizer_options(self) -> None:
+        """Each optimizer's own checks, now, before any process starts. Every algorithm's
+        options are checked, not only the chosen one's: a bad value is a mistake even where
+        this algorithm ignores it."""
+        for cls in ALGORITHMS.values():
+            cls.check_options(**self._given_options(cls))
+
+    def _given_options(self, cls: type[OneBitOptimizer]) -> dict[str, Any]:
+        """The options of ``cls`` given to this strategy (``None``: the optimizer's default)."""
+        return {
+            k: v for k, v in self.optimizer_options.items() if k in cls.OPTIONS and v is not None
+        }
+
+    def _algorithm_kwargs(
+        self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
+    ) -> dict[str, Any]:
+        kw = dict(defaults)
+        kw.update(self._given_options(ALGORITHMS[self.algorithm]))
+        kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
+        kw["average_dtype"] = self.average_dtype or torch.float32
+        return kw
+
+    def _onebit_optimizer_from(
+        self, original: torch.optim.Optimizer, given: str, expected: str
+    ) -> OneBitOptimizer:
+        """The 1-bit optimizer to train with: ``original`` itself if it is one, else built from
+        a torch Adam/AdamW (``self._lr_scale``: what its learning rates were multiplied by; the
+        caller re-points the LR schedulers). ``given``/``expected`` name where the optimizer came
+        from in messages ("configure_optimizers returned" / "configure_optimizers must return")."""
+        if isinstance(original, OneBitOptimizer):
+            if type(original) is not ALGORITHMS[self.algorithm]:
+                rank_zero_warn(
+                    f"{given} {type(original).__name__}, but the strategy is "
+                    f"{self.algorithm!r} ({ALGORITHMS[self.algorithm].__name__}): training with "
+                    f"{type(original).__name__} as built (the strategy's algorithm and optimizer "
+                    "options apply when it converts a torch.optim.Adam/AdamW)"
+                )
+            original.average_warmup_grads = False
+            if self.average_dtype is not None:
+                original.average_dtype = self.average_dtype
+            new = original
+        elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
+            cls = ALGORITHMS[self.algorithm]
+            new, self._lr_scale = convert_adam(
+                original,
+                cls,
+                self.algorithm,
+                lambda defaults: self._algorithm_kwargs(cls, defaults),
+                self.lamb_lr,
+            )
+            self._converted_optimizer = True
+        else:
+            raise MisconfigurationException(
+                f"OneBitStrategy cannot run {type(original).__name__}: {expected} "
+                "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
+                "ZeroOneAdam / OneBitLamb"
+            )
+        _check_same_model_on_every_rank(
+            [
+                (f"param_groups[{gi}][{i}]", tuple(p.shape))
+                for gi, g in enumerate(new.param_groups)
+                for i, p in enumerate(g["params"])
+            ]
+        )
+        return new
+
+    @staticmethod
+    def _refuse_float64(who: str) -> None:
+        raise ValueError(_NO_FLOAT64.format(who=who))
+
+
+def register_names(cls: type, strategy_registry: Any) -> None:
+    """Register ``cls`` under every algorithm's names (the same in the Trainer's and in Fabric's
+    registry): ``<algorithm>``, the fork-started ``<algorithm>_notebook`` and their
+    ``_find_unused_parameters_true`` variants; near-miss names raise an error naming the right one."""
+    for algorithm in ALGORITHMS:
+        for name, start_method in ((algorithm, "popen"), (f"{algorithm}_notebook", "fork")):
+            for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
+                if name + suffix in strategy_registry:
+                    continue  # a second import (or registration) must not fail
+                strategy_registry.register(
+                    name + suffix,
+                    cls,
+                    description=f"1-bit compressed DDP ({algorithm}), "
+                    f"start_method={start_method!r}, find_unused_parameters={unused}",
+                    algorithm=algorithm,
+                    start_method=start_method,
+                    find_unused_parameters=unused,
+                )
+    # near-miss names ("onebit-adam", "1bit_adam", "OneBitAdam"): an error naming the right one
+    canonical = set(strategy_registry)
+    for algorithm in ALGORITHMS:
+        for name, meant in misspellings(algorithm, canonical).items():
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    partial(refuse_misspelled, name, meant),
+                    description=f"not a name: did you mean {meant!r}?",
+                )
