@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -208,3 +209,35 @@ def register_names(cls: type, strategy_registry: Any) -> None:
                     partial(refuse_misspelled, name, meant),
                     description=f"not a name: did you mean {meant!r}?",
                 )
+
+
+def check_no_inherited_group(expected: int) -> None:
+    """Refuse a process group inherited through fork from an earlier run in the parent process
+    (e.g. a notebook that ran devices=1 under plain DDP). Its first collective would never
+    return, and it cannot be destroyed from a forked child."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != expected:
+        raise RuntimeError(
+            f"a torch.distributed process group of world size {dist.get_world_size()} from an "
+            f"earlier run is still initialised in this process, but this run has {expected} "
+            "ranks; call torch.distributed.destroy_process_group() before Trainer.fit"
+        )
+
+
+def notebook_message(algorithm: str, cls_name: str) -> str:
+    """Why a script-launched strategy cannot run in a notebook, and what to use instead."""
+    return (
+        f"strategy={algorithm!r} starts each rank by running your script again, and "
+        "an interactive session (a notebook, the Python shell) has none: use "
+        f"strategy='{algorithm}_notebook' (fork-started ranks), or "
+        f"{cls_name}(algorithm='{algorithm}', start_method='fork')"
+    )
+
+
+def overlap_blocker(clipping: bool, scaler: bool) -> str | None:
+    """Why the exchange cannot overlap backward (``None``: it can): something edits the
+    gradients between backward and the step, which an exchange started during backward misses."""
+    if clipping:
+        return "gradient clipping edits the gradients after backward"
+    if scaler:
+        return "the 16-mixed loss scaler unscales the gradients after backward"
+    return None

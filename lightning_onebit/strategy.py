@@ -70,7 +70,10 @@ from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.options import (
     ALGORITHMS,
     OneBitOptions,
+    check_no_inherited_group,
     check_strategy_args,
+    notebook_message,
+    overlap_blocker,
     register_names,
 )
 
@@ -309,16 +312,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        expected = self.num_nodes * self.num_processes
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != expected:
-            # A group inherited through fork from an earlier fit in the parent process (e.g. a
-            # notebook that ran devices=1 under plain DDP). Its first collective would never
-            # return, and it cannot be destroyed from a forked child.
-            raise RuntimeError(
-                f"a torch.distributed process group of world size {dist.get_world_size()} from an "
-                f"earlier run is still initialised in this process, but this run has {expected} "
-                "ranks; call torch.distributed.destroy_process_group() before Trainer.fit"
-            )
+        check_no_inherited_group(self.num_nodes * self.num_processes)
         super().setup_distributed()
 
     @override
@@ -361,12 +355,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             and not self.launcher.is_interactive_compatible
         ):
             # before Lightning's own check, which suggests 'ddp_notebook' (plain DDP)
-            raise MisconfigurationException(
-                f"strategy={self.algorithm!r} starts each rank by running your script again, and "
-                "an interactive session (a notebook, the Python shell) has none: use "
-                f"strategy='{self.algorithm}_notebook' (fork-started ranks), or "
-                f"OneBitStrategy(algorithm='{self.algorithm}', start_method='fork')"
-            )
+            raise MisconfigurationException(notebook_message(self.algorithm, "OneBitStrategy"))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -433,13 +422,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         scaler = isinstance(self.precision_plugin, MixedPrecision) and (
             self.precision_plugin.scaler is not None
         )
-        why = (
-            "gradient clipping edits the gradients after backward"
-            if trainer.gradient_clip_val
-            else "the 16-mixed loss scaler unscales the gradients after backward"
-            if scaler
-            else None
-        )
+        why = overlap_blocker(bool(trainer.gradient_clip_val), scaler)
         if why is not None:
             rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
             return

@@ -1,0 +1,345 @@
+"""``OneBitFabricStrategy``: Lightning Fabric loops (2 fork-started CPU ranks, gloo).
+
+The reference for every Fabric loop is the Trainer run of the same model, data and seed
+(:func:`tests._char_model._fit`), or the same Fabric loop without interruption.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch.utils.data import DataLoader
+
+import lightning_onebit
+from lightning_onebit import OneBitFabricStrategy, OneBitStrategy
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from tests._char_model import ALGOS, CharModel, CharWindows, _corpus, _fit
+
+OPTIMIZER = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}
+LR = {"onebit_adam": 3e-3, "zero_one_adam": 3e-3, "onebit_lamb": 5e-3}
+
+
+class CharNet(torch.nn.Module):
+    """CharModel's network as a plain module (same parameters, same names, same init)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = CharModel().net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _loop(
+    fabric: L.Fabric,
+    out: Path,
+    lr: float,
+    steps: int,
+    batch: int = 32,
+    accumulate: int = 1,
+    clip_from: int | None = None,
+    stop_at: int | None = None,
+    resume: Path | None = None,
+    separate_setup: bool = False,
+) -> None:
+    """A Fabric training loop as a user writes it; each rank records its end state."""
+    model = CharNet()
+    if separate_setup:  # LitGPT's pattern: the module first, then an optimizer on its parameters
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(
+            torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        )
+    else:
+        model, optimizer = fabric.setup(
+            model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        )
+    n = steps * batch * fabric.world_size * accumulate
+    loader = fabric.setup_dataloaders(
+        DataLoader(CharWindows(_corpus(), n), batch_size=batch, shuffle=True)
+    )
+    start = 0
+    if resume is not None:
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(resume, state)
+        start = state["step"]
+    stats: list[dict[str, float]] = []
+    step = 0
+    for i, (x, y) in enumerate(loader):
+        accumulating = (i + 1) % accumulate != 0
+        if i // accumulate < start:
+            continue  # (the resumed run sees the batches the first run did not)
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            fabric.backward(loss / accumulate)
+        if accumulating:
+            continue
+        step = i // accumulate + 1
+        if clip_from is not None and step >= clip_from:
+            fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        stats.append(fabric.strategy.comm_stats())
+        if stop_at is not None and step == stop_at:
+            fabric.save(out / "ckpt.pt", {"model": model, "optimizer": optimizer, "step": step})
+            break
+    fabric.strategy.synchronize()
+    opt = fabric.strategy.onebit_optimizer
+    record = {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": type(opt).__name__,
+        "step_count": opt.step_count,
+        "phase": str(opt.phase),
+        "comm_stats": dict(opt.comm_stats),
+        "stats": stats,
+        "overlap": opt.overlaps_backward,
+        "loss": float(loss),
+    }
+    torch.save(record, out / f"rank{fabric.global_rank}.pt")
+
+
+def _fabric(tmp: Path, strategy: Any, precision: str = "32-true", **loop: Any) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
+    fabric.launch(_loop, tmp, **loop)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def _same_on_both_ranks(records: list[dict]) -> None:
+    for k, v in records[0]["params"].items():
+        assert torch.equal(v, records[1]["params"][k]), k
+
+
+# --------------------------------------------------------------------------- names, options
+
+
+def test_fabric_registry_has_the_trainers_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ours = {n for n in StrategyRegistry if n.startswith(tuple(ALGOS))}
+    assert len(ours) == 12 and ours <= set(STRATEGY_REGISTRY)
+    for algo in ALGOS:
+        for name, start in ((algo, "popen"), (f"{algo}_notebook", "fork")):
+            for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
+                strategy = STRATEGY_REGISTRY.get(name + suffix)
+                assert isinstance(strategy, OneBitFabricStrategy)
+                assert (strategy.algorithm, strategy._start_method) == (algo, start)
+                assert strategy._ddp_kwargs.get("find_unused_parameters", False) is unused
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="zero_one_adam_notebook")
+    assert isinstance(fabric.strategy, OneBitFabricStrategy)
+    # a second import (or registration) does not fail
+    import importlib
+
+    importlib.reload(lightning_onebit)
+    OneBitFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    with pytest.raises(ValueError, match="did you mean strategy='onebit_adam'"):
+        L.Fabric(accelerator="cpu", devices=2, strategy="onebit-adam")
+
+
+def test_the_options_are_the_trainer_strategys() -> None:
+    """Same names, types and defaults as OneBitStrategy, less the Trainer's logging and the
+    DeepSpeed config, plus max_steps; validated by the same checks."""
+    import inspect
+
+    trainer = dict(inspect.signature(OneBitStrategy.__init__).parameters)
+    fabric = dict(inspect.signature(OneBitFabricStrategy.__init__).parameters)
+    for name in ("log_comm_stats", "comm_stats_on_progress_bar", "deepspeed_config"):
+        trainer.pop(name)
+    assert fabric.pop("max_steps").default is None
+    assert list(fabric) == list(trainer)
+    for name, p in trainer.items():
+        assert (fabric[name].default, fabric[name].annotation) == (p.default, p.annotation), name
+    for kwargs in (
+        {"algorithm": "onebit_sgd"},
+        {"freeze_step": 1.5},
+        {"algorithm": "onebit_lamb", "factor_min": 5.0},
+        {"overlap_bucket_mb": 0},
+        {"ddp_comm_hook": lambda s, b: None},
+    ):
+        with pytest.raises(ValueError) as t:
+            OneBitStrategy(**kwargs)
+        with pytest.raises(ValueError) as f:
+            OneBitFabricStrategy(**kwargs)
+        assert str(f.value) == str(t.value)
+    with pytest.raises(ValueError, match="max_steps"):
+        OneBitFabricStrategy(max_steps=0)
+    with pytest.raises(ValueError, match="64-true"):
+        L.Fabric(accelerator="cpu", devices=2, strategy="onebit_adam", precision="64-true")
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_fabric_loop_equals_the_trainer_run(tmp_path: Path, algo: str) -> None:
+    """Same model, data, seed and options: the parameters agree to 1e-6, and so do the bytes."""
+    steps, switch = 24, 8
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(algorithm=algo, freeze_step=switch, start_method="fork"),
+        steps=steps,
+        model=CharModel(lr=LR[algo]),
+    )
+    fabric = _fabric(
+        tmp_path / "fabric",
+        OneBitFabricStrategy(algorithm=algo, freeze_step=switch, start_method="fork"),
+        lr=LR[algo],
+        steps=steps,
+    )
+    _same_on_both_ranks(fabric)
+    rec = fabric[0]
+    assert rec["optimizer"] == OPTIMIZER[algo].__name__
+    assert rec["phase"] == str(OPTIMIZER[algo].PHASES[1]) and rec["overlap"]
+    _assert_params_close(rec["params"], trainer[0]["params"])
+    assert rec["comm_stats"] == trainer[0]["comm_stats"]
+    # comm_stats(): the Trainer's onebit/* metrics, here after every step
+    assert [s["onebit/phase"] for s in rec["stats"]] == [0.0] * switch + [1.0] * (steps - switch)
+    last = rec["stats"][-1]
+    assert last["onebit/bytes_total"] == trainer[0]["metrics"]["onebit/bytes_total"]
+    assert last["onebit/ratio_vs_ddp"] > 1.5
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_equals_the_trainers(tmp_path: Path) -> None:
+    """``fabric.no_backward_sync`` (DDP's no_sync, the overlap paused) == accumulate_grad_batches."""
+    steps, switch = 12, 4
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(freeze_step=switch, start_method="fork"),
+        steps=steps,
+        model=CharModel(lr=LR["onebit_adam"]),
+        accumulate_grad_batches=2,
+    )
+    fabric = _fabric(
+        tmp_path / "fabric",
+        OneBitFabricStrategy(freeze_step=switch, start_method="fork"),
+        lr=LR["onebit_adam"],
+        steps=steps,
+        accumulate=2,
+    )
+    _same_on_both_ranks(fabric)
+    assert fabric[0]["step_count"] == steps and fabric[0]["overlap"]
+    _assert_params_close(fabric[0]["params"], trainer[0]["params"])
+
+
+@pytest.mark.slow
+def test_clipping_equals_the_trainers(tmp_path: Path) -> None:
+    """``fabric.clip_gradients`` from the first step == ``gradient_clip_val``: the overlap goes
+    off before the first step, so the exchange sees the clipped gradients."""
+    steps, switch = 16, 6
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(freeze_step=switch, start_method="fork"),
+        steps=steps,
+        model=CharModel(lr=LR["onebit_adam"]),
+        gradient_clip_val=0.5,
+    )
+    fabric = _fabric(
+        tmp_path / "fabric",
+        OneBitFabricStrategy(freeze_step=switch, start_method="fork"),
+        lr=LR["onebit_adam"],
+        steps=steps,
+        clip_from=1,
+    )
+    _same_on_both_ranks(fabric)
+    assert not fabric[0]["overlap"]
+    _assert_params_close(fabric[0]["params"], trainer[0]["params"])
+    unclipped = _fabric(
+        tmp_path / "unclipped",
+        OneBitFabricStrategy(freeze_step=switch, start_method="fork"),
+        lr=LR["onebit_adam"],
+        steps=steps,
+    )
+    assert not torch.allclose(
+        unclipped[0]["params"]["net.0.weight"], fabric[0]["params"]["net.0.weight"]
+    )
+
+
+@pytest.mark.slow
+def test_clipping_first_called_in_the_compression_phase(tmp_path: Path) -> None:
+    """The overlap goes off mid-run: the step's started exchange is redone on the clipped
+    gradients (the ranks stay identical and keep learning), the error buffers restart."""
+    steps, switch = 16, 4
+    with pytest.warns(RuntimeWarning, match="error buffers restart"):
+        records = _fabric(
+            tmp_path,
+            OneBitFabricStrategy(freeze_step=switch, start_method="fork"),
+            lr=LR["onebit_adam"],
+            steps=steps,
+            clip_from=10,
+        )
+    _same_on_both_ranks(records)
+    assert not records[0]["overlap"] and records[0]["step_count"] == steps
+    assert math.isfinite(records[0]["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ALGOS)
+def test_save_and_load_mid_compression_equals_an_uninterrupted_run(
+    tmp_path: Path, algo: str
+) -> None:
+    steps, switch, stop = 20, 6, 13
+    strategy = dict(algorithm=algo, freeze_step=switch, start_method="fork")
+    whole = _fabric(tmp_path / "whole", OneBitFabricStrategy(**strategy), lr=LR[algo], steps=steps)
+    first = _fabric(
+        tmp_path / "first", OneBitFabricStrategy(**strategy), lr=LR[algo], steps=steps, stop_at=stop
+    )
+    assert first[0]["phase"] == str(OPTIMIZER[algo].PHASES[1])
+    assert sorted(p.name for p in (tmp_path / "first").glob("ckpt.pt*")) == [
+        "ckpt.pt",
+        "ckpt.pt.onebit-rank0-of-2",
+        "ckpt.pt.onebit-rank1-of-2",
+    ]
+    second = _fabric(
+        tmp_path / "second",
+        OneBitFabricStrategy(**strategy),
+        lr=LR[algo],
+        steps=steps,
+        resume=tmp_path / "first" / "ckpt.pt",
+    )
+    _same_on_both_ranks(second)
+    assert second[0]["step_count"] == whole[0]["step_count"] == steps
+    _assert_params_close(second[0]["params"], whole[0]["params"])
+    assert second[0]["comm_stats"]["bytes_total"] == whole[0]["comm_stats"]["bytes_total"]
+    # without the rank files the error buffers restart from zero: not the same run
+    for p in (tmp_path / "first").glob("ckpt.pt.onebit-rank*"):
+        p.unlink()
+    reset = _fabric(
+        tmp_path / "reset",
+        OneBitFabricStrategy(**strategy),
+        lr=LR[algo],
+        steps=steps,
+        resume=tmp_path / "first" / "ckpt.pt",
+    )
+    assert not torch.equal(reset[0]["params"]["net.0.weight"], whole[0]["params"]["net.0.weight"])
+
+
+@pytest.mark.slow
+def test_a_litgpt_style_loop(tmp_path: Path) -> None:
+    """``fabric.setup_module`` then ``fabric.setup_optimizers`` (LitGPT's order), accumulation,
+    clipping on every step: the same run as ``fabric.setup(model, optimizer)``."""
+    loop = dict(lr=LR["onebit_adam"], steps=10, accumulate=2, clip_from=1)
+    joint = _fabric(
+        tmp_path / "joint", OneBitFabricStrategy(freeze_step=4, start_method="fork"), **loop
+    )
+    separate = _fabric(
+        tmp_path / "separate",
+        OneBitFabricStrategy(freeze_step=4, start_method="fork"),
+        separate_setup=True,
+        **loop,
+    )
+    _same_on_both_ranks(separate)
+    assert separate[0]["optimizer"] == "OneBitAdam" and separate[0]["phase"] == "compression"
+    _assert_params_close(separate[0]["params"], joint[0]["params"])
