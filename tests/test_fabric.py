@@ -48,18 +48,22 @@ def _loop(
     stop_at: int | None = None,
     resume: Path | None = None,
     separate_setup: bool = False,
+    scheduler: bool = False,
+    inf_at: int | None = None,
 ) -> None:
     """A Fabric training loop as a user writes it; each rank records its end state."""
     model = CharNet()
+    sched = None
     if separate_setup:  # LitGPT's pattern: the module first, then an optimizer on its parameters
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(
             torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         )
     else:
-        model, optimizer = fabric.setup(
-            model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        if scheduler:  # built on the torch optimizer, before setup, not given to it
+            sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        model, optimizer = fabric.setup(model, optimizer)
     n = steps * batch * fabric.world_size * accumulate
     loader = fabric.setup_dataloaders(
         DataLoader(CharWindows(_corpus(), n), batch_size=batch, shuffle=True)
@@ -80,6 +84,8 @@ def _loop(
             continue  # (the resumed run sees the batches the first run did not)
         with fabric.no_backward_sync(model, enabled=accumulating):
             loss = torch.nn.functional.cross_entropy(model(x), y)
+            if i // accumulate + 1 == inf_at and fabric.global_rank == 1:
+                loss = loss * float("inf")  # an overflow on one rank only
             fabric.backward(loss / accumulate)
         if accumulating:
             continue
@@ -88,6 +94,8 @@ def _loop(
             fabric.clip_gradients(model, optimizer, max_norm=0.5)
         optimizer.step()
         optimizer.zero_grad()
+        if sched is not None:
+            sched.step()
         stats.append(fabric.strategy.comm_stats())
         if stop_at is not None and step == stop_at:
             fabric.save(out / "ckpt.pt", {"model": model, "optimizer": optimizer, "step": step})
@@ -104,14 +112,15 @@ def _loop(
         "stats": stats,
         "overlap": opt.overlaps_backward,
         "loss": float(loss),
+        "lr": [g["lr"] for g in opt.param_groups],
         "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
     }
     torch.save(record, out / f"rank{fabric.global_rank}.pt")
 
 
-def _fabric(tmp: Path, strategy: Any, precision: str = "32-true", **loop: Any) -> list[dict]:
+def _fabric(tmp: Path, strategy: Any, plugins: Any = None, **loop: Any) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
     fabric.launch(_loop, tmp, **loop)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -350,3 +359,135 @@ def test_a_litgpt_style_loop(tmp_path: Path) -> None:
     _same_on_both_ranks(separate)
     assert separate[0]["optimizer"] == "OneBitAdam" and separate[0]["phase"] == "compression"
     _assert_params_close(separate[0]["params"], joint[0]["params"])
+
+
+@pytest.mark.slow
+def test_an_lr_scheduler_built_before_setup_drives_the_converted_optimizer(tmp_path: Path) -> None:
+    """A StepLR built on the torch AdamW before ``fabric.setup`` (and not given to it) is
+    re-pointed: the same run as the Trainer's StepLR."""
+    steps, switch = 12, 4
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(freeze_step=switch, start_method="fork"),
+        steps=steps,
+        model=CharModel(lr=LR["onebit_adam"], scheduler=True),
+    )
+    fabric = _fabric(
+        tmp_path / "fabric",
+        OneBitFabricStrategy(freeze_step=switch, start_method="fork"),
+        lr=LR["onebit_adam"],
+        steps=steps,
+        scheduler=True,
+    )
+    assert fabric[0]["lr"] == pytest.approx([LR["onebit_adam"] / 4])  # halved after 5 and 10
+    assert trainer[0]["lr"] == fabric[0]["lr"]
+    _assert_params_close(fabric[0]["params"], trainer[0]["params"])
+
+
+def _fabric_precision(precision: str) -> Any:
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+
+    # (Fabric, like the Trainer, turns 16-mixed on CPU into bf16-mixed; torch has fp16 autocast
+    # and a GradScaler on CPU: build the plugin to test the scaler path)
+    return FabricMixedPrecision(
+        precision=precision,
+        device="cpu",
+        scaler=torch.amp.GradScaler("cpu") if precision == "16-mixed" else None,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_equals_the_trainers(tmp_path: Path, precision: str) -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    steps, switch = 12, 4
+    plugin = MixedPrecision(
+        precision=precision,
+        device="cpu",
+        scaler=torch.amp.GradScaler("cpu") if precision == "16-mixed" else None,
+    )
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(freeze_step=switch, start_method="fork"),
+        steps=steps,
+        model=CharModel(lr=LR["onebit_adam"]),
+        plugins=[plugin],
+    )
+    fabric = _fabric(
+        tmp_path / "fabric",
+        OneBitFabricStrategy(freeze_step=switch, start_method="fork"),
+        plugins=[_fabric_precision(precision)],
+        lr=LR["onebit_adam"],
+        steps=steps,
+    )
+    _same_on_both_ranks(fabric)
+    # the 16-mixed scaler unscales after backward: no overlap, as on the Trainer side
+    assert fabric[0]["overlap"] is (precision == "bf16-mixed")
+    _assert_params_close(fabric[0]["params"], trainer[0]["params"])
+
+
+@pytest.mark.slow
+def test_16_mixed_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    records = _fabric(
+        tmp_path,
+        OneBitFabricStrategy(freeze_step=4, start_method="fork"),
+        plugins=[_fabric_precision("16-mixed")],
+        lr=LR["onebit_adam"],
+        steps=12,
+        inf_at=8,
+    )
+    _same_on_both_ranks(records)
+    assert {r["step_count"] for r in records} == {11}  # 12 batches, one step skipped everywhere
+    assert all(torch.isfinite(v).all() for v in records[0]["params"].values())
+
+
+_NOTEBOOK = """
+import sys
+sys.ps1 = ">>> "  # what Python sets in an interactive session (Lightning's test for one)
+import torch, lightning as L, lightning_onebit
+from tests.test_fabric import CharNet
+
+torch.randn(512, 512) @ torch.randn(512, 512)  # the parent has used its OpenMP thread pool
+try:
+    L.Fabric(accelerator="cpu", devices=2, strategy="onebit_adam")
+except Exception as err:
+    print("REFUSED:", err)
+
+def train(fabric):
+    torch.manual_seed(fabric.global_rank)
+    model, opt = fabric.setup(CharNet(), torch.optim.Adam(CharNet().parameters(), lr=1e-3))
+    for _ in range(6):
+        x = torch.randint(0, 48, (16, 8))
+        loss = model(x).logsumexp(-1).mean()
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return [fabric.strategy.comm_stats()["onebit/phase"], opt.step_count]
+
+fabric = L.Fabric(
+    accelerator="cpu", devices=2, strategy=lightning_onebit.OneBitFabricStrategy(
+        freeze_step=3, start_method="fork"))
+print("RESULT:", fabric.launch(train))
+"""
+
+
+@pytest.mark.slow
+def test_the_notebook_names_run_from_an_interactive_parent(tmp_path: Path) -> None:
+    """From an interactive session: the script-launched name is refused with our message (not
+    Lightning's, which names plain DDP), the fork-started one trains."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", _NOTEBOOK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "REFUSED: strategy='onebit_adam' starts each rank" in run.stdout, run.stdout
+    assert "strategy='onebit_adam_notebook'" in run.stdout and "ddp_notebook" not in run.stdout
+    assert "RESULT: [1.0, 6]" in run.stdout, run.stdout
