@@ -575,3 +575,33 @@ def test_the_notebook_names_run_from_an_interactive_parent(tmp_path: Path) -> No
     assert "REFUSED: strategy='onebit_adam' starts each rank" in run.stdout, run.stdout
     assert "strategy='onebit_adam_notebook'" in run.stdout and "ddp_notebook" not in run.stdout
     assert "RESULT: [1.0, 6]" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_the_phase_switch_without_callbacks(tmp_path: Path) -> None:
+    """A fraction of the strategy's ``max_steps``; ``adaptive_freeze`` switching when the
+    Trainer's callback does (the same run)."""
+    fraction = _fabric(
+        tmp_path / "fraction",
+        OneBitFabricStrategy(freeze_step=0.25, max_steps=16, start_method="fork"),
+        lr=LR["onebit_adam"],
+        steps=16,
+    )
+    assert [s["onebit/phase"] for s in fraction[0]["stats"]] == [0.0] * 4 + [1.0] * 12
+    adaptive = dict(freeze_step=14, adaptive_freeze=True, freeze_window=2, freeze_threshold=0.6)
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(**adaptive, start_method="fork"),
+        steps=16,
+        model=CharModel(lr=LR["onebit_adam"]),
+    )
+    fabric = _fabric(
+        tmp_path / "adaptive",
+        OneBitFabricStrategy(**adaptive, start_method="fork"),
+        lr=LR["onebit_adam"],
+        steps=16,
+    )
+    phases = [s["onebit/phase"] for s in fabric[0]["stats"]]
+    assert 0 < phases.count(0.0) < 14, phases  # switched early, on the variance's stability
+    assert fabric[0]["comm_stats"] == trainer[0]["comm_stats"]
+    _assert_params_close(fabric[0]["params"], trainer[0]["params"])
