@@ -52,8 +52,6 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
@@ -61,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
+from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
 from lightning_onebit._errors import quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.checkpoint_io import (
@@ -190,7 +189,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if (
-            _IS_INTERACTIVE
+            IS_INTERACTIVE
             and self.launcher is not None
             and not self.launcher.is_interactive_compatible
         ):
@@ -452,7 +451,7 @@ _OPTIMIZER_OPTIONS = (
 )
 
 
-class _PausingBackwardSyncControl(_DDPBackwardSyncControl):
+class _PausingBackwardSyncControl(DDPBackwardSyncControl):
     """``fabric.no_backward_sync``: DDP's ``no_sync`` and the 1-bit exchange paused (a backward
     without a step must not start the step's exchange)."""
 
