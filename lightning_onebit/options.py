@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_onebit._checks import _check_same_model_on_every_rank
@@ -174,6 +174,16 @@ class OneBitOptions:
                 for i, p in enumerate(g["params"])
             ]
         )
+        return new
+
+    def _optimizer_from_hparams(
+        self, params: list[torch.nn.Parameter], hparams: dict[str, Any], where: str
+    ) -> OneBitOptimizer:
+        """The chosen algorithm's optimizer over ``params`` (one group) with ``hparams`` (lr,
+        betas, ...; e.g. a DeepSpeed config's)."""
+        cls = ALGORITHMS[self.algorithm]
+        new = cls(params, **self._algorithm_kwargs(cls, dict(hparams or {})))
+        rank_zero_info(f"OneBitStrategy: {cls.__name__} from the {where} ({hparams or 'defaults'})")
         return new
 
     @staticmethod

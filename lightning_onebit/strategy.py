@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
-import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -54,15 +52,14 @@ from typing_extensions import override
 from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, MockOptimizer
-from lightning_onebit._errors import quiet_errors_on_this_rank
+from lightning_onebit._errors import name_unused_parameters, quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.checkpoint_io import (
     _PATH,
-    _find_rank_state,
     _rank_file_name,
-    _rank_files_note,
     _write_rank_file,
+    read_rank_state,
 )
 from lightning_onebit.convert import repoint_schedulers, warn_if_config_differs
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
@@ -197,7 +194,14 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
     ) -> None:
         if deepspeed_config is not None:
             given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-            self._init_from_deepspeed(given)
+            defaults = inspect.signature(OneBitStrategy.__init__).parameters
+            args, hparams, note = _deepspeed.strategy_arguments(
+                given, {k: p.default for k, p in defaults.items()}
+            )
+            OneBitStrategy.__init__(self, **args)
+            self.deepspeed_optimizer = hparams
+            if note:
+                rank_zero_warn(note, category=UserWarning)
             return
         check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(
@@ -250,27 +254,6 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         self.deepspeed_optimizer: dict[str, Any] | None = (
             None  # lr, betas, ... of a DeepSpeed config
         )
-
-    def _init_from_deepspeed(self, given: dict[str, Any]) -> None:
-        """``__init__`` with the options a DeepSpeed config sets (see ``from_deepspeed_config``)."""
-        config = given.pop("deepspeed_config")
-        kwargs = given.pop("kwargs")
-        algorithm, options, hparams, notes = _deepspeed.read(config)
-        defaults = {
-            k: p.default for k, p in inspect.signature(OneBitStrategy.__init__).parameters.items()
-        }
-        for key, value in options.items():
-            if given[key] != defaults[key] and given[key] != value:  # an explicit argument wins
-                notes.append(f"{key}={given[key]!r} given as an argument (the config: {value!r})")
-            else:
-                given[key] = value
-        OneBitStrategy.__init__(self, **given, **kwargs)
-        self.deepspeed_optimizer = hparams
-        if notes:
-            rank_zero_warn(
-                f"DeepSpeed config ({algorithm}): " + "; ".join(notes),
-                category=UserWarning,
-            )
 
     @classmethod
     def from_deepspeed_config(
@@ -359,19 +342,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # (DDPStrategy's own message names DDP's strategies, which would drop 1-bit training)
-        pattern = ".*Expected to have finished reduction in the prior iteration.*"
-        new_message = (
-            "Some parameters of your LightningModule were not used in producing the loss "
-            "returned by training_step. If this is intentional, enable the detection of "
-            f"unused parameters: strategy='{self.algorithm}_find_unused_parameters_true' or "
-            f"OneBitStrategy(algorithm='{self.algorithm}', find_unused_parameters=True) "
-            "(DDPStrategy(find_unused_parameters=True) would train without 1-bit compression)"
-        )
-        exception.args = tuple(
-            new_message if isinstance(a, str) and re.match(pattern, a, re.DOTALL) else a
-            for a in exception.args
-        )
+        name_unused_parameters(exception, self.algorithm)  # (not DDP's strategies)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -483,7 +454,8 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             raise MisconfigurationException(_ONE_OPTIMIZER)
         original = self.optimizers[0]
         if isinstance(original, MockOptimizer) and self.deepspeed_optimizer is not None:
-            new = self._from_deepspeed_hparams(trainer.lightning_module)
+            params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
+            new = self._optimizer_from_hparams(params, self.deepspeed_optimizer, "DeepSpeed config")
             self._converted_optimizer = True
             self.optimizers = [new]
         elif isinstance(original, MockOptimizer):
@@ -502,17 +474,6 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
                 schedulers = [config.scheduler for config in self.lr_scheduler_configs]
                 repoint_schedulers(schedulers, original, new, self._lr_scale)
             self.optimizers = [new]
-
-    def _from_deepspeed_hparams(self, module: pl.LightningModule) -> OneBitOptimizer:
-        """The optimizer of a DeepSpeed config, over every trainable parameter (one group)."""
-        cls = ALGORITHMS[self.algorithm]
-        hparams = self.deepspeed_optimizer or {}
-        params = [p for p in module.parameters() if p.requires_grad]
-        new = cls(params, **self._algorithm_kwargs(cls, dict(hparams)))
-        rank_zero_info(
-            f"OneBitStrategy: {cls.__name__} from the DeepSpeed config ({hparams or 'defaults'})"
-        )
-        return new
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -548,23 +509,9 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         self._rank_state = None
         if "optimizer_states" not in checkpoint:  # weights only: nothing per rank to restore
             return checkpoint
-        state, looked = _find_rank_state(
+        self._rank_state = read_rank_state(
             checkpoint_path, checkpoint, self.global_rank, self.world_size
         )
-        self._rank_state = state
-        if self.global_rank == 0:  # one message for every rank, from rank 0
-            note = _rank_files_note(
-                checkpoint_path, checkpoint, self.world_size, found=state is not None, looked=looked
-            )
-            if note:
-                rank_zero_warn(note)
-        elif state is None and any("from step" in p for p in looked):  # what rank 0 cannot see
-            warnings.warn(
-                f"rank {self.global_rank}: no per-rank 1-bit state from the checkpoint's step "
-                f"(looked for {', '.join(looked)}); this rank's error buffers restart from zero",
-                UserWarning,
-                stacklevel=1,
-            )
         return checkpoint
 
     @override
