@@ -62,12 +62,7 @@ from lightning_onebit._checks import _check_dense_gradients, _check_same_model_o
 from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
 from lightning_onebit._errors import quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
-from lightning_onebit.checkpoint_io import (
-    _find_rank_state,
-    _rank_file_name,
-    _rank_files_note,
-    _write_rank_file,
-)
+from lightning_onebit.checkpoint_io import _rank_file_name, _write_rank_file, read_rank_state
 from lightning_onebit.convert import repoint_schedulers, schedulers_of
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitOptimizer
@@ -417,14 +412,11 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             return remainder
         meta = remainder.pop("onebit", None) or {}
         self._switch.load_state_dict(meta.get("phase_switch") or {})
+        if self._switch.switch_step is not None and opt.phase == opt.PHASES[0]:
+            # a fraction of max_steps is decided once per run: a resumed run keeps its switch
+            opt.switch_step = self._switch.switch_step
         view = {"global_step": meta.get("global_step"), "onebit": meta}
-        rank_state, looked = _find_rank_state(path, view, self.global_rank, self.world_size)
-        if self.global_rank == 0:  # one message for every rank, from rank 0
-            note = _rank_files_note(
-                path, view, self.world_size, found=rank_state is not None, looked=looked
-            )
-            if note:
-                rank_zero_warn(note)
+        rank_state = read_rank_state(path, view, self.global_rank, self.world_size)
         if rank_state is None:
             return remainder
         opt.load_rank_state_dict(rank_state["optimizer"])

@@ -605,3 +605,23 @@ def test_the_phase_switch_without_callbacks(tmp_path: Path) -> None:
     assert 0 < phases.count(0.0) < 14, phases  # switched early, on the variance's stability
     assert fabric[0]["comm_stats"] == trainer[0]["comm_stats"]
     _assert_params_close(fabric[0]["params"], trainer[0]["params"])
+
+
+@pytest.mark.slow
+def test_a_fractional_switch_is_kept_on_resume(tmp_path: Path) -> None:
+    """``freeze_step=0.5`` of ``max_steps=20`` switches after step 10; resumed in the warmup
+    with ``max_steps=40``, the run still switches after step 10 (decided once per run)."""
+    loop = dict(lr=LR["onebit_adam"], steps=20)
+    _fabric(
+        tmp_path / "first",
+        OneBitFabricStrategy(freeze_step=0.5, max_steps=20, start_method="fork"),
+        stop_at=6,
+        **loop,
+    )
+    resumed = _fabric(
+        tmp_path / "second",
+        OneBitFabricStrategy(freeze_step=0.5, max_steps=40, start_method="fork"),
+        resume=tmp_path / "first" / "ckpt.pt",
+        **loop,
+    )
+    assert [s["onebit/phase"] for s in resumed[0]["stats"]] == [0.0] * 4 + [1.0] * 10
