@@ -136,20 +136,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     ) -> None:
         check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
-        given = locals()
-        self._set_options(
-            algorithm,
-            freeze_step,
-            adaptive_freeze,
-            freeze_threshold,
-            freeze_window,
-            {k: given[k] for k in _OPTIMIZER_OPTIONS},
-            lamb_lr,
-            overlap_bucket_mb,
-            average_dtype,
-            timeout,
-            start_method,
-        )
+        self._set_options(locals())
         if max_steps is not None and not (
             isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0
         ):
@@ -424,23 +411,6 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             # 0/1 Adam between two synchronisations: this rank's own parameters
             self._module.load_state_dict(rank_state["model"], strict=strict)
         return remainder
-
-
-#: the algorithms' options (the constructor arguments passed on to the optimizer)
-_OPTIMIZER_OPTIONS = (
-    "var_update_scaler",
-    "local_step_scaler",
-    "local_step_clipper",
-    "max_coeff",
-    "min_coeff",
-    "coeff_beta",
-    "factor_max",
-    "factor_min",
-    "factor_threshold",
-    "bias_correction",
-    "variance_floor",
-    "preconditioned_exchange",
-)
 
 
 class _PausingBackwardSyncControl(DDPBackwardSyncControl):

@@ -7,6 +7,7 @@ One implementation of each, used by both: the strategies differ only in how Ligh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -63,26 +64,38 @@ def check_strategy_args(algorithm: str, timeout: Any, kwargs: dict[str, Any]) ->
         )
 
 
+#: the algorithms' options among the strategies' arguments (passed on to the optimizer; each is
+#: declared, with its default, in the ``OPTIONS`` and ``__init__`` of the optimizers)
+OPTIMIZER_OPTIONS = (
+    "var_update_scaler",
+    "local_step_scaler",
+    "local_step_clipper",
+    "max_coeff",
+    "min_coeff",
+    "coeff_beta",
+    "factor_max",
+    "factor_min",
+    "factor_threshold",
+    "bias_correction",
+    "variance_floor",
+    "preconditioned_exchange",
+)
+
+
 class OneBitOptions:
     """The options of both strategies (validated at construction) and what they do with them:
     the optimizer's keyword arguments, the conversion of a torch Adam/AdamW."""
 
     algorithm: str
 
-    def _set_options(
-        self,
-        algorithm: str,
-        freeze_step: int | float | None,
-        adaptive_freeze: bool,
-        freeze_threshold: float,
-        freeze_window: int,
-        optimizer_options: dict[str, Any],
-        lamb_lr: float | None,
-        overlap_bucket_mb: float | None,
-        average_dtype: str | torch.dtype | None,
-        timeout: timedelta | None,
-        start_method: str,
-    ) -> None:
+    def _set_options(self, given: Mapping[str, Any]) -> None:
+        """Validate and keep the options in ``given`` (the constructor's arguments by name)."""
+        algorithm, freeze_step = given["algorithm"], given["freeze_step"]
+        adaptive_freeze, freeze_threshold = given["adaptive_freeze"], given["freeze_threshold"]
+        freeze_window, lamb_lr = given["freeze_window"], given["lamb_lr"]
+        overlap_bucket_mb, average_dtype = given["overlap_bucket_mb"], given["average_dtype"]
+        timeout, start_method = given["timeout"], given["start_method"]
+        optimizer_options = {k: given[k] for k in OPTIMIZER_OPTIONS}
         self.algorithm = algorithm
         self.start_method = start_method
         self.timeout = timeout

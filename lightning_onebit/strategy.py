@@ -223,37 +223,10 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             "log_stats": log_comm_stats,
             "progress_bar": comm_stats_on_progress_bar,
         }
-        self._set_options(
-            algorithm,
-            freeze_step,
-            adaptive_freeze,
-            freeze_threshold,
-            freeze_window,
-            {
-                "var_update_scaler": var_update_scaler,
-                "local_step_scaler": local_step_scaler,
-                "local_step_clipper": local_step_clipper,
-                "max_coeff": max_coeff,
-                "min_coeff": min_coeff,
-                "coeff_beta": coeff_beta,
-                "factor_max": factor_max,
-                "factor_min": factor_min,
-                "factor_threshold": factor_threshold,
-                "bias_correction": bias_correction,
-                "variance_floor": variance_floor,
-                "preconditioned_exchange": preconditioned_exchange,
-            },
-            lamb_lr,
-            overlap_bucket_mb,
-            average_dtype,
-            timeout,
-            start_method,
-        )
+        self._set_options(locals())
         self._hook_state: _HookState | None = None
         self._rank_state: dict[str, Any] | None = None
-        self.deepspeed_optimizer: dict[str, Any] | None = (
-            None  # lr, betas, ... of a DeepSpeed config
-        )
+        self.deepspeed_optimizer: dict[str, Any] | None = None  # lr, betas, ... of a config
 
     @classmethod
     def from_deepspeed_config(
