@@ -70,8 +70,9 @@ from lightning_onebit.options import (
     OneBitOptions,
     check_no_inherited_group,
     check_strategy_args,
+    configure_overlap,
     notebook_message,
-    overlap_blocker,
+    overlap_paused,
     register_names,
 )
 from lightning_onebit.phase_switch import PhaseSwitch
@@ -251,11 +252,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             )
         self._switch.start(new, total, converted)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
-        why = overlap_blocker(False, scaler)
-        if self.overlap_bucket_mb is not None and why is None:
-            new.overlap_with_backward(self.overlap_bucket_mb, timeout=self.timeout)
-        elif why is not None and self.overlap_bucket_mb is not None:
-            rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
+        # (clipping, unknown yet, turns it off later: see _unclip_overlap)
+        configure_overlap(new, self.overlap_bucket_mb, self.timeout, False, scaler)
         if self.world_size == 1:
             rank_zero_warn(
                 f"{self.algorithm} with a single process has nobody to exchange with: its steps "
@@ -424,16 +422,14 @@ class _PausingBackwardSyncControl(DDPBackwardSyncControl):
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return contextlib.nullcontext()
-        return self._paused(super().no_backward_sync(module, enabled))
-
-    @contextlib.contextmanager
-    def _paused(self, no_sync: AbstractContextManager) -> Generator[None, None, None]:
+        no_sync = super().no_backward_sync(module, enabled)
         opt = self.strategy._optimizer
-        if opt is not None:
-            opt.overlap_paused = True
-        try:
-            with no_sync:
-                yield
-        finally:
-            if opt is not None:
-                opt.overlap_paused = False
+        return _chain(overlap_paused([opt] if opt is not None else []), no_sync)
+
+
+@contextlib.contextmanager
+def _chain(*managers: AbstractContextManager) -> Generator[None, None, None]:
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield

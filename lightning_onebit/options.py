@@ -7,7 +7,8 @@ One implementation of each, used by both: the strategies differ only in how Ligh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -254,6 +255,36 @@ def notebook_message(algorithm: str, cls_name: str) -> str:
         f"strategy='{algorithm}_notebook' (fork-started ranks), or "
         f"{cls_name}(algorithm='{algorithm}', start_method='fork')"
     )
+
+
+def configure_overlap(
+    opt: OneBitOptimizer,
+    bucket_mb: float | None,
+    timeout: timedelta | None,
+    clipping: bool,
+    scaler: bool,
+) -> None:
+    """Overlap ``opt``'s exchange with backward in buckets of ``bucket_mb`` MiB, unless
+    something edits the gradients between backward and the step (said once, as info)."""
+    if bucket_mb is None:
+        return
+    why = overlap_blocker(clipping, scaler)
+    if why is not None:
+        rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
+        return
+    opt.overlap_with_backward(bucket_mb, timeout=timeout)
+
+
+@contextlib.contextmanager
+def overlap_paused(opts: list[OneBitOptimizer]) -> Generator[None, None, None]:
+    """A backward without a step (gradient accumulation): the exchange must not start yet."""
+    for o in opts:
+        o.overlap_paused = True
+    try:
+        yield
+    finally:
+        for o in opts:
+            o.overlap_paused = False
 
 
 def overlap_blocker(clipping: bool, scaler: bool) -> str | None:

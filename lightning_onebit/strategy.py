@@ -19,11 +19,14 @@ What it changes relative to :class:`~lightning.pytorch.strategies.DDPStrategy`:
   its own ``<checkpoint>.onebit-rank<R>-of-<W>`` file beside the checkpoint and reads it back on
   resume with the same world size; otherwise the error buffers restart from zero, with a warning.
 
-The pieces live in modules of one job each: :mod:`~lightning_onebit.convert` (Adam/AdamW to a
-1-bit optimizer, LR schedulers), :mod:`~lightning_onebit.hook` (the DDP communication hook),
-:mod:`~lightning_onebit.amp` (the rank-synced loss scaler), :mod:`~lightning_onebit.checkpoint_io`
-(per-rank files) and ``_checks`` (cross-rank model checks); this module wires them into
-Lightning's ``DDPStrategy``.
+The pieces live in modules of one job each, shared with the Fabric strategy
+(:class:`~lightning_onebit.fabric.OneBitFabricStrategy`): :mod:`~lightning_onebit.options` (the
+options and their checks, the registered names, the optimizer from Adam/AdamW, the overlap
+settings), :mod:`~lightning_onebit.convert` (Adam/AdamW to a 1-bit optimizer, LR schedulers),
+:mod:`~lightning_onebit.hook` (the DDP communication hook), :mod:`~lightning_onebit.amp` (the
+rank-synced loss scaler), :mod:`~lightning_onebit.phase_switch` (when compression starts; the
+callback wraps it), :mod:`~lightning_onebit.checkpoint_io` (per-rank files) and ``_checks``
+(cross-rank model checks); this module wires them into Lightning's ``DDPStrategy``.
 
 Gradient clipping clips what ``optimizer.step()`` receives: the averaged gradient in warmup and
 this rank's *local* gradient in the compression phase.
@@ -45,7 +48,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -69,8 +72,9 @@ from lightning_onebit.options import (
     OneBitOptions,
     check_no_inherited_group,
     check_strategy_args,
+    configure_overlap,
     notebook_message,
-    overlap_blocker,
+    overlap_paused,
     register_names,
 )
 
@@ -360,31 +364,21 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             )
 
     def _configure_overlap(self, trainer: pl.Trainer) -> None:
-        if self.overlap_bucket_mb is None or trainer.state.fn != "fit":
+        if trainer.state.fn != "fit":
             return
-        opt = self.onebit_optimizer
-        scaler = isinstance(self.precision_plugin, MixedPrecision) and (
-            self.precision_plugin.scaler is not None
+        plugin = self.precision_plugin
+        scaler = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
+        clipping = bool(trainer.gradient_clip_val)
+        configure_overlap(
+            self.onebit_optimizer, self.overlap_bucket_mb, self.timeout, clipping, scaler
         )
-        why = overlap_blocker(bool(trainer.gradient_clip_val), scaler)
-        if why is not None:
-            rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
-            return
-        opt.overlap_with_backward(self.overlap_bucket_mb, timeout=self.timeout)
 
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        # a backward without a step (gradient accumulation): the exchange must not start yet
         opts = [o for o in self.optimizers if isinstance(o, OneBitOptimizer)]
-        for o in opts:
-            o.overlap_paused = True
-        try:
-            with super().block_backward_sync():
-                yield
-        finally:
-            for o in opts:
-                o.overlap_paused = False
+        with overlap_paused(opts), super().block_backward_sync():
+            yield
 
     @override
     def configure_ddp(self) -> None:
