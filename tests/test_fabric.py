@@ -625,3 +625,34 @@ def test_a_fractional_switch_is_kept_on_resume(tmp_path: Path) -> None:
         **loop,
     )
     assert [s["onebit/phase"] for s in resumed[0]["stats"]] == [0.0] * 4 + [1.0] * 10
+
+
+def _own_optimizer(fabric: L.Fabric, out: Path, kind: str) -> None:
+    model = CharNet()
+    if kind == "sgd":
+        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return
+    own = OneBitLamb(model.parameters(), lr=1e-3, freeze_step=3)
+    model, optimizer = fabric.setup(model, own)
+    gen = torch.Generator().manual_seed(fabric.global_rank)
+    for _ in range(6):
+        x = torch.randint(0, 48, (16, 8), generator=gen)
+        fabric.backward(model(x).logsumexp(-1).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert fabric.strategy.onebit_optimizer is own and not own.average_warmup_grads
+    record = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    record["phase"], record["steps"] = str(own.phase), own.step_count
+    torch.save(record, out / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_an_own_optimizer_is_used_as_built_and_others_are_refused(tmp_path: Path) -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="onebit_adam_notebook")
+    fabric.launch(_own_optimizer, tmp_path, "own")  # (a OneBitLamb under "onebit_adam": warned)
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    _same_on_both_ranks(records)
+    assert (records[0]["phase"], records[0]["steps"]) == ("compression", 6)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="onebit_adam_notebook")
+    with pytest.raises(Exception, match="cannot run SGD"):
+        fabric.launch(_own_optimizer, tmp_path, "sgd")
