@@ -248,7 +248,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             rank_zero_warn(
                 f"{self.algorithm}: compression starts after {type(new).__name__}'s default "
                 f"{new._switch_attr}={new.switch_step} steps (with no max_steps, 0.2 of the run "
-                "cannot be known); pass OneBitFabricStrategy(max_steps=...) or freeze_step=..."
+                "cannot be known); pass OneBitFabricStrategy(max_steps=...) (0.2 of it), "
+                "freeze_step=... or adaptive_freeze=True"
             )
         self._switch.start(new, total, converted)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None

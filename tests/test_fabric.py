@@ -656,3 +656,46 @@ def test_an_own_optimizer_is_used_as_built_and_others_are_refused(tmp_path: Path
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="onebit_adam_notebook")
     with pytest.raises(Exception, match="cannot run SGD"):
         fabric.launch(_own_optimizer, tmp_path, "sgd")
+
+
+_SCRIPT = """
+import lightning as L, torch
+import lightning_onebit
+
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy="onebit_adam")
+fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+gen = torch.Generator().manual_seed(fabric.global_rank)
+for step in range(12):
+    x = torch.randn(32, 16, generator=gen)
+    fabric.backward((model(x) - x.sum(1, keepdim=True).sin()).square().mean())
+    opt.step()
+    opt.zero_grad()
+    if step == 4:  # (the name gives no freeze_step: switch by hand, on every rank)
+        fabric.strategy.onebit_optimizer.freeze()
+fabric.save("ckpt.pt", {"model": model, "optimizer": opt})
+stats = fabric.strategy.comm_stats()
+print(f"RANK {fabric.global_rank}: {type(opt.optimizer).__name__} {stats['onebit/phase']}")
+"""
+
+
+@pytest.mark.slow
+def test_a_script_launched_run(tmp_path: Path) -> None:
+    """``L.Fabric(devices=2, strategy="onebit_adam")`` in a script (Fabric starts rank 1 by
+    running the script again), as the issue tried it. By name, with no max_steps, the
+    optimizer's own freeze_step (100000) applies, with a warning."""
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, "train.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"RANK {rank}: OneBitAdam 1.0" in run.stdout, run.stdout
+    assert "default freeze_step=100000" in run.stderr
+    files = sorted(p.name for p in tmp_path.glob("ckpt.pt*"))
+    assert files == ["ckpt.pt", "ckpt.pt.onebit-rank0-of-2", "ckpt.pt.onebit-rank1-of-2"]
