@@ -71,9 +71,13 @@ from lightning_onebit.options import (
     check_no_inherited_group,
     check_strategy_args,
     configure_overlap,
+    destroy_single_process_group,
     notebook_message,
+    one_thread_per_forked_rank,
     overlap_paused,
     register_names,
+    stop_overlaps,
+    warn_single_process,
 )
 from lightning_onebit.phase_switch import PhaseSwitch
 
@@ -180,10 +184,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._start_method == "fork" and self.num_processes > 1:
-            # GNU OpenMP cannot run a parallel region in a forked child once the parent has
-            # used its thread pool (see OneBitStrategy.setup_environment). One thread per rank.
-            torch.set_num_threads(1)
+        one_thread_per_forked_rank(self._start_method, self.num_processes)
         check_no_inherited_group(self.num_nodes * self.num_processes)
         super().setup_environment()
         quiet_errors_on_this_rank(self.global_rank)
@@ -193,9 +194,9 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._optimizer is not None and self._optimizer.overlaps_backward:
-            self._optimizer.overlap_with_backward(None)  # stops its thread, removes its hooks
+        stop_overlaps([self._optimizer])
         super().teardown()
+        destroy_single_process_group()
 
     # ------------------------------------------------------------------ setup
 
@@ -256,11 +257,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         # (clipping, unknown yet, turns it off later: see _unclip_overlap)
         configure_overlap(new, self.overlap_bucket_mb, self.timeout, False, scaler)
         if self.world_size == 1:
-            rank_zero_warn(
-                f"{self.algorithm} with a single process has nobody to exchange with: its steps "
-                "are those of a 1-rank 1-bit run (compressed momentum), not Adam's. Use it to "
-                "debug; train on one device with strategy='auto' and torch.optim.Adam/AdamW"
-            )
+            warn_single_process(self.algorithm)
         return new
 
     def _name_parameters(self) -> None:

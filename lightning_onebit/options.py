@@ -295,3 +295,34 @@ def overlap_blocker(clipping: bool, scaler: bool) -> str | None:
     if scaler:
         return "the 16-mixed loss scaler unscales the gradients after backward"
     return None
+
+
+def one_thread_per_forked_rank(start_method: str, num_processes: int) -> None:
+    """GNU OpenMP cannot run a parallel region in a forked child once the parent has used its
+    thread pool (the child waits forever for threads that did not survive the fork), and a
+    notebook's parent process usually has. One thread per fork-started rank."""
+    if start_method == "fork" and num_processes > 1:
+        torch.set_num_threads(1)
+
+
+def stop_overlaps(optimizers: list[Any]) -> None:
+    """At teardown: stop the overlap's thread and remove its hooks."""
+    for opt in optimizers:
+        if isinstance(opt, OneBitOptimizer) and opt.overlaps_backward:
+            opt.overlap_with_backward(None)
+
+
+def destroy_single_process_group() -> None:
+    """At teardown: a single-process run initialised a group in this process; leaving it would
+    be inherited by the ranks of a later fork-started run (notebooks) and break them."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()
+
+
+def warn_single_process(algorithm: str) -> None:
+    rank_zero_warn(
+        f"{algorithm} with a single process (devices=1, num_nodes=1) has nobody to "
+        "exchange with: it sends nothing either way, and its steps are those of a "
+        "1-rank 1-bit run (compressed momentum), not Adam's. Use it to debug; train on "
+        "one device with strategy='auto' and torch.optim.Adam/AdamW"
+    )

@@ -43,7 +43,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -73,9 +72,13 @@ from lightning_onebit.options import (
     check_no_inherited_group,
     check_strategy_args,
     configure_overlap,
+    destroy_single_process_group,
     notebook_message,
+    one_thread_per_forked_rank,
     overlap_paused,
     register_names,
+    stop_overlaps,
+    warn_single_process,
 )
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
@@ -277,22 +280,13 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        for opt in self.optimizers:
-            if isinstance(opt, OneBitOptimizer) and opt.overlaps_backward:
-                opt.overlap_with_backward(None)  # stops its thread, removes its hooks
+        stop_overlaps(self.optimizers)
         super().teardown()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-            # A single-process run initialised a group in this process; leaving it would be
-            # inherited by the ranks of a later fork-started fit (notebooks) and break them.
-            dist.destroy_process_group()
+        destroy_single_process_group()
 
     @override
     def setup_environment(self) -> None:
-        if self.start_method == "fork" and self.num_processes > 1:
-            # GNU OpenMP cannot run a parallel region in a forked child once the parent has
-            # used its thread pool (the child waits forever for threads that did not survive
-            # the fork), and a notebook's parent process usually has. One thread per rank.
-            torch.set_num_threads(1)
+        one_thread_per_forked_rank(self.start_method, self.num_processes)
         super().setup_environment()
         quiet_errors_on_this_rank(self.global_rank)
         # Add the phase-switch callback before Lightning restores callback states from a
@@ -356,12 +350,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             self._hook_state.optimizer = self.onebit_optimizer
         self._configure_overlap(trainer)
         if self.world_size == 1 and trainer.state.fn == "fit":
-            rank_zero_warn(
-                f"{self.algorithm} with a single process (devices=1, num_nodes=1) has nobody to "
-                "exchange with: it sends nothing either way, and its steps are those of a "
-                "1-rank 1-bit run (compressed momentum), not Adam's. Use it to debug; train on "
-                "one device with strategy='auto' and torch.optim.Adam/AdamW"
-            )
+            warn_single_process(self.algorithm)
 
     def _configure_overlap(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != "fit":
