@@ -686,12 +686,23 @@ def test_a_script_launched_run(tmp_path: Path) -> None:
     """``L.Fabric(devices=2, strategy="onebit_adam")`` in a script (Fabric starts rank 1 by
     running the script again), as the issue tried it. By name, with no max_steps, the
     optimizer's own freeze_step (100000) applies, with a warning."""
+    import os
     import subprocess
     import sys
 
     (tmp_path / "train.py").write_text(_SCRIPT)
+    # a fresh shell's environment: Lightning leaves LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ... in
+    # this process after an in-process fit, and a script that inherits LOCAL_RANK takes its
+    # ranks for started by someone else and starts none (rank 0 then waits for rank 1)
+    launched = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in (*launched, "MASTER_PORT")}
     run = subprocess.run(
-        [sys.executable, "train.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in (0, 1):
