@@ -18,7 +18,8 @@ The cluster (needs root and iproute2; see ../shared/DESIGN.md §5):
 For each workload, world size, link rate and method it starts one process per rank with
 ``ip netns exec NS env MASTER_ADDR=<rank 0> ... GLOO_SOCKET_IFNAME=veth0 python
 benchmarks/cluster_worker.py`` (a plain gloo training loop; ``pl_<method>`` runs the same
-training through ``L.Trainer(strategy=...)``: see that file) and reports:
+training through ``L.Trainer(strategy=...)``, ``fabric_<method>`` through ``L.Fabric(strategy=...)``:
+see that file) and reports:
 
 * step time: per step, the time until the slowest rank finishes: ``max_r end(r, k) - max_r
   end(r, k-1)`` from timestamps every rank records (``time.monotonic``, one clock machine-wide),
@@ -75,6 +76,8 @@ METHODS = (
 SYNC_METHODS = ("onebit_adam_sync", "zero_one_adam_sync", "onebit_lamb_sync")
 #: The same through ``L.Trainer`` (``OneBitStrategy`` / ``DDPStrategy``; not run by default).
 LIGHTNING_METHODS = ("pl_ddp_adam", "pl_onebit_adam", "pl_zero_one_adam", "pl_onebit_lamb")
+#: The plain loop through ``L.Fabric`` (``OneBitFabricStrategy`` / ``DDPStrategy``; not run by default).
+FABRIC_METHODS = tuple(m.replace("pl_", "fabric_", 1) for m in LIGHTNING_METHODS)
 RATES = ("100mbit", "1gbit", "10gbit", "uncapped")
 #: Model presets (character-level GPT, ~100 tokens). "base" is the ~19M-parameter LM of DESIGN.md §5.
 MODELS = {
@@ -610,7 +613,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rates, args.methods, args.workloads = map(_csv, (args.rates, args.methods, args.workloads))
     for what, got, ok in (
         ("rate", args.rates, None),
-        ("method", args.methods, METHODS + SYNC_METHODS + LIGHTNING_METHODS),
+        ("method", args.methods, METHODS + SYNC_METHODS + LIGHTNING_METHODS + FABRIC_METHODS),
         ("workload", args.workloads, WORKLOADS),
     ):
         bad = [g for g in got if ok is not None and g not in ok]

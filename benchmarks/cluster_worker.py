@@ -34,6 +34,9 @@ Methods (``--config`` key ``method``):
 * ``pl_ddp_adam`` / ``pl_onebit_adam`` / ``pl_zero_one_adam`` / ``pl_onebit_lamb``: the same
   through ``L.Trainer``: Lightning's ``DDPStrategy`` + Adam, or ``OneBitStrategy(algorithm=...,
   freeze_step=warmup, overlap_bucket_mb=overlap_mb)`` converting ``configure_optimizers``' Adam.
+* ``fabric_ddp_adam`` / ``fabric_onebit_adam`` / ``fabric_zero_one_adam`` /
+  ``fabric_onebit_lamb``: the plain loop through ``L.Fabric``: Fabric's ``DDPStrategy`` + Adam,
+  or ``OneBitFabricStrategy`` (the same options) converting the Adam given to ``fabric.setup``.
 
 The model is a small GPT-style character-level LM (:class:`GPT`) trained on the Python standard
 library's source text; ``--model-source examples`` (:func:`build`) trains ``examples/gpt.py``'s
@@ -62,6 +65,8 @@ ONEBIT_METHODS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 DDP_METHODS = ("ddp_adam", "ddp_fp16", "powersgd_r1", "powersgd_r4")
 #: ``pl_<method>`` trains through ``L.Trainer`` (see :func:`_fit_lightning`)
 LIGHTNING_PREFIX = "pl_"
+#: ``fabric_<method>`` trains through ``L.Fabric`` (see :func:`_fit_fabric`)
+FABRIC_PREFIX = "fabric_"
 
 
 # --------------------------------------------------------------------------- model
@@ -398,6 +403,8 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
 
     if method.startswith(LIGHTNING_PREFIX):
         rec = _fit_lightning(cfg, model, batches, rank, world, val, ifname)
+    elif method.startswith(FABRIC_PREFIX):
+        rec = _fit_fabric(cfg, model, batches, rank, world, val, ifname)
     else:
         module, opt, ddp_bytes = _build_method(method, model, cfg, world)
         rec = _Recorder(cfg, rank, model, val, ifname, ddp_bytes)
@@ -482,15 +489,7 @@ def _fit_lightning(
     if algorithm == "ddp_adam":
         strategy = DDPStrategy(timeout=timeout)
     elif algorithm in ONEBIT_METHODS:
-        zero_one = algorithm == "zero_one_adam"
-        strategy = OneBitStrategy(
-            algorithm=algorithm,
-            freeze_step=cfg.get("var_freeze_step", cfg["warmup"]) if zero_one else cfg["warmup"],
-            var_update_scaler=cfg.get("var_update_scaler", 16),
-            overlap_bucket_mb=cfg.get("overlap_mb") or None,
-            average_dtype=cfg.get("average_dtype", "float32"),
-            timeout=timeout,
-        )
+        strategy = OneBitStrategy(**_strategy_options(cfg, algorithm))
     else:
         raise ValueError(f"unknown method {cfg['method']!r}")
     os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
@@ -510,6 +509,69 @@ def _fit_lightning(
         use_distributed_sampler=False,
     )
     trainer.fit(Module(), DataLoader(batches, batch_size=None))
+    return rec
+
+
+def _strategy_options(cfg: dict[str, Any], algorithm: str) -> dict[str, Any]:
+    """The 1-bit strategies' options of the ``pl_`` and ``fabric_`` methods (the same for both)."""
+    zero_one = algorithm == "zero_one_adam"
+    return {
+        "algorithm": algorithm,
+        "freeze_step": cfg.get("var_freeze_step", cfg["warmup"]) if zero_one else cfg["warmup"],
+        "var_update_scaler": cfg.get("var_update_scaler", 16),
+        "overlap_bucket_mb": cfg.get("overlap_mb") or None,
+        "average_dtype": cfg.get("average_dtype", "float32"),
+        "timeout": timedelta(seconds=cfg.get("timeout", 600)),
+    }
+
+
+def _fit_fabric(
+    cfg: dict[str, Any],
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world: int,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+    ifname: str | None,
+) -> _Recorder:
+    """``fabric_<method>``: the plain loop through ``L.Fabric(strategy=...)``, as users write it.
+
+    ``fabric.setup`` gets ``torch.optim.Adam``; ``OneBitFabricStrategy`` converts it,
+    ``fabric_ddp_adam`` keeps it under Fabric's ``DDPStrategy``. The process group is already up
+    and this process is rank ``NODE_RANK`` of ``num_nodes`` one-process nodes (as for ``pl_``).
+    """
+    import lightning as L
+    from lightning.fabric.strategies import DDPStrategy
+
+    from lightning_onebit import OneBitFabricStrategy
+
+    algorithm = cfg["method"].removeprefix(FABRIC_PREFIX)
+    lr = cfg.get("lr_lamb", cfg["lr"]) if algorithm == "onebit_lamb" else cfg["lr"]
+    betas = tuple(cfg.get("betas", (0.9, 0.999)))
+    numel = sum(p.numel() for p in model.parameters())
+    fp32 = 2 * (world - 1) * 4 * numel // world
+    rec = _Recorder(cfg, rank, model, val, ifname, {"warmup": fp32, "compression": fp32})
+    if algorithm == "ddp_adam":
+        strategy: Any = DDPStrategy(timeout=timedelta(seconds=cfg.get("timeout", 600)))
+    elif algorithm in ONEBIT_METHODS:
+        strategy = OneBitFabricStrategy(**_strategy_options(cfg, algorithm))
+    else:
+        raise ValueError(f"unknown method {cfg['method']!r}")
+    os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+    fabric = L.Fabric(accelerator="cpu", devices=1, num_nodes=world, strategy=strategy)
+    fabric.launch()
+    module, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=lr, betas=betas))
+    # (the optimizer the strategy trains with, for its counters and phase)
+    inner = getattr(fabric.strategy, "onebit_optimizer", opt.optimizer)
+    rec.evaluate(0)
+    for step, (x, y) in enumerate(batches, start=1):
+        rec.start()
+        opt.zero_grad(set_to_none=True)
+        loss = module(x, y)
+        fabric.backward(loss)
+        rec.backward_done()
+        opt.step()
+        rec.end(step, inner, loss)
     return rec
 
 

@@ -2,7 +2,8 @@
 
 Importing the package registers the Trainer strategy names ``onebit_adam``, ``zero_one_adam``,
 ``onebit_lamb``, their fork-started notebook variants (``onebit_adam_notebook``, ...) and
-``*_find_unused_parameters_true`` variants in ``lightning.pytorch``'s registry. The separate
+``*_find_unused_parameters_true`` variants in ``lightning.pytorch``'s registry (the Trainer's
+:class:`OneBitStrategy`) and in ``lightning.fabric``'s (Fabric's :class:`OneBitFabricStrategy`). The separate
 ``pytorch_lightning`` package (if already imported) gets the same names, each raising an error
 that says to use ``lightning``.
 
@@ -52,10 +53,16 @@ else:
     from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
 
     OneBitStrategy.register_strategies(StrategyRegistry)
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_onebit.fabric import OneBitFabricStrategy
+
+    OneBitFabricStrategy.register_strategies(STRATEGY_REGISTRY)
     __all__ = [
         "CompressedAllreduce",
         "CompressionScheduler",
         "OneBitAdam",
+        "OneBitFabricStrategy",
         "OneBitLamb",
         "OneBitStrategy",
         "ZeroOneAdam",

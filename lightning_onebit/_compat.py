@@ -20,6 +20,10 @@ from typing import Any
 
 import torch
 
+# Fabric's DDP control of `fabric.no_backward_sync` (DDP's no_sync), which OneBitFabricStrategy
+# extends to pause the overlap with backward; no public way to wrap it exists. (2.6.0-2.6.6)
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl as DDPBackwardSyncControl
+
 # Lightning's own test for "a notebook or the Python shell", before which our message about
 # `*_notebook` names must come (Lightning's suggests 'ddp_notebook'). (2.6.0-2.6.6)
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
@@ -30,7 +34,9 @@ from lightning.pytorch.core.optimizer import _MockOptimizer as MockOptimizer
 
 __all__ = [
     "DDP_HOOKS_OVERRIDDEN",
+    "FABRIC_DDP_PRIVATE",
     "IS_INTERACTIVE",
+    "DDPBackwardSyncControl",
     "MockOptimizer",
     "mark_step_for_lr_schedulers",
     "scaler_found_inf",
@@ -44,6 +50,17 @@ __all__ = [
 #: come before Lightning's check in ``Trainer``). If Lightning renames one, our override would
 #: silently never run: the test checks that Lightning still calls both.
 DDP_HOOKS_OVERRIDDEN = ("_register_ddp_hooks", "_configure_launcher")
+
+#: Fabric DDPStrategy's private members that OneBitFabricStrategy overrides or uses (2.6.0-2.6.6):
+#: ``_configure_launcher`` (our interactive-session message), ``_backward_sync_control`` (what
+#: ``fabric.no_backward_sync`` calls), ``_convert_stateful_objects_in_state`` (the state dicts
+#: of ``fabric.save``'s objects, before we add the per-rank files), ``_start_method``.
+FABRIC_DDP_PRIVATE = (
+    "_configure_launcher",
+    "_backward_sync_control",
+    "_convert_stateful_objects_in_state",
+    "_start_method",
+)
 
 # --------------------------------------------------------------------------- torch
 

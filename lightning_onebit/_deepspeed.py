@@ -136,3 +136,23 @@ def read(
 
 def _ds_names() -> list[str]:
     return ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
+
+
+def strategy_arguments(
+    given: dict[str, Any], defaults: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """``OneBitStrategy.__init__``'s arguments with the options of ``given["deepspeed_config"]``
+    merged in (an argument given explicitly, i.e. not its default in ``defaults``, wins); the
+    config's optimizer hyperparameters; one message naming what the config sets without effect
+    here, or ``None``. ``given``: the arguments as passed (``kwargs`` among them)."""
+    given = dict(given)
+    config = given.pop("deepspeed_config")
+    kwargs = given.pop("kwargs")
+    algorithm, options, hparams, notes = read(config)
+    for key, value in options.items():
+        if given[key] != defaults[key] and given[key] != value:  # an explicit argument wins
+            notes.append(f"{key}={given[key]!r} given as an argument (the config: {value!r})")
+        else:
+            given[key] = value
+    note = f"DeepSpeed config ({algorithm}): " + "; ".join(notes) if notes else None
+    return {**given, **kwargs}, hparams, note

@@ -3,11 +3,17 @@ one traceback (not one per rank) when every rank stops on the same error."""
 
 from __future__ import annotations
 
+import re
 import sys
 from types import TracebackType
 from typing import Any
 
-__all__ = ["misspellings", "quiet_errors_on_this_rank", "refuse_misspelled"]
+__all__ = [
+    "misspellings",
+    "name_unused_parameters",
+    "quiet_errors_on_this_rank",
+    "refuse_misspelled",
+]
 
 #: How users spell our algorithms' names (Lightning lowercases the name first): separators,
 #: digits for words, DeepSpeed's optimizer type names.
@@ -70,3 +76,21 @@ def quiet_errors_on_this_rank(rank: int) -> None:
 
     hook._onebit_rank = rank  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def name_unused_parameters(exception: BaseException, algorithm: str) -> None:
+    """Replace DDP's "Expected to have finished reduction" message in ``exception`` by one that
+    names our ``*_find_unused_parameters_true`` strategies (DDPStrategy's own names DDP's
+    strategies, which would drop 1-bit training)."""
+    pattern = ".*Expected to have finished reduction in the prior iteration.*"
+    new_message = (
+        "Some parameters of your LightningModule were not used in producing the loss "
+        "returned by training_step. If this is intentional, enable the detection of "
+        f"unused parameters: strategy='{algorithm}_find_unused_parameters_true' or "
+        f"OneBitStrategy(algorithm='{algorithm}', find_unused_parameters=True) "
+        "(DDPStrategy(find_unused_parameters=True) would train without 1-bit compression)"
+    )
+    exception.args = tuple(
+        new_message if isinstance(a, str) and re.match(pattern, a, re.DOTALL) else a
+        for a in exception.args
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from fsspec.core import strip_protocol
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
@@ -177,3 +179,26 @@ def _rank_files_note(
         + "; resuming with the 1-bit error buffers of those ranks reset to zero"
         + _local_phase_note(checkpoint, every_rank=changed or len(missing) == world_size)
     )
+
+
+def read_rank_state(
+    path: _PATH, checkpoint: Mapping[str, Any], rank: int, world_size: int
+) -> dict[str, Any] | None:
+    """This rank's file for ``checkpoint`` (loaded from ``path``), or ``None`` with a warning:
+    rank 0 names every rank whose file is missing (the filesystem is shared in the usual case);
+    another rank warns itself only where it saw a file from another step (what rank 0 cannot see)."""
+    state, looked = _find_rank_state(path, checkpoint, rank, world_size)
+    if rank == 0:  # one message for every rank, from rank 0
+        note = _rank_files_note(
+            path, checkpoint, world_size, found=state is not None, looked=looked
+        )
+        if note:
+            rank_zero_warn(note)
+    elif state is None and any("from step" in p for p in looked):
+        warnings.warn(
+            f"rank {rank}: no per-rank 1-bit state from the checkpoint's step "
+            f"(looked for {', '.join(looked)}); this rank's error buffers restart from zero",
+            UserWarning,
+            stacklevel=2,
+        )
+    return state

@@ -4,6 +4,7 @@ is said about it."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +86,35 @@ def _repoint_scheduler(
         )
     # torch wraps optimizer.step to warn when scheduler.step() comes first; wrap the new one too
     mark_step_for_lr_schedulers(new)
+
+
+def repoint_schedulers(
+    schedulers: list[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer, lr_scale: float
+) -> None:
+    """Make every LR scheduler built for ``old`` drive ``new`` (see :func:`_repoint_scheduler`);
+    warn about learning rates that ``lr_scale`` could not reach."""
+    for scheduler in schedulers:
+        _repoint_scheduler(scheduler, old, new, lr_scale)
+    if lr_scale != 1.0:
+        warn_about_unscaled_schedulers(schedulers, old)
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The LR schedulers (torch's, or any object with an ``optimizer`` attribute that is one of
+    torch's scheduler types) that hold ``optimizer``, found among its referrers: a Fabric user
+    builds them before ``fabric.setup`` and may not pass them to it. The outermost ones only
+    (a SequentialLR's children are re-pointed through it)."""
+    found: list[Any] = []
+    for obj in gc.get_referrers(optimizer):
+        if isinstance(obj, dict):  # an instance's __dict__: its owner
+            owners = [o for o in gc.get_referrers(obj) if getattr(o, "__dict__", None) is obj]
+        else:
+            owners = [obj]
+        for o in owners:
+            if isinstance(o, _SCHEDULER_TYPES) and not any(o is f for f in found):
+                found.append(o)
+    children = [c for s in found for c in _schedulers_within(s)[1:]]
+    return [s for s in found if not any(s is c for c in children)]
 
 
 def _schedulers_within(scheduler: Any) -> list[Any]:

@@ -19,11 +19,14 @@ What it changes relative to :class:`~lightning.pytorch.strategies.DDPStrategy`:
   its own ``<checkpoint>.onebit-rank<R>-of-<W>`` file beside the checkpoint and reads it back on
   resume with the same world size; otherwise the error buffers restart from zero, with a warning.
 
-The pieces live in modules of one job each: :mod:`~lightning_onebit.convert` (Adam/AdamW to a
-1-bit optimizer, LR schedulers), :mod:`~lightning_onebit.hook` (the DDP communication hook),
-:mod:`~lightning_onebit.amp` (the rank-synced loss scaler), :mod:`~lightning_onebit.checkpoint_io`
-(per-rank files) and ``_checks`` (cross-rank model checks); this module wires them into
-Lightning's ``DDPStrategy``.
+The pieces live in modules of one job each, shared with the Fabric strategy
+(:class:`~lightning_onebit.fabric.OneBitFabricStrategy`): :mod:`~lightning_onebit.options` (the
+options and their checks, the registered names, the optimizer from Adam/AdamW, the overlap
+settings), :mod:`~lightning_onebit.convert` (Adam/AdamW to a 1-bit optimizer, LR schedulers),
+:mod:`~lightning_onebit.hook` (the DDP communication hook), :mod:`~lightning_onebit.amp` (the
+rank-synced loss scaler), :mod:`~lightning_onebit.phase_switch` (when compression starts; the
+callback wraps it), :mod:`~lightning_onebit.checkpoint_io` (per-rank files) and ``_checks``
+(cross-rank model checks); this module wires them into Lightning's ``DDPStrategy``.
 
 Gradient clipping clips what ``optimizer.step()`` receives: the averaged gradient in warmup and
 this rank's *local* gradient in the compression phase.
@@ -33,47 +36,50 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
-import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, MockOptimizer
-from lightning_onebit._errors import misspellings, quiet_errors_on_this_rank, refuse_misspelled
+from lightning_onebit._errors import name_unused_parameters, quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.checkpoint_io import (
     _PATH,
-    _find_rank_state,
     _rank_file_name,
-    _rank_files_note,
     _write_rank_file,
+    read_rank_state,
 )
-from lightning_onebit.comm import as_average_dtype
-from lightning_onebit.convert import (
-    _repoint_scheduler,
-    convert_adam,
-    warn_about_unscaled_schedulers,
-    warn_if_config_differs,
-)
+from lightning_onebit.convert import repoint_schedulers, warn_if_config_differs
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
-from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.options import (
+    ALGORITHMS,
+    OneBitOptions,
+    check_no_inherited_group,
+    check_strategy_args,
+    configure_overlap,
+    destroy_single_process_group,
+    notebook_message,
+    one_thread_per_forked_rank,
+    overlap_paused,
+    register_names,
+    stop_overlaps,
+    warn_single_process,
+)
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
 
@@ -84,14 +90,8 @@ _ONE_OPTIMIZER = (
     "former optimizer, each with its own lr, betas and weight_decay"
 )
 
-ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
-    "onebit_adam": OneBitAdam,
-    "zero_one_adam": ZeroOneAdam,
-    "onebit_lamb": OneBitLamb,
-}
 
-
-class OneBitStrategy(DDPStrategy):
+class OneBitStrategy(OneBitOptions, DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB.
 
     Use a registered name — ``Trainer(strategy="onebit_adam")``, ``"zero_one_adam"``,
@@ -201,21 +201,16 @@ class OneBitStrategy(DDPStrategy):
     ) -> None:
         if deepspeed_config is not None:
             given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-            self._init_from_deepspeed(given)
+            defaults = inspect.signature(OneBitStrategy.__init__).parameters
+            args, hparams, note = _deepspeed.strategy_arguments(
+                given, {k: p.default for k, p in defaults.items()}
+            )
+            OneBitStrategy.__init__(self, **args)
+            self.deepspeed_optimizer = hparams
+            if note:
+                rank_zero_warn(note, category=UserWarning)
             return
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-        if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
-            raise ValueError(
-                f"timeout must be a datetime.timedelta > 0 or None, got {timeout!r}; "
-                "e.g. timeout=timedelta(minutes=30)"
-            )
-        refused = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-        if any(kwargs.get(k) is not None for k in refused):
-            raise ValueError(
-                "OneBitStrategy installs its own DDP communication hook (and averages no "
-                f"models); remove {'/'.join(refused)}"
-            )
+        check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(
             timeout=timeout,
             start_method=start_method,
@@ -226,9 +221,6 @@ class OneBitStrategy(DDPStrategy):
             model_averaging_period=None,
             **kwargs,
         )
-        self.algorithm = algorithm
-        self.start_method = start_method
-        self.timeout = timeout
         # the callback this strategy adds when the Trainer has none (validated here, now)
         self.scheduler_args: dict[str, Any] = {
             "freeze_step": freeze_step,
@@ -238,66 +230,10 @@ class OneBitStrategy(DDPStrategy):
             "log_stats": log_comm_stats,
             "progress_bar": comm_stats_on_progress_bar,
         }
-        self.freeze_step = self._new_scheduler().freeze_step
-        self.optimizer_options: dict[str, Any] = {
-            "var_update_scaler": var_update_scaler,
-            "local_step_scaler": local_step_scaler,
-            "local_step_clipper": local_step_clipper,
-            "max_coeff": max_coeff,
-            "min_coeff": min_coeff,
-            "coeff_beta": coeff_beta,
-            "factor_max": factor_max,
-            "factor_min": factor_min,
-            "factor_threshold": factor_threshold,
-            "bias_correction": bias_correction,
-            "variance_floor": variance_floor,
-            "preconditioned_exchange": preconditioned_exchange,
-        }
-        self._validate_optimizer_options()
-        if lamb_lr is not None and not (
-            isinstance(lamb_lr, (int, float)) and not isinstance(lamb_lr, bool) and lamb_lr > 0
-        ):
-            raise ValueError(f"lamb_lr must be a number > 0 or None, got {lamb_lr!r}")
-        self.lamb_lr = lamb_lr
-        if overlap_bucket_mb is not None and not (
-            isinstance(overlap_bucket_mb, (int, float))
-            and not isinstance(overlap_bucket_mb, bool)
-            and 0 < overlap_bucket_mb < float("inf")
-        ):
-            raise ValueError(
-                f"overlap_bucket_mb must be a number in (0, inf) or None (no overlap), got "
-                f"{overlap_bucket_mb!r}"
-            )
-        self.overlap_bucket_mb = overlap_bucket_mb
-        self.average_dtype = None if average_dtype is None else as_average_dtype(average_dtype)
+        self._set_options(locals())
         self._hook_state: _HookState | None = None
         self._rank_state: dict[str, Any] | None = None
-        self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
-        self._lr_scale = 1.0  # what the conversion multiplied the learning rates by
-        self.deepspeed_optimizer: dict[str, Any] | None = (
-            None  # lr, betas, ... of a DeepSpeed config
-        )
-
-    def _init_from_deepspeed(self, given: dict[str, Any]) -> None:
-        """``__init__`` with the options a DeepSpeed config sets (see ``from_deepspeed_config``)."""
-        config = given.pop("deepspeed_config")
-        kwargs = given.pop("kwargs")
-        algorithm, options, hparams, notes = _deepspeed.read(config)
-        defaults = {
-            k: p.default for k, p in inspect.signature(OneBitStrategy.__init__).parameters.items()
-        }
-        for key, value in options.items():
-            if given[key] != defaults[key] and given[key] != value:  # an explicit argument wins
-                notes.append(f"{key}={given[key]!r} given as an argument (the config: {value!r})")
-            else:
-                given[key] = value
-        OneBitStrategy.__init__(self, **given, **kwargs)
-        self.deepspeed_optimizer = hparams
-        if notes:
-            rank_zero_warn(
-                f"DeepSpeed config ({algorithm}): " + "; ".join(notes),
-                category=UserWarning,
-            )
+        self.deepspeed_optimizer: dict[str, Any] | None = None  # lr, betas, ... of a config
 
     @classmethod
     def from_deepspeed_config(
@@ -317,28 +253,6 @@ class OneBitStrategy(DDPStrategy):
         """
         return cls(deepspeed_config=config, **overrides)
 
-    def _validate_optimizer_options(self) -> None:
-        """Each optimizer's own checks, now, before any process starts. Every algorithm's
-        options are checked, not only the chosen one's: a bad value is a mistake even where
-        this algorithm ignores it."""
-        for cls in ALGORITHMS.values():
-            cls.check_options(**self._given_options(cls))
-
-    def _given_options(self, cls: type[OneBitOptimizer]) -> dict[str, Any]:
-        """The options of ``cls`` given to this strategy (``None``: the optimizer's default)."""
-        return {
-            k: v for k, v in self.optimizer_options.items() if k in cls.OPTIONS and v is not None
-        }
-
-    def _algorithm_kwargs(
-        self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
-    ) -> dict[str, Any]:
-        kw = dict(defaults)
-        kw.update(self._given_options(ALGORITHMS[self.algorithm]))
-        kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
-        kw["average_dtype"] = self.average_dtype or torch.float32
-        return kw
-
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
         return super().precision_plugin
@@ -347,12 +261,7 @@ class OneBitStrategy(DDPStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # The Trainer sets the plugin at construction: refuse what cannot work before any fit.
         if isinstance(plugin, DoublePrecision):
-            raise ValueError(
-                "precision='64-true' is not supported by OneBitStrategy: the 1-bit optimizers keep "
-                "their states and the compressed exchange in float32, so float64 parameters would "
-                "be updated with float32 arithmetic (0/1 Adam would even round them to float32 at "
-                "every synchronisation); use precision='32-true', 'bf16-mixed' or '16-mixed'"
-            )
+            self._refuse_float64("OneBitStrategy")
         DDPStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ registry
@@ -360,65 +269,24 @@ class OneBitStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for algorithm in ALGORITHMS:
-            for name, start_method in ((algorithm, "popen"), (f"{algorithm}_notebook", "fork")):
-                for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
-                    if name + suffix in strategy_registry:
-                        continue  # a second import (or registration) must not fail
-                    strategy_registry.register(
-                        name + suffix,
-                        cls,
-                        description=f"1-bit compressed DDP ({algorithm}), "
-                        f"start_method={start_method!r}, find_unused_parameters={unused}",
-                        algorithm=algorithm,
-                        start_method=start_method,
-                        find_unused_parameters=unused,
-                    )
-        # near-miss names ("onebit-adam", "1bit_adam", "OneBitAdam"): an error naming the right one
-        canonical = set(strategy_registry)
-        for algorithm in ALGORITHMS:
-            for name, meant in misspellings(algorithm, canonical).items():
-                if name not in strategy_registry:
-                    strategy_registry.register(
-                        name,
-                        partial(refuse_misspelled, name, meant),
-                        description=f"not a name: did you mean {meant!r}?",
-                    )
+        register_names(cls, strategy_registry)
 
     # ------------------------------------------------------------------ setup
 
     @override
     def setup_distributed(self) -> None:
-        expected = self.num_nodes * self.num_processes
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != expected:
-            # A group inherited through fork from an earlier fit in the parent process (e.g. a
-            # notebook that ran devices=1 under plain DDP). Its first collective would never
-            # return, and it cannot be destroyed from a forked child.
-            raise RuntimeError(
-                f"a torch.distributed process group of world size {dist.get_world_size()} from an "
-                f"earlier run is still initialised in this process, but this run has {expected} "
-                "ranks; call torch.distributed.destroy_process_group() before Trainer.fit"
-            )
+        check_no_inherited_group(self.num_nodes * self.num_processes)
         super().setup_distributed()
 
     @override
     def teardown(self) -> None:
-        for opt in self.optimizers:
-            if isinstance(opt, OneBitOptimizer) and opt.overlaps_backward:
-                opt.overlap_with_backward(None)  # stops its thread, removes its hooks
+        stop_overlaps(self.optimizers)
         super().teardown()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-            # A single-process run initialised a group in this process; leaving it would be
-            # inherited by the ranks of a later fork-started fit (notebooks) and break them.
-            dist.destroy_process_group()
+        destroy_single_process_group()
 
     @override
     def setup_environment(self) -> None:
-        if self.start_method == "fork" and self.num_processes > 1:
-            # GNU OpenMP cannot run a parallel region in a forked child once the parent has
-            # used its thread pool (the child waits forever for threads that did not survive
-            # the fork), and a notebook's parent process usually has. One thread per rank.
-            torch.set_num_threads(1)
+        one_thread_per_forked_rank(self.start_method, self.num_processes)
         super().setup_environment()
         quiet_errors_on_this_rank(self.global_rank)
         # Add the phase-switch callback before Lightning restores callback states from a
@@ -441,28 +309,11 @@ class OneBitStrategy(DDPStrategy):
             and not self.launcher.is_interactive_compatible
         ):
             # before Lightning's own check, which suggests 'ddp_notebook' (plain DDP)
-            raise MisconfigurationException(
-                f"strategy={self.algorithm!r} starts each rank by running your script again, and "
-                "an interactive session (a notebook, the Python shell) has none: use "
-                f"strategy='{self.algorithm}_notebook' (fork-started ranks), or "
-                f"OneBitStrategy(algorithm='{self.algorithm}', start_method='fork')"
-            )
+            raise MisconfigurationException(notebook_message(self.algorithm, "OneBitStrategy"))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # (DDPStrategy's own message names DDP's strategies, which would drop 1-bit training)
-        pattern = ".*Expected to have finished reduction in the prior iteration.*"
-        new_message = (
-            "Some parameters of your LightningModule were not used in producing the loss "
-            "returned by training_step. If this is intentional, enable the detection of "
-            f"unused parameters: strategy='{self.algorithm}_find_unused_parameters_true' or "
-            f"OneBitStrategy(algorithm='{self.algorithm}', find_unused_parameters=True) "
-            "(DDPStrategy(find_unused_parameters=True) would train without 1-bit compression)"
-        )
-        exception.args = tuple(
-            new_message if isinstance(a, str) and re.match(pattern, a, re.DOTALL) else a
-            for a in exception.args
-        )
+        name_unused_parameters(exception, self.algorithm)  # (not DDP's strategies)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -499,45 +350,24 @@ class OneBitStrategy(DDPStrategy):
             self._hook_state.optimizer = self.onebit_optimizer
         self._configure_overlap(trainer)
         if self.world_size == 1 and trainer.state.fn == "fit":
-            rank_zero_warn(
-                f"{self.algorithm} with a single process (devices=1, num_nodes=1) has nobody to "
-                "exchange with: it sends nothing either way, and its steps are those of a "
-                "1-rank 1-bit run (compressed momentum), not Adam's. Use it to debug; train on "
-                "one device with strategy='auto' and torch.optim.Adam/AdamW"
-            )
+            warn_single_process(self.algorithm)
 
     def _configure_overlap(self, trainer: pl.Trainer) -> None:
-        if self.overlap_bucket_mb is None or trainer.state.fn != "fit":
+        if trainer.state.fn != "fit":
             return
-        opt = self.onebit_optimizer
-        scaler = isinstance(self.precision_plugin, MixedPrecision) and (
-            self.precision_plugin.scaler is not None
+        plugin = self.precision_plugin
+        scaler = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
+        clipping = bool(trainer.gradient_clip_val)
+        configure_overlap(
+            self.onebit_optimizer, self.overlap_bucket_mb, self.timeout, clipping, scaler
         )
-        why = (
-            "gradient clipping edits the gradients after backward"
-            if trainer.gradient_clip_val
-            else "the 16-mixed loss scaler unscales the gradients after backward"
-            if scaler
-            else None
-        )
-        if why is not None:
-            rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
-            return
-        opt.overlap_with_backward(self.overlap_bucket_mb, timeout=self.timeout)
 
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        # a backward without a step (gradient accumulation): the exchange must not start yet
         opts = [o for o in self.optimizers if isinstance(o, OneBitOptimizer)]
-        for o in opts:
-            o.overlap_paused = True
-        try:
-            with super().block_backward_sync():
-                yield
-        finally:
-            for o in opts:
-                o.overlap_paused = False
+        with overlap_paused(opts), super().block_backward_sync():
+            yield
 
     @override
     def configure_ddp(self) -> None:
@@ -580,7 +410,8 @@ class OneBitStrategy(DDPStrategy):
             raise MisconfigurationException(_ONE_OPTIMIZER)
         original = self.optimizers[0]
         if isinstance(original, MockOptimizer) and self.deepspeed_optimizer is not None:
-            new = self._from_deepspeed_hparams(trainer.lightning_module)
+            params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
+            new = self._optimizer_from_hparams(params, self.deepspeed_optimizer, "DeepSpeed config")
             self._converted_optimizer = True
             self.optimizers = [new]
         elif isinstance(original, MockOptimizer):
@@ -589,60 +420,16 @@ class OneBitStrategy(DDPStrategy):
                 "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
                 "ZeroOneAdam / OneBitLamb"
             )
-        elif isinstance(original, OneBitOptimizer):
-            if type(original) is not ALGORITHMS[self.algorithm]:
-                rank_zero_warn(
-                    f"configure_optimizers returned {type(original).__name__}, but the strategy is "
-                    f"{self.algorithm!r} ({ALGORITHMS[self.algorithm].__name__}): training with "
-                    f"{type(original).__name__} as built (the strategy's algorithm and optimizer "
-                    "options apply when it converts a torch.optim.Adam/AdamW)"
-                )
-            original.average_warmup_grads = False
-            if self.average_dtype is not None:
-                original.average_dtype = self.average_dtype
-            new = original
-        elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
-            if self.deepspeed_optimizer:
-                warn_if_config_differs(original, self.deepspeed_optimizer)
-            cls = ALGORITHMS[self.algorithm]
-            new, self._lr_scale = convert_adam(
-                original,
-                cls,
-                self.algorithm,
-                lambda defaults: self._algorithm_kwargs(cls, defaults),
-                self.lamb_lr,
-            )
-            self._converted_optimizer = True
-            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-            for scheduler in schedulers:
-                _repoint_scheduler(scheduler, original, new, self._lr_scale)
-            if self._lr_scale != 1.0:
-                warn_about_unscaled_schedulers(schedulers, original)
-            self.optimizers = [new]
         else:
-            raise MisconfigurationException(
-                f"OneBitStrategy cannot run {type(original).__name__}: configure_optimizers must return "
-                "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
-                "ZeroOneAdam / OneBitLamb"
+            if self.deepspeed_optimizer and type(original) in (torch.optim.Adam, torch.optim.AdamW):
+                warn_if_config_differs(original, self.deepspeed_optimizer)
+            new = self._onebit_optimizer_from(
+                original, "configure_optimizers returned", "configure_optimizers must return"
             )
-        _check_same_model_on_every_rank(
-            [
-                (f"param_groups[{gi}][{i}]", tuple(p.shape))
-                for gi, g in enumerate(new.param_groups)
-                for i, p in enumerate(g["params"])
-            ]
-        )
-
-    def _from_deepspeed_hparams(self, module: pl.LightningModule) -> OneBitOptimizer:
-        """The optimizer of a DeepSpeed config, over every trainable parameter (one group)."""
-        cls = ALGORITHMS[self.algorithm]
-        hparams = self.deepspeed_optimizer or {}
-        params = [p for p in module.parameters() if p.requires_grad]
-        new = cls(params, **self._algorithm_kwargs(cls, dict(hparams)))
-        rank_zero_info(
-            f"OneBitStrategy: {cls.__name__} from the DeepSpeed config ({hparams or 'defaults'})"
-        )
-        return new
+            if new is not original:
+                schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+                repoint_schedulers(schedulers, original, new, self._lr_scale)
+            self.optimizers = [new]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -678,23 +465,9 @@ class OneBitStrategy(DDPStrategy):
         self._rank_state = None
         if "optimizer_states" not in checkpoint:  # weights only: nothing per rank to restore
             return checkpoint
-        state, looked = _find_rank_state(
+        self._rank_state = read_rank_state(
             checkpoint_path, checkpoint, self.global_rank, self.world_size
         )
-        self._rank_state = state
-        if self.global_rank == 0:  # one message for every rank, from rank 0
-            note = _rank_files_note(
-                checkpoint_path, checkpoint, self.world_size, found=state is not None, looked=looked
-            )
-            if note:
-                rank_zero_warn(note)
-        elif state is None and any("from step" in p for p in looked):  # what rank 0 cannot see
-            warnings.warn(
-                f"rank {self.global_rank}: no per-rank 1-bit state from the checkpoint's step "
-                f"(looked for {', '.join(looked)}); this rank's error buffers restart from zero",
-                UserWarning,
-                stacklevel=1,
-            )
         return checkpoint
 
     @override

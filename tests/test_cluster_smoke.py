@@ -1,6 +1,7 @@
 """Smoke test of the emulated-cluster benchmark (benchmarks/cluster.py): W = 2 network
 namespaces on a 100 Mbit/s link, a tiny model, a few steps of DDP + Adam and 1-bit Adam, the
-latter both in the plain loop and through ``L.Trainer(strategy=OneBitStrategy(...))``.
+latter in the plain loop, through ``L.Trainer(strategy=OneBitStrategy(...))`` and through
+``L.Fabric(strategy=OneBitFabricStrategy(...))``.
 
 Needs root and iproute2 (``ip netns add``); skipped with the reason elsewhere.
 """
@@ -49,7 +50,7 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(SCRIPT),
         "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
-        "--workloads", "finetune", "--methods", "ddp_adam,onebit_adam,pl_onebit_adam",
+        "--workloads", "finetune", "--methods", "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam",
         "--steps", "8", "--warmup", "4", "--eval-every", "4", "--val-windows", "8",
         "--out-dir", str(tmp_path), "--name", "smoke", "--timeout", "120",
     ]  # fmt: skip
@@ -70,7 +71,7 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     for ext in ("json", "md", "png"):
         assert (tmp_path / f"smoke.{ext}").is_file()
     rows = {r["method"]: r for r in summary["rows"]}
-    assert set(rows) == {"ddp_adam", "onebit_adam", "pl_onebit_adam"}
+    assert set(rows) == {"ddp_adam", "onebit_adam", "pl_onebit_adam", "fabric_onebit_adam"}
     for r in rows.values():
         assert "error" not in r
         assert r["step_time_warmup"] > 0 and r["step_time_compression"] > 0
@@ -82,11 +83,14 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     ddp, onebit = rows["ddp_adam"], rows["onebit_adam"]
     assert onebit["bytes_warmup"] == ddp["bytes_warmup"]  # fp32 averaging in the warmup
     assert onebit["bytes_compression"] < ddp["bytes_compression"] / 20  # ~32x less
-    # through Lightning: the same phases, bytes and (up to summation order) the same training
-    pl = rows["pl_onebit_adam"]
+    # through the Trainer and through Fabric: the same phases, bytes and (up to summation
+    # order) the same training
     full = {r["method"]: r for r in json.loads((tmp_path / "smoke.json").read_text())["rows"]}
-    assert full["pl_onebit_adam"]["phases"] == full["onebit_adam"]["phases"]
-    assert full["pl_onebit_adam"]["opt_phases"] == full["onebit_adam"]["opt_phases"]
-    for ph in ("warmup", "compression"):
-        assert pl[f"bytes_{ph}"] == onebit[f"bytes_{ph}"]
-    assert abs(pl["final_val_loss"] - onebit["final_val_loss"]) < 0.02 * onebit["final_val_loss"]
+    for method in ("pl_onebit_adam", "fabric_onebit_adam"):
+        pl = rows[method]
+        assert full[method]["phases"] == full["onebit_adam"]["phases"]
+        assert full[method]["opt_phases"] == full["onebit_adam"]["opt_phases"]
+        for ph in ("warmup", "compression"):
+            assert pl[f"bytes_{ph}"] == onebit[f"bytes_{ph}"]
+        loss = onebit["final_val_loss"]
+        assert abs(pl["final_val_loss"] - loss) < 0.02 * loss, method

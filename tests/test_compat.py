@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_onebit import OneBitStrategy
 from lightning_onebit._compat import (
     DDP_HOOKS_OVERRIDDEN,
+    FABRIC_DDP_PRIVATE,
     IS_INTERACTIVE,
     MockOptimizer,
     mark_step_for_lr_schedulers,
@@ -68,6 +69,26 @@ class _Tiny(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_fabric_still_has_what_the_fabric_strategy_relies_on() -> None:
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    from lightning_onebit import OneBitFabricStrategy
+
+    plain = FabricDDPStrategy()
+    for name in FABRIC_DDP_PRIVATE:
+        assert hasattr(plain, name), f"Fabric's DDPStrategy has no {name}"
+    calls = []
+
+    class Recording(OneBitFabricStrategy):
+        def _configure_launcher(self) -> None:
+            calls.append("_configure_launcher")
+            super()._configure_launcher()
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=Recording(start_method="fork"))
+    assert calls == ["_configure_launcher"]
+    assert type(fabric.strategy._backward_sync_control).__name__ == "_PausingBackwardSyncControl"
 
 
 def test_lightning_still_calls_the_ddp_hooks_we_override() -> None:

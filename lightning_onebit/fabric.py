@@ -1,0 +1,433 @@
+"""``OneBitFabricStrategy``: the 1-bit strategies for Lightning Fabric (custom training loops).
+
+``L.Fabric(accelerator=..., devices=N, strategy="onebit_adam")`` (after ``import
+lightning_onebit``; also ``"zero_one_adam"``, ``"onebit_lamb"``, the fork-started
+``*_notebook`` names and the ``*_find_unused_parameters_true`` ones) or an instance for the
+options. The loop stays Fabric's::
+
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    for batch in loader:
+        loss = model(batch)
+        fabric.backward(loss)
+        optimizer.step()             # the 1-bit optimizer the strategy built from AdamW
+        optimizer.zero_grad()
+        fabric.log_dict(fabric.strategy.comm_stats())   # phase and bytes, for your logger
+
+What it does is the Trainer strategy's (:class:`~lightning_onebit.OneBitStrategy`), from the same
+modules: the options and the Adam/AdamW conversion (:mod:`~lightning_onebit.options`,
+:mod:`~lightning_onebit.convert`: param groups kept, LR schedulers built on the torch optimizer
+before ``setup`` re-pointed), DDP's communication hook (:mod:`~lightning_onebit.hook`: averaged
+gradients on warmup steps, none on compression steps), the rank-synced ``16-mixed`` scaler
+(:mod:`~lightning_onebit.amp`), the phase switch (:mod:`~lightning_onebit.phase_switch`: the
+optimizer's ``freeze_step``, a fraction of the ``max_steps`` given here, ``adaptive_freeze``)
+and the per-rank checkpoint files (:mod:`~lightning_onebit.checkpoint_io`) that
+``fabric.save``/``fabric.load`` write and read beside the checkpoint.
+
+Where Fabric differs from the Trainer:
+
+* **Clipping.** The exchange overlaps backward (``overlap_bucket_mb``), and an exchange started
+  during backward cannot see a clipping that comes after it. The Trainer knows in advance
+  (``gradient_clip_val``); a Fabric loop does not, so the first ``fabric.clip_gradients`` turns
+  the overlap off for the rest of the run, before the clipping: the exchange then runs in
+  ``optimizer.step()`` on the clipped gradients. Called before the first ``optimizer.step()``
+  (the usual loop: clip on every step) this costs nothing else. First called later, in the
+  compression phase, the step's started exchange is dropped and redone after the clipping, and
+  the 1-bit error buffers restart from zero (a ``RuntimeWarning`` says so); pass
+  ``overlap_bucket_mb=None`` to avoid that. Clipping sees what ``optimizer.step()`` receives:
+  averaged gradients in warmup, this rank's local ones in the compression phase.
+* **Gradient accumulation.** ``fabric.no_backward_sync(model)`` pauses the overlap as well as
+  DDP's allreduce, for the backward passes without a step.
+* **The phase switch and the counters** run after every ``optimizer.step()``; read them with
+  :meth:`OneBitFabricStrategy.comm_stats` (the Trainer's ``onebit/*`` metrics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
+from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
+from lightning_onebit._errors import quiet_errors_on_this_rank
+from lightning_onebit.amp import _synced_scaler
+from lightning_onebit.checkpoint_io import _rank_file_name, _write_rank_file, read_rank_state
+from lightning_onebit.convert import repoint_schedulers, schedulers_of
+from lightning_onebit.hook import _HookState, _onebit_comm_hook
+from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.options import (
+    OneBitOptions,
+    check_no_inherited_group,
+    check_strategy_args,
+    configure_overlap,
+    destroy_single_process_group,
+    notebook_message,
+    one_thread_per_forked_rank,
+    overlap_paused,
+    register_names,
+    stop_overlaps,
+    warn_single_process,
+)
+from lightning_onebit.phase_switch import PhaseSwitch
+
+__all__ = ["OneBitFabricStrategy"]
+
+_ONE_OPTIMIZER = (
+    "OneBitFabricStrategy trains with one optimizer (the 1-bit exchange compresses that "
+    "optimizer's momentum): set up one torch.optim.Adam/AdamW (or lightning_onebit OneBitAdam / "
+    "ZeroOneAdam / OneBitLamb) with one param group per former optimizer"
+)
+
+
+class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
+    """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB in a Fabric loop.
+
+    Use a registered name (``L.Fabric(strategy="onebit_adam")``, ...) or an instance. ``setup``
+    (or ``setup_module`` then ``setup_optimizers``) takes a ``torch.optim.Adam``/``AdamW``, which
+    the strategy replaces by the 1-bit optimizer, or one of ours, used as built.
+
+    Args:
+        max_steps: the run's optimizer steps: what a fractional ``freeze_step`` (and its default,
+            0.2 of the run, when the strategy converts a torch Adam/AdamW) is a fraction of.
+            Without it, a converted optimizer keeps the algorithm's own ``freeze_step``, and a
+            fractional ``freeze_step`` raises.
+
+    The other arguments are :class:`~lightning_onebit.OneBitStrategy`'s, with the same types,
+    defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
+    ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
+    ``variance_floor``, ``preconditioned_exchange``, ``lamb_lr``, ``overlap_bucket_mb``,
+    ``average_dtype``, ``timeout``, ``start_method``, and ``**kwargs`` for
+    ``DistributedDataParallel``), less the Trainer's logging options (read
+    :meth:`comm_stats` instead) and ``deepspeed_config``.
+    """
+
+    def __init__(
+        self,
+        algorithm: Literal["onebit_adam", "zero_one_adam", "onebit_lamb"] = "onebit_adam",
+        freeze_step: int | float | None = None,
+        adaptive_freeze: bool = False,
+        freeze_threshold: float = 0.05,
+        freeze_window: int = 50,
+        var_update_scaler: int | None = None,
+        local_step_scaler: int | None = None,
+        local_step_clipper: int | None = None,
+        max_coeff: float | None = None,
+        min_coeff: float | None = None,
+        coeff_beta: float | None = None,
+        factor_max: float | None = None,
+        factor_min: float | None = None,
+        factor_threshold: float | None = None,
+        bias_correction: bool = True,
+        variance_floor: float | None = None,
+        preconditioned_exchange: bool | None = None,
+        lamb_lr: float | None = None,
+        overlap_bucket_mb: float | None = 25.0,
+        average_dtype: str | torch.dtype | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        max_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        check_strategy_args(algorithm, timeout, kwargs)
+        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
+        self._set_options(locals())
+        if max_steps is not None and not (
+            isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0
+        ):
+            raise ValueError(f"max_steps must be an int > 0 or None, got {max_steps!r}")
+        self.max_steps = max_steps
+        self._switch = PhaseSwitch(freeze_step, adaptive_freeze, freeze_threshold, freeze_window)
+        self._backward_sync_control = _PausingBackwardSyncControl(self)
+        self._hook_state: _HookState | None = None
+        self._module: Module | None = None  # the user's module (inside DDP)
+        self._optimizer: OneBitOptimizer | None = None
+
+    # ------------------------------------------------------------------ registry, precision
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(cls, strategy_registry)
+
+    @property  # type: ignore[override]
+    def precision(self) -> Precision:
+        return DDPStrategy.precision.fget(self)  # type: ignore[attr-defined]
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        if isinstance(precision, DoublePrecision):
+            self._refuse_float64("OneBitFabricStrategy")
+        DDPStrategy.precision.fset(self, precision)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if (
+            IS_INTERACTIVE
+            and self.launcher is not None
+            and not self.launcher.is_interactive_compatible
+        ):
+            raise RuntimeError(notebook_message(self.algorithm, "OneBitFabricStrategy"))
+
+    @override
+    def setup_environment(self) -> None:
+        one_thread_per_forked_rank(self._start_method, self.num_processes)
+        check_no_inherited_group(self.num_nodes * self.num_processes)
+        super().setup_environment()
+        quiet_errors_on_this_rank(self.global_rank)
+        if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
+            # local gradients can overflow on one rank only: every rank must skip the same step
+            self.precision.scaler = _synced_scaler(self.precision.scaler, self.root_device.type)
+
+    @override
+    def teardown(self) -> None:
+        stop_overlaps([self._optimizer])
+        super().teardown()
+        destroy_single_process_group()
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[torch.optim.Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(_ONE_OPTIMIZER)
+        module = self.setup_module(module)
+        return module, [self._setup_optimizer(optimizers[0], scheduler)], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        _check_dense_gradients(module)
+        # before DDP's own check, whose message names neither the parameter nor what to do
+        _check_same_model_on_every_rank(
+            [(name, tuple(p.shape)) for name, p in module.named_parameters()]
+        )
+        ddp = super().setup_module(module)
+        # (DDP's allreduce on every step otherwise; Fabric registers no hook at all)
+        self._hook_state = _HookState(process_group=None)
+        self._hook_state.optimizer = self._optimizer
+        ddp.register_comm_hook(self._hook_state, _onebit_comm_hook)
+        self._module = module
+        self._name_parameters()
+        return ddp
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> OneBitOptimizer:
+        return self._setup_optimizer(optimizer, None)
+
+    def _setup_optimizer(self, original: torch.optim.Optimizer, scheduler: Any) -> OneBitOptimizer:
+        if self._optimizer is not None and original is not self._optimizer:
+            raise ValueError(_ONE_OPTIMIZER)
+        new = self._onebit_optimizer_from(original, "fabric.setup got", "fabric.setup takes")
+        if new is not original:
+            # schedulers built on `original` before setup: the one given to setup, and any other
+            found = schedulers_of(original)
+            if scheduler is not None and not any(s is scheduler for s in found):
+                found.append(scheduler)
+            repoint_schedulers(found, original, new, self._lr_scale)
+        self._optimizer = new
+        if self._hook_state is not None:
+            self._hook_state.optimizer = new
+        self._name_parameters()
+        total = float(self.max_steps) if self.max_steps is not None else float("inf")
+        converted = self._converted_optimizer and self.max_steps is not None
+        if self._converted_optimizer and self.max_steps is None and self.freeze_step is None:
+            rank_zero_warn(
+                f"{self.algorithm}: compression starts after {type(new).__name__}'s default "
+                f"{new._switch_attr}={new.switch_step} steps (with no max_steps, 0.2 of the run "
+                "cannot be known); pass OneBitFabricStrategy(max_steps=...) (0.2 of it), "
+                "freeze_step=... or adaptive_freeze=True"
+            )
+        self._switch.start(new, total, converted)
+        scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
+        # (clipping, unknown yet, turns it off later: see _unclip_overlap)
+        configure_overlap(new, self.overlap_bucket_mb, self.timeout, False, scaler)
+        if self.world_size == 1:
+            warn_single_process(self.algorithm)
+        return new
+
+    def _name_parameters(self) -> None:
+        """Names for the optimizer's messages (e.g. the variance floor's)."""
+        if self._optimizer is not None and self._module is not None:
+            self._optimizer.param_names = {p: n for n, p in self._module.named_parameters()}
+
+    @property
+    def onebit_optimizer(self) -> OneBitOptimizer:
+        """The 1-bit optimizer being trained with (after ``fabric.setup``)."""
+        if self._optimizer is None:
+            raise RuntimeError(
+                "OneBitFabricStrategy has no optimizer yet (it exists after fabric.setup)"
+            )
+        return self._optimizer
+
+    # ------------------------------------------------------------------ the loop
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        if self._optimizer is not None:
+            self._switch.after_step(self._optimizer)  # adaptive switch, the switch message
+        return out
+
+    def comm_stats(self) -> dict[str, float]:
+        """Phase and bytes after the last ``optimizer.step()``, for your own logging
+        (``fabric.log_dict(fabric.strategy.comm_stats())``): the Trainer strategy's
+        ``onebit/*`` metrics (see :class:`~lightning_onebit.CompressionScheduler`), equal on
+        every rank: ``onebit/phase`` (0 = warmup / variance phase, 1 = compression),
+        ``onebit/ratio_vs_ddp``, ``onebit/bytes_step``, ``onebit/bytes_total``,
+        ``onebit/skipped_steps``."""
+        return self._switch.stats(self.onebit_optimizer)
+
+    def synchronize(self) -> None:
+        """Make the parameters equal on every rank (0/1 Adam ends its local steps with a
+        synchronisation; a no-op otherwise). Call it on every rank at the end of training, before
+        evaluating or saving a model for inference (the Trainer strategy does it at the end of
+        ``fit``)."""
+        self.onebit_optimizer.synchronize()
+
+    def _unclip_overlap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Turn the overlap off before the first clipping (see the module docstring)."""
+        opt = self._optimizer
+        if opt is None or optimizer is not opt or not opt.overlaps_backward:
+            return
+        started = opt._layout is not None  # (built at the first step)
+        if started and opt._overlap is not None:
+            opt._overlap.drop()  # what backward started saw the unclipped gradients
+        opt.overlap_with_backward(None)
+        # (in the compression phase the optimizer warns that its error buffers restart)
+        rank_zero_info(
+            "fabric.clip_gradients: the 1-bit exchange runs in optimizer.step() from now on, not "
+            "overlapped with backward (a clipping after backward cannot reach an exchange that "
+            "backward started); pass overlap_bucket_mb=None to the strategy to say so up front"
+        )
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        self._unclip_overlap(optimizer)
+        return super().clip_gradients_norm(
+            module, optimizer, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    @override
+    def clip_gradients_value(
+        self, module: Module, optimizer: torch.optim.Optimizer, clip_val: float | int
+    ) -> None:
+        self._unclip_overlap(optimizer)
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _rank_file(self, path: _PATH) -> str:
+        return _rank_file_name(path, self.global_rank, self.world_size)
+
+    def _step_key(self) -> list[int]:
+        """What ties a rank file to its checkpoint (Fabric has no global step): the optimizer's
+        steps and skipped steps."""
+        opt = self.onebit_optimizer
+        return [opt.step_count, opt.skipped_steps]
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        opt = self._optimizer
+        if opt is None or not any(v is opt for v in state.values()):
+            return super().save_checkpoint(path, state, storage_options, filter)
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        # the shape the shared writer knows (the Trainer's checkpoint): a step, the optimizer states
+        view: dict[str, Any] = {
+            "global_step": self._step_key(),
+            "optimizer_states": [
+                converted[k] for k, v in state.items() if v is opt and k in converted
+            ],
+        }
+        module = self._module if self._module is not None else torch.nn.Module()
+        _write_rank_file(
+            opt, module, view, path, self._rank_file(path), self.global_rank, self.world_size
+        )
+        converted["onebit"] = {
+            **view["onebit"],
+            "global_step": view["global_step"],
+            "phase_switch": self._switch.state_dict(),
+        }
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(
+                checkpoint=converted, path=path, storage_options=storage_options
+            )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        opt = self._optimizer
+        restores_opt = isinstance(state, dict) and any(v is opt for v in state.values())
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if not restores_opt or opt is None:
+            return remainder
+        meta = remainder.pop("onebit", None) or {}
+        self._switch.load_state_dict(meta.get("phase_switch") or {})
+        if self._switch.switch_step is not None and opt.phase == opt.PHASES[0]:
+            # a fraction of max_steps is decided once per run: a resumed run keeps its switch
+            opt.switch_step = self._switch.switch_step
+        view = {"global_step": meta.get("global_step"), "onebit": meta}
+        rank_state = read_rank_state(path, view, self.global_rank, self.world_size)
+        if rank_state is None:
+            return remainder
+        opt.load_rank_state_dict(rank_state["optimizer"])
+        if rank_state.get("model") is not None and self._module is not None:
+            # 0/1 Adam between two synchronisations: this rank's own parameters
+            self._module.load_state_dict(rank_state["model"], strict=strict)
+        return remainder
+
+
+class _PausingBackwardSyncControl(DDPBackwardSyncControl):
+    """``fabric.no_backward_sync``: DDP's ``no_sync`` and the 1-bit exchange paused (a backward
+    without a step must not start the step's exchange)."""
+
+    def __init__(self, strategy: OneBitFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        no_sync = super().no_backward_sync(module, enabled)
+        opt = self.strategy._optimizer
+        return _chain(overlap_paused([opt] if opt is not None else []), no_sync)
+
+
+@contextlib.contextmanager
+def _chain(*managers: AbstractContextManager) -> Generator[None, None, None]:
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield

@@ -1,0 +1,247 @@
+"""``PhaseSwitch``: when compression starts, identically on every rank, and the counters to log.
+
+One implementation for both integrations: the Trainer's
+:class:`~lightning_onebit.callbacks.CompressionScheduler` (a callback around it) and the Fabric
+strategy (:class:`~lightning_onebit.fabric.OneBitFabricStrategy`, which calls it after every
+optimizer step). It needs only torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_onebit.optim import OneBitOptimizer
+
+__all__ = ["PhaseSwitch"]
+
+#: the switch when the strategy built the optimizer and no ``freeze_step`` was given
+_DEFAULT_FRACTION = 0.2
+
+
+class PhaseSwitch:
+    """Decides when compression starts, identically on every rank, and reads the byte counters.
+
+    The switch happens after optimizer step ``freeze_step`` (the optimizer's built-in switch, so it
+    is tied to the optimizer's own step counter and survives checkpoints), or earlier with
+    ``adaptive=True`` once the second moment has stabilised: every ``window`` optimizer steps
+    the relative change ``||v_t - v_{t-window}|| / ||v_t||`` (on a fixed strided sample of at most
+    ``sample`` coordinates) is compared with ``threshold``; the decision is combined across ranks
+    so that every rank switches on the same step.
+
+    Args:
+        freeze_step: an int (optimizer steps of warmup), a float in (0, 1) (fraction of the run's
+            optimizer steps), or ``None``: keep the optimizer's own ``freeze_step`` if the user
+            built a 1-bit optimizer, else 0.2 of the run.
+        adaptive: also switch as soon as the variance is stable (see above).
+        threshold: relative variance change below which it counts as stable.
+        window: optimizer steps between variance snapshots.
+        sample: the most variance coordinates kept per snapshot (memory bound for large models).
+    """
+
+    def __init__(
+        self,
+        freeze_step: int | float | None = None,
+        adaptive: bool = False,
+        threshold: float = 0.05,
+        window: int = 50,
+        sample: int = 1_000_000,
+    ) -> None:
+        freeze_step = _normalize_freeze_step(freeze_step)
+        if window < 1:
+            raise ValueError(
+                f"window (OneBitStrategy: freeze_window) must be an int >= 1, got {window!r}"
+            )
+        if not threshold > 0:
+            raise ValueError(
+                f"threshold (OneBitStrategy: freeze_threshold) must be > 0, got {threshold!r}"
+            )
+        self.freeze_step = freeze_step
+        self.adaptive = adaptive
+        self.threshold = threshold
+        self.window = window
+        self.sample = sample
+        # state (in the checkpoint)
+        self.switch_step: int | None = None  # the resolved step
+        self.switched_at: int | None = None  # the last optimizer step before compression
+        self._snapshot: torch.Tensor | None = None
+        self._last_logged_step: tuple[int, int] = (-1, -1)
+        self._restored = False  # state loaded from a checkpoint, not yet used by a run
+
+    # ------------------------------------------------------------------ the run's start
+
+    def start(self, opt: OneBitOptimizer, total: float, converted: bool) -> None:
+        """Resolve the switch step at the start of a run of ``total`` optimizer steps
+        (``inf``: unknown) and set it on ``opt``; ``converted``: the strategy built ``opt``."""
+        restored, self._restored = self._restored, False
+        if not restored:  # a new run (or a second fit of this Trainer without a checkpoint)
+            self.switched_at, self._snapshot = None, None
+        if restored and self.switched_at is not None:
+            # (the optimizer's own state, its phase included, is restored after this hook)
+            rank_zero_info(
+                f"{type(opt).__name__}: resuming in the {opt.PHASES[1]} phase (1-bit exchange "
+                f"since optimizer step {self.switched_at + 1})"
+            )
+            return
+        fs = self.freeze_step
+        if fs is None and converted:
+            fs = _DEFAULT_FRACTION
+        if fs is None:
+            self.switch_step = opt.switch_step
+            self._warn_if_never_switches(
+                opt, self.switch_step, total, f"{type(opt).__name__}.{opt._switch_attr}"
+            )
+            return
+        how = ""
+        if isinstance(fs, float) and restored and self.switch_step is not None:
+            # the run decided its switch when it started (a fraction of that fit's steps): a
+            # resumed fit with another max_steps must not move it
+            step = self.switch_step
+            how = f" (freeze_step={fs} of the run as it started, from the checkpoint)"
+        elif isinstance(fs, float):
+            if not math.isfinite(total):
+                raise ValueError(
+                    f"freeze_step={fs} is a fraction of the run's steps, but the run has no step limit; "
+                    "set Trainer(max_steps=...) or max_epochs (Fabric: the strategy's max_steps), "
+                    "or pass an int freeze_step"
+                )
+            step = max(1, round(fs * total))
+        else:
+            step = fs
+        self._warn_if_never_switches(opt, step, total, "freeze_step")
+        opt.switch_step = step
+        self.switch_step = step
+        if step < total:
+            rank_zero_info(
+                f"1-bit compression starts after optimizer step {step}{how} ({type(opt).__name__})"
+            )
+
+    @staticmethod
+    def _warn_if_never_switches(opt: OneBitOptimizer, step: int, total: float, name: str) -> None:
+        """Warn (before the first step) when the switch comes at or after the run's last step."""
+        if not (math.isfinite(total) and step >= total) or opt.phase != opt.PHASES[0]:
+            return
+        rank_zero_warn(
+            f"{name}={step} is not below the run's {int(total)} optimizer steps (max_steps): the "
+            f"phase switch would come after the last step, so {type(opt).__name__} stays in its "
+            f"{opt.PHASES[0].value!r} phase for the whole run and its {opt.PHASES[1].value!r} phase never "
+            f"starts; pass a freeze_step below {int(total)} (or a fraction of the run, e.g. 0.2)"
+        )
+
+    # ------------------------------------------------------------------ after each step
+
+    def after_step(self, opt: OneBitOptimizer) -> bool:
+        """Call after every batch (every rank): the adaptive check and the switch message.
+        Returns whether an optimizer step happened since the last call (not on gradient
+        accumulation's batches or a skipped step)."""
+        key = (opt.step_count, opt.skipped_steps)
+        if key == self._last_logged_step:
+            return False
+        self._last_logged_step = key
+        if self.adaptive and opt.phase == opt.PHASES[0] and opt.step_count % self.window == 0:
+            self._adaptive_check(opt)
+        if opt.phase != opt.PHASES[0] and self.switched_at is None:
+            self.switched_at = opt.step_count  # the last uncompressed step
+            rank_zero_info(_switch_message(opt))
+        return True
+
+    def stats(self, opt: OneBitOptimizer) -> dict[str, float]:
+        """The ``onebit/*`` counters of the last step (equal on every rank): ``phase`` (0 =
+        warmup / variance phase, 1 = compression), ``ratio_vs_ddp`` (bytes an fp32 DDP allreduce
+        would have sent so far / bytes sent), ``bytes_step``, ``bytes_total`` (bytes this rank
+        sent), ``skipped_steps``."""
+        compressing = opt.phase != opt.PHASES[0]
+        comm = opt.comm_stats
+        total = comm["bytes_total"]
+        return {
+            # this step's phase (the switch happens at the end of the last warmup step)
+            "onebit/phase": float(
+                compressing and self.switched_at is not None and opt.step_count > self.switched_at
+            ),
+            "onebit/ratio_vs_ddp": float(comm["fp32_equiv_total"] / total) if total else 1.0,
+            "onebit/bytes_step": float(comm["bytes_last_step"]),
+            "onebit/bytes_total": float(total),
+            "onebit/skipped_steps": float(opt.skipped_steps),
+        }
+
+    def _adaptive_check(self, opt: OneBitOptimizer) -> None:
+        v = opt.variance
+        if v is None:
+            return
+        stride = max(1, v.numel() // self.sample)
+        now = v[::stride].detach().clone()
+        if self._snapshot is not None and self._snapshot.shape == now.shape:
+            change = float((now - self._snapshot).norm() / now.norm().clamp_min(1e-30))
+            stable = torch.tensor([1.0 if change < self.threshold else 0.0], device=now.device)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(stable, op=dist.ReduceOp.MIN)  # every rank decides the same
+            if stable.item() == 1.0:
+                rank_zero_info(
+                    f"variance stable (relative change {change:.3g} < {self.threshold} over {self.window} steps): "
+                    f"1-bit compression starts after step {opt.step_count}"
+                )
+                opt.freeze()
+                self._snapshot = None
+                return
+        self._snapshot = now
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "switch_step": self.switch_step,
+            "switched_at": self.switched_at,
+            "snapshot": self._snapshot,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.switch_step = state_dict.get("switch_step")
+        self.switched_at = state_dict.get("switched_at")
+        self._snapshot = state_dict.get("snapshot")
+        self._restored = True
+
+
+def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:
+    """One line for the console at the switch: when, and which coordinates were floored."""
+    msg = (
+        f"{type(opt).__name__}: {opt.PHASES[1]} phase (1-bit exchange) from optimizer step "
+        f"{opt.step_count + 1} on"
+    )
+    floored = sorted(opt.floored.items(), key=lambda kv: -kv[1])
+    if floored:
+        total = sum(n for _, n in floored)
+        shown = ", ".join(f"{name}: {n}" for name, n in floored[:most])
+        more = f", and {len(floored) - most} more parameters" if len(floored) > most else ""
+        msg += (
+            f"; variance floor (variance_floor={opt.variance_floor}) raised {total} coordinates "
+            f"whose gradient was ~0 through the warmup (they cannot be preconditioned by their "
+            f"own variance): {shown}{more}"
+        )
+    return msg
+
+
+def _normalize_freeze_step(freeze_step: Any) -> int | float | None:
+    """Validate ``freeze_step``: an int step count, a fraction in (0, 1), or None.
+
+    A whole float >= 1 (``12.0``, as a CLI or YAML may deliver ``12``) means that many steps.
+    """
+    if freeze_step is None:
+        return None
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, float)):
+        raise ValueError(
+            f"freeze_step must be an int >= 0, a float in (0, 1), or None; got {freeze_step!r}"
+        )
+    if isinstance(freeze_step, float) and freeze_step >= 1.0 and freeze_step.is_integer():
+        freeze_step = int(freeze_step)
+    if isinstance(freeze_step, int) and freeze_step < 0:
+        raise ValueError(f"freeze_step must be >= 0 steps, got {freeze_step}")
+    if isinstance(freeze_step, float) and not 0.0 < freeze_step < 1.0:
+        raise ValueError(
+            f"freeze_step={freeze_step}: a float is a fraction of the total steps and must be in "
+            "(0, 1); pass a whole number for a step count"
+        )
+    return freeze_step
