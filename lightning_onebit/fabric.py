@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -100,8 +100,10 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     Args:
         max_steps: the run's optimizer steps: what a fractional ``freeze_step`` (and its default,
             0.2 of the run, when the strategy converts a torch Adam/AdamW) is a fraction of.
-            Without it, a converted optimizer keeps the algorithm's own ``freeze_step``, and a
-            fractional ``freeze_step`` raises.
+            Without it (and without ``freeze_step``), a converted optimizer switches once its
+            variance has stabilised (``adaptive_freeze``, turned on for you: the run's length is
+            unknown), at the latest after the algorithm's own ``freeze_step``; a fractional
+            ``freeze_step`` raises.
 
     The other arguments are :class:`~lightning_onebit.OneBitStrategy`'s, with the same types,
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
@@ -246,11 +248,16 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         total = float(self.max_steps) if self.max_steps is not None else float("inf")
         converted = self._converted_optimizer and self.max_steps is not None
         if self._converted_optimizer and self.max_steps is None and self.freeze_step is None:
-            rank_zero_warn(
-                f"{self.algorithm}: compression starts after {type(new).__name__}'s default "
-                f"{new._switch_attr}={new.switch_step} steps (with no max_steps, 0.2 of the run "
-                "cannot be known); pass OneBitFabricStrategy(max_steps=...) (0.2 of it), "
-                "freeze_step=... or adaptive_freeze=True"
+            # 0.2 of the run (the Trainer's default) cannot be known: switch once the variance
+            # has warmed up rather than after the algorithm's 100000 steps, which a name alone
+            # would otherwise mean (no compression at all in most runs)
+            self._switch.adaptive = True
+            rank_zero_info(
+                f"{self.algorithm}: with no max_steps (0.2 of the run cannot be known), 1-bit "
+                "compression starts once the variance has stabilised (adaptive_freeze: relative "
+                f"change below {self._switch.threshold} over {self._switch.window} steps), at the "
+                f"latest after {new._switch_attr}={new.switch_step} steps; pass "
+                "OneBitFabricStrategy(max_steps=...) (0.2 of it) or freeze_step=... to choose"
             )
         self._switch.start(new, total, converted)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
