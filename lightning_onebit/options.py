@@ -65,22 +65,9 @@ def check_strategy_args(algorithm: str, timeout: Any, kwargs: dict[str, Any]) ->
         )
 
 
-#: the algorithms' options among the strategies' arguments (passed on to the optimizer; each is
-#: declared, with its default, in the ``OPTIONS`` and ``__init__`` of the optimizers)
-OPTIMIZER_OPTIONS = (
-    "var_update_scaler",
-    "local_step_scaler",
-    "local_step_clipper",
-    "max_coeff",
-    "min_coeff",
-    "coeff_beta",
-    "factor_max",
-    "factor_min",
-    "factor_threshold",
-    "bias_correction",
-    "variance_floor",
-    "preconditioned_exchange",
-)
+#: the algorithms' options among the strategies' arguments (passed on to the optimizer): read
+#: from the optimizers' own ``OPTIONS``, where each is declared with its default and checks
+OPTIMIZER_OPTIONS = tuple(dict.fromkeys(k for cls in ALGORITHMS.values() for k in cls.OPTIONS))
 
 
 class OneBitOptions:
