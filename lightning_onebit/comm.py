@@ -111,6 +111,26 @@ def start_average(
     return wait_half
 
 
+def check_input(tensor: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
+    values on ``device``: what an exchange built for that takes."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != torch.float32:
+        raise TypeError(
+            f"CompressedAllreduce works on float32 buffers, got {tensor.dtype}; pass tensor.float()"
+        )
+    if tensor.numel() != numel:
+        raise ValueError(
+            f"this exchange was built for {numel} values, got a tensor of {tensor.numel()}"
+        )
+    if tensor.device != device:
+        raise ValueError(
+            f"this exchange's buffers are on {device}, the tensor is on {tensor.device}"
+        )
+    return tensor.reshape(-1)
+
+
 class ExchangeHandle:
     """An exchange in flight: stage 1 is done, the final ``all_gather`` may still be running.
 
@@ -296,23 +316,6 @@ class CompressedAllreduce:
 
     # ------------------------------------------------------------------ the exchange
 
-    def _check_input(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != torch.float32:
-            raise TypeError(
-                f"CompressedAllreduce works on float32 buffers, got {tensor.dtype}; pass tensor.float()"
-            )
-        if tensor.numel() != self.numel:
-            raise ValueError(
-                f"this exchange was built for {self.numel} values, got a tensor of {tensor.numel()}"
-            )
-        if tensor.device != self.device:
-            raise ValueError(
-                f"this exchange's buffers are on {self.device}, the tensor is on {tensor.device}"
-            )
-        return tensor.reshape(-1)  # a view when contiguous
-
     def start(
         self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, commit: bool = True
     ) -> ExchangeHandle:
@@ -336,7 +339,7 @@ class CompressedAllreduce:
             raise RuntimeError(
                 "the previous start(commit=False) was neither committed nor discarded"
             )
-        x = self._check_input(tensor)
+        x = check_input(tensor, self.numel, self.device)
         if out is None:
             out = self._out
         elif (
@@ -489,6 +492,13 @@ class CompressedAllreduce:
             ValueError: if the state was saved with another size or world size (error buffers
                 are per rank and per chunk; call :meth:`reset_error` instead).
         """
+        if "nodes" in state_dict:
+            nodes, ranks = state_dict["nodes"]
+            raise ValueError(
+                f"error buffers saved with the hierarchical exchange of {nodes} nodes x {ranks} "
+                f"ranks (per-shard buffers) cannot be loaded into a flat exchange of "
+                f"{self.world_size} ranks; use reset_error()"
+            )
         if (
             state_dict.get("numel") != self.numel
             or state_dict.get("world_size") != self.world_size
@@ -524,6 +534,9 @@ class BucketedAllreduce:
     Args:
         bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
         device, group: as for :class:`CompressedAllreduce`.
+        nodes: a :class:`~lightning_onebit.hierarchy.NodeGroups` for the two-level exchange
+            (:class:`~lightning_onebit.hierarchy.HierarchicalAllreduce` per bucket; ``group``
+            unused), or ``None`` (flat).
     """
 
     def __init__(
@@ -531,7 +544,10 @@ class BucketedAllreduce:
         bounds: list[tuple[int, int]],
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
+        nodes: Any = None,
     ) -> None:
+        from lightning_onebit.hierarchy import make_exchange  # (it builds on this module)
+
         tiles = sorted(bounds)
         if (
             not tiles
@@ -543,9 +559,9 @@ class BucketedAllreduce:
         self.bounds = [(int(a), int(b)) for a, b in bounds]  # in exchange order, any layout
         self.numel = tiles[-1][1]
         self.buckets = [
-            CompressedAllreduce(b - a, device=device, group=group, double_buffered=True)
-            for a, b in self.bounds
+            make_exchange(b - a, device, group, nodes, double_buffered=True) for a, b in self.bounds
         ]
+        self.nodes = nodes
         self.device = self.buckets[0].device
         self.world_size, self.rank = self.buckets[0].world_size, self.buckets[0].rank
         self._handles: list[ExchangeHandle | None] = [None] * len(self.buckets)

@@ -99,13 +99,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 class SimExchange:
     """All W ranks of the error-compensated two-stage 1-bit allreduce of the flat trainable
-    parameters, in float64: one exchange per param group (its own scale and error buffers)."""
+    parameters, in float64: one exchange per param group (its own scale and error buffers);
+    with ``ranks_per_node`` (L > 1, several nodes) the two-level one (``SimHierarchical``)."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, ranks_per_node: int | None = None) -> None:
         sizes = [sum(math.prod(SHAPES[k]) for k in TRAINABLE if k in idx) for idx, _ in GROUPS]
         bounds = itertools.pairwise(itertools.accumulate([0, *sizes]))
         self.bounds = [(a, b) for a, b in bounds if b > a]
-        self.parts = [_SimExchangeOne(b - a, world) for a, b in self.bounds]
+        two_level = ranks_per_node is not None and 1 < ranks_per_node < world
+        self.parts = [
+            SimHierarchical(b - a, world // ranks_per_node, ranks_per_node)
+            if two_level
+            else _SimExchangeOne(b - a, world)
+            for a, b in self.bounds
+        ]
 
     def reset(self) -> None:
         for part in self.parts:
@@ -152,6 +159,34 @@ class _SimExchangeOne:
             sign = torch.where(c >= 0, 1.0, -1.0).double()
             self.server_err[j] = c - s * sign
             out[j * m : (j + 1) * m] = s * sign
+        return out[: self.n]
+
+
+class SimHierarchical:
+    """The two-level exchange over ``nodes`` nodes of ``local`` ranks (ranks numbered node by
+    node), in float64: the node's exact mean, cut into ``local`` shards (each a multiple of
+    ``8 * nodes`` values, zero-padded); shard ``k`` goes through the one-level exchange among
+    the nodes (its own error buffers); every rank gets every shard."""
+
+    def __init__(self, n: int, nodes: int, local: int) -> None:
+        self.n, self.nodes, self.local = n, nodes, local
+        self.shard = -(-n // (8 * nodes * local)) * 8 * nodes
+        self.shards = [_SimExchangeOne(self.shard, nodes) for _ in range(local)]
+
+    def reset(self) -> None:
+        for ex in self.shards:
+            ex.reset()
+
+    def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        ll, sh = self.local, self.shard
+        means = []
+        for node in range(self.nodes):
+            mean = torch.zeros(ll * sh, dtype=torch.float64)
+            mean[: self.n] = sum(xs[node * ll + i].double() for i in range(ll)) / ll
+            means.append(mean)
+        out = torch.cat(
+            [ex([m[k * sh : (k + 1) * sh] for m in means]) for k, ex in enumerate(self.shards)]
+        )
         return out[: self.n]
 
 
@@ -217,6 +252,7 @@ def simulate_onebit_adam(
     bias_correction: bool = False,
     floor: float = 0.0,
     preconditioned: bool = False,
+    ranks_per_node: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step.
 
@@ -226,7 +262,7 @@ def simulate_onebit_adam(
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v = zeros(), zeros()
-    ex = SimExchange(world)
+    ex = SimExchange(world, ranks_per_node)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -283,6 +319,7 @@ def simulate_zero_one_adam(
     bias_correction: bool = False,
     floor: float = 0.0,
     preconditioned: bool = False,
+    ranks_per_node: int | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps.
 
@@ -293,7 +330,7 @@ def simulate_zero_one_adam(
     p, zeros, hp = _start(world)
     m, v, acc = zeros(), zeros(), zeros()
     lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
-    ex = SimExchange(world)
+    ex = SimExchange(world, ranks_per_node)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
     k = 0  # variance updates
     history, synced = [], []
@@ -390,6 +427,7 @@ def simulate_onebit_lamb(
     bias_correction: bool = False,
     floor: float = 0.0,
     preconditioned: bool = False,
+    ranks_per_node: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step
     (``bias_correction``/``floor``/``preconditioned`` as in :func:`simulate_onebit_adam`)."""
@@ -400,7 +438,7 @@ def simulate_onebit_lamb(
     coeff_freeze = [[0.0] * P for _ in range(world)]
     last_factor = [[1.0] * P for _ in range(world)]
     scaling = None
-    ex = SimExchange(world)
+    ex = SimExchange(world, ranks_per_node)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -487,10 +525,16 @@ ROBUST = {"bias_correction": True, "variance_floor": 0.5, "preconditioned_exchan
 SIM_ROBUST = {"bias_correction": True, "floor": 0.5, "preconditioned": True}
 
 
-def _algo(algo: str, world: int, steps: int, robust: bool = False):
+def _algo(
+    algo: str, world: int, steps: int, robust: bool = False, ranks_per_node: int | None = None
+):
     """(optimizer factory, simulated history) for one algorithm through both phases, with
-    DeepSpeed's arithmetic or with bias correction, variance floor and preconditioned exchange."""
+    DeepSpeed's arithmetic or with bias correction, variance floor and preconditioned exchange;
+    with ``ranks_per_node``, the hierarchical exchange (nodes of that many ranks)."""
     kw, sim = (dict(ROBUST), dict(SIM_ROBUST)) if robust else (dict(DEEPSPEED), {})
+    if ranks_per_node is not None:
+        kw.update(hierarchical=True, ranks_per_node=ranks_per_node)
+        sim["ranks_per_node"] = ranks_per_node
     if algo == "onebit_adam":
         return (
             lambda g: OneBitAdam(g, freeze_step=10, **kw),

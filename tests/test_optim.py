@@ -205,7 +205,8 @@ def test_comm_stats_single_process_are_zero_but_counted() -> None:
     for t in range(1, 5):
         set_grads(params, 0, t)
         opt.step()
-    assert opt.comm_stats == {"bytes_last_step": 0, "bytes_total": 0, "fp32_equiv_total": 0}
+    assert set(opt.comm_stats) >= {"bytes_last_step", "bytes_total", "fp32_equiv_total"}
+    assert not any(opt.comm_stats.values()), opt.comm_stats
 
 
 def test_closure_and_plain_module() -> None:

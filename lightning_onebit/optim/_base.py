@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
@@ -91,6 +92,7 @@ from lightning_onebit.comm import (
     as_average_dtype,
     fp32_allreduce_bytes,
 )
+from lightning_onebit.hierarchy import NodeGroups, resolve_ranks_per_node
 from lightning_onebit.optim._checkpoint import _Checkpointing
 from lightning_onebit.optim._layout import _FlatBuffers, _Layout
 from lightning_onebit.optim._ops import _FlatOps
@@ -135,6 +137,12 @@ class OneBitOptimizer(
             ``sqrt(v) + eps`` and multiply back after it (1-bit Adam, 0/1 Adam): the 1-bit
             error is then about the same size relative to every coordinate's Adam step.
             ``False``: DeepSpeed's (the momentum, or 0/1 Adam's gradient, as is).
+        hierarchical: ``True``/``"auto"``: on several nodes of several ranks, full precision
+            inside a node and 1 bit between nodes (:meth:`node_groups`); ``False`` (default):
+            the flat exchange, every rank's values compressed (DeepSpeed's).
+        ranks_per_node: the ranks on each node (ranks numbered node by node); default
+            ``LOCAL_WORLD_SIZE`` (torchrun). Also splits the byte counters into the part
+            that left the node (``comm_stats["bytes_total_inter"]``).
     """
 
     #: The algorithm's options: keyword arguments of ``__init__``, whose signature holds their
@@ -170,9 +178,15 @@ class OneBitOptimizer(
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = False,
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         name = type(self).__name__
         average_dtype = as_average_dtype(average_dtype)
+        if hierarchical not in (True, False, "auto"):
+            raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
+        if ranks_per_node is not None:
+            _check_int("ranks_per_node", ranks_per_node, 1)
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         self._check_hparams(defaults)
@@ -187,6 +201,11 @@ class OneBitOptimizer(
         self.process_group = process_group
         self.average_warmup_grads = bool(average_warmup_grads)
         self.average_dtype = average_dtype
+        #: the two-level exchange (see :meth:`node_groups`); set before the first step
+        self.hierarchical: bool | str = hierarchical
+        self.ranks_per_node = ranks_per_node
+        self._nodes: NodeGroups | None = None
+        self._nodes_resolved = False
 
         # internal state (checkpointed)
         self.step_count = 0  # steps taken; identical on every rank
@@ -202,6 +221,11 @@ class OneBitOptimizer(
             "bytes_last_step": 0,  # bytes this rank sent in the last step
             "bytes_total": 0,  # ... since the start of training
             "fp32_equiv_total": 0,  # what fp32 ring allreduces of the gradients would have sent
+            # the part of those that left the node (nodes of ranks_per_node ranks; see
+            # node_groups), and the fp32 ring's: one rank's ring traffic per node crosses
+            "bytes_last_step_inter": 0,
+            "bytes_total_inter": 0,
+            "fp32_equiv_total_inter": 0,
         }
 
         # internal state (rebuilt lazily by _prepare)
@@ -215,6 +239,7 @@ class OneBitOptimizer(
         self._exchange: CompressedAllreduce | BucketedAllreduce | None = None
         self._pending_exchange_state: dict[str, Any] | None = None
         self._bytes_step = 0
+        self._bytes_step_inter = 0
         self._overlap: BackwardOverlap | None = None  # see overlap_with_backward()
         self._denominator: tuple[torch.Tensor, list[torch.Tensor], list[float]] | None = None
         self._skip_gather: set[int] = set()
@@ -543,7 +568,7 @@ class OneBitOptimizer(
         if self._overlap is not None:  # buckets the communication thread already started
             self._skip_gather = self._overlap.collect()
         self.step_count += 1
-        self._bytes_step = 0
+        self._bytes_step = self._bytes_step_inter = 0
         skipped = self.skipped_steps
         try:
             self._step()
@@ -560,7 +585,12 @@ class OneBitOptimizer(
         stats = self.comm_stats
         stats["bytes_last_step"] = self._bytes_step
         stats["bytes_total"] += self._bytes_step
-        stats["fp32_equiv_total"] += fp32_allreduce_bytes(self._layout.numel, self.world_size)
+        fp32 = fp32_allreduce_bytes(self._layout.numel, self.world_size)
+        stats["fp32_equiv_total"] += fp32
+        stats["bytes_last_step_inter"] = self._bytes_step_inter
+        stats["bytes_total_inter"] += self._bytes_step_inter
+        if self._node_size() < self.world_size:
+            stats["fp32_equiv_total_inter"] += fp32 // self._node_size()
         return loss
 
     def _check_grads_are_local(self) -> None:
@@ -653,6 +683,42 @@ class OneBitOptimizer(
                 )
         hints.append("lower the learning rate or check the data")
         return "; ".join(hints)
+
+    def node_groups(self) -> NodeGroups | None:
+        """The two-level layout the exchange runs on, or ``None`` for the flat exchange.
+
+        With ``hierarchical=True`` (or ``"auto"``) and several nodes of several ranks each
+        (``ranks_per_node``, default ``LOCAL_WORLD_SIZE`` as torchrun sets it), every exchange
+        and full-precision average runs in two levels (``lightning_onebit/hierarchy.py``): full
+        precision inside a node, 1 bit between nodes, ``ranks_per_node`` times fewer bytes
+        through each node's network link. ``True`` with one node or one rank per node warns and
+        runs the flat exchange; ``"auto"`` decides silently. Collective on its first call (every
+        rank at the same point: the first step, or the strategy's setup); cached after it.
+        """
+        if not self._nodes_resolved:
+            w = dist.get_world_size(self.process_group) if self._distributed() else 1
+            ll = (
+                resolve_ranks_per_node(self.hierarchical, self.ranks_per_node, w) if w > 1 else None
+            )
+            self._nodes = None if ll is None else NodeGroups(self.process_group, ll)
+            self._nodes_resolved = True
+        return self._nodes
+
+    def _node_size(self) -> int:
+        """Ranks per node for the byte counters: the layout's, else ``ranks_per_node`` or
+        ``LOCAL_WORLD_SIZE`` where given, else 1 (every peer counts as on another node)."""
+        if self._nodes is not None:
+            return self._nodes.local_size
+        ll = self.ranks_per_node
+        env = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if ll is None and env.isdigit():
+            ll = int(env)
+        w = self.world_size
+        return ll if ll is not None and ll <= w and w % ll == 0 else 1
+
+    @staticmethod
+    def _distributed() -> bool:
+        return dist.is_available() and dist.is_initialized()
 
     @property
     def world_size(self) -> int:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from lightning_onebit.comm import BucketedAllreduce, CompressedAllreduce
+from lightning_onebit.comm import BucketedAllreduce
+from lightning_onebit.hierarchy import make_exchange
 
 __all__ = ["_FlatBuffers", "_Layout"]
 
@@ -124,11 +125,14 @@ class _FlatBuffers:
                     stacklevel=3,
                 )
             ex = None
+        nodes = self.node_groups()  # (collective the first time: every rank is here)
         if ex is None and bounds is not None:
             group = self._overlap.group() if self._overlap is not None else self.process_group
-            ex = BucketedAllreduce(bounds, device=device, group=group)
+            if self._overlap is not None:
+                nodes = self._overlap.nodes()
+            ex = BucketedAllreduce(bounds, device=device, group=group, nodes=nodes)
         elif ex is None:
-            ex = CompressedAllreduce(n, device=device, group=self.process_group)
+            ex = make_exchange(n, device, self.process_group, nodes)
         if self._overlap is not None:
             self._overlap.install(layout)
         pending, self._pending_exchange_state = self._pending_exchange_state, None

@@ -16,6 +16,7 @@ from lightning_onebit.comm import (
     fp32_allreduce_bytes,
     start_average,
 )
+from lightning_onebit.hierarchy import average_bytes, hierarchical_average, inter_node_bytes
 from lightning_onebit.kernels import adam_update
 
 __all__ = ["_FlatOps"]
@@ -76,13 +77,24 @@ class _FlatOps:
         The bytes of this allreduce count in ``comm_stats`` either way: the algorithm needs
         them, whether this optimizer or DDP sends them.
         """
-        w = self.world_size
+        w, nodes = self.world_size, self.node_groups()
         if w > 1 and self.average_warmup_grads:
             if self._overlap is not None and flat is self._grad:
                 self._overlap.all_reduce()  # per bucket, some started during backward
+            elif nodes is not None:
+                hierarchical_average(flat, self.average_dtype, nodes)
             else:
                 start_average(flat, self.average_dtype, self.process_group)()
-        self._bytes_step += fp32_allreduce_bytes(flat.numel(), w) * self.average_dtype.itemsize // 4
+        if nodes is not None:
+            intra, inter = average_bytes(flat.numel(), self.average_dtype, nodes)
+            self._bytes_step += intra + inter
+            self._bytes_step_inter += inter
+        else:
+            sent = fp32_allreduce_bytes(flat.numel(), w) * self.average_dtype.itemsize // 4
+            self._bytes_step += sent
+            # a ring in rank order crosses each node's link once: one rank's traffic per node
+            if self._node_size() < w:
+                self._bytes_step_inter += sent // self._node_size()
         if not self._finite(flat):  # averaged: the same verdict on every rank
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
@@ -123,6 +135,7 @@ class _FlatOps:
                 ex(source(slice(0, out.numel())) if callable(source) else source, out=out)
         finally:
             self._bytes_step += ex.bytes_sent
+            self._bytes_step_inter += inter_node_bytes(ex, self._node_size())
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
         """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import start_average
+from lightning_onebit.hierarchy import NodeGroups, hierarchical_average
 from lightning_onebit.optim._layout import _Layout
 
 __all__ = ["BackwardOverlap", "OverlapHost"]
@@ -110,6 +111,8 @@ class BackwardOverlap:
         self._pool: ThreadPoolExecutor | None = None
         self._group: Any = None
         self._group_made = False
+        self._nodes: NodeGroups | None = None
+        self._nodes_made = False
         self._futures: list[Future] = []
         self._events: list[list[Any]] = []  # per bucket: CUDA events of its gradients
         self._stream: Any = None  # the thread's CUDA stream (made at the first CUDA bucket)
@@ -119,7 +122,7 @@ class BackwardOverlap:
         self._ready: set[int] = set()
         self._missing: list[int] = []
         self._next = 0
-        self._finalizer = weakref.finalize(self, _shut_down, None, None)
+        self._finalizer = weakref.finalize(self, _shut_down, None, None, None)
 
     # ------------------------------------------------------------------ setup
 
@@ -158,11 +161,22 @@ class BackwardOverlap:
             self._group_made = True
         return self._group
 
+    def nodes(self) -> Any:
+        """The exchanges' own :class:`~lightning_onebit.hierarchy.NodeGroups` when the
+        optimizer's exchange is hierarchical (made once, like :meth:`group`), else ``None``."""
+        if not self._nodes_made:
+            base = self.opt.node_groups()
+            if base is not None:
+                self._nodes = NodeGroups(self.opt.process_group, base.local_size, self.timeout)
+                self._rearm()
+            self._nodes_made = True
+        return self._nodes
+
     def _rearm(self) -> None:
         """(Re)register the shutdown of the thread and the group: at :meth:`close`, or at the
         interpreter's exit for an optimizer nobody closed."""
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _shut_down, self._pool, self._group)
+        self._finalizer = weakref.finalize(self, _shut_down, self._pool, self._group, self._nodes)
 
     def install(self, layout: _Layout) -> None:
         """(Re)register the gradient hooks on the layout's parameters."""
@@ -232,6 +246,10 @@ class BackwardOverlap:
         return None
 
     def _start_all_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
+        nodes = self.nodes()
+        if nodes is not None:  # two levels (synchronous: this thread waits, backward goes on)
+            hierarchical_average(grad, self.opt.average_dtype, nodes)
+            return lambda: None
         return start_average(grad, self.opt.average_dtype, self.group())
 
     # ------------------------------------------------------------------ in step()
@@ -292,11 +310,15 @@ class BackwardOverlap:
         self.remove()
         self._finalizer()
         self._pool, self._group, self._group_made = None, None, False
+        self._nodes, self._nodes_made = None, False
 
 
-def _shut_down(pool: ThreadPoolExecutor | None, group: Any) -> None:
+def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | None) -> None:
     if pool is not None:
         pool.shutdown(wait=True)
-    if group is not None and dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):  # already gone with the default group
-            dist.destroy_process_group(group)
+    if dist.is_available() and dist.is_initialized():
+        if group is not None:
+            with contextlib.suppress(Exception):  # already gone with the default group
+                dist.destroy_process_group(group)
+        if nodes is not None:
+            nodes.close()

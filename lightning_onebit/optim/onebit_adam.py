@@ -84,6 +84,9 @@ class OneBitAdam(OneBitOptimizer):
             (default) step 2b exchanges ``m / (sqrt(v) + eps)`` and sets
             ``m = result * (sqrt(v) + eps)``; ``variance_floor=0, preconditioned_exchange=False``
             is DeepSpeed's arithmetic.
+        hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
+            inside a node, 1 bit between nodes); see
+            :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
 
     DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
     ``process_group`` of the backend you want (gloo, NCCL).
@@ -106,6 +109,8 @@ class OneBitAdam(OneBitOptimizer):
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = True,
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -119,6 +124,8 @@ class OneBitAdam(OneBitOptimizer):
             bias_correction=bias_correction,
             variance_floor=variance_floor,
             preconditioned_exchange=preconditioned_exchange,
+            hierarchical=hierarchical,
+            ranks_per_node=ranks_per_node,
         )
         self.freeze_step = freeze_step
 

@@ -110,6 +110,9 @@ class OneBitLamb(OneBitOptimizer):
             by default (measured: it keeps ViT's and GPT-2's parameters closer to DDP's, but the
             demo GPT's loss went from -5.3% to +4.8% of DDP + LAMB's). ``variance_floor=0`` is
             DeepSpeed's arithmetic.
+        hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
+            inside a node, 1 bit between nodes); see
+            :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
@@ -143,6 +146,8 @@ class OneBitLamb(OneBitOptimizer):
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = False,
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         self._check_options(
@@ -171,6 +176,8 @@ class OneBitLamb(OneBitOptimizer):
             bias_correction=bias_correction,
             variance_floor=variance_floor,
             preconditioned_exchange=preconditioned_exchange,
+            hierarchical=hierarchical,
+            ranks_per_node=ranks_per_node,
         )
         # hyperparameters
         self.freeze_step = freeze_step

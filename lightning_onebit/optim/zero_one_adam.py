@@ -118,6 +118,9 @@ class ZeroOneAdam(OneBitOptimizer):
             (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the accumulator in parameter
             units (``acc - lr u``); the variance is floored after every variance step.
             ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
+        hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
+            inside a node, 1 bit between nodes); see
+            :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
     """
 
     PHASES = (Phase.VARIANCE, Phase.LOCAL)
@@ -148,6 +151,8 @@ class ZeroOneAdam(OneBitOptimizer):
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = True,
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         _check_int("var_freeze_step", var_freeze_step, 0)
         self._check_options(
@@ -168,6 +173,8 @@ class ZeroOneAdam(OneBitOptimizer):
             bias_correction=bias_correction,
             variance_floor=variance_floor,
             preconditioned_exchange=preconditioned_exchange,
+            hierarchical=hierarchical,
+            ranks_per_node=ranks_per_node,
         )
         # hyperparameters
         self.var_freeze_step = var_freeze_step

@@ -1,0 +1,485 @@
+"""The two-level (hierarchical) exchange: full precision inside a node, 1 bit between nodes.
+
+A cluster's ranks sit on ``N`` nodes of ``L`` ranks each, with fast links inside a node (NVLink,
+PCIe, shared memory, loopback) and a slow network between nodes. The flat exchange
+(:class:`~lightning_onebit.comm.CompressedAllreduce`) makes each of a node's ``L`` ranks send
+about ``n / 4`` bytes through the node's one network link per step. The hierarchical one sends
+``n / 4`` per node (``L`` times fewer), and compresses the node's average instead of each rank's
+own values (a smaller 1-bit error relative to the signal):
+
+1. **Inside the node, full precision** (``all_to_all`` = reduce-scatter): local rank ``k`` gets
+   shard ``k`` of every local rank's values and averages them (summed in local-rank order).
+   Every local rank owns a shard of the node's average: none idles, unlike a single leader.
+2. **Between nodes, 1 bit**: the error-compensated exchange
+   (:class:`~lightning_onebit.comm.CompressedAllreduce`) of shard ``k`` among the ``N`` ranks
+   with local index ``k`` (one per node), with this rank's error buffers for its shard.
+3. **Inside the node again**: an ``all_gather`` of the ``N`` compressed records of every shard
+   (1 bit per value, not fp32); every rank decodes all of them. Every rank of every node ends
+   with the same values, bit for bit.
+
+A NaN/Inf anywhere reaches the owner of its shard in step 1; that inter-node exchange stops
+before writing anything (as the flat one does), its ranks put NaN scales into what step 3
+gathers, so every rank of every node sees it in the same call and the call is dropped
+everywhere (error buffers as before).
+
+Bytes per rank per call, with ``n' = n`` rounded up to ``8 N L``: inside the node
+``(L - 1) (4 n' / L + N r)`` (``r`` = one record, about ``n' / (8 N L)`` bytes); between nodes
+``2 (N - 1) r``, so about ``n' / (4 L)`` per rank and ``n' / 4`` per node.
+
+The full-precision average (warmup) takes the same two levels: reduce-scatter inside the node,
+``all_reduce`` of the shard between nodes, ``all_gather`` inside the node.
+
+Ranks are numbered node by node (rank ``r`` is local rank ``r % L`` of node ``r // L``), as
+torchrun, SLURM and Lightning number them. :class:`NodeGroups` checks it against the ranks' host
+names once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit import kernels
+from lightning_onebit.comm import (
+    CompressedAllreduce,
+    ExchangeHandle,
+    NonFiniteError,
+    _all_gather_single,
+    check_input,
+    fp32_allreduce_bytes,
+)
+
+__all__ = [
+    "HierarchicalAllreduce",
+    "NodeGroups",
+    "hierarchical_average",
+    "resolve_ranks_per_node",
+]
+
+
+def resolve_ranks_per_node(
+    hierarchical: bool | str, ranks_per_node: int | None, world_size: int
+) -> int | None:
+    """``L`` when the exchange should be hierarchical (``N > 1`` nodes of ``L > 1`` ranks), else
+    ``None`` (the flat exchange). ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (torchrun).
+
+    ``hierarchical=True`` with one node or one rank per node warns and runs the flat exchange
+    (with one node there is no slow link to spare; with one rank per node nothing to reduce
+    first); without a known ``L`` it raises. ``"auto"`` decides silently.
+    """
+    if hierarchical is False:
+        return None
+    if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    if ranks_per_node is None:
+        if hierarchical is True:
+            raise ValueError(
+                "hierarchical=True needs the number of ranks per node: pass ranks_per_node=L "
+                "(or launch with torchrun, which sets LOCAL_WORLD_SIZE)"
+            )
+        return None
+    if world_size % ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node} does not divide the world size {world_size}: "
+            "the hierarchical exchange needs the same number of ranks on every node"
+        )
+    if ranks_per_node > 1 and world_size > ranks_per_node:
+        return ranks_per_node
+    if hierarchical is True:
+        why = "one node" if world_size == ranks_per_node else "one rank per node"
+        warnings.warn(
+            f"hierarchical=True with {why} ({world_size} ranks, {ranks_per_node} per node): "
+            "nothing to split into two levels, the flat 1-bit exchange runs",
+            UserWarning,
+            stacklevel=3,
+        )
+    return None
+
+
+class NodeGroups:
+    """The process groups of the two levels: this rank's node (``intra``) and the ranks with its
+    local index on every node (``inter``).
+
+    Built collectively (every rank of the default group must construct it, in the same order
+    as any other group): ``group``'s ranks, numbered node by node, form ``N = W / L`` nodes of
+    ``L = ranks_per_node``. One ``all_gather_object`` of the host names checks that ranks of one
+    node share a host (several nodes may share one: emulation, tests).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        ranks_per_node: int,
+        timeout: timedelta | None = None,
+    ) -> None:
+        ranks = (
+            list(range(dist.get_world_size()))
+            if group is None
+            else dist.get_process_group_ranks(group)
+        )
+        w, ll = len(ranks), ranks_per_node
+        if ll < 2 or w % ll or w == ll:
+            raise ValueError(f"{w} ranks cannot form several nodes of {ll} > 1 ranks")
+        me = dist.get_rank(group)
+        self.local_size, self.nodes = ll, w // ll
+        self.local_rank, self.node_rank = me % ll, me // ll
+        hosts: list[Any] = [None] * w
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        for n in range(self.nodes):
+            block = hosts[n * ll : (n + 1) * ll]
+            if len(set(block)) > 1:
+                raise ValueError(
+                    f"ranks_per_node={ll}: ranks {n * ll}-{(n + 1) * ll - 1} should share a node "
+                    f"but run on hosts {sorted(set(block))}; pass the number of ranks per node "
+                    "(devices=... in Lightning, --nproc-per-node in torchrun)"
+                )
+        kw: dict[str, Any] = {"backend": dist.get_backend(group)}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        # every rank creates every group (new_group is collective over the default group)
+        for n in range(self.nodes):
+            g = dist.new_group(ranks[n * ll : (n + 1) * ll], **kw)
+            if n == self.node_rank:
+                self.intra = g
+        for k in range(ll):
+            g = dist.new_group(ranks[k::ll], **kw)
+            if k == self.local_rank:
+                self.inter = g
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.local_size
+
+    def close(self) -> None:
+        """Destroy this rank's two groups."""
+        for g in (self.intra, self.inter):
+            with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
+                dist.destroy_process_group(g)
+
+    def __repr__(self) -> str:
+        return f"NodeGroups(nodes={self.nodes}, ranks_per_node={self.local_size})"
+
+
+def _reduce_scatter(
+    x: torch.Tensor, parts: torch.Tensor, out: torch.Tensor, nodes: NodeGroups
+) -> None:
+    """``out`` = this local rank's shard of the sum over the node of ``x`` (``L * shard``
+    values), summed in local-rank order (the same on every node and every run)."""
+    dist.all_to_all_single(parts.view(-1), x, group=nodes.intra)
+    torch.sum(parts, dim=0, out=out)
+
+
+def hierarchical_average(flat: torch.Tensor, dtype: torch.dtype, nodes: NodeGroups) -> None:
+    """Average ``flat`` (fp32) over all ranks in place, in two levels: reduce-scatter inside the
+    node, ``all_reduce`` of the shard between nodes, ``all_gather`` inside the node (in
+    ``dtype``; half dtypes divide by ``W`` first, as DDP's compress hooks)."""
+    ll, w, n = nodes.local_size, nodes.world_size, flat.numel()
+    shard = -(-n // ll)
+    buf = torch.zeros(ll * shard, dtype=dtype, device=flat.device)
+    buf[:n].copy_(flat)
+    if dtype != torch.float32:
+        buf.div_(w)
+    parts = torch.empty(ll, shard, dtype=dtype, device=flat.device)
+    mine = torch.empty(shard, dtype=dtype, device=flat.device)
+    _reduce_scatter(buf, parts, mine, nodes)
+    dist.all_reduce(mine, group=nodes.inter)
+    _all_gather_single(buf, mine, group=nodes.intra)
+    if dtype == torch.float32:
+        torch.div(buf[:n], w, out=flat)
+    else:
+        flat.copy_(buf[:n])
+
+
+def average_bytes(numel: int, dtype: torch.dtype, nodes: NodeGroups) -> tuple[int, int]:
+    """``(inside the node, between nodes)`` bytes one rank sends in :func:`hierarchical_average`."""
+    ll, size = nodes.local_size, torch.finfo(dtype).bits // 8
+    shard = -(-numel // ll)
+    intra = 2 * (ll - 1) * shard * size  # all_to_all + all_gather
+    return intra, fp32_allreduce_bytes(shard, nodes.nodes) * size // 4
+
+
+class _Handle:
+    """A finished hierarchical call: the :class:`~lightning_onebit.comm.ExchangeHandle`
+    interface (``wait``, ``commit``, ``discard``, ``finite``, ``get_future``)."""
+
+    def __init__(
+        self,
+        owner: HierarchicalAllreduce,
+        inner: ExchangeHandle,
+        out: torch.Tensor,
+        shape: torch.Size,
+        bad: list[int],
+    ) -> None:
+        self._owner, self._inner, self._out, self._shape = owner, inner, out, shape
+        self.finite = not bad
+        self.bad_nodes = bad
+        self._result: torch.Tensor | None = None
+
+    def error(self) -> NonFiniteError:
+        return self._owner._non_finite(self.bad_nodes)
+
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.finite:
+            raise self.error()
+        if self._result is None:
+            out = self._out if out is None else out
+            self._result = self._owner._decode(out).view(self._shape)
+        return self._result
+
+    def commit(self) -> None:
+        if not self.finite:
+            raise self.error()
+        self._inner.commit()
+        self._owner._uncommitted = None
+
+    def discard(self) -> None:
+        self._inner.discard()
+        self._owner._uncommitted = None
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
+
+class HierarchicalAllreduce:
+    """The two-level compressed average of a fp32 buffer of fixed size (module docstring): the
+    interface of :class:`~lightning_onebit.comm.CompressedAllreduce` (``start``/``__call__``,
+    ``commit=False`` handles, ``state_dict``, byte counters), over :class:`NodeGroups`.
+
+    The inter-node exchange is always double buffered: whether a call goes through is known
+    only once every node has answered (step 3), so its error buffers advance on commit.
+    ``bytes_sent`` = ``bytes_sent_intra + bytes_sent_inter`` (this rank, last call).
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        nodes: NodeGroups,
+        device: torch.device | str = "cpu",
+        *,
+        double_buffered: bool = False,
+    ) -> None:
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
+            raise ValueError(f"numel must be a positive int, got {numel!r}")
+        self.nodes = nodes
+        ll, nn = nodes.local_size, nodes.nodes
+        self.numel = numel
+        self.world_size = nodes.world_size
+        self.rank = nodes.node_rank * ll + nodes.local_rank
+        # shard = a multiple of 8 N: the inter exchange pads nothing, and the L * N records
+        # decode in one call straight into the output
+        self.shard_numel = -(-numel // (8 * nn * ll)) * 8 * nn
+        self.padded_numel = ll * self.shard_numel
+        self.inter = CompressedAllreduce(
+            self.shard_numel, device=device, group=nodes.inter, double_buffered=True
+        )
+        self.device = self.inter.device
+        self._double = double_buffered
+        kw: dict[str, Any] = {"device": self.device}
+        self._padded = (
+            torch.zeros(self.padded_numel, dtype=torch.float32, **kw)
+            if self.padded_numel != numel
+            else None
+        )
+        self._parts = torch.empty(ll, self.shard_numel, dtype=torch.float32, **kw)
+        self._shard = torch.empty(self.shard_numel, dtype=torch.float32, **kw)
+        record = self.inter._record
+        self._block = torch.zeros(nn, record, dtype=torch.uint8, **kw)  # for a failed shard
+        self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, **kw)
+        self._out = torch.empty(numel, dtype=torch.float32, **kw)
+        self._uncommitted: _Handle | None = None
+        self.bytes_sent_intra = 0
+        self.bytes_sent_inter = 0
+        self.total_bytes_sent = 0
+        self.calls = 0
+
+    @property
+    def double_buffered(self) -> bool:
+        return self._double
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.bytes_sent_intra + self.bytes_sent_inter
+
+    @property
+    def bytes_per_call(self) -> int:
+        return self._intra_bytes_per_call + self.inter.bytes_per_call
+
+    @property
+    def _intra_bytes_per_call(self) -> int:
+        ll = self.nodes.local_size
+        return (ll - 1) * (4 * self.shard_numel + self._gathered[0].numel() * self.nodes.nodes)
+
+    @property
+    def fp32_allreduce_bytes(self) -> int:
+        return fp32_allreduce_bytes(self.numel, self.world_size)
+
+    def start(
+        self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, commit: bool = True
+    ) -> _Handle:
+        """Run the three steps (all of them: the handle is finished); see
+        :meth:`CompressedAllreduce.start <lightning_onebit.comm.CompressedAllreduce.start>`."""
+        if not commit and not self._double:
+            raise ValueError("start(commit=False) needs double_buffered=True")
+        if self._uncommitted is not None:
+            raise RuntimeError(
+                "the previous start(commit=False) was neither committed nor discarded"
+            )
+        x = check_input(tensor, self.numel, self.device)
+        out = self._out if out is None else out
+        if self._padded is not None:
+            self._padded[: self.numel].copy_(x)
+            x = self._padded
+        nn, record = self.nodes.nodes, self.inter._record
+        # 1. reduce-scatter inside the node: this rank's shard of the node's average
+        _reduce_scatter(x, self._parts, self._shard, self.nodes)
+        self._shard.div_(self.nodes.local_size)
+        # 2. the 1-bit exchange of the shard between nodes (not committed yet)
+        inner = self.inter.start(self._shard, commit=False)
+        if inner.finite:
+            inner._drain()
+            block = inner._gathered
+        else:  # NaN scales where a rank's input was not finite: every node learns it in 3.
+            block = self._block
+            block.zero_()
+            scales = block.view(nn, record).view(torch.float32)[:, 0]
+            scales[inner.bad_ranks] = float("nan")
+        # 3. every shard's records to every rank of the node
+        _all_gather_single(self._gathered.view(-1), block.reshape(-1), group=self.nodes.intra)
+        self.calls += 1
+        self.bytes_sent_intra = self._intra_bytes_per_call
+        self.bytes_sent_inter = self.inter.bytes_sent
+        self.total_bytes_sent += self.bytes_sent
+        scales = self._gathered.view(torch.float32)[:, 0]
+        bad = []
+        if not bool(torch.isfinite(scales).all()):
+            # record (k, i) is shard k from node i: the node's reduce-scatter mixed its ranks'
+            # values, so the node is what can be named
+            flags = (~torch.isfinite(scales)).view(self.nodes.local_size, nn).nonzero().tolist()
+            bad = sorted({i for _, i in flags})
+        handle = _Handle(self, inner, out, tensor.shape, bad)
+        if not handle.finite:
+            if inner.finite:
+                inner.discard()
+            if commit:
+                raise handle.error()
+            return handle
+        if commit:
+            inner.commit()
+        else:
+            self._uncommitted = handle
+        return handle
+
+    def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.start(tensor, out=out).wait()
+
+    def _decode(self, out: torch.Tensor) -> torch.Tensor:
+        row = self.inter.chunk_numel // 8
+        kernels.decompress(
+            self._gathered[:, 4 : 4 + row],
+            self._gathered.view(torch.float32)[:, 0],
+            out.view(-1),
+        )
+        return out
+
+    def _non_finite(self, bad: list[int]) -> NonFiniteError:
+        ll = self.nodes.local_size
+        ranks = ", ".join(f"{i * ll}-{i * ll + ll - 1}" for i in bad)
+        return NonFiniteError(
+            f"non-finite values (NaN/Inf) entered the 1-bit exchange on node(s) {bad} (ranks "
+            f"{ranks}) of {self.nodes.nodes} nodes x {ll} ranks (hierarchical, call "
+            f"{self.calls}); every rank stops in this call with its error buffers unchanged "
+            "(the 1-bit optimizers skip the step on every rank)"
+        )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """This rank's worker error (of its shard of the node's average)."""
+        return self.inter.worker_error
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        return self.inter.server_error
+
+    def reset_error(self) -> None:
+        self.inter.reset_error()
+
+    def _layout(self) -> list[int]:
+        return [self.nodes.nodes, self.nodes.local_size]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error buffers (those of its shard) and the layout they belong to."""
+        return {
+            "numel": self.numel,
+            "world_size": self.world_size,
+            "nodes": self._layout(),
+            "shard": self.inter.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved with the same size and the same layout.
+
+        Raises:
+            ValueError: saved by a flat exchange, another layout or another size (the error
+                buffers belong to a rank's shard; call :meth:`reset_error` instead).
+        """
+        saved = state_dict.get("nodes")
+        if saved is None or list(saved) != self._layout() or state_dict.get("numel") != self.numel:
+            was = (
+                f"{saved[0]} nodes x {saved[1]} ranks"
+                if saved is not None
+                else f"a flat exchange of {state_dict.get('world_size')} ranks"
+            )
+            raise ValueError(
+                f"error buffers saved with {was} ({state_dict.get('numel')} values) cannot be "
+                f"loaded into the hierarchical exchange of {self.nodes.nodes} nodes x "
+                f"{self.nodes.local_size} ranks ({self.numel} values); use reset_error()"
+            )
+        self.inter.load_state_dict(state_dict["shard"])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(numel={self.numel}, nodes={self.nodes.nodes}, "
+            f"ranks_per_node={self.nodes.local_size}, device={self.device})"
+        )
+
+
+def make_exchange(
+    numel: int,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None,
+    nodes: NodeGroups | None,
+    *,
+    double_buffered: bool = False,
+) -> CompressedAllreduce | HierarchicalAllreduce:
+    """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given."""
+    if nodes is None:
+        return CompressedAllreduce(
+            numel, device=device, group=group, double_buffered=double_buffered
+        )
+    return HierarchicalAllreduce(numel, nodes, device=device, double_buffered=double_buffered)
+
+
+def inter_node_bytes(exchange: Any, ranks_per_node: int) -> int:
+    """Of the bytes ``exchange`` (flat, bucketed or hierarchical) sent in its last call, those
+    that left this rank's node (nodes of ``ranks_per_node`` consecutive ranks; 1: every peer is
+    on another node). The flat exchange's records go to every peer, ``W - L`` of ``W - 1`` on
+    other nodes."""
+    from lightning_onebit.comm import BucketedAllreduce
+
+    if isinstance(exchange, BucketedAllreduce):
+        return sum(inter_node_bytes(b, ranks_per_node) for b in exchange.buckets)
+    if isinstance(exchange, HierarchicalAllreduce):
+        return exchange.bytes_sent_inter
+    w = exchange.world_size
+    return 0 if w <= 1 else exchange.bytes_sent * (w - ranks_per_node) // (w - 1)
