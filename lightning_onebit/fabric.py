@@ -70,6 +70,7 @@ from lightning_onebit.options import (
     OneBitOptions,
     check_no_inherited_group,
     check_strategy_args,
+    configure_hierarchy,
     configure_overlap,
     destroy_single_process_group,
     notebook_message,
@@ -109,7 +110,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
     ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
     ``variance_floor``, ``preconditioned_exchange``, ``lamb_lr``, ``overlap_bucket_mb``,
-    ``average_dtype``, ``timeout``, ``start_method``, and ``**kwargs`` for
+    ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``, and ``**kwargs`` for
     ``DistributedDataParallel``), less the Trainer's logging options (read
     :meth:`comm_stats` instead) and ``deepspeed_config``.
     """
@@ -136,6 +137,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         lamb_lr: float | None = None,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
+        hierarchical: bool | Literal["auto"] = "auto",
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         max_steps: int | None = None,
@@ -196,7 +198,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        stop_overlaps([self._optimizer])
+        stop_overlaps([self._optimizer], self._hook_state)
         super().teardown()
         destroy_single_process_group()
 
@@ -262,6 +264,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         self._switch.start(new, total, converted)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
         # (clipping, unknown yet, turns it off later: see _unclip_overlap)
+        configure_hierarchy(new, self.hierarchical, self.num_processes)
         configure_overlap(new, self.overlap_bucket_mb, self.timeout, False, scaler)
         if self.world_size == 1:
             warn_single_process(self.algorithm)

@@ -152,14 +152,16 @@ class NodeGroups:
             g = dist.new_group(ranks[k::ll], **kw)
             if k == self.local_rank:
                 self.inter = g
+        self._open = True
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.local_size
 
     def close(self) -> None:
-        """Destroy this rank's two groups."""
-        for g in (self.intra, self.inter):
+        """Destroy this rank's two groups (once)."""
+        groups, self._open = (self.intra, self.inter) if self._open else (), False
+        for g in groups:
             with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
                 dist.destroy_process_group(g)
 

@@ -1,16 +1,19 @@
 """The DDP communication hook of ``OneBitStrategy`` and its state (shaped like torch's
 ``powerSGD_hook``): a full-precision average on the steps whose optimizer needs averaged
-gradients (warmup; 0/1 Adam's variance steps), nothing on the others (the optimizer exchanges
-its 1-bit compressed momentum itself)."""
+gradients (warmup; 0/1 Adam's variance steps; in two levels when the optimizer's exchange is
+hierarchical), nothing on the others (the optimizer exchanges its 1-bit compressed momentum
+itself)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from lightning_onebit.hierarchy import NodeGroups, hierarchical_average
 from lightning_onebit.optim import OneBitOptimizer
 
 
@@ -21,9 +24,53 @@ class _HookState:
     def __init__(self, process_group: dist.ProcessGroup | None) -> None:
         self.process_group = process_group
         self.optimizer: OneBitOptimizer | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the two-level averages' thread
 
     def __getstate__(self) -> dict[str, Any]:  # the process group cannot be pickled
-        return {"optimizer": None, "process_group": None}
+        return {"optimizer": None, "process_group": None, "_pool": None}
+
+    def close(self) -> None:
+        """Stop the thread of the two-level averages (at teardown)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def average_in_two_levels(
+        self, nodes: NodeGroups, dtype: torch.dtype, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The bucket's average over the optimizer's :class:`NodeGroups`, on a thread of its own
+        (as DDP's allreduce, it runs while backward goes on). Buckets come in the same order on
+        every rank (DDP's), and one thread keeps that order for the groups' collectives. On CUDA
+        the thread waits for the stream that produced the gradients, works on a stream of its
+        own, and the future hands the result back through CUDA events."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-average")
+        buf = bucket.buffer()
+        cuda = buf.is_cuda
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[buf.device] if cuda else None
+        )
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buf.device))
+
+        def run() -> None:
+            try:
+                if cuda:
+                    stream = torch.cuda.Stream(buf.device)
+                    with torch.cuda.device(buf.device), torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        hierarchical_average(buf, dtype, nodes)
+                        fut.set_result(buf)  # (records an event on this stream)
+                else:
+                    hierarchical_average(buf, dtype, nodes)
+                    fut.set_result(buf)
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._pool.submit(run)
+        return fut
 
 
 #: DDP's hook for the average in each ``average_dtype`` (the half ones cast, divide, sum, cast back).
@@ -41,6 +88,9 @@ def _onebit_comm_hook(
     if state.optimizer is None:
         return default_hooks.allreduce_hook(state.process_group, bucket)
     if state.optimizer.expects_averaged_grads:
+        nodes = state.optimizer.node_groups()
+        if nodes is not None:
+            return state.average_in_two_levels(nodes, state.optimizer.average_dtype, bucket)
         return _AVERAGE_HOOKS[state.optimizer.average_dtype](state.process_group, bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())

@@ -108,6 +108,10 @@ class OneBitOptions:
             )
         self.overlap_bucket_mb = overlap_bucket_mb
         self.average_dtype = None if average_dtype is None else as_average_dtype(average_dtype)
+        hierarchical = given["hierarchical"]
+        if hierarchical not in (True, False, "auto"):
+            raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
+        self.hierarchical = hierarchical
         self._converted_optimizer = False  # the strategy built the optimizer from Adam/AdamW
         self._lr_scale = 1.0  # what the conversion multiplied the learning rates by
 
@@ -262,6 +266,22 @@ def configure_overlap(
     opt.overlap_with_backward(bucket_mb, timeout=timeout)
 
 
+def configure_hierarchy(
+    opt: OneBitOptimizer, hierarchical: bool | str, ranks_per_node: int
+) -> None:
+    """Give ``opt`` the strategy's two-level setting and the launch's layout (``ranks_per_node``
+    processes per node), and build its groups now (collective: every rank at setup, before the
+    first backward needs them); one info line when it is on."""
+    opt.hierarchical, opt.ranks_per_node = hierarchical, ranks_per_node
+    nodes = opt.node_groups()
+    if nodes is not None:
+        rank_zero_info(
+            f"1-bit exchange in two levels on {nodes.nodes} nodes x {nodes.local_size} ranks: "
+            "full precision inside a node, 1 bit between nodes (hierarchical=False: every "
+            "rank compresses its own values)"
+        )
+
+
 @contextlib.contextmanager
 def overlap_paused(opts: list[OneBitOptimizer]) -> Generator[None, None, None]:
     """A backward without a step (gradient accumulation): the exchange must not start yet."""
@@ -292,11 +312,17 @@ def one_thread_per_forked_rank(start_method: str, num_processes: int) -> None:
         torch.set_num_threads(1)
 
 
-def stop_overlaps(optimizers: list[Any]) -> None:
-    """At teardown: stop the overlap's thread and remove its hooks."""
+def stop_overlaps(optimizers: list[Any], hook_state: Any = None) -> None:
+    """At teardown: stop the overlap's thread and remove its hooks, destroy the two-level
+    exchange's groups, stop the DDP hook's thread."""
     for opt in optimizers:
-        if isinstance(opt, OneBitOptimizer) and opt.overlaps_backward:
-            opt.overlap_with_backward(None)
+        opt = getattr(opt, "_optimizer", opt)  # (LightningOptimizer)
+        if isinstance(opt, OneBitOptimizer):
+            if opt.overlaps_backward:
+                opt.overlap_with_backward(None)
+            opt.close_node_groups()
+    if hook_state is not None:
+        hook_state.close()
 
 
 def destroy_single_process_group() -> None:

@@ -153,10 +153,22 @@ class PhaseSwitch:
         """The ``onebit/*`` counters of the last step (equal on every rank): ``phase`` (0 =
         warmup / variance phase, 1 = compression), ``ratio_vs_ddp`` (bytes an fp32 DDP allreduce
         would have sent so far / bytes sent), ``bytes_step``, ``bytes_total`` (bytes this rank
-        sent), ``skipped_steps``."""
+        sent), ``skipped_steps``; on several nodes also ``bytes_step_intra``/``bytes_step_inter``
+        (what stayed inside / left this rank's node) and ``ratio_vs_ddp_inter`` (the bytes an
+        fp32 ring allreduce sends through a node's link so far / the node's bytes sent)."""
         compressing = opt.phase != opt.PHASES[0]
         comm = opt.comm_stats
         total = comm["bytes_total"]
+        nodes = {}
+        if comm["fp32_equiv_total_inter"]:  # several nodes
+            inter, inter_total = comm["bytes_last_step_inter"], comm["bytes_total_inter"]
+            nodes = {
+                "onebit/bytes_step_intra": float(comm["bytes_last_step"] - inter),
+                "onebit/bytes_step_inter": float(inter),
+                "onebit/ratio_vs_ddp_inter": float(comm["fp32_equiv_total_inter"] / inter_total)
+                if inter_total
+                else 1.0,
+            }
         return {
             # this step's phase (the switch happens at the end of the last warmup step)
             "onebit/phase": float(
@@ -166,6 +178,7 @@ class PhaseSwitch:
             "onebit/bytes_step": float(comm["bytes_last_step"]),
             "onebit/bytes_total": float(total),
             "onebit/skipped_steps": float(opt.skipped_steps),
+            **nodes,
         }
 
     def _adaptive_check(self, opt: OneBitOptimizer) -> None:

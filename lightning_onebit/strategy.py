@@ -71,6 +71,7 @@ from lightning_onebit.options import (
     OneBitOptions,
     check_no_inherited_group,
     check_strategy_args,
+    configure_hierarchy,
     configure_overlap,
     destroy_single_process_group,
     notebook_message,
@@ -161,6 +162,16 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             steps): ``"float32"``, or ``"bf16"``/``"fp16"`` for half the bytes on those steps,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
             ``None``: float32, or what an optimizer from ``configure_optimizers`` was given.
+        hierarchical: the exchange in two levels on several nodes: full precision inside a
+            node (reduce-scatter, all_gather), the 1-bit exchange only between nodes, one shard
+            per local rank (``lightning_onebit/hierarchy.py``): ``devices`` times fewer bytes
+            through each node's network link, and the node's average compressed instead of
+            each rank's values. ``"auto"`` (default): on when there are several nodes
+            (``num_nodes > 1``) of several processes (``devices > 1``); ``True``: the same, with
+            a warning where it cannot apply; ``False``: every rank compresses its own values (a
+            flat exchange, DeepSpeed's). The warmup's average takes the same two levels. It
+            applies to an optimizer from ``configure_optimizers`` too. Changing it between a
+            checkpoint and its resume restarts the 1-bit error buffers (with a warning).
         timeout: collective timeout: a dead or stuck rank makes the others fail after this long.
         start_method: how processes start: ``"popen"`` (scripts), ``"fork"`` (notebooks),
             ``"spawn"``, ``"forkserver"``.
@@ -194,6 +205,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         comm_stats_on_progress_bar: bool = True,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
+        hierarchical: bool | Literal["auto"] = "auto",
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         deepspeed_config: str | Path | dict[str, Any] | None = None,
@@ -280,7 +292,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        stop_overlaps(self.optimizers)
+        stop_overlaps(self.optimizers, self._hook_state)
         super().teardown()
         destroy_single_process_group()
 
@@ -348,6 +360,8 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             }
         if self._hook_state is not None:
             self._hook_state.optimizer = self.onebit_optimizer
+        if trainer.state.fn == "fit" and self.optimizers:
+            configure_hierarchy(self.onebit_optimizer, self.hierarchical, self.num_processes)
         self._configure_overlap(trainer)
         if self.world_size == 1 and trainer.state.fn == "fit":
             warn_single_process(self.algorithm)

@@ -3,10 +3,14 @@
     NODE_RANK=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/_multinode_fit.py OUT NODES DEVICES STAGE
     python -m torch.distributed.run --nnodes 2 --node-rank n ... tests/_multinode_fit.py OUT 2 1 STAGE
 
+(``DEVICES`` ranks per node: with 2, the strategy's default ``hierarchical="auto"`` runs the
+two-level exchange.)
+
 ``STAGE`` ``first``: fit 8 steps (warmup 4, so 4 compressed) and save a checkpoint (every rank
 writes its 1-bit state beside it); ``resume``: continue that checkpoint to 16 steps. Each rank
 saves ``OUT/STAGE-ALGO-rank{R}.pt``: its parameters, the last loss, the ranks Lightning gave it
-(global, local, node) and the world size, the phase, and the rank files it found after saving.
+(global, local, node) and the world size, the phase, the rank files it found after saving, the
+kind of exchange and the byte counters.
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ def main(out: Path, nodes: int, devices: int, stage: str) -> None:
             "world_size": trainer.world_size,
             "phase": str(opt.phase),
             "rank_files": sorted(p.name for p in out.glob(f"{algorithm}.ckpt.onebit-rank*")),
+            "exchange": type(getattr(opt._exchange, "buckets", [opt._exchange])[0]).__name__,
+            "comm_stats": dict(opt.comm_stats),
+            "metrics": sorted(k for k in trainer.callback_metrics if k.startswith("onebit/")),
         }
         torch.save(record, out / f"{stage}-{algorithm}-rank{trainer.global_rank}.pt")
 

@@ -273,3 +273,13 @@ def test_hierarchical_needs_ranks_per_node() -> None:
         OneBitAdam(make_groups(make_params()), hierarchical="yes")
     with pytest.raises(ValueError, match="ranks_per_node"):
         OneBitAdam(make_groups(make_params()), ranks_per_node=0)
+
+
+def test_strategies_refuse_a_bad_hierarchical_value() -> None:
+    from lightning_onebit import OneBitStrategy
+    from lightning_onebit.fabric import OneBitFabricStrategy
+
+    for cls in (OneBitStrategy, OneBitFabricStrategy):
+        with pytest.raises(ValueError, match="hierarchical must be True, False or 'auto'"):
+            cls(hierarchical="yes")
+        assert cls().hierarchical == "auto"

@@ -77,6 +77,7 @@ import inspect
 import math
 import os
 import warnings
+import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
@@ -702,7 +703,16 @@ class OneBitOptimizer(
             )
             self._nodes = None if ll is None else NodeGroups(self.process_group, ll)
             self._nodes_resolved = True
+            if self._nodes is not None:  # destroyed with the optimizer, at the latest at exit
+                weakref.finalize(self, self._nodes.close)
         return self._nodes
+
+    def close_node_groups(self) -> None:
+        """Destroy the groups of :meth:`node_groups` (the strategies do it at teardown); the
+        next step builds them again."""
+        if self._nodes is not None:
+            self._nodes.close()
+        self._nodes, self._nodes_resolved = None, False
 
     def _node_size(self) -> int:
         """Ranks per node for the byte counters: the layout's, else ``ranks_per_node`` or
