@@ -27,7 +27,8 @@ see that file) and reports:
   step is measured from ``max_r start(r, k)``). Medians per phase, skipping the first step of
   each phase (DDP rebuilds its buckets, the 1-bit exchange allocates its buffers);
 * bytes sent per rank per step: the project's counters (``optimizer.comm_stats``) for the 1-bit
-  methods, the ring-allreduce volume ``2 (W-1)/W * bytes`` of what DDP's hook sends otherwise;
+  methods, otherwise the ring-allreduce volume ``2 (W-1)/W * bytes`` of every tensor a DDP comm
+  hook passes to ``dist.all_reduce`` (counted at the call; DDP without a hook: its fp32 buckets);
   cross-checked in every run against the interface's ``tx_bytes`` (which adds TCP/IP headers);
 * validation loss (rank 0's model, fixed held-out windows) every ``--eval-every`` steps, so
   the loss after a fixed number of samples and the training time (evaluation excluded) to a

@@ -49,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -203,27 +204,36 @@ def _batch(
 # --------------------------------------------------------------------------- methods
 
 
-def _powersgd_bytes(model: nn.Module, rank: int, world: int) -> int:
-    """Bytes a rank sends per compressed PowerSGD step (ring allreduce of P, Q and of the
-    tensors PowerSGD leaves uncompressed), following ``powerSGD_hook``'s own rules."""
-    values = 0
-    for p in model.parameters():  # DDP buckets each (shared) parameter once
-        if p.dim() <= 1:
-            values += p.numel()
-            continue
-        rows, cols = p.shape[0], p.numel() // p.shape[0]
-        r = min(rows, cols, rank)
-        if (rows + cols) * r * 2 < rows * cols:  # min_compression_rate = 2
-            values += (rows + cols) * r
-        else:
-            values += rows * cols
-    return 2 * (world - 1) * 4 * values // world
+class _HookBytes:
+    """Bytes this rank sends through a DDP comm hook: the ring-allreduce volume ``2 (W-1)/W *
+    bytes`` of every tensor the hook hands to ``dist.all_reduce`` (PowerSGD: P, Q, the tensors it
+    leaves uncompressed, the whole bucket on its vanilla steps; fp16: the half-precision bucket).
+
+    Counted where the hook communicates rather than re-derived from its rules: the re-derivation
+    missed PowerSGD's vanilla steps. The hooks look ``torch.distributed.all_reduce`` up at each
+    call, from autograd's thread and from future callbacks, hence the wrapper and the lock.
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world, self._bytes, self._lock = world, 0, threading.Lock()
+        all_reduce = dist.all_reduce
+
+        def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._bytes += tensor.numel() * tensor.element_size()
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce
+
+    def sent(self) -> int:
+        """Bytes sent so far (ring allreduce over the world group, which the hooks use)."""
+        return 2 * (self.world - 1) * self._bytes // self.world
 
 
 def _build_method(
     name: str, model: nn.Module, cfg: dict[str, Any], world: int
-) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, int]]:
-    """Return (module to call, optimizer, bytes per step by phase)."""
+) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, int] | _HookBytes]:
+    """Return (module to call, optimizer, bytes per step by phase or the hook's byte counter)."""
     lr, warmup = cfg["lr"], cfg["warmup"]
     betas = tuple(cfg.get("betas", (0.9, 0.999)))
     numel = sum(p.numel() for p in model.parameters())
@@ -277,19 +287,22 @@ def _build_method(
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=rank,
-            start_powerSGD_iter=max(2, warmup + 1),  # vanilla allreduce on the warmup steps
+            # vanilla allreduce on the warmup steps: the hook's iter counts from 0, so steps
+            # 1..warmup are iters 0..warmup-1 and step warmup+1 compresses, as the 1-bit methods
+            start_powerSGD_iter=max(2, warmup),
             random_seed=0,
         )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        bytes_ = {"warmup": fp32, "compression": _powersgd_bytes(model, rank, world)}
+        bytes_: dict[str, int] | _HookBytes = _HookBytes(world)
     else:
         ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"))
+        # no hook: DDP's C++ reducer allreduces every fp32 gradient once, out of Python's sight
         bytes_ = {"warmup": fp32, "compression": fp32}
         if name == "ddp_fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            bytes_ = {"warmup": fp32 // 2, "compression": fp32 // 2}
+            bytes_ = _HookBytes(world)
     return ddp, torch.optim.Adam(model.parameters(), lr=lr, betas=betas), bytes_
 
 
@@ -342,7 +355,7 @@ class _Recorder:
         model: nn.Module,
         val: list[tuple[torch.Tensor, torch.Tensor]],
         ifname: str | None,
-        ddp_bytes: dict[str, int],
+        ddp_bytes: dict[str, int] | _HookBytes,
     ) -> None:
         self.cfg, self.rank, self.model, self.val = cfg, rank, model, val
         self.ifname, self.ddp_bytes = ifname, ddp_bytes
@@ -357,6 +370,8 @@ class _Recorder:
 
     def start(self) -> None:
         self.tx0 = _tx_bytes(self.ifname)
+        hook = isinstance(self.ddp_bytes, _HookBytes)
+        self.sent0 = self.ddp_bytes.sent() if hook else 0
         self.t0 = self.tb = time.monotonic()
 
     def backward_done(self) -> None:
@@ -367,7 +382,14 @@ class _Recorder:
         tx1 = _tx_bytes(self.ifname)
         phase = "warmup" if step <= self.cfg["warmup"] else "compression"
         # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
+        # (counted at the hook's allreduces, or DDP's fp32 buckets where it has no hook)
         stats = getattr(opt, "comm_stats", None)
+        if stats:
+            sent = stats["bytes_last_step"]
+        elif isinstance(self.ddp_bytes, _HookBytes):
+            sent = self.ddp_bytes.sent() - self.sent0
+        else:
+            sent = self.ddp_bytes[phase]
         self.records.append(
             {
                 "step": step,
@@ -376,7 +398,7 @@ class _Recorder:
                 "t1": t1,
                 "phase": phase,
                 "opt_phase": getattr(opt, "phase", None),
-                "bytes": stats["bytes_last_step"] if stats else self.ddp_bytes[phase],
+                "bytes": sent,
                 "tx_bytes": tx1 - self.tx0,
                 "loss": float(loss),
             }
