@@ -3,11 +3,14 @@
     sudo .venv/bin/python benchmarks/cluster.py --quick          # < 3 min: W=2, tiny model
     python benchmarks/cluster.py --world-sizes 4 --rates 100mbit,1gbit --workloads finetune \\
         --model small --steps 40
+    python benchmarks/cluster.py --world-sizes 4 --ranks-per-node 2 --rates 100mbit,1gbit \
+        --methods ddp_adam,onebit_adam,onebit_adam_hier       # 2 nodes x 2 ranks
     python benchmarks/cluster.py --cleanup-stale                 # remove namespaces of dead runs
 
 The cluster (needs root and iproute2; see ../shared/DESIGN.md §5):
 
-* one network namespace per rank, ``obc<pid>x<rand>-r<i>``, with ``veth0`` at 10.77.N.(i+1)/24
+* one network namespace per rank (``--ranks-per-node L``: per node of L ranks, which talk to each
+  other inside it, uncapped), ``obc<pid>x<rand>-r<i>``, with ``veth0`` at 10.77.N.(i+1)/24
   (N from the pid: addresses exist only inside namespaces this run created), and one bridge
   namespace ``obc<pid>x<rand>-br`` whose ``br0`` joins the bridge-side veth ends ``p<i>``;
 * a link rate is ``tc qdisc replace dev X root tbf rate R burst 256kb latency 20ms`` on both ends
@@ -79,6 +82,8 @@ SYNC_METHODS = ("onebit_adam_sync", "zero_one_adam_sync", "onebit_lamb_sync")
 LIGHTNING_METHODS = ("pl_ddp_adam", "pl_onebit_adam", "pl_zero_one_adam", "pl_onebit_lamb")
 #: The plain loop through ``L.Fabric`` (``OneBitFabricStrategy`` / ``DDPStrategy``; not run by default).
 FABRIC_METHODS = tuple(m.replace("pl_", "fabric_", 1) for m in LIGHTNING_METHODS)
+#: The 1-bit methods with the two-level exchange (``hierarchical=True``; not run by default).
+HIER_METHODS = ("onebit_adam_hier", "zero_one_adam_hier", "onebit_lamb_hier")
 RATES = ("100mbit", "1gbit", "10gbit", "uncapped")
 #: Model presets (character-level GPT, ~100 tokens). "base" is the ~19M-parameter LM of DESIGN.md §5.
 MODELS = {
@@ -179,19 +184,26 @@ def install_cleanup_handlers() -> None:
 
 
 class Cluster:
-    """W rank namespaces joined by capped veth links to a bridge namespace.
+    """W ranks on W / L node namespaces (L ranks each), joined by capped veth links to a bridge
+    namespace. The ranks of one node talk over the namespace's own addresses (the kernel's
+    loopback path: uncapped, like a node's NVLink/shared memory); only traffic between nodes
+    crosses a capped link. ``ranks_per_node=1`` (default): one namespace per rank.
 
     Use as a context manager; :meth:`down` is idempotent and also runs from ``atexit`` and the
     signal handlers of :func:`install_cleanup_handlers`.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, ranks_per_node: int = 1) -> None:
+        if world_size % ranks_per_node:
+            raise ValueError(f"--ranks-per-node {ranks_per_node} does not divide W={world_size}")
         self.world_size = world_size
+        self.per_node = ranks_per_node
         self.tag = f"obc{os.getpid()}x{secrets.token_hex(2)}"
         self.bridge = f"{self.tag}-br"
-        self.ranks = [f"{self.tag}-r{i}" for i in range(world_size)]
+        nodes = world_size // ranks_per_node
+        self.ranks = [f"{self.tag}-r{i}" for i in range(nodes)]  # one namespace per node
         self.subnet = 1 + os.getpid() % 250
-        self.addrs = [f"10.77.{self.subnet}.{i + 1}" for i in range(world_size)]
+        self.addrs = [f"10.77.{self.subnet}.{i + 1}" for i in range(nodes)]
         self.ifname = "veth0"
         self.rate = "uncapped"
         self._procs: list[subprocess.Popen] = []
@@ -253,12 +265,15 @@ class Cluster:
         threads = str(cfg.get("threads", 1))
         pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         self._procs = []
+        ll = self.per_node
         try:
-            for r, ns in enumerate(self.ranks):
+            for r in range(self.world_size):
+                ns = self.ranks[r // ll]
                 cmd = [
                     "ip", "netns", "exec", ns, "env",
                     f"MASTER_ADDR={self.addrs[0]}", f"MASTER_PORT={port}",
                     f"RANK={r}", f"WORLD_SIZE={self.world_size}",
+                    f"LOCAL_RANK={r % ll}", f"LOCAL_WORLD_SIZE={ll}",
                     f"GLOO_SOCKET_IFNAME={self.ifname}",
                     f"OMP_NUM_THREADS={threads}", f"MKL_NUM_THREADS={threads}",
                     f"PYTHONPATH={pythonpath}",
@@ -350,6 +365,14 @@ def summarize(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         out[f"tx_bytes_{ph}"] = (
             sum(rr[k]["tx_bytes"] for rr in recs for k in idx) / n if n else None
         )
+        # what left each node, per node: the counters' inter-node part, and the interface
+        per_node = cfg.get("ranks_per_node", 1)
+        out[f"bytes_inter_node_{ph}"] = (
+            per_node * sum(rr[k].get("bytes_inter", 0) for rr in recs for k in idx) / n
+            if n
+            else None
+        )
+        out[f"tx_bytes_node_{ph}"] = per_node * out[f"tx_bytes_{ph}"] if n else None
     cum = [0.0]
     for t in times:
         cum.append(cum[-1] + t)
@@ -454,18 +477,32 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["workload"], r["world_size"], r["rate"]), []).append(r)
+    per_node = meta.get("ranks_per_node", 1)
+    nodes_col = per_node > 1
+    if nodes_col:
+        lines += [
+            "",
+            f"Nodes of {per_node} ranks (one network namespace each, uncapped inside, the link "
+            "rate between nodes). *MB/step counter* counts all bytes a rank sent (inside its "
+            "node too), *tx* only what left the node (the node's interface, per rank); *node "
+            "out*: compression phase, MB per node per step that left the node, counter (its "
+            "inter-node part) / interface.",
+        ]
     for (wl, w, rate), grp in groups.items():
         floor = next((r.get("step_time_compression") for r in grp if r["method"] == "nocomm"), None)
         ddp = next((r.get("step_time_compression") for r in grp if r["method"] == "ddp_adam"), None)
         target = grp[0].get("target_loss")
+        where = f"W={w} ({w // per_node} nodes x {per_node})" if nodes_col else f"W={w}"
         lines += [
             "",
-            f"## {wl} (batch {grp[0]['batch']}/rank) · W={w} · {rate}",
+            f"## {wl} (batch {grp[0]['batch']}/rank) · {where} · {rate}",
             "",
             f"| method | warmup s/step | compression s/step | x floor | vs DDP | after bwd | "
-            f"MB/step counter | MB/step tx | val loss @ {grp[0]['samples']} samples | "
-            f"s to loss ≤ {_fmt(target)} |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"MB/step counter | MB/step tx | {'node out | ' if nodes_col else ''}"
+            f"val loss @ {grp[0]['samples']} samples | s to loss ≤ {_fmt(target)} |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"
+            + ("---:|" if nodes_col else "")
+            + "---:|---:|",
         ]
         for r in grp:
             if r.get("error"):
@@ -479,7 +516,13 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{_fmt(r.get('after_backward_compression'))} | "
                 f"{_mb(r.get('bytes_warmup'))} / {_mb(r.get('bytes_compression'))} | "
                 f"{_mb(r.get('tx_bytes_warmup'))} / {_mb(r.get('tx_bytes_compression'))} | "
-                f"{'diverged' if r.get('diverged') else _fmt(r.get('final_val_loss'))} | "
+                + (
+                    f"{_mb(r.get('bytes_inter_node_compression'))} / "
+                    f"{_mb(r.get('tx_bytes_node_compression'))} | "
+                    if nodes_col
+                    else ""
+                )
+                + f"{'diverged' if r.get('diverged') else _fmt(r.get('final_val_loss'))} | "
                 f"{_fmt(r.get('time_to_target_s'), '.1f')} |"
             )
     return "\n".join(lines) + "\n"
@@ -603,6 +646,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-slack", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method run")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks per emulated node (one namespace each, uncapped inside; the rate caps the "
+        "links between nodes); *_hier methods exchange in two levels",
+    )
     p.add_argument("--name", default=None, help="output file stem (default cluster-<time>)")
     p.add_argument("--cleanup-stale", action="store_true", help="delete dead runs' namespaces")
     args = p.parse_args(argv)
@@ -614,7 +664,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rates, args.methods, args.workloads = map(_csv, (args.rates, args.methods, args.workloads))
     for what, got, ok in (
         ("rate", args.rates, None),
-        ("method", args.methods, METHODS + SYNC_METHODS + LIGHTNING_METHODS + FABRIC_METHODS),
+        (
+            "method",
+            args.methods,
+            METHODS + SYNC_METHODS + HIER_METHODS + LIGHTNING_METHODS + FABRIC_METHODS,
+        ),
         ("workload", args.workloads, WORKLOADS),
     ):
         bad = [g for g in got if ok is not None and g not in ok]
@@ -630,6 +684,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.warmup = min(max(16, round(0.2 * args.steps)), args.steps - 2)
     if not 2 <= args.warmup < args.steps:
         p.error("need 2 <= --warmup < --steps (each phase needs a timed step)")
+    if args.ranks_per_node < 1 or any(w % args.ranks_per_node for w in args.world_sizes):
+        p.error("--ranks-per-node must be >= 1 and divide every world size")
     if args.var_freeze_step is None:
         args.var_freeze_step = args.warmup
     if args.var_freeze_step < 0 or args.var_update_scaler < 1:
@@ -675,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         "lr": args.lr,
         "lr_lamb": args.lr_lamb,
         "betas": args.betas,
+        "ranks_per_node": args.ranks_per_node,
         "timing": "per step: max over ranks of end(k) - max over ranks of end(k-1); median/phase",
     }
     rows: list[dict[str, Any]] = []
@@ -682,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="obcluster-") as tmp:
         for w in args.world_sizes:
-            with Cluster(w) as cluster:
+            with Cluster(w, args.ranks_per_node) as cluster:
                 _log(f"W={w}: namespaces {cluster.ranks} + {cluster.bridge}")
                 for rate in args.rates:
                     cluster.set_rate(rate)
@@ -709,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "var_freeze_step": args.var_freeze_step,
                                 "var_update_scaler": args.var_update_scaler,
                                 "flush_denormal": args.flush_denormal,
+                                "ranks_per_node": args.ranks_per_node,
                             }
                             row = {
                                 "workload": wl,
@@ -747,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload", "world_size", "rate", "method", "batch", "samples", "numel",
         "step_time_warmup", "step_time_compression", "after_backward_compression",
         "bytes_warmup", "bytes_compression",
-        "tx_bytes_warmup", "tx_bytes_compression", "final_val_loss", "target_loss",
+        "tx_bytes_warmup", "tx_bytes_compression", "bytes_inter_node_compression",
+        "tx_bytes_node_compression", "final_val_loss", "target_loss",
         "time_to_target_s",
     ]  # fmt: skip
     summary = {

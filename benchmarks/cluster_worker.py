@@ -27,7 +27,9 @@ Methods (``--config`` key ``method``):
   1-bit momentum / gradients afterwards), ``freeze_step`` = the warmup; with ``overlap_mb``
   (``--overlap-mb``, default 25) the exchange runs bucket by bucket during backward
   (``optimizer.overlap_with_backward``); ``<method>_sync`` (e.g. ``onebit_adam_sync``) exchanges
-  in ``step()`` after backward instead, for comparison. ``average_dtype`` (``--average-dtype``)
+  in ``step()`` after backward instead, for comparison; ``<method>_hier`` (e.g.
+  ``onebit_adam_hier``) exchanges in two levels (``hierarchical=True``: full precision inside a
+  node of ``LOCAL_WORLD_SIZE`` ranks, 1 bit between nodes). ``average_dtype`` (``--average-dtype``)
   is the dtype of their warmup average. 0/1 Adam's ``var_freeze_step`` /
   ``var_update_scaler`` (``--var-freeze-step``, default the warmup / ``--var-update-scaler``,
   default 16) set its variance-update steps; its other phase-1 steps are 1-bit.
@@ -244,7 +246,11 @@ def _build_method(
             torch.optim.Adam(model.parameters(), lr=lr, betas=betas),
             {"warmup": 0, "compression": 0},
         )
-    sync = name.endswith("_sync")  # a 1-bit method with its exchange after backward
+    # <1-bit method>_hier: the two-level exchange (nodes of LOCAL_WORLD_SIZE ranks);
+    # <1-bit method>_sync: the exchange after backward instead of during it
+    hier = name.endswith("_hier") and name[:-5] in ONEBIT_METHODS
+    name = name.removesuffix("_hier") if hier else name
+    sync = name.endswith("_sync")
     name = name.removesuffix("_sync") if sync and name[:-5] in ONEBIT_METHODS else name
     if name in ONEBIT_METHODS:
         from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
@@ -254,6 +260,7 @@ def _build_method(
             "betas": betas,
             "average_dtype": cfg.get("average_dtype", "float32"),
             "bias_correction": True,
+            "hierarchical": hier,
         }
         if name == "onebit_adam":
             opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=warmup, **kw)
@@ -368,6 +375,9 @@ class _Recorder:
             self.evals.append({"step": step, "val_loss": _evaluate(self.model, self.val)})
         dist.barrier()
 
+    #: ranks sharing this namespace (one "node"): its interface counts all of them
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
     def start(self) -> None:
         self.tx0 = _tx_bytes(self.ifname)
         hook = isinstance(self.ddp_bytes, _HookBytes)
@@ -384,12 +394,17 @@ class _Recorder:
         # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
         # (counted at the hook's allreduces, or DDP's fp32 buckets where it has no hook)
         stats = getattr(opt, "comm_stats", None)
+        ll, world = self.per_node, dist.get_world_size()
         if stats:
             sent = stats["bytes_last_step"]
-        elif isinstance(self.ddp_bytes, _HookBytes):
-            sent = self.ddp_bytes.sent() - self.sent0
+            inter = stats["bytes_last_step_inter"]
         else:
-            sent = self.ddp_bytes[phase]
+            if isinstance(self.ddp_bytes, _HookBytes):
+                sent = self.ddp_bytes.sent() - self.sent0
+            else:
+                sent = self.ddp_bytes[phase]
+            # a ring in rank order crosses each node's link once: one rank's traffic per node
+            inter = sent // ll if world > ll else 0
         self.records.append(
             {
                 "step": step,
@@ -399,7 +414,9 @@ class _Recorder:
                 "phase": phase,
                 "opt_phase": getattr(opt, "phase", None),
                 "bytes": sent,
-                "tx_bytes": tx1 - self.tx0,
+                "bytes_inter": inter,
+                # this rank's share of what left the node (the namespace's one interface)
+                "tx_bytes": (tx1 - self.tx0) / ll,
                 "loss": float(loss),
             }
         )
@@ -464,7 +481,9 @@ def _fit_lightning(
     ``configure_optimizers`` returns ``torch.optim.Adam``; ``OneBitStrategy`` converts it (as
     in the README), ``pl_ddp_adam`` keeps it under Lightning's ``DDPStrategy``. The process
     group is already up (Lightning reuses it); ``LOCAL_RANK``/``NODE_RANK`` tell Lightning that
-    this process is rank ``NODE_RANK`` of ``num_nodes`` one-process nodes, started externally.
+    this process is local rank ``LOCAL_RANK`` of node ``NODE_RANK`` (nodes of
+    ``LOCAL_WORLD_SIZE`` processes, started externally; the strategy's default
+    ``hierarchical="auto"`` applies).
     Timestamps come from callbacks: batch start, ``on_before_optimizer_step`` (after backward),
     batch end; Lightning's own per-step work between batches counts in the step time.
     """
@@ -514,11 +533,12 @@ def _fit_lightning(
         strategy = OneBitStrategy(**_strategy_options(cfg, algorithm))
     else:
         raise ValueError(f"unknown method {cfg['method']!r}")
-    os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+    ll = _Recorder.per_node
+    os.environ.update(LOCAL_RANK=str(rank % ll), NODE_RANK=str(rank // ll))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        num_nodes=world,
+        devices=ll,
+        num_nodes=world // ll,
         strategy=strategy,
         max_steps=len(batches),
         callbacks=[Timer()],
@@ -560,7 +580,7 @@ def _fit_fabric(
 
     ``fabric.setup`` gets ``torch.optim.Adam``; ``OneBitFabricStrategy`` converts it,
     ``fabric_ddp_adam`` keeps it under Fabric's ``DDPStrategy``. The process group is already up
-    and this process is rank ``NODE_RANK`` of ``num_nodes`` one-process nodes (as for ``pl_``).
+    and this process is local rank ``LOCAL_RANK`` of node ``NODE_RANK`` (as for ``pl_``).
     """
     import lightning as L
     from lightning.fabric.strategies import DDPStrategy
@@ -579,8 +599,9 @@ def _fit_fabric(
         strategy = OneBitFabricStrategy(**_strategy_options(cfg, algorithm))
     else:
         raise ValueError(f"unknown method {cfg['method']!r}")
-    os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
-    fabric = L.Fabric(accelerator="cpu", devices=1, num_nodes=world, strategy=strategy)
+    ll = _Recorder.per_node
+    os.environ.update(LOCAL_RANK=str(rank % ll), NODE_RANK=str(rank // ll))
+    fabric = L.Fabric(accelerator="cpu", devices=ll, num_nodes=world // ll, strategy=strategy)
     fabric.launch()
     module, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=lr, betas=betas))
     # (the optimizer the strategy trains with, for its counters and phase)
