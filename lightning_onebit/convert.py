@@ -224,14 +224,19 @@ def warn_about_unscaled_schedulers(schedulers: list[Any], original: torch.optim.
     )
 
 
-def warn_if_config_differs(original: torch.optim.Optimizer, config: dict[str, Any]) -> None:
-    """A DeepSpeed config's optimizer params that the returned torch optimizer overrides."""
+def warn_if_config_differs(
+    original: torch.optim.Optimizer,
+    config: dict[str, Any],
+    given: str = "configure_optimizers returned",
+    instead: str = ". Return nothing from configure_optimizers to build the optimizer from "
+    "the config",
+) -> None:
+    """A DeepSpeed config's optimizer params that the user's torch optimizer overrides."""
     d = original.defaults
     differ = {k: (v, _plain(d[k])) for k, v in config.items() if k in d and _plain(d[k]) != v}
     if differ:
         shown = ", ".join(f"{k}={mine!r} (config: {cfg!r})" for k, (cfg, mine) in differ.items())
         rank_zero_warn(
-            f"configure_optimizers returned {type(original).__name__} with {shown}: its "
-            "hyperparameters are used, the DeepSpeed config's optimizer params are not. Return "
-            "nothing from configure_optimizers to build the optimizer from the config"
+            f"{given} {type(original).__name__} with {shown}: its hyperparameters are used, "
+            f"the DeepSpeed config's optimizer params are not{instead}"
         )

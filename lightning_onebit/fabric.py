@@ -44,26 +44,29 @@ Where Fabric differs from the Trainer:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
 from lightning_onebit._errors import quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.checkpoint_io import _rank_file_name, _write_rank_file, read_rank_state
-from lightning_onebit.convert import repoint_schedulers, schedulers_of
+from lightning_onebit.convert import repoint_schedulers, schedulers_of, warn_if_config_differs
 from lightning_onebit.hook import _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.options import (
@@ -110,9 +113,9 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
     ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
     ``variance_floor``, ``preconditioned_exchange``, ``lamb_lr``, ``overlap_bucket_mb``,
-    ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``, and ``**kwargs`` for
-    ``DistributedDataParallel``), less the Trainer's logging options (read
-    :meth:`comm_stats` instead) and ``deepspeed_config``.
+    ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``, ``deepspeed_config``
+    (see :meth:`from_deepspeed_config`), and ``**kwargs`` for ``DistributedDataParallel``),
+    less the Trainer's logging options (read :meth:`comm_stats` instead).
     """
 
     def __init__(
@@ -140,9 +143,21 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         hierarchical: bool | Literal["auto"] = "auto",
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        deepspeed_config: str | Path | dict[str, Any] | None = None,
         max_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if deepspeed_config is not None:  # (as OneBitStrategy: the config's options merged in)
+            given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+            defaults = inspect.signature(OneBitFabricStrategy.__init__).parameters
+            args, hparams, note = _deepspeed.strategy_arguments(
+                given, {k: p.default for k, p in defaults.items()}
+            )
+            OneBitFabricStrategy.__init__(self, **args)
+            self.deepspeed_optimizer = hparams
+            if note:
+                rank_zero_warn(note, category=UserWarning)
+            return
         check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self._set_options(locals())
@@ -156,6 +171,19 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         self._hook_state: _HookState | None = None
         self._module: Module | None = None  # the user's module (inside DDP)
         self._optimizer: OneBitOptimizer | None = None
+        self.deepspeed_optimizer: dict[str, Any] | None = None  # lr, betas, ... of a config
+
+    @classmethod
+    def from_deepspeed_config(
+        cls, config: str | Path | dict[str, Any], **overrides: Any
+    ) -> OneBitFabricStrategy:
+        """The strategy a DeepSpeed JSON config of ``OneBitAdam``/``ZeroOneAdam``/``OneBitLamb``
+        describes (a path or a dict), as :meth:`OneBitStrategy.from_deepspeed_config
+        <lightning_onebit.OneBitStrategy.from_deepspeed_config>`: the config's type picks the
+        algorithm and its params the options; ``fabric.setup`` still takes your
+        ``torch.optim.Adam``/``AdamW``, whose ``lr``/``betas``/... win over the config's (a
+        warning names those that differ). ``overrides``: further arguments, which win."""
+        return cls(deepspeed_config=config, **overrides)
 
     # ------------------------------------------------------------------ registry, precision
 
@@ -236,6 +264,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     def _setup_optimizer(self, original: torch.optim.Optimizer, scheduler: Any) -> OneBitOptimizer:
         if self._optimizer is not None and original is not self._optimizer:
             raise ValueError(_ONE_OPTIMIZER)
+        if self.deepspeed_optimizer and type(original) in (torch.optim.Adam, torch.optim.AdamW):
+            warn_if_config_differs(original, self.deepspeed_optimizer, "fabric.setup got", "")
         new = self._onebit_optimizer_from(original, "fabric.setup got", "fabric.setup takes")
         if new is not original:
             # schedulers built on `original` before setup: the one given to setup, and any other

@@ -272,7 +272,7 @@ def configure_hierarchy(
     """Give ``opt`` the strategy's two-level setting and the launch's layout (``ranks_per_node``
     processes per node), and build its groups now (collective: every rank at setup, before the
     first backward needs them); one info line when it is on."""
-    opt.hierarchical, opt.ranks_per_node = hierarchical, ranks_per_node
+    opt.hierarchical, opt.ranks_per_node = hierarchical, ranks_per_node or None
     nodes = opt.node_groups()
     if nodes is not None:
         rank_zero_info(

@@ -163,13 +163,13 @@ def test_fabric_registry_has_the_trainers_names() -> None:
 
 
 def test_the_options_are_the_trainer_strategys() -> None:
-    """Same names, types and defaults as OneBitStrategy, less the Trainer's logging and the
-    DeepSpeed config, plus max_steps; validated by the same checks."""
+    """Same names, types and defaults as OneBitStrategy, less the Trainer's logging, plus
+    max_steps; validated by the same checks."""
     import inspect
 
     trainer = dict(inspect.signature(OneBitStrategy.__init__).parameters)
     fabric = dict(inspect.signature(OneBitFabricStrategy.__init__).parameters)
-    for name in ("log_comm_stats", "comm_stats_on_progress_bar", "deepspeed_config"):
+    for name in ("log_comm_stats", "comm_stats_on_progress_bar"):
         trainer.pop(name)
     assert fabric.pop("max_steps").default is None
     assert list(fabric) == list(trainer)
@@ -712,3 +712,37 @@ def test_a_script_launched_run(tmp_path: Path) -> None:
     assert "at the latest after freeze_step=100000 steps" in said
     files = sorted(p.name for p in tmp_path.glob("ckpt.pt*"))
     assert files == ["ckpt.pt", "ckpt.pt.onebit-rank0-of-2", "ckpt.pt.onebit-rank1-of-2"]
+
+
+def test_a_deepspeed_config_sets_the_options_and_the_adam_given_to_setup_wins(
+    tmp_path: Path,
+) -> None:
+    """A DeepSpeed 1-bit config: its type and params become the strategy's algorithm and
+    options (an explicit argument wins), its lr/betas are compared with the Adam given to
+    ``fabric.setup``, whose values are used (a warning names the ones that differ)."""
+    import json
+
+    config = tmp_path / "ds.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 32,
+                "optimizer": {
+                    "type": "OneBitLamb",
+                    "params": {"lr": 0.01, "freeze_step": 7, "max_coeff": 0.5, "cuda_aware": False},
+                },
+            }
+        )
+    )
+    with pytest.warns(UserWarning, match="cuda_aware: no effect here"):
+        strategy = OneBitFabricStrategy.from_deepspeed_config(config, start_method="fork")
+    assert (strategy.algorithm, strategy.freeze_step) == ("onebit_lamb", 7)
+    assert strategy.optimizer_options["max_coeff"] == 0.5
+    assert strategy.deepspeed_optimizer == {"lr": 0.01}
+    with pytest.warns(UserWarning, match="no effect here"):
+        explicit = OneBitFabricStrategy(deepspeed_config=config, freeze_step=3)
+    assert explicit.freeze_step == 3
+    model = torch.nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match=r"fabric.setup got Adam with lr=0.002 \(config: 0.01\)"):
+        new = strategy._setup_optimizer(torch.optim.Adam(model.parameters(), lr=2e-3), None)
+    assert type(new).__name__ == "OneBitLamb"
