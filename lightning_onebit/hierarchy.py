@@ -3,9 +3,10 @@
 A cluster's ranks sit on ``N`` nodes of ``L`` ranks each, with fast links inside a node (NVLink,
 PCIe, shared memory, loopback) and a slow network between nodes. The flat exchange
 (:class:`~lightning_onebit.comm.CompressedAllreduce`) makes each of a node's ``L`` ranks send
-about ``n / 4`` bytes through the node's one network link per step. The hierarchical one sends
-``n / 4`` per node (``L`` times fewer), and compresses the node's average instead of each rank's
-own values (a smaller 1-bit error relative to the signal):
+its own compressed values through the node's one network link; the hierarchical one sends the
+node's average once (1.75x fewer bytes per node at 2 x 2 ranks, ``(L + 1) / 2`` times with many
+nodes; below), and compresses that average instead of each rank's own values (a smaller 1-bit
+error relative to the signal):
 
 1. **Inside the node, full precision** (``all_to_all`` = reduce-scatter): local rank ``k`` gets
    shard ``k`` of every local rank's values and averages them (summed in local-rank order).
@@ -24,7 +25,10 @@ everywhere (error buffers as before).
 
 Bytes per rank per call, with ``n' = n`` rounded up to ``8 N L``: inside the node
 ``(L - 1) (4 n' / L + N r)`` (``r`` = one record, about ``n' / (8 N L)`` bytes); between nodes
-``2 (N - 1) r``, so about ``n' / (4 L)`` per rank and ``n' / 4`` per node.
+``2 (N - 1) r``: ``(N - 1) / N * n' / 8`` per node and direction, the least a 1-bit exchange
+can send. The flat exchange sends ``L`` times that in its ``all_to_all`` and about ``n / 8``
+in its ``all_gather`` (a ring in rank order crosses each node's link with ``W - 1`` records):
+7n/32 vs 4n/32 per node at ``N = L = 2``, ``(L + 1) / 2`` times more with many nodes.
 
 The full-precision average (warmup) takes the same two levels: reduce-scatter inside the node,
 ``all_reduce`` of the shard between nodes, ``all_gather`` inside the node.
@@ -475,13 +479,19 @@ def make_exchange(
 def inter_node_bytes(exchange: Any, ranks_per_node: int) -> int:
     """Of the bytes ``exchange`` (flat, bucketed or hierarchical) sent in its last call, those
     that left this rank's node (nodes of ``ranks_per_node`` consecutive ranks; 1: every peer is
-    on another node). The flat exchange's records go to every peer, ``W - L`` of ``W - 1`` on
-    other nodes."""
+    on another node), per rank. The flat exchange's ``all_to_all`` sends a record to every peer,
+    ``W - L`` of them on other nodes; its ``all_gather`` is a ring in rank order (gloo's and
+    NCCL's), in which one rank per node forwards ``W - 1`` records to the next node: ``(W - 1)
+    / L`` per rank. (Measured at 2 nodes x 2 ranks: the interfaces' tx 2.5% above this.)"""
     from lightning_onebit.comm import BucketedAllreduce
 
     if isinstance(exchange, BucketedAllreduce):
         return sum(inter_node_bytes(b, ranks_per_node) for b in exchange.buckets)
     if isinstance(exchange, HierarchicalAllreduce):
         return exchange.bytes_sent_inter
-    w = exchange.world_size
-    return 0 if w <= 1 else exchange.bytes_sent * (w - ranks_per_node) // (w - 1)
+    w, ll = exchange.world_size, ranks_per_node
+    if w <= 1 or exchange.bytes_sent == 0:
+        return 0
+    record = exchange.bytes_per_call // (2 * (w - 1))
+    gathered = exchange.bytes_sent == exchange.bytes_per_call  # (not after a NaN)
+    return (w - ll) * record + ((w - 1) * record // ll if gathered else 0)

@@ -25,9 +25,10 @@ class _HookState:
         self.process_group = process_group
         self.optimizer: OneBitOptimizer | None = None
         self._pool: ThreadPoolExecutor | None = None  # the two-level averages' thread
+        self._stream: Any = None  # its CUDA stream
 
     def __getstate__(self) -> dict[str, Any]:  # the process group cannot be pickled
-        return {"optimizer": None, "process_group": None, "_pool": None}
+        return {"optimizer": None, "process_group": None, "_pool": None, "_stream": None}
 
     def close(self) -> None:
         """Stop the thread of the two-level averages (at teardown)."""
@@ -58,7 +59,9 @@ class _HookState:
         def run() -> None:
             try:
                 if cuda:
-                    stream = torch.cuda.Stream(buf.device)
+                    if self._stream is None:  # (only this thread uses it)
+                        self._stream = torch.cuda.Stream(buf.device)
+                    stream = self._stream
                     with torch.cuda.device(buf.device), torch.cuda.stream(stream):
                         stream.wait_event(ready)
                         hierarchical_average(buf, dtype, nodes)

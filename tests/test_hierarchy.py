@@ -3,8 +3,9 @@ numbered node by node, ``ranks_per_node=2``) on this machine.
 
 * The exchange equals a float64 simulation of the two-level algorithm (``SimHierarchical``:
   the node's exact mean, shard ``k`` through the one-level exchange among the nodes), call after
-  call (error feedback), and every rank gets the same bits; its inter-node bytes are ``L`` times
-  below the flat exchange's.
+  call (error feedback), and every rank gets the same bits; its inter-node bytes are 1.75x below
+  the flat exchange's (its all_to_all part L = 2 times; the flat all_gather is a ring, which
+  already sends most records across a node's link once).
 * A NaN on one rank stops the call on every rank of every node, nothing written.
 * The three optimizers with ``hierarchical=True`` equal the rank-by-rank simulation (whose
   exchange is two-level), stay in sync, resume exactly from a checkpoint; the overlap path (its
@@ -83,7 +84,7 @@ def _exchange_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_exchange_matches_two_level_simulation_and_sends_l_times_fewer_inter_node_bytes() -> None:
+def test_exchange_matches_two_level_simulation_and_sends_fewer_inter_node_bytes() -> None:
     results = run_distributed(_exchange_worker, W)
     assert [r["nodes"] for r in results] == [(2, 0, 0), (2, 1, 0), (2, 0, 1), (2, 1, 1)]
     for size in SIZES:
@@ -95,8 +96,9 @@ def test_exchange_matches_two_level_simulation_and_sends_l_times_fewer_inter_nod
                 assert torch.equal(results[r][size]["results"][call], got), (size, call, r)
             assert rel_err(got, want) < 1e-6, (size, call, rel_err(got, want))
         stats = results[0][size]
-        if size >= 1000:  # per rank, L = 2 times fewer bytes leave the node (padding aside)
-            assert stats["flat_inter"] >= 1.9 * stats["inter"], stats
+        if size >= 1000:  # per rank, what leaves the node: the flat all_to_all's 2 records
+            # and 1.5 of its ring all_gather vs 1 + 1 of the inter-node exchange (padding aside)
+            assert stats["flat_inter"] >= 1.7 * stats["inter"], stats
         # inside the node: the fp32 reduce-scatter and the gathered records
         assert stats["intra"] >= (L - 1) * 4 * size / L
     # the two-level full-precision average: the mean, identical everywhere
@@ -283,3 +285,34 @@ def test_strategies_refuse_a_bad_hierarchical_value() -> None:
         with pytest.raises(ValueError, match="hierarchical must be True, False or 'auto'"):
             cls(hierarchical="yes")
         assert cls().hierarchical == "auto"
+
+
+def _skip_worker(rank: int, world: int) -> dict:
+    out = {}
+    for algo in ALGOS:
+        factory, _ = _algo(algo, 1, 0, robust=True, ranks_per_node=L)
+        params = make_params()
+        opt = factory(make_groups(params))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for t in range(1, 21):
+                set_grads(params, rank, t)
+                if t in (5, 16) and rank == 3:  # a warmup step and a compression step
+                    params[0].grad[1, 2] = float("nan")
+                opt.step()
+        out[algo] = {"skipped": opt.skipped_steps, "params": flat_trainable(params)}
+        if algo == "zero_one_adam":
+            opt.synchronize()
+            out[algo]["params"] = flat_trainable(params)
+    return out
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank_of_every_node() -> None:
+    results = run_distributed(_skip_worker, W)
+    for algo in ALGOS:
+        # (0/1 Adam: step 5 a 1-bit gradient step, step 16 a synchronisation)
+        assert [res[algo]["skipped"] for res in results] == [2] * W, algo
+        for res in results:
+            assert torch.isfinite(res[algo]["params"]).all(), algo
+            assert torch.equal(res[algo]["params"], results[0][algo]["params"]), algo
