@@ -269,8 +269,9 @@ class Cluster:
         try:
             for r in range(self.world_size):
                 ns = self.ranks[r // ll]
+                pin = ["taskset", "-c", str(r % (os.cpu_count() or 1))] if cfg.get("pin") else []
                 cmd = [
-                    "ip", "netns", "exec", ns, "env",
+                    *pin, "ip", "netns", "exec", ns, "env",
                     f"MASTER_ADDR={self.addrs[0]}", f"MASTER_PORT={port}",
                     f"RANK={r}", f"WORLD_SIZE={self.world_size}",
                     f"LOCAL_RANK={r % ll}", f"LOCAL_WORLD_SIZE={ll}",
@@ -610,6 +611,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument(
+        "--seed", type=int, default=0, help="data order and model initialisation (0: as before)"
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r (and its threads) to core r mod #cores (taskset): less scheduling "
+        "noise when comparing step times",
+    )
+    p.add_argument(
         "--overlap-mb",
         type=float,
         default=25.0,
@@ -732,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
         "lr_lamb": args.lr_lamb,
         "betas": args.betas,
         "ranks_per_node": args.ranks_per_node,
+        "seed": args.seed,
+        "pin": args.pin,
         "timing": "per step: max over ranks of end(k) - max over ranks of end(k-1); median/phase",
     }
     rows: list[dict[str, Any]] = []
@@ -767,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "var_update_scaler": args.var_update_scaler,
                                 "flush_denormal": args.flush_denormal,
                                 "ranks_per_node": args.ranks_per_node,
+                                "seed": args.seed,
+                                "pin": args.pin,
                             }
                             row = {
                                 "workload": wl,
