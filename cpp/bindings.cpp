@@ -96,6 +96,28 @@ PYBIND11_MODULE(_C, m) {
     onebit::decompress_cuda(device, P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
                             scale_stride, mm, P<float>(out), nout, P<void>(stream));
   }, release(), "decompress on the given CUDA stream");
+  m.def("cuda_update_chunk", &onebit::cuda_update_chunk,
+        "values per chunk of the CUDA optimizer updates (the caller's chunk table counts in these)");
+  m.def("adam_update_cuda", [](int device, ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes,
+                               ptr chunk_start, int64_t nchunks, ptr lr, ptr beta1, ptr ob1, ptr beta2, ptr ob2,
+                               ptr eps, ptr wd, bool update_v, ptr stream) {
+    onebit::adam_update_cuda(device, P<const float>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
+                             P<const int64_t>(starts), P<const int64_t>(sizes), P<const int64_t>(chunk_start),
+                             nchunks, P<const float>(lr), P<const float>(beta1), P<const float>(ob1),
+                             P<const float>(beta2), P<const float>(ob2), P<const float>(eps), P<const float>(wd),
+                             update_v, P<void>(stream));
+  }, release(), "adam_update_cpu's step on the given CUDA stream (every array in device memory)");
+  m.def("lamb_frozen_update_cuda", [](int device, ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L,
+                                      ptr offsets, ptr chunk_start, int64_t nchunks, ptr scaling, ptr beta1,
+                                      ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, ptr stats, ptr ws,
+                                      ptr stream) {
+    onebit::lamb_frozen_update_cuda(device, P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
+                                    P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
+                                    P<const int64_t>(chunk_start), nchunks, P<const float>(scaling),
+                                    P<const float>(beta1), P<const float>(ob1), P<const float>(beta2),
+                                    P<const float>(ob2), P<const float>(eps), P<const float>(wd), P<double>(stats),
+                                    P<void>(ws), P<void>(stream));
+  }, release(), "lamb_frozen_update_cpu's update on the given CUDA stream (every array in device memory)");
 #else
   m.attr("has_cuda") = false;
 #endif

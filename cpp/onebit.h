@@ -36,6 +36,12 @@ inline void check_decompress(const char* what, int64_t W, int64_t m, int64_t nou
   require(W > 0 && m >= 0 && m % 8 == 0 && nout >= 0 && nout <= W * m, what,
           "W > 0, m % 8 == 0 and 0 <= nout <= W*m");
 }
+inline void check_adam(const char* what, int64_t P) { require(P >= 0, what, "P >= 0"); }
+inline void check_lamb(const char* what, int64_t L) { require(L >= 0, what, "L >= 0"); }
+// The CUDA updates' chunk table (see adam_update_cuda): `count` parameters or layers, nchunks chunks.
+inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
+  require(nchunks >= 0 && (count > 0 || nchunks == 0), what, "nchunks >= 0, and nchunks == 0 when P (or L) is 0");
+}
 }  // namespace detail
 
 // Worker compression, in two calls so that nothing changes until the caller knows the step
@@ -117,6 +123,36 @@ void server_reduce_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_
 void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_stride,
                      const float* scales, int64_t scale_stride, int64_t m, float* out, int64_t nout,
                      void* stream);
+
+// The fused optimizer updates: the CPU kernels' arithmetic, element for element (the same float32
+// operations in the same order, each rounded on its own: no fused multiply-add), so every float
+// they write is bit for bit the CPU kernels' (finite values; denormals as IEEE, i.e. unless the
+// CPU flushes them). Every array argument is device memory of GPU `device`, including the
+// per-parameter (per-layer) hyperparameters, starts/sizes/offsets and the parameter pointers:
+// the caller copies them there on `stream` (kernels.py: from pinned memory, no host sync).
+// Work is cut into chunks of cuda_update_chunk() values that never straddle two parameters
+// (layers): parameter (layer) j owns chunks [chunk_start[j], chunk_start[j+1]) (P + 1, or L + 1,
+// values; chunk_start[0] = 0, chunk_start[j+1] - chunk_start[j] = ceil(size_j / chunk),
+// nchunks = chunk_start[last]), computed by the caller from the sizes it already has.
+int64_t cuda_update_chunk();
+// adam_update_cpu on device pointers, enqueued on `stream`. No reductions, no workspace.
+void adam_update_cuda(int device, const float* g, float* m, float* v, float* const* params, int64_t P,
+                      const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
+                      const float* lr, const float* beta1, const float* ob1, const float* beta2,
+                      const float* ob2, const float* eps, const float* wd, bool update_v, void* stream);
+// lamb_frozen_update_cpu on device pointers, enqueued on `stream`; stats (3L doubles, device
+// memory) as on the CPU. The floats written (m, vf, u) and each layer's max ratio are bit for bit
+// the CPU's (a max does not depend on the order). The two sums of squares add the same exact
+// float64 squares in another order (thread partials of a chunk, then a layer's chunk partials,
+// each folded by a fixed tree), so they differ from the CPU's in the last bits: each is within
+// about (n_k - 1) * 2^-53 (relative) of the exact sum of layer k's n_k squares, as any order of
+// n_k - 1 additions of non-negative terms is. The order depends only on the sizes, not on the GPU.
+// `workspace`: device memory of at least 3 * max(nchunks, 1) doubles, owned by this call.
+void lamb_frozen_update_cuda(int device, const float* x, float* m, const float* d, float* vf, const float* p,
+                             float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
+                             int64_t nchunks, const float* scaling, const float* beta1, const float* ob1,
+                             const float* beta2, const float* ob2, const float* eps, const float* wd,
+                             double* stats, void* workspace, void* stream);
 #endif
 
 }  // namespace onebit

@@ -387,7 +387,7 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
                             const int64_t* offsets, const float* scaling, const float* beta1, const float* ob1,
                             const float* beta2, const float* ob2, const float* eps, const float* wd, double* stats,
                             int nthreads) {
-  detail::require(L >= 0, "lamb_frozen_update_cpu", "L >= 0");
+  detail::check_lamb("lamb_frozen_update_cpu", L);
   // Blocks never straddle layers; partials are folded per layer in block order (thread-count independent).
   std::vector<int64_t> first(static_cast<size_t>(L) + 1, 0), lows;
   for (int64_t k = 0; k < L; ++k) {
@@ -423,7 +423,7 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
 void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
                      const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
                      const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads) {
-  detail::require(P >= 0, "adam_update_cpu", "P >= 0");
+  detail::check_adam("adam_update_cpu", P);
   // Blocks never straddle parameters; each value is written by one block (no reductions).
   std::vector<int64_t> owner, lows;
   int64_t n = 0;

@@ -15,6 +15,11 @@
 // makes once it knows the step goes ahead.
 // The grid depends only on the problem size (capped at kMaxBlocks, independent of the GPU), so
 // the scale is reproducible. No atomics, no host synchronisation, no allocation.
+//
+// The fused optimizer updates (adam_update_cuda, lamb_frozen_update_cuda, at the end) are the
+// CPU kernels' per-value arithmetic, operation for operation without FMA, on chunks of kUpdChunk
+// values (one block each) that never straddle two parameters (layers); LAMB's per-layer sums go
+// through per-chunk partials in a per-call workspace and a per-layer finalize, in a fixed order.
 #include "onebit.h"
 
 #include <cuda_runtime.h>
@@ -31,6 +36,7 @@ constexpr int kWarps = kThreads / 32;      // segments per block per step
 constexpr int kSeg = 128;                  // values per warp segment (16 packed bytes)
 constexpr int64_t kMaxBlocks = 1024;       // grid cap: also the number of partial sums
 constexpr int kTile = 2048;                // per-row weights staged in shared memory per tile
+constexpr int64_t kUpdChunk = 4096;        // values per chunk of the fused optimizer updates (one block)
 constexpr unsigned kFull = 0xffffffffu;
 
 void check(cudaError_t err, const char* what) {
@@ -327,6 +333,155 @@ decompress_kernel(const uint8_t* bits, int64_t row_stride, const float* scales, 
   }
 }
 
+// ------------------------------------------------------------ fused optimizer updates
+// The CPU kernels' arithmetic (adam_block_scalar / lamb_block_scalar in onebit_cpu.cpp, built
+// with -ffp-contract=off), one float32 operation at a time through the _rn intrinsics, which
+// nvcc never contracts into a fused multiply-add (plain a * b + c may become an FMA by default):
+// every value written is bit for bit the CPU's. Plain loads and stores (no __ldg, no
+// __restrict__): the buffers may alias one another (in-place use); each value is read and
+// written by one thread only. Scalar 32-bit accesses (coalesced; no float4, so nothing to align).
+// One block per chunk of kUpdChunk values, a block-uniform grid-stride loop over the chunks.
+
+// The parameter (layer) that owns chunk c: the largest j in [0, count) with chunk_start[j] <= c.
+// Empty ones own no chunk (chunk_start[j] == chunk_start[j + 1]), so that j also has
+// chunk_start[j + 1] > c whenever c < chunk_start[count]. count >= 1.
+__device__ __forceinline__ int64_t chunk_owner(const int64_t* chunk_start, int64_t count, int64_t c) {
+  int64_t lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (chunk_start[mid] <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// std::max(a, b) of the CPU: b only if a < b (a NaN b never wins).
+__device__ __forceinline__ double max_as_cpu(double a, double b) { return a < b ? b : a; }
+
+// Block reduction of three values in a fixed order (warp tree, then warps 0..kWarps-1 in order):
+// a max and two sums; results valid in thread 0. Every thread of the block calls it. Ends with a
+// barrier, so a loop may call it again (its shared arrays are reused).
+__device__ __forceinline__ void block_stats3(double& r, double& a, double& b) {
+  __shared__ double s_r[kWarps], s_a[kWarps], s_b[kWarps];
+  for (int o = 16; o > 0; o >>= 1) {
+    r = max_as_cpu(r, __shfl_down_sync(kFull, r, o));
+    a = __dadd_rn(a, __shfl_down_sync(kFull, a, o));
+    b = __dadd_rn(b, __shfl_down_sync(kFull, b, o));
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    s_r[warp] = r;
+    s_a[warp] = a;
+    s_b[warp] = b;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    r = s_r[0];
+    a = s_a[0];
+    b = s_b[0];
+    for (int w = 1; w < kWarps; ++w) {
+      r = max_as_cpu(r, s_r[w]);
+      a = __dadd_rn(a, s_a[w]);
+      b = __dadd_rn(b, s_b[w]);
+    }
+  }
+  __syncthreads();
+}
+
+// Adam's step without bias correction (adam_block_scalar): per value i of parameter j,
+//   m <- m * beta1 + ob1 * g;  v <- v * beta2 + ob2 * (g * g) (update_v);
+//   p <- p - lr * (m / (sqrt(v) + eps) + wd * p)
+__global__ void __launch_bounds__(kThreads)
+adam_kernel(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+            const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* lr, const float* beta1,
+            const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
+            bool update_v) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t j = chunk_owner(chunk_start, P, c);
+    const int64_t start = starts[j], end = start + sizes[j];
+    const int64_t lo = start + (c - chunk_start[j]) * kUpdChunk;
+    const int64_t hi = lo + kUpdChunk < end ? lo + kUpdChunk : end;
+    float* const p = params[j];  // value i of the flat buffers is p[i - start]
+    const float l = lr[j], b1 = beta1[j], o1 = ob1[j], b2 = beta2[j], o2 = ob2[j], ep = eps[j], w = wd[j];
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      const float gi = g[i];
+      const float mi = __fadd_rn(__fmul_rn(m[i], b1), __fmul_rn(o1, gi));
+      const float vi = update_v ? __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(o2, __fmul_rn(gi, gi))) : v[i];
+      const float pi = p[i - start];
+      const float u = __fadd_rn(__fdiv_rn(mi, __fadd_rn(__fsqrt_rn(vi), ep)), __fmul_rn(w, pi));
+      m[i] = mi;
+      if (update_v) v[i] = vi;
+      p[i - start] = __fsub_rn(pi, __fmul_rn(l, u));
+    }
+  }
+}
+
+// 1-bit LAMB's compression-phase update (lamb_block_scalar): per value i of layer k,
+//   mn = x / scaling;  g = (mn - beta1 * m) / ob1;  vf <- vf * beta2 + ob2 * (g * g);
+//   up = mn / d;  u <- up + wd * p (up when p is null);  m <- mn;
+// and the chunk's max d / (sqrt(vf) + eps), sum up^2, sum u^2 into partial[3c .. 3c + 2].
+__global__ void __launch_bounds__(kThreads)
+lamb_kernel(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
+            const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks, const float* scaling,
+            const float* beta1, const float* ob1, const float* beta2, const float* ob2, const float* eps,
+            const float* wd, double* partial) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform: block_stats3 inside
+    const int64_t k = chunk_owner(chunk_start, L, c);
+    const int64_t end = offsets[k + 1];
+    const int64_t lo = offsets[k] + (c - chunk_start[k]) * kUpdChunk;
+    const int64_t hi = lo + kUpdChunk < end ? lo + kUpdChunk : end;
+    const float sc = scaling[k], b1 = beta1[k], o1 = ob1[k], b2 = beta2[k], o2 = ob2[k], ep = eps[k], w = wd[k];
+    float rmax = 0.0f;
+    double up2 = 0.0, u2 = 0.0;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      const float mn = __fdiv_rn(x[i], sc);
+      const float gi = __fdiv_rn(__fsub_rn(mn, __fmul_rn(b1, m[i])), o1);
+      const float vi = __fadd_rn(__fmul_rn(vf[i], b2), __fmul_rn(o2, __fmul_rn(gi, gi)));
+      const float di = d[i];
+      const float up = __fdiv_rn(mn, di);
+      const float uu = p ? __fadd_rn(up, __fmul_rn(w, p[i])) : up;
+      const float ratio = __fdiv_rn(di, __fadd_rn(__fsqrt_rn(vi), ep));
+      rmax = rmax < ratio ? ratio : rmax;  // std::max(rmax, ratio)
+      // float * float is exact in double: the squares are the CPU's, only their order differs
+      up2 = __dadd_rn(up2, __dmul_rn(double(up), double(up)));
+      u2 = __dadd_rn(u2, __dmul_rn(double(uu), double(uu)));
+      m[i] = mn;
+      vf[i] = vi;
+      u[i] = uu;
+    }
+    double r = rmax;  // exact
+    block_stats3(r, up2, u2);
+    if (threadIdx.x == 0) {
+      partial[3 * c] = r;
+      partial[3 * c + 1] = up2;
+      partial[3 * c + 2] = u2;
+    }
+  }
+}
+
+// stats[3k .. 3k + 2] <- layer k's max ratio, sum up^2, sum u^2 from its chunks' partials
+// (1, 0, 0 for an empty layer, as on the CPU). One block per layer (grid-stride over layers);
+// thread t folds chunks t, t + kThreads, ... in order, then block_stats3: a fixed order that does
+// not depend on the grid.
+__global__ void __launch_bounds__(kThreads)
+lamb_finalize(const int64_t* chunk_start, int64_t L, const double* partial, double* stats) {
+  for (int64_t k = blockIdx.x; k < L; k += gridDim.x) {  // block-uniform
+    const int64_t c0 = chunk_start[k], c1 = chunk_start[k + 1];
+    double r = 0.0, a = 0.0, b = 0.0;
+    for (int64_t c = c0 + threadIdx.x; c < c1; c += kThreads) {
+      r = max_as_cpu(r, partial[3 * c]);
+      a = __dadd_rn(a, partial[3 * c + 1]);
+      b = __dadd_rn(b, partial[3 * c + 2]);
+    }
+    block_stats3(r, a, b);
+    if (threadIdx.x == 0) {
+      stats[3 * k] = c0 == c1 ? 1.0 : r;
+      stats[3 * k + 1] = a;
+      stats[3 * k + 2] = b;
+    }
+  }
+}
+
 }  // namespace
 
 int64_t cuda_workspace_bytes() { return kMaxBlocks * static_cast<int64_t>(sizeof(double)); }
@@ -382,6 +537,37 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
   launch("decompress_kernel", decompress_kernel, grid_for(nseg, kWarps), kThreads, static_cast<cudaStream_t>(stream),
          bits, row_stride, scales, scale_stride, m, nseg, spr, out, nout, aligned(out, 16),
          rows_aligned4(bits, rows, row_stride));
+}
+
+int64_t cuda_update_chunk() { return kUpdChunk; }
+
+void adam_update_cuda(int device, const float* g, float* m, float* v, float* const* params, int64_t P,
+                      const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
+                      const float* lr, const float* beta1, const float* ob1, const float* beta2, const float* ob2,
+                      const float* eps, const float* wd, bool update_v, void* stream) {
+  detail::check_adam("adam_update_cuda", P);
+  detail::check_chunks("adam_update_cuda", P, nchunks);
+  if (nchunks == 0) return;  // no values (P == 0 or every parameter empty)
+  DeviceGuard guard(device);
+  launch("adam_kernel", adam_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream), g, m, v,
+         params, P, starts, sizes, chunk_start, nchunks, lr, beta1, ob1, beta2, ob2, eps, wd, update_v);
+}
+
+void lamb_frozen_update_cuda(int device, const float* x, float* m, const float* d, float* vf, const float* p,
+                             float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks,
+                             const float* scaling, const float* beta1, const float* ob1, const float* beta2,
+                             const float* ob2, const float* eps, const float* wd, double* stats, void* workspace,
+                             void* stream) {
+  detail::check_lamb("lamb_frozen_update_cuda", L);
+  detail::check_chunks("lamb_frozen_update_cuda", L, nchunks);
+  if (L == 0) return;  // no layers, no stats
+  DeviceGuard guard(device);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  double* partial = static_cast<double*>(workspace);
+  if (nchunks > 0)  // (otherwise every layer is empty: stats 1, 0, 0)
+    launch("lamb_kernel", lamb_kernel, grid_for(nchunks, 1), kThreads, st, x, m, d, vf, p, u, L, offsets,
+           chunk_start, nchunks, scaling, beta1, ob1, beta2, ob2, eps, wd, partial);
+  launch("lamb_finalize", lamb_finalize, grid_for(L, 1), kThreads, st, chunk_start, L, partial, stats);
 }
 
 }  // namespace onebit

@@ -93,7 +93,7 @@ def _check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> 
         )
 
 
-def _check_device(*named: tuple[str, torch.Tensor]) -> torch.device:
+def _check_device(*named: tuple[str, torch.Tensor], need_cuda_kernels: bool = True) -> torch.device:
     device = named[0][1].device
     for name, t in named[1:]:
         if t.device != device:
@@ -102,7 +102,7 @@ def _check_device(*named: tuple[str, torch.Tensor]) -> torch.device:
             )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"only cpu and cuda tensors are supported, got device {device}")
-    if device.type == "cuda" and not HAS_CUDA:
+    if device.type == "cuda" and not HAS_CUDA and need_cuda_kernels:
         raise RuntimeError(
             "lightning_onebit was built without CUDA kernels; reinstall with a CUDA compiler on PATH "
             "(ONEBIT_CUDA=ON pip install lightning-onebit) or keep the buffers on the CPU"
@@ -145,6 +145,22 @@ def _nthreads() -> int:
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host array (hyperparameters, offsets, pointers) in ``device``'s memory for one call,
+    copied on the device's current stream, which the call's kernel runs on, without a host
+    synchronisation: from pinned memory, which torch's caching host allocator keeps until the
+    copy has run (a copy from pageable memory may synchronise). The result comes from the
+    caching allocator on that stream, so it is reused only after the kernel has read it."""
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _chunk_starts(sizes: list[int]) -> list[int]:
+    """The CUDA optimizer updates' chunk table (``cpp/onebit.h``): parameter (layer) ``j`` owns
+    chunks ``out[j]:out[j + 1]`` of ``_C.cuda_update_chunk()`` values; ``out[-1]`` chunks in all."""
+    chunk = _C.cuda_update_chunk()
+    return list(itertools.accumulate((-(-s // chunk) for s in sizes), initial=0))
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -482,7 +498,12 @@ def lamb_frozen_update(
     Returns float64 ``(L, 3)`` on the buffers' device: per layer ``max(d / (sqrt(v_fresh) + eps))``,
     ``||u_prelim||**2`` and ``||u||**2`` (``1, 0, 0`` for an empty layer). The torch version of
     this is ~13 sweeps over the buffers; the C++ kernel is one (reads 4-5 buffers, writes 3).
-    CUDA tensors take the pure-torch path (:func:`reference_lamb_frozen_update`).
+    On CUDA tensors the CUDA kernel runs on the current stream (no host synchronisation; the
+    statistics stay on the device): it writes the CPU kernel's floats bit for bit and the same
+    ratios; the two sums of squares (float64) differ from the CPU's in their last bits (another
+    summation order, within about ``(n_k - 1) * 2**-53`` relative for a layer of ``n_k`` values).
+    Without CUDA kernels in the build, CUDA tensors take the pure-torch path
+    (:func:`reference_lamb_frozen_update`).
 
     Args:
         exchanged, exp_avg, denom, exp_avg_sq_fresh, update: float32, contiguous, one device,
@@ -503,7 +524,7 @@ def lamb_frozen_update(
     for name, t in named:
         _check_tensor(name, t, torch.float32)
         _check_contiguous(name, t)
-    device = _check_device(*named)
+    device = _check_device(*named, need_cuda_kernels=False)
     n_layers = len(offsets) - 1
     if n_layers < 0 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError("offsets must be L + 1 non-decreasing values")
@@ -518,7 +539,7 @@ def lamb_frozen_update(
             raise ValueError(f"{name} must have one value per layer ({n_layers}), got {len(vals)}")
     if param is None and any(w != 0 for w in weight_decay):
         raise ValueError("param is required when a weight_decay is non-zero")
-    if device.type == "cuda" or not _use_cpp():
+    if not _use_cpp() or (device.type == "cuda" and not HAS_CUDA):
         return reference_lamb_frozen_update(
             exchanged,
             exp_avg,
@@ -530,15 +551,20 @@ def lamb_frozen_update(
             **hp,
             weight_decay=weight_decay,
         )
+    ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
+    if device.type == "cuda":
+        tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update)
+        coefs = [scaling, beta1, ob1, beta2, ob2, eps, weight_decay]
+        return _lamb_frozen_update_cuda(tensors, offsets, coefs)
     stats = torch.empty(n_layers, 3, dtype=torch.float64)
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     arrays = [
         torch.tensor(offsets, dtype=torch.int64),
         f32(scaling),
         f32(beta1),
-        f32([1 - b for b in beta1]),  # in double, then rounded (see adam_update)
+        f32(ob1),
         f32(beta2),
-        f32([1 - b for b in beta2]),
+        f32(ob2),
         f32(eps),
         f32(weight_decay),
     ]
@@ -676,8 +702,10 @@ def adam_update(
 
     This is 1-bit Adam's warmup step and 0/1 Adam's variance-phase step. In torch it is ~17
     sweeps over the buffers (reading or writing one each); the C++ kernel reads 4 and writes 3.
-    Parameters that are not fp32, contiguous CPU tensors (and CUDA tensors) take the pure-torch
-    path (:func:`reference_adam_update`).
+    On CUDA tensors the CUDA kernel runs on the current stream (no host synchronisation) and
+    writes the CPU kernel's values bit for bit. Calls with a parameter that is not an fp32,
+    contiguous tensor take the pure-torch path (:func:`reference_adam_update`) on either device,
+    as do CUDA tensors when the build has no CUDA kernels.
 
     Args:
         grad, exp_avg, exp_avg_sq: float32, contiguous, one device, covering every parameter.
@@ -709,13 +737,105 @@ def adam_update(
                 f"params[{j}] ({p.numel()} values from {lo}) does not fit the flat buffers "
                 f"({n_flat} values)"
             )
-    fast = device.type == "cpu" and all(
+    fast = (device.type == "cpu" or (device.type == "cuda" and HAS_CUDA)) and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
     if not fast or not _use_cpp():
         reference_adam_update(grad, exp_avg, exp_avg_sq, params, starts, **hp,
                               update_variance=update_variance)  # fmt: skip
         return
+    if device.type == "cuda":
+        _adam_update_cuda(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance)
+    else:
+        _adam_update_cpu(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance)
+    # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
+    # saved a parameter then fails loudly in backward instead of using the new values).
+    # One tensor per call: torch < 2.4 takes no list.
+    for p in params:
+        torch.autograd.graph.increment_version(p)
+
+
+def _lamb_frozen_update_cuda(
+    tensors: tuple[torch.Tensor | None, ...], offsets: list[int], coefs: list[list[float]]
+) -> torch.Tensor:
+    """:func:`lamb_frozen_update` on CUDA tensors: the kernel on the current stream."""
+    exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
+    device, n_layers = exchanged.device, len(offsets) - 1
+    stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
+    if n_layers == 0:
+        return stats
+    chunk_start = _chunk_starts([b - a for a, b in itertools.pairwise(offsets)])
+    meta = _on_device([*offsets, *chunk_start], torch.int64, device)
+    coef = _on_device(coefs, torch.float32, device)
+    # the per-chunk partial sums: this call's own, never shared (see _workspace)
+    work = torch.empty(3 * max(chunk_start[-1], 1), dtype=torch.float64, device=device)
+    _C.lamb_frozen_update_cuda(
+        device.index,
+        exchanged.data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        exp_avg_sq_fresh.data_ptr(),
+        0 if param is None else param.data_ptr(),
+        update.data_ptr(),
+        n_layers,
+        meta.data_ptr(),
+        meta[n_layers + 1 :].data_ptr(),
+        chunk_start[-1],
+        *(row.data_ptr() for row in coef),
+        stats.data_ptr(),
+        work.data_ptr(),
+        _stream(device),
+    )
+    return stats
+
+
+def _adam_update_cuda(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: dict[str, list[float]],
+    update_variance: bool,
+) -> None:
+    n, device = len(params), grad.device
+    sizes = [p.numel() for p in params]
+    chunk_start = _chunk_starts(sizes)
+    if chunk_start[-1] == 0:
+        return  # no values to update
+    meta = _on_device(
+        [*(p.data_ptr() for p in params), *starts, *sizes, *chunk_start], torch.int64, device
+    )
+    b1, b2 = hp["beta1"], hp["beta2"]
+    # 1 - beta in double, then rounded, as for the CPU kernel
+    rows = [hp["lr"], b1, [1 - b for b in b1], b2, [1 - b for b in b2], hp["eps"]]
+    coef = _on_device([*rows, hp["weight_decay"]], torch.float32, device)
+    _C.adam_update_cuda(
+        device.index,
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        meta.data_ptr(),  # the parameters' pointers
+        n,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        chunk_start[-1],
+        *(row.data_ptr() for row in coef),
+        update_variance,
+        _stream(device),
+    )
+
+
+def _adam_update_cpu(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: dict[str, list[float]],
+    update_variance: bool,
+) -> None:
+    n, lr, beta1, beta2 = len(params), hp["lr"], hp["beta1"], hp["beta2"]
+    eps, weight_decay = hp["eps"], hp["weight_decay"]
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     # 1 - beta in double, then rounded: 1 - float32(0.999) is 1.3e-5 (relative) off 0.001
@@ -741,11 +861,6 @@ def adam_update(
         update_variance,
         _nthreads(),
     )
-    # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
-    # saved a parameter then fails loudly in backward instead of using the new values).
-    # One tensor per call: torch < 2.4 takes no list.
-    for p in params:
-        torch.autograd.graph.increment_version(p)
 
 
 def reference_adam_update(

@@ -41,6 +41,154 @@ def test_exchange_on_gpu_equals_cpu_bitwise() -> None:
             assert torch.equal(a, b.cpu())
 
 
+# --------------------------------------------------------------------------- fused updates
+# The CUDA kernels of adam_update / lamb_frozen_update against the CPU kernels, on the CPU tests'
+# cases (tests/test_kernels.py: sizes 0, 1, 3, 5, 8, 77, 20_000, 70_000, gaps between parameters,
+# random per-parameter hyperparameters, decay on some) and on sizes around the CUDA chunk
+# (4096 values) with more chunks than the grid cap (1024 blocks), so the grid-stride loops wrap.
+BIG_SIZES = [0, 5, 4096, 4097, 1, 5_000_003, 0, 77]
+
+
+def _cpu_cases():
+    import tests.test_kernels as T  # (imported here, as _fit does: `tests` is not a package)
+
+    return T
+
+
+def _on(bufs: dict, device: str) -> dict:
+    return {k: (None if v is None else v.to(device)) for k, v in bufs.items()}
+
+
+def _refuse(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("the pure-torch path ran instead of the CUDA kernel")
+
+
+@pytest.mark.parametrize("update_variance", [False, True])
+@pytest.mark.parametrize("sizes", ["cpu_tests", "big"])
+def test_adam_update_cuda_equals_cpu_bitwise(
+    sizes: str, update_variance: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every moment and parameter value (gaps between parameters untouched) is the CPU
+    kernel's, bit for bit: the same float32 operations in the same order, no FMA."""
+    T = _cpu_cases()
+    bufs, params, starts, hp = T._adam_case(
+        31 + update_variance, sizes=T.ADAM_SIZES if sizes == "cpu_tests" else BIG_SIZES
+    )
+    (b_cpu, p_cpu) = T._adam_run(K.adam_update, (bufs, params, starts, hp), update_variance)
+    monkeypatch.setattr(K, "reference_adam_update", _refuse)
+    gpu_case = (_on(bufs, "cuda"), [p.cuda() for p in params], starts, hp)
+    (b_gpu, p_gpu) = T._adam_run(K.adam_update, gpu_case, update_variance)
+    for k in b_cpu:
+        assert torch.equal(b_gpu[k].cpu(), b_cpu[k]), k
+    for j, (a, b) in enumerate(zip(p_gpu, p_cpu, strict=True)):
+        assert torch.equal(a.cpu(), b), f"params[{j}] ({b.numel()} values)"
+
+
+def test_adam_update_cuda_other_dtypes() -> None:
+    """A bf16 parameter (or one in a call with fp32 ones) takes the pure-torch path on both
+    devices, as on the CPU: equal to the CPU's up to torch's rounding on each device."""
+    T = _cpu_cases()
+    for dtypes in ([torch.bfloat16] * 2, [torch.float32, torch.bfloat16]):
+        bufs, params, starts, hp = T._adam_case(12, sizes=[1000, 24])
+        params = [p.to(dt) for p, dt in zip(params, dtypes, strict=True)]
+        b_cpu, p_cpu = T._adam_run(K.adam_update, (bufs, params, starts, hp), True)
+        gpu_case = (_on(bufs, "cuda"), [p.cuda() for p in params], starts, hp)
+        b_gpu, p_gpu = T._adam_run(K.adam_update, gpu_case, True)
+        for k in b_cpu:
+            torch.testing.assert_close(b_gpu[k].cpu(), b_cpu[k], rtol=2e-6, atol=5e-7)
+        for a, b, b0 in zip(p_gpu, p_cpu, params, strict=True):
+            assert a.dtype == b0.dtype and not torch.equal(a.cpu(), b0)  # updated
+            torch.testing.assert_close(a.cpu(), b)
+
+
+def _assert_lamb_stats(s_gpu: torch.Tensor, s_cpu: torch.Tensor, sizes: list[int]) -> None:
+    """Max ratios bitwise (a max does not depend on the order); the float64 sums of squares
+    within twice the worst-case rounding of summing n exact squares, (n - 1) * 2**-53 relative
+    each way (the CPU and the GPU add them in different orders)."""
+    assert s_gpu.device.type == "cuda" and s_gpu.dtype == torch.float64
+    s_gpu = s_gpu.cpu()
+    assert s_gpu.shape == s_cpu.shape == (len(sizes), 3)
+    assert torch.equal(s_gpu[:, 0], s_cpu[:, 0]), "max ratio"
+    for k, n in enumerate(sizes):
+        tol = 2.0 * max(n - 1, 0) * 2.0**-53 * 1.001
+        for c in (1, 2):
+            a, b = float(s_gpu[k, c]), float(s_cpu[k, c])
+            assert abs(a - b) <= tol * abs(b), f"layer {k} ({n} values), stat {c}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("sizes", ["cpu_tests", "big"])
+def test_lamb_frozen_update_cuda_equals_cpu(
+    sizes: str, decay: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """m, v_fresh and u bit for bit the CPU kernel's; stats as _assert_lamb_stats (empty layers:
+    1, 0, 0)."""
+    T = _cpu_cases()
+    layer_sizes = T.LAMB_SIZES if sizes == "cpu_tests" else BIG_SIZES
+    bufs, offsets, hp = T._lamb_case(41 + decay, decay, layer_sizes)
+    b_cpu, s_cpu = T._lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+    monkeypatch.setattr(K, "reference_lamb_frozen_update", _refuse)
+    b_gpu, s_gpu = T._lamb_run(K.lamb_frozen_update, _on(bufs, "cuda"), offsets, hp)
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        assert torch.equal(b_gpu[k].cpu(), b_cpu[k]), k
+    _assert_lamb_stats(s_gpu, s_cpu, layer_sizes)
+
+
+def _fused_updates_on(device: str, seed: int):
+    """Both fused updates on `device` (CPU cases, fresh seeds), results on the CPU."""
+    T = _cpu_cases()
+    bufs, params, starts, hp = T._adam_case(seed)
+    adam = T._adam_run(K.adam_update, (_on(bufs, device), [p.to(device) for p in params],
+                                       starts, hp), True)  # fmt: skip
+    lbufs, offsets, lhp = T._lamb_case(seed + 1, True)
+    lamb = T._lamb_run(K.lamb_frozen_update, _on(lbufs, device), offsets, lhp)
+    return (
+        [t.cpu() for t in (*adam[0].values(), *adam[1])],
+        [lamb[0][k].cpu() for k in ("exp_avg", "exp_avg_sq_fresh", "update")],
+        lamb[1],
+    )
+
+
+def test_fused_updates_on_a_side_stream_without_host_sync() -> None:
+    """Launched on the caller's current stream (a side stream here), with no host
+    synchronisation (the hyperparameters travel from pinned memory): same bits as the CPU."""
+    T = _cpu_cases()
+    cpu = _fused_updates_on("cpu", 51)
+    bufs, params, starts, hp = T._adam_case(51)
+    lbufs, offsets, lhp = T._lamb_case(52, True)
+    g_bufs, g_params, g_lbufs = _on(bufs, "cuda"), [p.cuda() for p in params], _on(lbufs, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            K.adam_update(*g_bufs.values(), g_params, starts, **hp)
+            stats = K.lamb_frozen_update(*g_lbufs.values(), offsets, **lhp)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().wait_stream(side)
+    adam = [t.cpu() for t in (*g_bufs.values(), *g_params)]
+    lamb = [g_lbufs[k].cpu() for k in ("exp_avg", "exp_avg_sq_fresh", "update")]
+    assert all(torch.equal(a, b) for a, b in zip(adam, cpu[0], strict=True)), "adam"
+    assert all(torch.equal(a, b) for a, b in zip(lamb, cpu[1], strict=True)), "lamb"
+    _assert_lamb_stats(stats, cpu[2], T.LAMB_SIZES)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_fused_updates_on_the_second_gpu() -> None:
+    """Tensors on cuda:1 while cuda:0 is current (a missing device guard launches on the
+    wrong GPU): same bits as the CPU."""
+    T = _cpu_cases()
+    cpu = _fused_updates_on("cpu", 61)
+    with torch.cuda.device(0):
+        gpu = _fused_updates_on("cuda:1", 61)
+        torch.cuda.synchronize(1)
+    for a, b in zip(gpu[0] + gpu[1], cpu[0] + cpu[1], strict=True):
+        assert torch.equal(a, b)
+    assert gpu[2].device == torch.device("cuda:1")
+    _assert_lamb_stats(gpu[2], cpu[2], T.LAMB_SIZES)
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -78,8 +226,9 @@ def _train(device: str, algo: str, paused: bool, steps: int = 16) -> torch.Tenso
 def test_optimizer_on_gpu_matches_cpu(algo: str) -> None:
     """16 steps (12 compressed), the exchange in buckets overlapped with backward on the GPU (the
     communication thread, its stream and events): equal to the same buckets started in step()
-    on the GPU, and to the CPU run up to the Adam/LAMB updates' rounding (torch ops on the GPU,
-    fused C++ on the CPU)."""
+    on the GPU, and to the CPU run up to rounding: the fused Adam/LAMB updates are the CPU's
+    arithmetic, but the optimizers' other torch ops (LAMB's per-layer coefficients, the
+    compression-phase steps) may round differently on the GPU (FMA, reduction order)."""
     cpu = _train("cpu", algo, paused=False)
     gpu = _train("cuda", algo, paused=False)
     gpu_in_step = _train("cuda", algo, paused=True)

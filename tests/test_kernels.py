@@ -611,6 +611,40 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
     assert float(scale) == 0.0
 
 
+def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
+    """The CUDA entry points refuse bad sizes before any CUDA call (so this runs without a GPU),
+    and calls with nothing to do return before it."""
+    if K._C is None or not K.HAS_CUDA:
+        pytest.skip("the CUDA kernels are not built")
+    C = K._C
+    with pytest.raises(ValueError, match="worker_compress_cuda: need"):
+        C.worker_compress_cuda(0, 0, 0, 0, 0, 0, 1, 8, 0, 0, 0)  # n = 0
+    with pytest.raises(ValueError, match="server_reduce_cuda: need"):
+        C.server_reduce_cuda(0, 0, 0, 8, 0, 1, 0, 0, 64, 0, 0, 0, 0, False, 0, 0)  # W = 0
+    with pytest.raises(ValueError, match="decompress_cuda: need"):
+        C.decompress_cuda(0, 0, 1, 8, 0, 1, 64, 0, 65, 0)  # nout > W * m
+
+    def adam(n_params: int, nchunks: int) -> None:
+        C.adam_update_cuda(0, 0, 0, 0, 0, n_params, 0, 0, 0, nchunks, *[0] * 7, True, 0)
+
+    def lamb(n_layers: int, nchunks: int) -> None:
+        C.lamb_frozen_update_cuda(0, *[0] * 6, n_layers, 0, 0, nchunks, *[0] * 7, 0, 0, 0)
+
+    for fn, name in ((adam, "adam_update_cuda"), (lamb, "lamb_frozen_update_cuda")):
+        with pytest.raises(ValueError, match=f"{name}: need . >= 0"):
+            fn(-1, 0)
+        with pytest.raises(ValueError, match=f"{name}: need nchunks >= 0"):
+            fn(3, -1)
+        with pytest.raises(ValueError, match=f"{name}: need nchunks >= 0"):
+            fn(0, 2)  # chunks but no parameters (layers)
+    # nothing to do: no CUDA call, so no error without a GPU
+    adam(0, 0)
+    adam(3, 0)
+    lamb(0, 0)
+    chunk = C.cuda_update_chunk()
+    assert K._chunk_starts([0, 5, chunk, chunk + 1, 0, 3 * chunk]) == [0, 0, 1, 2, 4, 4, 7]
+
+
 def test_cuda_kernels_are_built_when_nvcc_is_present() -> None:
     """CI compiles the CUDA kernels (they cannot run here): make sure the build did not skip them."""
     import os
@@ -665,3 +699,29 @@ def test_cuda_matches_cpu_bitwise(w: int, seed: int) -> None:
         assert torch.equal(a, b), (
             f"{name} differs (max |diff| {(a.double() - b.double()).abs().max()})"
         )
+
+
+@pytest.mark.skipif(not getattr(K._C, "has_cuda", False), reason="built without CUDA")
+def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypatch) -> None:
+    """Without a GPU the CUDA entry points can still be reached: the call must get past
+    pybind's argument check and fail only in the device guard (a wrong argument list is a
+    TypeError before any CUDA call). The pointers are those of CPU tensors, never read."""
+    real = K._C
+
+    class AnyDevice:  # CPU tensors have no device index
+        def __getattr__(self, name: str):
+            f = getattr(real, name)
+            return (
+                (lambda dev, *a: f(0 if dev is None else dev, *a)) if name.endswith("_cuda") else f
+            )
+
+    monkeypatch.setattr(K, "_C", AnyDevice())
+    monkeypatch.setattr(K, "_on_device", lambda v, dtype, device: torch.tensor(v, dtype=dtype))
+    monkeypatch.setattr(K, "_stream", lambda device: 0)
+    g, m, v, p = torch.randn(10), torch.zeros(10), torch.zeros(10), torch.randn(10)
+    hp = {"lr": [1e-3], "beta1": [0.9], "beta2": [0.999], "eps": [1e-8], "weight_decay": [0.1]}
+    with pytest.raises(RuntimeError, match="onebit: cuda"):
+        K._adam_update_cuda(g, m, v, [p], [0], hp, True)
+    coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
+    with pytest.raises(RuntimeError, match="onebit: cuda"):
+        K._lamb_frozen_update_cuda((g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs)
