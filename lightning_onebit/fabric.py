@@ -44,7 +44,6 @@ Where Fabric differs from the Trainer:
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -54,13 +53,12 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
 from lightning_onebit._errors import quiet_errors_on_this_rank
@@ -147,16 +145,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         max_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if deepspeed_config is not None:  # (as OneBitStrategy: the config's options merged in)
-            given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-            defaults = inspect.signature(OneBitFabricStrategy.__init__).parameters
-            args, hparams, note = _deepspeed.strategy_arguments(
-                given, {k: p.default for k, p in defaults.items()}
-            )
-            OneBitFabricStrategy.__init__(self, **args)
-            self.deepspeed_optimizer = hparams
-            if note:
-                rank_zero_warn(note, category=UserWarning)
+        if deepspeed_config is not None:  # the config's options merged in, then this
+            self._init_from_deepspeed_config(OneBitFabricStrategy, locals())
             return
         check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)

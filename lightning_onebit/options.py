@@ -8,6 +8,7 @@ One implementation of each, used by both: the strategies differ only in how Ligh
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from functools import partial
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_same_model_on_every_rank
 from lightning_onebit._errors import misspellings, refuse_misspelled
 from lightning_onebit.comm import as_average_dtype
@@ -190,6 +192,19 @@ class OneBitOptions:
         new = cls(params, **self._algorithm_kwargs(cls, dict(hparams or {})))
         rank_zero_info(f"OneBitStrategy: {cls.__name__} from the {where} ({hparams or 'defaults'})")
         return new
+
+    def _init_from_deepspeed_config(self, cls: type, given: Mapping[str, Any]) -> None:
+        """``cls.__init__`` with the options of ``given["deepspeed_config"]`` merged in (an
+        argument given explicitly wins; ``given``: the constructor's ``locals()``), the config's
+        optimizer hyperparameters kept in ``self.deepspeed_optimizer``, and one warning naming
+        what the config sets without effect here."""
+        given = {k: v for k, v in given.items() if k not in ("self", "__class__")}
+        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+        args, hparams, note = _deepspeed.strategy_arguments(given, defaults)
+        cls.__init__(self, **args)
+        self.deepspeed_optimizer = hparams
+        if note:
+            rank_zero_warn(note, category=UserWarning)
 
     @staticmethod
     def _refuse_float64(who: str) -> None:

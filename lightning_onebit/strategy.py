@@ -35,7 +35,6 @@ this rank's *local* gradient in the compression phase.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -47,11 +46,9 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_onebit import _deepspeed
 from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, MockOptimizer
 from lightning_onebit._errors import name_unused_parameters, quiet_errors_on_this_rank
@@ -211,16 +208,8 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         deepspeed_config: str | Path | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if deepspeed_config is not None:
-            given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-            defaults = inspect.signature(OneBitStrategy.__init__).parameters
-            args, hparams, note = _deepspeed.strategy_arguments(
-                given, {k: p.default for k, p in defaults.items()}
-            )
-            OneBitStrategy.__init__(self, **args)
-            self.deepspeed_optimizer = hparams
-            if note:
-                rank_zero_warn(note, category=UserWarning)
+        if deepspeed_config is not None:  # the config's options merged in, then this
+            self._init_from_deepspeed_config(OneBitStrategy, locals())
             return
         check_strategy_args(algorithm, timeout, kwargs)
         super().__init__(
