@@ -3,6 +3,7 @@
     python benchmarks/user_models.py                                  # all models, all algorithms
     python benchmarks/user_models.py --models conv_bn gpt2 --algos onebit_adam --steps 100
     python benchmarks/user_models.py --json /tmp/zoo.json             # also write the results
+    python benchmarks/user_models.py --seeds 0 1 2                    # + every seed's ratios
 
 Every model of ``tests/_user_models.py`` (plain LightningModules whose ``configure_optimizers``
 returns ``torch.optim.Adam``/``AdamW``: a conv net with BatchNorm, an MLP with dead ReLUs,
@@ -119,15 +120,22 @@ def _ratio(x: float | None) -> str:
 
 
 def run_model(
-    name: str, algos: list[str], steps: int | None, tmp: Path, lamb_lr: float | None = None
+    name: str,
+    algos: list[str],
+    steps: int | None,
+    tmp: Path,
+    lamb_lr: float | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": name, "runs": {}}
+    out: dict[str, Any] = {"model": name, "seed": seed, "runs": {}}
     records: dict[str, list[dict]] = {}
     for run, make in _strategies(algos, lamb_lr).items():
         t0 = time.perf_counter()
         entry: dict[str, Any] = {}
         try:
-            records[run] = fit_user_model(name, make(), tmp / name / run.split()[0], steps=steps)
+            records[run] = fit_user_model(
+                name, make(), tmp / name / run.split()[0], steps=steps, seed=seed
+            )
         except Exception as err:
             entry["error"] = _error_summary(err)
         entry["seconds"] = time.perf_counter() - t0
@@ -138,7 +146,7 @@ def run_model(
             entry["buffers_in_sync"] = ranks_in_sync(records[run], buffers=True)
         out["runs"][run] = entry
         _log(
-            f"{name} / {run}: {entry['seconds']:.1f} s, "
+            f"{name} (seed {seed}) / {run}: {entry['seconds']:.1f} s, "
             + (entry["error"] if "error" in entry else f"eval loss {entry['eval_loss']:.4f}")
         )
     if "ddp" in records:
@@ -213,6 +221,46 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _cell(entries: list[dict[str, Any]]) -> str:
+    """``loss / DDP`` and ``max |p| / DDP`` of one model and run over the seeds (in seed order,
+    ``/``-separated; bold past the test bars)."""
+    if any("error" in e or "loss_ratio" not in e for e in entries):
+        return "**error**"
+    loss = "/".join(
+        _flag(f"{e['loss_ratio']:.2f}", not e["loss_ratio"] <= LOSS_LIMIT) for e in entries
+    )
+    param = "/".join(
+        _flag(f"{e['param_ratio']:.1f}", not e["param_ratio"] <= PARAM_LIMIT) for e in entries
+    )
+    return f"{loss} \\| {param}x"
+
+
+def seeds_table(results: list[dict[str, Any]]) -> str:
+    """One row per model, one column per 1-bit run: every seed's held-out loss ÷ DDP's and
+    largest ``max |p|`` ÷ DDP's (1-bit LAMB also ÷ LAMB never frozen, in parentheses)."""
+    seeds = sorted({r["seed"] for r in results})
+    models = list(dict.fromkeys(r["model"] for r in results))
+    runs = [k for k in results[0]["runs"] if k not in ("ddp", LAMB_BASELINE)]
+    lines = [
+        f"| model (seeds {', '.join(map(str, seeds))}) | "
+        + " | ".join(f"{r}: loss / DDP \\| max \\|p\\| / DDP" for r in runs)
+        + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
+    for m in models:
+        by_seed = sorted((r for r in results if r["model"] == m), key=lambda r: r["seed"])
+        cells = []
+        for run in runs:
+            entries = [r["runs"].get(run, {"error": "missing"}) for r in by_seed]
+            cell = _cell(entries)
+            if run == "onebit_lamb" and all("loss_ratio_vs_lamb" in e for e in entries):
+                vs = "/".join(f"{e['loss_ratio_vs_lamb']:.2f}" for e in entries)
+                cell += f" (vs LAMB {vs})"
+            cells.append(cell)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -223,6 +271,14 @@ def main() -> None:
     p.add_argument(
         "--lamb-lr", type=float, default=None, help="OneBitStrategy(lamb_lr=...) for 1-bit LAMB"
     )
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="model seeds (initial weights; the data order stays); several add a table of "
+        "every seed's ratios",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--verbose", action="store_true", help="keep Lightning's logs and warnings")
     args = p.parse_args()
@@ -231,10 +287,19 @@ def main() -> None:
     results = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="user_models_") as tmp:
-        for name in args.models:
-            results.append(run_model(name, args.algos, args.steps, Path(tmp), args.lamb_lr))
+        for seed in args.seeds:
+            for name in args.models:
+                results.append(
+                    run_model(name, args.algos, args.steps, Path(tmp), args.lamb_lr, seed)
+                )
     _log(f"total {time.perf_counter() - t0:.0f} s")
-    print(table(results))
+    for seed in args.seeds:
+        if len(args.seeds) > 1:
+            print(f"\nseed {seed}:\n")
+        print(table([r for r in results if r["seed"] == seed]))
+    if len(args.seeds) > 1:
+        print("\nevery seed:\n")
+        print(seeds_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
 

@@ -175,7 +175,11 @@ def convert_adam(
                     g[k] *= lr_scale
         defaults["lr"] *= lr_scale
     new = cls(groups, **options(defaults))
-    robust = ", ".join(f"{k}={getattr(new, k)}" for k in OneBitOptimizer.OPTIONS)
+    robust = ", ".join(
+        f"{k}={getattr(new, k)}"
+        for k in (*OneBitOptimizer.OPTIONS, "rescale_variance")
+        if k in cls.OPTIONS
+    )
     rank_zero_info(
         f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
         f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "

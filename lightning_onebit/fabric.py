@@ -110,7 +110,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     The other arguments are :class:`~lightning_onebit.OneBitStrategy`'s, with the same types,
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
     ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
-    ``variance_floor``, ``preconditioned_exchange``, ``lamb_lr``, ``overlap_bucket_mb``,
+    ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``, ``lamb_lr``,
+    ``overlap_bucket_mb``,
     ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``, ``deepspeed_config``
     (see :meth:`from_deepspeed_config`), and ``**kwargs`` for ``DistributedDataParallel``),
     less the Trainer's logging options (read :meth:`comm_stats` instead).
@@ -135,6 +136,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         bias_correction: bool = True,
         variance_floor: float | None = None,
         preconditioned_exchange: bool | None = None,
+        rescale_variance: bool = True,
         lamb_lr: float | None = None,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,

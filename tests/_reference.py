@@ -242,6 +242,50 @@ def _floor_(v: list[list[torch.Tensor]], floor: float) -> None:
                 vr[j] = vr[j].clamp(min=low)
 
 
+class SimRescale:
+    """``rescale_variance`` in float64: each rank sums ``g**2`` per tensor over its steps; at a
+    reduce, the ranks' mean of their per-tensor mean squares updates the running mean (factor
+    ``beta``); its bias-corrected value after ``ref`` reduces is the reference, and from then on
+    tensor ``j``'s variance counts ``max(1, G_j / G_ref_j)`` times (``None``: off)."""
+
+    def __init__(self, world: int, ntensors: int, ref: int | None, beta: float = 0.9) -> None:
+        self.ref_at, self.beta = ref, beta
+        self.tot = [[0.0] * ntensors for _ in range(world)]
+        self.cnt = [0] * world
+        self.avg, self.ref, self.k = [0.0] * ntensors, None, 0
+
+    def add(self, r: int, grads: list[torch.Tensor]) -> None:
+        self.tot[r] = [
+            a + float((g.double() ** 2).sum()) for a, g in zip(self.tot[r], grads, strict=True)
+        ]
+        self.cnt[r] += 1
+
+    def reduce(self, numels: list[int]) -> None:
+        w = len(self.tot)
+        mean = [
+            sum(self.tot[r][j] / (max(n, 1) * max(self.cnt[r], 1)) for r in range(w)) / w
+            for j, n in enumerate(numels)
+        ]
+        self.tot = [[0.0] * len(numels) for _ in range(w)]
+        self.cnt = [0] * w
+        self.k += 1
+        self.avg = [
+            self.beta * a + (1 - self.beta) * x for a, x in zip(self.avg, mean, strict=True)
+        ]
+        if self.k == self.ref_at:
+            self.ref = [a / (1 - self.beta**self.k) for a in self.avg]
+
+    def scaled(self, v: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The variance the frozen phase preconditions with."""
+        if self.ref_at is None or self.ref is None:
+            return v
+        now = [a / (1 - self.beta**self.k) for a in self.avg]
+        return [
+            x * (max(1.0, n / r) if r > 0 else 1.0)
+            for x, n, r in zip(v, now, self.ref, strict=True)
+        ]
+
+
 def simulate_onebit_adam(
     world: int,
     steps: int,
@@ -253,16 +297,19 @@ def simulate_onebit_adam(
     floor: float = 0.0,
     preconditioned: bool = False,
     ranks_per_node: int | None = None,
+    rescale: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step.
 
     ``bias_correction``: Adam's in warmup, folded into m and v at the freeze; ``floor``: the
     frozen variance raised to ``floor**2`` times its group's mean; ``preconditioned``: the
-    momentum is exchanged as ``m / (sqrt(v) + eps)``."""
+    momentum is exchanged as ``m / (sqrt(v) + eps)``; ``rescale``: ``rescale_variance`` with
+    its reference after that many compression steps (:class:`SimRescale`)."""
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v = zeros(), zeros()
     ex = SimExchange(world, ranks_per_node)
+    rs = SimRescale(world, len(p[0]), rescale)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -274,7 +321,7 @@ def simulate_onebit_adam(
                     m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
                     v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
         else:  # local momentum, compressed average of the momentum, frozen v
-            d = [x.sqrt() + eps for x in v[0]]
+            d = [x.sqrt() + eps for x in rs.scaled(v[0])]
             for r in range(world):
                 for j in range(len(grads[r])):
                     m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
@@ -295,9 +342,15 @@ def simulate_onebit_adam(
                 lr = hp[j]["lr"] if lrs is None else lrs[t - 1][j]
                 if direction is not None:
                     u = direction[j]
+                elif t > freeze_step:
+                    u = m[r][j] / d[j]
                 else:
                     u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
                 p[r][j] = p[r][j] - lr * (u + hp[j]["weight_decay"] * p[r][j])
+        if t > freeze_step and rescale is not None:
+            for r in range(world):
+                rs.add(r, grads[r])
+            rs.reduce([x.numel() for x in p[0]])
         if t == freeze_step:
             for r in range(world):
                 m[r] = [x / bc1 for x in m[r]]
@@ -320,15 +373,18 @@ def simulate_zero_one_adam(
     floor: float = 0.0,
     preconditioned: bool = False,
     ranks_per_node: int | None = None,
+    rescale: int | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps.
 
     ``bias_correction``: m by steps, v by variance updates, folded in at the freeze; ``floor``:
     the variance floored after every variance update; ``preconditioned``: gradients exchanged
-    as ``g / (sqrt(v) + eps)``, the accumulator in parameter units."""
+    as ``g / (sqrt(v) + eps)``, the accumulator in parameter units; ``rescale``:
+    ``rescale_variance`` (phase 2: summed on every step, reduced on sync steps)."""
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v, acc = zeros(), zeros(), zeros()
+    rs = SimRescale(world, len(p[0]), rescale)
     lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
     ex = SimExchange(world, ranks_per_node)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
@@ -373,16 +429,20 @@ def simulate_zero_one_adam(
                 _floor_(v, floor)
             synced.append(t)
         else:
+            vs = rs.scaled(v[0])
             for r in range(world):
                 for j in range(len(p[r])):
                     lr = hp[j]["lr"]
                     m[r][j] = b1 * m[r][j] + (1 - b1) * grads[r][j]
                     lrs[r][j] += lr
-                    u = m[r][j] / (v[r][j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
+                    u = m[r][j] / (vs[j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
                     p[r][j] = p[r][j] - lr * u
                     acc[r][j] = acc[r][j] - lr * u
+            if rescale is not None:
+                for r in range(world):
+                    rs.add(r, grads[r])
             if t % local_interval == 0:
-                denom = [x.sqrt() + eps for x in v[0]]
+                denom = [x.sqrt() + eps for x in vs]
                 scale = [torch.ones_like(x) for x in denom] if preconditioned else denom
                 for r in range(world):
                     p[r] = [p[r][j] - acc[r][j] for j in range(len(p[r]))]
@@ -405,6 +465,8 @@ def simulate_zero_one_adam(
                         acc[r][j] = torch.zeros_like(acc[r][j])
                         lrs[r][j] = 0.0
                 synced.append(t)
+                if rescale is not None:
+                    rs.reduce([x.numel() for x in p[0]])
             local_counter += 1
             if local_counter == local_step_scaler:
                 local_counter, local_interval = 0, min(local_step_clipper, 2 * local_interval)
@@ -520,9 +582,17 @@ DEEPSPEED = {"variance_floor": 0.0, "preconditioned_exchange": False}
 
 #: what OneBitStrategy builds from a torch Adam/AdamW (a floor high enough to bite here)
 ROBUST = {"bias_correction": True, "variance_floor": 0.5, "preconditioned_exchange": True}
+#: ... and rescale_variance (1-bit Adam, 0/1 Adam), its reference after this many reduces
+#: (the optimizer's ``rescale_reference_updates``, lowered to act within these short runs)
+RESCALE_REF = 3
 
 
 SIM_ROBUST = {"bias_correction": True, "floor": 0.5, "preconditioned": True}
+
+
+def _rescaled(opt):
+    opt.rescale_reference_updates = RESCALE_REF
+    return opt
 
 
 def _algo(
@@ -535,9 +605,12 @@ def _algo(
     if ranks_per_node is not None:
         kw.update(hierarchical=True, ranks_per_node=ranks_per_node)
         sim["ranks_per_node"] = ranks_per_node
+    if robust and algo != "onebit_lamb":
+        kw["rescale_variance"], sim["rescale"] = True, RESCALE_REF
+    rescaled = _rescaled
     if algo == "onebit_adam":
         return (
-            lambda g: OneBitAdam(g, freeze_step=10, **kw),
+            lambda g: rescaled(OneBitAdam(g, freeze_step=10, **kw)),
             simulate_onebit_adam(world, steps, freeze_step=10, **sim),
         )
     if algo == "zero_one_adam":
@@ -545,7 +618,7 @@ def _algo(
             var_freeze_step=14, var_update_scaler=3, local_step_scaler=5, local_step_clipper=4
         )
         hist, _ = simulate_zero_one_adam(world, steps, **hp, **sim)
-        return lambda g: ZeroOneAdam(g, **hp, **kw), hist
+        return lambda g: rescaled(ZeroOneAdam(g, **hp, **kw)), hist
     if algo == "onebit_lamb":
         return (
             lambda g: OneBitLamb(g, freeze_step=10, **kw),
@@ -565,6 +638,27 @@ CKPT_CASES = {
         [9, 23],  # 9: var_interval 4, a non-variance step next; 23: mid local-step interval
     ),
     "onebit_lamb": (lambda g: OneBitLamb(g, freeze_step=8, weight_decay=0.01), 20, [4, 13]),
+    # rescale_variance: its running mean squares and reference (13: after the reference), and
+    # 0/1 Adam's sums of local steps between two syncs (23)
+    "onebit_adam_rescaled": (
+        lambda g: _rescaled(OneBitAdam(g, freeze_step=8, rescale_variance=True)),
+        20,
+        [4, 13],
+    ),
+    "zero_one_adam_rescaled": (
+        lambda g: _rescaled(
+            ZeroOneAdam(
+                g,
+                var_freeze_step=12,
+                var_update_scaler=2,
+                local_step_scaler=3,
+                local_step_clipper=4,
+                rescale_variance=True,
+            )
+        ),
+        30,
+        [9, 23],
+    ),
 }
 
 

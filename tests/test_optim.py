@@ -80,6 +80,60 @@ def test_checkpoint_round_trip_is_bitwise(algo: str) -> None:
             assert torch.equal(a, b), f"{algo}: differs at step {t} after a restart at {save_at}"
 
 
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam"])
+def test_rescale_variance_follows_growing_gradients(algo: str) -> None:
+    """rescale_variance on fresh random gradients whose scale per tensor changes after the
+    switch (x4, x0.5, x1): each tensor's factor is max(1, G / G_ref) of a float64 replay of the
+    rule; the grown tensor's steps stay the size they had at the switch (without it: 4x), the
+    shrunk one's are those of the frozen variance."""
+    torch.manual_seed(7)
+    shapes = [(300,), (20, 10), (50,)]
+    growth = [4.0, 0.5, 1.0]
+    freeze, steps, ref_at = 20, 60, 10
+
+    def run(rescale: bool):
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        kw = dict(rescale_variance=rescale, bias_correction=True, lr=1e-3)
+        if algo == "onebit_adam":
+            opt = OneBitAdam(ps, freeze_step=freeze, **kw)
+        else:  # local_step_clipper=1: a sync (and a reduce) every step, like 1-bit Adam
+            opt = ZeroOneAdam(ps, var_freeze_step=freeze, local_step_clipper=1, **kw)
+        gen = torch.Generator().manual_seed(1)
+        moves, grads = [], []
+        for t in range(1, steps + 1):
+            # the scale ramps from 1 to its growth factor over the 20 steps after the reference
+            ramp = min(max(t - freeze - ref_at, 0) / 20, 1.0)
+            gs = [
+                (1 + (c - 1) * ramp) * torch.randn(s, generator=gen, dtype=torch.float64)
+                for s, c in zip(shapes, growth, strict=True)
+            ]
+            before = [p.detach().clone() for p in ps]
+            for p, g in zip(ps, gs, strict=True):
+                p.grad = g.float()
+            opt.step()
+            moves.append([float((p - b).abs().mean()) for p, b in zip(ps, before, strict=True)])
+            if t > freeze:
+                grads.append([float((g.float().double() ** 2).mean()) for g in gs])
+        return opt, moves, grads
+
+    opt, moves, grads = run(True)
+    avg, ref = [0.0] * 3, None  # the rule in float64
+    for k, ms in enumerate(grads, 1):
+        avg = [0.9 * a + 0.1 * m for a, m in zip(avg, ms, strict=True)]
+        if k == ref_at:
+            ref = [a / (1 - 0.9**k) for a in avg]
+    want = [max(1.0, a / (1 - 0.9 ** len(grads)) / r) for a, r in zip(avg, ref, strict=True)]
+    got = opt._variance_scales().tolist()
+    assert got == pytest.approx(want, rel=1e-5)
+    assert want[0] > 8 and want[1] == 1.0  # grew 4x (16x in g**2); shrank: frozen v kept
+    _, plain, _ = run(False)
+    switch = sum(m[0] for m in moves[freeze + 2 : freeze + ref_at]) / (ref_at - 2)
+    late = sum(m[0] for m in moves[-10:]) / 10
+    late_plain = sum(m[0] for m in plain[-10:]) / 10
+    assert late < 1.6 * switch, (late, switch)  # Adam-sized, as at the switch
+    assert late_plain > 2.5 * switch, (late_plain, switch)  # frozen: grows with the gradients
+
+
 def test_checkpoint_carries_phase_counters_and_error_buffers() -> None:
     params = make_params()
     opt = ZeroOneAdam(

@@ -22,6 +22,7 @@ from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests._dist import run_distributed
 from tests._reference import (
     CKPT_CASES,
+    TRAINABLE,
     _algo,
     flat_trainable,
     make_groups,
@@ -87,6 +88,11 @@ def test_parameters_match_rank_simulation_and_agree_across_ranks(world: int) -> 
         # every rank counted the same bytes, and they are non-zero
         stats = [res[algo, robust]["stats"] for res in results]
         assert all(s == stats[0] for s in stats) and stats[0]["bytes_total"] > 0
+    # rescale_variance's per-tensor all_reduce counts: one per compression step (1-bit Adam)
+    extra = [r["onebit_adam", True]["stats"]["bytes_total"] for r in results]
+    base = [r["onebit_adam", False]["stats"]["bytes_total"] for r in results]
+    per_step = fp32_allreduce_bytes(len(TRAINABLE), world)
+    assert all(e - b == (STEPS - 10) * per_step for e, b in zip(extra, base, strict=True))
 
 
 # --------------------------------------------------------------------------- checkpoints

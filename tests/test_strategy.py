@@ -30,6 +30,7 @@ from tests._char_model import (
     _fit,
     _held_out_loss,
     _per_call,
+    _rescale_bytes,
 )
 
 # --------------------------------------------------------------------------- registry
@@ -67,6 +68,9 @@ def test_a_near_miss_name_says_which_name_was_meant(name: str, meant: str) -> No
         assert StrategyRegistry[canonical]["strategy"] is OneBitStrategy
 
 
+_CONVERSION_ON = ("bias_correction", "rescale_variance")
+
+
 def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
     """The strategy offers every optimizer option with ``None`` = the optimizer's default (its
     ``__init__`` signature), and validates with the optimizer's own checks."""
@@ -75,8 +79,9 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
     strategy_params = inspect.signature(OneBitStrategy.__init__).parameters
     for cls in (OneBitAdam, ZeroOneAdam, OneBitLamb):
         for name in cls.OPTIONS:
-            # bias_correction: the strategy's own default (it converts a torch Adam, which has it)
-            want = True if name == "bias_correction" else None
+            # bias_correction, rescale_variance: the strategy's own default when it converts
+            # a torch Adam (which has the former and follows its gradients' scale)
+            want = True if name in _CONVERSION_ON else None
             assert strategy_params[name].default is want, name
         strategy = OneBitStrategy(algorithm=_ALGO_OF[cls])
         opt = cls([torch.nn.Parameter(torch.zeros(2))], **strategy._algorithm_kwargs(cls, {}))
@@ -84,7 +89,7 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
             got = getattr(opt, name, None)
             if got is None:  # (LAMB's trust-ratio clamps are param-group hyperparameters)
                 got = opt.param_groups[0][name]
-            assert got == (True if name == "bias_correction" else default), (cls, name)
+            assert got == (True if name in _CONVERSION_ON else default), (cls, name)
     bad = {
         ZeroOneAdam: [{"var_update_scaler": 0}, {"local_step_clipper": 1.5}],
         OneBitLamb: [{"factor_min": 2.0}, {"coeff_beta": 1.0}, {"min_coeff": 20.0}],
@@ -180,6 +185,8 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
         assert stats["fp32_equiv_total"] == steps * fp32_allreduce_bytes(numel, devices)
         if name != "zero_one_adam":  # warmup: fp32 allreduce; then one 1-bit exchange per step
             per_call = _per_call(numel, devices)
+            if name == "onebit_adam":
+                per_call += _rescale_bytes(rec["params"], devices)
             expect = switch * fp32_allreduce_bytes(numel, devices) + (steps - switch) * per_call
             assert stats["bytes_total"] == expect
         assert stats["fp32_equiv_total"] / stats["bytes_total"] > 3.0
@@ -202,7 +209,8 @@ def test_half_precision_warmup_average(tmp_path: Path) -> None:
     for d, records in runs.items():
         _assert_same_on_all_ranks(records)
         warm = fp32_allreduce_bytes(numel, 2) // (2 if d == "bf16" else 1)
-        expect = switch * warm + (steps - switch) * _per_call(numel, 2)
+        per_call = _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2)
+        expect = switch * warm + (steps - switch) * per_call
         assert records[0]["comm_stats"]["bytes_total"] == expect
     fp32, bf16 = runs["float32"][0]["params"], runs["bf16"][0]["params"]
     assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # the hook did round
@@ -443,9 +451,9 @@ def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
     assert records[0]["phase"] == "compression"
     numel = sum(v.numel() for v in records[0]["params"].values())
     # 0.25 of 16 steps: exactly 4 warmup steps in fp32, then 12 compressed exchanges
-    assert records[0]["comm_stats"]["bytes_total"] == 4 * fp32_allreduce_bytes(
-        numel, 2
-    ) + 12 * _per_call(numel, 2)
+    assert records[0]["comm_stats"]["bytes_total"] == 4 * fp32_allreduce_bytes(numel, 2) + 12 * (
+        _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2)
+    )
     sched = CompressionScheduler(freeze_step=10**6, adaptive=True, threshold=0.5, window=3)
     records = _fit(
         tmp_path / "adaptive",
@@ -497,7 +505,10 @@ def test_conversion_and_switch_are_visible_and_zero_gradient_parameters_stay_put
         console.close()
     text = (tmp_path / "console.txt").read_text()
     assert text.count("replaced AdamW by OneBitAdam") == 1  # rank 0 only
-    assert "bias_correction=True, variance_floor=0.01, preconditioned_exchange=True" in text
+    assert (
+        "bias_correction=True, variance_floor=0.01, preconditioned_exchange=True, "
+        "rescale_variance=True" in text
+    )
     assert text.count("compression phase (1-bit exchange) from optimizer step 5 on") == 1
     assert "variance floor (variance_floor=0.01) raised" in text and "unused_bias (4,): 4" in text
     _assert_same_on_all_ranks(records)

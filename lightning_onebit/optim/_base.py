@@ -96,7 +96,7 @@ from lightning_onebit.comm import (
 from lightning_onebit.hierarchy import NodeGroups, resolve_ranks_per_node
 from lightning_onebit.optim._checkpoint import _Checkpointing
 from lightning_onebit.optim._layout import _FlatBuffers, _Layout
-from lightning_onebit.optim._ops import _FlatOps
+from lightning_onebit.optim._ops import RESCALE_REFERENCE_UPDATES, _FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import _check_betas, _check_int, _check_real
@@ -107,6 +107,10 @@ __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 #: ``sqrt(v)`` counts as less than this fraction of its tensor's or its group's RMS ``sqrt(v)``
 #: (see :meth:`OneBitOptimizer._floor_variance_`).
 VARIANCE_FLOOR = 0.01
+
+#: ``rescale_variance``'s per-tensor states: this rank's sum of ``g**2`` since the last
+#: all-reduce, the ranks' running mean square and its reference value
+_RESCALE_STATES = {"grad_sq_sum": 0.0, "grad_sq_avg": 0.0, "grad_sq_ref": 0.0}
 
 
 class OneBitOptimizer(
@@ -138,6 +142,12 @@ class OneBitOptimizer(
             ``sqrt(v) + eps`` and multiply back after it (1-bit Adam, 0/1 Adam): the 1-bit
             error is then about the same size relative to every coordinate's Adam step.
             ``False``: DeepSpeed's (the momentum, or 0/1 Adam's gradient, as is).
+        rescale_variance: (1-bit Adam, 0/1 Adam) in the frozen phase, precondition each tensor
+            by its frozen variance times ``max(1, G / G_ref)``, ``G`` the running mean square
+            of its gradients, ``G_ref`` that at the switch (one float per tensor all-reduced on
+            the steps that exchange; :meth:`_rescale_variance_`): where gradients grow after
+            the switch, the 1-bit steps stay Adam-sized. ``False`` (default): the variance
+            stays as frozen (the papers' and DeepSpeed's).
         hierarchical: ``True``/``"auto"``: on several nodes of several ranks, full precision
             inside a node and 1 bit between nodes (:meth:`node_groups`); ``False`` (default):
             the flat exchange, every rank's values compressed (DeepSpeed's).
@@ -166,6 +176,9 @@ class OneBitOptimizer(
     _work_buffers: tuple[str, ...] = ("update",)
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
+    #: ``rescale_variance``: the running mean squares' value after this many updates is the
+    #: reference (the gradient scale the frozen variance stands for)
+    rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
 
     def __init__(
         self,
@@ -179,6 +192,7 @@ class OneBitOptimizer(
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = False,
+        rescale_variance: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
     ) -> None:
@@ -197,6 +211,12 @@ class OneBitOptimizer(
         self.bias_correction = bool(bias_correction)
         self.variance_floor = float(variance_floor)
         self.preconditioned_exchange = bool(preconditioned_exchange)
+        self.rescale_variance = bool(rescale_variance)
+        if self.rescale_variance:  # its per-tensor states and counters (see _rescale_variance_)
+            self._scalar_states = {**self._scalar_states, **_RESCALE_STATES}
+            self._checkpoint_attrs = (*self._checkpoint_attrs, "grad_sq_updates", "grad_sq_steps")
+        self.grad_sq_updates = 0  # all-reduced updates of the running mean squares
+        self.grad_sq_steps = 0  # steps summed into grad_sq_sum since the last one
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
         self.process_group = process_group

@@ -84,6 +84,11 @@ class OneBitAdam(OneBitOptimizer):
             (default) step 2b exchanges ``m / (sqrt(v) + eps)`` and sets
             ``m = result * (sqrt(v) + eps)``; ``variance_floor=0, preconditioned_exchange=False``
             is DeepSpeed's arithmetic.
+        rescale_variance: step 2c keeps ``v`` frozen but preconditions each tensor by
+            ``v * max(1, G / G_ref)``, ``G`` the running mean square of its gradients (one float
+            per tensor all-reduced per step), so growing gradients do not make the 1-bit steps
+            several times Adam's; see
+            :meth:`~lightning_onebit.optim.OneBitOptimizer._rescale_variance_`.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
@@ -93,6 +98,7 @@ class OneBitAdam(OneBitOptimizer):
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
+    OPTIONS = (*OneBitOptimizer.OPTIONS, "rescale_variance")
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class OneBitAdam(OneBitOptimizer):
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = True,
+        rescale_variance: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
     ) -> None:
@@ -124,6 +131,7 @@ class OneBitAdam(OneBitOptimizer):
             bias_correction=bias_correction,
             variance_floor=variance_floor,
             preconditioned_exchange=preconditioned_exchange,
+            rescale_variance=rescale_variance,
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
         )
@@ -164,6 +172,7 @@ class OneBitAdam(OneBitOptimizer):
             self._apply_exp_avg_mask_(m)
             # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
             self._decoupled_update_(m, frozen_denominator=True)
+            self._rescale_variance_(g, reduce=True)
             return
         # the same in the units of the update: x = 1-bit average of m / (sqrt(v) + eps), then
         # m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p)
@@ -172,3 +181,5 @@ class OneBitAdam(OneBitOptimizer):
         self._apply_exp_avg_mask_(x)
         torch.mul(x, self._frozen_denominator()[0], out=m)
         self._decoupled_update_(x)
+        # (rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale)
+        self._rescale_variance_(g, reduce=True)

@@ -118,6 +118,10 @@ class ZeroOneAdam(OneBitOptimizer):
             (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the accumulator in parameter
             units (``acc - lr u``); the variance is floored after every variance step.
             ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
+        rescale_variance: in phase 2 precondition each tensor by ``v * max(1, G / G_ref)``,
+            ``G`` the running mean square of its gradients (this rank's local steps summed, one
+            float per tensor all-reduced on the sync steps); see
+            :meth:`~lightning_onebit.optim.OneBitOptimizer._rescale_variance_`.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
@@ -151,6 +155,7 @@ class ZeroOneAdam(OneBitOptimizer):
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = True,
+        rescale_variance: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
     ) -> None:
@@ -173,6 +178,7 @@ class ZeroOneAdam(OneBitOptimizer):
             bias_correction=bias_correction,
             variance_floor=variance_floor,
             preconditioned_exchange=preconditioned_exchange,
+            rescale_variance=rescale_variance,
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
         )
@@ -190,6 +196,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     OPTIONS = (
         *OneBitOptimizer.OPTIONS,
+        "rescale_variance",
         "var_update_scaler",
         "local_step_scaler",
         "local_step_clipper",
@@ -375,6 +382,7 @@ class ZeroOneAdam(OneBitOptimizer):
             #       (_exchange_source; started during backward with overlap_with_backward()).
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
+            self._rescale_variance_(g, reduce=True)  # (the local steps' sums with this one)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
@@ -396,6 +404,7 @@ class ZeroOneAdam(OneBitOptimizer):
                         u[s].add_(p[s], alpha=group["weight_decay"])
                     acc[s].add_(u[s], alpha=-group["lr"])
                 self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+            self._rescale_variance_(g if local_ok else None, reduce=False)
         # 3d. the local step interval doubles every local_step_scaler steps
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
