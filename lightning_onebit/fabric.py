@@ -136,7 +136,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         bias_correction: bool = True,
         variance_floor: float | None = None,
         preconditioned_exchange: bool | None = None,
-        rescale_variance: bool = True,
+        rescale_variance: bool | None = None,
         lamb_lr: float | None = None,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,

@@ -72,6 +72,11 @@ def check_strategy_args(algorithm: str, timeout: Any, kwargs: dict[str, Any]) ->
 OPTIMIZER_OPTIONS = tuple(dict.fromkeys(k for cls in ALGORITHMS.values() for k in cls.OPTIONS))
 
 
+#: options the strategies set (unless given) when they build the optimizer, where that differs
+#: from the optimizer's own default (DeepSpeed's arithmetic)
+CONVERSION_DEFAULTS: dict[str, dict[str, Any]] = {"onebit_adam": {"rescale_variance": True}}
+
+
 class OneBitOptions:
     """The options of both strategies (validated at construction) and what they do with them:
     the optimizer's keyword arguments, the conversion of a torch Adam/AdamW."""
@@ -134,6 +139,7 @@ class OneBitOptions:
         self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
     ) -> dict[str, Any]:
         kw = dict(defaults)
+        kw.update(CONVERSION_DEFAULTS.get(self.algorithm, {}))
         kw.update(self._given_options(ALGORITHMS[self.algorithm]))
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
         kw["average_dtype"] = self.average_dtype or torch.float32

@@ -68,9 +68,6 @@ def test_a_near_miss_name_says_which_name_was_meant(name: str, meant: str) -> No
         assert StrategyRegistry[canonical]["strategy"] is OneBitStrategy
 
 
-_CONVERSION_ON = ("bias_correction", "rescale_variance")
-
-
 def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
     """The strategy offers every optimizer option with ``None`` = the optimizer's default (its
     ``__init__`` signature), and validates with the optimizer's own checks."""
@@ -79,9 +76,8 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
     strategy_params = inspect.signature(OneBitStrategy.__init__).parameters
     for cls in (OneBitAdam, ZeroOneAdam, OneBitLamb):
         for name in cls.OPTIONS:
-            # bias_correction, rescale_variance: the strategy's own default when it converts
-            # a torch Adam (which has the former and follows its gradients' scale)
-            want = True if name in _CONVERSION_ON else None
+            # bias_correction: the strategy's own default (it converts a torch Adam, which has it)
+            want = True if name == "bias_correction" else None
             assert strategy_params[name].default is want, name
         strategy = OneBitStrategy(algorithm=_ALGO_OF[cls])
         opt = cls([torch.nn.Parameter(torch.zeros(2))], **strategy._algorithm_kwargs(cls, {}))
@@ -89,7 +85,9 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
             got = getattr(opt, name, None)
             if got is None:  # (LAMB's trust-ratio clamps are param-group hyperparameters)
                 got = opt.param_groups[0][name]
-            assert got == (True if name in _CONVERSION_ON else default), (cls, name)
+            # (and what the strategy sets when it builds the optimizer itself)
+            on = name == "bias_correction" or (cls, name) == (OneBitAdam, "rescale_variance")
+            assert got == (True if on else default), (cls, name)
     bad = {
         ZeroOneAdam: [{"var_update_scaler": 0}, {"local_step_clipper": 1.5}],
         OneBitLamb: [{"factor_min": 2.0}, {"coeff_beta": 1.0}, {"min_coeff": 20.0}],
