@@ -144,7 +144,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         rescale_variance: when converting, precondition the 1-bit steps by the frozen
             variance times ``max(1, G / G_ref)`` per tensor (``G``: the running mean square of
             the tensor's gradients, ``G_ref``: at the switch; one float per tensor all-reduced
-            on the steps that exchange): where gradients grow after the switch (transformers,
+            every 10th exchange): where gradients grow after the switch (transformers,
             short runs), the 1-bit steps stay Adam-sized instead of growing with them.
             ``None``: on for 1-bit Adam (ViT 1.57x -> 0.95x DDP's loss, mean of 3 seeds), off
             for 0/1 Adam (its phase 1 tracks the variance itself; on, the demo's loss went

@@ -152,10 +152,10 @@ def _per_call(numel: int, world: int) -> int:
     return 2 * (world - 1) * (4 + math.ceil(row / 4) * 4)
 
 
-def _rescale_bytes(params: dict, world: int) -> int:
-    """Bytes of ``rescale_variance``'s all_reduce (one float per tensor) per rank, which
-    1-bit Adam converted by the strategy sends with every 1-bit exchange."""
-    return 2 * (world - 1) * len(params) * 4 // world
+def _rescale_bytes(params: dict, world: int, compressed_steps: int) -> int:
+    """Bytes per rank of ``rescale_variance``'s all_reduces (one float per tensor, every 10th
+    1-bit exchange) over ``compressed_steps`` steps of 1-bit Adam converted by the strategy."""
+    return compressed_steps // 10 * (2 * (world - 1) * len(params) * 4 // world)
 
 
 def _assert_same_on_all_ranks(records: list[dict]) -> None:

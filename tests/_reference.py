@@ -243,43 +243,51 @@ def _floor_(v: list[list[torch.Tensor]], floor: float) -> None:
 
 
 class SimRescale:
-    """``rescale_variance`` in float64: each rank sums ``g**2`` per tensor over its steps; at a
-    reduce, the ranks' mean of their per-tensor mean squares updates the running mean (factor
-    ``beta``); its bias-corrected value after ``ref`` reduces is the reference, and from then on
-    tensor ``j``'s variance counts ``max(1, G_j / G_ref_j)`` times (``None``: off)."""
+    """``rescale_variance`` in float64: each rank sums ``g**2`` per tensor over the steps; when a
+    step may reduce and ``interval`` steps have passed, the ranks' mean of their per-tensor
+    mean squares updates the running mean (the old value weighs ``beta**steps``,
+    bias-corrected); its value after ``ref`` reduces is the reference, and from then on tensor
+    ``j``'s variance counts ``max(1, G_j / G_ref_j)`` times (``ref=None``: off)."""
 
-    def __init__(self, world: int, ntensors: int, ref: int | None, beta: float = 0.9) -> None:
-        self.ref_at, self.beta = ref, beta
+    def __init__(
+        self, world: int, ntensors: int, ref: int | None, interval: int = 1, beta: float = 0.9
+    ) -> None:
+        self.ref_at, self.interval, self.beta = ref, interval, beta
         self.tot = [[0.0] * ntensors for _ in range(world)]
-        self.cnt = [0] * world
-        self.avg, self.ref, self.k = [0.0] * ntensors, None, 0
+        self.steps = 0
+        self.avg, self.weight, self.ref, self.k = [0.0] * ntensors, 0.0, None, 0
 
-    def add(self, r: int, grads: list[torch.Tensor]) -> None:
-        self.tot[r] = [
-            a + float((g.double() ** 2).sum()) for a, g in zip(self.tot[r], grads, strict=True)
-        ]
-        self.cnt[r] += 1
+    def add(self, grads: list[list[torch.Tensor] | None]) -> None:
+        """One step: every rank's gradients (``None``: a rank that sat the step out)."""
+        for r, gs in enumerate(grads):
+            if gs is not None:
+                self.tot[r] = [
+                    a + float((g.double() ** 2).sum()) for a, g in zip(self.tot[r], gs, strict=True)
+                ]
+        self.steps += 1
 
     def reduce(self, numels: list[int]) -> None:
+        if self.steps < self.interval:
+            return
         w = len(self.tot)
         mean = [
-            sum(self.tot[r][j] / (max(n, 1) * max(self.cnt[r], 1)) for r in range(w)) / w
+            sum(self.tot[r][j] / (max(n, 1) * self.steps) for r in range(w)) / w
             for j, n in enumerate(numels)
         ]
+        keep = self.beta**self.steps
         self.tot = [[0.0] * len(numels) for _ in range(w)]
-        self.cnt = [0] * w
+        self.steps = 0
         self.k += 1
-        self.avg = [
-            self.beta * a + (1 - self.beta) * x for a, x in zip(self.avg, mean, strict=True)
-        ]
+        self.weight = 1 - (1 - self.weight) * keep
+        self.avg = [keep * a + (1 - keep) * x for a, x in zip(self.avg, mean, strict=True)]
         if self.k == self.ref_at:
-            self.ref = [a / (1 - self.beta**self.k) for a in self.avg]
+            self.ref = [a / self.weight for a in self.avg]
 
     def scaled(self, v: list[torch.Tensor]) -> list[torch.Tensor]:
         """The variance the frozen phase preconditions with."""
         if self.ref_at is None or self.ref is None:
             return v
-        now = [a / (1 - self.beta**self.k) for a in self.avg]
+        now = [a / self.weight for a in self.avg]
         return [
             x * (max(1.0, n / r) if r > 0 else 1.0)
             for x, n, r in zip(v, now, self.ref, strict=True)
@@ -309,7 +317,7 @@ def simulate_onebit_adam(
     p, zeros, hp = _start(world)
     m, v = zeros(), zeros()
     ex = SimExchange(world, ranks_per_node)
-    rs = SimRescale(world, len(p[0]), rescale)
+    rs = SimRescale(world, len(p[0]), rescale, RESCALE_INTERVAL)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -348,8 +356,7 @@ def simulate_onebit_adam(
                     u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
                 p[r][j] = p[r][j] - lr * (u + hp[j]["weight_decay"] * p[r][j])
         if t > freeze_step and rescale is not None:
-            for r in range(world):
-                rs.add(r, grads[r])
+            rs.add(grads)
             rs.reduce([x.numel() for x in p[0]])
         if t == freeze_step:
             for r in range(world):
@@ -384,7 +391,7 @@ def simulate_zero_one_adam(
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v, acc = zeros(), zeros(), zeros()
-    rs = SimRescale(world, len(p[0]), rescale)
+    rs = SimRescale(world, len(p[0]), rescale, RESCALE_INTERVAL)
     lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
     ex = SimExchange(world, ranks_per_node)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
@@ -439,8 +446,7 @@ def simulate_zero_one_adam(
                     p[r][j] = p[r][j] - lr * u
                     acc[r][j] = acc[r][j] - lr * u
             if rescale is not None:
-                for r in range(world):
-                    rs.add(r, grads[r])
+                rs.add(grads)
             if t % local_interval == 0:
                 denom = [x.sqrt() + eps for x in vs]
                 scale = [torch.ones_like(x) for x in denom] if preconditioned else denom
@@ -582,8 +588,10 @@ DEEPSPEED = {"variance_floor": 0.0, "preconditioned_exchange": False}
 
 #: what OneBitStrategy builds from a torch Adam/AdamW (a floor high enough to bite here)
 ROBUST = {"bias_correction": True, "variance_floor": 0.5, "preconditioned_exchange": True}
-#: ... and rescale_variance (1-bit Adam, 0/1 Adam), its reference after this many reduces
-#: (the optimizer's ``rescale_reference_updates``, lowered to act within these short runs)
+#: ... and rescale_variance (1-bit Adam, 0/1 Adam), all-reduced every RESCALE_INTERVAL steps,
+#: its reference after RESCALE_REF all-reduces (``rescale_interval`` and
+#: ``rescale_reference_updates``, set to act within these short runs)
+RESCALE_INTERVAL = 2
 RESCALE_REF = 3
 
 
@@ -591,7 +599,7 @@ SIM_ROBUST = {"bias_correction": True, "floor": 0.5, "preconditioned": True}
 
 
 def _rescaled(opt):
-    opt.rescale_reference_updates = RESCALE_REF
+    opt.rescale_interval, opt.rescale_reference_updates = RESCALE_INTERVAL, RESCALE_REF
     return opt
 
 

@@ -89,7 +89,7 @@ def test_rescale_variance_follows_growing_gradients(algo: str) -> None:
     torch.manual_seed(7)
     shapes = [(300,), (20, 10), (50,)]
     growth = [4.0, 0.5, 1.0]
-    freeze, steps, ref_at = 20, 60, 10
+    freeze, steps, ref_at = 20, 60, 10  # the reference: the first 10 frozen steps
 
     def run(rescale: bool):
         ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
@@ -117,12 +117,14 @@ def test_rescale_variance_follows_growing_gradients(algo: str) -> None:
         return opt, moves, grads
 
     opt, moves, grads = run(True)
-    avg, ref = [0.0] * 3, None  # the rule in float64
-    for k, ms in enumerate(grads, 1):
-        avg = [0.9 * a + 0.1 * m for a, m in zip(avg, ms, strict=True)]
-        if k == ref_at:
-            ref = [a / (1 - 0.9**k) for a in avg]
-    want = [max(1.0, a / (1 - 0.9 ** len(grads)) / r) for a, r in zip(avg, ref, strict=True)]
+    avg, weight, ref = [0.0] * 3, 0.0, None  # the rule in float64: a reduce every 10 steps
+    for k in range(0, len(grads) - 9, 10):
+        mean = [sum(g[j] for g in grads[k : k + 10]) / 10 for j in range(3)]
+        keep = 0.9**10
+        weight = 1 - (1 - weight) * keep
+        avg = [keep * a + (1 - keep) * m for a, m in zip(avg, mean, strict=True)]
+        ref = ref or [a / weight for a in avg]  # the first reduce: the reference
+    want = [max(1.0, a / weight / r) for a, r in zip(avg, ref, strict=True)]
     got = opt._variance_scales().tolist()
     assert got == pytest.approx(want, rel=1e-5)
     assert want[0] > 8 and want[1] == 1.0  # grew 4x (16x in g**2); shrank: frozen v kept
@@ -130,8 +132,8 @@ def test_rescale_variance_follows_growing_gradients(algo: str) -> None:
     switch = sum(m[0] for m in moves[freeze + 2 : freeze + ref_at]) / (ref_at - 2)
     late = sum(m[0] for m in moves[-10:]) / 10
     late_plain = sum(m[0] for m in plain[-10:]) / 10
-    assert late < 1.6 * switch, (late, switch)  # Adam-sized, as at the switch
-    assert late_plain > 2.5 * switch, (late_plain, switch)  # frozen: grows with the gradients
+    assert late < 2.0 * switch, (late, switch)  # ~Adam-sized, as at the switch
+    assert late_plain > 3.0 * switch, (late_plain, switch)  # frozen: grows with the gradients
 
 
 def test_checkpoint_carries_phase_counters_and_error_buffers() -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -22,6 +23,7 @@ from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests._dist import run_distributed
 from tests._reference import (
     CKPT_CASES,
+    RESCALE_INTERVAL,
     TRAINABLE,
     _algo,
     flat_trainable,
@@ -88,11 +90,12 @@ def test_parameters_match_rank_simulation_and_agree_across_ranks(world: int) -> 
         # every rank counted the same bytes, and they are non-zero
         stats = [res[algo, robust]["stats"] for res in results]
         assert all(s == stats[0] for s in stats) and stats[0]["bytes_total"] > 0
-    # rescale_variance's per-tensor all_reduce counts: one per compression step (1-bit Adam)
+    # rescale_variance's per-tensor all_reduce counts: one per RESCALE_INTERVAL compression steps
     extra = [r["onebit_adam", True]["stats"]["bytes_total"] for r in results]
     base = [r["onebit_adam", False]["stats"]["bytes_total"] for r in results]
     per_step = fp32_allreduce_bytes(len(TRAINABLE), world)
-    assert all(e - b == (STEPS - 10) * per_step for e, b in zip(extra, base, strict=True))
+    reduces = (STEPS - 10) // RESCALE_INTERVAL
+    assert all(e - b == reduces * per_step for e, b in zip(extra, base, strict=True))
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -115,6 +118,59 @@ def test_checkpoint_round_trip_two_ranks() -> None:
             for r in resumed:
                 err = float((r - straight).abs().max() / straight.abs().max())
                 assert err <= 1e-6, (rank, algo, err)
+
+
+def _rank_file_worker(rank: int, world: int) -> dict:
+    """1-bit Adam with rescale_variance resumed the way the strategy does it: rank 0's
+    state_dict on every rank, then each rank's rank_state_dict; saved between two all-reduces of
+    the gradients' mean squares (each rank's own sums pending)."""
+
+    def make(params: list) -> OneBitAdam:
+        opt = OneBitAdam(make_groups(params), freeze_step=8, rescale_variance=True)
+        opt.rescale_interval, opt.rescale_reference_updates = 4, 1
+        return opt
+
+    def run(save_at: int | None, keep_sums: bool = True) -> torch.Tensor:
+        params = make_params()
+        opt = make(params)
+        hist = []
+        for t in range(1, 25):
+            set_grads(params, rank, t)
+            for p in params:  # growing gradients: the rescaled variance is in use
+                if p.grad is not None:
+                    p.grad.mul_(1 + 0.2 * t)
+            opt.step()
+            hist.append(flat_trainable(params))
+            if t == save_at:
+                main = [opt.state_dict() if rank == 0 else None]
+                dist.broadcast_object_list(main, src=0)
+                mine = copy.deepcopy(opt.rank_state_dict())
+                if not keep_sums:
+                    mine["onebit"].pop("grad_sq_sum")
+                saved = [p.detach().clone() for p in params]
+                params = make_params()
+                with torch.no_grad():
+                    for p, x in zip(params, saved, strict=True):
+                        p.copy_(x)
+                opt = make(params)
+                opt.load_state_dict(main[0])
+                opt.load_rank_state_dict(mine)
+        scales.append(float(opt._variance_scales().max()))
+        return torch.stack(hist)
+
+    scales: list[float] = []
+    out = {"straight": run(None), "resumed": run(15), "without_sums": run(15, keep_sums=False)}
+    return {**out, "scales": scales[0]}
+
+
+@pytest.mark.slow
+def test_rescale_variance_resumes_exactly_from_rank_files() -> None:
+    results = run_distributed(_rank_file_worker, 2)
+    for res in results:
+        assert torch.equal(res["straight"], res["resumed"])
+        assert res["scales"] > 1.5  # the rescaled variance was in use
+    # (rank 1 would resume with rank 0's pending sums without its rank file's: not exact)
+    assert not torch.equal(results[1]["straight"], results[1]["without_sums"])
 
 
 # --------------------------------------------------------------------------- convergence on real text

@@ -183,9 +183,9 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
         assert stats["fp32_equiv_total"] == steps * fp32_allreduce_bytes(numel, devices)
         if name != "zero_one_adam":  # warmup: fp32 allreduce; then one 1-bit exchange per step
             per_call = _per_call(numel, devices)
-            if name == "onebit_adam":
-                per_call += _rescale_bytes(rec["params"], devices)
             expect = switch * fp32_allreduce_bytes(numel, devices) + (steps - switch) * per_call
+            if name == "onebit_adam":
+                expect += _rescale_bytes(rec["params"], devices, steps - switch)
             assert stats["bytes_total"] == expect
         assert stats["fp32_equiv_total"] / stats["bytes_total"] > 3.0
 
@@ -207,8 +207,8 @@ def test_half_precision_warmup_average(tmp_path: Path) -> None:
     for d, records in runs.items():
         _assert_same_on_all_ranks(records)
         warm = fp32_allreduce_bytes(numel, 2) // (2 if d == "bf16" else 1)
-        per_call = _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2)
-        expect = switch * warm + (steps - switch) * per_call
+        expect = switch * warm + (steps - switch) * _per_call(numel, 2)
+        expect += _rescale_bytes(records[0]["params"], 2, steps - switch)
         assert records[0]["comm_stats"]["bytes_total"] == expect
     fp32, bf16 = runs["float32"][0]["params"], runs["bf16"][0]["params"]
     assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # the hook did round
@@ -449,9 +449,9 @@ def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
     assert records[0]["phase"] == "compression"
     numel = sum(v.numel() for v in records[0]["params"].values())
     # 0.25 of 16 steps: exactly 4 warmup steps in fp32, then 12 compressed exchanges
-    assert records[0]["comm_stats"]["bytes_total"] == 4 * fp32_allreduce_bytes(numel, 2) + 12 * (
-        _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2)
-    )
+    assert records[0]["comm_stats"]["bytes_total"] == 4 * fp32_allreduce_bytes(
+        numel, 2
+    ) + 12 * _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2, 12)
     sched = CompressionScheduler(freeze_step=10**6, adaptive=True, threshold=0.5, window=3)
     records = _fit(
         tmp_path / "adaptive",

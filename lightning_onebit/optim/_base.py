@@ -96,7 +96,7 @@ from lightning_onebit.comm import (
 from lightning_onebit.hierarchy import NodeGroups, resolve_ranks_per_node
 from lightning_onebit.optim._checkpoint import _Checkpointing
 from lightning_onebit.optim._layout import _FlatBuffers, _Layout
-from lightning_onebit.optim._ops import RESCALE_REFERENCE_UPDATES, _FlatOps
+from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, _FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import _check_betas, _check_int, _check_real
@@ -144,8 +144,8 @@ class OneBitOptimizer(
             ``False``: DeepSpeed's (the momentum, or 0/1 Adam's gradient, as is).
         rescale_variance: (1-bit Adam, 0/1 Adam) in the frozen phase, precondition each tensor
             by its frozen variance times ``max(1, G / G_ref)``, ``G`` the running mean square
-            of its gradients, ``G_ref`` that at the switch (one float per tensor all-reduced on
-            the steps that exchange; :meth:`_rescale_variance_`): where gradients grow after
+            of its gradients, ``G_ref`` that at the switch (one float per tensor all-reduced
+            every 10th exchange; :meth:`_rescale_variance_`): where gradients grow after
             the switch, the 1-bit steps stay Adam-sized. ``False`` (default): the variance
             stays as frozen (the papers' and DeepSpeed's).
         hierarchical: ``True``/``"auto"``: on several nodes of several ranks, full precision
@@ -176,8 +176,9 @@ class OneBitOptimizer(
     _work_buffers: tuple[str, ...] = ("update",)
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
-    #: ``rescale_variance``: the running mean squares' value after this many updates is the
-    #: reference (the gradient scale the frozen variance stands for)
+    #: ``rescale_variance``: steps between the all-reduces of the gradients' mean squares, and
+    #: all-reduces before their running mean is the reference (see ``_rescale_variance_``)
+    rescale_interval: int = RESCALE_INTERVAL
     rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
 
     def __init__(
@@ -214,9 +215,15 @@ class OneBitOptimizer(
         self.rescale_variance = bool(rescale_variance)
         if self.rescale_variance:  # its per-tensor states and counters (see _rescale_variance_)
             self._scalar_states = {**self._scalar_states, **_RESCALE_STATES}
-            self._checkpoint_attrs = (*self._checkpoint_attrs, "grad_sq_updates", "grad_sq_steps")
+            self._checkpoint_attrs = (
+                *self._checkpoint_attrs,
+                "grad_sq_updates",
+                "grad_sq_steps",
+                "grad_sq_weight",
+            )
         self.grad_sq_updates = 0  # all-reduced updates of the running mean squares
         self.grad_sq_steps = 0  # steps summed into grad_sq_sum since the last one
+        self.grad_sq_weight = 0.0  # 1 - the initial zeros' weight in them (bias correction)
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
         self.process_group = process_group

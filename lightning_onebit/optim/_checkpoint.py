@@ -50,14 +50,29 @@ class _Checkpointing:
         otherwise equal), each rank's ``rank_state_dict`` restores it exactly."""
         if self.params_differ_across_ranks:
             return self.state_dict()
-        return {"onebit": {"exchange": self._global_state()["exchange"]}}
+        mine: dict[str, Any] = {"exchange": self._global_state()["exchange"]}
+        sums = [self.state.get(p, {}).get("grad_sq_sum") for p in self._trainable()]
+        if self.rescale_variance and all(x is not None for x in sums):
+            # rescale_variance: this rank's sums of g**2 since the last all-reduce
+            mine["grad_sq_sum"] = torch.stack(sums).detach().cpu().clone()
+        return {"onebit": mine}
 
     def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
         if "state" in state_dict:  # a whole state dict
             self.load_state_dict(state_dict)
-        else:
-            self._pending_exchange_state = state_dict["onebit"]["exchange"] or "reset"
+            return
+        self._pending_exchange_state = state_dict["onebit"]["exchange"] or "reset"
+        sums = state_dict["onebit"].get("grad_sq_sum")
+        params = self._trainable()
+        if self.rescale_variance and sums is not None and len(sums) == len(params):
+            for p, x in zip(params, sums, strict=True):  # adopted by the next layout
+                self.state[p]["grad_sq_sum"] = x.to(device=p.device, dtype=torch.float32)
+            self._layout = None
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The parameters of the flat layout, in its order."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next step continues exactly where it left off.

@@ -20,13 +20,15 @@ from lightning_onebit.comm import (
 from lightning_onebit.hierarchy import average_bytes, hierarchical_average, inter_node_bytes
 from lightning_onebit.kernels import adam_update
 
-__all__ = ["RESCALE_BETA", "RESCALE_REFERENCE_UPDATES", "_FlatOps"]
+__all__ = ["RESCALE_BETA", "RESCALE_INTERVAL", "RESCALE_REFERENCE_UPDATES", "_FlatOps"]
 
 #: ``rescale_variance``: the running mean square of each tensor's gradients keeps this much of
-#: its last value per update (a horizon of ~10 exchanges) ...
+#: its last value per step (a horizon of ~10 steps); the ranks all-reduce it every
+#: ``RESCALE_INTERVAL`` steps, and its value after ``RESCALE_REFERENCE_UPDATES`` of them is the
+#: scale the frozen variance stands for
 RESCALE_BETA = 0.9
-#: ... and its value after this many updates is the scale the frozen variance stands for
-RESCALE_REFERENCE_UPDATES = 10
+RESCALE_INTERVAL = 10
+RESCALE_REFERENCE_UPDATES = 1
 
 
 class _FlatOps:
@@ -211,7 +213,7 @@ class _FlatOps:
         if not self.rescale_variance or self.grad_sq_updates < self.rescale_reference_updates:
             return None
         avg, ref = self._scalars["grad_sq_avg"], self._scalars["grad_sq_ref"]
-        now = avg / (1.0 - RESCALE_BETA**self.grad_sq_updates)  # bias-corrected
+        now = avg / self.grad_sq_weight  # bias-corrected
         return torch.where(ref > 0, now / ref, 1.0).clamp_min_(1.0)
 
     def _rescale_variance_(self, g: torch.Tensor | None, reduce: bool) -> None:
@@ -222,19 +224,22 @@ class _FlatOps:
         gradients grow (attention and feed-forward layers of transformers, whose gradient RMS
         doubled after a 20% warmup in the measured runs), ``m / sqrt(v)`` grows with them, and
         with it the exchange's scale and every coordinate's 1-bit step, several times Adam's,
-        whose variance follows the gradients. So per tensor ``j`` the ranks track ``G_j``, the
-        running mean (factor ``RESCALE_BETA`` per update, bias-corrected) of the mean square of
-        their *local* gradients, averaged over the ranks: one float per tensor, all-reduced at
-        the steps that exchange anyway (``reduce``; 0/1 Adam accumulates its local steps in
-        between). Its value after ``rescale_reference_updates`` (10) updates is the reference
-        ``G_ref_j``, the scale the frozen variance stands for (measured on the same local
-        gradients, so the ranks' own noise cancels in the ratio); from then on tensor ``j`` is
-        preconditioned by ``v * r_j``, ``r_j = max(1, G_j / G_ref_j)``. Only ever larger: a
-        step is never larger than the frozen variance makes it (shrinking gradients keep the
-        frozen, larger variance, as Adam's slow ``beta2 = 0.999`` average nearly would).
+        whose variance follows the gradients. So per tensor ``j`` the ranks track ``G_j``, a
+        running mean (a factor ``RESCALE_BETA`` per step, bias-corrected) of the mean square
+        of their *local* gradients: each rank sums ``g**2`` per tensor, and every
+        ``rescale_interval`` (10) steps, on a step that communicates anyway (``reduce``: every
+        step of 1-bit Adam, 0/1 Adam's sync steps), the ranks all-reduce the sums' means, one
+        float per tensor. Its first value (``rescale_reference_updates`` = 1 reduce: the first
+        10 frozen steps) is the reference ``G_ref_j``, the scale the frozen variance stands for
+        (measured on the same local gradients, so the ranks' own noise cancels in the ratio);
+        from then on tensor ``j`` is preconditioned by ``v * r_j``, ``r_j = max(1, G_j /
+        G_ref_j)``. Only ever larger: a step is never larger than the frozen variance makes it
+        (shrinking gradients keep the frozen, larger variance, as Adam's slow ``beta2 = 0.999``
+        average nearly would).
 
         ``g``: this step's local gradient (flat), or ``None`` for a step that has none to
-        count (a rank's skipped local step).
+        count (a rank's skipped local step: it counts as zeros, so that every rank counts the
+        same steps and reduces on the same one).
         """
         if not self.rescale_variance:
             return
@@ -242,10 +247,10 @@ class _FlatOps:
         if g is not None:  # per-tensor sums of g**2, one fused kernel over the views
             norms = torch._foreach_norm(self._views["grad"])
             total.add_(torch.stack(norms).square_())
-            self.grad_sq_steps += 1
-        if not reduce:
+        self.grad_sq_steps += 1
+        if not reduce or self.grad_sq_steps < self.rescale_interval:
             return
-        mean = total / (self._numels.clamp_min(1) * max(self.grad_sq_steps, 1))
+        mean = total / (self._numels.clamp_min(1) * self.grad_sq_steps)
         w = self.world_size
         if w > 1:
             dist.all_reduce(mean, group=self.process_group)
@@ -254,13 +259,15 @@ class _FlatOps:
             self._bytes_step += sent
             if self._node_size() < w:
                 self._bytes_step_inter += sent
+        keep = RESCALE_BETA**self.grad_sq_steps  # the old mean's weight after these steps
         total.zero_()
         self.grad_sq_steps = 0
         self.grad_sq_updates += 1
+        self.grad_sq_weight = 1.0 - (1.0 - self.grad_sq_weight) * keep
         avg = self._scalars["grad_sq_avg"]
-        avg.mul_(RESCALE_BETA).add_(mean, alpha=1.0 - RESCALE_BETA)
+        avg.mul_(keep).add_(mean, alpha=1.0 - keep)
         if self.grad_sq_updates == self.rescale_reference_updates:
-            self._scalars["grad_sq_ref"].copy_(avg / (1.0 - RESCALE_BETA**self.grad_sq_updates))
+            self._scalars["grad_sq_ref"].copy_(avg / self.grad_sq_weight)
         if self.grad_sq_updates >= self.rescale_reference_updates:
             self._denominator = None  # the next step is preconditioned by v * r
 

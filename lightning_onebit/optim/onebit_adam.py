@@ -86,7 +86,7 @@ class OneBitAdam(OneBitOptimizer):
             is DeepSpeed's arithmetic.
         rescale_variance: step 2c keeps ``v`` frozen but preconditions each tensor by
             ``v * max(1, G / G_ref)``, ``G`` the running mean square of its gradients (one float
-            per tensor all-reduced per step), so growing gradients do not make the 1-bit steps
+            per tensor all-reduced every 10 steps), so growing gradients do not make the 1-bit steps
             several times Adam's; see
             :meth:`~lightning_onebit.optim.OneBitOptimizer._rescale_variance_`.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision

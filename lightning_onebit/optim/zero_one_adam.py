@@ -120,7 +120,7 @@ class ZeroOneAdam(OneBitOptimizer):
             ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
         rescale_variance: in phase 2 precondition each tensor by ``v * max(1, G / G_ref)``,
             ``G`` the running mean square of its gradients (this rank's local steps summed, one
-            float per tensor all-reduced on the sync steps); see
+            float per tensor all-reduced on a sync step every 10 steps or more); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer._rescale_variance_`.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
