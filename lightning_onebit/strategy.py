@@ -146,7 +146,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             the tensor's gradients, ``G_ref``: at the switch; one float per tensor all-reduced
             every 10th exchange): where gradients grow after the switch (transformers,
             short runs), the 1-bit steps stay Adam-sized instead of growing with them.
-            ``None``: on for 1-bit Adam (ViT 1.57x -> 0.95x DDP's loss, mean of 3 seeds), off
+            ``None``: on for 1-bit Adam (ViT 1.57x -> 0.91x DDP's loss, mean of 3 seeds), off
             for 0/1 Adam (its phase 1 tracks the variance itself; on, the demo's loss went
             2.098 -> 2.133); ``False``: the variance stays as frozen (DeepSpeed's). 1-bit LAMB's
             trust ratio rescales each layer's step already: not an option there.
