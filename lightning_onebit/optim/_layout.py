@@ -43,6 +43,8 @@ class _Layout:
         self.device = devices.pop()
         self.numel = n
         self.key = tuple(id(p) for p in self.params)
+        #: each parameter's number of values, on their device (per-tensor means)
+        self.sizes = torch.tensor([p.numel() for p in self.params], device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (shaped like the parameters) into a flat buffer."""

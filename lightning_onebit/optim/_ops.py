@@ -190,21 +190,13 @@ class _FlatOps:
             torch.sqrt(v, out=d)
             r = self._variance_scales()
             if r is not None:  # sqrt(r_j) on every coordinate of tensor j, in one sweep
-                d.mul_(torch.repeat_interleave(r.sqrt(), self._numels, output_size=d.numel()))
+                d.mul_(torch.repeat_interleave(r.sqrt(), self._layout.sizes, output_size=d.numel()))
             for _, group, s in self._segments():
                 d[s].add_(group["eps"])
             cache = self._denominator = (d, self._layout.views(d), eps)
         return cache[0], cache[1]
 
     # ------------------------------------------------------------------ rescale_variance
-
-    @property
-    def _numels(self) -> torch.Tensor:
-        """Each trainable parameter's number of values, in layout order (on its device)."""
-        if getattr(self, "_numels_cache", (None,))[0] is not self._layout:
-            n = torch.tensor([p.numel() for p in self._layout.params], device=self._layout.device)
-            self._numels_cache = (self._layout, n)
-        return self._numels_cache[1]
 
     def _variance_scales(self) -> torch.Tensor | None:
         """``r_j = max(1, G_j / G_ref_j)`` per tensor (``G``: the running mean square of the
@@ -250,7 +242,7 @@ class _FlatOps:
         self.grad_sq_steps += 1
         if not reduce or self.grad_sq_steps < self.rescale_interval:
             return
-        mean = total / (self._numels.clamp_min(1) * self.grad_sq_steps)
+        mean = total / (self._layout.sizes.clamp_min(1) * self.grad_sq_steps)
         w = self.world_size
         if w > 1:
             dist.all_reduce(mean, group=self.process_group)
