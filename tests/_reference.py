@@ -230,16 +230,20 @@ def _group_of(j: int) -> int:
     return next(i for i, (idx, _) in enumerate(GROUPS) if TRAINABLE[j] in idx)
 
 
-def _floor_(v: list[list[torch.Tensor]], floor: float) -> None:
+def _floor_(v: list[list[torch.Tensor]], floor: float) -> list[torch.Tensor]:
     """Every rank's variance raised to ``floor**2`` times the larger of its tensor's mean
-    variance and its group's."""
+    variance and its group's; returns where it was raised (per tensor)."""
+    raised: list[torch.Tensor] = [torch.zeros_like(x, dtype=torch.bool) for x in v[0]]
     for gi in range(len(GROUPS)):
         js = [j for j in range(len(v[0])) if _group_of(j) == gi]
         group = float(torch.cat([v[0][j].reshape(-1) for j in js]).mean()) * floor**2
         for j in js:
             low = max(float(v[0][j].mean()) * floor**2, group)
+            if floor > 0:
+                raised[j] = v[0][j] <= low
             for vr in v:
                 vr[j] = vr[j].clamp(min=low)
+    return raised
 
 
 class SimRescale:
@@ -396,6 +400,7 @@ def simulate_zero_one_adam(
     ex = SimExchange(world, ranks_per_node)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
     k = 0  # variance updates
+    floored = [torch.zeros_like(x, dtype=torch.bool) for x in p[0]]  # at the freeze
     history, synced = [], []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -433,7 +438,7 @@ def simulate_zero_one_adam(
                 for r in range(world):
                     m[r] = [x / bc1 for x in m[r]]
                     v[r] = [x / bc2 for x in v[r]]
-                _floor_(v, floor)
+                floored = _floor_(v, floor)
             synced.append(t)
         else:
             vs = rs.scaled(v[0])
@@ -466,7 +471,8 @@ def simulate_zero_one_adam(
                 for r in range(world):
                     for j in range(len(p[r])):
                         step = avg[j] / scale[j]  # in parameter units
-                        m[r][j] = -step * denom[j] / lrs[r][j]
+                        # (no momentum where the variance was floored at the freeze)
+                        m[r][j] = torch.where(floored[j], 0.0, -step * denom[j] / lrs[r][j])
                         p[r][j] = p[r][j] + step
                         acc[r][j] = torch.zeros_like(acc[r][j])
                         lrs[r][j] = 0.0
@@ -666,6 +672,19 @@ CKPT_CASES = {
         ),
         30,
         [9, 23],
+    ),
+    # a floor high enough to bite: the floors kept for the local phase's momentum (23)
+    "zero_one_adam_floored": (
+        lambda g: ZeroOneAdam(
+            g,
+            var_freeze_step=12,
+            var_update_scaler=2,
+            local_step_scaler=3,
+            local_step_clipper=4,
+            variance_floor=0.5,
+        ),
+        30,
+        [23],
     ),
 }
 

@@ -425,6 +425,7 @@ class OneBitOptimizer(
         if f2 <= 0:
             return
         v, views = self._flat["exp_avg_sq"], self._views["exp_avg_sq"]
+        floors = self._views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
         counts: list[torch.Tensor] = []
         for gi, _, s in self._segments():
             idx = self._layout.group_params(gi)
@@ -433,6 +434,8 @@ class OneBitOptimizer(
             for j in idx:
                 floor = torch.maximum(views[j].mean(dtype=torch.float64) * f2, group_floor)
                 floor = floor.float()
+                if floors is not None:
+                    floors[j].copy_(floor)
                 if report:
                     counts.append((views[j] <= floor).sum())
                 torch.clamp_min_(views[j], floor)
