@@ -230,19 +230,21 @@ def _group_of(j: int) -> int:
     return next(i for i, (idx, _) in enumerate(GROUPS) if TRAINABLE[j] in idx)
 
 
-def _floor_(v: list[list[torch.Tensor]], floor: float) -> list[torch.Tensor]:
+def _floor_(v: list[list[torch.Tensor]], floor: float, to_mean: bool = False) -> list[torch.Tensor]:
     """Every rank's variance raised to ``floor**2`` times the larger of its tensor's mean
-    variance and its group's; returns where it was raised (per tensor)."""
+    variance and its group's (``to_mean``: where below that, to that mean itself); returns where
+    it was raised (per tensor)."""
     raised: list[torch.Tensor] = [torch.zeros_like(x, dtype=torch.bool) for x in v[0]]
     for gi in range(len(GROUPS)):
         js = [j for j in range(len(v[0])) if _group_of(j) == gi]
-        group = float(torch.cat([v[0][j].reshape(-1) for j in js]).mean()) * floor**2
+        group = float(torch.cat([v[0][j].reshape(-1) for j in js]).mean())
         for j in js:
-            low = max(float(v[0][j].mean()) * floor**2, group)
+            mean = max(float(v[0][j].mean()), group)
+            low = mean * floor**2
             if floor > 0:
                 raised[j] = v[0][j] <= low
             for vr in v:
-                vr[j] = vr[j].clamp(min=low)
+                vr[j] = torch.where(raised[j], mean, vr[j]) if to_mean else vr[j].clamp(min=low)
     return raised
 
 
@@ -537,7 +539,7 @@ def simulate_onebit_lamb(
                 for r in range(world):
                     m[r] = [x / bc1 for x in m[r]]
                     v[r] = [x / bc2 for x in v[r]]
-                _floor_(v, floor)
+                _floor_(v, floor, to_mean=True)
                 v_fresh = [[x.clone() for x in v[r]] for r in range(world)]
         else:
             d = [x.sqrt() + eps if preconditioned else torch.ones_like(x) for x in v[0]]

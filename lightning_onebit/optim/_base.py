@@ -172,6 +172,8 @@ class OneBitOptimizer(
     _scalar_states: ClassVar[dict[str, float]] = {}
     #: Optimizer-wide attributes that go into the checkpoint (besides step count and phase).
     _checkpoint_attrs: tuple[str, ...] = ()
+    #: raise floored variances to their tensor's mean (see :meth:`_floor_variance_`)
+    _floor_to_mean: ClassVar[bool] = False
     #: Flat scratch buffers (not checkpointed).
     _work_buffers: tuple[str, ...] = ("update",)
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
@@ -419,6 +421,9 @@ class OneBitOptimizer(
         ``m / (sqrt(v) + eps)`` would blow up the exchange's scale for everyone. A floored
         coordinate only ever takes smaller steps than without the floor. ``variance_floor=0``
         is DeepSpeed's arithmetic.
+
+        With ``_floor_to_mean`` (1-bit LAMB) a caught coordinate is raised to
+        ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
         """
         self.floored = {}
         f2 = self.variance_floor**2
@@ -430,15 +435,18 @@ class OneBitOptimizer(
         for gi, _, s in self._segments():
             idx = self._layout.group_params(gi)
             # (tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps)
-            group_floor = v[s].mean(dtype=torch.float64) * f2
+            group_mean = v[s].mean(dtype=torch.float64)
             for j in idx:
-                floor = torch.maximum(views[j].mean(dtype=torch.float64) * f2, group_floor)
-                floor = floor.float()
+                mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
+                floor = (mean * f2).float()
                 if floors is not None:
                     floors[j].copy_(floor)
                 if report:
                     counts.append((views[j] <= floor).sum())
-                torch.clamp_min_(views[j], floor)
+                if self._floor_to_mean:
+                    views[j].masked_fill_(views[j] <= floor, mean.float())
+                else:
+                    torch.clamp_min_(views[j], floor)
         if report and counts:
             n = torch.stack(counts).tolist()
             gis = [j for gi, _, _ in self._segments() for j in self._layout.group_params(gi)]

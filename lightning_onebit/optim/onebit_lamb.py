@@ -108,14 +108,22 @@ class OneBitLamb(OneBitOptimizer):
             its clamps and ``eps``). With ``preconditioned_exchange`` 3a and 3b work on
             ``m / (sqrt(v) + eps)``, and 3c multiplies the result back by ``sqrt(v) + eps``: off
             by default (measured: it keeps ViT's and GPT-2's parameters closer to DDP's, but the
-            demo GPT's loss went from -5.3% to +4.8% of DDP + LAMB's). ``variance_floor=0`` is
-            DeepSpeed's arithmetic.
+            demo GPT's loss went from -5.3% to +4.8% of DDP + LAMB's, measured before the floor
+            below raised to the mean). ``variance_floor=0`` is
+            DeepSpeed's arithmetic. A coordinate the floor catches is raised to the mean
+            variance of its tensor (or group), not to ``variance_floor**2`` of it as in the Adam
+            variants: this exchange carries ``m`` itself, so a caught coordinate's 1-bit noise
+            (``+-scale``, no signal) is divided by its own ``sqrt(v)``, and at 1% of the typical
+            ``sqrt(v)`` it moved 100x a typical coordinate's noise (BERT's unused token-type row:
+            12x DDP's largest value; dead ReLU biases 6-25x). At the mean, its noise is a
+            typical coordinate's, and a coordinate that gets gradients later steps like one.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
+    _floor_to_mean = True  # see variance_floor above
     _flat_states = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
     _scalar_states: ClassVar[dict[str, float]] = {
         "lamb_coeff_freeze": 0.0,
