@@ -197,6 +197,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self.local_step_interval = 1  # phase 2: sync steps are the multiples of this
         self.local_step_counter = 0  # phase 2 steps since the last doubling
         self.lrs: list[float] = [0.0] * len(self.param_groups)  # per group, since the last sync
+        self._floored_mask: torch.Tensor | None = None  # see _rebuild_momentum_
 
     OPTIONS = (
         *OneBitOptimizer.OPTIONS,
@@ -293,8 +294,10 @@ class ZeroOneAdam(OneBitOptimizer):
 
     def _on_layout(self) -> None:
         self.lrs = list(self.lrs) + [0.0] * (len(self.param_groups) - len(self.lrs))
+        self._floored_mask = None
 
     def _on_freeze(self) -> None:
+        self._floored_mask = None
         # 2. the error buffers held gradient residuals; from now on they hold accumulator ones
         self._exchange.reset_error()
         self._flat["synced_params"].copy_(self._gather_params())
@@ -346,10 +349,12 @@ class ZeroOneAdam(OneBitOptimizer):
             else:  # lr == 0 since the last sync: no step was taken
                 m[s].zero_()
         if self.variance_floor > 0:
-            floors = torch.repeat_interleave(
-                self._scalars["variance_floor"], self._layout.sizes, output_size=m.numel()
-            )
-            m.masked_fill_(self._flat["exp_avg_sq"] <= floors, 0.0)
+            if self._floored_mask is None:  # v is frozen: once per freeze or layout (resume)
+                floors = torch.repeat_interleave(
+                    self._scalars["variance_floor"], self._layout.sizes, output_size=m.numel()
+                )
+                self._floored_mask = self._flat["exp_avg_sq"] <= floors
+            m.masked_fill_(self._floored_mask, 0.0)
 
     @torch.no_grad()
     def synchronize(self) -> None:
