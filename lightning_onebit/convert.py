@@ -177,7 +177,7 @@ def convert_adam(
     new = cls(groups, **options(defaults))
     robust = ", ".join(
         f"{k}={getattr(new, k)}"
-        for k in (*OneBitOptimizer.OPTIONS, "rescale_variance")
+        for k in (*OneBitOptimizer.OPTIONS, "rescale_variance", "compressed_variance_phase")
         if k in cls.OPTIONS
     )
     rank_zero_info(

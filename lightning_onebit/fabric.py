@@ -110,7 +110,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     The other arguments are :class:`~lightning_onebit.OneBitStrategy`'s, with the same types,
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
     ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
-    ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``, ``lamb_lr``,
+    ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``,
+    ``compressed_variance_phase``, ``lamb_lr``,
     ``overlap_bucket_mb``,
     ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``, ``deepspeed_config``
     (see :meth:`from_deepspeed_config`), and ``**kwargs`` for ``DistributedDataParallel``),
@@ -127,6 +128,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         var_update_scaler: int | None = None,
         local_step_scaler: int | None = None,
         local_step_clipper: int | None = None,
+        compressed_variance_phase: bool | None = None,
         max_coeff: float | None = None,
         min_coeff: float | None = None,
         coeff_beta: float | None = None,

@@ -74,7 +74,10 @@ OPTIMIZER_OPTIONS = tuple(dict.fromkeys(k for cls in ALGORITHMS.values() for k i
 
 #: options the strategies set (unless given) when they build the optimizer, where that differs
 #: from the optimizer's own default (DeepSpeed's arithmetic)
-CONVERSION_DEFAULTS: dict[str, dict[str, Any]] = {"onebit_adam": {"rescale_variance": True}}
+CONVERSION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "onebit_adam": {"rescale_variance": True},
+    "zero_one_adam": {"compressed_variance_phase": False, "rescale_variance": True},
+}
 
 
 class OneBitOptions:
@@ -139,8 +142,11 @@ class OneBitOptions:
         self, cls: type[OneBitOptimizer], defaults: dict[str, Any]
     ) -> dict[str, Any]:
         kw = dict(defaults)
+        given = self._given_options(ALGORITHMS[self.algorithm])
         kw.update(CONVERSION_DEFAULTS.get(self.algorithm, {}))
-        kw.update(self._given_options(ALGORITHMS[self.algorithm]))
+        if "var_update_scaler" in given:  # the paper's variance schedule, asked for by name
+            kw.pop("compressed_variance_phase", None)  # (as a DeepSpeed config does)
+        kw.update(given)
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
         kw["average_dtype"] = self.average_dtype or torch.float32
         return kw

@@ -117,6 +117,15 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             algorithm option below: the optimizer's own declaration is the one source).
         local_step_scaler: 0/1 Adam: steps between doublings of the local-step interval.
         local_step_clipper: 0/1 Adam: the largest local-step interval.
+        compressed_variance_phase: 0/1 Adam: whether the steps between phase 1's variance
+            steps exchange a 1-bit gradient (the paper's phase 1; ``True`` is the optimizer's
+            default). ``None``: ``False`` when the strategy converts a torch Adam/AdamW, unless
+            ``var_update_scaler`` is given (as a DeepSpeed config gives it): every
+            step up to ``freeze_step`` averages the gradient in full precision (1-bit Adam's
+            warmup; a small BERT ended at chance, 1.46x/1.48x DDP's loss, with as few as 4
+            of its first 40 steps 1-bit, and at 0.98-1.03x over three seeds with none). Pass
+            ``True`` for the paper's byte savings on long runs (phase 1 then sends a gradient in
+            fp32 only on its exponentially spaced variance steps).
         max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio
             (:class:`~lightning_onebit.optim.OneBitLamb`).
         min_coeff: 1-bit LAMB: lower clamp of the layer-wise trust ratio.
@@ -146,9 +155,11 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             the tensor's gradients, ``G_ref``: at the switch; one float per tensor all-reduced
             every 10th exchange): where gradients grow after the switch (transformers,
             short runs), the 1-bit steps stay Adam-sized instead of growing with them.
-            ``None``: on for 1-bit Adam (ViT 1.57x -> 0.91x DDP's loss, mean of 3 seeds), off
-            for 0/1 Adam (its phase 1 tracks the variance itself; on, the demo's loss went
-            2.098 -> 2.133); ``False``: the variance stays as frozen (DeepSpeed's). 1-bit LAMB's
+            ``None``: on for 1-bit Adam (ViT 1.57x -> 0.91x DDP's loss, mean of 3 seeds) and
+            for 0/1 Adam with its full-precision phase 1 (``compressed_variance_phase``: ViT
+            0.97/0.90/3.09x -> 0.95/0.78/0.66x over 3 seeds, BERT's largest parameter
+            5.8/11.1/8.7x -> 5.5/3.8/8.3x DDP's; the demo's loss 2.085 -> 2.130);
+            ``False``: the variance stays as frozen (DeepSpeed's). 1-bit LAMB's
             trust ratio rescales each layer's step already: not an option there.
         lamb_lr: 1-bit LAMB's learning rate when converting a torch Adam/AdamW to
             ``onebit_lamb``. LAMB scales each layer's step by a trust ratio ``||p|| / ||u||``,
@@ -197,6 +208,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
         var_update_scaler: int | None = None,
         local_step_scaler: int | None = None,
         local_step_clipper: int | None = None,
+        compressed_variance_phase: bool | None = None,
         max_coeff: float | None = None,
         min_coeff: float | None = None,
         coeff_beta: float | None = None,

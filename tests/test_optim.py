@@ -396,20 +396,27 @@ def test_zero_one_adam_warns_of_a_young_variance_in_phase_one_counting_updates()
 # --------------------------------------------------------------------------- ordinary models' needs
 
 
-@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam"])
-def test_bias_corrected_warmup_is_torch_adamw(algo: str) -> None:
+@pytest.mark.parametrize(
+    "case", ["onebit_adam", "zero_one_adam", "zero_one_adam_fp32_phase_1", "zero_one_adam_paper"]
+)
+def test_bias_corrected_warmup_is_torch_adamw(case: str) -> None:
     """With bias_correction=True the steps that average full-precision gradients are torch's
-    AdamW, step for step (0/1 Adam: every step is a variance step while var_interval is 1)."""
+    AdamW, step for step (0/1 Adam: every step is a variance step while var_interval is 1, and
+    with compressed_variance_phase=False, what the strategy builds, whatever the interval). The
+    paper's phase 1 at var_update_scaler=2 (1-bit gradient steps from step 3) differs."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 3), (5,), (33,)]]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     hp = {"lr": 3e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05}
-    if algo == "onebit_adam":
+    if case == "onebit_adam":
         opt = OneBitAdam(ps, freeze_step=10**6, bias_correction=True, **hp)
     else:
+        scaler = 10**6 if case == "zero_one_adam" else 2
+        compressed = case != "zero_one_adam_fp32_phase_1"
         opt = ZeroOneAdam(
-            ps, var_freeze_step=10**6, var_update_scaler=10**6, bias_correction=True, **hp
-        )
+            ps, var_freeze_step=10**6, var_update_scaler=scaler, bias_correction=True,
+            compressed_variance_phase=compressed, **hp,
+        )  # fmt: skip
     torch_opt = torch.optim.AdamW(ref, **hp)
     for _ in range(60):
         for p, q in zip(ps, ref, strict=True):
@@ -417,8 +424,12 @@ def test_bias_corrected_warmup_is_torch_adamw(algo: str) -> None:
             p.grad = q.grad.clone()
         opt.step()
         torch_opt.step()
+    if case == "zero_one_adam_paper":
+        assert max((p - q).abs().max().item() for p, q in zip(ps, ref, strict=True)) > 1e-2
+        return
     for p, q in zip(ps, ref, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-6)
+    assert case != "zero_one_adam_fp32_phase_1" or opt.var_interval > 1  # (ignored)
 
 
 @pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])

@@ -86,8 +86,22 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
             if got is None:  # (LAMB's trust-ratio clamps are param-group hyperparameters)
                 got = opt.param_groups[0][name]
             # (and what the strategy sets when it builds the optimizer itself)
-            on = name == "bias_correction" or (cls, name) == (OneBitAdam, "rescale_variance")
-            assert got == (True if on else default), (cls, name)
+            converted = {
+                "bias_correction": True,
+                (OneBitAdam, "rescale_variance"): True,
+                (ZeroOneAdam, "rescale_variance"): True,
+                (ZeroOneAdam, "compressed_variance_phase"): False,
+            }
+            want = converted.get((cls, name), converted.get(name, default))
+            assert got == want, (cls, name)
+    # asking for the paper's variance schedule (as a DeepSpeed config does) keeps its phase 1
+    strategy = OneBitStrategy(algorithm="zero_one_adam", var_update_scaler=8)
+    kw = strategy._algorithm_kwargs(ZeroOneAdam, {})
+    assert kw["var_update_scaler"] == 8 and "compressed_variance_phase" not in kw
+    strategy = OneBitStrategy(
+        algorithm="zero_one_adam", var_update_scaler=8, compressed_variance_phase=False
+    )
+    assert strategy._algorithm_kwargs(ZeroOneAdam, {})["compressed_variance_phase"] is False
     bad = {
         ZeroOneAdam: [{"var_update_scaler": 0}, {"local_step_clipper": 1.5}],
         OneBitLamb: [{"factor_min": 2.0}, {"coeff_beta": 1.0}, {"min_coeff": 20.0}],

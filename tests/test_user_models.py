@@ -67,10 +67,6 @@ KNOWN = {
     "seeds 1/2: 0.96/1.51x. This BatchNorm net's held-out loss moves by +-25% with any change "
     "of the arithmetic: without rescale_variance 1.00/0.90/1.29x, with its all-reduce every "
     "step 1.14/0.93/1.13x",
-    # At the bar, and moved across it by last-bit changes alone: it passed before the kernels
-    # were built with -ffp-contract=off (2026-11-25), which only changes roundings
-    ("conv_bn", "zero_one_adam"): "loss 1.24-1.25x DDP's (0.099), at the 1.25x bar: passes or "
-    "not with the kernels' last-bit rounding (seeds 1/2: 1.18/1.17x)",
 }
 
 
