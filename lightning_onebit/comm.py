@@ -111,6 +111,15 @@ def start_average(
     return wait_half
 
 
+def all_finite(scales: torch.Tensor) -> bool:
+    """The exchange's NaN/Inf verdict: whether every rank's scale is finite (one NaN/Inf value
+    makes its rank's scale non-finite). On CUDA this is the one host read of a compressed step
+    (it waits for the ``all_to_all``), kept by design: every rank learns the verdict in the same
+    call, before any state is written, so a bad step is dropped exactly, on every rank. A
+    device-side verdict would have to predicate every later write of the step instead."""
+    return bool(torch.isfinite(scales).all())
+
+
 def check_input(tensor: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
     """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
     values on ``device``: what an exchange built for that takes."""
@@ -369,7 +378,7 @@ class CompressedAllreduce:
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
         # same call, so all stop here together with both error buffers as they were.
         scales = self._scales(self._recv)
-        if not bool(torch.isfinite(scales).all()):
+        if not all_finite(scales):
             self.bytes_sent = self.bytes_per_call // 2  # the all_to_all went out, nothing after
             self.total_bytes_sent += self.bytes_sent
             bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]

@@ -56,6 +56,7 @@ from lightning_onebit.comm import (
     ExchangeHandle,
     NonFiniteError,
     _all_gather_single,
+    all_finite,
     check_input,
     fp32_allreduce_bytes,
 )
@@ -366,7 +367,7 @@ class HierarchicalAllreduce:
         self.total_bytes_sent += self.bytes_sent
         scales = self._gathered.view(torch.float32)[:, 0]
         bad = []
-        if not bool(torch.isfinite(scales).all()):
+        if not all_finite(scales):
             # record (k, i) is shard k from node i: the node's reduce-scatter mixed its ranks'
             # values, so the node is what can be named
             flags = (~torch.isfinite(scales)).view(self.nodes.local_size, nn).nonzero().tolist()

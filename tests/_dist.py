@@ -44,14 +44,19 @@ def _child(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    start_method: str = "fork",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be defined at module level; its result must be picklable. A failure on any
-    rank raises ``RuntimeError`` with that rank's traceback.
+    rank raises ``RuntimeError`` with that rank's traceback. ``start_method="spawn"`` where
+    the parent has initialised CUDA (a forked child cannot use it).
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     q = ctx.Queue()
     port = free_port()
     procs = [

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import lamb_frozen_update
+from lightning_onebit.kernels import _on_device, lamb_frozen_update
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import _check_int, _check_real
@@ -195,7 +195,11 @@ class OneBitLamb(OneBitOptimizer):
         self.factor_threshold = factor_threshold
         # internal state (checkpointed; per-layer coefficients are in optimizer.state[p])
         self.scaling_coeff_ready = False  # computed at the first compression step
-        self.lamb_coeffs: list[float] = []  # the last step's effective trust ratios (logging)
+        self._coeffs: torch.Tensor | None = None  # the last step's effective trust ratios
+        # device copies of per-layer hyperparameters and a host copy of scaling_coeff, kept
+        # while their values stay the same: no host synchronisation inside a step on CUDA
+        self._per_layer_cache: dict[str, tuple[list[float], torch.Tensor]] = {}
+        self._scaling_cache: tuple[torch.Tensor, int, list[float]] | None = None
 
     OPTIONS = (
         *OneBitOptimizer.OPTIONS,
@@ -248,9 +252,26 @@ class OneBitLamb(OneBitOptimizer):
         OneBitOptimizer._check_hparams(h)
         OneBitLamb._check_coeffs(h["max_coeff"], h["min_coeff"])
 
+    @property
+    def lamb_coeffs(self) -> list[float]:
+        """The effective per-layer trust ratios of the last step (read from the device: on CUDA
+        this waits for the step)."""
+        return [] if self._coeffs is None else self._coeffs.tolist()
+
     def get_lamb_coeffs(self) -> list[float]:
         """The effective per-layer trust ratios of the last step (DeepSpeed's name)."""
-        return list(self.lamb_coeffs)
+        return self.lamb_coeffs
+
+    def _scaling_values(self) -> list[float]:
+        """``scaling_coeff`` as Python floats (they scale the exchanged momentum layer by layer):
+        read from the device once per value it takes (at the freeze or a checkpoint load), not
+        on every step. The cache key is the tensor and its version counter, which every in-place
+        write (``copy_`` at the freeze or on load) advances."""
+        t = self._scalars["scaling_coeff"]
+        cache = self._scaling_cache
+        if cache is None or cache[0] is not t or cache[1] != t._version:
+            cache = self._scaling_cache = (t, t._version, t.tolist())
+        return cache[2]
 
     def _on_freeze(self) -> None:
         # 2. the fresh variance starts from the frozen one
@@ -279,7 +300,7 @@ class OneBitLamb(OneBitOptimizer):
         ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
         m, g, u = self._views["exp_avg"], self._views["grad"], self._views["update"]
         d = self._frozen_denominator()[1] if self.preconditioned_exchange else None
-        scaling = self._scalars["scaling_coeff"].tolist()
+        scaling = self._scaling_values()
         for j, o in enumerate(self._layout.offsets):
             if s.start <= o < s.stop:
                 beta1, c = self.param_groups[self._layout.group_of[j]]["betas"][0], scaling[j]
@@ -296,9 +317,19 @@ class OneBitLamb(OneBitOptimizer):
         return [groups[gi][key] for gi in of]
 
     def _per_layer(self, key: str) -> torch.Tensor:
-        """A group hyperparameter broadcast to one value per layer, as a tensor."""
+        """A group hyperparameter broadcast to one value per layer, as a tensor on the layout's
+        device (copied without a host synchronisation, and only when its values change)."""
         values = self._per_layer_values(key)
-        return torch.tensor(values, dtype=torch.float32, device=self._layout.device)
+        cached = self._per_layer_cache.get(key)
+        if cached is None or cached[0] != values or cached[1].device != self._layout.device:
+            device = self._layout.device
+            t = (
+                torch.tensor(values, dtype=torch.float32)
+                if device.type == "cpu"
+                else _on_device(values, torch.float32, device)
+            )
+            cached = self._per_layer_cache[key] = (values, t)
+        return cached[1]
 
     def _norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-layer L2 norms of a flat buffer."""
@@ -363,14 +394,14 @@ class OneBitLamb(OneBitOptimizer):
             p,
             u,
             [*self._layout.offsets, self._layout.numel],
-            scaling.tolist(),
+            self._scaling_values(),
             *(self._per_layer_values(k) for k in hparams),
         ).to(device=scaling.device, dtype=torch.float32)
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
         # 3f. the fresh-variance factor, blended, clipped in value and in speed
         factor = ratio_max
-        wd = self._per_layer("weight_decay")
-        if bool((wd > 0).any()):
+        if self._any_weight_decay():
+            wd = self._per_layer("weight_decay")
             r = (prelim_norm / u_norm).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
             factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)
         factor = factor.clamp(self.factor_min, self.factor_max)
@@ -381,8 +412,17 @@ class OneBitLamb(OneBitOptimizer):
         self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)
 
     def _scale_layers_and_step_(self, u: torch.Tensor, coeff: torch.Tensor) -> None:
-        """``p_k -= lr * coeff_k * u_k`` for every layer ``k`` (one sweep per layer)."""
-        self.lamb_coeffs = coeff.tolist()
-        lrs, of, views = self._lrs(), self._layout.group_of, self._views_of(u)
+        """``p_k -= lr * coeff_k * u_k`` for every layer ``k`` (one sweep per layer). On the CPU
+        with the coefficients read as Python floats (free there); on a GPU as device values
+        (``-lr_k * coeff_k`` in float32 on the device: no host synchronisation; rounds
+        differently from the CPU's float64 product in the last bit)."""
+        self._coeffs = coeff
+        views = self._views_of(u)
+        if u.device.type == "cpu":
+            lrs, of, coeffs = self._lrs(), self._layout.group_of, coeff.tolist()
+            for j, p in enumerate(self._layout.params):
+                p.add_(views[j], alpha=-lrs[of[j]] * coeffs[j])
+            return
+        alpha = (coeff * self._per_layer("lr")).neg_()
         for j, p in enumerate(self._layout.params):
-            p.add_(views[j], alpha=-lrs[of[j]] * self.lamb_coeffs[j])
+            p.addcmul_(views[j], alpha[j])
