@@ -2,7 +2,8 @@
 # On a machine with an NVIDIA GPU, one command that checks the GPU path (issue 18):
 #   1. builds the extension with CUDA (ONEBIT_CUDA=ON: no CUDA kernels is a failure),
 #   2. runs the GPU tests (pytest -m cuda) and the kernel tests on both devices,
-#   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda),
+#   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda) and the training
+#      step of each algorithm next to torch's fused AdamW (benchmarks/gpu_step.py),
 #   4. fits the demo GPT for 40 steps on 1 GPU with each algorithm (and on every GPU, when there
 #      are several),
 # then prints a summary table. Uses the Python that has a CUDA torch (PYTHON, default python3);
@@ -40,6 +41,7 @@ step cuda_built $PY -c "import lightning_onebit.kernels as K; assert K.HAS_CUDA,
 step gpu_tests $PY -m pytest -q -m cuda -rs tests/
 step kernel_tests $PY -m pytest -q -x tests/test_kernels.py tests/test_comm.py
 step bench_kernels $PY benchmarks/kernels.py --device cuda --n 100000000 --repeat 20
+step bench_step $PY benchmarks/gpu_step.py
 for algo in onebit_adam zero_one_adam onebit_lamb; do
   step "fit_1gpu_$algo" $PY examples/train.py fit --config "examples/configs/$algo.yaml" \
     --trainer.accelerator gpu --trainer.devices 1 --trainer.max_steps 40 \
@@ -57,4 +59,5 @@ echo "|---|---|---:|"
 printf '%s\n' "${SUMMARY[@]}"
 grep -E '^\| (worker_compress|server_reduce|decompress|lamb_update|adam_update|fp32 copy) ' \
   "$OUT/bench_kernels.log" || true
+grep -E '^\|' "$OUT/bench_step.log" || true
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAILED

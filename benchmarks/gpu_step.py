@@ -1,0 +1,122 @@
+"""Training-step time on one GPU: the 1-bit optimizers next to torch's fused AdamW, and what the
+exchange's host-side NaN/Inf verdict costs.
+
+    python benchmarks/gpu_step.py [--width 1024] [--layers 8] [--batch 32] [--steps 20]
+
+A transformer LM (``nn.TransformerEncoder``, bf16 autocast) on one GPU, so W = 1: the exchange
+compresses and decodes but sends nothing, and what is measured is the optimizers' own cost
+per step. Each row: the median over 3 runs of ``--steps`` steps of the wall time per step,
+with one ``torch.cuda.synchronize()`` per run (never per step, so a host synchronisation inside
+the step shows up as the GPU idling while the host catches up). ``verdict=off`` replaces the
+exchange's verdict (``comm.all_finite``, the one host read of a compressed step) by ``True``:
+the difference between the two rows is what that read costs. The optimizers are switched to
+their compression phase after 2 steps (0/1 Adam: its local phase, a sync every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import lightning_onebit.comm as comm
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+VOCAB = 8192
+
+
+def _model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(width, width // 64, 4 * width, batch_first=True)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, width),
+        torch.nn.TransformerEncoder(layer, layers),
+        torch.nn.Linear(width, VOCAB),
+    ).cuda()
+
+
+def _time(
+    args: argparse.Namespace, make: Callable, overlap: float | None, verdict: bool
+) -> tuple[float, int]:
+    model = _model(args.width, args.layers)
+    opt = make(model.parameters())
+    if overlap is not None:
+        opt.overlap_with_backward(overlap)
+    x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = model(x[:, :-1])  # (B, T, V)
+        torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), x[:, 1:].flatten()
+        ).backward()
+        opt.step()
+
+    for _ in range(5):  # the warmup steps, the switch, the first compressed steps
+        step()
+    real = comm.all_finite
+    if not verdict:
+        comm.all_finite = lambda scales: True
+    runs = []
+    try:
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            runs.append((time.perf_counter() - t0) / args.steps * 1e3)
+    finally:
+        comm.all_finite = real
+        if overlap is not None:
+            opt.overlap_with_backward(None)
+    return statistics.median(runs), sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_step.py needs a CUDA GPU")
+    warnings.simplefilter("ignore")  # single-process and young-variance warnings
+
+    rows: list[tuple[str, Callable, float | None, bool]] = [
+        ("torch AdamW (fused)", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), None, True)
+    ]
+    for name, cls, kw in (
+        ("1-bit Adam", OneBitAdam, {"freeze_step": 2}),
+        ("0/1 Adam", ZeroOneAdam, {"var_freeze_step": 2}),
+        ("1-bit LAMB", OneBitLamb, {"freeze_step": 2}),
+    ):
+        for overlap in (None, args.bucket_mb):
+            for verdict in (True, False):
+                where = "in step()" if overlap is None else f"overlap {overlap:g} MB"
+                label = f"{name}, {where}, verdict={'host' if verdict else 'off'}"
+                rows.append(
+                    (label, lambda ps, cls=cls, kw=kw: cls(ps, lr=1e-4, **kw), overlap, verdict)
+                )
+    print(f"| optimizer (one GPU, {torch.cuda.get_device_name()}) | ms per step |")
+    print("|---|---:|")
+    n = 0
+    for label, make, overlap, verdict in rows:
+        ms, n = _time(args, make, overlap, verdict)
+        print(f"| {label} | {ms:.2f} |", flush=True)
+    print(
+        f"({n / 1e6:.1f}M parameters, batch {args.batch} x {args.seq} tokens, bf16 autocast; "
+        f"median of 3 runs of {args.steps} steps)"
+    )
+
+
+if __name__ == "__main__":
+    main()
