@@ -198,7 +198,7 @@ class OneBitLamb(OneBitOptimizer):
         self._coeffs: torch.Tensor | None = None  # the last step's effective trust ratios
         # device copies of per-layer hyperparameters and a host copy of scaling_coeff, kept
         # while their values stay the same: no host synchronisation inside a step on CUDA
-        self._per_layer_cache: dict[str, tuple[list[float], torch.Tensor]] = {}
+        self._per_layer_cache: dict[str, tuple[list[float], Any, torch.Tensor]] = {}
         self._scaling_cache: tuple[torch.Tensor, int, list[float]] | None = None
 
     OPTIONS = (
@@ -318,18 +318,20 @@ class OneBitLamb(OneBitOptimizer):
 
     def _per_layer(self, key: str) -> torch.Tensor:
         """A group hyperparameter broadcast to one value per layer, as a tensor on the layout's
-        device (copied without a host synchronisation, and only when its values change)."""
+        device, copied without a host synchronisation and only when its values (or, on CUDA,
+        the current stream: the copy is ordered on the stream it was made on) change."""
         values = self._per_layer_values(key)
+        device = self._layout.device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         cached = self._per_layer_cache.get(key)
-        if cached is None or cached[0] != values or cached[1].device != self._layout.device:
-            device = self._layout.device
+        if cached is None or cached[:2] != (values, stream) or cached[2].device != device:
             t = (
                 torch.tensor(values, dtype=torch.float32)
-                if device.type == "cpu"
+                if stream is None
                 else _on_device(values, torch.float32, device)
             )
-            cached = self._per_layer_cache[key] = (values, t)
-        return cached[1]
+            cached = self._per_layer_cache[key] = (values, stream, t)
+        return cached[2]
 
     def _norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-layer L2 norms of a flat buffer."""
