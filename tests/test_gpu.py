@@ -326,6 +326,19 @@ def test_two_ranks_on_one_gpu_over_gloo() -> None:
         assert gpu <= 4 * rounding + 1e-6, f"{algo}: |gpu - cpu| {gpu:.3g}, rounding {rounding:.3g}"
 
 
+def _lm_step(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> Any:
+    """A training step of ``_model()`` on the token batch ``x`` (next-token loss)."""
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(
+            model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()
+        ).backward()
+        opt.step()
+
+    return step
+
+
 def _host_syncs(step: Any, steps: int = 3) -> Counter:
     """Run ``steps`` steps under ``set_sync_debug_mode("warn")``; count each host
     synchronisation by the innermost lightning_onebit function on its stack (from any thread:
@@ -368,13 +381,7 @@ def test_a_compressed_step_reads_only_the_exchange_verdict_on_the_host(
         opt.overlap_with_backward(0.01)  # several buckets
     x = torch.randint(0, 64, (8, 9), device="cuda")
 
-    def step() -> None:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(
-            model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()
-        ).backward()
-        opt.step()
-
+    step = _lm_step(model, opt, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # young variance
         for _ in range(4):  # warmup, the switch, the first compressed steps
@@ -397,13 +404,7 @@ def test_no_host_synchronisation_in_a_compressed_step() -> None:
     opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=1)
     x = torch.randint(0, 64, (8, 9), device="cuda")
 
-    def step() -> None:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(
-            model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()
-        ).backward()
-        opt.step()
-
+    step = _lm_step(model, opt, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step()
