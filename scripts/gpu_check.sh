@@ -33,7 +33,8 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   exit 2
 fi
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
-$PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
+ENV_LINE=$($PY -c "import sys, torch, lightning; print(torch.cuda.get_device_name(0), 'x', torch.cuda.device_count(), '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| lightning', lightning.__version__, '| Python', sys.version.split()[0])")
+echo "$ENV_LINE"
 
 # --no-deps / --no-build-isolation: keep the machine's torch (and build with its pybind11/cmake).
 step build env ONEBIT_CUDA=ON $PY -m pip install --no-deps --no-build-isolation -e .
@@ -62,6 +63,7 @@ for algo in $FITS; do
 done
 
 echo
+echo "$ENV_LINE"
 echo "| check | result | time |"
 echo "|---|---|---:|"
 printf '%s\n' "${SUMMARY[@]}"
