@@ -730,3 +730,31 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
     coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         K._lamb_frozen_update_cuda((g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
+def test_the_gpu_scripts_refuse_clearly_without_a_gpu() -> None:
+    """scripts/gpu_check.sh and benchmarks/gpu_step.py run only on GPU machines, so CI checks
+    that they parse and stop with a message that says why (they must not rot unseen)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    check = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=120,
+    )
+    assert check.returncode == 2, check.stderr
+    assert "sees no GPU" in check.stderr
+    step = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_step.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert step.returncode != 0 and "needs a CUDA GPU" in step.stderr, step.stderr
