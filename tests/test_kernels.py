@@ -733,7 +733,7 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
-def test_the_gpu_scripts_refuse_clearly_without_a_gpu() -> None:
+def test_the_gpu_scripts_refuse_clearly_without_a_gpu(tmp_path) -> None:
     """scripts/gpu_check.sh and benchmarks/gpu_step.py run only on GPU machines, so CI checks
     that they parse and stop with a message that says why (they must not rot unseen)."""
     import os
@@ -746,7 +746,7 @@ def test_the_gpu_scripts_refuse_clearly_without_a_gpu() -> None:
         ["bash", str(root / "scripts" / "gpu_check.sh")],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)},
         timeout=120,
     )
     assert check.returncode == 2, check.stderr
