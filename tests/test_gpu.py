@@ -389,7 +389,8 @@ def test_a_compressed_step_reads_only_the_exchange_verdict_on_the_host(
     sites = _host_syncs(step)
     exchanges = 3 * (len(opt._exchange) if overlap else 1)  # (0/1 Adam: a sync every step)
     assert set(sites) <= {"all_finite"}, dict(sites)
-    assert sites["all_finite"] <= exchanges, dict(sites)
+    # at least one: the verdict is a sync, so none seen means the capture saw nothing
+    assert 1 <= sites["all_finite"] <= exchanges, dict(sites)
     if overlap:
         opt.overlap_with_backward(None)
 

@@ -324,7 +324,7 @@ class OneBitLamb(OneBitOptimizer):
         device = self._layout.device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         cached = self._per_layer_cache.get(key)
-        if cached is None or cached[:2] != (values, stream) or cached[2].device != device:
+        if cached is None or cached[:2] != (values, stream):  # (a stream names its device)
             t = (
                 torch.tensor(values, dtype=torch.float32)
                 if stream is None
