@@ -65,7 +65,7 @@ from lightning_onebit._errors import quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.checkpoint_io import _rank_file_name, _write_rank_file, read_rank_state
 from lightning_onebit.convert import repoint_schedulers, schedulers_of, warn_if_config_differs
-from lightning_onebit.hook import _HookState, _onebit_comm_hook
+from lightning_onebit.hook import _build_ddp, _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.options import (
     OneBitOptions,
@@ -242,7 +242,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         _check_same_model_on_every_rank(
             [(name, tuple(p.shape)) for name, p in module.named_parameters()]
         )
-        ddp = super().setup_module(module)
+        # on the current stream, not on a side stream as Fabric's DDPStrategy does: see _build_ddp
+        ddp = _build_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
         # (DDP's allreduce on every step otherwise; Fabric registers no hook at all)
         self._hook_state = _HookState(process_group=None)
         self._hook_state.optimizer = self._optimizer

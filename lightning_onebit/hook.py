@@ -12,9 +12,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_onebit.hierarchy import NodeGroups, hierarchical_average
 from lightning_onebit.optim import OneBitOptimizer
+
+
+def _build_ddp(
+    module: torch.nn.Module, device_ids: list[int] | None, kwargs: dict[str, Any]
+) -> DistributedDataParallel:
+    """``DistributedDataParallel(module)`` built on the current CUDA stream, the one training runs
+    on, as torch recommends. Lightning's DDP strategies build it on a fresh side stream (for
+    capturing the whole step in a CUDA graph, which the 1-bit strategies do not support: the
+    exchange reads its NaN/Inf verdict on the host). DDP keeps every parameter's AccumulateGrad
+    node, which belongs to the stream it was made on, so with a side stream every backward
+    accumulates gradients across streams (torch >= 2.10 warns once per run: "The AccumulateGrad
+    node's stream does not match the stream of the node that produced the incoming gradient.
+    This may incur unnecessary synchronization ...", seen on every GPU fit before this)."""
+    return DistributedDataParallel(module=module, device_ids=device_ids, **kwargs)
 
 
 class _HookState:

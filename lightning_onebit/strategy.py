@@ -46,6 +46,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -61,7 +62,7 @@ from lightning_onebit.checkpoint_io import (
     read_rank_state,
 )
 from lightning_onebit.convert import repoint_schedulers, warn_if_config_differs
-from lightning_onebit.hook import _HookState, _onebit_comm_hook
+from lightning_onebit.hook import _build_ddp, _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.options import (
     ALGORITHMS,
@@ -402,6 +403,11 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
         )
         super().configure_ddp()
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        # on the current stream, not on a side stream as DDPStrategy does: see _build_ddp
+        return _build_ddp(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
 
     @override
     def _register_ddp_hooks(self) -> None:

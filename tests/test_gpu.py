@@ -447,14 +447,47 @@ def _fit(tmp: Path, algo: str, precision: str, devices: int, max_steps: int, **f
     return trainer, model
 
 
+#: torch >= 2.10's warning when DDP was built on another stream than the one training runs on
+_STREAM_MISMATCH = "AccumulateGrad node's stream does not match"
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("algo", list(CLASSES))
 def test_trainer_on_one_gpu(algo: str, precision: str, tmp_path: Path) -> None:
-    trainer, model = _fit(tmp_path, algo, precision, 1, 12)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer, model = _fit(tmp_path, algo, precision, 1, 12)
+    # DDP built on the training stream (hook._build_ddp), not on Lightning's side stream
+    assert not [w for w in seen if _STREAM_MISMATCH in str(w.message)]
     opt = trainer.strategy.onebit_optimizer
     assert str(opt.phase) != "warmup"
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert abs(model.last_loss - math.log(32)) < 0.5  # random tokens: ln(32), not diverged
+
+
+def test_fabric_on_one_gpu_builds_ddp_on_the_training_stream() -> None:
+    import lightning as L
+
+    from lightning_onebit import OneBitFabricStrategy
+
+    fabric = L.Fabric(
+        accelerator="gpu",
+        devices=1,
+        strategy=OneBitFabricStrategy(algorithm="onebit_adam", freeze_step=2),
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    x = torch.randn(64, 16, device=fabric.device)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(6):  # warmup and compressed steps
+            fabric.backward(model(x).square().mean())
+            opt.step()
+            opt.zero_grad()
+    assert str(opt.phase) == "compression"
+    assert not [w for w in seen if _STREAM_MISMATCH in str(w.message)]
 
 
 @pytest.mark.parametrize("algo", list(CLASSES))
