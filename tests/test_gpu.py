@@ -448,16 +448,36 @@ def _fit(tmp: Path, algo: str, precision: str, devices: int, max_steps: int, **f
 
 
 #: torch >= 2.10's warning when DDP was built on another stream than the one training runs on
+#: (issued once per process: the streams DDP is built on are checked directly as well)
 _STREAM_MISMATCH = "AccumulateGrad node's stream does not match"
+
+
+@pytest.fixture
+def ddp_streams(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The current CUDA stream at each ``DistributedDataParallel(...)`` construction."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen: list[Any] = []
+    init = DistributedDataParallel.__init__
+
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(torch.cuda.current_stream())
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedDataParallel, "__init__", recording_init)
+    return seen
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("algo", list(CLASSES))
-def test_trainer_on_one_gpu(algo: str, precision: str, tmp_path: Path) -> None:
+def test_trainer_on_one_gpu(
+    algo: str, precision: str, tmp_path: Path, ddp_streams: list[Any]
+) -> None:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer, model = _fit(tmp_path, algo, precision, 1, 12)
-    # DDP built on the training stream (hook._build_ddp), not on Lightning's side stream
+    # DDP built on the stream training runs on (hook._build_ddp), not on a side stream
+    assert ddp_streams == [torch.cuda.current_stream()]
     assert not [w for w in seen if _STREAM_MISMATCH in str(w.message)]
     opt = trainer.strategy.onebit_optimizer
     assert str(opt.phase) != "warmup"
@@ -465,7 +485,7 @@ def test_trainer_on_one_gpu(algo: str, precision: str, tmp_path: Path) -> None:
     assert abs(model.last_loss - math.log(32)) < 0.5  # random tokens: ln(32), not diverged
 
 
-def test_fabric_on_one_gpu_builds_ddp_on_the_training_stream() -> None:
+def test_fabric_on_one_gpu_builds_ddp_on_the_training_stream(ddp_streams: list[Any]) -> None:
     import lightning as L
 
     from lightning_onebit import OneBitFabricStrategy
@@ -487,6 +507,7 @@ def test_fabric_on_one_gpu_builds_ddp_on_the_training_stream() -> None:
             opt.step()
             opt.zero_grad()
     assert str(opt.phase) == "compression"
+    assert ddp_streams == [torch.cuda.current_stream()]
     assert not [w for w in seen if _STREAM_MISMATCH in str(w.message)]
 
 
