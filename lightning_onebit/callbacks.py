@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_onebit.optim import OneBitOptimizer
@@ -85,6 +87,39 @@ class CompressionScheduler(PhaseSwitch, Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         converted = getattr(trainer.strategy, "_converted_optimizer", False)
         self.start(self._optimizer(trainer), self._total_steps(trainer), converted)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_backbone_finetuning(trainer)
+
+    def _check_backbone_finetuning(self, trainer: pl.Trainer) -> None:
+        """Lightning's ``BackboneFinetuning`` adds the backbone to the optimizer at the start of
+        epoch ``unfreeze_backbone_at_epoch``. A parameter that becomes trainable after the
+        switch has no variance to be preconditioned by, and the optimizer refuses it then
+        (see ``OneBitOptimizer._check_joined``): say so before training, with the step to
+        switch after instead."""
+        from lightning.pytorch.callbacks import BackboneFinetuning
+
+        opt = self._optimizer(trainer)
+        batches = trainer.num_training_batches
+        if self.adaptive or opt.phase != opt.PHASES[0] or not math.isfinite(batches):
+            return
+        per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        for cb in trainer.callbacks:
+            epoch = getattr(cb, "unfreeze_backbone_at_epoch", None)
+            if not isinstance(cb, BackboneFinetuning) or epoch <= trainer.current_epoch:
+                continue
+            joins = epoch * per_epoch  # optimizer steps before the backbone joins
+            if joins >= opt.switch_step:
+                raise MisconfigurationException(
+                    f"BackboneFinetuning(unfreeze_backbone_at_epoch={epoch}) adds the backbone to "
+                    f"the optimizer after optimizer step {joins}, but {type(opt).__name__} "
+                    f"switches to 1-bit compression after step {opt.switch_step}, and a "
+                    "parameter that joins then has no variance to be preconditioned by. Switch "
+                    f"after the backbone has joined and warmed up: OneBitStrategy(freeze_step=N) "
+                    f"with N well above {joins} (e.g. {joins + opt.switch_step}), or unfreeze "
+                    "earlier"
+                )
 
     @override
     def on_train_batch_end(

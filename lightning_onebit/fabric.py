@@ -245,8 +245,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         # on the current stream, not on a side stream as Fabric's DDPStrategy does: see _build_ddp
         ddp = _build_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
         # (DDP's allreduce on every step otherwise; Fabric registers no hook at all)
-        self._hook_state = _HookState(process_group=None)
-        self._hook_state.optimizer = self._optimizer
+        self._hook_state = _HookState(process_group=None, ddp=ddp)
+        self._hook_state.attach(self._optimizer)
         ddp.register_comm_hook(self._hook_state, _onebit_comm_hook)
         self._module = module
         self._name_parameters()
@@ -270,7 +270,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             repoint_schedulers(found, original, new, self._lr_scale)
         self._optimizer = new
         if self._hook_state is not None:
-            self._hook_state.optimizer = new
+            self._hook_state.attach(new)
         self._name_parameters()
         total = float(self.max_steps) if self.max_steps is not None else float("inf")
         converted = self._converted_optimizer and self.max_steps is not None

@@ -32,18 +32,46 @@ def _build_ddp(
     return DistributedDataParallel(module=module, device_ids=device_ids, **kwargs)
 
 
+def _ddp_averaged(ddp: DistributedDataParallel) -> frozenset[int]:
+    """``id``s of the parameters whose gradients ``ddp`` averages: those that required grad
+    when it was built, less the ones it was told to ignore (it never registers one later)."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    return frozenset(
+        id(p)
+        for name, p in ddp.module.named_parameters()
+        if p.requires_grad and name not in ignored
+    )
+
+
 class _HookState:
     """What the communication hook needs: the group, and the optimizer that says which kind of
-    gradients its next step wants (set once the optimizer exists)."""
+    gradients its next step wants (set once the optimizer exists, by :meth:`attach`)."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None, ddp: DistributedDataParallel
+    ) -> None:
         self.process_group = process_group
         self.optimizer: OneBitOptimizer | None = None
+        self.averaged: frozenset[int] | None = _ddp_averaged(ddp)
         self._pool: ThreadPoolExecutor | None = None  # the two-level averages' thread
         self._stream: Any = None  # its CUDA stream
 
-    def __getstate__(self) -> dict[str, Any]:  # the process group cannot be pickled
-        return {"optimizer": None, "process_group": None, "_pool": None, "_stream": None}
+    def __getstate__(self) -> dict[str, Any]:
+        # the process group cannot be pickled, and the parameters' ids mean nothing elsewhere
+        return {
+            "optimizer": None,
+            "process_group": None,
+            "averaged": None,
+            "_pool": None,
+            "_stream": None,
+        }
+
+    def attach(self, optimizer: OneBitOptimizer | None) -> None:
+        """The optimizer whose steps the hook serves; it averages itself the warmup gradients of
+        the parameters DDP does not (made trainable after DDP was built)."""
+        self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer.caller_averaged = self.averaged
 
     def close(self) -> None:
         """Stop the thread of the two-level averages (at teardown)."""

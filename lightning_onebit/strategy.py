@@ -371,7 +371,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
                 p: name for name, p in self.lightning_module.named_parameters()
             }
         if self._hook_state is not None:
-            self._hook_state.optimizer = self.onebit_optimizer
+            self._hook_state.attach(self.onebit_optimizer)
         if trainer.state.fn == "fit" and self.optimizers:
             configure_hierarchy(self.onebit_optimizer, self.hierarchical, self.num_processes)
         self._configure_overlap(trainer)
@@ -413,7 +413,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers hooks on CUDA only; ours must run on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        self._hook_state = _HookState(process_group=None)
+        self._hook_state = _HookState(process_group=None, ddp=self.model)
         self.model.register_comm_hook(self._hook_state, _onebit_comm_hook)
 
     @property

@@ -433,6 +433,86 @@ def test_bias_corrected_warmup_is_torch_adamw(case: str) -> None:
     assert case != "zero_one_adam_fp32_phase_1" or opt.var_interval > 1
 
 
+@pytest.mark.parametrize("case", ["onebit_adam", "zero_one_adam_fp32_phase_1"])
+def test_a_group_added_mid_warmup_is_torch_adamw_from_its_first_step(case: str) -> None:
+    """A param group added after step 20 (a fine-tuning callback unfreezing a backbone): torch's
+    AdamW counts each parameter's own steps, so the group's bias correction starts at 1, and so
+    does ours (before: the run's step count, a first step half of AdamW's)."""
+    torch.manual_seed(0)
+    head = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 3), (5,)]]
+    body = [torch.nn.Parameter(torch.randn(s)) for s in [(33,), (4, 4)]]
+    ref_head = [torch.nn.Parameter(p.detach().clone()) for p in head]
+    ref_body = [torch.nn.Parameter(p.detach().clone()) for p in body]
+    hp = {"lr": 3e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05}
+    if case == "onebit_adam":
+        opt = OneBitAdam(head, freeze_step=10**6, bias_correction=True, **hp)
+    else:
+        opt = ZeroOneAdam(
+            head, var_freeze_step=10**6, bias_correction=True, compressed_variance_phase=False, **hp
+        )
+    torch_opt = torch.optim.AdamW(ref_head, **hp)
+    for t in range(40):
+        if t == 20:
+            opt.add_param_group({"params": body, "lr": 1e-2})
+            torch_opt.add_param_group({"params": ref_body, "lr": 1e-2})
+        n = len(head) + (len(body) if t >= 20 else 0)
+        for p, q in zip((head + body)[:n], (ref_head + ref_body)[:n], strict=True):
+            q.grad = torch.randn_like(q) * (1 + q.detach().abs())
+            p.grad = q.grad.clone()
+        opt.step()
+        torch_opt.step()
+    assert opt.param_groups[1]["joined_at"] == (20, 20)
+    for p, q in zip(head + body, ref_head + ref_body, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-6)
+    # the group's counters travel in the checkpoint (they are part of the param group)
+    again = type(opt)([torch.nn.Parameter(p.detach().clone()) for p in head], **hp)
+    again.add_param_group({"params": [torch.nn.Parameter(p.detach().clone()) for p in body]})
+    again.load_state_dict(opt.state_dict())
+    assert again.param_groups[1]["joined_at"] == (20, 20)
+
+
+@pytest.mark.parametrize(
+    "algo, kw",
+    [
+        ("onebit_adam", {"freeze_step": 3}),
+        ("onebit_lamb", {"freeze_step": 3}),
+        ("zero_one_adam", {"var_freeze_step": 3, "compressed_variance_phase": False}),
+        ("zero_one_adam", {"var_freeze_step": 100}),  # 1-bit gradient steps in phase 1
+    ],
+)
+@pytest.mark.parametrize("how", ["add_param_group", "requires_grad"])
+def test_parameters_that_join_after_the_switch_are_refused_before_any_change(
+    algo: str, kw: dict, how: str
+) -> None:
+    """A parameter made trainable once the variance is frozen has none to be preconditioned by
+    (its first 1-bit steps would be lr * scale / eps): the step refuses it, names it and says
+    what to do, and changes nothing."""
+    cls = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}[algo]
+    torch.manual_seed(0)
+    head = torch.nn.Parameter(torch.randn(16))
+    body = torch.nn.Parameter(torch.randn(8), requires_grad=how == "add_param_group")
+    opt = cls([head] if how == "add_param_group" else [head, body], lr=1e-2, **kw)
+    opt.param_names = {head: "head.weight", body: "backbone.weight"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # young variance (DeepSpeed's arithmetic)
+        for _ in range(5):
+            head.grad = torch.randn(16)
+            opt.step()
+    if how == "add_param_group":
+        opt.add_param_group({"params": [body]})
+    else:
+        body.requires_grad_(True)
+    before = (head.detach().clone(), body.detach().clone(), opt.state_dict())
+    head.grad, body.grad = torch.randn(16), torch.randn(8)
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) became trainable at step 6") as err:
+        opt.step()
+    msg = str(err.value)
+    assert "backbone.weight (8,)" in msg and "head.weight" not in msg, msg
+    assert "BackboneFinetuning" in msg and f"the optimizer's {opt._switch_attr}" in msg, msg
+    assert torch.equal(head, before[0]) and torch.equal(body, before[1])
+    assert opt.step_count == 5 and opt.state_dict()["state"].keys() == before[2]["state"].keys()
+
+
 @pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_zero_gradient_coordinates_stay_put_after_the_switch(algo: str) -> None:
     """A tensor that never gets a gradient (a conv bias before BatchNorm, a dead unit) next to

@@ -571,3 +571,57 @@ def _warnings_under(rank: int, world: int, wrapper: str) -> list[str]:
             model(torch.randn(16, 8, generator=gen)).square().mean().backward()
             opt.step()
     return [str(w.message) for w in seen if "identical gradients" in str(w.message)]
+
+
+class Finetune(L.LightningModule):
+    """A backbone that Lightning's ``BackboneFinetuning`` freezes before training (so DDP, built
+    after, never registers it) and adds to the optimizer at the start of epoch 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=3e-3)
+
+
+def _fit_finetune(tmp: Path, algo: str, freeze_step: int) -> list[dict]:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    x = torch.randn(6 * 16 * 2, 8, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16, shuffle=True)
+    strategy = OneBitStrategy(algorithm=algo, freeze_step=freeze_step, start_method="fork")
+    unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False)
+    callbacks = [Record(tmp), OneThread(), unfreeze]
+    _trainer(strategy, 2, 24, callbacks=callbacks, default_root_dir=tmp).fit(Finetune(), loader)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_a_backbone_unfrozen_mid_run_trains_in_sync(algo: str, tmp_path: Path) -> None:
+    """``BackboneFinetuning`` unfreezes the backbone after step 6, before the switch (12): the
+    optimizer averages its warmup gradients itself (DDP does not know it; under plain DDP the
+    ranks' backbones drift apart silently, Lightning issue #20340), and after the switch the
+    1-bit exchange carries it with the rest. Before: every rank trained its own backbone."""
+    records = _fit_finetune(tmp_path, algo, freeze_step=12)
+    initial = Finetune().state_dict()
+    for k, v in records[0]["params"].items():
+        assert torch.equal(v, records[1]["params"][k]), f"{k} differs across ranks"
+        assert not torch.equal(v, initial[k]), f"{k} did not train"
+    assert records[0]["step_count"] == 24
+
+
+def test_a_backbone_unfrozen_after_the_switch_is_said_before_training(tmp_path: Path) -> None:
+    with pytest.raises(Exception) as err:
+        _fit_finetune(tmp_path, "onebit_adam", freeze_step=4)
+    text = str(err.value)
+    said = "BackboneFinetuning(unfreeze_backbone_at_epoch=1) adds the backbone to the optimizer "
+    assert said + "after optimizer step 6" in text, text[-2000:]
+    assert "switches to 1-bit compression after step 4" in text and "freeze_step=N" in text
+    assert not list(tmp_path.glob("rank*.pt"))  # (it never got to train)

@@ -258,8 +258,14 @@ class OneBitOptimizer(
             "fp32_equiv_total_inter": 0,
         }
 
+        #: ``id``s of the parameters whose warmup gradients the caller averages
+        #: (``average_warmup_grads=False``; ``OneBitStrategy`` sets those DDP registered),
+        #: ``None``: all of them. The others are averaged here (see ``_average_uncovered_``).
+        self.caller_averaged: frozenset[int] | None = None
+
         # internal state (rebuilt lazily by _prepare)
         self._layout: _Layout | None = None
+        self._trained_ids: frozenset[int] = frozenset()  # the last layout's parameters
         self._flat: dict[str, torch.Tensor] = {}
         self._scalars: dict[str, torch.Tensor] = {}
         self._views: dict[str, list[torch.Tensor]] = {}
@@ -323,6 +329,12 @@ class OneBitOptimizer(
         except ValueError:
             self.param_groups.pop()  # a refused group must not stay in the optimizer
             raise
+        # the step and variance update the group joins at: its bias correction counts from
+        # there, as torch's Adam counts each parameter's own steps (e.g. a backbone that a
+        # fine-tuning callback unfreezes mid-run); kept in the group, so checkpoints carry it
+        # (torch's __init__ adds the first groups before the counters exist: they join at 0)
+        if getattr(self, "step_count", 0) > 0:
+            self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
         self._layout = None  # re-layout at the next step
 
     def _check_group(self, gi: int) -> None:
@@ -393,9 +405,13 @@ class OneBitOptimizer(
 
     def _bias_corrections(self, gi: int) -> tuple[float, float]:
         """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
-        variance updates (1 for a variance that never saw a gradient: nothing to correct)."""
-        beta1, beta2 = self.param_groups[gi]["betas"]
-        return 1.0 - beta1 ** max(self.step_count, 1), 1.0 - beta2 ** max(self.variance_updates, 1)
+        variance updates since the group joined (1 for a variance that never saw a gradient:
+        nothing to correct)."""
+        group = self.param_groups[gi]
+        beta1, beta2 = group["betas"]
+        t0, k0 = group.get("joined_at", (0, 0))
+        t, k = self.step_count - t0, self.variance_updates - k0
+        return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
 
     def _fold_bias_correction_(self) -> None:
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
@@ -452,11 +468,12 @@ class OneBitOptimizer(
             gis = [j for gi, _, _ in self._segments() for j in self._layout.group_params(gi)]
             self.floored = {self._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
 
-    def _param_name(self, j: int) -> str:
-        p = self._layout.params[j]
+    def _param_name(self, j: int, layout: _Layout | None = None) -> str:
+        layout = layout or self._layout
+        p = layout.params[j]
         name = self.param_names.get(p)
         if name is None:
-            gi = self._layout.group_of[j]
+            gi = layout.group_of[j]
             i = next(i for i, q in enumerate(self.param_groups[gi]["params"]) if q is p)
             name = f"param_groups[{gi}][{i}]"
         return f"{name} {tuple(p.shape)}"
@@ -489,6 +506,33 @@ class OneBitOptimizer(
 
     def _on_freeze(self) -> None:
         """What the algorithm does when its phase switches (subclasses override)."""
+
+    def _joins_allowed(self) -> bool:
+        """Whether parameters may become trainable now: while every step measures the
+        variance (the first phase; 0/1 Adam overrides)."""
+        return self._phase == self.PHASES[0]
+
+    def _check_joined(self, layout: _Layout) -> None:
+        """Refuse parameters that became trainable (``add_param_group``, ``requires_grad``
+        turned on) after the variance froze, before the step changes anything: they have no
+        variance, and a 1-bit step divides by it (their first steps would be ``lr * scale /
+        eps``)."""
+        if not self._trained_ids or self._joins_allowed():
+            return
+        joined = [j for j, p in enumerate(layout.params) if id(p) not in self._trained_ids]
+        if not joined:
+            return
+        names = ", ".join(self._param_name(j, layout) for j in joined[:8])
+        more = f" and {len(joined) - 8} more" if len(joined) > 8 else ""
+        raise ValueError(
+            f"{type(self).__name__}: {len(joined)} parameter(s) became trainable at step "
+            f"{self.step_count + 1}, in the {self.phase} phase: {names}{more} (add_param_group, "
+            "or requires_grad turned on: e.g. a fine-tuning callback such as Lightning's "
+            "BackboneFinetuning unfreezing a backbone). Their variance was never measured, and "
+            "the 1-bit steps divide by the variance frozen at the switch (step "
+            f"{self.switch_step}). Make them trainable before the switch: unfreeze earlier, or "
+            f"switch later (OneBitStrategy(freeze_step=...), the optimizer's {self._switch_attr})"
+        )
 
     @property
     def switch_step(self) -> int:

@@ -76,6 +76,7 @@ class _FlatBuffers:
         if layout is not None and self._layout_intact(layout):
             return
         layout = _Layout(self.param_groups)
+        self._check_joined(layout)
         device, n, kw = layout.device, layout.numel, {"device": layout.device}
         flat = {name: torch.zeros(n, dtype=torch.float32, **kw) for name in self._flat_states}
         scalars = {
@@ -152,6 +153,7 @@ class _FlatBuffers:
                 ex.reset_error()
         self._exchange = ex
         self._layout = layout
+        self._trained_ids = frozenset(layout.key)
         self._denominator = None
         self._check_masks()
         self._on_layout()

@@ -94,6 +94,8 @@ class _FlatOps:
                 hierarchical_average(flat, self.average_dtype, nodes)
             else:
                 start_average(flat, self.average_dtype, self.process_group)()
+        elif w > 1 and flat is self._grad:
+            self._average_uncovered_()
         if nodes is not None:
             intra, inter = average_bytes(flat.numel(), self.average_dtype, nodes)
             self._bytes_step += intra + inter
@@ -108,6 +110,29 @@ class _FlatOps:
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
             )
+
+    def _average_uncovered_(self) -> None:
+        """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the
+        parameters it knows, :attr:`caller_averaged`. DDP knows those that required grad when it
+        was built; one made trainable later (e.g. the backbone that Lightning's
+        ``BackboneFinetuning`` unfreezes mid-run) keeps its local gradient, and the ranks would
+        drift apart silently (as they do under plain DDP). Those are averaged here, in one
+        all_reduce."""
+        covered = self.caller_averaged
+        if covered is None:
+            return
+        views = self._views["grad"]
+        idx = [j for j, p in enumerate(self._layout.params) if id(p) not in covered]
+        if not idx:
+            return
+        buf = torch.cat([views[j].reshape(-1) for j in idx])
+        nodes = self.node_groups()
+        if nodes is not None:
+            hierarchical_average(buf, self.average_dtype, nodes)
+        else:
+            start_average(buf, self.average_dtype, self.process_group)()
+        for j, piece in zip(idx, buf.split([views[j].numel() for j in idx]), strict=True):
+            views[j].copy_(piece.view_as(views[j]))
 
     @staticmethod
     def _finite(flat: torch.Tensor) -> bool:

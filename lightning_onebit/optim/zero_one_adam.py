@@ -238,6 +238,10 @@ class ZeroOneAdam(OneBitOptimizer):
 
     _switch_attr = "var_freeze_step"
 
+    def _joins_allowed(self) -> bool:
+        # a new parameter's variance is 0 until a variance step, and a 1-bit step divides by it
+        return self.phase == Phase.VARIANCE and not self.compressed_variance_phase
+
     @property
     def params_differ_across_ranks(self) -> bool:
         return self.phase == Phase.LOCAL
