@@ -625,3 +625,99 @@ def test_a_backbone_unfrozen_after_the_switch_is_said_before_training(tmp_path: 
     assert said + "after optimizer step 6" in text, text[-2000:]
     assert "switches to 1-bit compression after step 4" in text and "freeze_step=N" in text
     assert not list(tmp_path.glob("rank*.pt"))  # (it never got to train)
+
+
+class SaveTrace(TraceHyperparameters):
+    """The hyperparameters of every optimizer step, the global step and the optimizer's own
+    step count, saved by every rank at the end of fit (the ranks are forked)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = trainer.strategy.optimizers[0]
+        record = {
+            "trace": self.trace,
+            "global_step": trainer.global_step,
+            "step_count": getattr(getattr(opt, "_optimizer", opt), "step_count", None),
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            # what a LearningRateMonitor logged, per name
+            "logged": {k: v for c in trainer.callbacks for k, v in getattr(c, "lrs", {}).items()},
+        }
+        torch.save(record, self.out / f"trace{trainer.global_rank}.pt")
+
+
+def _fit_with(tmp: Path, strategy: Any, callbacks: list[Callback], max_epochs: int) -> list[dict]:
+    from lightning.pytorch.loggers import CSVLogger
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(6 * 16 * 2, 8, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=max_epochs,
+        logger=CSVLogger(tmp, name="logs", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        callbacks=[SaveTrace(tmp), OneThread(), *callbacks],
+    )
+    model = Regression(lambda o: _step(sched.ExponentialLR(o, gamma=0.9)), 3e-3)
+    trainer.fit(model, loader)
+    return [torch.load(tmp / f"trace{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.filterwarnings("ignore:.*(SWA|swa|lr_scheduler).*")
+def test_lightnings_training_callbacks_drive_the_1bit_optimizer_as_under_ddp(
+    tmp_path: Path,
+) -> None:
+    """``StochasticWeightAveraging`` (swaps the scheduler for SWALR mid-run and averages the
+    weights), ``GradientAccumulationScheduler`` (accumulates 1, then 2, then 3 batches per step)
+    and ``LearningRateMonitor``, together: every optimizer step has DDP's learning rate and
+    betas, there are as many steps as under DDP (the optimizer's own counter agrees), the
+    monitor logs what the optimizer used, and the ranks end with the same (averaged) weights."""
+    from lightning.pytorch.callbacks import (
+        GradientAccumulationScheduler,
+        LearningRateMonitor,
+        StochasticWeightAveraging,
+    )
+
+    def callbacks() -> list[Callback]:
+        return [
+            StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=3, annealing_epochs=2),
+            GradientAccumulationScheduler(scheduling={0: 1, 2: 2, 4: 3}),
+            LearningRateMonitor("step"),
+        ]
+
+    ddp = _fit_with(tmp_path / "ddp", "ddp_notebook", callbacks(), 6)
+    ours = _fit_with(tmp_path / "onebit", OneBitStrategy(start_method="fork"), callbacks(), 6)
+    assert ddp[0]["global_step"] == 6 + 6 + 3 + 3 + 2 + 2  # the accumulation schedule
+    assert len({tuple(t) for t in ddp[0]["trace"]}) > 3  # the lr moves (decay, then SWALR)
+    for r in range(2):
+        assert ours[r]["trace"] == ddp[r]["trace"]
+        assert ours[r]["global_step"] == ours[r]["step_count"] == ddp[r]["global_step"]
+        for k, v in ours[0]["params"].items():
+            assert torch.equal(v, ours[r]["params"][k]), f"{k} differs across ranks"
+            assert not torch.equal(v, ddp[0]["params"][k])  # (1-bit steps: not DDP's weights)
+    logged = ddp[0]["logged"]["lr-Adam"]
+    assert len(logged) == 6 * 6 and logged[0] == 3e-3  # (every batch, log_every_n_steps=1)
+    assert ours[0]["logged"] == {"lr-OneBitAdam": logged}
+
+
+def test_early_stopping_stops_every_rank_where_ddp_stops(tmp_path: Path) -> None:
+    """EarlyStopping on a metric that does not depend on the numerics: the same epoch as DDP,
+    on both ranks (a rank that stopped alone would leave the other waiting in an exchange)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    def stop() -> list[Callback]:
+        return [EarlyStopping("plateau", patience=2, check_on_train_epoch_end=True)]
+
+    ddp = _fit_with(tmp_path / "ddp", "ddp_notebook", stop(), 20)
+    ours = _fit_with(tmp_path / "onebit", OneBitStrategy(start_method="fork"), stop(), 20)
+    assert ddp[0]["global_step"] < 20 * 6
+    assert [r["global_step"] for r in ours] == [r["global_step"] for r in ddp]
+    assert [r["step_count"] for r in ours] == [r["global_step"] for r in ddp]
