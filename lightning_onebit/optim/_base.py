@@ -44,6 +44,12 @@ Everything else lives here, once:
   the same layout even when some parameter is unused on some rank (as DDP's
   ``find_unused_parameters`` does). Its momentum keeps decaying and it keeps moving by it,
   unlike ``torch.optim.Adam``, which skips such parameters.
+* **Parameters that join mid-run** (``add_param_group``, ``requires_grad`` turned on, e.g. a
+  backbone a fine-tuning callback unfreezes) rebuild the layout at the next step. While every
+  step measures the variance (the first phase) they train as in torch's Adam: zero state, and an
+  added group's bias correction counts from the step it joined (``group["joined_at"]``).
+  After the switch they are refused (``ValueError`` naming them, before any change): they have
+  no variance to be preconditioned by.
 * **Phases.** ``optimizer.phase`` is public; ``optimizer.freeze()`` switches to the compression
   phase from the next ``step()`` on. The switch must happen on the same step on every rank: the
   built-in switch depends only on the step counter, which every rank advances identically; a
@@ -67,8 +73,10 @@ averaged gradients (warmup of 1-bit Adam and 1-bit LAMB, variance-update steps o
 ``optimizer.expects_averaged_grads`` says whether the *next* step is one) average the flat
 gradient themselves with one fp32 ``all_reduce`` when ``average_warmup_grads=True`` (the
 default: plain ``torch.distributed`` use, call ``step()`` on local gradients). A strategy whose
-DDP already averaged those gradients passes ``average_warmup_grads=False``. All other steps
-expect *local* gradients: the optimizer communicates only what its algorithm compresses.
+DDP already averaged those gradients passes ``average_warmup_grads=False`` and sets
+:attr:`caller_averaged` to the parameters DDP knows; the optimizer averages the others itself (DDP
+registers only the parameters that required grad when it was built). All other steps expect
+*local* gradients: the optimizer communicates only what its algorithm compresses.
 """
 
 from __future__ import annotations
