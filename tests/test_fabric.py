@@ -746,3 +746,41 @@ def test_a_deepspeed_config_sets_the_options_and_the_adam_given_to_setup_wins(
     with pytest.warns(UserWarning, match=r"fabric.setup got Adam with lr=0.002 \(config: 0.01\)"):
         new = strategy._setup_optimizer(torch.optim.Adam(model.parameters(), lr=2e-3), None)
     assert type(new).__name__ == "OneBitLamb"
+
+
+def _unfreeze_loop(fabric: L.Fabric, out: Path, unfreeze_at: int, steps: int) -> None:
+    """A fine-tuning loop: the first layer frozen when Fabric wraps the model (so DDP never
+    registers it), then made trainable and added to the optimizer after ``unfreeze_at`` steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.Adam(model[2].parameters(), lr=3e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    x = torch.randn(steps, 2, 16, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(steps):
+        if step == unfreeze_at:
+            model.module[0].requires_grad_(True)
+            optimizer.add_param_group({"params": model.module[0].parameters(), "lr": 1e-3})
+        xb = x[step, fabric.global_rank]
+        loss = torch.nn.functional.mse_loss(model(xb), xb.sum(1, keepdim=True).sin())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    record = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    torch.save(record, out / f"rank{fabric.global_rank}.pt")
+
+
+def test_a_layer_unfrozen_mid_run_trains_in_sync(tmp_path: Path) -> None:
+    """Fabric's DDP does not know a layer frozen at setup either: the optimizer averages its
+    warmup gradients itself, so the ranks keep one model (before: each trained its own)."""
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy=OneBitFabricStrategy(freeze_step=8, max_steps=16, start_method="fork"),
+    )
+    fabric.launch(_unfreeze_loop, tmp_path, 4, 16)
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    _same_on_both_ranks(records)
+    torch.manual_seed(0)
+    initial = torch.nn.Linear(8, 16).state_dict()
+    assert not torch.equal(records[0]["params"]["0.weight"], initial["weight"])  # it trained
