@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_onebit.optim import OneBitOptimizer
-from lightning_onebit.phase_switch import PhaseSwitch
+from lightning_onebit.phase_switch import PhaseSwitch, catch_up
 
 __all__ = ["CompressionScheduler"]
 
@@ -90,6 +90,8 @@ class CompressionScheduler(PhaseSwitch, Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # (the optimizer's state was restored after on_fit_start, before this)
+        catch_up(self._optimizer(trainer))
         self._check_backbone_finetuning(trainer)
 
     def _check_backbone_finetuning(self, trainer: pl.Trainer) -> None:

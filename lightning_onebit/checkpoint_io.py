@@ -166,6 +166,12 @@ def _rank_files_note(
         return ""
     p = Path(os.fspath(path))  # only to name what is there instead
     saved = sorted(q.name for q in p.parent.glob(p.name + ".onebit-rank*"))
+    if not checkpoint.get("onebit") and not saved:
+        return (
+            f"{p.name} was not written by a 1-bit strategy (no 1-bit state in it or beside it: "
+            "e.g. a strategy='ddp' checkpoint): the 1-bit optimizer takes its Adam moments and "
+            "step count, and its error buffers start at zero"
+        )
     saved_world = (checkpoint.get("onebit") or {}).get("world_size")
     if saved_world is None and saved:  # a checkpoint from before the "onebit" entry
         saved_world = int(saved[0].rsplit("-of-", 1)[-1])

@@ -81,7 +81,7 @@ from lightning_onebit.options import (
     stop_overlaps,
     warn_single_process,
 )
-from lightning_onebit.phase_switch import PhaseSwitch
+from lightning_onebit.phase_switch import PhaseSwitch, catch_up
 
 __all__ = ["OneBitFabricStrategy"]
 
@@ -435,6 +435,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             opt.switch_step = self._switch.switch_step
         view = {"global_step": meta.get("global_step"), "onebit": meta}
         rank_state = read_rank_state(path, view, self.global_rank, self.world_size)
+        catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
         if rank_state is None:
             return remainder
         opt.load_rank_state_dict(rank_state["optimizer"])

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.optim import OneBitOptimizer
 
-__all__ = ["PhaseSwitch"]
+__all__ = ["PhaseSwitch", "catch_up"]
 
 #: the switch when the strategy built the optimizer and no ``freeze_step`` was given
 _DEFAULT_FRACTION = 0.2
@@ -216,6 +216,17 @@ class PhaseSwitch:
         self.switched_at = state_dict.get("switched_at")
         self._snapshot = state_dict.get("snapshot")
         self._restored = True
+
+
+def catch_up(opt: OneBitOptimizer) -> None:
+    """Before the first step of a fit: switch now if a restored step count is already past the
+    switch (a checkpoint of torch's Adam, e.g. from ``strategy="ddp"``, whose moments are the
+    warmup's), so that the next backward already gives local gradients."""
+    if opt.catch_up_switch():
+        rank_zero_info(
+            f"{type(opt).__name__}: resumed after optimizer step {opt.step_count}, and the switch "
+            f"was due after step {opt.switch_step}: {opt.PHASES[1]} phase from the next step on"
+        )
 
 
 def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:

@@ -721,3 +721,64 @@ def test_early_stopping_stops_every_rank_where_ddp_stops(tmp_path: Path) -> None
     assert ddp[0]["global_step"] < 20 * 6
     assert [r["global_step"] for r in ours] == [r["global_step"] for r in ddp]
     assert [r["step_count"] for r in ours] == [r["global_step"] for r in ddp]
+
+
+@pytest.mark.parametrize(
+    "algo, kw",
+    [
+        ("onebit_adam", {}),
+        # (0/1 Adam's phase 1 floors the variance at each variance step, which Adam does not:
+        # without the floor its phase 1 is Adam, and the resume is exact)
+        ("zero_one_adam", {"variance_floor": 0.0}),
+    ],
+)
+def test_a_ddp_checkpoint_resumes_as_if_the_1bit_strategy_had_run_from_the_start(
+    algo: str, kw: dict, tmp_path: Path
+) -> None:
+    """A run under strategy="ddp" with torch Adam, resumed from its checkpoint under a 1-bit
+    strategy that switches at that very step: the warmup is Adam (bias-corrected), so the
+    result is the 1-bit run's from step 0, to float rounding. Before: the step count restarted
+    at 0 (bias corrections 10x and 1000x off, the first resumed steps 0.3x Adam's) and the
+    switch came 12 steps late."""
+    strategy = lambda: OneBitStrategy(  # noqa: E731
+        algorithm=algo, freeze_step=12, start_method="fork", **kw
+    )
+    ddp = _ddp_checkpoint(tmp_path)
+    trace = SaveTrace(tmp_path / "resumed")
+    resumed = _fit2(tmp_path / "resumed", strategy(), 24, callbacks=[trace], ckpt_path=ddp)
+    whole = _fit2(tmp_path / "whole", strategy(), 24)
+    assert len(torch.load(tmp_path / "resumed" / "trace0.pt")["trace"]) == 12  # (it resumed)
+    for r in range(2):
+        assert resumed[r]["step_count"] == whole[r]["step_count"] == 24
+        _assert_params_close(resumed[r]["params"], whole[r]["params"], atol=1e-6)
+
+
+def _ddp_checkpoint(tmp: Path) -> Path:
+    """The checkpoint of 12 steps of the regression under strategy="ddp" with torch Adam."""
+    ckpt = ModelCheckpoint(dirpath=tmp / "ddp" / "ckpt", every_n_train_steps=12)
+    _fit2(tmp / "ddp", "ddp_notebook", 12, callbacks=[ckpt])
+    (path,) = (tmp / "ddp" / "ckpt").glob("*.ckpt")  # (written by the forked rank 0)
+    return path
+
+
+def _assert_params_close(a: dict, b: dict, atol: float) -> None:
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], rtol=0, atol=atol, msg=k)
+
+
+def test_a_ddp_checkpoint_resumed_under_1bit_lamb_gets_lamb_lr(tmp_path: Path) -> None:
+    """Resuming a torch Adam checkpoint under 1-bit LAMB with its own lamb_lr: the restored
+    learning rates (param groups and scheduler) are scaled as the conversion scales
+    configure_optimizers', the trust ratios start from the first resumed step's (not 0.1 of
+    it), and compression starts after that step."""
+    ddp = _ddp_checkpoint(tmp_path)
+    lamb = OneBitStrategy(
+        algorithm="onebit_lamb", lamb_lr=3e-2, freeze_step=12, start_method="fork"
+    )
+    trace = SaveTrace(tmp_path / "lamb")
+    resumed = _fit2(tmp_path / "lamb", lamb, 24, callbacks=[trace], ckpt_path=ddp)
+    steps = [torch.load(tmp_path / "lamb" / f"trace{r}.pt", weights_only=False) for r in range(2)]
+    assert [t[0][0] for t in steps[0]["trace"]] == [pytest.approx(3e-2)] * 12  # Adam's 3e-3 x 10
+    for k, v in resumed[0]["params"].items():
+        assert torch.equal(v, resumed[1]["params"][k]) and v.isfinite().all(), k
+    assert resumed[0]["step_count"] == 24

@@ -388,6 +388,7 @@ class OneBitOptimizer(
         """
         return self._phase == self.PHASES[0]
 
+    @torch.no_grad()
     def freeze(self) -> None:
         """Switch to the compression phase from the next ``step()`` on.
 
@@ -514,6 +515,27 @@ class OneBitOptimizer(
 
     def _on_freeze(self) -> None:
         """What the algorithm does when its phase switches (subclasses override)."""
+
+    def _on_foreign_load(self) -> None:
+        """After loading a state dict of another optimizer (torch's Adam): subclasses whose
+        first phase keeps more than Adam's moments note what is missing."""
+
+    def _ready_to_switch(self) -> bool:
+        """Whether the first phase's state is complete enough to freeze (subclasses override)."""
+        return True
+
+    def catch_up_switch(self) -> bool:
+        """Switch now if the step count is already past the switch step; call between steps,
+        on every rank. The built-in switch runs at the end of the step that reaches it, so this
+        matters only after loading a checkpoint of another optimizer (torch's Adam under
+        ``strategy="ddp"``: its moments are this optimizer's warmup) past the switch, or after
+        moving the switch below the step count. Returns whether it switched."""
+        if self._phase != self.PHASES[0] or self.step_count < self.switch_step:
+            return False
+        if not self._ready_to_switch():
+            return False
+        self.freeze()
+        return True
 
     def _joins_allowed(self) -> bool:
         """Whether parameters may become trainable now: while every step measures the

@@ -80,8 +80,11 @@ class _Checkpointing:
         Per-parameter states are copied into this optimizer's fp32 flat buffers (torch's loader
         would cast them to the parameters' dtype). Each group's current ``exp_avg_mask`` is kept
         (as in DeepSpeed: the mask belongs to the training script, not to the checkpoint).
-        A state dict without ``"onebit"`` (e.g. from ``torch.optim.Adam``) loads the moments and
-        restarts in the first phase with step count 0.
+        A state dict without ``"onebit"`` (e.g. ``torch.optim.Adam``'s, from a run under DDP)
+        loads the moments and takes its step count from torch's per-parameter ``step`` (a group
+        whose parameters counted fewer steps joined later: ``joined_at``), in the first phase:
+        the next steps' bias correction is the one torch's Adam would apply. The phase switch,
+        if that count is already past it, is :meth:`catch_up_switch`'s.
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
@@ -110,9 +113,18 @@ class _Checkpointing:
         }
         kept: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         rest: dict[Any, Any] = {}
+        # torch's Adam counts steps per parameter; ours are counters of the optimizer
+        torch_steps = [
+            max(
+                (int(state_dict["state"].get(i, {}).get("step", 0)) for i in g["params"]), default=0
+            )
+            for g in saved_groups
+        ]
         for idx, pstate in state_dict["state"].items():
             mine = {k: v for k, v in pstate.items() if k in ours and isinstance(v, torch.Tensor)}
             other = {k: v for k, v in pstate.items() if k not in mine}
+            if extra is None:
+                other.pop("step", None)
             if mine and idx in id_map:
                 kept[id_map[idx]] = mine
             if other:
@@ -127,8 +139,15 @@ class _Checkpointing:
                 }
             )
 
-        extra = extra or {}
-        self.step_count = int(extra.get("step_count", 0))
+        foreign, extra = extra is None, extra or {}
+        self.step_count = int(extra.get("step_count", max(torch_steps, default=0)))
+        if foreign:
+            for group, steps in zip(self.param_groups, torch_steps, strict=True):
+                for k, v in self.defaults.items():  # (e.g. 1-bit LAMB's, which Adam lacks)
+                    group.setdefault(k, v)
+                if 0 < steps < self.step_count:
+                    group["joined_at"] = (self.step_count - steps,) * 2
+            self._on_foreign_load()
         # (a checkpoint from before the counter: every step had updated the variance)
         self.variance_updates = int(extra.get("variance_updates", self.step_count))
         self.skipped_steps = int(extra.get("skipped_steps", 0))

@@ -195,6 +195,9 @@ class OneBitLamb(OneBitOptimizer):
         self.factor_threshold = factor_threshold
         # internal state (checkpointed; per-layer coefficients are in optimizer.state[p])
         self.scaling_coeff_ready = False  # computed at the first compression step
+        # loaded from another optimizer (torch's Adam): no trust-ratio history to average, so
+        # the first warmup step starts lamb_coeff_freeze at its ratio (not 0.1 of it)
+        self._seed_coeffs = False
         self._coeffs: torch.Tensor | None = None  # the last step's effective trust ratios
         # device copies of per-layer hyperparameters and a host copy of scaling_coeff, kept
         # while their values stay the same: no host synchronisation inside a step on CUDA
@@ -272,6 +275,12 @@ class OneBitLamb(OneBitOptimizer):
         if cache is None or cache[0] is not t or cache[1] != t._version:
             cache = self._scaling_cache = (t, t._version, t.tolist())
         return cache[2]
+
+    def _on_foreign_load(self) -> None:
+        self._seed_coeffs = True
+
+    def _ready_to_switch(self) -> bool:
+        return not self._seed_coeffs  # (one warmup step measures the trust ratios first)
 
     def _on_freeze(self) -> None:
         # 2. the fresh variance starts from the frozen one
@@ -361,7 +370,8 @@ class OneBitLamb(OneBitOptimizer):
             defined = (p_norm > 0) & (u_norm > 0)
             coeff = (p_norm / u_norm).clamp_(self._per_layer("min_coeff"))
             coeff = torch.where(defined, coeff.minimum(self._per_layer("max_coeff")), 1.0)
-            beta = self.coeff_beta
+            beta = 0.0 if self._seed_coeffs else self.coeff_beta
+            self._seed_coeffs = False
             ema = lamb_coeff_freeze * beta + coeff * (1 - beta)
             lamb_coeff_freeze.copy_(torch.where(defined, ema, lamb_coeff_freeze))
             # 1e. update
