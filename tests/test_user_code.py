@@ -782,3 +782,23 @@ def test_a_ddp_checkpoint_resumed_under_1bit_lamb_gets_lamb_lr(tmp_path: Path) -
     for k, v in resumed[0]["params"].items():
         assert torch.equal(v, resumed[1]["params"][k]) and v.isfinite().all(), k
     assert resumed[0]["step_count"] == 24
+
+
+def test_a_1bit_checkpoint_resumes_under_ddp(tmp_path: Path) -> None:
+    """Going back: a 1-bit Adam checkpoint taken in its warmup (which is Adam), resumed under
+    strategy="ddp" with torch Adam, continues as a DDP run from step 0 would (torch's Adam
+    needs each parameter's ``step``, which the state dict now carries: before, ``KeyError:
+    'step'``); one taken in the compression phase loads and trains on."""
+    warm = ModelCheckpoint(dirpath=tmp_path / "warm", every_n_train_steps=12)
+    _fit2(tmp_path / "a", OneBitStrategy(freeze_step=20, start_method="fork"), 12, callbacks=[warm])
+    (path,) = (tmp_path / "warm").glob("*.ckpt")
+    resumed = _fit2(tmp_path / "b", "ddp_notebook", 24, ckpt_path=path)
+    whole = _fit2(tmp_path / "c", "ddp_notebook", 24)
+    _assert_params_close(resumed[0]["params"], whole[0]["params"], atol=1e-6)
+
+    late = ModelCheckpoint(dirpath=tmp_path / "late", every_n_train_steps=12)
+    _fit2(tmp_path / "d", OneBitStrategy(freeze_step=4, start_method="fork"), 12, callbacks=[late])
+    (path,) = (tmp_path / "late").glob("*.ckpt")
+    after = _fit2(tmp_path / "e", "ddp_notebook", 24, ckpt_path=path)
+    for k, v in after[0]["params"].items():
+        assert torch.equal(v, after[1]["params"][k]) and v.isfinite().all(), k

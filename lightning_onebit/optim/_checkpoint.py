@@ -38,8 +38,20 @@ class _Checkpointing:
         """torch's optimizer state plus ``"onebit"``: step count, phase, counters, error buffers.
 
         The error buffers belong to this rank: save one state dict per rank to resume exactly.
+        Each parameter's state also has torch Adam's ``step`` (the steps its group has taken),
+        so that ``torch.optim.Adam``/``AdamW`` can load it: going back to ``strategy="ddp"``
+        from a 1-bit checkpoint. (After the switch the moments hold the bias correction folded
+        in, which torch applies again: its first steps are smaller by ``sqrt(1 - beta2**t) /
+        (1 - beta1**t)``, ~1 once ``t`` is in the thousands.)
         """
         state = super().state_dict()
+        packed = iter(range(sum(len(g["params"]) for g in self.param_groups)))
+        for group in self.param_groups:
+            steps = self.step_count - group.get("joined_at", (0, 0))[0]
+            for p in group["params"]:
+                i = next(packed)
+                if i in state["state"]:
+                    state["state"][i] = {**state["state"][i], "step": torch.tensor(float(steps))}
         state["onebit"] = self._global_state()
         return state
 
@@ -123,8 +135,7 @@ class _Checkpointing:
         for idx, pstate in state_dict["state"].items():
             mine = {k: v for k, v in pstate.items() if k in ours and isinstance(v, torch.Tensor)}
             other = {k: v for k, v in pstate.items() if k not in mine}
-            if extra is None:
-                other.pop("step", None)
+            other.pop("step", None)  # (torch Adam's count: see state_dict)
             if mine and idx in id_map:
                 kept[id_map[idx]] = mine
             if other:
