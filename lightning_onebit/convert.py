@@ -99,6 +99,24 @@ def repoint_schedulers(
         warn_about_unscaled_schedulers(schedulers, old)
 
 
+def rescale_restored_lrs(opt: OneBitOptimizer, schedulers: list[Any], lr_scale: float) -> None:
+    """After restoring a checkpoint of torch's Adam (e.g. from ``strategy="ddp"``) into a
+    converted 1-bit LAMB: scale its learning rates (param groups, schedulers) by ``lr_scale``,
+    as the conversion scaled the ones the user built. Once per load."""
+    if not opt.loaded_foreign or lr_scale == 1.0:
+        return
+    opt.loaded_foreign = False
+    for group in opt.param_groups:
+        for key in _LR_GROUP_KEYS:
+            if isinstance(group.get(key), (int, float)) and not isinstance(group[key], bool):
+                group[key] *= lr_scale
+    repoint_schedulers(schedulers, opt, opt, lr_scale)
+    rank_zero_info(
+        f"{type(opt).__name__}: the checkpoint holds torch Adam's learning rates; scaled by "
+        f"{lr_scale:g} (lamb_lr), as the conversion scaled the optimizer's own"
+    )
+
+
 def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
     """The LR schedulers (torch's, or any object with an ``optimizer`` attribute that is one of
     torch's scheduler types) that hold ``optimizer``, found among its referrers: a Fabric user

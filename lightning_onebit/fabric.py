@@ -64,7 +64,12 @@ from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
 from lightning_onebit._errors import quiet_errors_on_this_rank
 from lightning_onebit.amp import _synced_scaler
 from lightning_onebit.checkpoint_io import _rank_file_name, _write_rank_file, read_rank_state
-from lightning_onebit.convert import repoint_schedulers, schedulers_of, warn_if_config_differs
+from lightning_onebit.convert import (
+    repoint_schedulers,
+    rescale_restored_lrs,
+    schedulers_of,
+    warn_if_config_differs,
+)
 from lightning_onebit.hook import _build_ddp, _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.options import (
@@ -436,6 +441,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         view = {"global_step": meta.get("global_step"), "onebit": meta}
         rank_state = read_rank_state(path, view, self.global_rank, self.world_size)
         catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
+        rescale_restored_lrs(opt, schedulers_of(opt), self._lr_scale)
         if rank_state is None:
             return remainder
         opt.load_rank_state_dict(rank_state["optimizer"])

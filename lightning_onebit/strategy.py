@@ -46,7 +46,6 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -62,7 +61,11 @@ from lightning_onebit.checkpoint_io import (
     _write_rank_file,
     read_rank_state,
 )
-from lightning_onebit.convert import _LR_GROUP_KEYS, repoint_schedulers, warn_if_config_differs
+from lightning_onebit.convert import (
+    repoint_schedulers,
+    rescale_restored_lrs,
+    warn_if_config_differs,
+)
 from lightning_onebit.hook import _build_ddp, _HookState, _onebit_comm_hook
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.options import (
@@ -505,19 +508,9 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if not getattr(self, "_rescale_restored_lrs", False):
-            return
-        self._rescale_restored_lrs = False
-        opt, scale = self.onebit_optimizer, self._lr_scale
-        for group in opt.param_groups:
-            for key in _LR_GROUP_KEYS:
-                if isinstance(group.get(key), (int, float)):
-                    group[key] *= scale
-        repoint_schedulers([c.scheduler for c in self.lr_scheduler_configs], opt, opt, scale)
-        rank_zero_info(
-            f"{type(opt).__name__}: the checkpoint holds torch Adam's learning rates; scaled by "
-            f"{scale:g} (lamb_lr), as the conversion scaled configure_optimizers'"
-        )
+        # (after Lightning restored the optimizer and then the schedulers)
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+        rescale_restored_lrs(self.onebit_optimizer, schedulers, self._lr_scale)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -529,13 +522,6 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states") or []
-        # torch's Adam under another strategy (e.g. "ddp") saved Adam's learning rates: a
-        # conversion to 1-bit LAMB with lamb_lr scales them (and the schedulers', restored after
-        # this) in on_train_start, as it scaled the ones configure_optimizers built
-        self._rescale_restored_lrs = self._lr_scale != 1.0 and not any(
-            isinstance(s, dict) and "onebit" in s for s in states
-        )
         super().load_optimizer_state_dict(checkpoint)
         if self._rank_state is not None:
             self.onebit_optimizer.load_rank_state_dict(self._rank_state["optimizer"])

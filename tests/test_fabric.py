@@ -784,3 +784,43 @@ def test_a_layer_unfrozen_mid_run_trains_in_sync(tmp_path: Path) -> None:
     torch.manual_seed(0)
     initial = torch.nn.Linear(8, 16).state_dict()
     assert not torch.equal(records[0]["params"]["0.weight"], initial["weight"])  # it trained
+
+
+def _migrate_loop(
+    fabric: L.Fabric, out: Path, steps: int, save_at: int | None, resume: bool
+) -> None:
+    """12 + 12 steps of a regression, saving after ``save_at`` or resuming from that file."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=3e-3))
+    x = torch.randn(steps, 2, 16, 8, generator=torch.Generator().manual_seed(1))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        fabric.load(out.parent / "ckpt.pt", state)
+    for step in range(state["step"], steps):
+        xb = x[step, fabric.global_rank]
+        fabric.backward(torch.nn.functional.mse_loss(model(xb), xb.sum(1, keepdim=True).sin()))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == save_at:
+            state["step"] = step + 1
+            fabric.save(out.parent / "ckpt.pt", state)
+    record = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    torch.save(record, out / f"rank{fabric.global_rank}.pt")
+
+
+def test_a_ddp_checkpoint_resumes_under_the_1bit_strategy(tmp_path: Path) -> None:
+    """Fabric's "ddp" with torch Adam for 12 steps, then the 1-bit strategy (switch at 12) from
+    that checkpoint: the same as the 1-bit strategy from step 0 (its warmup is Adam)."""
+
+    def run(out: Path, strategy: Any, save_at: int | None = None, resume: bool = False) -> dict:
+        out.mkdir(parents=True)
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+        fabric.launch(_migrate_loop, out, 24 if save_at is None else save_at, save_at, resume)
+        return torch.load(out / "rank0.pt", weights_only=False)
+
+    onebit = lambda: OneBitFabricStrategy(freeze_step=12, max_steps=24, start_method="fork")  # noqa: E731
+    run(tmp_path / "ddp", "ddp_notebook", save_at=12)
+    resumed = run(tmp_path / "resumed", onebit(), resume=True)
+    whole = run(tmp_path / "whole", onebit())
+    _assert_params_close(resumed["params"], whole["params"])

@@ -270,6 +270,9 @@ class OneBitOptimizer(
         #: (``average_warmup_grads=False``; ``OneBitStrategy`` sets those DDP registered),
         #: ``None``: all of them. The others are averaged here (see ``_average_uncovered_``).
         self.caller_averaged: frozenset[int] | None = None
+        #: whether the last ``load_state_dict`` was another optimizer's (torch's Adam): the
+        #: strategies then scale 1-bit LAMB's restored learning rates by ``lamb_lr / lr``
+        self.loaded_foreign = False
 
         # internal state (rebuilt lazily by _prepare)
         self._layout: _Layout | None = None

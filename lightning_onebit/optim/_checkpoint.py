@@ -45,13 +45,11 @@ class _Checkpointing:
         (1 - beta1**t)``, ~1 once ``t`` is in the thousands.)
         """
         state = super().state_dict()
-        packed = iter(range(sum(len(g["params"]) for g in self.param_groups)))
-        for group in self.param_groups:
-            steps = self.step_count - group.get("joined_at", (0, 0))[0]
-            for p in group["params"]:
-                i = next(packed)
+        for saved, group in zip(state["param_groups"], self.param_groups, strict=True):
+            steps = torch.tensor(float(self.step_count - group.get("joined_at", (0, 0))[0]))
+            for i in saved["params"]:  # (torch's packed indices)
                 if i in state["state"]:
-                    state["state"][i] = {**state["state"][i], "step": torch.tensor(float(steps))}
+                    state["state"][i] = {**state["state"][i], "step": steps.clone()}
         state["onebit"] = self._global_state()
         return state
 
@@ -151,6 +149,7 @@ class _Checkpointing:
             )
 
         foreign, extra = extra is None, extra or {}
+        self.loaded_foreign = foreign
         self.step_count = int(extra.get("step_count", max(torch_steps, default=0)))
         if foreign:
             for group, steps in zip(self.param_groups, torch_steps, strict=True):
