@@ -790,6 +790,9 @@ def _migrate_loop(
     fabric: L.Fabric, out: Path, steps: int, save_at: int | None, resume: bool
 ) -> None:
     """12 + 12 steps of a regression, saving after ``save_at`` or resuming from that file."""
+    # one thread per fork-started rank: GNU OpenMP hangs in a forked child once the parent
+    # used its pool (the 1-bit strategies do this themselves, Fabric's "ddp_notebook" does not)
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=3e-3))
