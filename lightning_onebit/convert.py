@@ -99,6 +99,14 @@ def repoint_schedulers(
         warn_about_unscaled_schedulers(schedulers, old)
 
 
+def _scale_group_lrs(groups: list[dict[str, Any]], lr_scale: float) -> None:
+    """Multiply the learning rates the param groups hold (``_LR_GROUP_KEYS``) by ``lr_scale``."""
+    for g in groups:
+        for k in _LR_GROUP_KEYS:
+            if isinstance(g.get(k), (int, float)):
+                g[k] *= lr_scale
+
+
 def rescale_restored_lrs(opt: OneBitOptimizer, schedulers: list[Any], lr_scale: float) -> None:
     """After restoring a checkpoint of torch's Adam (e.g. from ``strategy="ddp"``) into a
     converted 1-bit LAMB: scale its learning rates (param groups, schedulers) by ``lr_scale``,
@@ -106,10 +114,7 @@ def rescale_restored_lrs(opt: OneBitOptimizer, schedulers: list[Any], lr_scale: 
     if not opt.loaded_foreign or lr_scale == 1.0:
         return
     opt.loaded_foreign = False
-    for group in opt.param_groups:
-        for key in _LR_GROUP_KEYS:
-            if isinstance(group.get(key), (int, float)) and not isinstance(group[key], bool):
-                group[key] *= lr_scale
+    _scale_group_lrs(opt.param_groups, lr_scale)
     repoint_schedulers(schedulers, opt, opt, lr_scale)
     rank_zero_info(
         f"{type(opt).__name__}: the checkpoint holds torch Adam's learning rates; scaled by "
@@ -187,10 +192,7 @@ def convert_adam(
     defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
     lr_scale = _lamb_lr_scale(algorithm, lamb_lr, defaults.get("lr"))
     if lr_scale != 1.0:
-        for g in groups:
-            for k in _LR_GROUP_KEYS:
-                if isinstance(g.get(k), (int, float)):
-                    g[k] *= lr_scale
+        _scale_group_lrs(groups, lr_scale)
         defaults["lr"] *= lr_scale
     new = cls(groups, **options(defaults))
     robust = ", ".join(

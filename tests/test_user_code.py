@@ -775,13 +775,38 @@ def test_a_ddp_checkpoint_resumed_under_1bit_lamb_gets_lamb_lr(tmp_path: Path) -
     lamb = OneBitStrategy(
         algorithm="onebit_lamb", lamb_lr=3e-2, freeze_step=12, start_method="fork"
     )
-    trace = SaveTrace(tmp_path / "lamb")
-    resumed = _fit2(tmp_path / "lamb", lamb, 24, callbacks=[trace], ckpt_path=ddp)
+    trace, ratios = SaveTrace(tmp_path / "lamb"), LambRatios(tmp_path / "lamb")
+    resumed = _fit2(tmp_path / "lamb", lamb, 24, callbacks=[trace, ratios], ckpt_path=ddp)
     steps = [torch.load(tmp_path / "lamb" / f"trace{r}.pt", weights_only=False) for r in range(2)]
     assert [t[0][0] for t in steps[0]["trace"]] == [pytest.approx(3e-2)] * 12  # Adam's 3e-3 x 10
     for k, v in resumed[0]["params"].items():
         assert torch.equal(v, resumed[1]["params"][k]) and v.isfinite().all(), k
     assert resumed[0]["step_count"] == 24
+    seen = torch.load(tmp_path / "lamb" / "ratios0.pt")
+    assert seen["phases"] == ["warmup"] + ["compression"] * 11  # measured at 13, then switched
+    # frozen at the first resumed step's trust ratios themselves (an average from 0: 0.1 of them)
+    assert seen["frozen"] == pytest.approx(seen["first"], rel=1e-6) and min(seen["first"]) > 0
+
+
+class LambRatios(Callback):
+    """1-bit LAMB's phase at each step, its trust ratios at the first step of the fit and its
+    frozen ones at the end (rank 0)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.phases, self.first = out, [], None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.phases.append(str(trainer.strategy.onebit_optimizer.phase))  # (the step's)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.first is None:
+            self.first = trainer.strategy.onebit_optimizer.lamb_coeffs
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = trainer.strategy.onebit_optimizer
+        frozen = opt._scalars["lamb_coeff_freeze"].tolist()
+        record = {"phases": self.phases, "first": self.first, "frozen": frozen}
+        torch.save(record, self.out / f"ratios{trainer.global_rank}.pt")
 
 
 def test_a_1bit_checkpoint_resumes_under_ddp(tmp_path: Path) -> None:
