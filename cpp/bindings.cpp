@@ -107,17 +107,28 @@ PYBIND11_MODULE(_C, m) {
                              P<const float>(beta2), P<const float>(ob2), P<const float>(eps), P<const float>(wd),
                              update_v, P<void>(stream));
   }, release(), "adam_update_cpu's step on the given CUDA stream (every array in device memory)");
-  m.def("lamb_frozen_update_cuda", [](int device, ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L,
+  m.def("lamb_frozen_update_cuda", [](int device, ptr ok, ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L,
                                       ptr offsets, ptr chunk_start, int64_t nchunks, ptr scaling, ptr beta1,
                                       ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, ptr stats, ptr ws,
                                       ptr stream) {
-    onebit::lamb_frozen_update_cuda(device, P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
+    onebit::lamb_frozen_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
                                     P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
                                     P<const int64_t>(chunk_start), nchunks, P<const float>(scaling),
                                     P<const float>(beta1), P<const float>(ob1), P<const float>(beta2),
                                     P<const float>(ob2), P<const float>(eps), P<const float>(wd), P<double>(stats),
                                     P<void>(ws), P<void>(stream));
   }, release(), "lamb_frozen_update_cpu's update on the given CUDA stream (every array in device memory)");
+  m.def("frozen_adam_update_cuda", [](int device, ptr ok, ptr x, ptr mm, ptr d, ptr params, int64_t np, ptr starts,
+                                      ptr sizes, ptr chunk_start, int64_t nchunks, ptr nlr, ptr nlw, bool precond,
+                                      ptr stream) {
+    onebit::frozen_adam_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(d),
+                                    P<float* const>(params), np, P<const int64_t>(starts), P<const int64_t>(sizes),
+                                    P<const int64_t>(chunk_start), nchunks, P<const float>(nlr), P<const float>(nlw),
+                                    precond, P<void>(stream));
+  }, release(), "1-bit Adam's compression-phase step, only if *ok (device bool)");
+  m.def("restore_unless_cuda", [](int device, ptr ok, ptr dst, ptr src, int64_t nbytes, ptr stream) {
+    onebit::restore_unless_cuda(device, P<const bool>(ok), P<void>(dst), P<const void>(src), nbytes, P<void>(stream));
+  }, release(), "dst <- src (nbytes) only if *ok (device bool) is false");
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -148,11 +148,26 @@ void adam_update_cuda(int device, const float* g, float* m, float* v, float* con
 // about (n_k - 1) * 2^-53 (relative) of the exact sum of layer k's n_k squares, as any order of
 // n_k - 1 additions of non-negative terms is. The order depends only on the sizes, not on the GPU.
 // `workspace`: device memory of at least 3 * max(nchunks, 1) doubles, owned by this call.
-void lamb_frozen_update_cuda(int device, const float* x, float* m, const float* d, float* vf, const float* p,
-                             float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
+// `ok`: null, or a device bool (an exchange's verdict): when false the call writes u = 0 and stats
+// (1, 0, 0) per layer, and leaves m and vf as they were (a step dropped without a host read).
+void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf,
+                             const float* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
                              int64_t nchunks, const float* scaling, const float* beta1, const float* ob1,
                              const float* beta2, const float* ob2, const float* eps, const float* wd,
                              double* stats, void* workspace, void* stream);
+// 1-bit Adam's compression-phase step after the exchange, only when *ok (a device bool, the
+// exchange's verdict; otherwise nothing is written): per value of parameter j,
+// p <- fma(nlw[j], p, p) (when nlw[j] != 0), then m <- x * d and p <- fma(nlr[j], x, p)
+// (precond), or m <- x and p <- p + (nlr[j] * x) / d: the roundings of the CPU path's torch ops
+// (add_ with alpha, addcdiv_) as measured on x86.
+// Chunk table and device-memory arrays as adam_update_cuda.
+void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d,
+                             float* const* params, int64_t P, const int64_t* starts, const int64_t* sizes,
+                             const int64_t* chunk_start, int64_t nchunks, const float* nlr, const float* nlw,
+                             bool precond, void* stream);
+// dst <- src (nbytes bytes of device memory) only when *ok is false; one launch that does nothing
+// otherwise. Puts an exchange's double-buffered state back after a call with a non-finite verdict.
+void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src, int64_t nbytes, void* stream);
 #endif
 
 }  // namespace onebit

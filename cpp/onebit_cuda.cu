@@ -388,6 +388,20 @@ __device__ __forceinline__ void block_stats3(double& r, double& a, double& b) {
   __syncthreads();
 }
 
+// Chunk c of the parameter updates' chunk table: its parameter j, whose flat values start at
+// `start`, and the flat range [lo, hi) of the chunk (at most kUpdChunk values, one parameter).
+struct ParamChunk {
+  int64_t j, start, lo, hi;
+  __device__ ParamChunk(const int64_t* chunk_start, int64_t P, const int64_t* starts, const int64_t* sizes,
+                        int64_t c) {
+    j = chunk_owner(chunk_start, P, c);
+    start = starts[j];
+    const int64_t end = start + sizes[j];
+    lo = start + (c - chunk_start[j]) * kUpdChunk;
+    hi = lo + kUpdChunk < end ? lo + kUpdChunk : end;
+  }
+};
+
 // Adam's step without bias correction (adam_block_scalar): per value i of parameter j,
 //   m <- m * beta1 + ob1 * g;  v <- v * beta2 + ob2 * (g * g) (update_v);
 //   p <- p - lr * (m / (sqrt(v) + eps) + wd * p)
@@ -397,10 +411,8 @@ adam_kernel(const float* g, float* m, float* v, float* const* params, int64_t P,
             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
             bool update_v) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t j = chunk_owner(chunk_start, P, c);
-    const int64_t start = starts[j], end = start + sizes[j];
-    const int64_t lo = start + (c - chunk_start[j]) * kUpdChunk;
-    const int64_t hi = lo + kUpdChunk < end ? lo + kUpdChunk : end;
+    const ParamChunk pc(chunk_start, P, starts, sizes, c);
+    const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
     float* const p = params[j];  // value i of the flat buffers is p[i - start]
     const float l = lr[j], b1 = beta1[j], o1 = ob1[j], b2 = beta2[j], o2 = ob2[j], ep = eps[j], w = wd[j];
     for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
@@ -416,12 +428,58 @@ adam_kernel(const float* g, float* m, float* v, float* const* params, int64_t P,
   }
 }
 
+// 1-bit Adam's compression-phase step after the exchange (kernels.frozen_adam_update), only when
+// *ok (the exchange's verdict, on the device: nothing is written otherwise). Per value i of
+// parameter j:
+//   p <- p + nlw * p (skipped when nlw == 0), then
+//   precond: m <- x * d;  p <- p + nlr * x       else: m <- x;  p <- p + (nlr * x) / d
+// with nlr = -lr and nlw = -lr * weight_decay: the CPU path's torch ops in their order and with
+// their roundings as measured on x86 (add_ with alpha is one fused multiply-add there, addcdiv_
+// rounds value * x, then the quotient, then the sum).
+__global__ void __launch_bounds__(kThreads)
+frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, float* const* params, int64_t P,
+                   const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
+                   const float* nlr, const float* nlw, bool precond) {
+  if (!*ok) return;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const ParamChunk pc(chunk_start, P, starts, sizes, c);
+    const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
+    float* const p = params[j];  // value i of the flat buffers is p[i - start]
+    const float a = nlr[j], b = nlw[j];
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      const float xi = x[i], di = d[i];
+      float pi = p[i - start];
+      if (b != 0.0f) pi = __fmaf_rn(b, pi, pi);
+      if (precond) {
+        m[i] = __fmul_rn(xi, di);
+        pi = __fmaf_rn(a, xi, pi);
+      } else {
+        m[i] = xi;
+        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(a, xi), di));
+      }
+      p[i - start] = pi;
+    }
+  }
+}
+
+// dst <- src (n bytes) only when !*ok: an exchange's double-buffered state put back after a call
+// whose verdict (on the device) was non-finite. When *ok every thread returns at once: the common
+// case costs one launch.
+__global__ void __launch_bounds__(kThreads)
+restore_kernel(const bool* ok, uint8_t* dst, const uint8_t* src, int64_t n) {
+  if (*ok) return;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}
+
 // 1-bit LAMB's compression-phase update (lamb_block_scalar): per value i of layer k,
 //   mn = x / scaling;  g = (mn - beta1 * m) / ob1;  vf <- vf * beta2 + ob2 * (g * g);
 //   up = mn / d;  u <- up + wd * p (up when p is null);  m <- mn;
 // and the chunk's max d / (sqrt(vf) + eps), sum up^2, sum u^2 into partial[3c .. 3c + 2].
+// With ok (the exchange's verdict, on the device; null: always) false: u <- 0 and nothing else
+// (m, vf unchanged; lamb_finalize writes neutral stats), so p - lr * coeff * u leaves p as it was.
 __global__ void __launch_bounds__(kThreads)
-lamb_kernel(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
+lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
             const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks, const float* scaling,
             const float* beta1, const float* ob1, const float* beta2, const float* ob2, const float* eps,
             const float* wd, double* partial) {
@@ -430,6 +488,10 @@ lamb_kernel(const float* x, float* m, const float* d, float* vf, const float* p,
     const int64_t end = offsets[k + 1];
     const int64_t lo = offsets[k] + (c - chunk_start[k]) * kUpdChunk;
     const int64_t hi = lo + kUpdChunk < end ? lo + kUpdChunk : end;
+    if (ok != nullptr && !*ok) {  // block-uniform: no block_stats3 in this chunk
+      for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) u[i] = 0.0f;
+      continue;
+    }
     const float sc = scaling[k], b1 = beta1[k], o1 = ob1[k], b2 = beta2[k], o2 = ob2[k], ep = eps[k], w = wd[k];
     float rmax = 0.0f;
     double up2 = 0.0, u2 = 0.0;
@@ -462,10 +524,19 @@ lamb_kernel(const float* x, float* m, const float* d, float* vf, const float* p,
 // stats[3k .. 3k + 2] <- layer k's max ratio, sum up^2, sum u^2 from its chunks' partials
 // (1, 0, 0 for an empty layer, as on the CPU). One block per layer (grid-stride over layers);
 // thread t folds chunks t, t + kThreads, ... in order, then block_stats3: a fixed order that does
-// not depend on the grid.
+// not depend on the grid. ok false (see lamb_kernel): 1, 0, 0 for every layer.
 __global__ void __launch_bounds__(kThreads)
-lamb_finalize(const int64_t* chunk_start, int64_t L, const double* partial, double* stats) {
+lamb_finalize(const bool* ok, const int64_t* chunk_start, int64_t L, const double* partial, double* stats) {
+  const bool skip = ok != nullptr && !*ok;
   for (int64_t k = blockIdx.x; k < L; k += gridDim.x) {  // block-uniform
+    if (skip) {
+      if (threadIdx.x == 0) {
+        stats[3 * k] = 1.0;
+        stats[3 * k + 1] = 0.0;
+        stats[3 * k + 2] = 0.0;
+      }
+      continue;
+    }
     const int64_t c0 = chunk_start[k], c1 = chunk_start[k + 1];
     double r = 0.0, a = 0.0, b = 0.0;
     for (int64_t c = c0 + threadIdx.x; c < c1; c += kThreads) {
@@ -553,7 +624,7 @@ void adam_update_cuda(int device, const float* g, float* m, float* v, float* con
          params, P, starts, sizes, chunk_start, nchunks, lr, beta1, ob1, beta2, ob2, eps, wd, update_v);
 }
 
-void lamb_frozen_update_cuda(int device, const float* x, float* m, const float* d, float* vf, const float* p,
+void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf, const float* p,
                              float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks,
                              const float* scaling, const float* beta1, const float* ob1, const float* beta2,
                              const float* ob2, const float* eps, const float* wd, double* stats, void* workspace,
@@ -565,9 +636,29 @@ void lamb_frozen_update_cuda(int device, const float* x, float* m, const float* 
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   if (nchunks > 0)  // (otherwise every layer is empty: stats 1, 0, 0)
-    launch("lamb_kernel", lamb_kernel, grid_for(nchunks, 1), kThreads, st, x, m, d, vf, p, u, L, offsets,
+    launch("lamb_kernel", lamb_kernel, grid_for(nchunks, 1), kThreads, st, ok, x, m, d, vf, p, u, L, offsets,
            chunk_start, nchunks, scaling, beta1, ob1, beta2, ob2, eps, wd, partial);
-  launch("lamb_finalize", lamb_finalize, grid_for(L, 1), kThreads, st, chunk_start, L, partial, stats);
+  launch("lamb_finalize", lamb_finalize, grid_for(L, 1), kThreads, st, ok, chunk_start, L, partial, stats);
+}
+
+void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d,
+                             float* const* params, int64_t P, const int64_t* starts, const int64_t* sizes,
+                             const int64_t* chunk_start, int64_t nchunks, const float* nlr, const float* nlw,
+                             bool precond, void* stream) {
+  detail::check_adam("frozen_adam_update_cuda", P);
+  detail::check_chunks("frozen_adam_update_cuda", P, nchunks);
+  if (nchunks == 0) return;  // no values
+  DeviceGuard guard(device);
+  launch("frozen_adam_kernel", frozen_adam_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
+         ok, x, m, d, params, P, starts, sizes, chunk_start, nchunks, nlr, nlw, precond);
+}
+
+void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src, int64_t nbytes, void* stream) {
+  detail::require(nbytes >= 0, "restore_unless_cuda", "nbytes >= 0");
+  if (nbytes == 0) return;
+  DeviceGuard guard(device);
+  launch("restore_kernel", restore_kernel, grid_for(nbytes, int64_t(kThreads) * 64), kThreads,
+         static_cast<cudaStream_t>(stream), ok, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), nbytes);
 }
 
 }  // namespace onebit

@@ -124,6 +124,43 @@ def _check_scales(name: str, scales: torch.Tensor, w: int) -> None:
         )
 
 
+def _check_verdict(ok: object, device: torch.device) -> None:
+    if not isinstance(ok, torch.Tensor) or ok.dtype != torch.bool or ok.numel() != 1:
+        raise TypeError("ok must be a one-element bool tensor (an exchange's verdict)")
+    if ok.device != device:
+        raise ValueError(f"ok is on {ok.device}, the buffers on {device}")
+
+
+def _check_params_fit(
+    params: list[torch.Tensor], starts: list[int], n_flat: int, device: torch.device
+) -> None:
+    """Parameter ``j`` is on ``device`` and its values fit the flat buffers at ``starts[j]``."""
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        if p.device != device:
+            raise ValueError(f"params[{j}] is on {p.device}, the buffers on {device}")
+        if lo < 0 or lo + p.numel() > n_flat:
+            raise ValueError(
+                f"params[{j}] ({p.numel()} values from {lo}) does not fit the flat buffers "
+                f"({n_flat} values)"
+            )
+
+
+def _param_table(
+    params: list[torch.Tensor], starts: list[int], device: torch.device
+) -> tuple[torch.Tensor, int] | None:
+    """The CUDA parameter updates' table on ``device``: the parameters' pointers, starts, sizes
+    and chunk table (``P`` values each, ``P + 1`` for the chunks), and the number of chunks;
+    ``None`` when there are no values to update."""
+    sizes = [p.numel() for p in params]
+    chunk_start = _chunk_starts(sizes)
+    if chunk_start[-1] == 0:
+        return None
+    meta = _on_device(
+        [*(p.data_ptr() for p in params), *starts, *sizes, *chunk_start], torch.int64, device
+    )
+    return meta, chunk_start[-1]
+
+
 def _use_cpp() -> bool:
     global _fallback_warned
     if HAS_CPP:
@@ -482,6 +519,7 @@ def lamb_frozen_update(
     beta2: list[float],
     eps: list[float],
     weight_decay: list[float],
+    ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """1-bit LAMB's compression-phase update after the exchange: one sweep over flat buffers.
 
@@ -511,6 +549,12 @@ def lamb_frozen_update(
         param: like them, or ``None`` when every ``weight_decay`` is 0.
         offsets: ``L + 1`` non-decreasing offsets.
         scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
+        ok: ``None``, or a one-element bool tensor on the buffers' device (an exchange's
+            verdict, see :class:`~lightning_onebit.comm.CompressedAllreduce`): when it is
+            false the call writes ``u = 0`` and statistics ``1, 0, 0`` and leaves ``m`` and
+            ``v_fresh`` as they were, so ``p - lr * coeff * u`` leaves ``p`` as it was. On CUDA
+            the kernel reads it on the device (no host synchronisation); elsewhere it is read
+            on the host.
     """
     named = [
         ("exchanged", exchanged),
@@ -539,6 +583,14 @@ def lamb_frozen_update(
             raise ValueError(f"{name} must have one value per layer ({n_layers}), got {len(vals)}")
     if param is None and any(w != 0 for w in weight_decay):
         raise ValueError("param is required when a weight_decay is non-zero")
+    if ok is not None:
+        _check_verdict(ok, device)
+    on_gpu = device.type == "cuda" and HAS_CUDA and _use_cpp()
+    if ok is not None and not on_gpu and not bool(ok):  # (a host read: free off the GPU)
+        update[: offsets[-1] if offsets else 0].zero_()
+        stats = torch.zeros(n_layers, 3, dtype=torch.float64, device=device)
+        stats[:, 0] = 1.0
+        return stats
     if not _use_cpp() or (device.type == "cuda" and not HAS_CUDA):
         return reference_lamb_frozen_update(
             exchanged,
@@ -555,7 +607,7 @@ def lamb_frozen_update(
     if device.type == "cuda":
         tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update)
         coefs = [scaling, beta1, ob1, beta2, ob2, eps, weight_decay]
-        return _lamb_frozen_update_cuda(tensors, offsets, coefs)
+        return _lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
     stats = torch.empty(n_layers, 3, dtype=torch.float64)
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     arrays = [
@@ -728,15 +780,7 @@ def adam_update(
     for name, vals in (("starts", starts), *hp.items()):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
-    n_flat = min(t.numel() for _, t in named)
-    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
-        if p.device != device:
-            raise ValueError(f"params[{j}] is on {p.device}, the buffers on {device}")
-        if lo < 0 or lo + p.numel() > n_flat:
-            raise ValueError(
-                f"params[{j}] ({p.numel()} values from {lo}) does not fit the flat buffers "
-                f"({n_flat} values)"
-            )
+    _check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     fast = (device.type == "cpu" or (device.type == "cuda" and HAS_CUDA)) and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
@@ -755,8 +799,133 @@ def adam_update(
         torch.autograd.graph.increment_version(p)
 
 
+def restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst <- src`` only if ``ok`` (a one-element bool tensor) is false: puts an exchange's
+    double-buffered state back after a call whose verdict was non-finite. On CUDA one launch
+    that reads ``ok`` on the device and does nothing when it is true (no host synchronisation);
+    elsewhere ``ok`` is read on the host."""
+    if dst.dtype != src.dtype or dst.numel() != src.numel() or dst.device != src.device:
+        raise ValueError("dst and src must have the same dtype, size and device")
+    _check_contiguous("dst", dst)
+    _check_contiguous("src", src)
+    _check_verdict(ok, dst.device)
+    if dst.device.type == "cuda" and HAS_CUDA:
+        _restore_unless_cuda(ok, dst, src)
+    elif not bool(ok):
+        dst.copy_(src)
+
+
+def frozen_adam_update(
+    ok: torch.Tensor,
+    exchanged: torch.Tensor,
+    exp_avg: torch.Tensor,
+    denom: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+) -> None:
+    """1-bit Adam's compression-phase step after the exchange, written only if ``ok``.
+
+    Parameter ``j`` holds the flat values ``starts[j]:starts[j] + params[j].numel()`` of
+    ``exchanged`` (``x``, the exchange's result), ``exp_avg`` (``m``) and ``denom``
+    (``d = sqrt(v) + eps`` of the frozen variance); per value::
+
+        m <- x * d,  dir = x          (preconditioned: x is m / d)
+        m <- x,      dir = x / d      (otherwise)
+        p <- p - lr * weight_decay * p;   p <- p - lr * dir
+
+    ``ok`` is a one-element bool tensor on the buffers' device (the exchange's verdict): when
+    it is false nothing is written. On CUDA with fp32 contiguous parameters one fused kernel
+    reads it on the device (no host synchronisation); its floats equal the torch path's within
+    the last bit (each operation rounded on its own; torch's own kernels may fuse a multiply and
+    an add). Otherwise torch ops compute the step aside and ``torch.where`` keeps it or not,
+    also without a host read; on the CPU their floats are those of the path without a verdict
+    (``_decoupled_update_``), bit for bit.
+    """
+    named = [("exchanged", exchanged), ("exp_avg", exp_avg), ("denom", denom)]
+    for name, t in named:
+        _check_tensor(name, t, torch.float32)
+        _check_contiguous(name, t)
+    device = _check_device(*named, need_cuda_kernels=False)
+    _check_verdict(ok, device)
+    n = len(params)
+    for name, vals in (("starts", starts), ("lr", lr), ("weight_decay", weight_decay)):
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
+    _check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    fast = device.type == "cuda" and HAS_CUDA and _use_cpp()
+    if fast and all(p.dtype == torch.float32 and p.is_contiguous() for p in params):
+        _frozen_adam_update_cuda(ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay,
+                                 preconditioned)  # fmt: skip
+        for p in params:  # (written through raw pointers: see adam_update)
+            torch.autograd.graph.increment_version(p)
+        return
+    for p, lo, a, w in zip(params, starts, lr, weight_decay, strict=True):
+        s = slice(lo, lo + p.numel())
+        m_new = torch.mul(exchanged[s], denom[s]) if preconditioned else exchanged[s]
+        torch.where(ok, m_new, exp_avg[s], out=exp_avg[s])
+        x = exchanged[s].view_as(p)
+        q = p.clone()
+        if w > 0:
+            q.add_(q, alpha=-a * w)
+        if preconditioned:
+            q.add_(x, alpha=-a)
+        else:
+            q.addcdiv_(x, denom[s].view_as(p), value=-a)
+        p.copy_(torch.where(ok, q, p))
+
+
+def _restore_unless_cuda(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    nbytes = dst.numel() * dst.element_size()
+    _C.restore_unless_cuda(
+        dst.device.index, ok.data_ptr(), dst.data_ptr(), src.data_ptr(), nbytes, _stream(dst.device)
+    )
+
+
+def _frozen_adam_update_cuda(
+    ok: torch.Tensor,
+    exchanged: torch.Tensor,
+    exp_avg: torch.Tensor,
+    denom: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+) -> None:
+    """:func:`frozen_adam_update` on CUDA tensors: the kernel on the current stream."""
+    n, device = len(params), exchanged.device
+    table = _param_table(params, starts, device)
+    if table is None:
+        return  # no values to update
+    meta, nchunks = table
+    # -lr and -lr * wd in double, then rounded: the alphas the torch path passes
+    nlw = [-a * w for a, w in zip(lr, weight_decay, strict=True)]
+    coef = _on_device([[-a for a in lr], nlw], torch.float32, device)
+    _C.frozen_adam_update_cuda(
+        device.index,
+        ok.data_ptr(),
+        exchanged.data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        meta.data_ptr(),  # the parameters' pointers
+        n,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        nchunks,
+        coef[0].data_ptr(),
+        coef[1].data_ptr(),
+        bool(preconditioned),
+        _stream(device),
+    )
+
+
 def _lamb_frozen_update_cuda(
-    tensors: tuple[torch.Tensor | None, ...], offsets: list[int], coefs: list[list[float]]
+    tensors: tuple[torch.Tensor | None, ...],
+    offsets: list[int],
+    coefs: list[list[float]],
+    ok: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`lamb_frozen_update` on CUDA tensors: the kernel on the current stream."""
     exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
@@ -771,6 +940,7 @@ def _lamb_frozen_update_cuda(
     work = torch.empty(3 * max(chunk_start[-1], 1), dtype=torch.float64, device=device)
     _C.lamb_frozen_update_cuda(
         device.index,
+        0 if ok is None else ok.data_ptr(),
         exchanged.data_ptr(),
         exp_avg.data_ptr(),
         denom.data_ptr(),
@@ -799,13 +969,10 @@ def _adam_update_cuda(
     update_variance: bool,
 ) -> None:
     n, device = len(params), grad.device
-    sizes = [p.numel() for p in params]
-    chunk_start = _chunk_starts(sizes)
-    if chunk_start[-1] == 0:
+    table = _param_table(params, starts, device)
+    if table is None:
         return  # no values to update
-    meta = _on_device(
-        [*(p.data_ptr() for p in params), *starts, *sizes, *chunk_start], torch.int64, device
-    )
+    meta, nchunks = table
     b1, b2 = hp["beta1"], hp["beta2"]
     # 1 - beta in double, then rounded, as for the CPU kernel
     rows = [hp["lr"], b1, [1 - b for b in b1], b2, [1 - b for b in b2], hp["eps"]]
@@ -818,7 +985,7 @@ def _adam_update_cuda(
         meta.data_ptr(),  # the parameters' pointers
         n,
         *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        chunk_start[-1],
+        nchunks,
         *(row.data_ptr() for row in coef),
         update_variance,
         _stream(device),

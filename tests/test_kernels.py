@@ -480,6 +480,83 @@ def test_adam_update_bumps_the_autograd_version() -> None:
         loss.backward()
 
 
+def _frozen_case(seed: int, sizes: list[int] = ADAM_SIZES):
+    """Inputs of frozen_adam_update from an Adam case: x, m, d = sqrt(v) + eps, params, starts,
+    lr, weight decay (2-value gaps before every parameter, which must stay untouched)."""
+    bufs, params, starts, hp = _adam_case(seed, sizes=sizes)
+    d = bufs["exp_avg_sq"].sqrt() + 1e-3
+    return (bufs["grad"], bufs["exp_avg"], d, params, starts, hp["lr"], hp["weight_decay"])
+
+
+def frozen_run(case, ok: torch.Tensor, precond: bool):
+    """frozen_adam_update on copies of ``case``: (m, params) after it."""
+    x, m, d, params, starts, lr, wd = case
+    m, ps = m.clone(), [p.clone() for p in params]
+    K.frozen_adam_update(ok, x, m, d, ps, starts, lr, wd, precond)
+    return m, ps
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_frozen_adam_update_is_the_optimizers_torch_update(precond: bool) -> None:
+    """A true verdict: m = x * d (or x) and each parameter's torch ops of the path without a
+    verdict (_decoupled_update_: decay, then the step), bit for bit; a false one: nothing."""
+    case = _frozen_case(7 + precond)
+    x, m0, d, params, starts, lr, wd = case
+    m, ps = frozen_run(case, torch.ones(1, dtype=torch.bool), precond)
+    want_m = m0.clone()
+    for p, lo in zip(params, starts, strict=True):
+        s = slice(lo, lo + p.numel())
+        want_m[s] = x[s] * d[s] if precond else x[s]
+    assert torch.equal(m, want_m)  # (the gaps too: untouched)
+    for j, (p, q, lo) in enumerate(zip(params, ps, starts, strict=True)):
+        want, s = p.clone(), slice(lo, lo + p.numel())
+        if wd[j] > 0:
+            torch._foreach_add_([want], [want], alpha=-lr[j] * wd[j])
+        if precond:
+            torch._foreach_add_([want], [x[s]], alpha=-lr[j])
+        else:
+            torch._foreach_addcdiv_([want], [x[s]], [d[s]], value=-lr[j])
+        assert torch.equal(q, want), j
+        assert p.numel() == 0 or not torch.equal(q, p), j
+    m, ps = frozen_run(case, torch.zeros(1, dtype=torch.bool), precond)
+    assert torch.equal(m, m0)
+    assert all(torch.equal(p, q) for p, q in zip(params, ps, strict=True))
+
+
+def test_a_false_verdict_leaves_lamb_state_and_zeroes_the_update() -> None:
+    """lamb_frozen_update with ok false: m and v_fresh as they were, u = 0 (so the step leaves
+    the parameters as they were), stats 1, 0, 0 per layer; true: the call without a verdict."""
+    bufs, offsets, hp = _lamb_case(17, True)
+    ref, stats = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+    with_ok, stats_ok = _lamb_run(
+        lambda *a, **k: K.lamb_frozen_update(*a, **k, ok=torch.ones(1, dtype=torch.bool)),
+        bufs, offsets, hp,
+    )  # fmt: skip
+    assert all(torch.equal(with_ok[k], ref[k]) for k in ref if ref[k] is not None)
+    assert torch.equal(stats_ok, stats)
+    got, stats_bad = _lamb_run(
+        lambda *a, **k: K.lamb_frozen_update(*a, **k, ok=torch.zeros(1, dtype=torch.bool)),
+        bufs, offsets, hp,
+    )  # fmt: skip
+    for k in ("exp_avg", "exp_avg_sq_fresh", "exchanged", "denom"):
+        assert torch.equal(got[k], bufs[k]), k
+    assert not got["update"][: offsets[-1]].any()
+    assert torch.equal(stats_bad, torch.tensor([[1.0, 0.0, 0.0]] * (len(offsets) - 1)).double())
+
+
+def test_restore_unless_copies_only_on_a_false_verdict() -> None:
+    dst, src = torch.randn(100), torch.randn(100)
+    before = dst.clone()
+    K.restore_unless(torch.ones(1, dtype=torch.bool), dst, src)
+    assert torch.equal(dst, before)
+    K.restore_unless(torch.zeros(1, dtype=torch.bool), dst, src)
+    assert torch.equal(dst, src)
+    with pytest.raises(TypeError, match="one-element bool tensor"):
+        K.restore_unless(torch.ones(1), dst, src)
+    with pytest.raises(ValueError, match="same dtype, size and device"):
+        K.restore_unless(torch.ones(1, dtype=torch.bool), dst, src[:5])
+
+
 def test_adam_update_rejects_bad_input() -> None:
     bufs, params, starts, hp = _adam_case(2, sizes=[4, 4])
     args = list(bufs.values())
@@ -628,9 +705,16 @@ def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
         C.adam_update_cuda(0, 0, 0, 0, 0, n_params, 0, 0, 0, nchunks, *[0] * 7, True, 0)
 
     def lamb(n_layers: int, nchunks: int) -> None:
-        C.lamb_frozen_update_cuda(0, *[0] * 6, n_layers, 0, 0, nchunks, *[0] * 7, 0, 0, 0)
+        C.lamb_frozen_update_cuda(0, *[0] * 7, n_layers, 0, 0, nchunks, *[0] * 7, 0, 0, 0)
 
-    for fn, name in ((adam, "adam_update_cuda"), (lamb, "lamb_frozen_update_cuda")):
+    def frozen_adam(n_params: int, nchunks: int) -> None:
+        C.frozen_adam_update_cuda(0, *[0] * 5, n_params, 0, 0, 0, nchunks, 0, 0, True, 0)
+
+    for fn, name in (
+        (adam, "adam_update_cuda"),
+        (lamb, "lamb_frozen_update_cuda"),
+        (frozen_adam, "frozen_adam_update_cuda"),
+    ):
         with pytest.raises(ValueError, match=f"{name}: need . >= 0"):
             fn(-1, 0)
         with pytest.raises(ValueError, match=f"{name}: need nchunks >= 0"):
@@ -641,6 +725,10 @@ def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
     adam(0, 0)
     adam(3, 0)
     lamb(0, 0)
+    frozen_adam(3, 0)
+    C.restore_unless_cuda(0, 0, 0, 0, 0, 0)  # 0 bytes
+    with pytest.raises(ValueError, match="restore_unless_cuda: need nbytes >= 0"):
+        C.restore_unless_cuda(0, 0, 0, 0, -1, 0)
     chunk = C.cuda_update_chunk()
     assert K._chunk_starts([0, 5, chunk, chunk + 1, 0, 3 * chunk]) == [0, 0, 1, 2, 4, 4, 7]
 
@@ -728,8 +816,16 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         K._adam_update_cuda(g, m, v, [p], [0], hp, True)
     coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
+    ok = torch.ones(1, dtype=torch.bool)
+    for verdict in (None, ok):
+        with pytest.raises(RuntimeError, match="onebit: cuda"):
+            K._lamb_frozen_update_cuda(
+                (g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs, verdict
+            )
     with pytest.raises(RuntimeError, match="onebit: cuda"):
-        K._lamb_frozen_update_cuda((g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs)
+        K._frozen_adam_update_cuda(ok, g, m, v + 1, [p], [0], [1e-3], [0.1], True)
+    with pytest.raises(RuntimeError, match="onebit: cuda"):
+        K._restore_unless_cuda(ok, m, g)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
