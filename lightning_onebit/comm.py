@@ -161,6 +161,7 @@ class ExchangeHandle:
         finite: bool = True,
         bad_ranks: list[int] | None = None,
         call: int = 0,
+        ok: torch.Tensor | None = None,
     ) -> None:
         self._exchange = exchange
         self._work = work
@@ -172,6 +173,7 @@ class ExchangeHandle:
         self._call = call
         self._gathered = gathered  # the records to decode
         self._next = next_set  # the error-buffer set this call wrote
+        self.ok = ok  # device_verdict: the verdict on the device (finite is then always True)
 
     def error(self) -> NonFiniteError:
         """The error of a call with non-finite input (``finite`` is False)."""
@@ -194,11 +196,13 @@ class ExchangeHandle:
             with self._exchange._explained("all_gather"):
                 work.wait()
 
-    def commit(self) -> None:
-        """Make this call's error-buffer updates the exchange's state (``commit=False`` calls)."""
+    def commit(self, ok: torch.Tensor | None = None) -> None:
+        """Make this call's error-buffer updates the exchange's state (``commit=False`` calls).
+        With ``device_verdict``, only where ``ok`` (default: this call's verdict; e.g. the
+        verdict of every bucket of a step) is true, on the device."""
         if not self.finite:
             raise self.error()
-        self._exchange._commit(self, self._next)
+        self._exchange._commit(self, self._next, ok)
 
     def discard(self) -> None:
         """Drop this call: its all_gather is drained, the error buffers stay as before it."""
@@ -229,6 +233,13 @@ class CompressedAllreduce:
         double_buffered: keep a second set of error buffers, so that ``start(..., commit=False)``
             can leave the current ones untouched until the caller commits (several exchanges
             that must all go through or all be dropped, e.g. the buckets of one step).
+        device_verdict: keep the NaN/Inf verdict on the device instead of reading it on the
+            host (which waits for the ``all_to_all``): a call never raises
+            :class:`NonFiniteError`; :attr:`verdict` holds, on the device, whether every
+            rank's input was finite, a non-finite call leaves the error buffers as they were
+            (double buffered: the new set is put back from the old one on the device) and its
+            result is undefined, for the caller to drop (the 1-bit optimizers' CUDA steps:
+            their update kernels take the verdict). Implies ``double_buffered``.
 
     Example::
 
@@ -244,6 +255,7 @@ class CompressedAllreduce:
         group: dist.ProcessGroup | None = None,
         *,
         double_buffered: bool = False,
+        device_verdict: bool = False,
     ) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -274,7 +286,8 @@ class CompressedAllreduce:
         # instead of two): the accumulator holds c, the true error is c - s * sign(c), with s and
         # sign(c) still in the server record. See kernels.server_reduce. Double buffered: calls
         # write set 1 - cur and commit flips cur; otherwise calls update set cur in place.
-        sets = 2 if double_buffered else 1
+        self.device_verdict = bool(device_verdict)
+        sets = 2 if double_buffered or device_verdict else 1
         self._werr = [
             torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(sets)
         ]
@@ -289,6 +302,9 @@ class CompressedAllreduce:
         self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
         self._scale = torch.zeros(1, dtype=torch.float32, **kw)
+        # device_verdict: whether each rank's scale was finite, and all of them (last call)
+        self._finite_ranks = torch.ones(w, dtype=torch.bool, **kw)
+        self._ok = torch.ones(1, dtype=torch.bool, **kw)
 
         self.bytes_sent = 0  # this rank, last call
         self.total_bytes_sent = 0  # this rank, since construction
@@ -302,6 +318,12 @@ class CompressedAllreduce:
     @property
     def double_buffered(self) -> bool:
         return len(self._werr) == 2
+
+    @property
+    def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``device_verdict``: the last call's verdict on the device, ``(ok, finite_ranks)``:
+        a one-element bool tensor (every rank's input was finite) and one bool per rank."""
+        return self._ok, self._finite_ranks
 
     # ------------------------------------------------------------------ views into records
 
@@ -378,7 +400,10 @@ class CompressedAllreduce:
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
         # same call, so all stop here together with both error buffers as they were.
         scales = self._scales(self._recv)
-        if not all_finite(scales):
+        if self.device_verdict:  # no host read: the kernels after the exchange take it
+            self._finite_ranks.copy_(torch.isfinite(scales))
+            torch.all(self._finite_ranks, dim=0, keepdim=True, out=self._ok)
+        elif not all_finite(scales):
             self.bytes_sent = self.bytes_per_call // 2  # the all_to_all went out, nothing after
             self.total_bytes_sent += self.bytes_sent
             bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]
@@ -413,7 +438,14 @@ class CompressedAllreduce:
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
         handle = ExchangeHandle(
-            self, work, out, tensor.shape, gathered=gathered, next_set=nxt, call=self.calls
+            self,
+            work,
+            out,
+            tensor.shape,
+            gathered=gathered,
+            next_set=nxt,
+            call=self.calls,
+            ok=self._ok if self.device_verdict else None,
         )
         if commit:
             self._commit(handle, nxt)
@@ -421,10 +453,17 @@ class CompressedAllreduce:
             self._uncommitted = handle
         return handle
 
-    def _commit(self, handle: ExchangeHandle, next_set: int) -> None:
-        """Make ``handle``'s call (which wrote error-buffer set ``next_set``) the state."""
+    def _commit(
+        self, handle: ExchangeHandle, next_set: int, ok: torch.Tensor | None = None
+    ) -> None:
+        """Make ``handle``'s call (which wrote error-buffer set ``next_set``) the state; with
+        ``device_verdict`` put the old set back into it where the verdict ``ok`` is false."""
         if self._uncommitted is not handle and self._uncommitted is not None:
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
+        if self.device_verdict:
+            ok, cur = handle.ok if ok is None else ok, self._cur
+            for bufs in (self._werr, self._sacc, self._srec):
+                kernels.restore_unless(ok, bufs[next_set], bufs[cur])
         self._cur = next_set
         self._server_pending = True
         self._uncommitted = None
@@ -483,6 +522,8 @@ class CompressedAllreduce:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
         self.worker_error.zero_()
         self._sacc[self._cur].zero_()
+        for rec in self._srec:  # (scale 0: a pending update from it changes nothing)
+            rec.zero_()
         self._server_pending = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -542,7 +583,8 @@ class BucketedAllreduce:
 
     Args:
         bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
-        device, group: as for :class:`CompressedAllreduce`.
+        device, group, device_verdict: as for :class:`CompressedAllreduce` (the verdict of a
+            call is every bucket's; the flat exchange only).
         nodes: a :class:`~lightning_onebit.hierarchy.NodeGroups` for the two-level exchange
             (:class:`~lightning_onebit.hierarchy.HierarchicalAllreduce` per bucket; ``group``
             unused), or ``None`` (flat).
@@ -554,6 +596,8 @@ class BucketedAllreduce:
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
         nodes: Any = None,
+        *,
+        device_verdict: bool = False,
     ) -> None:
         from lightning_onebit.hierarchy import make_exchange  # (it builds on this module)
 
@@ -568,14 +612,26 @@ class BucketedAllreduce:
         self.bounds = [(int(a), int(b)) for a, b in bounds]  # in exchange order, any layout
         self.numel = tiles[-1][1]
         self.buckets = [
-            make_exchange(b - a, device, group, nodes, double_buffered=True) for a, b in self.bounds
-        ]
+            make_exchange(b - a, device, group, nodes, double_buffered=True,
+                          device_verdict=device_verdict)
+            for a, b in self.bounds
+        ]  # fmt: skip
         self.nodes = nodes
         self.device = self.buckets[0].device
+        self.device_verdict = getattr(self.buckets[0], "device_verdict", False)
         self.world_size, self.rank = self.buckets[0].world_size, self.buckets[0].rank
         self._handles: list[ExchangeHandle | None] = [None] * len(self.buckets)
         self.bytes_sent = 0
         self.calls = 0
+        if self.device_verdict:
+            self._ok = torch.ones(1, dtype=torch.bool, device=self.device)
+            self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, device=self.device)
+
+    @property
+    def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``device_verdict``: the last call's verdict over every bucket, on the device (see
+        :attr:`CompressedAllreduce.verdict`)."""
+        return self._ok, self._finite_ranks
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -612,8 +668,14 @@ class BucketedAllreduce:
             for h in handles:
                 h.discard()
             raise bad[0].error()
+        ok = None
+        if self.device_verdict:  # every bucket's, on the device: all go through, or none
+            finite = torch.stack([ex.verdict[1] for ex in self.buckets])
+            torch.all(finite, dim=0, out=self._finite_ranks)
+            ok = self._ok
+            torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
         for h in handles:
-            h.commit()
+            h.commit() if ok is None else h.commit(ok)
         for h, (lo, hi) in zip(handles, self.bounds, strict=True):
             h.wait(out[lo:hi])
 

@@ -266,6 +266,9 @@ class HierarchicalAllreduce:
     ``bytes_sent`` = ``bytes_sent_intra + bytes_sent_inter`` (this rank, last call).
     """
 
+    #: the NaN/Inf verdict is read on the host (see CompressedAllreduce's device_verdict)
+    device_verdict = False
+
     def __init__(
         self,
         numel: int,
@@ -468,11 +471,17 @@ def make_exchange(
     nodes: NodeGroups | None,
     *,
     double_buffered: bool = False,
+    device_verdict: bool = False,
 ) -> CompressedAllreduce | HierarchicalAllreduce:
-    """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given."""
+    """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given
+    (``device_verdict``: the flat one only; the hierarchical one reads its verdict on the host)."""
     if nodes is None:
         return CompressedAllreduce(
-            numel, device=device, group=group, double_buffered=double_buffered
+            numel,
+            device=device,
+            group=group,
+            double_buffered=double_buffered,
+            device_verdict=device_verdict,
         )
     return HierarchicalAllreduce(numel, nodes, device=device, double_buffered=double_buffered)
 

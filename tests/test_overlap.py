@@ -52,9 +52,11 @@ def _train(
     nan_at: int = -1,
     skip: bool = False,
     extra_backward_at: int = -1,
+    device_verdict: bool = False,
 ) -> dict:
     model = _model()
     opt = FACTORIES[algo](model.parameters())
+    opt._device_verdict_on_cpu = device_verdict  # (the CUDA path's NaN handling)
     if cap_mb is not None:
         opt.overlap_with_backward(cap_mb)
         opt.overlap_paused = paused
@@ -68,8 +70,8 @@ def _train(
             torch.nn.functional.cross_entropy(model(x * 3), y).backward()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        if t == nan_at and rank == 1:
-            loss = loss * float("nan")
+        if t == nan_at and rank == 1:  # a NaN gradient for the first parameter only: one bucket
+            loss = loss + next(model.parameters()).sum() * float("nan")
         loss.backward()
         if opt._overlap is not None:
             started.append(opt._overlap._next)  # buckets the thread took during backward
@@ -168,11 +170,15 @@ def test_average_dtype_is_checked() -> None:
     assert opt.average_dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("device_verdict", [False, True], ids=["host", "device_verdict"])
 @pytest.mark.parametrize("nan_at", [2, 7], ids=["warmup", "compression"])
-def test_nan_with_overlap_drops_the_step_exactly(nan_at: int) -> None:
-    bad = run_distributed(_train, 2, "onebit_adam", 0.01, False, nan_at)
+def test_nan_with_overlap_drops_the_step_exactly(nan_at: int, device_verdict: bool) -> None:
+    """(device_verdict: every bucket's verdict on the device, as on CUDA: a NaN in one bucket
+    puts back the error buffers of the buckets that were fine.)"""
+    bad = run_distributed(_train, 2, "onebit_adam", 0.01, False, nan_at, False, -1, device_verdict)
     ref = run_distributed(_train, 2, "onebit_adam", 0.01, False, nan_at, True)
     for a, b in zip(bad, ref, strict=True):
+        assert a["buckets"] > 1
         assert torch.equal(a["hist"][-1], b["hist"][-1])
         assert torch.isfinite(a["hist"]).all()
 

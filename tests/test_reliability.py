@@ -183,6 +183,73 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_as_if_the_batch_was_not_th
         assert torch.equal(runs[0][algo]["params"], runs[1][algo]["params"]), algo
 
 
+#: steps with a NaN on rank 1 for the device verdict: compressed steps, two in a row, one at
+#: a rescale_variance all-reduce (every RESCALE_INTERVAL = 2 counted steps from step 11)
+VERDICT_NAN = [12, 15, 16, 21]
+
+
+def _device_verdict_worker(rank: int, world: int, algo: str, robust: bool, how: str) -> dict:
+    """20+ steps of ``algo`` with NaNs on rank 1 at VERDICT_NAN; ``how``: ``"device"`` (the
+    verdict kept on the device, as on CUDA), ``"host"`` (read on the host) or ``"skip"`` (the
+    reference: those batches never happened)."""
+    import warnings
+
+    from tests._reference import _algo, flat_trainable, make_groups, make_params, set_grads
+
+    factory, _ = _algo(algo, 1, 0, robust=robust)
+    params = make_params()
+    opt = factory(make_groups(params))
+    opt._device_verdict_on_cpu = how == "device"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 25):
+            if t in VERDICT_NAN and how == "skip":
+                continue
+            set_grads(params, rank, t)
+            if t in VERDICT_NAN and rank == 1:
+                next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+            opt.step()
+        state = opt.state_dict()  # (the last step's verdict is final here)
+    return {
+        "params": flat_trainable(params),
+        "m": opt._flat["exp_avg"].clone(),
+        "errors": opt._exchange.state_dict(),
+        "device_verdict": opt._exchange.device_verdict,
+        "skipped": opt.skipped_steps,
+        "steps": state["onebit"]["step_count"],
+        "warnings": [str(w.message) for w in caught if "skipped step" in str(w.message)],
+    }
+
+
+@pytest.mark.parametrize("robust", [False, True], ids=["deepspeed", "strategy_defaults"])
+@pytest.mark.parametrize("algo", ["onebit_adam", "onebit_lamb"])
+def test_a_verdict_kept_on_the_device_drops_the_steps_exactly(algo: str, robust: bool) -> None:
+    """The CUDA path's NaN handling (the exchange's verdict stays on the device; update kernels
+    and error buffers take it; the host learns it one step later), run on the CPU: the same
+    parameters, moments and error buffers as if the NaN batches had never been there, bit for
+    bit, and the same counts and warnings as the host's verdict gives."""
+    device = run_distributed(_device_verdict_worker, 2, algo, robust, "device")
+    host = run_distributed(_device_verdict_worker, 2, algo, robust, "host")
+    ref = run_distributed(_device_verdict_worker, 2, algo, robust, "skip")
+    n = len(VERDICT_NAN)
+    for rank in range(2):
+        d, h, r = device[rank], host[rank], ref[rank]
+        assert d["device_verdict"] and not h["device_verdict"]
+        assert d["skipped"] == h["skipped"] == n and r["skipped"] == 0
+        assert d["steps"] == h["steps"] == r["steps"] == 24 - n
+        assert len(d["warnings"]) == len(h["warnings"]) == (n if rank == 0 else 0)
+        for k in ("params", "m"):
+            assert torch.isfinite(d[k]).all(), k
+            assert torch.equal(d[k], r[k]), (k, (d[k] - r[k]).abs().max())
+        for k in ("worker_error", "server_error"):
+            errs = [x["errors"] for x in (d, r)]
+            flat = [
+                torch.cat([b[k] for b in e["buckets"]]) if "buckets" in e else e[k] for e in errs
+            ]
+            assert torch.equal(*flat), k
+    assert torch.equal(device[0]["params"], device[1]["params"])
+
+
 def _local_nan_worker(rank: int, world: int, nan_at: int, skip: bool = False) -> dict:
     from tests._reference import flat_trainable, make_groups, make_params, set_grads
 

@@ -67,6 +67,13 @@ Everything else lives here, once:
   buffers only once every rank's scale is finite). The step is then dropped on every rank as if
   its batch had not been there (``skipped_steps`` counts them, a ``RuntimeWarning`` says so);
   ``max_consecutive_skips`` in a row raise :class:`~lightning_onebit.comm.NonFiniteError`.
+  On CUDA, 1-bit Adam and 1-bit LAMB keep that verdict on the device (a host read would wait
+  for the exchange: the one host synchronisation of a compressed step): the exchange puts its
+  error buffers back and the update kernels write nothing when it is false, and the host learns
+  it at the start of the next ``step()`` (or ``state_dict()``), from a copy made at the end of
+  the step, which has long arrived by then. The step is dropped exactly as above; its warning
+  (and, after ``max_consecutive_skips``, the error) comes one step later. (0/1 Adam and the
+  hierarchical exchange read the verdict on the host.)
 
 Gradient averaging contract, common to the three optimizers: steps that need full-precision
 averaged gradients (warmup of 1-bit Adam and 1-bit LAMB, variance-update steps of 0/1 Adam;
@@ -186,6 +193,11 @@ class OneBitOptimizer(
     _work_buffers: tuple[str, ...] = ("update",)
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
+    #: Whether the compressed steps can take the exchange's NaN/Inf verdict on the device (their
+    #: update kernels skip a non-finite step), which they do on CUDA; see "Non-finite values".
+    DEVICE_VERDICT: ClassVar[bool] = False
+    #: Take it on the device on the CPU too (tests: the same code path, read on the host).
+    _device_verdict_on_cpu: bool = False
     #: ``rescale_variance``: steps between the all-reduces of the gradients' mean squares, and
     #: all-reduces before their running mean is the reference (see ``_rescale_variance_``)
     rescale_interval: int = RESCALE_INTERVAL
@@ -255,6 +267,10 @@ class OneBitOptimizer(
         self._checked_local_grads = False  # _check_grads_are_local runs once
         self.skipped_steps = 0  # steps skipped for non-finite values (see step())
         self._consecutive_skips = 0
+        # device verdicts: this step's (ok, finite per rank) on the device, and the last step's
+        # host copy (with the CUDA event that says it arrived), resolved by _resolve_verdict
+        self._step_verdict: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_verdict: tuple[int, torch.Tensor, Any] | None = None
         self.comm_stats: dict[str, int] = {
             "bytes_last_step": 0,  # bytes this rank sent in the last step
             "bytes_total": 0,  # ... since the start of training
@@ -672,6 +688,7 @@ class OneBitOptimizer(
         Args:
             closure: optional callable that re-evaluates the model and returns the loss.
         """
+        self._resolve_verdict()  # the last step's, if on the device (may raise: diverged)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -686,6 +703,7 @@ class OneBitOptimizer(
         self.step_count += 1
         self._bytes_step = self._bytes_step_inter = 0
         skipped = self.skipped_steps
+        self._step_verdict = None
         try:
             self._step()
         except NonFiniteError as err:
@@ -696,7 +714,9 @@ class OneBitOptimizer(
             if self._overlap is not None:
                 self._exchange.discard()  # started buckets a step did not use (none normally)
                 self._overlap.end_step()
-        if self.skipped_steps == skipped:
+        if self._step_verdict is not None:
+            self._defer_verdict(*self._step_verdict)
+        elif self.skipped_steps == skipped:
             self._consecutive_skips = 0
         stats = self.comm_stats
         stats["bytes_last_step"] = self._bytes_step
@@ -747,6 +767,62 @@ class OneBitOptimizer(
     def _step(self) -> None:
         """One step of the algorithm on the flat buffers (``self.step_count`` already counts it).
         Raise :class:`NonFiniteError` before writing any state to have the step dropped."""
+
+    def _uses_device_verdict(self, device: torch.device) -> bool:
+        """Whether the exchange built for ``device`` keeps its verdict there (see
+        :attr:`DEVICE_VERDICT`): on CUDA with the CUDA kernels built."""
+        from lightning_onebit import kernels
+
+        on_gpu = device.type == "cuda" and kernels.HAS_CUDA
+        return self.DEVICE_VERDICT and (on_gpu or self._device_verdict_on_cpu)
+
+    def _take_verdict(self) -> torch.Tensor | None:
+        """After a compressed exchange: its verdict ``ok`` on the device (the step's update
+        kernels take it), or ``None`` when the exchange read it on the host (and raised)."""
+        ex = self._exchange
+        if not getattr(ex, "device_verdict", False):
+            return None
+        self._step_verdict = ex.verdict
+        return self._step_verdict[0]
+
+    def _defer_verdict(self, ok: torch.Tensor, finite: torch.Tensor) -> None:
+        """End of a step whose verdict is on the device: copy it to the host without waiting
+        (pinned memory, an event after the copy); :meth:`_resolve_verdict` reads it later."""
+        event = None
+        if finite.is_cuda:
+            host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(finite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(finite.device))
+        else:
+            host = finite.clone()
+        self._pending_verdict = (self.step_count, host, event)
+
+    def _resolve_verdict(self) -> None:
+        """The host's half of a step whose verdict stayed on the device: if it was non-finite,
+        the step (which wrote nothing) is uncounted and reported as a skipped step. Runs at the
+        start of the next step and before a checkpoint; the copy has arrived by then (the event
+        waits only if the GPU is still on that step's exchange)."""
+        pending, self._pending_verdict = self._pending_verdict, None
+        if pending is None:
+            return
+        step, host, event = pending
+        if event is not None:
+            event.synchronize()
+        bad = [i for i, finite in enumerate(host.tolist()) if not finite]
+        if not bad:
+            self._consecutive_skips = 0
+            return
+        self.step_count -= 1
+        if self.rescale_variance and self.grad_sq_steps > 0:
+            self.grad_sq_steps -= 1  # (the step counted zeros: _rescale_variance_)
+        self._skipped(
+            NonFiniteError(
+                f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
+                f"{len(host)} at step {step}; every rank dropped the step (its error buffers and "
+                "update were not written: the verdict was taken on the device)"
+            )
+        )
 
     def _skipped(self, err: NonFiniteError) -> None:
         """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and

@@ -44,6 +44,7 @@ class _Checkpointing:
         in, which torch applies again: its first steps are smaller by ``sqrt(1 - beta2**t) /
         (1 - beta1**t)``, ~1 once ``t`` is in the thousands.)
         """
+        self._resolve_verdict()  # (a verdict still on the device: the count must be final)
         state = super().state_dict()
         for saved, group in zip(state["param_groups"], self.param_groups, strict=True):
             steps = torch.tensor(float(self.step_count - group.get("joined_at", (0, 0))[0]))
@@ -96,6 +97,7 @@ class _Checkpointing:
         the next steps' bias correction is the one torch's Adam would apply. The phase switch,
         if that count is already past it, is :meth:`catch_up_switch`'s.
         """
+        self._pending_verdict = None  # (of the steps the loaded state replaces)
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         saved_groups = [dict(g) for g in state_dict["param_groups"]]

@@ -133,9 +133,15 @@ class _FlatBuffers:
             group = self._overlap.group() if self._overlap is not None else self.process_group
             if self._overlap is not None:
                 nodes = self._overlap.nodes()
-            ex = BucketedAllreduce(bounds, device=device, group=group, nodes=nodes)
+            ex = BucketedAllreduce(
+                bounds, device=device, group=group, nodes=nodes,
+                device_verdict=self._uses_device_verdict(device),
+            )  # fmt: skip
         elif ex is None:
-            ex = make_exchange(n, device, self.process_group, nodes)
+            ex = make_exchange(
+                n, device, self.process_group, nodes,
+                device_verdict=self._uses_device_verdict(device),
+            )  # fmt: skip
         if self._overlap is not None:
             self._overlap.install(layout)
         pending, self._pending_exchange_state = self._pending_exchange_state, None

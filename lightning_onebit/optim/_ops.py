@@ -18,7 +18,7 @@ from lightning_onebit.comm import (
     start_average,
 )
 from lightning_onebit.hierarchy import average_bytes, hierarchical_average, inter_node_bytes
-from lightning_onebit.kernels import adam_update
+from lightning_onebit.kernels import adam_update, frozen_adam_update
 
 __all__ = ["RESCALE_BETA", "RESCALE_INTERVAL", "RESCALE_REFERENCE_UPDATES", "_FlatOps"]
 
@@ -148,13 +148,16 @@ class _FlatOps:
         self,
         source: torch.Tensor | Callable[[slice], torch.Tensor],
         out: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
 
         ``source`` is the flat input (``out`` defaults to it: in place) or a function computing
         it for a flat slice, so that with :meth:`overlap_with_backward` only the buckets not
         started during backward are computed here. Raises NonFiniteError on every rank, with
-        ``out`` and the error buffers untouched, when any rank's input has a NaN/Inf.
+        ``out`` and the error buffers untouched, when any rank's input has a NaN/Inf; or, when
+        the exchange keeps its verdict on the device (CUDA, see ``DEVICE_VERDICT``), returns it
+        (a bool tensor): where it is false the error buffers are untouched and ``out`` is
+        undefined, and the caller's update kernels must take it. ``None`` otherwise.
         """
         if out is None:
             if callable(source):
@@ -170,6 +173,7 @@ class _FlatOps:
         finally:
             self._bytes_step += ex.bytes_sent
             self._bytes_step_inter += inter_node_bytes(ex, self._node_size())
+        return self._take_verdict()
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
         """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
@@ -233,7 +237,9 @@ class _FlatOps:
         now = avg / self.grad_sq_weight  # bias-corrected
         return torch.where(ref > 0, now / ref, 1.0).clamp_min_(1.0)
 
-    def _rescale_variance_(self, g: torch.Tensor | None, reduce: bool) -> None:
+    def _rescale_variance_(
+        self, g: torch.Tensor | None, reduce: bool, ok: torch.Tensor | None = None
+    ) -> None:
         """``rescale_variance``: keep the frozen variance at least as large as each tensor's
         current gradient scale (call at the end of every step of the frozen phase).
 
@@ -256,17 +262,33 @@ class _FlatOps:
 
         ``g``: this step's local gradient (flat), or ``None`` for a step that has none to
         count (a rank's skipped local step: it counts as zeros, so that every rank counts the
-        same steps and reduces on the same one).
+        same steps and reduces on the same one). ``ok``: the step's verdict on the device (see
+        :meth:`_compressed_average_`): a dropped step adds zeros, and its count is taken back
+        when the host learns of it; the reduce then waits for the next step's start.
         """
         if not self.rescale_variance:
             return
         total = self._scalars["grad_sq_sum"]
         if g is not None:  # per-tensor sums of g**2, one fused kernel over the views
-            norms = torch._foreach_norm(self._views["grad"])
-            total.add_(torch.stack(norms).square_())
+            sq = torch.stack(torch._foreach_norm(self._views["grad"])).square_()
+            total.add_(sq if ok is None else torch.where(ok, sq, 0.0))
         self.grad_sq_steps += 1
-        if not reduce or self.grad_sq_steps < self.rescale_interval:
-            return
+        if ok is not None:  # (a dropped step's count is taken back when the host learns it)
+            return  # the reduce is at the next step's start: _rescale_reduce_if_due
+        if reduce and self.grad_sq_steps >= self.rescale_interval:
+            self._rescale_reduce_()
+
+    def _rescale_reduce_if_due(self) -> None:
+        """``rescale_variance`` with the verdict on the device: the reduce that
+        :meth:`_rescale_variance_` leaves to the start of the next step, when the host knows
+        which steps counted (the same values, one step later on the wire)."""
+        if self.rescale_variance and self.grad_sq_steps >= self.rescale_interval:
+            self._rescale_reduce_()
+
+    def _rescale_reduce_(self) -> None:
+        """All-reduce the summed mean squares into their running mean (see
+        :meth:`_rescale_variance_`)."""
+        total = self._scalars["grad_sq_sum"]
         mean = total / (self._layout.sizes.clamp_min(1) * self.grad_sq_steps)
         w = self.world_size
         if w > 1:
@@ -307,6 +329,25 @@ class _FlatOps:
                 torch._foreach_add_(params, xs, alpha=-lr)
             else:
                 torch._foreach_addcdiv_(params, xs, [denom[j] for j in idx], value=-lr)
+
+    def _frozen_adam_update_(self, ok: torch.Tensor, x: torch.Tensor) -> None:
+        """1-bit Adam's compression-phase update from the exchanged ``x``, only where the
+        verdict ``ok`` (on the device) is true: ``m = x * d`` and ``p -= lr * (x + wd * p)``
+        with ``preconditioned_exchange``, else ``m = x`` and ``p -= lr * (x / d + wd * p)``
+        (``d = sqrt(v) + eps``, frozen); :func:`~lightning_onebit.kernels.frozen_adam_update`."""
+        layout, groups = self._layout, self.param_groups
+        of = layout.group_of
+        frozen_adam_update(
+            ok,
+            x,
+            self._flat["exp_avg"],
+            self._frozen_denominator()[0],
+            layout.params,
+            layout.offsets,
+            [groups[of[j]]["lr"] for j in range(len(layout.params))],
+            [groups[of[j]]["weight_decay"] for j in range(len(layout.params))],
+            self.preconditioned_exchange,
+        )
 
     def _adam_step_(self, update_variance: bool = True) -> None:
         """Adam's step from the flat gradient buffer, one fused sweep

@@ -137,6 +137,8 @@ class OneBitAdam(OneBitOptimizer):
         )
         self.freeze_step = freeze_step
 
+    DEVICE_VERDICT = True
+
     def _overlappable(self) -> bool:
         return self.phase == Phase.COMPRESSION
 
@@ -167,6 +169,17 @@ class OneBitAdam(OneBitOptimizer):
         # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
         #     backward with overlap_with_backward(); m changes only if every bucket goes through)
         m = self._flat["exp_avg"]
+        if getattr(self._exchange, "device_verdict", False):
+            # (CUDA: the NaN/Inf verdict stays on the device; one fused kernel writes m and p
+            # only where it is true: the same step, without a host synchronisation)
+            self._rescale_reduce_if_due()
+            x = self._work["update"]
+            ok = self._compressed_average_(self._exchange_source, out=x)
+            self._apply_exp_avg_mask_(x)
+            # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
+            self._frozen_adam_update_(ok, x)
+            self._rescale_variance_(g, reduce=True, ok=ok)
+            return
         if not self.preconditioned_exchange:
             self._compressed_average_(self._exchange_source, out=m)
             self._apply_exp_avg_mask_(m)

@@ -300,6 +300,8 @@ class OneBitLamb(OneBitOptimizer):
         scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
         self.scaling_coeff_ready = True
 
+    DEVICE_VERDICT = True
+
     def _overlappable(self) -> bool:
         return self.phase == Phase.COMPRESSION and self.scaling_coeff_ready
 
@@ -388,7 +390,9 @@ class OneBitLamb(OneBitOptimizer):
         #     overlap_with_backward(); x changes only if every bucket goes through), masked (the
         #     mask commutes with the scaling); m still holds the last momentum, for 3d
         x = self._work["exchanged"]
-        self._compressed_average_(self._exchange_source, out=x)
+        # (ok: on CUDA the NaN/Inf verdict, on the device; the kernel below writes nothing where
+        # it is false and zeroes u, so that 3g leaves p as it was)
+        ok = self._compressed_average_(self._exchange_source, out=x)
         self._apply_exp_avg_mask_(x)
         d, _ = self._frozen_denominator()  # sqrt(v) + eps, computed once: v is frozen
         if self.preconditioned_exchange:  # it was exchanged divided by sqrt(v) + eps
@@ -408,6 +412,7 @@ class OneBitLamb(OneBitOptimizer):
             [*self._layout.offsets, self._layout.numel],
             self._scaling_values(),
             *(self._per_layer_values(k) for k in hparams),
+            ok=ok,
         ).to(device=scaling.device, dtype=torch.float32)
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
         # 3f. the fresh-variance factor, blended, clipped in value and in speed
@@ -419,6 +424,8 @@ class OneBitLamb(OneBitOptimizer):
         factor = factor.clamp(self.factor_min, self.factor_max)
         factor = torch.minimum(factor, last_factor * (1.0 + self.factor_threshold))
         factor = torch.maximum(factor, last_factor * (1.0 - self.factor_threshold))
+        if ok is not None:
+            factor = torch.where(ok, factor, last_factor)
         last_factor.copy_(factor)
         # 3g. update
         self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)
