@@ -1,5 +1,5 @@
 """Training-step time on one GPU: the 1-bit optimizers next to torch's fused AdamW, and what the
-exchange's host-side NaN/Inf verdict costs.
+exchange's NaN/Inf verdict costs, read on the host or kept on the device.
 
     python benchmarks/gpu_step.py [--width 1024] [--layers 8] [--batch 32] [--steps 20]
 
@@ -7,10 +7,13 @@ A transformer LM (``nn.TransformerEncoder``, bf16 autocast) on one GPU, so W = 1
 compresses and decodes but sends nothing, and what is measured is the optimizers' own cost
 per step. Each row: the median over 3 runs of ``--steps`` steps of the wall time per step,
 with one ``torch.cuda.synchronize()`` per run (never per step, so a host synchronisation inside
-the step shows up as the GPU idling while the host catches up). ``verdict=off`` replaces the
-exchange's verdict (``comm.all_finite``, the one host read of a compressed step) by ``True``:
-the difference between the two rows is what that read costs. The optimizers are switched to
-their compression phase after 2 steps (0/1 Adam: its local phase, a sync every step).
+the step shows up as the GPU idling while the host catches up). ``verdict=device`` is what
+1-bit Adam and 1-bit LAMB do on CUDA (the verdict stays on the device: predicated kernels, no
+host read); ``verdict=host`` reads it on the host (``comm.all_finite``, a host synchronisation
+per exchange: 0/1 Adam, and the other two with ``DEVICE_VERDICT`` off, their torch-op update);
+``verdict=off`` replaces that read by ``True`` (unsafe: what the read itself costs). The
+optimizers are switched to their compression phase after 2 steps (0/1 Adam: its local phase, a
+sync every step).
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ def _model(width: int, layers: int) -> torch.nn.Module:
 
 
 def _time(
-    args: argparse.Namespace, make: Callable, overlap: float | None, verdict: bool
+    args: argparse.Namespace, make: Callable, overlap: float | None, verdict: str
 ) -> tuple[float, int]:
     model = _model(args.width, args.layers)
     opt = make(model.parameters())
+    if verdict != "device" and hasattr(opt, "DEVICE_VERDICT"):
+        opt.DEVICE_VERDICT = False  # (before the first step builds the exchange)
     if overlap is not None:
         opt.overlap_with_backward(overlap)
     x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), device="cuda")
@@ -60,7 +65,7 @@ def _time(
     for _ in range(5):  # the warmup steps, the switch, the first compressed steps
         step()
     real = comm.all_finite
-    if not verdict:
+    if verdict == "off":
         comm.all_finite = lambda scales: True
     runs = []
     try:
@@ -91,8 +96,8 @@ def main() -> None:
         raise SystemExit("gpu_step.py needs a CUDA GPU")
     warnings.simplefilter("ignore")  # single-process and young-variance warnings
 
-    rows: list[tuple[str, Callable, float | None, bool]] = [
-        ("torch AdamW (fused)", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), None, True)
+    rows: list[tuple[str, Callable, float | None, str]] = [
+        ("torch AdamW (fused)", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), None, "-")
     ]
     for name, cls, kw in (
         ("1-bit Adam", OneBitAdam, {"freeze_step": 2}),
@@ -100,9 +105,9 @@ def main() -> None:
         ("1-bit LAMB", OneBitLamb, {"freeze_step": 2}),
     ):
         for overlap in (None, args.bucket_mb):
-            for verdict in (True, False):
+            for verdict in ("device", "host", "off") if cls.DEVICE_VERDICT else ("host", "off"):
                 where = "in step()" if overlap is None else f"overlap {overlap:g} MB"
-                label = f"{name}, {where}, verdict={'host' if verdict else 'off'}"
+                label = f"{name}, {where}, verdict={verdict}"
                 rows.append(
                     (label, lambda ps, cls=cls, kw=kw: cls(ps, lr=1e-4, **kw), overlap, verdict)
                 )
