@@ -98,10 +98,10 @@ PYBIND11_MODULE(_C, m) {
   }, release(), "decompress on the given CUDA stream");
   m.def("cuda_update_chunk", &onebit::cuda_update_chunk,
         "values per chunk of the CUDA optimizer updates (the caller's chunk table counts in these)");
-  m.def("adam_update_cuda", [](int device, ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes,
+  m.def("adam_update_cuda", [](int device, ptr ok, ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes,
                                ptr chunk_start, int64_t nchunks, ptr lr, ptr beta1, ptr ob1, ptr beta2, ptr ob2,
                                ptr eps, ptr wd, bool update_v, ptr stream) {
-    onebit::adam_update_cuda(device, P<const float>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
+    onebit::adam_update_cuda(device, P<const bool>(ok), P<const float>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
                              P<const int64_t>(starts), P<const int64_t>(sizes), P<const int64_t>(chunk_start),
                              nchunks, P<const float>(lr), P<const float>(beta1), P<const float>(ob1),
                              P<const float>(beta2), P<const float>(ob2), P<const float>(eps), P<const float>(wd),

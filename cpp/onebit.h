@@ -136,7 +136,8 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
 // nchunks = chunk_start[last]), computed by the caller from the sizes it already has.
 int64_t cuda_update_chunk();
 // adam_update_cpu on device pointers, enqueued on `stream`. No reductions, no workspace.
-void adam_update_cuda(int device, const float* g, float* m, float* v, float* const* params, int64_t P,
+// `ok`: null, or a device bool (a step's NaN/Inf verdict): when false nothing is written.
+void adam_update_cuda(int device, const bool* ok, const float* g, float* m, float* v, float* const* params, int64_t P,
                       const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                       const float* lr, const float* beta1, const float* ob1, const float* beta2,
                       const float* ob2, const float* eps, const float* wd, bool update_v, void* stream);

@@ -405,11 +405,13 @@ struct ParamChunk {
 // Adam's step without bias correction (adam_block_scalar): per value i of parameter j,
 //   m <- m * beta1 + ob1 * g;  v <- v * beta2 + ob2 * (g * g) (update_v);
 //   p <- p - lr * (m / (sqrt(v) + eps) + wd * p)
+// With ok (a verdict on the device; null: always) false: nothing.
 __global__ void __launch_bounds__(kThreads)
-adam_kernel(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+adam_kernel(const bool* ok, const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
             const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* lr, const float* beta1,
             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
             bool update_v) {
+  if (ok != nullptr && !*ok) return;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const ParamChunk pc(chunk_start, P, starts, sizes, c);
     const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
@@ -612,7 +614,7 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
 
 int64_t cuda_update_chunk() { return kUpdChunk; }
 
-void adam_update_cuda(int device, const float* g, float* m, float* v, float* const* params, int64_t P,
+void adam_update_cuda(int device, const bool* ok, const float* g, float* m, float* v, float* const* params, int64_t P,
                       const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                       const float* lr, const float* beta1, const float* ob1, const float* beta2, const float* ob2,
                       const float* eps, const float* wd, bool update_v, void* stream) {
@@ -620,7 +622,7 @@ void adam_update_cuda(int device, const float* g, float* m, float* v, float* con
   detail::check_chunks("adam_update_cuda", P, nchunks);
   if (nchunks == 0) return;  // no values (P == 0 or every parameter empty)
   DeviceGuard guard(device);
-  launch("adam_kernel", adam_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream), g, m, v,
+  launch("adam_kernel", adam_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream), ok, g, m, v,
          params, P, starts, sizes, chunk_start, nchunks, lr, beta1, ob1, beta2, ob2, eps, wd, update_v);
 }
 

@@ -741,6 +741,7 @@ def adam_update(
     eps: list[float],
     weight_decay: list[float],
     update_variance: bool = True,
+    ok: torch.Tensor | None = None,
 ) -> None:
     """Adam's step without bias correction, moments and parameters in one sweep.
 
@@ -764,6 +765,11 @@ def adam_update(
         params: the parameters, updated in place (any float dtype).
         starts: each parameter's first flat index.
         lr, beta1, beta2, eps, weight_decay: one value per parameter.
+        ok: ``None``, or a one-element bool tensor on the buffers' device (a step's NaN/Inf
+            verdict): when it is false nothing is written. The CUDA kernel reads it on the
+            device; CUDA tensors on the pure-torch path compute the step aside and keep it
+            with ``torch.where`` (no host synchronisation either); on the CPU it is read on
+            the host.
     """
     named = [("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     for name, t in named:
@@ -784,12 +790,26 @@ def adam_update(
     fast = (device.type == "cpu" or (device.type == "cuda" and HAS_CUDA)) and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
+    if ok is not None:
+        _check_verdict(ok, device)
+        if device.type != "cuda" and not bool(ok):  # (a host read: free off the GPU)
+            return
+        if device.type == "cuda" and (not fast or not _use_cpp()):  # aside, then kept or not
+            m, v, ps = exp_avg.clone(), exp_avg_sq.clone(), [p.clone() for p in params]
+            reference_adam_update(grad, m, v, ps, starts, **hp, update_variance=update_variance)
+            torch.where(ok, m, exp_avg, out=exp_avg)
+            torch.where(ok, v, exp_avg_sq, out=exp_avg_sq)
+            for p, q in zip(params, ps, strict=True):
+                p.copy_(torch.where(ok, q, p))
+            return
+        if device.type != "cuda":
+            ok = None
     if not fast or not _use_cpp():
         reference_adam_update(grad, exp_avg, exp_avg_sq, params, starts, **hp,
                               update_variance=update_variance)  # fmt: skip
         return
     if device.type == "cuda":
-        _adam_update_cuda(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance)
+        _adam_update_cuda(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance, ok)
     else:
         _adam_update_cpu(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance)
     # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
@@ -967,6 +987,7 @@ def _adam_update_cuda(
     starts: list[int],
     hp: dict[str, list[float]],
     update_variance: bool,
+    ok: torch.Tensor | None = None,
 ) -> None:
     n, device = len(params), grad.device
     table = _param_table(params, starts, device)
@@ -979,6 +1000,7 @@ def _adam_update_cuda(
     coef = _on_device([*rows, hp["weight_decay"]], torch.float32, device)
     _C.adam_update_cuda(
         device.index,
+        0 if ok is None else ok.data_ptr(),
         grad.data_ptr(),
         exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(),

@@ -523,6 +523,24 @@ def test_frozen_adam_update_is_the_optimizers_torch_update(precond: bool) -> Non
     assert all(torch.equal(p, q) for p, q in zip(params, ps, strict=True))
 
 
+def test_adam_update_with_a_verdict() -> None:
+    """ok true: the call without a verdict, bit for bit; false: nothing written."""
+    case = _adam_case(23)
+    ref = _adam_run(K.adam_update, case, True)
+    yes = _adam_run(
+        lambda *a, **k: K.adam_update(*a, **k, ok=torch.ones(1, dtype=torch.bool)), case, True
+    )
+    no = _adam_run(
+        lambda *a, **k: K.adam_update(*a, **k, ok=torch.zeros(1, dtype=torch.bool)), case, True
+    )
+    bufs, params = case[0], case[1]
+    for k in bufs:
+        assert torch.equal(yes[0][k], ref[0][k]) and torch.equal(no[0][k], bufs[k]), k
+    for a, b in zip(yes[1], ref[1], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, p) for a, p in zip(no[1], params, strict=True))
+
+
 def test_a_false_verdict_leaves_lamb_state_and_zeroes_the_update() -> None:
     """lamb_frozen_update with ok false: m and v_fresh as they were, u = 0 (so the step leaves
     the parameters as they were), stats 1, 0, 0 per layer; true: the call without a verdict."""
@@ -702,7 +720,7 @@ def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
         C.decompress_cuda(0, 0, 1, 8, 0, 1, 64, 0, 65, 0)  # nout > W * m
 
     def adam(n_params: int, nchunks: int) -> None:
-        C.adam_update_cuda(0, 0, 0, 0, 0, n_params, 0, 0, 0, nchunks, *[0] * 7, True, 0)
+        C.adam_update_cuda(0, 0, 0, 0, 0, 0, n_params, 0, 0, 0, nchunks, *[0] * 7, True, 0)
 
     def lamb(n_layers: int, nchunks: int) -> None:
         C.lamb_frozen_update_cuda(0, *[0] * 7, n_layers, 0, 0, nchunks, *[0] * 7, 0, 0, 0)
@@ -813,8 +831,9 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
     monkeypatch.setattr(K, "_stream", lambda device: 0)
     g, m, v, p = torch.randn(10), torch.zeros(10), torch.zeros(10), torch.randn(10)
     hp = {"lr": [1e-3], "beta1": [0.9], "beta2": [0.999], "eps": [1e-8], "weight_decay": [0.1]}
-    with pytest.raises(RuntimeError, match="onebit: cuda"):
-        K._adam_update_cuda(g, m, v, [p], [0], hp, True)
+    for verdict in (None, torch.ones(1, dtype=torch.bool)):
+        with pytest.raises(RuntimeError, match="onebit: cuda"):
+            K._adam_update_cuda(g, m, v, [p], [0], hp, True, verdict)
     coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
     ok = torch.ones(1, dtype=torch.bool)
     for verdict in (None, ok):
