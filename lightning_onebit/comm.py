@@ -112,11 +112,11 @@ def start_average(
 
 
 def all_finite(scales: torch.Tensor) -> bool:
-    """The exchange's NaN/Inf verdict: whether every rank's scale is finite (one NaN/Inf value
-    makes its rank's scale non-finite). On CUDA this is the one host read of a compressed step
-    (it waits for the ``all_to_all``), kept by design: every rank learns the verdict in the same
-    call, before any state is written, so a bad step is dropped exactly, on every rank. A
-    device-side verdict would have to predicate every later write of the step instead."""
+    """The exchange's NaN/Inf verdict, read on the host: whether every rank's scale is finite
+    (one NaN/Inf value makes its rank's scale non-finite). Every rank learns it in the same call,
+    before any state is written, so a bad step is dropped exactly, on every rank. On CUDA this
+    waits for the ``all_to_all``: the 1-bit optimizers' exchanges keep it on the device instead
+    (``CompressedAllreduce(device_verdict=True)``)."""
     return bool(torch.isfinite(scales).all())
 
 

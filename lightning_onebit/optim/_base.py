@@ -88,6 +88,7 @@ registers only the parameters that required grad when it was built). All other s
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import os
@@ -198,6 +199,14 @@ class OneBitOptimizer(
     DEVICE_VERDICT: ClassVar[bool] = False
     #: Take it on the device on the CPU too (tests: the same code path, read on the host).
     _device_verdict_on_cpu: bool = False
+    #: Host-side counters a step advances: put back when the step turns out dropped (its
+    #: verdict was non-finite), whether the host learnt that in the step or one step later.
+    _host_counters: ClassVar[tuple[str, ...]] = (
+        "step_count",
+        "variance_updates",
+        "grad_sq_steps",
+        "_rescale_due",
+    )
     #: ``rescale_variance``: steps between the all-reduces of the gradients' mean squares, and
     #: all-reduces before their running mean is the reference (see ``_rescale_variance_``)
     rescale_interval: int = RESCALE_INTERVAL
@@ -242,9 +251,11 @@ class OneBitOptimizer(
                 "grad_sq_updates",
                 "grad_sq_steps",
                 "grad_sq_weight",
+                "_rescale_due",
             )
         self.grad_sq_updates = 0  # all-reduced updates of the running mean squares
         self.grad_sq_steps = 0  # steps summed into grad_sq_sum since the last one
+        self._rescale_due = False  # (device verdicts: a reduce waits for the next step's start)
         self.grad_sq_weight = 0.0  # 1 - the initial zeros' weight in them (bias correction)
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
@@ -267,10 +278,11 @@ class OneBitOptimizer(
         self._checked_local_grads = False  # _check_grads_are_local runs once
         self.skipped_steps = 0  # steps skipped for non-finite values (see step())
         self._consecutive_skips = 0
-        # device verdicts: this step's (ok, finite per rank) on the device, and the last step's
-        # host copy (with the CUDA event that says it arrived), resolved by _resolve_verdict
-        self._step_verdict: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._pending_verdict: tuple[int, torch.Tensor, Any] | None = None
+        # device verdicts: this step's (ok, finite per rank, what it judged) on the device, and
+        # the last step's host copy (with the CUDA event that says it arrived and the counters
+        # from before it), resolved by _resolve_verdict
+        self._step_verdict: tuple[torch.Tensor, torch.Tensor, str] | None = None
+        self._pending_verdict: tuple[Any, ...] | None = None
         self.comm_stats: dict[str, int] = {
             "bytes_last_step": 0,  # bytes this rank sent in the last step
             "bytes_total": 0,  # ... since the start of training
@@ -448,7 +460,7 @@ class OneBitOptimizer(
             m[s].div_(bc1)
             v[s].div_(bc2)
 
-    def _floor_variance_(self, report: bool = False) -> None:
+    def _floor_variance_(self, report: bool = False, ok: torch.Tensor | None = None) -> None:
         """Raise each coordinate's variance to at least ``f**2 * max(mean_k, mean_g)``,
         ``f = variance_floor``, ``mean_k`` the mean variance of its tensor, ``mean_g`` that of
         its parameter group: a coordinate counts as degenerate when its gradient RMS is below
@@ -468,6 +480,7 @@ class OneBitOptimizer(
 
         With ``_floor_to_mean`` (1-bit LAMB) a caught coordinate is raised to
         ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
+        ``ok``: the step's verdict on the device; where it is false nothing changes.
         """
         self.floored = {}
         f2 = self.variance_floor**2
@@ -484,7 +497,10 @@ class OneBitOptimizer(
                 mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
                 floor = (mean * f2).float()
                 if floors is not None:
-                    floors[j].copy_(floor)
+                    kept = floor if ok is None else torch.where(ok, floor, floors[j])
+                    floors[j].copy_(kept.reshape(floors[j].shape))
+                if ok is not None:  # (a dropped step: v as it was, floor -inf changes nothing)
+                    floor = torch.where(ok, floor, -math.inf).reshape(())
                 if report:
                     counts.append((views[j] <= floor).sum())
                 if self._floor_to_mean:
@@ -700,14 +716,17 @@ class OneBitOptimizer(
             self._check_grads_are_local()
         if self._overlap is not None:  # buckets the communication thread already started
             self._skip_gather = self._overlap.collect()
-        self.step_count += 1
         self._bytes_step = self._bytes_step_inter = 0
+        if self._device_verdicts:
+            self._rescale_reduce_if_due()  # (now that the host knows which steps counted)
+        counters = self._host_state()
+        self.step_count += 1
         skipped = self.skipped_steps
         self._step_verdict = None
         try:
             self._step()
         except NonFiniteError as err:
-            self.step_count -= 1
+            self._restore_host_state(counters)
             self._skipped(err)
         finally:
             self._skip_gather = set()
@@ -715,7 +734,7 @@ class OneBitOptimizer(
                 self._exchange.discard()  # started buckets a step did not use (none normally)
                 self._overlap.end_step()
         if self._step_verdict is not None:
-            self._defer_verdict(*self._step_verdict)
+            self._defer_verdict(counters)
         elif self.skipped_steps == skipped:
             self._consecutive_skips = 0
         stats = self.comm_stats
@@ -769,12 +788,23 @@ class OneBitOptimizer(
         Raise :class:`NonFiniteError` before writing any state to have the step dropped."""
 
     def _uses_device_verdict(self, device: torch.device) -> bool:
-        """Whether the exchange built for ``device`` keeps its verdict there (see
+        """Whether this optimizer's steps on ``device`` keep their NaN/Inf verdicts there (see
         :attr:`DEVICE_VERDICT`): on CUDA with the CUDA kernels built."""
         from lightning_onebit import kernels
 
         on_gpu = device.type == "cuda" and kernels.HAS_CUDA
         return self.DEVICE_VERDICT and (on_gpu or self._device_verdict_on_cpu)
+
+    @property
+    def _device_verdicts(self) -> bool:
+        return self._layout is not None and self._uses_device_verdict(self._layout.device)
+
+    def _host_state(self) -> dict[str, Any]:
+        return {k: copy.copy(getattr(self, k)) for k in self._host_counters}
+
+    def _restore_host_state(self, counters: dict[str, Any]) -> None:
+        for k, v in counters.items():
+            setattr(self, k, v)
 
     def _take_verdict(self) -> torch.Tensor | None:
         """After a compressed exchange: its verdict ``ok`` on the device (the step's update
@@ -782,12 +812,35 @@ class OneBitOptimizer(
         ex = self._exchange
         if not getattr(ex, "device_verdict", False):
             return None
-        self._step_verdict = ex.verdict
-        return self._step_verdict[0]
+        ok, finite = ex.verdict
+        self._step_verdict = (ok, finite, "exchange")
+        return ok
 
-    def _defer_verdict(self, ok: torch.Tensor, finite: torch.Tensor) -> None:
+    def _verdict_now(self) -> None:
+        """Read this step's device verdict on the host now (a host synchronisation, for the
+        steps that change the phase: once per run) and raise :class:`NonFiniteError` if it was
+        false, as the host's own verdict does; the step wrote nothing."""
+        if self._step_verdict is None:
+            return
+        ok, finite, kind = self._step_verdict
+        if not bool(ok):
+            self._step_verdict = None
+            raise NonFiniteError(self._verdict_message(finite.tolist(), kind, self.step_count))
+
+    def _verdict_message(self, finite: list[bool], kind: str, step: int) -> str:
+        if kind == "average":
+            return f"the averaged gradient has non-finite values (NaN/Inf) at step {step}"
+        bad = [i for i, f in enumerate(finite) if not f]
+        return (
+            f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
+            f"{len(finite)} at step {step}; every rank dropped the step (nothing was written: "
+            "the verdict was taken on the device)"
+        )
+
+    def _defer_verdict(self, counters: dict[str, Any]) -> None:
         """End of a step whose verdict is on the device: copy it to the host without waiting
         (pinned memory, an event after the copy); :meth:`_resolve_verdict` reads it later."""
+        _, finite, kind = self._step_verdict
         event = None
         if finite.is_cuda:
             host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
@@ -796,33 +849,29 @@ class OneBitOptimizer(
             event.record(torch.cuda.current_stream(finite.device))
         else:
             host = finite.clone()
-        self._pending_verdict = (self.step_count, host, event)
+        self._pending_verdict = (self.step_count, host, event, kind, counters)
 
     def _resolve_verdict(self) -> None:
         """The host's half of a step whose verdict stayed on the device: if it was non-finite,
-        the step (which wrote nothing) is uncounted and reported as a skipped step. Runs at the
-        start of the next step and before a checkpoint; the copy has arrived by then (the event
-        waits only if the GPU is still on that step's exchange)."""
+        the step (which wrote nothing) is uncounted, its counters put back, and reported as a
+        skipped step (``"local"``: 0/1 Adam's local step, skipped by its own rank only). Runs
+        at the start of the next step and before a checkpoint; the copy has arrived by then
+        (the event waits only if the GPU is still on that step's exchange)."""
         pending, self._pending_verdict = self._pending_verdict, None
         if pending is None:
             return
-        step, host, event = pending
+        step, host, event, kind, counters = pending
         if event is not None:
             event.synchronize()
-        bad = [i for i, finite in enumerate(host.tolist()) if not finite]
-        if not bad:
+        finite = host.tolist()
+        if all(finite):
             self._consecutive_skips = 0
             return
-        self.step_count -= 1
-        if self.rescale_variance and self.grad_sq_steps > 0:
-            self.grad_sq_steps -= 1  # (the step counted zeros: _rescale_variance_)
-        self._skipped(
-            NonFiniteError(
-                f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
-                f"{len(host)} at step {step}; every rank dropped the step (its error buffers and "
-                "update were not written: the verdict was taken on the device)"
-            )
-        )
+        if kind == "local":  # (0/1 Adam's)
+            self._skipped_locally()
+            return
+        self._restore_host_state(counters)
+        self._skipped(NonFiniteError(self._verdict_message(finite, kind, step)))
 
     def _skipped(self, err: NonFiniteError) -> None:
         """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and

@@ -79,12 +79,15 @@ class _FlatOps:
                 views[j].copy_(p)
         return self._param_flat
 
-    def _average_(self, flat: torch.Tensor) -> None:
+    def _average_(self, flat: torch.Tensor) -> torch.Tensor | None:
         """Full-precision average over the ranks (in ``average_dtype``), in place, unless the
         caller already averaged.
 
         The bytes of this allreduce count in ``comm_stats`` either way: the algorithm needs
-        them, whether this optimizer or DDP sends them.
+        them, whether this optimizer or DDP sends them. Raises NonFiniteError (the same on every
+        rank: the values are averaged) if a value is not finite; or, with device verdicts (CUDA,
+        see ``DEVICE_VERDICT``), returns that verdict as a bool tensor on the device, for the
+        step's update to take. ``None`` otherwise.
         """
         w, nodes = self.world_size, self.node_groups()
         if w > 1 and self.average_warmup_grads:
@@ -106,10 +109,15 @@ class _FlatOps:
             # a ring in rank order crosses each node's link once: one rank's traffic per node
             if self._node_size() < w:
                 self._bytes_step_inter += sent // self._node_size()
-        if not self._finite(flat):  # averaged: the same verdict on every rank
+        if self._device_verdicts:  # averaged: the same verdict on every rank
+            ok = self._finite_on_device(flat)
+            self._step_verdict = (ok, ok, "average")
+            return ok
+        if not self._finite(flat):
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
             )
+        return None
 
     def _average_uncovered_(self) -> None:
         """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the
@@ -143,6 +151,14 @@ class _FlatOps:
             return True
         lo, hi = torch.aminmax(flat)
         return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+    @staticmethod
+    def _finite_on_device(flat: torch.Tensor) -> torch.Tensor:
+        """:meth:`_finite` as a one-element bool tensor on ``flat``'s device (no host read)."""
+        if flat.numel() == 0:
+            return torch.ones(1, dtype=torch.bool, device=flat.device)
+        lo, hi = torch.aminmax(flat)
+        return (torch.isfinite(lo) & torch.isfinite(hi)).reshape(1)
 
     def _compressed_average_(
         self,
@@ -273,16 +289,19 @@ class _FlatOps:
             sq = torch.stack(torch._foreach_norm(self._views["grad"])).square_()
             total.add_(sq if ok is None else torch.where(ok, sq, 0.0))
         self.grad_sq_steps += 1
+        due = reduce and self.grad_sq_steps >= self.rescale_interval
         if ok is not None:  # (a dropped step's count is taken back when the host learns it)
-            return  # the reduce is at the next step's start: _rescale_reduce_if_due
-        if reduce and self.grad_sq_steps >= self.rescale_interval:
+            self._rescale_due = due  # the reduce is at the next step's start
+        elif due:
             self._rescale_reduce_()
 
     def _rescale_reduce_if_due(self) -> None:
         """``rescale_variance`` with the verdict on the device: the reduce that
         :meth:`_rescale_variance_` leaves to the start of the next step, when the host knows
-        which steps counted (the same values, one step later on the wire)."""
-        if self.rescale_variance and self.grad_sq_steps >= self.rescale_interval:
+        whether the step that made it due counted (the same values, one step later on the
+        wire)."""
+        if self._rescale_due:
+            self._rescale_due = False
             self._rescale_reduce_()
 
     def _rescale_reduce_(self) -> None:
@@ -349,13 +368,14 @@ class _FlatOps:
             self.preconditioned_exchange,
         )
 
-    def _adam_step_(self, update_variance: bool = True) -> None:
+    def _adam_step_(self, update_variance: bool = True, ok: torch.Tensor | None = None) -> None:
         """Adam's step from the flat gradient buffer, one fused sweep
         (:func:`~lightning_onebit.kernels.adam_update`): ``m = beta1 m + (1 - beta1) g``;
         ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``;
         ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``. With ``bias_correction``, as
         torch's Adam/AdamW: ``m / (1 - beta1**t)`` over ``sqrt(v / (1 - beta2**k)) + eps``,
-        folded into the kernel's per-parameter ``lr``, ``eps`` and ``weight_decay``."""
+        folded into the kernel's per-parameter ``lr``, ``eps`` and ``weight_decay``. ``ok``: the
+        step's verdict on the device (nothing is written where it is false)."""
         layout, groups = self._layout, self.param_groups
         if update_variance:
             self.variance_updates += 1
@@ -376,6 +396,7 @@ class _FlatOps:
             layout.offsets,
             *(list(col) for col in zip(*per_param, strict=True)),
             update_variance=update_variance,
+            ok=ok,
         )
 
     def _any_weight_decay(self) -> bool:

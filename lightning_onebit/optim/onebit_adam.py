@@ -158,10 +158,11 @@ class OneBitAdam(OneBitOptimizer):
 
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
-            self._average_(g)
+            ok = self._average_(g)
             # 1b + 3. Adam's moments and update, one fused sweep
-            self._adam_step_()
+            self._adam_step_(ok=ok)
             if self.step_count >= self.freeze_step:
+                self._verdict_now()  # (the switch needs it: read on the host, once)
                 self.freeze()
             return
 
@@ -172,7 +173,6 @@ class OneBitAdam(OneBitOptimizer):
         if getattr(self._exchange, "device_verdict", False):
             # (CUDA: the NaN/Inf verdict stays on the device; one fused kernel writes m and p
             # only where it is true: the same step, without a host synchronisation)
-            self._rescale_reduce_if_due()
             x = self._work["update"]
             ok = self._compressed_average_(self._exchange_source, out=x)
             self._apply_exp_avg_mask_(x)

@@ -131,6 +131,7 @@ class OneBitLamb(OneBitOptimizer):
         "scaling_coeff": 1.0,
     }
     _checkpoint_attrs = ("scaling_coeff_ready",)
+    _host_counters = (*OneBitOptimizer._host_counters, "_seed_coeffs")
     _work_buffers = ("update", "exchanged")
 
     def __init__(
@@ -357,14 +358,21 @@ class OneBitLamb(OneBitOptimizer):
         scaling = self._scalars["scaling_coeff"]
 
         if self.phase == Phase.WARMUP:
-            # 1a. full-precision average of the gradients
-            self._average_(g)
+            # 1a. full-precision average of the gradients (ok: its verdict, on CUDA on the
+            #     device: the moments and the parameters change only where it is true)
+            ok = self._average_(g)
             # 1b. moments
             self.variance_updates += 1
             for _, group, s in self._segments():
                 beta1, beta2 = group["betas"]
-                m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
-                v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
+                if ok is None:
+                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
+                    v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
+                    continue
+                m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
+                torch.where(ok, m_new, m[s], out=m[s])
+                v_new = torch.mul(v[s], beta2).addcmul_(g[s], g[s], value=1 - beta2)
+                torch.where(ok, v_new, v[s], out=v[s])
             # 1c. Adam direction with decoupled weight decay
             self._adam_direction(u)
             # 1d. trust ratio per layer, and its moving average
@@ -375,10 +383,14 @@ class OneBitLamb(OneBitOptimizer):
             beta = 0.0 if self._seed_coeffs else self.coeff_beta
             self._seed_coeffs = False
             ema = lamb_coeff_freeze * beta + coeff * (1 - beta)
+            if ok is not None:
+                defined = defined & ok
+                coeff = torch.where(ok, coeff, 0.0)  # (u is finite: p + 0 * u = p)
             lamb_coeff_freeze.copy_(torch.where(defined, ema, lamb_coeff_freeze))
             # 1e. update
             self._scale_layers_and_step_(u, coeff)
             if self.step_count >= self.freeze_step:
+                self._verdict_now()  # (the switch needs it: read on the host, once)
                 self.freeze()  # 2.
             return
 

@@ -151,6 +151,8 @@ class ZeroOneAdam(OneBitOptimizer):
         "local_step_counter",
         "lrs",
     )
+    _host_counters = (*OneBitOptimizer._host_counters, *_checkpoint_attrs)
+    DEVICE_VERDICT = True
 
     def __init__(
         self,
@@ -328,7 +330,10 @@ class ZeroOneAdam(OneBitOptimizer):
         """3c: exchange ``source`` (the accumulated local steps, and this step's when
         ``this_step``), rebuild the momentum from it and move every rank to the same point."""
         m, acc, u = self._flat["exp_avg"], self._acc, self._work["update"]
-        self._compressed_average_(source, out=u)  # u: the averaged acc
+        ok = self._compressed_average_(source, out=u)  # u: the averaged acc
+        if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
+            self._synchronize_on_verdict_(ok, u, this_step)
+            return
         if self._local_steps_taken:
             acc.zero_()  # consumed by the exchange
         self._apply_exp_avg_mask_(u)
@@ -347,7 +352,31 @@ class ZeroOneAdam(OneBitOptimizer):
         self._copy_to_params_(synced)
         self.lrs = [0.0] * len(self.lrs)
 
-    def _rebuild_momentum_(self, u: torch.Tensor, this_step: bool) -> None:
+    def _synchronize_on_verdict_(self, ok: torch.Tensor, u: torch.Tensor, this_step: bool) -> None:
+        """:meth:`_synchronize_` after an exchange whose verdict ``ok`` stayed on the device:
+        the same values computed aside and kept with ``torch.where`` (a dropped step leaves
+        acc, m, the synced copy and the parameters as they were), no host synchronisation."""
+        m, acc, synced = self._flat["exp_avg"], self._acc, self._flat["synced_params"]
+        if self._local_steps_taken:
+            acc.masked_fill_(ok, 0.0)
+        self._apply_exp_avg_mask_(u)
+        d = self._frozen_denominator()[0]
+        if self.preconditioned_exchange:  # u = the synced step (parameter units)
+            moment = torch.mul(u, d)
+            new_synced = torch.add(synced, u)
+        else:
+            moment = u.clone()
+            new_synced = torch.addcdiv(synced, u, d)
+        self._rebuild_momentum_(moment, this_step, out=moment)
+        torch.where(ok, moment, m, out=m)
+        torch.where(ok, new_synced, synced, out=synced)
+        for p, view in zip(self._layout.params, self._views["synced_params"], strict=True):
+            p.copy_(torch.where(ok, view, p))
+        self.lrs = [0.0] * len(self.lrs)
+
+    def _rebuild_momentum_(
+        self, u: torch.Tensor, this_step: bool, out: torch.Tensor | None = None
+    ) -> None:
         """``m = -u / lrs`` (``u`` the averaged accumulator in momentum units), except on the
         coordinates whose variance was floored at the freeze, where ``m = 0``.
 
@@ -361,8 +390,9 @@ class ZeroOneAdam(OneBitOptimizer):
         small BERT (11184 coordinates floored: unused position rows, near-dead MLP units), 3
         seeds: the largest parameter 31.8/12.4/16.5x DDP's -> 6.0/10.4/10.2x, the demo GPT's
         loss 2.098 -> 2.085. ``variance_floor=0`` keeps DeepSpeed's rebuild everywhere.
+        ``out``: where to write it (default: m itself).
         """
-        m = self._flat["exp_avg"]
+        m = self._flat["exp_avg"] if out is None else out
         for gi, group, s in self._segments():
             if this_step:
                 self.lrs[gi] += group["lr"]
@@ -394,9 +424,43 @@ class ZeroOneAdam(OneBitOptimizer):
         else:
             source = torch.mul(acc, self._frozen_denominator()[0], out=x)
         self._bytes_step = 0
-        self._synchronize_(source, this_step=False)
+        counters, self._step_verdict = self._host_state(), None
+        try:
+            self._synchronize_(source, this_step=False)
+            self._verdict_now()  # (not a step: said now, a host read)
+        except NonFiniteError:
+            self._restore_host_state(counters)
+            raise
+        finally:
+            self._step_verdict = None
         self.comm_stats["bytes_total"] += self._bytes_step
         self.comm_stats["bytes_last_step"] += self._bytes_step
+
+    def _taken_verdict(self) -> torch.Tensor | None:
+        return None if self._step_verdict is None else self._step_verdict[0]
+
+    def _local_step_on_verdict_(self, g: torch.Tensor) -> None:
+        """3a-b of a local step whose gradient's verdict stays on the device (CUDA): the same
+        values computed aside and kept where it is true (else this rank sits the step out, as
+        on the host: its lr still counts)."""
+        ok = self._finite_on_device(g)
+        self._step_verdict = (ok, ok, "local")
+        m, acc, u = self._flat["exp_avg"], self._acc, self._work["update"]
+        for gi, group, _ in self._segments():
+            self.lrs[gi] += group["lr"]
+        d, _ = self._frozen_denominator()
+        p = self._gather_params() if self._any_weight_decay() else None
+        for _, group, s in self._segments():
+            beta1 = group["betas"][0]
+            m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
+            torch.div(m_new, d[s], out=u[s])
+            if group["weight_decay"] > 0:
+                u[s].add_(p[s], alpha=group["weight_decay"])
+            torch.where(ok, m_new, m[s], out=m[s])
+            torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
+        u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
+        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
+        self._rescale_variance_(g, reduce=False, ok=ok)
 
     def _step(self) -> None:
         g = self._gather_grads()
@@ -406,21 +470,22 @@ class ZeroOneAdam(OneBitOptimizer):
 
         if self.phase == Phase.VARIANCE:
             variance_step = self._variance_step(t)
+            # (ok: on CUDA the step's verdict, on the device: its writes take it)
             if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
-                self._average_(g)
+                ok = self._average_(g)
             else:
                 # 1b. 1-bit averaged gradient, momentum only
-                self._compressed_average_(self._exchange_source, out=g)
+                ok = self._compressed_average_(self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     g.mul_(self._frozen_denominator()[0])
                 self._apply_exp_avg_mask_(g)
                 self._warn_if_variance_is_young()
             # 1a/b moments + 1c. Adam update, one fused sweep
-            self._adam_step_(update_variance=variance_step)
+            self._adam_step_(update_variance=variance_step, ok=ok)
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
-                self._floor_variance_()
+                self._floor_variance_(ok=ok)
                 self._denominator = None
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
@@ -428,6 +493,7 @@ class ZeroOneAdam(OneBitOptimizer):
                     self.var_counter = 0
                     self.var_interval *= 2
             if t >= self.var_freeze_step:
+                self._verdict_now()  # (the switch needs it: read on the host, once)
                 self.freeze()  # 2.
             return
 
@@ -436,11 +502,15 @@ class ZeroOneAdam(OneBitOptimizer):
             #       (_exchange_source; started during backward with overlap_with_backward()).
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
-            self._rescale_variance_(g, reduce=True)  # (the local steps' sums with this one)
+            # (the local steps' sums with this one)
+            self._rescale_variance_(g, reduce=True, ok=self._taken_verdict())
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
             #     rank derives the same m at the next synchronisation).
+            if self._device_verdicts:  # (CUDA: on the device; this rank learns it next step)
+                self._local_step_on_verdict_(g)
+                return self._next_local_interval()
             local_ok = self._finite(g)
             if not local_ok:
                 self._skipped_locally()
@@ -459,6 +529,9 @@ class ZeroOneAdam(OneBitOptimizer):
                     acc[s].add_(u[s], alpha=-group["lr"])
                 self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
             self._rescale_variance_(g if local_ok else None, reduce=False)
+        self._next_local_interval()
+
+    def _next_local_interval(self) -> None:
         # 3d. the local step interval doubles every local_step_scaler steps
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
