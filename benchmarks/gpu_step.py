@@ -13,7 +13,7 @@ host read); ``verdict=host`` reads it on the host (``comm.all_finite``, a host s
 per exchange: 0/1 Adam, and the other two with ``DEVICE_VERDICT`` off, their torch-op update);
 ``verdict=off`` replaces that read by ``True`` (unsafe: what the read itself costs). The
 optimizers are switched to their compression phase after 2 steps (0/1 Adam: its local phase, a
-sync every step).
+sync every step; "local steps": its local step interval at 16).
 """
 
 from __future__ import annotations
@@ -102,6 +102,12 @@ def main() -> None:
     for name, cls, kw in (
         ("1-bit Adam", OneBitAdam, {"freeze_step": 2}),
         ("0/1 Adam", ZeroOneAdam, {"var_freeze_step": 2}),
+        # (the local step interval doubles every step up to 16: 15 of 16 timed steps are local)
+        (
+            "0/1 Adam, local steps",
+            ZeroOneAdam,
+            {"var_freeze_step": 2, "local_step_scaler": 1, "local_step_clipper": 16},
+        ),
         ("1-bit LAMB", OneBitLamb, {"freeze_step": 2}),
     ):
         for overlap in (None, args.bucket_mb):
