@@ -300,6 +300,7 @@ class OneBitLamb(OneBitOptimizer):
         scaling = self._scalars["scaling_coeff"]
         scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
         self.scaling_coeff_ready = True
+        self._scaling_values()  # (read now, in the switch step, not in the first 1-bit step)
 
     DEVICE_VERDICT = True
 

@@ -371,7 +371,10 @@ class ZeroOneAdam(OneBitOptimizer):
         torch.where(ok, moment, m, out=m)
         torch.where(ok, new_synced, synced, out=synced)
         for p, view in zip(self._layout.params, self._views["synced_params"], strict=True):
-            p.copy_(torch.where(ok, view, p))
+            if p.dtype == view.dtype and p.is_contiguous():
+                torch.where(ok, view, p, out=p)
+            else:
+                p.copy_(torch.where(ok, view, p))
         self.lrs = [0.0] * len(self.lrs)
 
     def _rebuild_momentum_(
