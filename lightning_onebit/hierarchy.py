@@ -223,10 +223,12 @@ class _Handle:
         out: torch.Tensor,
         shape: torch.Size,
         bad: list[int],
+        ok: torch.Tensor | None = None,
     ) -> None:
         self._owner, self._inner, self._out, self._shape = owner, inner, out, shape
         self.finite = not bad
         self.bad_nodes = bad
+        self.ok = ok  # device_verdict: the verdict on the device (finite is then always True)
         self._result: torch.Tensor | None = None
 
     def error(self) -> NonFiniteError:
@@ -240,10 +242,10 @@ class _Handle:
             self._result = self._owner._decode(out).view(self._shape)
         return self._result
 
-    def commit(self) -> None:
+    def commit(self, ok: torch.Tensor | None = None) -> None:
         if not self.finite:
             raise self.error()
-        self._inner.commit()
+        self._inner.commit(self.ok if ok is None else ok)
         self._owner._uncommitted = None
 
     def discard(self) -> None:
@@ -264,10 +266,11 @@ class HierarchicalAllreduce:
     The inter-node exchange is always double buffered: whether a call goes through is known
     only once every node has answered (step 3), so its error buffers advance on commit.
     ``bytes_sent`` = ``bytes_sent_intra + bytes_sent_inter`` (this rank, last call).
+    ``device_verdict``: as :class:`~lightning_onebit.comm.CompressedAllreduce`'s. A non-finite
+    input makes every server's record of its shard NaN, which step 3 brings to every rank: the
+    verdict is whether every gathered scale is finite, the same on every rank of every node
+    (it cannot name the node: every node's record of that shard is NaN).
     """
-
-    #: the NaN/Inf verdict is read on the host (see CompressedAllreduce's device_verdict)
-    device_verdict = False
 
     def __init__(
         self,
@@ -276,6 +279,7 @@ class HierarchicalAllreduce:
         device: torch.device | str = "cpu",
         *,
         double_buffered: bool = False,
+        device_verdict: bool = False,
     ) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -288,8 +292,13 @@ class HierarchicalAllreduce:
         # decode in one call straight into the output
         self.shard_numel = -(-numel // (8 * nn * ll)) * 8 * nn
         self.padded_numel = ll * self.shard_numel
+        self.device_verdict = bool(device_verdict)
         self.inter = CompressedAllreduce(
-            self.shard_numel, device=device, group=nodes.inter, double_buffered=True
+            self.shard_numel,
+            device=device,
+            group=nodes.inter,
+            double_buffered=True,
+            device_verdict=self.device_verdict,
         )
         self.device = self.inter.device
         self._double = double_buffered
@@ -306,6 +315,9 @@ class HierarchicalAllreduce:
         self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, **kw)
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
         self._uncommitted: _Handle | None = None
+        # device_verdict: whether each rank's node was finite, and all of them (last call)
+        self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, **kw)
+        self._ok = torch.ones(1, dtype=torch.bool, **kw)
         self.bytes_sent_intra = 0
         self.bytes_sent_inter = 0
         self.total_bytes_sent = 0
@@ -314,6 +326,12 @@ class HierarchicalAllreduce:
     @property
     def double_buffered(self) -> bool:
         return self._double
+
+    @property
+    def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``device_verdict``: the last call's verdict on the device, ``(ok, finite_ranks)``
+        (a rank counts as not finite when any rank of its node was not)."""
+        return self._ok, self._finite_ranks
 
     @property
     def bytes_sent(self) -> int:
@@ -370,6 +388,16 @@ class HierarchicalAllreduce:
         self.total_bytes_sent += self.bytes_sent
         scales = self._gathered.view(torch.float32)[:, 0]
         bad = []
+        if self.device_verdict:  # every rank gathered the same records: the same verdict
+            per_node = torch.isfinite(scales).view(self.nodes.local_size, nn).all(dim=0)
+            self._finite_ranks.copy_(per_node.repeat_interleave(self.nodes.local_size))
+            torch.all(self._finite_ranks, dim=0, keepdim=True, out=self._ok)
+            handle = _Handle(self, inner, out, tensor.shape, bad, ok=self._ok)
+            if commit:
+                handle.commit()
+            else:
+                self._uncommitted = handle
+            return handle
         if not all_finite(scales):
             # record (k, i) is shard k from node i: the node's reduce-scatter mixed its ranks'
             # values, so the node is what can be named
@@ -473,8 +501,7 @@ def make_exchange(
     double_buffered: bool = False,
     device_verdict: bool = False,
 ) -> CompressedAllreduce | HierarchicalAllreduce:
-    """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given
-    (``device_verdict``: the flat one only; the hierarchical one reads its verdict on the host)."""
+    """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given."""
     if nodes is None:
         return CompressedAllreduce(
             numel,
@@ -483,7 +510,13 @@ def make_exchange(
             double_buffered=double_buffered,
             device_verdict=device_verdict,
         )
-    return HierarchicalAllreduce(numel, nodes, device=device, double_buffered=double_buffered)
+    return HierarchicalAllreduce(
+        numel,
+        nodes,
+        device=device,
+        double_buffered=double_buffered,
+        device_verdict=device_verdict,
+    )
 
 
 def inter_node_bytes(exchange: Any, ranks_per_node: int) -> int:

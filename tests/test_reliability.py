@@ -197,15 +197,17 @@ VERDICT_NAN = {
 BATCHES = 28
 
 
-def _device_verdict_worker(rank: int, world: int, algo: str, robust: bool, how: str) -> dict:
+def _device_verdict_worker(
+    rank: int, world: int, algo: str, robust: bool, how: str, ranks_per_node: int | None = None
+) -> dict:
     """BATCHES steps of ``algo`` with NaNs on rank 1 at VERDICT_NAN; ``how``: ``"device"`` (the
     verdict kept on the device, as on CUDA), ``"host"`` (read on the host) or ``"skip"`` (the
-    reference: those batches never happened)."""
+    reference: those batches never happened). ``ranks_per_node``: the hierarchical exchange."""
     import warnings
 
     from tests._reference import _algo, flat_trainable, make_groups, make_params, set_grads
 
-    factory, _ = _algo(algo, 1, 0, robust=robust)
+    factory, _ = _algo(algo, 1, 0, robust=robust, ranks_per_node=ranks_per_node)
     params = make_params()
     opt = factory(make_groups(params))
     opt._device_verdict_on_cpu = how == "device"
@@ -238,7 +240,10 @@ def _device_verdict_worker(rank: int, world: int, algo: str, robust: bool, how: 
 
 
 def _errors(e: dict, k: str) -> torch.Tensor:
-    return torch.cat([b[k] for b in e["buckets"]]) if "buckets" in e else e[k]
+    """Error buffer ``k`` of an exchange's state dict (flat, bucketed or hierarchical)."""
+    if "buckets" in e:
+        return torch.cat([_errors(b, k) for b in e["buckets"]])
+    return e[k] if k in e else _errors(e["shard"], k)
 
 
 @pytest.mark.parametrize("robust", [False, True], ids=["deepspeed", "strategy_defaults"])
@@ -282,6 +287,27 @@ def test_a_verdict_kept_on_the_device_drops_the_steps_exactly(algo: str, robust:
             assert torch.isfinite(d[k]).all(), k
             assert torch.equal(d[k], r[k]), (k, (d[k] - r[k]).abs().max())
     assert torch.equal(device[0]["params"], device[1]["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["onebit_adam", "onebit_lamb", "zero_one_adam"])
+def test_a_verdict_kept_on_the_device_with_the_hierarchical_exchange(algo: str) -> None:
+    """The same on 2 nodes x 2 ranks (the two-level exchange, its inter-node error buffers put
+    back on the device; the strategy's options): bit for bit the host's verdict."""
+    device = run_distributed(_device_verdict_worker, 4, algo, True, "device", 2)
+    host = run_distributed(_device_verdict_worker, 4, algo, True, "host", 2)
+    n = len(VERDICT_NAN[algo])
+    local = 1 if algo == "zero_one_adam" else 0
+    for rank in range(4):
+        d, h = device[rank], host[rank]
+        assert d["device_verdict"] and not h["device_verdict"]
+        assert d["skipped"] == h["skipped"] == n - local * (rank != 1)
+        assert d["steps"] == h["steps"] == BATCHES - n + local
+        for k in d["state"]:
+            assert torch.equal(d["state"][k], h["state"][k]), k
+        assert torch.equal(d["params"], h["params"])
+        for k in ("worker_error", "server_error"):
+            assert torch.equal(_errors(d["errors"], k), _errors(h["errors"], k)), k
 
 
 def _local_nan_worker(rank: int, world: int, nan_at: int, skip: bool = False) -> dict:

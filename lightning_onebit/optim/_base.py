@@ -831,10 +831,12 @@ class OneBitOptimizer(
         if kind == "average":
             return f"the averaged gradient has non-finite values (NaN/Inf) at step {step}"
         bad = [i for i, f in enumerate(finite) if not f]
+        # (the hierarchical exchange's non-finite shard reaches every node: it names none)
+        where = f"rank(s) {bad} of {len(finite)}" if len(bad) < len(finite) else "a rank"
         return (
-            f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
-            f"{len(finite)} at step {step}; every rank dropped the step (nothing was written: "
-            "the verdict was taken on the device)"
+            f"non-finite values (NaN/Inf) entered the 1-bit exchange on {where} at step {step}; "
+            "every rank dropped the step (nothing was written: the verdict was taken on the "
+            "device)"
         )
 
     def _defer_verdict(self, counters: dict[str, Any]) -> None:
