@@ -67,13 +67,14 @@ Everything else lives here, once:
   buffers only once every rank's scale is finite). The step is then dropped on every rank as if
   its batch had not been there (``skipped_steps`` counts them, a ``RuntimeWarning`` says so);
   ``max_consecutive_skips`` in a row raise :class:`~lightning_onebit.comm.NonFiniteError`.
-  On CUDA, 1-bit Adam and 1-bit LAMB keep that verdict on the device (a host read would wait
-  for the exchange: the one host synchronisation of a compressed step): the exchange puts its
-  error buffers back and the update kernels write nothing when it is false, and the host learns
-  it at the start of the next ``step()`` (or ``state_dict()``), from a copy made at the end of
-  the step, which has long arrived by then. The step is dropped exactly as above; its warning
-  (and, after ``max_consecutive_skips``, the error) comes one step later. (0/1 Adam and the
-  hierarchical exchange read the verdict on the host.)
+  On CUDA every step keeps that verdict on the device (a host read would wait for the GPU, and
+  for the exchange's ``all_to_all``): the exchange puts its error buffers back, and the update
+  kernels and ``torch.where`` write nothing, where it is false; the host learns it at the start
+  of the next ``step()`` (or ``state_dict()``, ``freeze()``), from a copy made at the end of the
+  step, which has long arrived by then, and puts the step's counters back
+  (``_host_counters``). The step is dropped exactly as above; its warning (and, after
+  ``max_consecutive_skips``, the error) comes one step later. The step that switches the phase
+  reads its verdict at once (a host synchronisation, once per run).
 
 Gradient averaging contract, common to the three optimizers: steps that need full-precision
 averaged gradients (warmup of 1-bit Adam and 1-bit LAMB, variance-update steps of 0/1 Adam;
@@ -194,8 +195,8 @@ class OneBitOptimizer(
     _work_buffers: tuple[str, ...] = ("update",)
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
-    #: Whether the compressed steps can take the exchange's NaN/Inf verdict on the device (their
-    #: update kernels skip a non-finite step), which they do on CUDA; see "Non-finite values".
+    #: Whether the steps can keep their NaN/Inf verdicts on the device (their writes take it),
+    #: which they do on CUDA; see "Non-finite values".
     DEVICE_VERDICT: ClassVar[bool] = False
     #: Take it on the device on the CPU too (tests: the same code path, read on the host).
     _device_verdict_on_cpu: bool = False
@@ -433,6 +434,7 @@ class OneBitOptimizer(
         """
         if self._phase == self.PHASES[1]:
             return
+        self._resolve_verdict()  # (called between steps: the last step's counts are final)
         self._prepare()
         self._phase = self.PHASES[1]
         self._denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
@@ -565,6 +567,7 @@ class OneBitOptimizer(
         matters only after loading a checkpoint of another optimizer (torch's Adam under
         ``strategy="ddp"``: its moments are this optimizer's warmup) past the switch, or after
         moving the switch below the step count. Returns whether it switched."""
+        self._resolve_verdict()
         if self._phase != self.PHASES[0] or self.step_count < self.switch_step:
             return False
         if not self._ready_to_switch():

@@ -513,7 +513,8 @@ class ZeroOneAdam(OneBitOptimizer):
             #     rank derives the same m at the next synchronisation).
             if self._device_verdicts:  # (CUDA: on the device; this rank learns it next step)
                 self._local_step_on_verdict_(g)
-                return self._next_local_interval()
+                self._next_local_interval()
+                return
             local_ok = self._finite(g)
             if not local_ok:
                 self._skipped_locally()
