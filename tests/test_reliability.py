@@ -4,6 +4,7 @@ runs are bitwise reproducible on CPU."""
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import time
@@ -287,6 +288,30 @@ def test_a_verdict_kept_on_the_device_drops_the_steps_exactly(algo: str, robust:
             assert torch.isfinite(d[k]).all(), k
             assert torch.equal(d[k], r[k]), (k, (d[k] - r[k]).abs().max())
     assert torch.equal(device[0]["params"], device[1]["params"])
+
+
+def test_a_freeze_between_steps_counts_only_the_steps_that_went_through() -> None:
+    """A switch called between steps (the adaptive CompressionScheduler's) right after a step
+    whose verdict is still on the device: it takes the verdict first, so the bias correction it
+    folds into the moments counts the steps that went through, as with the host's verdict."""
+    from tests._reference import flat_trainable, make_groups, make_params, set_grads
+
+    out = []
+    for device in (True, False):
+        params = make_params()
+        opt = OneBitAdam(make_groups(params), bias_correction=True, freeze_step=100)
+        opt._device_verdict_on_cpu = device
+        with pytest.warns(RuntimeWarning, match="skipped step 4"):
+            for t in range(1, 5):
+                set_grads(params, 0, t)
+                if t == 4:
+                    next(p for p in params if p.grad is not None).grad.view(-1)[0] = math.inf
+                opt.step()
+            opt.freeze()
+        assert opt.step_count == 3 and opt.skipped_steps == 1
+        out.append((flat_trainable(params), opt._flat["exp_avg"].clone(), opt._flat["exp_avg_sq"]))
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.slow
