@@ -584,7 +584,7 @@ class BucketedAllreduce:
     Args:
         bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
         device, group, device_verdict: as for :class:`CompressedAllreduce` (the verdict of a
-            call is every bucket's; the flat exchange only).
+            call is every bucket's).
         nodes: a :class:`~lightning_onebit.hierarchy.NodeGroups` for the two-level exchange
             (:class:`~lightning_onebit.hierarchy.HierarchicalAllreduce` per bucket; ``group``
             unused), or ``None`` (flat).
@@ -618,7 +618,7 @@ class BucketedAllreduce:
         ]  # fmt: skip
         self.nodes = nodes
         self.device = self.buckets[0].device
-        self.device_verdict = getattr(self.buckets[0], "device_verdict", False)
+        self.device_verdict = self.buckets[0].device_verdict
         self.world_size, self.rank = self.buckets[0].world_size, self.buckets[0].rank
         self._handles: list[ExchangeHandle | None] = [None] * len(self.buckets)
         self.bytes_sent = 0
@@ -675,7 +675,7 @@ class BucketedAllreduce:
             ok = self._ok
             torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
         for h in handles:
-            h.commit() if ok is None else h.commit(ok)
+            h.commit(ok)
         for h, (lo, hi) in zip(handles, self.bounds, strict=True):
             h.wait(out[lo:hi])
 
