@@ -792,9 +792,11 @@ def adam_update(
     )
     if ok is not None:
         _check_verdict(ok, device)
-        if device.type != "cuda" and not bool(ok):  # (a host read: free off the GPU)
-            return
-        if device.type == "cuda" and (not fast or not _use_cpp()):  # aside, then kept or not
+        if device.type != "cuda":  # (a host read: free off the GPU)
+            if not bool(ok):
+                return
+            ok = None
+        elif not fast or not _use_cpp():  # the torch path: the step aside, then kept or not
             m, v, ps = exp_avg.clone(), exp_avg_sq.clone(), [p.clone() for p in params]
             reference_adam_update(grad, m, v, ps, starts, **hp, update_variance=update_variance)
             torch.where(ok, m, exp_avg, out=exp_avg)
@@ -802,8 +804,6 @@ def adam_update(
             for p, q in zip(params, ps, strict=True):
                 p.copy_(torch.where(ok, q, p))
             return
-        if device.type != "cuda":
-            ok = None
     if not fast or not _use_cpp():
         reference_adam_update(grad, exp_avg, exp_avg_sq, params, starts, **hp,
                               update_variance=update_variance)  # fmt: skip
@@ -877,8 +877,8 @@ def frozen_adam_update(
     _check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     fast = device.type == "cuda" and HAS_CUDA and _use_cpp()
     if fast and all(p.dtype == torch.float32 and p.is_contiguous() for p in params):
-        _frozen_adam_update_cuda(ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay,
-                                 preconditioned)  # fmt: skip
+        hp = (lr, weight_decay, preconditioned)
+        _frozen_adam_update_cuda(ok, (exchanged, exp_avg, denom), params, starts, hp)
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)
         return
@@ -906,16 +906,14 @@ def _restore_unless_cuda(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor)
 
 def _frozen_adam_update_cuda(
     ok: torch.Tensor,
-    exchanged: torch.Tensor,
-    exp_avg: torch.Tensor,
-    denom: torch.Tensor,
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     params: list[torch.Tensor],
     starts: list[int],
-    lr: list[float],
-    weight_decay: list[float],
-    preconditioned: bool,
+    hp: tuple[list[float], list[float], bool],
 ) -> None:
-    """:func:`frozen_adam_update` on CUDA tensors: the kernel on the current stream."""
+    """:func:`frozen_adam_update` on CUDA tensors (``tensors``: exchanged, exp_avg, denom;
+    ``hp``: lr, weight_decay, preconditioned): the kernel on the current stream."""
+    (exchanged, exp_avg, denom), (lr, weight_decay, preconditioned) = tensors, hp
     n, device = len(params), exchanged.device
     table = _param_table(params, starts, device)
     if table is None:

@@ -842,7 +842,7 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
                 (g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs, verdict
             )
     with pytest.raises(RuntimeError, match="onebit: cuda"):
-        K._frozen_adam_update_cuda(ok, g, m, v + 1, [p], [0], [1e-3], [0.1], True)
+        K._frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         K._restore_unless_cuda(ok, m, g)
 

@@ -147,10 +147,7 @@ class _FlatOps:
         """Whether every value is finite: one read-only sweep, no temporary (min and max
         propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
         materialises a float64 copy: 20x slower, and it dominated the warmup step."""
-        if flat.numel() == 0:
-            return True
-        lo, hi = torch.aminmax(flat)
-        return bool(torch.isfinite(lo) & torch.isfinite(hi))
+        return bool(_FlatOps._finite_on_device(flat))
 
     @staticmethod
     def _finite_on_device(flat: torch.Tensor) -> torch.Tensor:
