@@ -8,6 +8,10 @@
 // segment's 16 bytes). Rows are m values (m % 8 == 0), so a segment's length is a multiple of 8
 // and every lane's 4 values are either all inside or all outside the segment.
 //
+// Each warp takes kUnroll consecutive segments per loop iteration and issues all their loads
+// before it computes and stores (kServerUnroll in the server pass, whose registers allow fewer):
+// more bytes in flight per thread keeps these streaming kernels near the memory's bandwidth.
+//
 // Each compression is two launches on the caller's stream: a fused pass writing the bits and one
 // double partial sum of squares per block into the workspace (the server pass also writes e), and
 // a single-block finalize that adds the partials in a fixed order and writes the scale to device
@@ -36,6 +40,8 @@ constexpr int kWarps = kThreads / 32;      // segments per block per step
 constexpr int kSeg = 128;                  // values per warp segment (16 packed bytes)
 constexpr int64_t kMaxBlocks = 1024;       // grid cap: also the number of partial sums
 constexpr int kTile = 2048;                // per-row weights staged in shared memory per tile
+constexpr int kUnroll = 4;                 // segments (or values) a thread loads before it writes
+constexpr int kServerUnroll = 2;           // the same in the server pass (its registers allow 2)
 constexpr int64_t kUpdChunk = 4096;        // values per chunk of the fused optimizer updates (one block)
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -170,28 +176,46 @@ __device__ __forceinline__ float4 load_x4(const float* x, int64_t nx, int64_t i,
 }
 
 // Worker pass 1: y = x + e (x zero beyond nx), bits <- sign(y), partial <- sum y^2. Reads e only.
+// A warp takes kUnroll consecutive segments per iteration, all loads first.
 __global__ void __launch_bounds__(kThreads)
 worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg, int64_t spr,
              uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4, double* partial) {
   const int lane = threadIdx.x & 31;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   double acc = 0.0;
-  // Warp-uniform grid-stride loop: every lane reaches the shuffles in pack_word.
-  for (int64_t g = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); g < nseg;
-       g += int64_t(gridDim.x) * kWarps) {
-    const int64_t row = g / spr, off = (g - row * spr) * kSeg;
-    const int len = int(m - off < kSeg ? m - off : kSeg);
-    const int64_t i = row * m + off + 4 * lane;
-    uint32_t nib = 0;
-    if (4 * lane < len) {
+  // Warp-uniform grid-stride loop (g0 and every g below are the same on all lanes): every lane
+  // reaches the shuffles in pack_word.
+  for (int64_t g0 = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kUnroll; g0 < nseg;
+       g0 += nwarps * kUnroll) {
+    float4 y[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t g = g0 + u;
+      y[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (g >= nseg) continue;
+      const int64_t row = g / spr, off = (g - row * spr) * kSeg;
+      const int len = int(m - off < kSeg ? m - off : kSeg);
+      if (4 * lane >= len) continue;
+      const int64_t i = row * m + off + 4 * lane;
       const float4 xv = load_x4(x, nx, i, xvec);
       const float4 ev = load4(e + i, evec);
-      const float4 y = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
-      acc += sq4(y);
-      nib = nibble(y);
+      y[u] = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
     }
-    const uint32_t word = pack_word(nib, lane);
-    if ((lane & 7) == 0)
-      store_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3), word, word_bytes(len, lane), al4);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t g = g0 + u;
+      if (g >= nseg) break;  // warp-uniform
+      const int64_t row = g / spr, off = (g - row * spr) * kSeg;
+      const int len = int(m - off < kSeg ? m - off : kSeg);
+      uint32_t nib = 0;
+      if (4 * lane < len) {
+        acc += sq4(y[u]);
+        nib = nibble(y[u]);
+      }
+      const uint32_t word = pack_word(nib, lane);
+      if ((lane & 7) == 0)
+        store_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3), word, word_bytes(len, lane), al4);
+    }
   }
   const double total = block_sum(acc);
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
@@ -199,9 +223,11 @@ worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg
 
 // Server pass: c = sum_i (bit_i ? w_i : -w_i) in row order, + e_true; e_out <- c; bits <- sign(c).
 // With `pending` (a non-null prev_scale), e_true = e - prev_scale * sign(prev_bits): the previous
-// call's deferred error update (see onebit.h). prev_bits may be out_bits: every lane reads its
-// word before lane 8r overwrites it; e_out may be e (each thread reads its values first).
-__global__ void __launch_bounds__(kThreads)
+// call's deferred error update (see onebit.h). prev_bits may be out_bits: a warp reads the words
+// of its segments before it overwrites them, and no other warp touches them; e_out may be e
+// (each thread reads its values first). A warp takes kServerUnroll consecutive segments per iteration:
+// each row's loads of the kServerUnroll segments are in flight together.
+__global__ void __launch_bounds__(kThreads, 4)  // <= 64 registers: 4 blocks per SM
 server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
              int64_t scale_stride, const float* e, float* e_out, int64_t m, int64_t nseg,
              const uint8_t* prev_bits, uint8_t* out_bits, bool evec, bool al4_in, bool al4_out,
@@ -216,16 +242,34 @@ server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* sc
     __syncthreads();
   }
   const int lane = threadIdx.x & 31, r = lane >> 3, sh = 4 * (lane & 7);
+  const int64_t step = int64_t(gridDim.x) * kWarps * kServerUnroll;
   double acc = 0.0;
-  // Block-uniform loop (tiles of weights need __syncthreads); each warp takes one segment.
-  for (int64_t g0 = int64_t(blockIdx.x) * kWarps; g0 < nseg; g0 += int64_t(gridDim.x) * kWarps) {
-    const int64_t g = g0 + (threadIdx.x >> 5), off = g * kSeg;
-    const int len = g < nseg ? int(m - off < kSeg ? m - off : kSeg) : 0;
-    const int nb = word_bytes(len, lane);
-    const bool act = 4 * lane < len;
-    float4 ev = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (act) ev = load4(e + off + 4 * lane, evec);  // issued early: overlaps the row loop
-    float4 c = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // Block-uniform loop (tiles of weights need __syncthreads); each warp takes kServerUnroll segments.
+  for (int64_t b0 = int64_t(blockIdx.x) * kWarps * kServerUnroll; b0 < nseg; b0 += step) {
+    const int64_t g0 = b0 + int64_t(threadIdx.x >> 5) * kServerUnroll;
+    int nb[kServerUnroll];
+    bool act[kServerUnroll];  // this lane's 4 values lie inside segment u (a lane with nb > 0 may not)
+    float4 ev[kServerUnroll], c[kServerUnroll];
+    uint32_t ob[kServerUnroll];
+#pragma unroll
+    for (int u = 0; u < kServerUnroll; ++u) {
+      const int64_t g = g0 + u, off = g * kSeg;
+      const int len = g < nseg ? int(m - off < kSeg ? m - off : kSeg) : 0;
+      nb[u] = word_bytes(len, lane);
+      act[u] = 4 * lane < len;
+      ev[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      c[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      ob[u] = 0;
+      if (!act[u]) continue;
+      ev[u] = load4(e + off + 4 * lane, evec);  // issued early: overlaps the row loop
+      if (pending) {
+        // plain loads, not __ldg: prev_bits may be out_bits, which this kernel writes
+        const uint8_t* q = prev_bits + off / 8 + 4 * r;
+        if (nb[u] == 4 && al4_out) ob[u] = *reinterpret_cast<const uint32_t*>(q);
+        else for (int b = 0; b < nb[u]; ++b) ob[u] |= uint32_t(q[b]) << (8 * b);
+        ob[u] >>= sh;
+      }
+    }
     for (int64_t t0 = 0; t0 < W; t0 += kTile) {
       const int cnt = int(W - t0 < kTile ? W - t0 : kTile);
       if (!one_tile) {
@@ -234,40 +278,42 @@ server_pass1(const uint8_t* bits, int64_t W, int64_t row_stride, const float* sc
           w_s[k] = __fdiv_rn(__ldg(scales + (t0 + k) * scale_stride), fW);
         __syncthreads();
       }
-      if (act) {
-        const uint8_t* p = bits + t0 * row_stride + off / 8 + 4 * r;
-#pragma unroll 4
-        for (int k = 0; k < cnt; ++k, p += row_stride) {
-          const uint32_t b = load_word(p, nb, al4_in) >> sh;
-          const float wk = w_s[k];
-          c.x += (b & 1u) ? wk : -wk;  // same order of float adds as the CPU
-          c.y += (b & 2u) ? wk : -wk;
-          c.z += (b & 4u) ? wk : -wk;
-          c.w += (b & 8u) ? wk : -wk;
+      const uint8_t* p = bits + t0 * row_stride + (g0 * kSeg) / 8 + 4 * r;
+#pragma unroll 2
+      for (int k = 0; k < cnt; ++k, p += row_stride) {
+        const float wk = w_s[k];
+#pragma unroll
+        for (int u = 0; u < kServerUnroll; ++u) {
+          if (!act[u]) continue;
+          const uint32_t bw = load_word(p + u * (kSeg / 8), nb[u], al4_in) >> sh;
+          c[u].x += (bw & 1u) ? wk : -wk;  // same order of float adds as the CPU
+          c[u].y += (bw & 2u) ? wk : -wk;
+          c[u].z += (bw & 4u) ? wk : -wk;
+          c[u].w += (bw & 8u) ? wk : -wk;
         }
       }
     }
-    uint32_t nib = 0;
-    if (act && pending) {  // every lane reads the old word before lane 8r overwrites it below
-      // plain loads, not __ldg: prev_bits may be out_bits, which this kernel writes
-      const uint8_t* q = prev_bits + off / 8 + 4 * r;
-      uint32_t ob = 0;
-      if (nb == 4 && al4_out) ob = *reinterpret_cast<const uint32_t*>(q);
-      else for (int b = 0; b < nb; ++b) ob |= uint32_t(q[b]) << (8 * b);
-      ob >>= sh;
-      ev.x = (ob & 1u) ? ev.x - sp : ev.x + sp;
-      ev.y = (ob & 2u) ? ev.y - sp : ev.y + sp;
-      ev.z = (ob & 4u) ? ev.z - sp : ev.z + sp;
-      ev.w = (ob & 8u) ? ev.w - sp : ev.w + sp;
+#pragma unroll
+    for (int u = 0; u < kServerUnroll; ++u) {
+      const int64_t g = g0 + u, off = g * kSeg;
+      uint32_t nib = 0;
+      if (act[u]) {
+        float4 et = ev[u];
+        if (pending) {
+          et.x = (ob[u] & 1u) ? et.x - sp : et.x + sp;
+          et.y = (ob[u] & 2u) ? et.y - sp : et.y + sp;
+          et.z = (ob[u] & 4u) ? et.z - sp : et.z + sp;
+          et.w = (ob[u] & 8u) ? et.w - sp : et.w + sp;
+        }
+        float4 cu = c[u];
+        cu.x += et.x; cu.y += et.y; cu.z += et.z; cu.w += et.w;
+        store4(e_out + off + 4 * lane, cu, evec);
+        acc += sq4(cu);
+        nib = nibble(cu);
+      }
+      const uint32_t word = pack_word(nib, lane);
+      if ((lane & 7) == 0) store_word(out_bits + off / 8 + 4 * r, word, nb[u], al4_out);
     }
-    if (act) {
-      c.x += ev.x; c.y += ev.y; c.z += ev.z; c.w += ev.w;
-      store4(e_out + off + 4 * lane, c, evec);
-      acc += sq4(c);
-      nib = nibble(c);
-    }
-    const uint32_t word = pack_word(nib, lane);
-    if ((lane & 7) == 0) store_word(out_bits + off / 8 + 4 * r, word, nb, al4_out);
   }
   const double total = block_sum(acc);
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
@@ -292,43 +338,80 @@ worker_update(const float* x, int64_t nx, const float* e, float* e_out, int64_t 
   const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   int64_t done = 0;
   if (evec) {  // n is a multiple of 8, so float4s cover e exactly
-    for (int64_t k = tid; k < n / 4; k += stride) {
-      const float4 xv = load_x4(x, nx, 4 * k, xvec);
-      float4 v = reinterpret_cast<const float4*>(e)[k];
-      v.x = sub_sign(xv.x + v.x, s); v.y = sub_sign(xv.y + v.y, s);
-      v.z = sub_sign(xv.z + v.z, s); v.w = sub_sign(xv.w + v.w, s);
-      reinterpret_cast<float4*>(e_out)[k] = v;
+    const int64_t n4 = n / 4;
+    for (int64_t k0 = tid; k0 < n4; k0 += stride * kUnroll) {  // kUnroll float4s loaded, then written
+      float4 xv[kUnroll], v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k >= n4) continue;
+        xv[u] = load_x4(x, nx, 4 * k, xvec);
+        v[u] = reinterpret_cast<const float4*>(e)[k];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k >= n4) continue;
+        float4 w = v[u];
+        w.x = sub_sign(xv[u].x + w.x, s); w.y = sub_sign(xv[u].y + w.y, s);
+        w.z = sub_sign(xv[u].z + w.z, s); w.w = sub_sign(xv[u].w + w.w, s);
+        reinterpret_cast<float4*>(e_out)[k] = w;
+      }
     }
-    done = n / 4 * 4;
+    done = n4 * 4;
   }
   for (int64_t k = done + tid; k < n; k += stride) e_out[k] = sub_sign((k < nx ? x[k] : 0.0f) + e[k], s);
 }
 
-// out[row*m + k] = bit ? s_row : -s_row for row*m + k < nout.
+// out[row*m + k] = bit ? s_row : -s_row for row*m + k < nout. A warp takes kUnroll consecutive
+// segments per iteration and issues all their loads before any store (memory-level parallelism:
+// one load round trip per kUnroll segments).
 __global__ void __launch_bounds__(kThreads)
 decompress_kernel(const uint8_t* bits, int64_t row_stride, const float* scales, int64_t scale_stride,
                   int64_t m, int64_t nseg, int64_t spr, float* out, int64_t nout, bool ovec, bool al4) {
   const int lane = threadIdx.x & 31;
-  for (int64_t g = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); g < nseg;
-       g += int64_t(gridDim.x) * kWarps) {
-    const int64_t row = g / spr, off = (g - row * spr) * kSeg;
-    const int64_t base = row * m + off;
-    const int len = int(m - off < kSeg ? m - off : kSeg);
-    const int cnt = int(nout - base < len ? nout - base : len);  // values kept (padding dropped)
-    const int v0 = 4 * lane;
-    if (v0 >= cnt) continue;  // no shuffles here, lanes may diverge
-    // Read only the bytes holding kept values (like the CPU: the padding's bytes may be absent).
-    const uint32_t b = load_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3),
-                                 word_bytes((cnt + 7) / 8 * 8, lane), al4) >> (4 * (lane & 7));
-    const float s = __ldg(scales + row * scale_stride);
-    const float4 v = make_float4((b & 1u) ? s : -s, (b & 2u) ? s : -s, (b & 4u) ? s : -s, (b & 8u) ? s : -s);
-    float* o = out + base + v0;
-    if (v0 + 4 <= cnt) {
-      store4(o, v, ovec);
-    } else {  // last float4 of the unpadded output
-      o[0] = v.x;
-      if (v0 + 1 < cnt) o[1] = v.y;
-      if (v0 + 2 < cnt) o[2] = v.z;
+  const int v0 = 4 * lane;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  for (int64_t g0 = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kUnroll; g0 < nseg;
+       g0 += nwarps * kUnroll) {
+    uint32_t b[kUnroll];
+    float s[kUnroll];
+    int64_t base[kUnroll];
+    int cnt[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t g = g0 + u;
+      cnt[u] = 0;
+      b[u] = 0;
+      s[u] = 0.0f;
+      base[u] = 0;
+      if (g >= nseg) continue;  // no shuffles here, lanes may diverge
+      const int64_t row = g / spr, off = (g - row * spr) * kSeg;
+      base[u] = row * m + off;
+      const int len = int(m - off < kSeg ? m - off : kSeg);
+      const int64_t keep = nout - base[u];  // values kept (padding dropped); <= 0: none
+      cnt[u] = keep < len ? int(keep > 0 ? keep : 0) : len;
+      if (v0 >= cnt[u]) continue;
+      // Read only the bytes holding kept values (like the CPU: the padding's bytes may be absent).
+      b[u] = load_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3),
+                       word_bytes((cnt[u] + 7) / 8 * 8, lane), al4) >> (4 * (lane & 7));
+      s[u] = __ldg(scales + row * scale_stride);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (v0 >= cnt[u]) continue;
+      const float su = s[u];
+      const uint32_t bu = b[u];
+      const float4 v = make_float4((bu & 1u) ? su : -su, (bu & 2u) ? su : -su, (bu & 4u) ? su : -su,
+                                   (bu & 8u) ? su : -su);
+      float* o = out + base[u] + v0;
+      if (v0 + 4 <= cnt[u]) {
+        store4(o, v, ovec);
+      } else {  // last float4 of the unpadded output
+        o[0] = v.x;
+        if (v0 + 1 < cnt[u]) o[1] = v.y;
+        if (v0 + 2 < cnt[u]) o[2] = v.z;
+      }
     }
   }
 }
@@ -417,15 +500,32 @@ adam_kernel(const bool* ok, const float* g, float* m, float* v, float* const* pa
     const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
     float* const p = params[j];  // value i of the flat buffers is p[i - start]
     const float l = lr[j], b1 = beta1[j], o1 = ob1[j], b2 = beta2[j], o2 = ob2[j], ep = eps[j], w = wd[j];
-    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-      const float gi = g[i];
-      const float mi = __fadd_rn(__fmul_rn(m[i], b1), __fmul_rn(o1, gi));
-      const float vi = update_v ? __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(o2, __fmul_rn(gi, gi))) : v[i];
-      const float pi = p[i - start];
-      const float u = __fadd_rn(__fdiv_rn(mi, __fadd_rn(__fsqrt_rn(vi), ep)), __fmul_rn(w, pi));
-      m[i] = mi;
-      if (update_v) v[i] = vi;
-      p[i - start] = __fsub_rn(pi, __fmul_rn(l, u));
+    // kUnroll values per thread: all loads first (values of one thread only, so in-place
+    // aliasing is still read-before-write per value)
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float gr[kUnroll], mr[kUnroll], vr[kUnroll], pr[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        gr[k] = g[i];
+        mr[k] = m[i];
+        vr[k] = v[i];
+        pr[k] = p[i - start];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        const float gi = gr[k];
+        const float mi = __fadd_rn(__fmul_rn(mr[k], b1), __fmul_rn(o1, gi));
+        const float vi = update_v ? __fadd_rn(__fmul_rn(vr[k], b2), __fmul_rn(o2, __fmul_rn(gi, gi))) : vr[k];
+        const float pi = pr[k];
+        const float u = __fadd_rn(__fdiv_rn(mi, __fadd_rn(__fsqrt_rn(vi), ep)), __fmul_rn(w, pi));
+        m[i] = mi;
+        if (update_v) v[i] = vi;
+        p[i - start] = __fsub_rn(pi, __fmul_rn(l, u));
+      }
     }
   }
 }
@@ -448,18 +548,32 @@ frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, flo
     const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
     float* const p = params[j];  // value i of the flat buffers is p[i - start]
     const float a = nlr[j], b = nlw[j];
-    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-      const float xi = x[i], di = d[i];
-      float pi = p[i - start];
-      if (b != 0.0f) pi = __fmaf_rn(b, pi, pi);
-      if (precond) {
-        m[i] = __fmul_rn(xi, di);
-        pi = __fmaf_rn(a, xi, pi);
-      } else {
-        m[i] = xi;
-        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(a, xi), di));
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float xr[kUnroll], dr[kUnroll], pr[kUnroll];  // all loads first, as in adam_kernel
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        xr[k] = x[i];
+        dr[k] = d[i];
+        pr[k] = p[i - start];
       }
-      p[i - start] = pi;
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        const float xi = xr[k], di = dr[k];
+        float pi = pr[k];
+        if (b != 0.0f) pi = __fmaf_rn(b, pi, pi);
+        if (precond) {
+          m[i] = __fmul_rn(xi, di);
+          pi = __fmaf_rn(a, xi, pi);
+        } else {
+          m[i] = xi;
+          pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(a, xi), di));
+        }
+        p[i - start] = pi;
+      }
     }
   }
 }
@@ -566,7 +680,7 @@ void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e
   const int64_t m = n / W, spr = (m + kSeg - 1) / kSeg, nseg = spr * W;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
-  const int grid = grid_for(nseg, kWarps);
+  const int grid = grid_for(nseg, kWarps * kUnroll);
   launch("worker_pass1", worker_pass1, grid, kThreads, st, x, nx, e, m, nseg, spr, bits, row_stride,
          aligned(x, 16), aligned(e, 16), rows_aligned4(bits, W, row_stride), partial);
   launch("finalize_scale", finalize_scale, 1, kThreads, st, partial, grid, n, scale_out);
@@ -577,7 +691,7 @@ void worker_update_error_cuda(int device, const float* x, int64_t nx, const floa
   detail::check_update("worker_update_error_cuda", nx, n);
   if (n == 0) return;
   DeviceGuard guard(device);
-  launch("worker_update", worker_update, grid_for(n / 4, kThreads), kThreads, static_cast<cudaStream_t>(stream),
+  launch("worker_update", worker_update, grid_for(n / 4, kThreads * kUnroll), kThreads, static_cast<cudaStream_t>(stream),
          x, nx, e, e_out, n, scale, aligned(x, 16), aligned(e, 16) && aligned(e_out, 16));
 }
 
@@ -590,7 +704,7 @@ void server_reduce_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_
   const int64_t nseg = (m + kSeg - 1) / kSeg;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
-  const int grid = grid_for(nseg, kWarps);
+  const int grid = grid_for(nseg, kWarps * kServerUnroll);
   const bool evec = aligned(e, 16) && aligned(e_out, 16);
   // prev_scale may be scale_out: finalize_scale overwrites it only after server_pass1 has run.
   launch("server_pass1", server_pass1, grid, kThreads, st, bits, W, row_stride, scales, scale_stride, e, e_out, m,
@@ -607,7 +721,7 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
   const int64_t spr = (m + kSeg - 1) / kSeg;
   // Only rows holding output: rows past the last kept value are all padding.
   const int64_t rows = (nout + m - 1) / m, nseg = spr * rows;
-  launch("decompress_kernel", decompress_kernel, grid_for(nseg, kWarps), kThreads, static_cast<cudaStream_t>(stream),
+  launch("decompress_kernel", decompress_kernel, grid_for(nseg, kWarps * kUnroll), kThreads, static_cast<cudaStream_t>(stream),
          bits, row_stride, scales, scale_stride, m, nseg, spr, out, nout, aligned(out, 16),
          rows_aligned4(bits, rows, row_stride));
 }
