@@ -298,7 +298,7 @@ class CompressedAllreduce:
         self._uncommitted: ExchangeHandle | None = None
         self._send = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
         self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else self._send
-        # W = 1: the "gathered" records are the server record itself (set per call)
+        # (W = 1 gathers nothing: its result is the worker's record, see start)
         self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
         self._scale = torch.zeros(1, dtype=torch.float32, **kw)
@@ -413,6 +413,12 @@ class CompressedAllreduce:
                 self, None, out, tensor.shape, finite=False, bad_ranks=bad, call=self.calls
             )
         kernels.worker_update_error(x, self._werr[cur], self._scale, out=self._werr[nxt])
+        if w == 1:
+            # 3-4 at W = 1 are the identity: the one chunk's average is s * sign(y) itself and
+            # its recompression gives back the same scale and signs with a server error of
+            # exactly 0 (the norm of n values +-s is s * sqrt(n), exact in float32 after the
+            # double sum), so the worker's record is the result.
+            return self._handle(out, tensor.shape, None, self._send, nxt, commit)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
         rec, prev = self._srec[nxt], self._srec[cur]
@@ -428,20 +434,30 @@ class CompressedAllreduce:
             prev_scale=prev.view(torch.float32)[:1],
         )
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
-        work = None
-        gathered = rec.view(1, -1)
-        if w > 1:
-            gathered = self._gathered
-            with self._explained("all_gather"):
-                work = _all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
+        gathered = self._gathered
+        assert gathered is not None  # (W > 1)
+        with self._explained("all_gather"):
+            work = _all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
+        return self._handle(out, tensor.shape, work, gathered, nxt, commit)
 
+    def _handle(
+        self,
+        out: torch.Tensor,
+        shape: torch.Size,
+        work: Any,
+        gathered: torch.Tensor,
+        nxt: int,
+        commit: bool,
+    ) -> ExchangeHandle:
+        """The handle of the call now in flight (``work``: its all_gather, if any), committed
+        now or left for the caller."""
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
         handle = ExchangeHandle(
             self,
             work,
             out,
-            tensor.shape,
+            shape,
             gathered=gathered,
             next_set=nxt,
             call=self.calls,
@@ -462,7 +478,8 @@ class CompressedAllreduce:
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
         if self.device_verdict:
             ok, cur = handle.ok if ok is None else ok, self._cur
-            for bufs in (self._werr, self._sacc, self._srec):
+            # (W = 1 has no server stage: its buffers never change)
+            for bufs in (self._werr, self._sacc, self._srec)[: 1 if self.world_size == 1 else 3]:
                 kernels.restore_unless(ok, bufs[next_set], bufs[cur])
         self._cur = next_set
         self._server_pending = True
