@@ -2,6 +2,8 @@
 exchange's NaN/Inf verdict costs, read on the host or kept on the device.
 
     python benchmarks/gpu_step.py [--width 1024] [--layers 8] [--batch 32] [--steps 20]
+    python benchmarks/gpu_step.py --only "device|fused"   # the rows whose label matches
+    python benchmarks/gpu_step.py --profile                # where a compressed step's time goes
 
 A transformer LM (``nn.TransformerEncoder``, bf16 autocast) on one GPU, so W = 1: the exchange
 compresses and decodes but sends nothing, and what is measured is the optimizers' own cost
@@ -13,12 +15,14 @@ host read); ``verdict=host`` reads it on the host (``comm.all_finite``, a host s
 per exchange: 0/1 Adam, and the other two with ``DEVICE_VERDICT`` off, their torch-op update);
 ``verdict=off`` replaces that read by ``True`` (unsafe: what the read itself costs). The
 optimizers are switched to their compression phase after 2 steps (0/1 Adam: its local phase, a
-sync every step; "local steps": its local step interval at 16).
+sync every step; "local steps": its local step interval at 16). ``--profile`` prints, per
+optimizer, the CUDA kernels of 5 steps in ``step()`` by device time (torch's profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 import warnings
@@ -83,6 +87,33 @@ def _time(
     return statistics.median(runs), sum(p.numel() for p in model.parameters())
 
 
+def _profile(args: argparse.Namespace, label: str, make: Callable) -> None:
+    """Print the CUDA kernels of 5 compressed steps of ``make``'s optimizer by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model(args.width, args.layers)
+    opt = make(model.parameters())
+    x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), device="cuda")
+    for k in range(10):
+        if k == 5:
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = model(x[:, :-1])
+        torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), x[:, 1:].flatten()
+        ).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    print(f"\n### {label}: CUDA kernels of 5 steps (forward, backward and step)")
+    print(
+        prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=60)
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=1024)
@@ -91,6 +122,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--only", default="", help="a regular expression: time only the rows it finds")
+    p.add_argument("--profile", action="store_true", help="profile instead of timing")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step.py needs a CUDA GPU")
@@ -123,6 +156,12 @@ def main() -> None:
                 rows.append(
                     (label, lambda ps, cls=cls, kw=kw: cls(ps, lr=1e-4, **kw), overlap, verdict)
                 )
+    rows = [row for row in rows if re.search(args.only, row[0])]
+    if args.profile:
+        for label, make, overlap, verdict in rows:
+            if overlap is None and verdict in ("-", "device"):  # as shipped
+                _profile(args, label, make)
+        return
     print(f"| optimizer (one GPU, {torch.cuda.get_device_name()}) | ms per step |")
     print("|---|---:|")
     n = 0
