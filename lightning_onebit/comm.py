@@ -535,6 +535,25 @@ class CompressedAllreduce:
             kernels.finish_pending(err, rec[4 : 4 + row], rec.view(torch.float32)[:1])
         return err
 
+    def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Live views of this rank's error buffers over the values ``[lo, hi)`` of the input:
+        its worker error there, and its server error where its chunk overlaps them. Applies
+        the server error's deferred update first (see :meth:`__init__`), so that the views
+        hold the errors themselves until the next call. For a caller that keeps values out of
+        an exchange: it puts their errors back after the call."""
+        if self._server_pending:
+            rec, row = self._srec[self._cur], self.chunk_numel // 8
+            kernels.finish_pending(
+                self._sacc[self._cur], rec[4 : 4 + row], rec.view(torch.float32)[:1]
+            )
+            self._server_pending = False
+        views = [self.worker_error[lo:hi]]
+        c0 = self.rank * self.chunk_numel
+        a, b = max(lo, c0), min(hi, c0 + self.chunk_numel)
+        if a < b:
+            views.append(self._sacc[self._cur][a - c0 : b - c0])
+        return views
+
     def reset_error(self) -> None:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
         self.worker_error.zero_()
@@ -711,6 +730,15 @@ class BucketedAllreduce:
         return out
 
     # ------------------------------------------------------------------ state
+
+    def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Live views of this rank's error buffers over the values ``[lo, hi)`` (see
+        :meth:`CompressedAllreduce.error_views`), bucket by bucket."""
+        views: list[torch.Tensor] = []
+        for ex, (a, b) in zip(self.buckets, self.bounds, strict=True):
+            if max(lo, a) < min(hi, b):
+                views += ex.error_views(max(lo, a) - a, min(hi, b) - a)
+        return views
 
     def reset_error(self) -> None:
         for ex in self.buckets:

@@ -5,7 +5,6 @@ is said about it."""
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,17 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._compat import mark_step_for_lr_schedulers
 from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.optim._validation import _REFUSED_FLAGS
 
-#: torch Adam/AdamW group keys that are implementation switches the 1-bit optimizers lack
-_TORCH_ONLY = (
-    "amsgrad",
-    "maximize",
-    "foreach",
-    "capturable",
-    "differentiable",
-    "fused",
-    "decoupled_weight_decay",
-)
+#: torch Adam/AdamW group keys with no effect on the math: dropped (said in the message)
+_DROPPED = ("foreach", "fused")
 
 
 #: learning rates that converting to 1-bit LAMB with ``lamb_lr`` rescales: param-group keys
@@ -170,25 +162,30 @@ def convert_adam(
     settings; ``options(defaults)`` gives its constructor's keyword arguments. Returns it and
     what the learning rates were multiplied by (``lamb_lr``, 1-bit LAMB only)."""
     d = original.defaults
-    if d.get("amsgrad") or any(g.get("amsgrad") for g in original.param_groups):
-        raise MisconfigurationException(f"{algorithm} has no amsgrad variant; use amsgrad=False")
-    if d.get("maximize"):
-        raise MisconfigurationException(
-            f"{algorithm} does not support maximize=True; negate the loss"
-        )
-    if type(original) is torch.optim.Adam and any(g["weight_decay"] for g in original.param_groups):
-        warnings.warn(
-            "torch.optim.Adam's weight_decay is an L2 term added to the gradient; the 1-bit "
-            "optimizers apply weight decay decoupled from the gradient, as AdamW and DeepSpeed do",
-            UserWarning,
-            stacklevel=3,
-        )
+    for gi, g in enumerate(original.param_groups):
+        for key, why in _REFUSED_FLAGS.items():
+            if g.get(key):
+                raise MisconfigurationException(
+                    f"param group {gi} of {type(original).__name__} has {key}=True: {algorithm} "
+                    f"{why}; set {key}=False"
+                )
     # Every group key is kept (LR schedulers store their own there: OneCycleLR's max_lr,
-    # min_lr, max_momentum, ...), except the torch implementation switches ours lack.
-    groups = [
-        {k: v if k == "params" else _plain(v) for k, v in g.items() if k not in _TORCH_ONLY}
-        for g in original.param_groups
-    ]
+    # min_lr, max_momentum, ...) except torch's implementation switches: the refused ones
+    # (False), those with no effect on the math, and maximize where False (the default).
+    # decoupled_weight_decay is kept where False: torch Adam's L2 term, computed as Adam does.
+    decoupled = isinstance(original, torch.optim.AdamW)
+    groups = []
+    for g in original.param_groups:
+        group = {
+            k: v if k == "params" else _plain(v)
+            for k, v in g.items()
+            if k not in (*_DROPPED, *_REFUSED_FLAGS, "maximize", "decoupled_weight_decay")
+        }
+        if g.get("maximize", False):
+            group["maximize"] = True
+        if not g.get("decoupled_weight_decay", decoupled):
+            group["decoupled_weight_decay"] = False
+        groups.append(group)
     defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
     lr_scale = _lamb_lr_scale(algorithm, lamb_lr, defaults.get("lr"))
     if lr_scale != 1.0:
@@ -200,12 +197,37 @@ def convert_adam(
         for k in (*OneBitOptimizer.OPTIONS, "rescale_variance", "compressed_variance_phase")
         if k in cls.OPTIONS
     )
+    dropped = sorted({k for g in original.param_groups for k in _DROPPED if g.get(k)})
     rank_zero_info(
         f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
-        f"({len(groups)} param group(s), lr={defaults.get('lr')}, betas={defaults.get('betas')}, "
-        f"eps={defaults.get('eps')}, weight_decay={defaults.get('weight_decay')}; {robust})"
+        f"({len(groups)} param group(s), {_describe_groups(new.param_groups)}; {robust})"
+        + (
+            f"; dropped {', '.join(f'{k}=True' for k in dropped)} (no effect on the math: "
+            f"{cls.__name__} runs its own fused kernels)"
+            if dropped
+            else ""
+        )
     )
     return new, lr_scale
+
+
+#: the group hyperparameters the conversion message shows
+_SHOWN = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "maximize")
+
+
+def _describe_groups(groups: list[dict[str, Any]]) -> str:
+    """The first group's hyperparameters, then each other group's where they differ from it."""
+
+    def value(g: dict[str, Any], k: str) -> Any:
+        return g.get(k, {"decoupled_weight_decay": True, "maximize": False}.get(k))
+
+    first = groups[0]
+    parts = [", ".join(f"{k}={value(first, k)}" for k in _SHOWN)]
+    for gi, g in enumerate(groups[1:], start=1):
+        differ = [f"{k}={value(g, k)}" for k in _SHOWN if value(g, k) != value(first, k)]
+        if differ:
+            parts.append(f"group {gi}: {', '.join(differ)}")
+    return "; ".join(parts)
 
 
 def _lamb_lr_scale(algorithm: str, lamb_lr: float | None, adam_lr: float | None) -> float:

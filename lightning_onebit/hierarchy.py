@@ -449,6 +449,13 @@ class HierarchicalAllreduce:
     def server_error(self) -> torch.Tensor:
         return self.inter.server_error
 
+    def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Live views of this rank's error buffers over the values ``[lo, hi)`` (see
+        :meth:`~lightning_onebit.comm.CompressedAllreduce.error_views`): those of its shard."""
+        k0 = self.nodes.local_rank * self.shard_numel
+        a, b = max(lo, k0), min(hi, k0 + self.shard_numel)
+        return self.inter.error_views(a - k0, b - k0) if a < b else []
+
     def reset_error(self) -> None:
         self.inter.reset_error()
 

@@ -75,10 +75,17 @@ def make_groups(params: list[torch.nn.Parameter], **extra: dict) -> list[dict]:
 
 
 def set_grads(params: list[torch.nn.Parameter], rank: int, step: int) -> None:
+    """Rank ``rank``'s gradients. In one process they are zeros where :func:`grad_of` gives
+    None: a gradient missing on every rank makes the optimizers skip the parameter (as torch's
+    Adam does), which the references here do not model; with several ranks (where ranks differ)
+    a missing gradient counts as zeros."""
+    single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     for k, p in enumerate(params):
         if not p.requires_grad:
             continue
         g = grad_of(rank, step, k, p.detach())
+        if g is None and single:
+            g = torch.zeros_like(p, dtype=torch.float64)
         p.grad = None if g is None else g.float()
 
 

@@ -289,7 +289,7 @@ def test_closure_and_plain_module() -> None:
 @pytest.mark.parametrize(
     ("cls", "kwargs", "match"),
     [
-        (OneBitAdam, {"lr": -1.0}, r"lr must be a number in \(0.0, inf\), got -1.0"),
+        (OneBitAdam, {"lr": -1.0}, r"lr must be a number in \[0.0, inf\), got -1.0"),
         (
             OneBitAdam,
             {"betas": (0.9, 1.0)},

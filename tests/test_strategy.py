@@ -246,10 +246,7 @@ def test_adam_with_scheduler_and_groups_is_converted(tmp_path: Path) -> None:
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    with pytest.warns(UserWarning, match="decoupled"):  # devices=1: runs in this process
-        records = _fit(
-            tmp_path, OneBitStrategy(freeze_step=4), devices=1, steps=10, model=Grouped()
-        )
+    records = _fit(tmp_path, OneBitStrategy(freeze_step=4), devices=1, steps=10, model=Grouped())
     rec = records[0]
     assert rec["optimizer"] == "OneBitAdam"
     # StepLR halves every 4 steps: after 10 steps the lrs are a quarter of the initial ones

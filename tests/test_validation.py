@@ -49,9 +49,8 @@ def _assert_names(message: str, expected: list[str]) -> None:
 
 # (what is bad, constructor kwargs, substrings: parameter, bad value, valid range)
 _COMMON_ROWS: list[tuple[str, dict[str, Any], list[str]]] = [
-    ("lr zero", {"lr": 0.0}, ["lr must be", "got 0.0", "(0.0, inf)"]),
-    ("lr negative", {"lr": -1e-3}, ["lr must be", "got -0.001", "(0.0, inf)"]),
-    ("lr nan", {"lr": math.nan}, ["lr must be", "got nan", "(0.0, inf)"]),
+    ("lr negative", {"lr": -1e-3}, ["lr must be", "got -0.001", "[0.0, inf)", "0 keeps"]),
+    ("lr nan", {"lr": math.nan}, ["lr must be", "got nan", "[0.0, inf)"]),
     ("eps zero", {"eps": 0.0}, ["eps must be", "got 0.0", "(0.0, inf)"]),
     ("eps negative", {"eps": -1e-8}, ["eps must be", "got -1e-08", "(0.0, inf)"]),
     ("beta1 = 1", {"betas": (1.0, 0.999)}, ["betas[0] must be", "got 1.0", "[0.0, 1.0)"]),
@@ -139,11 +138,15 @@ def test_optimizer_specific_hyperparameters_are_rejected(
 @pytest.mark.parametrize(
     ("group", "expected"),
     [
-        ({"lr": 0.0}, ["lr must be", "got 0.0", "(0.0, inf)"]),
-        ({"eps": 0.0}, ["eps must be", "got 0.0", "(0.0, inf)"]),
-        ({"betas": (0.9, 1.0)}, ["betas[1] must be", "got 1.0", "[0.0, 1.0)"]),
+        ({"lr": -1.0}, ["param group", "lr must be", "got -1.0", "[0.0, inf)", "that group"]),
+        ({"eps": 0.0}, ["param group", "eps must be", "got 0.0", "(0.0, inf)", "e.g. 1e-8"]),
+        ({"betas": (0.9, 1.0)}, ["param group", "betas[1] must be", "got 1.0", "[0.0, 1.0)"]),
+        ({"amsgrad": True}, ["param group", "has amsgrad=True", "set amsgrad=False"]),
+        ({"capturable": True}, ["param group", "has capturable=True", "CUDA graph"]),
+        ({"differentiable": True}, ["param group", "has differentiable=True"]),
+        ({"maximize": "yes"}, ["param group", "maximize must be True or False"]),
     ],
-    ids=["lr", "eps", "betas"],
+    ids=["lr", "eps", "betas", "amsgrad", "capturable", "differentiable", "maximize"],
 )
 def test_param_group_overrides_and_add_param_group_are_validated(
     cls: type, group: dict, expected: list[str]
@@ -197,17 +200,24 @@ def test_sparse_gradients_without_a_strategy_fail_at_the_first_step(cls: type) -
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
-def test_lr_scheduler_warmup_from_zero_is_allowed(cls: type) -> None:
-    """lr = 0 is refused as a setting, not as an LR scheduler's current value (``initial_lr``
-    is the setting then): a warmup that starts at 0 keeps working, also through the strategy's
-    conversion of a torch Adam whose scheduler already set lr = 0."""
+def test_lr_zero_is_allowed_and_keeps_the_group_fixed(cls: type) -> None:
+    """lr = 0 is accepted, as a setting (a group kept fixed by its lr) and as an LR scheduler's
+    current value (a warmup from 0); the group's parameters do not move."""
     opt = cls(_param(), lr=1e-3)
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: step / 10)  # sets lr = 0 now
     assert opt.param_groups[0]["lr"] == 0.0
-    cls([{"params": _param(), "lr": 0.0, "initial_lr": 1e-3}])  # accepted
+    cls([{"params": _param(), "lr": 0.0, "initial_lr": 0.0}])  # accepted
+    fixed, trained = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    before = fixed.detach().clone()
+    opt = cls([{"params": [fixed], "lr": 0.0}, {"params": [trained]}], lr=1e-2)
+    for _ in range(3):
+        for p in (fixed, trained):
+            p.grad = torch.randn(3)
+        opt.step()
+    assert torch.equal(fixed.detach(), before)
     with pytest.raises(ValueError) as err:
-        cls([{"params": _param(), "lr": 0.0, "initial_lr": 0.0}])
-    _assert_names(str(err.value), ["initial_lr must be", "got 0.0", "(0.0, inf)"])
+        cls([{"params": _param(), "lr": -1.0, "initial_lr": 0.0}])
+    _assert_names(str(err.value), ["param group 0", "lr must be", "got -1.0"])
 
 
 # --------------------------------------------------------------------------- strategy constructor
@@ -393,10 +403,14 @@ _SETUP_ROWS: list[tuple[str, Any, Any, list[str]]] = [
         MisconfigurationException,
         ["returned none", "torch.optim.Adam"],
     ),
-    ("Adam lr = 0", lambda: _Adam(lr=0.0), ValueError, ["lr must be", "got 0.0", "(0.0, inf)"]),
     ("Adam eps = 0", lambda: _Adam(eps=0.0), ValueError, ["eps must be", "got 0.0", "(0.0, inf)"]),
     ("Adam amsgrad", lambda: _Adam(amsgrad=True), MisconfigurationException, ["amsgrad=False"]),
-    ("Adam maximize", lambda: _Adam(maximize=True), MisconfigurationException, ["maximize=True"]),
+    (
+        "Adam capturable",
+        lambda: _Adam(capturable=True),
+        MisconfigurationException,
+        ["param group 0", "capturable=True", "set capturable=False"],
+    ),
     (
         "sparse embedding",
         _SparseEmbedding,

@@ -116,7 +116,12 @@ from lightning_onebit.optim._layout import _FlatBuffers, _Layout
 from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, _FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import _check_betas, _check_int, _check_real
+from lightning_onebit.optim._validation import (
+    _check_betas,
+    _check_group_flags,
+    _check_int,
+    _check_real,
+)
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
@@ -228,8 +233,15 @@ class OneBitOptimizer(
         rescale_variance: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        decoupled_weight_decay: bool = True,
     ) -> None:
         name = type(self).__name__
+        if not isinstance(decoupled_weight_decay, bool):
+            raise ValueError(
+                f"decoupled_weight_decay must be True or False, got {decoupled_weight_decay!r}"
+            )
+        if not decoupled_weight_decay:  # (a group key only where it is not the default)
+            defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
         if hierarchical not in (True, False, "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
@@ -237,7 +249,10 @@ class OneBitOptimizer(
             _check_int("ranks_per_node", ranks_per_node, 1)
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
-        self._check_hparams(defaults)
+        try:
+            self._check_hparams(defaults)
+        except ValueError as err:
+            raise ValueError(f"{name}(...): {err}") from None
         OneBitOptimizer._check_options({"variance_floor": variance_floor})
         super().__init__(params, defaults)
         # hyperparameters shared by the three algorithms
@@ -319,6 +334,8 @@ class OneBitOptimizer(
         self._overlap: BackwardOverlap | None = None  # see overlap_with_backward()
         self._denominator: tuple[torch.Tensor, list[torch.Tensor], list[float]] | None = None
         self._skip_gather: set[int] = set()
+        #: this step's parameters without a gradient and what they hold (see :meth:`_hold`)
+        self._held: tuple[Any, ...] | None = None
         #: Set True around backward passes that are not followed by ``step()`` (gradient
         #: accumulation) when overlapping the exchange with backward.
         self.overlap_paused = False
@@ -350,17 +367,17 @@ class OneBitOptimizer(
 
     @staticmethod
     def _check_hparams(h: dict[str, Any]) -> None:
-        """Validate one param group's hyperparameters (subclasses extend)."""
-        if "initial_lr" in h:
-            # An LR scheduler is attached and ``lr`` is its current value, which may be 0 (a
-            # warmup from zero): the configured lr is ``initial_lr``.
-            _check_real("initial_lr", h["initial_lr"], 0.0, math.inf, low_open=True, high_open=True)
-            _check_real("lr", h["lr"], 0.0, math.inf, high_open=True)
-        else:
-            _check_real("lr", h["lr"], 0.0, math.inf, low_open=True, high_open=True)
+        """Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is
+        accepted: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero)."""
+        if "initial_lr" in h:  # an LR scheduler's setting (``lr`` is its current value)
+            _check_real("initial_lr", h["initial_lr"], 0.0, math.inf, high_open=True,
+                        hint="a learning rate >= 0")  # fmt: skip
+        _check_real("lr", h["lr"], 0.0, math.inf, high_open=True,
+                    hint="a learning rate >= 0; 0 keeps the parameters fixed")  # fmt: skip
         _check_betas(h["betas"])
-        _check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True)
-        _check_real("weight_decay", h["weight_decay"], 0.0, math.inf)
+        _check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True,
+                    hint="a small positive number, e.g. 1e-8")  # fmt: skip
+        _check_real("weight_decay", h["weight_decay"], 0.0, math.inf, hint="0 for none")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -378,10 +395,15 @@ class OneBitOptimizer(
         self._layout = None  # re-layout at the next step
 
     def _check_group(self, gi: int) -> None:
-        """Validate param group ``gi``: hyperparameters, parameter kinds, mask type."""
+        """Validate param group ``gi``: hyperparameters, torch's per-group flags, parameter
+        kinds, mask type. Every error names the group."""
         group = self.param_groups[gi]
-        self._check_hparams(group)
         name = type(self).__name__
+        try:
+            self._check_hparams(group)
+        except ValueError as err:
+            raise ValueError(f"param group {gi}: {err}; set it in that group") from None
+        _check_group_flags(name, gi, group)
         for i, p in enumerate(group["params"]):
             what = f"parameter {i} of param group {gi} (shape {tuple(p.shape)}, dtype {p.dtype})"
             if p.layout != torch.strided:
@@ -436,6 +458,7 @@ class OneBitOptimizer(
             return
         self._resolve_verdict()  # (called between steps: the last step's counts are final)
         self._prepare()
+        self._release()  # (the switch step's held parameters: before the state changes meaning)
         self._phase = self.PHASES[1]
         self._denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
         if self.bias_correction:
@@ -445,18 +468,31 @@ class OneBitOptimizer(
         self._floor_variance_(report=True)
         self._on_freeze()
 
-    def _bias_corrections(self, gi: int) -> tuple[float, float]:
+    def _bias_corrections(self, gi: int, j: int | None = None) -> tuple[float, float]:
         """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
         variance updates since the group joined (1 for a variance that never saw a gradient:
-        nothing to correct)."""
+        nothing to correct); of its parameter ``j`` (layout index): less the steps it had no
+        gradient in (torch's Adam counts each parameter's own steps)."""
         group = self.param_groups[gi]
         beta1, beta2 = group["betas"]
         t0, k0 = group.get("joined_at", (0, 0))
         t, k = self.step_count - t0, self.variance_updates - k0
+        if j is not None:
+            mt, mk = self._missed_steps(j)
+            t, k = t - mt, k - mk
         return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
 
     def _fold_bias_correction_(self) -> None:
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        if self._any_missed_steps():  # per parameter: some missed steps
+            of = self._layout.group_of
+            for j, (mj, vj) in enumerate(
+                zip(self._views["exp_avg"], self._views["exp_avg_sq"], strict=True)
+            ):
+                bc1, bc2 = self._bias_corrections(of[j], j)
+                mj.div_(bc1)
+                vj.div_(bc2)
+            return
         for gi, _, s in self._segments():
             bc1, bc2 = self._bias_corrections(gi)
             m[s].div_(bc1)
@@ -726,12 +762,15 @@ class OneBitOptimizer(
         self.step_count += 1
         skipped = self.skipped_steps
         self._step_verdict = None
+        self._hold(self._params_without_grad())
         try:
             self._step()
         except NonFiniteError as err:
+            self._release(count=False)
             self._restore_host_state(counters)
             self._skipped(err)
         finally:
+            self._release()
             self._skip_gather = set()
             if self._overlap is not None:
                 self._exchange.discard()  # started buckets a step did not use (none normally)
@@ -750,6 +789,74 @@ class OneBitOptimizer(
         if self._node_size() < self.world_size:
             stats["fp32_equiv_total_inter"] += fp32 // self._node_size()
         return loss
+
+    # ------------------------------------------------------------------ parameters without gradients
+
+    def _params_without_grad(self) -> list[int]:
+        """The parameters (layout indices) that have no gradient this step (``.grad`` is
+        ``None``) on every rank, known without asking the other ranks: in one process, and
+        where DDP produced the gradients (:attr:`caller_averaged`), which leaves ``.grad``
+        ``None`` exactly where no rank used a parameter (``find_unused_parameters=True``; DDP
+        refuses unused parameters otherwise). Elsewhere (plain ``torch.distributed``, a
+        parameter DDP does not know) a missing gradient counts as zeros: a parameter that other
+        ranks use is averaged with them, as DDP averages it."""
+        params = self._layout.params
+        idx = [j for j, p in enumerate(params) if p.grad is None]
+        if not idx or self.world_size == 1:
+            return idx
+        covered = self.caller_averaged
+        return [] if covered is None else [j for j in idx if id(params[j]) in covered]
+
+    def _hold(self, idx: list[int]) -> None:
+        """Keep the parameters ``idx`` (without a gradient on every rank) out of this step, as
+        torch's Adam skips them: their values, their state and their part of the exchange's
+        error buffers are saved now and put back by :meth:`_release`. The step itself runs
+        unchanged over the whole flat layout (a missing gradient counts as zeros there), so
+        every rank runs the same collectives. Their exchanged values are sent (1 bit cannot
+        send a zero) and dropped; their error buffers then do not remember them."""
+        if not idx:
+            return
+        views, layout = self._views, self._layout
+        saved = {
+            name: [views[name][j].clone() for j in idx] for name in (*self._flat, *self._scalars)
+        }
+        values = [layout.params[j].detach().clone() for j in idx]
+        errors = [
+            [e.clone() for e in self._exchange.error_views(lo, lo + layout.params[j].numel())]
+            for j, lo in ((j, layout.offsets[j]) for j in idx)
+        ]
+        self._held = (idx, saved, values, errors, self.variance_updates)
+
+    def _release(self, count: bool = True) -> None:
+        """Put back what :meth:`_hold` saved (at the end of the step, or at the phase switch,
+        before the state changes meaning); with ``count``, the step counts as one the held
+        parameters missed (their bias correction counts their own steps, as torch's Adam's)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        idx, saved, values, errors, variance_updates = held
+        views, layout = self._views, self._layout
+        for name, kept in saved.items():
+            for j, v in zip(idx, kept, strict=True):
+                views[name][j].copy_(v)
+        for j, v, errs in zip(idx, values, errors, strict=True):
+            layout.params[j].copy_(v)
+            lo = layout.offsets[j]
+            for e, kept in zip(self._exchange.error_views(lo, lo + v.numel()), errs, strict=True):
+                e.copy_(kept)
+            if count:
+                state = self.state[layout.params[j]]
+                t, k = state.get("steps_without_grad", (0, 0))
+                k += self.variance_updates - variance_updates
+                state["steps_without_grad"] = (t + 1, k)
+
+    def _missed_steps(self, j: int) -> tuple[int, int]:
+        """``(steps, variance updates)`` that parameter ``j`` (layout index) missed for want of
+        a gradient (see :meth:`_hold`)."""
+        return self.state[self._layout.params[j]].get("steps_without_grad", (0, 0))
+
+    def _any_missed_steps(self) -> bool:
+        return any("steps_without_grad" in self.state[p] for p in self._layout.params)
 
     def _check_grads_are_local(self) -> None:
         """Once, at the first step that should receive each rank's own gradients: warn if they

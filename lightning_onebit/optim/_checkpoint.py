@@ -49,8 +49,9 @@ class _Checkpointing:
         for saved, group in zip(state["param_groups"], self.param_groups, strict=True):
             steps = torch.tensor(float(self.step_count - group.get("joined_at", (0, 0))[0]))
             for i in saved["params"]:  # (torch's packed indices)
-                if i in state["state"]:
-                    state["state"][i] = {**state["state"][i], "step": steps.clone()}
+                if i in state["state"]:  # (less the steps it had no gradient in: torch's count)
+                    missed = state["state"][i].get("steps_without_grad", (0, 0))[0]
+                    state["state"][i] = {**state["state"][i], "step": steps - missed}
         state["onebit"] = self._global_state()
         return state
 

@@ -20,7 +20,13 @@ from lightning_onebit.comm import (
 from lightning_onebit.hierarchy import average_bytes, hierarchical_average, inter_node_bytes
 from lightning_onebit.kernels import adam_update, frozen_adam_update
 
-__all__ = ["RESCALE_BETA", "RESCALE_INTERVAL", "RESCALE_REFERENCE_UPDATES", "_FlatOps"]
+__all__ = [
+    "RESCALE_BETA",
+    "RESCALE_INTERVAL",
+    "RESCALE_REFERENCE_UPDATES",
+    "_FlatOps",
+    "_decoupled_decay",
+]
 
 #: ``rescale_variance``: the running mean square of each tensor's gradients keeps this much of
 #: its last value per step (a horizon of ~10 steps); the ranks all-reduce it every
@@ -29,6 +35,13 @@ __all__ = ["RESCALE_BETA", "RESCALE_INTERVAL", "RESCALE_REFERENCE_UPDATES", "_Fl
 RESCALE_BETA = 0.9
 RESCALE_INTERVAL = 10
 RESCALE_REFERENCE_UPDATES = 1
+
+
+def _decoupled_decay(group: dict[str, Any]) -> float:
+    """The group's decoupled weight decay (AdamW's, ``p -= lr * wd * p``): its
+    ``weight_decay``, or 0 where ``decoupled_weight_decay=False`` makes it torch Adam's L2
+    term, which :meth:`_FlatOps._gather_grads` adds to the gradient instead."""
+    return group["weight_decay"] if group.get("decoupled_weight_decay", True) else 0.0
 
 
 class _FlatOps:
@@ -54,6 +67,7 @@ class _FlatOps:
         those of the parameters ``only`` (indices into the layout), or every one not copied yet
         this step."""
         params, views = self._layout.params, self._views["grad"]
+        groups, of = self.param_groups, self._layout.group_of
         for j in range(len(params)) if only is None else only:
             if only is None and j in self._skip_gather:
                 continue
@@ -68,6 +82,11 @@ class _FlatOps:
                     "(use a dense embedding: nn.Embedding(..., sparse=False))"
                 )
             view.copy_(g)
+            group = groups[of[j]]
+            if group.get("maximize", False):  # (as torch's Adam: before the L2 term)
+                view.neg_()
+            if not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0:
+                view.add_(p, alpha=group["weight_decay"])  # torch Adam's L2 term
         return self._grad
 
     def _gather_params(self, s: slice | None = None) -> torch.Tensor:
@@ -215,8 +234,8 @@ class _FlatOps:
             torch.div(m[s], out[s], out=out[s])
             if scale != 1.0:
                 out[s].mul_(scale)
-            if group["weight_decay"] > 0:
-                out[s].add_(p[s], alpha=group["weight_decay"])
+            if _decoupled_decay(group) > 0:
+                out[s].add_(p[s], alpha=_decoupled_decay(group))
         return out
 
     def _frozen_denominator(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -337,7 +356,7 @@ class _FlatOps:
         for gi, group, _ in self._segments():
             idx = self._layout.group_params(gi)
             params = [self._layout.params[j] for j in idx]
-            lr, wd = group["lr"], group["weight_decay"]
+            lr, wd = group["lr"], _decoupled_decay(group)
             if wd > 0:
                 torch._foreach_add_(params, params, alpha=-lr * wd)
             xs = [views[j] for j in idx]
@@ -361,7 +380,7 @@ class _FlatOps:
             layout.params,
             layout.offsets,
             [groups[of[j]]["lr"] for j in range(len(layout.params))],
-            [groups[of[j]]["weight_decay"] for j in range(len(layout.params))],
+            [_decoupled_decay(groups[of[j]]) for j in range(len(layout.params))],
             self.preconditioned_exchange,
         )
 
@@ -376,15 +395,21 @@ class _FlatOps:
         layout, groups = self._layout, self.param_groups
         if update_variance:
             self.variance_updates += 1
-        hp = []
-        for gi, group in enumerate(groups):
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+
+        def hparams(gi: int, j: int | None = None) -> tuple[float, ...]:
+            group = groups[gi]
+            lr, eps, wd = group["lr"], group["eps"], _decoupled_decay(group)
             if self.bias_correction:
-                bc1, bc2 = self._bias_corrections(gi)
+                bc1, bc2 = self._bias_corrections(gi, j)
                 lr_c = lr * math.sqrt(bc2) / bc1
                 lr, eps, wd = lr_c, eps * math.sqrt(bc2), (wd * lr / lr_c if lr_c else wd)
-            hp.append((lr, *group["betas"], eps, wd))
-        per_param = [hp[gi] for gi in layout.group_of]
+            return (lr, *group["betas"], eps, wd)
+
+        if self.bias_correction and self._any_missed_steps():  # each parameter's own steps
+            per_param = [hparams(gi, j) for j, gi in enumerate(layout.group_of)]
+        else:
+            hp = [hparams(gi) for gi in range(len(groups))]
+            per_param = [hp[gi] for gi in layout.group_of]
         adam_update(
             self._grad,
             self._flat["exp_avg"],
@@ -397,7 +422,7 @@ class _FlatOps:
         )
 
     def _any_weight_decay(self) -> bool:
-        return any(group["weight_decay"] > 0 for _, group, _ in self._segments())
+        return any(_decoupled_decay(group) > 0 for _, group, _ in self._segments())
 
     def _add_to_params_(self, flat: torch.Tensor, alpha: float | list[float]) -> None:
         """``p += alpha * flat`` for every parameter; ``alpha`` may be one value per group."""

@@ -7,7 +7,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["_check_betas", "_check_int", "_check_real"]
+__all__ = ["_check_betas", "_check_group_flags", "_check_int", "_check_real"]
 
 
 def _check_real(
@@ -45,3 +45,27 @@ def _check_betas(betas: Any) -> None:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
     _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+
+
+#: torch Adam/AdamW per-group flags the 1-bit optimizers cannot honour, and why
+_REFUSED_FLAGS = {
+    "amsgrad": "has no amsgrad variant (its variance is frozen after the warmup)",
+    "capturable": "cannot be captured in a CUDA graph (its step communicates and reads "
+    "its non-finite verdict on the host)",
+    "differentiable": "does not differentiate through its step (it runs under no_grad, in "
+    "fused kernels)",
+}
+
+#: torch Adam/AdamW per-group flags the 1-bit optimizers honour per group
+_HONOURED_FLAGS = ("maximize", "decoupled_weight_decay")
+
+
+def _check_group_flags(name: str, gi: int, group: dict[str, Any]) -> None:
+    """Refuse, naming param group ``gi``, the torch flags ``name`` cannot honour (set to
+    ``True``), and honoured flags that are not booleans."""
+    for key, why in _REFUSED_FLAGS.items():
+        if group.get(key):
+            raise ValueError(f"param group {gi} has {key}=True: {name} {why}; set {key}=False")
+    for key in _HONOURED_FLAGS:
+        if key in group and not isinstance(group[key], bool):
+            raise ValueError(f"param group {gi}: {key} must be True or False, got {group[key]!r}")

@@ -92,6 +92,9 @@ class OneBitAdam(OneBitOptimizer):
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
+        decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
+            ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
+            moments (after ``maximize``). Also a param-group key, as in torch's Adam.
 
     DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
     ``process_group`` of the backend you want (gloo, NCCL).
@@ -118,6 +121,7 @@ class OneBitAdam(OneBitOptimizer):
         rescale_variance: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        decoupled_weight_decay: bool = True,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -134,6 +138,7 @@ class OneBitAdam(OneBitOptimizer):
             rescale_variance=rescale_variance,
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
         self.freeze_step = freeze_step
 

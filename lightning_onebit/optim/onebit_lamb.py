@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from lightning_onebit.kernels import _on_device, lamb_frozen_update
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._ops import _decoupled_decay
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import _check_int, _check_real
 
@@ -120,6 +121,9 @@ class OneBitLamb(OneBitOptimizer):
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
+        decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
+            ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
+            moments (after ``maximize``). Also a param-group key, as in torch's Adam.
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
@@ -157,6 +161,7 @@ class OneBitLamb(OneBitOptimizer):
         preconditioned_exchange: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        decoupled_weight_decay: bool = True,
     ) -> None:
         _check_int("freeze_step", freeze_step, 0)
         self._check_options(
@@ -187,6 +192,7 @@ class OneBitLamb(OneBitOptimizer):
             preconditioned_exchange=preconditioned_exchange,
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
         # hyperparameters
         self.freeze_step = freeze_step
@@ -327,6 +333,8 @@ class OneBitLamb(OneBitOptimizer):
         groups, of = self.param_groups, self._layout.group_of
         if key in ("beta1", "beta2"):
             return [groups[gi]["betas"][int(key[-1]) - 1] for gi in of]
+        if key == "weight_decay":  # (the decoupled part: an L2 term is in the gradient)
+            return [_decoupled_decay(groups[gi]) for gi in of]
         return [groups[gi][key] for gi in of]
 
     def _per_layer(self, key: str) -> torch.Tensor:

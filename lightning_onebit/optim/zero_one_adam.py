@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._ops import _decoupled_decay
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import _check_int
 
@@ -138,6 +139,9 @@ class ZeroOneAdam(OneBitOptimizer):
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
+        decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
+            ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
+            moments (after ``maximize``). Also a param-group key, as in torch's Adam.
     """
 
     PHASES = (Phase.VARIANCE, Phase.LOCAL)
@@ -176,6 +180,7 @@ class ZeroOneAdam(OneBitOptimizer):
         rescale_variance: bool = False,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        decoupled_weight_decay: bool = True,
     ) -> None:
         _check_int("var_freeze_step", var_freeze_step, 0)
         self._check_options(
@@ -199,6 +204,7 @@ class ZeroOneAdam(OneBitOptimizer):
             rescale_variance=rescale_variance,
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
         # hyperparameters
         self.var_freeze_step = var_freeze_step
@@ -290,7 +296,7 @@ class ZeroOneAdam(OneBitOptimizer):
         m, g, acc, x = self._flat["exp_avg"], self._grad, self._acc, self._work["update"]
         p = self._gather_params(s) if self._any_weight_decay() else None
         for _, group, t in self._segments_in(s):
-            beta1, wd = group["betas"][0], group["weight_decay"]
+            beta1, wd = group["betas"][0], _decoupled_decay(group)
             torch.mul(m[t], beta1, out=x[t]).add_(g[t], alpha=1 - beta1)
             if pre:
                 x[t].div_(d[t])
@@ -457,8 +463,8 @@ class ZeroOneAdam(OneBitOptimizer):
             beta1 = group["betas"][0]
             m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
             torch.div(m_new, d[s], out=u[s])
-            if group["weight_decay"] > 0:
-                u[s].add_(p[s], alpha=group["weight_decay"])
+            if _decoupled_decay(group) > 0:
+                u[s].add_(p[s], alpha=_decoupled_decay(group))
             torch.where(ok, m_new, m[s], out=m[s])
             torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
         u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
@@ -528,8 +534,8 @@ class ZeroOneAdam(OneBitOptimizer):
                     beta1 = group["betas"][0]
                     m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
                     torch.div(m[s], d[s], out=u[s])
-                    if group["weight_decay"] > 0:
-                        u[s].add_(p[s], alpha=group["weight_decay"])
+                    if _decoupled_decay(group) > 0:
+                        u[s].add_(p[s], alpha=_decoupled_decay(group))
                     acc[s].add_(u[s], alpha=-group["lr"])
                 self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
             self._rescale_variance_(g if local_ok else None, reduce=False)
