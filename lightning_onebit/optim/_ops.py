@@ -65,28 +65,38 @@ class _FlatOps:
     def _gather_grads(self, only: list[int] | None = None) -> torch.Tensor:
         """Copy the gradients into the flat fp32 gradient buffer (zeros where ``.grad`` is None):
         those of the parameters ``only`` (indices into the layout), or every one not copied yet
-        this step."""
+        this step. One multi-tensor copy (a launch per parameter would cost more than the copy
+        on a GPU), then each group's ``maximize`` and torch Adam's L2 term where set."""
         params, views = self._layout.params, self._views["grad"]
         groups, of = self.param_groups, self._layout.group_of
+        dst, src, zero, adjust = [], [], [], []
         for j in range(len(params)) if only is None else only:
             if only is None and j in self._skip_gather:
                 continue
-            p, view = params[j], views[j]
-            g = p.grad
+            g = params[j].grad
             if g is None:
-                view.zero_()
+                zero.append(views[j])
                 continue
             if g.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients "
                     "(use a dense embedding: nn.Embedding(..., sparse=False))"
                 )
-            view.copy_(g)
+            dst.append(views[j])
+            src.append(g)
             group = groups[of[j]]
+            if group.get("maximize", False) or not group.get("decoupled_weight_decay", True):
+                adjust.append(j)
+        if zero:
+            torch._foreach_zero_(zero)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for j in adjust:
+            group, view = groups[of[j]], views[j]
             if group.get("maximize", False):  # (as torch's Adam: before the L2 term)
                 view.neg_()
             if not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0:
-                view.add_(p, alpha=group["weight_decay"])  # torch Adam's L2 term
+                view.add_(params[j], alpha=group["weight_decay"])  # torch Adam's L2 term
         return self._grad
 
     def _gather_params(self, s: slice | None = None) -> torch.Tensor:
