@@ -8,9 +8,10 @@
 // segment's 16 bytes). Rows are m values (m % 8 == 0), so a segment's length is a multiple of 8
 // and every lane's 4 values are either all inside or all outside the segment.
 //
-// Each warp takes kUnroll consecutive segments per loop iteration and issues all their loads
-// before it computes and stores (kServerUnroll in the server pass, whose registers allow fewer):
-// more bytes in flight per thread keeps these streaming kernels near the memory's bandwidth.
+// The server pass and the decompression take kServerUnroll / kUnroll consecutive segments per
+// warp and loop iteration, and the optimizer updates kUnroll values per thread, issuing all their
+// loads before they compute and store: more bytes in flight per thread. (The worker pass, whose
+// loads are already two float4s per lane, measured no faster that way.)
 //
 // Each compression is two launches on the caller's stream: a fused pass writing the bits and one
 // double partial sum of squares per block into the workspace (the server pass also writes e), and
@@ -176,46 +177,28 @@ __device__ __forceinline__ float4 load_x4(const float* x, int64_t nx, int64_t i,
 }
 
 // Worker pass 1: y = x + e (x zero beyond nx), bits <- sign(y), partial <- sum y^2. Reads e only.
-// A warp takes kUnroll consecutive segments per iteration, all loads first.
 __global__ void __launch_bounds__(kThreads)
 worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg, int64_t spr,
              uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4, double* partial) {
   const int lane = threadIdx.x & 31;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   double acc = 0.0;
-  // Warp-uniform grid-stride loop (g0 and every g below are the same on all lanes): every lane
-  // reaches the shuffles in pack_word.
-  for (int64_t g0 = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kUnroll; g0 < nseg;
-       g0 += nwarps * kUnroll) {
-    float4 y[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t g = g0 + u;
-      y[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (g >= nseg) continue;
-      const int64_t row = g / spr, off = (g - row * spr) * kSeg;
-      const int len = int(m - off < kSeg ? m - off : kSeg);
-      if (4 * lane >= len) continue;
-      const int64_t i = row * m + off + 4 * lane;
+  // Warp-uniform grid-stride loop: every lane reaches the shuffles in pack_word.
+  for (int64_t g = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); g < nseg;
+       g += int64_t(gridDim.x) * kWarps) {
+    const int64_t row = g / spr, off = (g - row * spr) * kSeg;
+    const int len = int(m - off < kSeg ? m - off : kSeg);
+    const int64_t i = row * m + off + 4 * lane;
+    uint32_t nib = 0;
+    if (4 * lane < len) {
       const float4 xv = load_x4(x, nx, i, xvec);
       const float4 ev = load4(e + i, evec);
-      y[u] = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
+      const float4 y = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
+      acc += sq4(y);
+      nib = nibble(y);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t g = g0 + u;
-      if (g >= nseg) break;  // warp-uniform
-      const int64_t row = g / spr, off = (g - row * spr) * kSeg;
-      const int len = int(m - off < kSeg ? m - off : kSeg);
-      uint32_t nib = 0;
-      if (4 * lane < len) {
-        acc += sq4(y[u]);
-        nib = nibble(y[u]);
-      }
-      const uint32_t word = pack_word(nib, lane);
-      if ((lane & 7) == 0)
-        store_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3), word, word_bytes(len, lane), al4);
-    }
+    const uint32_t word = pack_word(nib, lane);
+    if ((lane & 7) == 0)
+      store_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3), word, word_bytes(len, lane), al4);
   }
   const double total = block_sum(acc);
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
@@ -338,27 +321,14 @@ worker_update(const float* x, int64_t nx, const float* e, float* e_out, int64_t 
   const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   int64_t done = 0;
   if (evec) {  // n is a multiple of 8, so float4s cover e exactly
-    const int64_t n4 = n / 4;
-    for (int64_t k0 = tid; k0 < n4; k0 += stride * kUnroll) {  // kUnroll float4s loaded, then written
-      float4 xv[kUnroll], v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t k = k0 + u * stride;
-        if (k >= n4) continue;
-        xv[u] = load_x4(x, nx, 4 * k, xvec);
-        v[u] = reinterpret_cast<const float4*>(e)[k];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t k = k0 + u * stride;
-        if (k >= n4) continue;
-        float4 w = v[u];
-        w.x = sub_sign(xv[u].x + w.x, s); w.y = sub_sign(xv[u].y + w.y, s);
-        w.z = sub_sign(xv[u].z + w.z, s); w.w = sub_sign(xv[u].w + w.w, s);
-        reinterpret_cast<float4*>(e_out)[k] = w;
-      }
+    for (int64_t k = tid; k < n / 4; k += stride) {
+      const float4 xv = load_x4(x, nx, 4 * k, xvec);
+      float4 v = reinterpret_cast<const float4*>(e)[k];
+      v.x = sub_sign(xv.x + v.x, s); v.y = sub_sign(xv.y + v.y, s);
+      v.z = sub_sign(xv.z + v.z, s); v.w = sub_sign(xv.w + v.w, s);
+      reinterpret_cast<float4*>(e_out)[k] = v;
     }
-    done = n4 * 4;
+    done = n / 4 * 4;
   }
   for (int64_t k = done + tid; k < n; k += stride) e_out[k] = sub_sign((k < nx ? x[k] : 0.0f) + e[k], s);
 }
@@ -680,7 +650,7 @@ void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e
   const int64_t m = n / W, spr = (m + kSeg - 1) / kSeg, nseg = spr * W;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
-  const int grid = grid_for(nseg, kWarps * kUnroll);
+  const int grid = grid_for(nseg, kWarps);
   launch("worker_pass1", worker_pass1, grid, kThreads, st, x, nx, e, m, nseg, spr, bits, row_stride,
          aligned(x, 16), aligned(e, 16), rows_aligned4(bits, W, row_stride), partial);
   launch("finalize_scale", finalize_scale, 1, kThreads, st, partial, grid, n, scale_out);
@@ -691,7 +661,7 @@ void worker_update_error_cuda(int device, const float* x, int64_t nx, const floa
   detail::check_update("worker_update_error_cuda", nx, n);
   if (n == 0) return;
   DeviceGuard guard(device);
-  launch("worker_update", worker_update, grid_for(n / 4, kThreads * kUnroll), kThreads, static_cast<cudaStream_t>(stream),
+  launch("worker_update", worker_update, grid_for(n / 4, kThreads), kThreads, static_cast<cudaStream_t>(stream),
          x, nx, e, e_out, n, scale, aligned(x, 16), aligned(e, 16) && aligned(e_out, 16));
 }
 

@@ -8,7 +8,8 @@
 #   ONEBIT_CUDA=ON pip install --no-deps --no-build-isolation --target DIR <checkout>
 # (not editable: an editable install's import hook would shadow both). The benchmarks' scripts
 # are this checkout's; they call only the public kernel and optimizer API. OUT (default
-# runs/gpu_compare) gets one log per run and summary.md.
+# runs/gpu_compare) gets one log per run and summary.md. ROUNDS (default 2): kernel benchmark
+# rounds; STEP_ROWS: gpu_step.py's --only (default: fused AdamW and each algorithm in step()).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -38,7 +39,7 @@ bench() {  # bench NAME BUILD SCRIPT ARGS...: one benchmark run of one build, lo
 
 KARGS=(benchmarks/kernels.py --device cuda --n 100000000 --repeat 20)
 SARGS=(benchmarks/gpu_step.py --only "${STEP_ROWS:-fused|in step\(\), verdict=device}")
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS=0: the step benchmark only
   bench "kernels_before_$round" "$BEFORE" "${KARGS[@]}"
   bench "kernels_after_$round" "$AFTER" "${KARGS[@]}"
 done
@@ -49,7 +50,8 @@ bench step_after "$AFTER" "${SARGS[@]}"
   echo "# gpu_compare: $(cd "$WORK" && "$PY" -c "import torch; print(torch.cuda.get_device_name(0), '| torch', torch.__version__, 'CUDA', torch.version.cuda)")"
   echo
   echo "before: $BEFORE; after: $AFTER"
-  for f in kernels_before_1 kernels_after_1 kernels_before_2 kernels_after_2 step_before step_after; do
+  for f in kernels_before_{1..9} kernels_after_{1..9} step_before step_after; do
+    [ -f "$OUT/$f.log" ] || continue
     echo
     echo "## $f"
     grep -E '^(n = |\||\()' "$OUT/$f.log"
