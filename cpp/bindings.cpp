@@ -1,5 +1,5 @@
 // The Python module lightning_onebit._C. Pointer-based: no torch headers, so it builds in
-// seconds with pybind11 alone and one wheel works with any torch. lightning_onebit/kernels.py
+// seconds with pybind11 alone and one wheel works with any torch. lightning_onebit/kernels/
 // validates every argument (dtype, device, sizes, contiguity) before calling in here; the entry
 // points check sizes again (onebit.h, detail::). CUDA entry points take the device index of
 // their pointers.

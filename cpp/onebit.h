@@ -16,8 +16,9 @@
 
 namespace onebit {
 
-// Argument checks shared by the CPU and CUDA entry points (kernels.py checks the same first,
-// with friendlier messages): a wrong size is an exception, never an out-of-bounds access.
+// Argument checks shared by the CPU and CUDA entry points (lightning_onebit/kernels/checks.py
+// checks the same first, with friendlier messages): a wrong size is an exception, never an
+// out-of-bounds access.
 namespace detail {
 inline void require(bool ok, const char* what, const char* need) {
   if (!ok) throw std::invalid_argument(std::string("onebit: ") + what + ": need " + need);
@@ -129,7 +130,7 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
 // they write is bit for bit the CPU kernels' (finite values; denormals as IEEE, i.e. unless the
 // CPU flushes them). Every array argument is device memory of GPU `device`, including the
 // per-parameter (per-layer) hyperparameters, starts/sizes/offsets and the parameter pointers:
-// the caller copies them there on `stream` (kernels.py: from pinned memory, no host sync).
+// the caller copies them there on `stream` (kernels/native.py: from pinned memory, no host sync).
 // Work is cut into chunks of cuda_update_chunk() values that never straddle two parameters
 // (layers): parameter (layer) j owns chunks [chunk_start[j], chunk_start[j+1]) (P + 1, or L + 1,
 // values; chunk_start[0] = 0, chunk_start[j+1] - chunk_start[j] = ceil(size_j / chunk),

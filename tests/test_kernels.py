@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_onebit import kernels as K
+from lightning_onebit.kernels import native
 
 pytestmark = pytest.mark.skipif(not K.HAS_CPP, reason="C++ extension not built")
 
@@ -308,7 +309,7 @@ def _run_portable(code: str, *argv: str) -> None:
 
     code = (
         "import torch, tests.test_kernels as T; from lightning_onebit import kernels as K\n"
-        "assert not K._C.cpu_has_simd()\n" + code
+        "assert not K.native.module.cpu_has_simd()\n" + code
     )
     env = {**os.environ, "ONEBIT_NO_SIMD": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -448,7 +449,7 @@ def test_simd_and_portable_paths_agree_bitwise(tmp_path) -> None:
     (built with -ffp-contract=off: no fused multiply-add the other path lacks), so Adam's and
     1-bit LAMB's updates agree bit for bit; only LAMB's per-layer double sums may differ in
     their last bits (summation order)."""
-    if K._C is None or not K._C.cpu_has_simd():
+    if native.module is None or not native.module.cpu_has_simd():
         pytest.skip("needs the AVX2 path")
     code = (
         "import sys\n"
@@ -681,37 +682,39 @@ def test_server_reduce_and_decompress_reject_bad_input() -> None:
 
 
 def test_the_cpp_entry_points_check_sizes_themselves() -> None:
-    """Behind kernels.py's checks, the C++ entry points refuse sizes that would read or write
+    """Behind the checks of lightning_onebit.kernels, the C++ entry points refuse sizes that would read or write
     out of bounds (or divide by zero: a NaN scale for n = 0) instead of trusting the caller."""
-    if K._C is None:
+    if native.module is None:
         pytest.skip("the C++ extension is not built")
     buf = torch.zeros(64)
     bits, scale = torch.zeros(8, dtype=torch.uint8), torch.zeros(1)
     x, e, b, s = buf.data_ptr(), buf.data_ptr(), bits.data_ptr(), scale.data_ptr()
     with pytest.raises(ValueError, match="worker_compress_cpu: need"):
-        K._C.worker_compress_cpu(x, 0, e, 0, b, 1, 8, s, 1)  # n = 0
+        native.module.worker_compress_cpu(x, 0, e, 0, b, 1, 8, s, 1)  # n = 0
     with pytest.raises(ValueError, match="worker_compress_cpu: need"):
-        K._C.worker_compress_cpu(x, 65, e, 64, b, 1, 8, s, 1)  # nx > n
+        native.module.worker_compress_cpu(x, 65, e, 64, b, 1, 8, s, 1)  # nx > n
     with pytest.raises(ValueError, match="worker_compress_cpu: need"):
-        K._C.worker_compress_cpu(x, 24, e, 24, b, 2, 8, s, 1)  # n % (8 * W)
+        native.module.worker_compress_cpu(x, 24, e, 24, b, 2, 8, s, 1)  # n % (8 * W)
     with pytest.raises(ValueError, match="worker_update_error_cpu: need"):
-        K._C.worker_update_error_cpu(x, 12, e, e, 12, 1.0, 1)
+        native.module.worker_update_error_cpu(x, 12, e, e, 12, 1.0, 1)
     with pytest.raises(ValueError, match="server_reduce_cpu: need"):
-        K._C.server_reduce_cpu(b, 1, 8, s, 1, e, e, 0, b, 0.0, b, s, False, 1)  # m = 0
+        native.module.server_reduce_cpu(b, 1, 8, s, 1, e, e, 0, b, 0.0, b, s, False, 1)  # m = 0
     with pytest.raises(ValueError, match="server_reduce_cpu: need"):
-        K._C.server_reduce_cpu(b, 0, 8, s, 1, e, e, 64, b, 0.0, b, s, False, 1)  # W = 0
+        native.module.server_reduce_cpu(b, 0, 8, s, 1, e, e, 64, b, 0.0, b, s, False, 1)  # W = 0
     with pytest.raises(ValueError, match="decompress_cpu: need"):
-        K._C.decompress_cpu(b, 1, 8, s, 1, 64, x, 65, 1)  # nout > W * m
-    K._C.worker_compress_cpu(x, 64, e, 64, b, 1, 8, s, 1)  # (and a valid call goes through)
+        native.module.decompress_cpu(b, 1, 8, s, 1, 64, x, 65, 1)  # nout > W * m
+    native.module.worker_compress_cpu(
+        x, 64, e, 64, b, 1, 8, s, 1
+    )  # (and a valid call goes through)
     assert float(scale) == 0.0
 
 
 def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
     """The CUDA entry points refuse bad sizes before any CUDA call (so this runs without a GPU),
     and calls with nothing to do return before it."""
-    if K._C is None or not K.HAS_CUDA:
+    if native.module is None or not K.HAS_CUDA:
         pytest.skip("the CUDA kernels are not built")
-    C = K._C
+    C = native.module
     with pytest.raises(ValueError, match="worker_compress_cuda: need"):
         C.worker_compress_cuda(0, 0, 0, 0, 0, 0, 1, 8, 0, 0, 0)  # n = 0
     with pytest.raises(ValueError, match="server_reduce_cuda: need"):
@@ -748,7 +751,7 @@ def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
     with pytest.raises(ValueError, match="restore_unless_cuda: need nbytes >= 0"):
         C.restore_unless_cuda(0, 0, 0, 0, -1, 0)
     chunk = C.cuda_update_chunk()
-    assert K._chunk_starts([0, 5, chunk, chunk + 1, 0, 3 * chunk]) == [0, 0, 1, 2, 4, 4, 7]
+    assert native.chunk_starts([0, 5, chunk, chunk + 1, 0, 3 * chunk]) == [0, 0, 1, 2, 4, 4, 7]
 
 
 def test_cuda_kernels_are_built_when_nvcc_is_present() -> None:
@@ -807,7 +810,7 @@ def test_cuda_matches_cpu_bitwise(w: int, seed: int) -> None:
         )
 
 
-@pytest.mark.skipif(not getattr(K._C, "has_cuda", False), reason="built without CUDA")
+@pytest.mark.skipif(not getattr(native.module, "has_cuda", False), reason="built without CUDA")
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="needs a machine without a GPU (with one, the device guard passes and the kernels would "
@@ -817,7 +820,7 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
     """Without a GPU the CUDA entry points can still be reached: the call must get past
     pybind's argument check and fail only in the device guard (a wrong argument list is a
     TypeError before any CUDA call). The pointers are those of CPU tensors, never read."""
-    real = K._C
+    real = native.module
 
     class AnyDevice:  # CPU tensors have no device index
         def __getattr__(self, name: str):
@@ -826,25 +829,25 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
                 (lambda dev, *a: f(0 if dev is None else dev, *a)) if name.endswith("_cuda") else f
             )
 
-    monkeypatch.setattr(K, "_C", AnyDevice())
-    monkeypatch.setattr(K, "_on_device", lambda v, dtype, device: torch.tensor(v, dtype=dtype))
-    monkeypatch.setattr(K, "_stream", lambda device: 0)
+    monkeypatch.setattr(native, "module", AnyDevice())
+    monkeypatch.setattr(native, "on_device", lambda v, dtype, device: torch.tensor(v, dtype=dtype))
+    monkeypatch.setattr(native, "stream", lambda device: 0)
     g, m, v, p = torch.randn(10), torch.zeros(10), torch.zeros(10), torch.randn(10)
     hp = {"lr": [1e-3], "beta1": [0.9], "beta2": [0.999], "eps": [1e-8], "weight_decay": [0.1]}
     for verdict in (None, torch.ones(1, dtype=torch.bool)):
         with pytest.raises(RuntimeError, match="onebit: cuda"):
-            K._adam_update_cuda(g, m, v, [p], [0], hp, True, verdict)
+            native.adam_update_cuda(g, m, v, [p], [0], hp, True, verdict)
     coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
     ok = torch.ones(1, dtype=torch.bool)
     for verdict in (None, ok):
         with pytest.raises(RuntimeError, match="onebit: cuda"):
-            K._lamb_frozen_update_cuda(
+            native.lamb_frozen_update_cuda(
                 (g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs, verdict
             )
     with pytest.raises(RuntimeError, match="onebit: cuda"):
-        K._frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
+        native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
     with pytest.raises(RuntimeError, match="onebit: cuda"):
-        K._restore_unless_cuda(ok, m, g)
+        native.restore_unless_cuda(ok, m, g)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")

@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import _on_device, lamb_frozen_update
+from lightning_onebit.kernels import lamb_frozen_update
+from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import _decoupled_decay
 from lightning_onebit.optim._phase import Phase
@@ -349,7 +350,7 @@ class OneBitLamb(OneBitOptimizer):
             t = (
                 torch.tensor(values, dtype=torch.float32)
                 if stream is None
-                else _on_device(values, torch.float32, device)
+                else on_device(values, torch.float32, device)
             )
             cached = self._per_layer_cache[key] = (values, stream, t)
         return cached[2]

@@ -1,0 +1,66 @@
+"""The fused 1-bit kernels (``lightning_onebit._C``, C++ and CUDA) and their pure-torch twins.
+
+Layers, each importing only the ones before it:
+
+- :mod:`~lightning_onebit.kernels.native`: the compiled module and the marshalling of tensors
+  into its raw-pointer calls (CPU, and CUDA on the current stream);
+- :mod:`~lightning_onebit.kernels.checks`: argument checks (dtype, device, sizes, contiguity),
+  each raising a ``TypeError``/``ValueError`` that says what to pass instead;
+- :mod:`~lightning_onebit.kernels.reference`: the ``reference_*`` twins, pure torch, the same
+  arguments and results; the tests compare every kernel with its twin, and they are the path
+  taken when the compiled module is missing (with a warning);
+- :mod:`~lightning_onebit.kernels.ops`: the public functions: check, then dispatch.
+
+Wire format (shared by CPU and CUDA, so ranks on different hardware interoperate): a chunk of
+``m`` values (``m % 8 == 0``) packs into ``m // 8`` bytes; value ``k`` is bit ``k % 8`` of byte
+``k // 8``, least-significant bit first (``numpy.packbits(bitorder="little")``). The bit is 1
+iff the value is ``>= 0``: +0.0 and -0.0 both encode +1, NaN encodes -1. ``W`` chunks are the
+rows of a ``(W, m // 8)`` uint8 tensor whose rows may be strided (views into larger records).
+"""
+
+from __future__ import annotations
+
+from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA
+from lightning_onebit.kernels.ops import (
+    adam_update,
+    decompress,
+    frozen_adam_update,
+    lamb_frozen_update,
+    restore_unless,
+    server_reduce,
+    worker_compress,
+    worker_update_error,
+)
+from lightning_onebit.kernels.reference import (
+    finish_pending,
+    reference_adam_update,
+    reference_decompress,
+    reference_frozen_adam_update,
+    reference_lamb_frozen_update,
+    reference_restore_unless,
+    reference_server_reduce,
+    reference_worker_compress,
+    reference_worker_update_error,
+)
+
+__all__ = [
+    "HAS_CPP",
+    "HAS_CUDA",
+    "adam_update",
+    "decompress",
+    "finish_pending",
+    "frozen_adam_update",
+    "lamb_frozen_update",
+    "reference_adam_update",
+    "reference_decompress",
+    "reference_frozen_adam_update",
+    "reference_lamb_frozen_update",
+    "reference_restore_unless",
+    "reference_server_reduce",
+    "reference_worker_compress",
+    "reference_worker_update_error",
+    "restore_unless",
+    "server_reduce",
+    "worker_compress",
+    "worker_update_error",
+]

@@ -1,0 +1,107 @@
+"""Argument checks of the kernels' public functions: each raises a ``TypeError`` or
+``ValueError`` that says what to pass instead. The compiled kernels trust them: they receive raw
+pointers."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_onebit.kernels import native
+
+__all__ = [
+    "check_contiguous",
+    "check_device",
+    "check_params_fit",
+    "check_rows",
+    "check_scale",
+    "check_scales",
+    "check_tensor",
+    "check_verdict",
+]
+
+
+def check_tensor(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(
+            f"{name} must have dtype {dtype}, got {t.dtype} (convert with .to({dtype}))"
+        )
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> None:
+    """A (W, m/8) uint8 tensor whose rows are contiguous and do not overlap."""
+    if bits.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (W, m // 8), got shape {tuple(bits.shape)}")
+    if bits.size(0) < 1 or bits.size(1) < 1:
+        raise ValueError(f"{name} must have at least one row and one byte, got {tuple(bits.shape)}")
+    if row_bytes is not None and bits.size(1) != row_bytes:
+        raise ValueError(f"{name} rows must hold {row_bytes} bytes, got {bits.size(1)}")
+    if bits.stride(1) != 1 and bits.size(1) > 1:
+        raise ValueError(
+            f"{name} rows must be contiguous (stride(1) == 1), got strides {bits.stride()}"
+        )
+    if bits.size(0) > 1 and bits.stride(0) < bits.size(1):
+        raise ValueError(
+            f"{name} rows overlap: stride(0)={bits.stride(0)} < row length {bits.size(1)}"
+        )
+
+
+def check_device(*named: tuple[str, torch.Tensor], need_cuda_kernels: bool = True) -> torch.device:
+    device = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(
+                f"all tensors must be on one device: {named[0][0]} is on {device}, {name} on {t.device}"
+            )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"only cpu and cuda tensors are supported, got device {device}")
+    if device.type == "cuda" and not native.HAS_CUDA and need_cuda_kernels:
+        raise RuntimeError(
+            "lightning_onebit was built without CUDA kernels; reinstall with a CUDA compiler on PATH "
+            "(ONEBIT_CUDA=ON pip install lightning-onebit) or keep the buffers on the CPU"
+        )
+    return device
+
+
+def check_scale(name: str, scale: torch.Tensor) -> None:
+    check_tensor(name, scale, torch.float32)
+    if scale.numel() != 1:
+        raise ValueError(f"{name} must have exactly one element, got {scale.numel()}")
+
+
+def check_scales(name: str, scales: torch.Tensor, w: int) -> None:
+    check_tensor(name, scales, torch.float32)
+    if scales.dim() != 1 or scales.numel() != w:
+        raise ValueError(
+            f"{name} must be 1-D with one scale per row ({w}), got shape {tuple(scales.shape)}"
+        )
+
+
+def check_verdict(ok: object, device: torch.device) -> None:
+    if not isinstance(ok, torch.Tensor) or ok.dtype != torch.bool or ok.numel() != 1:
+        raise TypeError("ok must be a one-element bool tensor (an exchange's verdict)")
+    if ok.device != device:
+        raise ValueError(f"ok is on {ok.device}, the buffers on {device}")
+
+
+def check_params_fit(
+    params: list[torch.Tensor], starts: list[int], n_flat: int, device: torch.device
+) -> None:
+    """Parameter ``j`` is on ``device`` and its values fit the flat buffers at ``starts[j]``."""
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        if p.device != device:
+            raise ValueError(f"params[{j}] is on {p.device}, the buffers on {device}")
+        if lo < 0 or lo + p.numel() > n_flat:
+            raise ValueError(
+                f"params[{j}] ({p.numel()} values from {lo}) does not fit the flat buffers "
+                f"({n_flat} values)"
+            )

@@ -1,0 +1,393 @@
+"""The compiled kernels (``lightning_onebit._C``) and the marshalling of checked tensors into
+their raw-pointer calls, on the CPU and on CUDA (the device's current stream).
+
+Why raw pointers: the extension needs no torch headers, so it builds in seconds with pybind11
+and CMake alone and one build works with any torch. :mod:`.checks` owns every check."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import torch
+
+__all__ = [
+    "HAS_CPP",
+    "HAS_CUDA",
+    "IMPORT_ERROR",
+    "adam_update_cpu",
+    "adam_update_cuda",
+    "chunk_starts",
+    "decompress",
+    "frozen_adam_update_cuda",
+    "lamb_frozen_update_cpu",
+    "lamb_frozen_update_cuda",
+    "module",
+    "nthreads",
+    "on_device",
+    "param_table",
+    "restore_unless_cuda",
+    "server_reduce",
+    "stream",
+    "update_error",
+    "use_native",
+    "worker_compress",
+    "workspace",
+]
+
+try:
+    from lightning_onebit import _C as module
+except ImportError as _err:  # pragma: no cover - exercised only on broken installs
+    module = None
+    IMPORT_ERROR: ImportError | None = _err
+else:
+    IMPORT_ERROR = None
+
+#: the compiled module imported (its CPU kernels); and it was built with CUDA kernels
+HAS_CPP: bool = module is not None
+HAS_CUDA: bool = bool(module is not None and module.has_cuda)
+
+_fallback_warned = False
+
+
+def use_native() -> bool:
+    global _fallback_warned
+    if HAS_CPP:
+        return True
+    if not _fallback_warned:
+        warnings.warn(
+            f"lightning_onebit._C failed to import ({IMPORT_ERROR}); using the pure-torch kernels "
+            "(same results, several times slower). Reinstall the package to build the extension.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _fallback_warned = True
+    return False
+
+
+def nthreads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host array (hyperparameters, offsets, pointers) in ``device``'s memory for one call,
+    copied on the device's current stream, which the call's kernel runs on, without a host
+    synchronisation: from pinned memory, which torch's caching host allocator keeps until the
+    copy has run (a copy from pageable memory may synchronise). The result comes from the
+    caching allocator on that stream, so it is reused only after the kernel has read it."""
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def chunk_starts(sizes: list[int]) -> list[int]:
+    """The CUDA optimizer updates' chunk table (``cpp/onebit.h``): parameter (layer) ``j`` owns
+    chunks ``out[j]:out[j + 1]`` of ``module.cuda_update_chunk()`` values; ``out[-1]`` chunks in all."""
+    chunk = module.cuda_update_chunk()
+    return list(itertools.accumulate((-(-s // chunk) for s in sizes), initial=0))
+
+
+def workspace(device: torch.device) -> torch.Tensor:
+    """Scratch for one CUDA call's partial sums, never shared: two exchanges in flight (buckets,
+    param groups, threads) each get their own. From torch's caching allocator on the current
+    stream, which the call's kernels run on, so it is reused only after they have read it."""
+    return torch.empty(module.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
+
+
+def param_table(
+    params: list[torch.Tensor], starts: list[int], device: torch.device
+) -> tuple[torch.Tensor, int] | None:
+    """The CUDA parameter updates' table on ``device``: the parameters' pointers, starts, sizes
+    and chunk table (``P`` values each, ``P + 1`` for the chunks), and the number of chunks;
+    ``None`` when there are no values to update."""
+    sizes = [p.numel() for p in params]
+    chunk_start = chunk_starts(sizes)
+    if chunk_start[-1] == 0:
+        return None
+    meta = on_device(
+        [*(p.data_ptr() for p in params), *starts, *sizes, *chunk_start], torch.int64, device
+    )
+    return meta, chunk_start[-1]
+
+
+def worker_compress(
+    x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """The compiled ``worker_compress`` (the error update left to :func:`update_error`)."""
+    n, w, device = error.numel(), bits.size(0), error.device
+    if device.type == "cuda":
+        module.worker_compress_cuda(
+            device.index,
+            x.data_ptr(),
+            x.numel(),
+            error.data_ptr(),
+            n,
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scale.data_ptr(),
+            workspace(device).data_ptr(),
+            stream(device),
+        )
+    else:
+        module.worker_compress_cpu(
+            x.data_ptr(),
+            x.numel(),
+            error.data_ptr(),
+            n,
+            bits.data_ptr(),
+            w,
+            bits.stride(0),
+            scale.data_ptr(),
+            nthreads(),
+        )
+
+
+def server_reduce(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor,
+    error_out: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scale: torch.Tensor,
+    pending: bool,
+    prev_bits: torch.Tensor,
+    prev_scale: torch.Tensor,
+) -> None:
+    """The compiled ``server_reduce``."""
+    w, m, device = bits.size(0), error.numel(), error.device
+    head = (bits.data_ptr(), w, bits.stride(0), scales.data_ptr(), scales.stride(0))
+    bufs = (error.data_ptr(), error_out.data_ptr(), m, prev_bits.data_ptr())
+    tail = (out_bits.data_ptr(), out_scale.data_ptr(), bool(pending))
+    if device.type == "cuda":
+        module.server_reduce_cuda(
+            device.index,
+            *head,
+            *bufs,
+            prev_scale.data_ptr(),
+            *tail,
+            workspace(device).data_ptr(),
+            stream(device),
+        )
+    else:
+        module.server_reduce_cpu(
+            *head, *bufs, float(prev_scale) if pending else 0.0, *tail, nthreads()
+        )
+
+
+def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The compiled ``decompress``."""
+    w, m, device = bits.size(0), bits.size(1) * 8, out.device
+    args = (bits.data_ptr(), w, bits.stride(0), scales.data_ptr(), scales.stride(0), m)
+    if device.type == "cuda":
+        module.decompress_cuda(device.index, *args, out.data_ptr(), out.numel(), stream(device))
+    else:
+        module.decompress_cpu(*args, out.data_ptr(), out.numel(), nthreads())
+
+
+def lamb_frozen_update_cpu(
+    tensors: tuple[torch.Tensor | None, ...], offsets: list[int], coefs: list[list[float]]
+) -> torch.Tensor:
+    """The compiled ``lamb_frozen_update`` on CPU tensors (``tensors``: exchanged, exp_avg,
+    denom, exp_avg_sq_fresh, param or ``None``, update; ``coefs``: per layer scaling, beta1,
+    1 - beta1, beta2, 1 - beta2, eps, weight_decay)."""
+    exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
+    n_layers = len(offsets) - 1
+    stats = torch.empty(n_layers, 3, dtype=torch.float64)
+    arrays = [
+        torch.tensor(offsets, dtype=torch.int64),
+        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
+    ]
+    module.lamb_frozen_update_cpu(
+        exchanged.data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        exp_avg_sq_fresh.data_ptr(),
+        0 if param is None else param.data_ptr(),
+        update.data_ptr(),
+        n_layers,
+        *(a.data_ptr() for a in arrays),
+        stats.data_ptr(),
+        nthreads(),
+    )
+    return stats
+
+
+def update_error(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    device: torch.device,
+    out: torch.Tensor | None = None,
+) -> None:
+    n, out = error.numel(), error if out is None else out
+    if device.type == "cuda":
+        module.worker_update_error_cuda(
+            device.index,
+            x.data_ptr(),
+            x.numel(),
+            error.data_ptr(),
+            out.data_ptr(),
+            n,
+            scale.data_ptr(),
+            stream(device),
+        )
+    else:
+        module.worker_update_error_cpu(
+            x.data_ptr(), x.numel(), error.data_ptr(), out.data_ptr(), n, float(scale), nthreads()
+        )
+
+
+def restore_unless_cuda(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    nbytes = dst.numel() * dst.element_size()
+    module.restore_unless_cuda(
+        dst.device.index, ok.data_ptr(), dst.data_ptr(), src.data_ptr(), nbytes, stream(dst.device)
+    )
+
+
+def frozen_adam_update_cuda(
+    ok: torch.Tensor,
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], list[float], bool],
+) -> None:
+    """:func:`frozen_adam_update` on CUDA tensors (``tensors``: exchanged, exp_avg, denom;
+    ``hp``: lr, weight_decay, preconditioned): the kernel on the current stream."""
+    (exchanged, exp_avg, denom), (lr, weight_decay, preconditioned) = tensors, hp
+    n, device = len(params), exchanged.device
+    table = param_table(params, starts, device)
+    if table is None:
+        return  # no values to update
+    meta, nchunks = table
+    # -lr and -lr * wd in double, then rounded: the alphas the torch path passes
+    nlw = [-a * w for a, w in zip(lr, weight_decay, strict=True)]
+    coef = on_device([[-a for a in lr], nlw], torch.float32, device)
+    module.frozen_adam_update_cuda(
+        device.index,
+        ok.data_ptr(),
+        exchanged.data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        meta.data_ptr(),  # the parameters' pointers
+        n,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        nchunks,
+        coef[0].data_ptr(),
+        coef[1].data_ptr(),
+        bool(preconditioned),
+        stream(device),
+    )
+
+
+def lamb_frozen_update_cuda(
+    tensors: tuple[torch.Tensor | None, ...],
+    offsets: list[int],
+    coefs: list[list[float]],
+    ok: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`lamb_frozen_update` on CUDA tensors: the kernel on the current stream."""
+    exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
+    device, n_layers = exchanged.device, len(offsets) - 1
+    stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
+    if n_layers == 0:
+        return stats
+    chunk_start = chunk_starts([b - a for a, b in itertools.pairwise(offsets)])
+    meta = on_device([*offsets, *chunk_start], torch.int64, device)
+    coef = on_device(coefs, torch.float32, device)
+    # the per-chunk partial sums: this call's own, never shared (see workspace)
+    work = torch.empty(3 * max(chunk_start[-1], 1), dtype=torch.float64, device=device)
+    module.lamb_frozen_update_cuda(
+        device.index,
+        0 if ok is None else ok.data_ptr(),
+        exchanged.data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        exp_avg_sq_fresh.data_ptr(),
+        0 if param is None else param.data_ptr(),
+        update.data_ptr(),
+        n_layers,
+        meta.data_ptr(),
+        meta[n_layers + 1 :].data_ptr(),
+        chunk_start[-1],
+        *(row.data_ptr() for row in coef),
+        stats.data_ptr(),
+        work.data_ptr(),
+        stream(device),
+    )
+    return stats
+
+
+def adam_update_cuda(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: dict[str, list[float]],
+    update_variance: bool,
+    ok: torch.Tensor | None = None,
+) -> None:
+    n, device = len(params), grad.device
+    table = param_table(params, starts, device)
+    if table is None:
+        return  # no values to update
+    meta, nchunks = table
+    b1, b2 = hp["beta1"], hp["beta2"]
+    # 1 - beta in double, then rounded, as for the CPU kernel
+    rows = [hp["lr"], b1, [1 - b for b in b1], b2, [1 - b for b in b2], hp["eps"]]
+    coef = on_device([*rows, hp["weight_decay"]], torch.float32, device)
+    module.adam_update_cuda(
+        device.index,
+        0 if ok is None else ok.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        meta.data_ptr(),  # the parameters' pointers
+        n,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        nchunks,
+        *(row.data_ptr() for row in coef),
+        update_variance,
+        stream(device),
+    )
+
+
+def adam_update_cpu(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: dict[str, list[float]],
+    update_variance: bool,
+) -> None:
+    n, lr, beta1, beta2 = len(params), hp["lr"], hp["beta1"], hp["beta2"]
+    eps, weight_decay = hp["eps"], hp["weight_decay"]
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    # 1 - beta in double, then rounded: 1 - float32(0.999) is 1.3e-5 (relative) off 0.001
+    arrays = [
+        i64([p.data_ptr() for p in params]),
+        i64(starts),
+        i64([p.numel() for p in params]),
+        f32(lr),
+        f32(beta1),
+        f32([1 - b for b in beta1]),
+        f32(beta2),
+        f32([1 - b for b in beta2]),
+        f32(eps),
+        f32(weight_decay),
+    ]
+    module.adam_update_cpu(
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        arrays[0].data_ptr(),
+        n,
+        *(a.data_ptr() for a in arrays[1:]),
+        update_variance,
+        nthreads(),
+    )

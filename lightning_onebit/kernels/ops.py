@@ -1,0 +1,510 @@
+"""The fused kernels' public functions: check the arguments (:mod:`.checks`), then run the
+compiled CPU or CUDA kernel (:mod:`.native`), or the pure-torch twin (:mod:`.reference`) where
+none applies."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from lightning_onebit.kernels import native
+from lightning_onebit.kernels.checks import (
+    check_contiguous,
+    check_device,
+    check_params_fit,
+    check_rows,
+    check_scale,
+    check_scales,
+    check_tensor,
+    check_verdict,
+)
+from lightning_onebit.kernels.reference import (
+    reference_adam_update,
+    reference_decompress,
+    reference_frozen_adam_update,
+    reference_lamb_frozen_update,
+    reference_restore_unless,
+    reference_server_reduce,
+    reference_worker_compress,
+    reference_worker_update_error,
+)
+
+__all__ = [
+    "adam_update",
+    "decompress",
+    "frozen_adam_update",
+    "lamb_frozen_update",
+    "restore_unless",
+    "server_reduce",
+    "worker_compress",
+    "worker_update_error",
+]
+
+
+def worker_compress(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    update_error: bool = True,
+) -> None:
+    """Error-compensated 1-bit compression of ``x`` (the worker side of the exchange).
+
+    With ``n = error.numel()`` and ``W = bits.size(0)``: ``y = x + error`` (``x`` is read as
+    zero beyond its ``x.numel() <= n`` values), ``scale = ||y||_2 / sqrt(n)``, row ``j`` of
+    ``bits`` receives the packed signs of ``y[j*n/W : (j+1)*n/W]``, and
+    ``error <- y - scale * sign(y)``.
+
+    With ``update_error=False`` the error is left as it was, and :func:`worker_update_error`
+    (same ``x``, ``error``, ``scale``) applies the update later: the exchange first learns
+    whether every rank's scale is finite, so a skipped step changes nothing. Both ways cost the
+    same memory traffic (the update pass recomputes ``y`` instead of storing it).
+
+    Args:
+        x: float32, contiguous, at most ``n`` values (any shape).
+        error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
+        bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
+        scale: float32 with one element; receives the scale (on the tensors' device).
+        update_error: update ``error`` in place now.
+    """
+    for name, t, dt in (
+        ("x", x, torch.float32),
+        ("error", error, torch.float32),
+        ("bits", bits, torch.uint8),
+    ):
+        check_tensor(name, t, dt)
+    check_scale("scale", scale)
+    device = check_device(("x", x), ("error", error), ("bits", bits), ("scale", scale))
+    check_contiguous("x", x)
+    check_contiguous("error", error)
+    n, w = error.numel(), bits.size(0) if bits.dim() == 2 else 0
+    check_rows("bits", bits)
+    if n == 0 or n % (8 * w):
+        raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
+    check_rows("bits", bits, n // (8 * w))
+    if x.numel() > n:
+        raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if not native.use_native():
+        reference_worker_compress(x, error, bits, scale, update_error=update_error)
+        return
+    native.worker_compress(x, error, bits, scale)
+    if update_error:
+        native.update_error(x, error, scale, device)
+
+
+def worker_update_error(
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
+    """The deferred half of ``worker_compress(..., update_error=False)``:
+    ``out <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since).
+
+    ``out`` defaults to ``error`` (in place); another buffer of the same size keeps ``error`` as
+    it was (the exchange's double buffering, for steps that may still be dropped).
+    """
+    check_tensor("x", x, torch.float32)
+    check_tensor("error", error, torch.float32)
+    check_scale("scale", scale)
+    out = error if out is None else out
+    check_tensor("out", out, torch.float32)
+    device = check_device(("x", x), ("error", error), ("scale", scale), ("out", out))
+    check_contiguous("x", x)
+    check_contiguous("error", error)
+    check_contiguous("out", out)
+    n = error.numel()
+    if n == 0 or n % 8:
+        raise ValueError(f"error.numel() must be a positive multiple of 8, got {n}")
+    if out.numel() != n:
+        raise ValueError(f"out must have error's {n} values, got {out.numel()}")
+    if x.numel() > n:
+        raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if not native.use_native():
+        reference_worker_update_error(x, error, scale, out)
+        return
+    native.update_error(x, error, scale, device, out)
+
+
+def server_reduce(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scale: torch.Tensor,
+    pending: bool = False,
+    *,
+    error_out: torch.Tensor | None = None,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
+) -> None:
+    """Average ``W`` compressed chunks and recompress with error feedback (the server side).
+
+    ``c = sum_i sign_i * (scales[i] / W)`` (summed over rows in order) ``+ e``;
+    ``out_scale = ||c||_2 / sqrt(m)``; ``out_bits`` receives the packed signs of ``c``.
+
+    The error update ``e <- c - out_scale * sign(c)`` is *deferred* to save a second sweep
+    over the buffer: afterwards ``error_out`` (default: ``error``) holds ``c``, and the true error
+    is ``c - out_scale * sign(out_bits)``. Pass ``pending=True`` on the next call with that
+    call's outputs as ``prev_bits``/``prev_scale`` (default: ``out_bits``/``out_scale``, still
+    holding them when the same buffers are reused) and the kernel applies the deferred update on
+    the fly; or call :func:`finish_pending` to apply it explicitly. Separate output buffers
+    leave the inputs as they were (double buffering: a call that may still be dropped).
+
+    Args:
+        bits: uint8 ``(W, m // 8)``, one compressed chunk per row (rows may be strided).
+        scales: float32 ``(W,)``, the rows' scales (may be strided).
+        error: float32, contiguous, ``m`` values (``m % 8 == 0``).
+        out_bits: uint8, contiguous, ``m // 8`` bytes.
+        out_scale: float32 with one element.
+        pending: whether ``error`` still awaits the previous call's deferred update.
+        error_out: float32, contiguous, ``m`` values; default ``error`` (in place).
+        prev_bits: uint8, contiguous, ``m // 8`` bytes; default ``out_bits``.
+        prev_scale: float32 with one element; default ``out_scale``.
+    """
+    error_out = error if error_out is None else error_out
+    prev_bits = out_bits if prev_bits is None else prev_bits
+    prev_scale = out_scale if prev_scale is None else prev_scale
+    check_tensor("bits", bits, torch.uint8)
+    check_tensor("error", error, torch.float32)
+    check_tensor("error_out", error_out, torch.float32)
+    check_tensor("out_bits", out_bits, torch.uint8)
+    check_tensor("prev_bits", prev_bits, torch.uint8)
+    check_scale("out_scale", out_scale)
+    check_scale("prev_scale", prev_scale)
+    check_rows("bits", bits)
+    w = bits.size(0)
+    check_scales("scales", scales, w)
+    check_device(
+        ("bits", bits),
+        ("scales", scales),
+        ("error", error),
+        ("error_out", error_out),
+        ("out_bits", out_bits),
+        ("prev_bits", prev_bits),
+        ("out_scale", out_scale),
+        ("prev_scale", prev_scale),
+    )
+    for name, t in (
+        ("error", error),
+        ("error_out", error_out),
+        ("out_bits", out_bits),
+        ("prev_bits", prev_bits),
+    ):
+        check_contiguous(name, t)
+    m = error.numel()
+    if m == 0 or m % 8:
+        raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
+    if error_out.numel() != m:
+        raise ValueError(f"error_out must have error's {m} values, got {error_out.numel()}")
+    check_rows("bits", bits, m // 8)
+    for name, t in (("out_bits", out_bits), ("prev_bits", prev_bits)):
+        if t.numel() != m // 8:
+            raise ValueError(f"{name} must hold m // 8 = {m // 8} bytes, got {t.numel()}")
+    if not native.use_native():
+        reference_server_reduce(
+            bits,
+            scales,
+            error,
+            out_bits,
+            out_scale,
+            pending,
+            error_out=error_out,
+            prev_bits=prev_bits,
+            prev_scale=prev_scale,
+        )
+        return
+    native.server_reduce(
+        bits, scales, error, error_out, out_bits, out_scale, pending, prev_bits, prev_scale
+    )
+
+
+def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode ``W`` chunks of ``m`` values: ``out[j*m + k] = scales[j] * sign(bit k of row j)``.
+
+    Args:
+        bits: uint8 ``(W, m // 8)`` (rows may be strided).
+        scales: float32 ``(W,)`` (may be strided).
+        out: float32, contiguous, at most ``W * m`` values; values beyond ``out.numel()``
+            (the padding) are dropped.
+    """
+    check_tensor("bits", bits, torch.uint8)
+    check_tensor("out", out, torch.float32)
+    check_rows("bits", bits)
+    w = bits.size(0)
+    check_scales("scales", scales, w)
+    check_device(("bits", bits), ("scales", scales), ("out", out))
+    check_contiguous("out", out)
+    m = bits.size(1) * 8
+    if out.numel() > w * m:
+        raise ValueError(f"out has {out.numel()} values but bits encode only W * m = {w * m}")
+    if out.numel() == 0:
+        return None
+    if not native.use_native():
+        return reference_decompress(bits, scales, out)
+    native.decompress(bits, scales, out)
+    return None
+
+
+def lamb_frozen_update(
+    exchanged: torch.Tensor,
+    exp_avg: torch.Tensor,
+    denom: torch.Tensor,
+    exp_avg_sq_fresh: torch.Tensor,
+    param: torch.Tensor | None,
+    update: torch.Tensor,
+    offsets: list[int],
+    scaling: list[float],
+    beta1: list[float],
+    beta2: list[float],
+    eps: list[float],
+    weight_decay: list[float],
+    ok: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """1-bit LAMB's compression-phase update after the exchange: one sweep over flat buffers.
+
+    Layer ``k`` holds the values ``offsets[k]:offsets[k + 1]``; per value, with that layer's
+    hyperparameters (``x = exchanged``, ``m = exp_avg``, ``d = denom = sqrt(v) + eps`` of the
+    frozen variance, ``v_fresh = exp_avg_sq_fresh``, ``p = param``, ``u = update``)::
+
+        m_new = x / scaling                     # the exchanged momentum, unscaled
+        g = (m_new - beta1 * m) / (1 - beta1)   # gradient reconstructed from two momenta
+        v_fresh <- beta2 * v_fresh + (1 - beta2) * g**2
+        u_prelim = m_new / d
+        u <- u_prelim + weight_decay * p;  m <- m_new
+
+    Returns float64 ``(L, 3)`` on the buffers' device: per layer ``max(d / (sqrt(v_fresh) + eps))``,
+    ``||u_prelim||**2`` and ``||u||**2`` (``1, 0, 0`` for an empty layer). The torch version of
+    this is ~13 sweeps over the buffers; the C++ kernel is one (reads 4-5 buffers, writes 3).
+    On CUDA tensors the CUDA kernel runs on the current stream (no host synchronisation; the
+    statistics stay on the device): it writes the CPU kernel's floats bit for bit and the same
+    ratios; the two sums of squares (float64) differ from the CPU's in their last bits (another
+    summation order, within about ``(n_k - 1) * 2**-53`` relative for a layer of ``n_k`` values).
+    Without CUDA kernels in the build, CUDA tensors take the pure-torch path
+    (:func:`reference_lamb_frozen_update`).
+
+    Args:
+        exchanged, exp_avg, denom, exp_avg_sq_fresh, update: float32, contiguous, one device,
+            at least ``offsets[-1]`` values each.
+        param: like them, or ``None`` when every ``weight_decay`` is 0.
+        offsets: ``L + 1`` non-decreasing offsets.
+        scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
+        ok: ``None``, or a one-element bool tensor on the buffers' device (an exchange's
+            verdict, see :class:`~lightning_onebit.comm.CompressedAllreduce`): when it is
+            false the call writes ``u = 0`` and statistics ``1, 0, 0`` and leaves ``m`` and
+            ``v_fresh`` as they were, so ``p - lr * coeff * u`` leaves ``p`` as it was. On CUDA
+            the kernel reads it on the device (no host synchronisation); elsewhere it is read
+            on the host.
+    """
+    named = [
+        ("exchanged", exchanged),
+        ("exp_avg", exp_avg),
+        ("denom", denom),
+        ("exp_avg_sq_fresh", exp_avg_sq_fresh),
+        ("update", update),
+    ]
+    if param is not None:
+        named.append(("param", param))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    n_layers = len(offsets) - 1
+    if n_layers < 0 or any(b < a for a, b in itertools.pairwise(offsets)):
+        raise ValueError("offsets must be L + 1 non-decreasing values")
+    if offsets and offsets[0] < 0:
+        raise ValueError(f"offsets must be >= 0, got {offsets[0]}")
+    for name, t in named:
+        if offsets and t.numel() < offsets[-1]:
+            raise ValueError(f"{name} has {t.numel()} values, the layers need {offsets[-1]}")
+    hp = {"scaling": scaling, "beta1": beta1, "beta2": beta2, "eps": eps}
+    for name, vals in (*hp.items(), ("weight_decay", weight_decay)):
+        if len(vals) != n_layers:
+            raise ValueError(f"{name} must have one value per layer ({n_layers}), got {len(vals)}")
+    if param is None and any(w != 0 for w in weight_decay):
+        raise ValueError("param is required when a weight_decay is non-zero")
+    if ok is not None:
+        check_verdict(ok, device)
+    on_gpu = device.type == "cuda" and native.HAS_CUDA and native.use_native()
+    if ok is not None and not on_gpu and not bool(ok):  # (a host read: free off the GPU)
+        update[: offsets[-1] if offsets else 0].zero_()
+        stats = torch.zeros(n_layers, 3, dtype=torch.float64, device=device)
+        stats[:, 0] = 1.0
+        return stats
+    if not native.use_native() or (device.type == "cuda" and not native.HAS_CUDA):
+        return reference_lamb_frozen_update(
+            exchanged,
+            exp_avg,
+            denom,
+            exp_avg_sq_fresh,
+            param,
+            update,
+            offsets,
+            **hp,
+            weight_decay=weight_decay,
+        )
+    ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
+    coefs = [scaling, beta1, ob1, beta2, ob2, eps, weight_decay]
+    tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update)
+    if device.type == "cuda":
+        return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
+    return native.lamb_frozen_update_cpu(tensors, offsets, coefs)
+
+
+def adam_update(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lr: list[float],
+    beta1: list[float],
+    beta2: list[float],
+    eps: list[float],
+    weight_decay: list[float],
+    update_variance: bool = True,
+    ok: torch.Tensor | None = None,
+) -> None:
+    """Adam's step without bias correction, moments and parameters in one sweep.
+
+    Parameter ``j`` holds the flat values ``starts[j]:starts[j] + params[j].numel()`` of
+    ``grad`` (``g``), ``exp_avg`` (``m``) and ``exp_avg_sq`` (``v``); per value, with its
+    hyperparameters::
+
+        m <- beta1 * m + (1 - beta1) * g
+        v <- beta2 * v + (1 - beta2) * g**2          (only if update_variance)
+        p <- p - lr * (m / (sqrt(v) + eps) + weight_decay * p)
+
+    This is 1-bit Adam's warmup step and 0/1 Adam's variance-phase step. In torch it is ~17
+    sweeps over the buffers (reading or writing one each); the C++ kernel reads 4 and writes 3.
+    On CUDA tensors the CUDA kernel runs on the current stream (no host synchronisation) and
+    writes the CPU kernel's values bit for bit. Calls with a parameter that is not an fp32,
+    contiguous tensor take the pure-torch path (:func:`reference_adam_update`) on either device,
+    as do CUDA tensors when the build has no CUDA kernels.
+
+    Args:
+        grad, exp_avg, exp_avg_sq: float32, contiguous, one device, covering every parameter.
+        params: the parameters, updated in place (any float dtype).
+        starts: each parameter's first flat index.
+        lr, beta1, beta2, eps, weight_decay: one value per parameter.
+        ok: ``None``, or a one-element bool tensor on the buffers' device (a step's NaN/Inf
+            verdict): when it is false nothing is written. The CUDA kernel reads it on the
+            device; CUDA tensors on the pure-torch path compute the step aside and keep it
+            with ``torch.where`` (no host synchronisation either); on the CPU it is read on
+            the host.
+    """
+    named = [("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = grad.device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(
+                f"all tensors must be on one device: grad is on {device}, {name} on {t.device}"
+            )
+    n = len(params)
+    hp = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    for name, vals in (("starts", starts), *hp.items()):
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    fast = (device.type == "cpu" or (device.type == "cuda" and native.HAS_CUDA)) and all(
+        p.dtype == torch.float32 and p.is_contiguous() for p in params
+    )
+    if ok is not None:
+        check_verdict(ok, device)
+        if device.type != "cuda":  # (a host read: free off the GPU)
+            if not bool(ok):
+                return
+            ok = None
+        elif (
+            not fast or not native.use_native()
+        ):  # the torch path: the step aside, then kept or not
+            m, v, ps = exp_avg.clone(), exp_avg_sq.clone(), [p.clone() for p in params]
+            reference_adam_update(grad, m, v, ps, starts, **hp, update_variance=update_variance)
+            torch.where(ok, m, exp_avg, out=exp_avg)
+            torch.where(ok, v, exp_avg_sq, out=exp_avg_sq)
+            for p, q in zip(params, ps, strict=True):
+                p.copy_(torch.where(ok, q, p))
+            return
+    if not fast or not native.use_native():
+        reference_adam_update(grad, exp_avg, exp_avg_sq, params, starts, **hp,
+                              update_variance=update_variance)  # fmt: skip
+        return
+    if device.type == "cuda":
+        native.adam_update_cuda(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance, ok)
+    else:
+        native.adam_update_cpu(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance)
+    # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
+    # saved a parameter then fails loudly in backward instead of using the new values).
+    # One tensor per call: torch < 2.4 takes no list.
+    for p in params:
+        torch.autograd.graph.increment_version(p)
+
+
+def frozen_adam_update(
+    ok: torch.Tensor,
+    exchanged: torch.Tensor,
+    exp_avg: torch.Tensor,
+    denom: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+) -> None:
+    """1-bit Adam's compression-phase step after the exchange, written only if ``ok``.
+
+    Parameter ``j`` holds the flat values ``starts[j]:starts[j] + params[j].numel()`` of
+    ``exchanged`` (``x``, the exchange's result), ``exp_avg`` (``m``) and ``denom``
+    (``d = sqrt(v) + eps`` of the frozen variance); per value::
+
+        m <- x * d,  dir = x          (preconditioned: x is m / d)
+        m <- x,      dir = x / d      (otherwise)
+        p <- p - lr * weight_decay * p;   p <- p - lr * dir
+
+    ``ok`` is a one-element bool tensor on the buffers' device (the exchange's verdict): when
+    it is false nothing is written. On CUDA with fp32 contiguous parameters one fused kernel
+    reads it on the device (no host synchronisation); its floats equal the torch path's within
+    the last bit (each operation rounded on its own; torch's own kernels may fuse a multiply and
+    an add). Otherwise torch ops compute the step aside and ``torch.where`` keeps it or not,
+    also without a host read; on the CPU their floats are those of the path without a verdict
+    (``_decoupled_update_``), bit for bit.
+    """
+    named = [("exchanged", exchanged), ("exp_avg", exp_avg), ("denom", denom)]
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    check_verdict(ok, device)
+    n = len(params)
+    for name, vals in (("starts", starts), ("lr", lr), ("weight_decay", weight_decay)):
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    fast = device.type == "cuda" and native.HAS_CUDA and native.use_native()
+    if fast and all(p.dtype == torch.float32 and p.is_contiguous() for p in params):
+        hp = (lr, weight_decay, preconditioned)
+        native.frozen_adam_update_cuda(ok, (exchanged, exp_avg, denom), params, starts, hp)
+        for p in params:  # (written through raw pointers: see adam_update)
+            torch.autograd.graph.increment_version(p)
+        return
+    reference_frozen_adam_update(
+        ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay, preconditioned
+    )
+
+
+def restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst <- src`` only if ``ok`` (a one-element bool tensor) is false: puts an exchange's
+    double-buffered state back after a call whose verdict was non-finite. On CUDA one launch
+    that reads ``ok`` on the device and does nothing when it is true (no host synchronisation);
+    elsewhere ``ok`` is read on the host."""
+    if dst.dtype != src.dtype or dst.numel() != src.numel() or dst.device != src.device:
+        raise ValueError("dst and src must have the same dtype, size and device")
+    check_contiguous("dst", dst)
+    check_contiguous("src", src)
+    check_verdict(ok, dst.device)
+    if dst.device.type == "cuda" and native.HAS_CUDA:
+        native.restore_unless_cuda(ok, dst, src)
+    else:
+        reference_restore_unless(ok, dst, src)

@@ -1,0 +1,226 @@
+"""Pure-torch twins of the fused kernels: the same arguments and the same results (bit for bit
+where the docstring says so, else up to rounding). The tests compare every kernel with its twin;
+they are also the path taken when the compiled module is missing (with a warning)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+__all__ = [
+    "finish_pending",
+    "reference_adam_update",
+    "reference_decompress",
+    "reference_frozen_adam_update",
+    "reference_lamb_frozen_update",
+    "reference_restore_unless",
+    "reference_server_reduce",
+    "reference_worker_compress",
+    "reference_worker_update_error",
+]
+
+
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS[device] = (2 ** torch.arange(8, dtype=torch.int32, device=device)).to(
+            torch.uint8
+        )
+    return w
+
+
+def _pack(v: torch.Tensor) -> torch.Tensor:
+    """(..., 8k) float -> (..., k) uint8, LSB first; bit = v >= 0."""
+    b = (v >= 0).view(*v.shape[:-1], -1, 8).to(torch.uint8)
+    return (b * _bit_weights(v.device)).sum(-1, dtype=torch.uint8)
+
+
+def _unpack(bits: torch.Tensor) -> torch.Tensor:
+    """(..., k) uint8 -> (..., 8k) bool."""
+    b = bits.unsqueeze(-1).bitwise_and(_bit_weights(bits.device)).ne(0)
+    return b.flatten(-2)
+
+
+def _scale_of(v: torch.Tensor) -> torch.Tensor:
+    # Same arithmetic as the kernels: sum of squares in float64, sqrt(sum)/sqrt(n), then float32.
+    return (v.double().square().sum().sqrt() / math.sqrt(v.numel())).float()
+
+
+def _sign_times(positive: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.where(positive, s, -s)
+
+
+def finish_pending(error: torch.Tensor, out_bits: torch.Tensor, out_scale: torch.Tensor) -> None:
+    """Apply a deferred server error update: ``error <- error - out_scale * sign(out_bits)``."""
+    error.sub_(_sign_times(_unpack(out_bits.reshape(-1)), out_scale.reshape(())))
+
+
+def reference_worker_compress(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    update_error: bool = True,
+) -> None:
+    """Pure-torch :func:`worker_compress` (same arguments, same results)."""
+    e = error.view(-1)
+    n, w = e.numel(), bits.size(0)
+    y = e.clone()
+    y[: x.numel()] += x.reshape(-1)
+    s = _scale_of(y)
+    bits.copy_(_pack(y.view(w, n // w)))
+    scale.view(-1).copy_(s)
+    if update_error:
+        e.copy_(y - _sign_times(y >= 0, s))
+
+
+def reference_worker_update_error(
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
+    """Pure-torch :func:`worker_update_error` (same arguments, same results)."""
+    y = error.reshape(-1).clone()
+    y[: x.numel()] += x.reshape(-1)
+    (error if out is None else out).view(-1).copy_(y - _sign_times(y >= 0, scale.reshape(())))
+
+
+def reference_server_reduce(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scale: torch.Tensor,
+    pending: bool = False,
+    *,
+    error_out: torch.Tensor | None = None,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
+) -> None:
+    """Pure-torch :func:`server_reduce` (same arguments, same results)."""
+    e = error.reshape(-1).clone()
+    if pending:
+        prev_bits = out_bits if prev_bits is None else prev_bits
+        finish_pending(e, prev_bits, out_scale if prev_scale is None else prev_scale)
+    w = bits.size(0)
+    weights = scales.float() / w  # float32 division, as in the kernels
+    positive = _unpack(bits)  # (W, m)
+    c = torch.zeros(e.numel(), dtype=torch.float32, device=e.device)
+    for i in range(w):  # row order matters for bitwise-identical floats
+        c += _sign_times(positive[i], weights[i])
+    c += e
+    out_bits.view(-1).copy_(_pack(c))
+    # the update c - s * sign(c) stays deferred, as in the kernels
+    (error if error_out is None else error_out).view(-1).copy_(c)
+    out_scale.view(-1).copy_(_scale_of(c))
+
+
+def reference_decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Pure-torch :func:`decompress` (same arguments, same results)."""
+    values = _sign_times(_unpack(bits), scales.float().view(-1, 1)).reshape(-1)
+    out.view(-1).copy_(values[: out.numel()])
+
+
+def reference_adam_update(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lr: list[float],
+    beta1: list[float],
+    beta2: list[float],
+    eps: list[float],
+    weight_decay: list[float],
+    update_variance: bool = True,
+) -> None:
+    """Pure-torch :func:`adam_update` (same arguments, same results up to rounding)."""
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        s = slice(lo, lo + p.numel())
+        g, m, v = grad[s], exp_avg[s], exp_avg_sq[s]
+        m.mul_(beta1[j]).add_(g, alpha=1 - beta1[j])
+        if update_variance:
+            v.mul_(beta2[j]).addcmul_(g, g, value=1 - beta2[j])
+        u = m / (v.sqrt() + eps[j])
+        p = p.detach()  # any layout: read through reshape, written through a view of u
+        if weight_decay[j] != 0:
+            u.add_(p.reshape(-1).float(), alpha=weight_decay[j])
+        p.add_(u.view(p.shape).to(p.dtype), alpha=-lr[j])
+
+
+def reference_lamb_frozen_update(
+    exchanged: torch.Tensor,
+    exp_avg: torch.Tensor,
+    denom: torch.Tensor,
+    exp_avg_sq_fresh: torch.Tensor,
+    param: torch.Tensor | None,
+    update: torch.Tensor,
+    offsets: list[int],
+    scaling: list[float],
+    beta1: list[float],
+    beta2: list[float],
+    eps: list[float],
+    weight_decay: list[float],
+) -> torch.Tensor:
+    """Pure-torch :func:`lamb_frozen_update` (same arguments, same results up to rounding).
+
+    The statistics stay on the buffers' device (one tensor, no host sync per layer)."""
+    rows = []
+    for k, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+        if lo == hi:
+            rows.append(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64, device=update.device))
+            continue
+        x, m, d = exchanged[lo:hi], exp_avg[lo:hi], denom[lo:hi]
+        vf, u = exp_avg_sq_fresh[lo:hi], update[lo:hi]
+        m_new = x / scaling[k]
+        g = (m_new - beta1[k] * m) / (1 - beta1[k])
+        vf.mul_(beta2[k]).addcmul_(g, g, value=1 - beta2[k])
+        ratio = (d / (vf.sqrt() + eps[k])).amax()
+        torch.div(m_new, d, out=u)
+        prelim = u.double().square().sum()
+        if weight_decay[k] != 0:
+            u.add_(param[lo:hi], alpha=weight_decay[k])
+        m.copy_(m_new)
+        rows.append(torch.stack([ratio.double(), prelim, u.double().square().sum()]))
+    if not rows:
+        return torch.empty(0, 3, dtype=torch.float64, device=update.device)
+    return torch.stack(rows)
+
+
+def reference_frozen_adam_update(
+    ok: torch.Tensor,
+    exchanged: torch.Tensor,
+    exp_avg: torch.Tensor,
+    denom: torch.Tensor,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+) -> None:
+    """Pure-torch :func:`frozen_adam_update` (same arguments; the step computed aside and kept
+    with ``torch.where``, no host read of ``ok``). Its floats are those of the optimizers' path
+    without a verdict, bit for bit on the CPU."""
+    for p, lo, a, w in zip(params, starts, lr, weight_decay, strict=True):
+        s = slice(lo, lo + p.numel())
+        m_new = torch.mul(exchanged[s], denom[s]) if preconditioned else exchanged[s]
+        torch.where(ok, m_new, exp_avg[s], out=exp_avg[s])
+        x = exchanged[s].view_as(p)
+        q = p.clone()
+        if w > 0:
+            q.add_(q, alpha=-a * w)
+        if preconditioned:
+            q.add_(x, alpha=-a)
+        else:
+            q.addcdiv_(x, denom[s].view_as(p), value=-a)
+        p.copy_(torch.where(ok, q, p))
+
+
+def reference_restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Pure-torch :func:`restore_unless` (``ok`` read on the host)."""
+    if not bool(ok):
+        dst.copy_(src)
