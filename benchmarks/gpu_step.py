@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-import lightning_onebit.comm as comm
+import lightning_onebit.comm.flat as comm
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 VOCAB = 8192
@@ -110,7 +110,9 @@ def _profile(args: argparse.Namespace, label: str, make: Callable) -> None:
     prof.__exit__(None, None, None)
     print(f"\n### {label}: CUDA kernels of 5 steps (forward, backward and step)")
     print(
-        prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=60)
+        prof.key_averages().table(
+            sort_by="device_time_total", row_limit=25, max_name_column_width=60
+        )
     )
 
 

@@ -8,6 +8,8 @@ import sys
 from types import TracebackType
 from typing import Any
 
+from lightning_onebit.comm import NonFiniteError
+
 __all__ = [
     "misspellings",
     "name_unused_parameters",
@@ -62,8 +64,6 @@ def quiet_errors_on_this_rank(rank: int) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
-        from lightning_onebit.comm import NonFiniteError
-
         if isinstance(err, NonFiniteError):
             print(
                 f"[rank {rank}] stopped: {kind.__name__} (raised on every rank; rank 0 prints "

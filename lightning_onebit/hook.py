@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_onebit.hierarchy import NodeGroups, hierarchical_average
+from lightning_onebit.comm import NodeGroups, hierarchical_average
 from lightning_onebit.optim import OneBitOptimizer
 
 

@@ -186,7 +186,7 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             ``None``: float32, or what an optimizer from ``configure_optimizers`` was given.
         hierarchical: the exchange in two levels on several nodes: full precision inside a
             node (reduce-scatter, all_gather), the 1-bit exchange only between nodes, one shard
-            per local rank (``lightning_onebit/hierarchy.py``): ``devices`` times fewer bytes
+            per local rank (``lightning_onebit/comm/hierarchical.py``): ``devices`` times fewer bytes
             through each node's network link, and the node's average compressed instead of
             each rank's values. ``"auto"`` (default): on when there are several nodes
             (``num_nodes > 1``) of several processes (``devices > 1``); ``True``: the same, with

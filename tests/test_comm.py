@@ -153,10 +153,10 @@ def test_error_feedback_makes_the_running_mean_converge(world: int) -> None:
 
 def _bytes_worker(rank: int, world: int, n: int) -> dict:
     """Count what actually goes through the collectives by wrapping them."""
-    import lightning_onebit.comm as comm
+    import lightning_onebit.comm.flat as comm
 
     counted = {"a2a": 0, "gather": 0}
-    real_a2a, real_gather = comm.dist.all_to_all_single, comm._all_gather_single
+    real_a2a, real_gather = comm.dist.all_to_all_single, comm.all_gather_single
 
     def a2a(out, inp, *a, **k):  # pairwise exchange: this rank sends all blocks but its own
         counted["a2a"] += inp.numel() * inp.element_size() * (world - 1) // world
@@ -166,12 +166,12 @@ def _bytes_worker(rank: int, world: int, n: int) -> dict:
         counted["gather"] += inp.numel() * inp.element_size() * (world - 1)
         return real_gather(out, inp, *a, **k)
 
-    comm.dist.all_to_all_single, comm._all_gather_single = a2a, gather
+    comm.dist.all_to_all_single, comm.all_gather_single = a2a, gather
     try:
         ex = CompressedAllreduce(n)
         ex(torch.randn(n))
     finally:
-        comm.dist.all_to_all_single, comm._all_gather_single = real_a2a, real_gather
+        comm.dist.all_to_all_single, comm.all_gather_single = real_a2a, real_gather
     return {
         "counted": counted["a2a"] + counted["gather"],
         "reported": ex.bytes_sent,

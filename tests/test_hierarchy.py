@@ -21,12 +21,12 @@ import warnings
 import pytest
 import torch
 
-from lightning_onebit.comm import CompressedAllreduce, NonFiniteError
-from lightning_onebit.hierarchy import (
+from lightning_onebit.comm import (
+    CompressedAllreduce,
     HierarchicalAllreduce,
     NodeGroups,
+    NonFiniteError,
     hierarchical_average,
-    inter_node_bytes,
 )
 from lightning_onebit.optim import OneBitAdam
 from tests._dist import run_distributed
@@ -71,7 +71,7 @@ def _exchange_worker(rank: int, world: int) -> dict:
             "results": torch.stack(res),
             "intra": hier.bytes_sent_intra,
             "inter": hier.bytes_sent_inter,
-            "flat_inter": inter_node_bytes(flat, L),
+            "flat_inter": flat.inter_node_bytes(L),
             "flat_total": flat.bytes_sent,
         }
     x = _inputs(5000, 0, rank)

@@ -103,24 +103,26 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_onebit import kernels
 from lightning_onebit.comm import (
     BucketedAllreduce,
     CompressedAllreduce,
+    NodeGroups,
     NonFiniteError,
     as_average_dtype,
     fp32_allreduce_bytes,
+    resolve_ranks_per_node,
 )
-from lightning_onebit.hierarchy import NodeGroups, resolve_ranks_per_node
 from lightning_onebit.optim._checkpoint import _Checkpointing
 from lightning_onebit.optim._layout import _FlatBuffers, _Layout
 from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, _FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import (
-    _check_betas,
-    _check_group_flags,
-    _check_int,
-    _check_real,
+    check_betas,
+    check_group_flags,
+    check_int,
+    check_real,
 )
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
@@ -246,7 +248,7 @@ class OneBitOptimizer(
         if hierarchical not in (True, False, "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
         if ranks_per_node is not None:
-            _check_int("ranks_per_node", ranks_per_node, 1)
+            check_int("ranks_per_node", ranks_per_node, 1)
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         try:
@@ -363,21 +365,21 @@ class OneBitOptimizer(
     def _check_options(cls, o: dict[str, Any]) -> None:
         """Validate the options in ``o`` (subclasses extend; ``o`` may hold only some)."""
         if "variance_floor" in o:
-            _check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
+            check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
 
     @staticmethod
     def _check_hparams(h: dict[str, Any]) -> None:
         """Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is
         accepted: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero)."""
         if "initial_lr" in h:  # an LR scheduler's setting (``lr`` is its current value)
-            _check_real("initial_lr", h["initial_lr"], 0.0, math.inf, high_open=True,
+            check_real("initial_lr", h["initial_lr"], 0.0, math.inf, high_open=True,
                         hint="a learning rate >= 0")  # fmt: skip
-        _check_real("lr", h["lr"], 0.0, math.inf, high_open=True,
+        check_real("lr", h["lr"], 0.0, math.inf, high_open=True,
                     hint="a learning rate >= 0; 0 keeps the parameters fixed")  # fmt: skip
-        _check_betas(h["betas"])
-        _check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True,
+        check_betas(h["betas"])
+        check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True,
                     hint="a small positive number, e.g. 1e-8")  # fmt: skip
-        _check_real("weight_decay", h["weight_decay"], 0.0, math.inf, hint="0 for none")
+        check_real("weight_decay", h["weight_decay"], 0.0, math.inf, hint="0 for none")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -403,7 +405,7 @@ class OneBitOptimizer(
             self._check_hparams(group)
         except ValueError as err:
             raise ValueError(f"param group {gi}: {err}; set it in that group") from None
-        _check_group_flags(name, gi, group)
+        check_group_flags(name, gi, group)
         for i, p in enumerate(group["params"]):
             what = f"parameter {i} of param group {gi} (shape {tuple(p.shape)}, dtype {p.dtype})"
             if p.layout != torch.strided:
@@ -646,7 +648,7 @@ class OneBitOptimizer(
 
     @switch_step.setter
     def switch_step(self, step: int) -> None:
-        _check_int(self._switch_attr, step, 0)
+        check_int(self._switch_attr, step, 0)
         setattr(self, self._switch_attr, int(step))
 
     _switch_attr = "freeze_step"
@@ -690,7 +692,7 @@ class OneBitOptimizer(
         default for new groups, 30 minutes): pass the one of your ``init_process_group``.
         """
         if bucket_cap_mb is not None:
-            _check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
+            check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
         cap = None if bucket_cap_mb is None else max(4, int(bucket_cap_mb * 2**20))
         if self._overlap is not None:
             if cap == self._overlap.cap and timeout == self._overlap.timeout:
@@ -900,8 +902,6 @@ class OneBitOptimizer(
     def _uses_device_verdict(self, device: torch.device) -> bool:
         """Whether this optimizer's steps on ``device`` keep their NaN/Inf verdicts there (see
         :attr:`DEVICE_VERDICT`): on CUDA with the CUDA kernels built."""
-        from lightning_onebit import kernels
-
         on_gpu = device.type == "cuda" and kernels.HAS_CUDA
         return self.DEVICE_VERDICT and (on_gpu or self._device_verdict_on_cpu)
 
@@ -920,7 +920,7 @@ class OneBitOptimizer(
         """After a compressed exchange: its verdict ``ok`` on the device (the step's update
         kernels take it), or ``None`` when the exchange read it on the host (and raised)."""
         ex = self._exchange
-        if not getattr(ex, "device_verdict", False):
+        if not ex.device_verdict:
             return None
         ok, finite = ex.verdict
         self._step_verdict = (ok, finite, "exchange")
@@ -1042,7 +1042,7 @@ class OneBitOptimizer(
 
         With ``hierarchical=True`` (or ``"auto"``) and several nodes of several ranks each
         (``ranks_per_node``, default ``LOCAL_WORLD_SIZE`` as torchrun sets it), every exchange
-        and full-precision average runs in two levels (``lightning_onebit/hierarchy.py``): full
+        and full-precision average runs in two levels (``lightning_onebit/comm/hierarchical.py``): full
         precision inside a node, 1 bit between nodes, ``ranks_per_node`` times fewer bytes
         through each node's network link. ``True`` with one node or one rank per node warns and
         runs the flat exchange; ``"auto"`` decides silently. Collective on its first call (every

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_onebit.comm import BucketedAllreduce
-from lightning_onebit.hierarchy import make_exchange
+from lightning_onebit.comm import BucketedAllreduce, make_exchange
 
 __all__ = ["_FlatBuffers", "_Layout"]
 
@@ -115,7 +114,7 @@ class _FlatBuffers:
         groups = layout.group_bounds()
         if bounds is None and len(groups) > 1:
             bounds = groups
-        same_buckets = getattr(ex, "bounds", None) == bounds
+        same_buckets = ex is not None and ex.bounds == bounds
         if ex is not None and (ex.numel != n or ex.device != device or not same_buckets):
             if ex.numel == n and same_buckets:  # only the device changed: carry the errors over
                 if self._pending_exchange_state is None:

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import (
-    BucketedAllreduce,
     NonFiniteError,
+    average_bytes,
     fp32_allreduce_bytes,
+    hierarchical_average,
     start_average,
 )
-from lightning_onebit.hierarchy import average_bytes, hierarchical_average, inter_node_bytes
 from lightning_onebit.kernels import adam_update, frozen_adam_update
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "RESCALE_INTERVAL",
     "RESCALE_REFERENCE_UPDATES",
     "_FlatOps",
-    "_decoupled_decay",
+    "decoupled_decay",
 ]
 
 #: ``rescale_variance``: the running mean square of each tensor's gradients keeps this much of
@@ -37,7 +37,7 @@ RESCALE_INTERVAL = 10
 RESCALE_REFERENCE_UPDATES = 1
 
 
-def _decoupled_decay(group: dict[str, Any]) -> float:
+def decoupled_decay(group: dict[str, Any]) -> float:
     """The group's decoupled weight decay (AdamW's, ``p -= lr * wd * p``): its
     ``weight_decay``, or 0 where ``decoupled_weight_decay=False`` makes it torch Adam's L2
     term, which :meth:`_FlatOps._gather_grads` adds to the gradient instead."""
@@ -207,14 +207,10 @@ class _FlatOps:
             out = source
         ex = self._exchange
         try:
-            if isinstance(ex, BucketedAllreduce):
-                fn = (lambda lo, hi: source(slice(lo, hi))) if callable(source) else source
-                ex.finish(fn, out)
-            else:
-                ex(source(slice(0, out.numel())) if callable(source) else source, out=out)
+            ex.finish((lambda lo, hi: source(slice(lo, hi))) if callable(source) else source, out)
         finally:
             self._bytes_step += ex.bytes_sent
-            self._bytes_step_inter += inter_node_bytes(ex, self._node_size())
+            self._bytes_step_inter += ex.inter_node_bytes(self._node_size())
         return self._take_verdict()
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
@@ -244,8 +240,8 @@ class _FlatOps:
             torch.div(m[s], out[s], out=out[s])
             if scale != 1.0:
                 out[s].mul_(scale)
-            if _decoupled_decay(group) > 0:
-                out[s].add_(p[s], alpha=_decoupled_decay(group))
+            if decoupled_decay(group) > 0:
+                out[s].add_(p[s], alpha=decoupled_decay(group))
         return out
 
     def _frozen_denominator(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -366,7 +362,7 @@ class _FlatOps:
         for gi, group, _ in self._segments():
             idx = self._layout.group_params(gi)
             params = [self._layout.params[j] for j in idx]
-            lr, wd = group["lr"], _decoupled_decay(group)
+            lr, wd = group["lr"], decoupled_decay(group)
             if wd > 0:
                 torch._foreach_add_(params, params, alpha=-lr * wd)
             xs = [views[j] for j in idx]
@@ -390,7 +386,7 @@ class _FlatOps:
             layout.params,
             layout.offsets,
             [groups[of[j]]["lr"] for j in range(len(layout.params))],
-            [_decoupled_decay(groups[of[j]]) for j in range(len(layout.params))],
+            [decoupled_decay(groups[of[j]]) for j in range(len(layout.params))],
             self.preconditioned_exchange,
         )
 
@@ -408,7 +404,7 @@ class _FlatOps:
 
         def hparams(gi: int, j: int | None = None) -> tuple[float, ...]:
             group = groups[gi]
-            lr, eps, wd = group["lr"], group["eps"], _decoupled_decay(group)
+            lr, eps, wd = group["lr"], group["eps"], decoupled_decay(group)
             if self.bias_correction:
                 bc1, bc2 = self._bias_corrections(gi, j)
                 lr_c = lr * math.sqrt(bc2) / bc1
@@ -432,7 +428,7 @@ class _FlatOps:
         )
 
     def _any_weight_decay(self) -> bool:
-        return any(_decoupled_decay(group) > 0 for _, group, _ in self._segments())
+        return any(decoupled_decay(group) > 0 for _, group, _ in self._segments())
 
     def _add_to_params_(self, flat: torch.Tensor, alpha: float | list[float]) -> None:
         """``p += alpha * flat`` for every parameter; ``alpha`` may be one value per group."""

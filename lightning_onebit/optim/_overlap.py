@@ -56,8 +56,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import start_average
-from lightning_onebit.hierarchy import NodeGroups, hierarchical_average
+from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
 from lightning_onebit.optim._layout import _Layout
 
 __all__ = ["BackwardOverlap", "OverlapHost"]
@@ -162,7 +161,7 @@ class BackwardOverlap:
         return self._group
 
     def nodes(self) -> Any:
-        """The exchanges' own :class:`~lightning_onebit.hierarchy.NodeGroups` when the
+        """The exchanges' own :class:`~lightning_onebit.comm.NodeGroups` when the
         optimizer's exchange is hierarchical (made once, like :meth:`group`), else ``None``."""
         if not self._nodes_made:
             base = self.opt.node_groups()

@@ -7,10 +7,10 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["_check_betas", "_check_group_flags", "_check_int", "_check_real"]
+__all__ = ["check_betas", "check_group_flags", "check_int", "check_real"]
 
 
-def _check_real(
+def check_real(
     name: str,
     value: Any,
     low: float,
@@ -35,16 +35,16 @@ def _check_real(
         )
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
+def check_int(name: str, value: Any, low: int) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _check_betas(betas: Any) -> None:
+def check_betas(betas: Any) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
-    _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+    check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
 
 
 #: torch Adam/AdamW per-group flags the 1-bit optimizers cannot honour, and why
@@ -60,7 +60,7 @@ _REFUSED_FLAGS = {
 _HONOURED_FLAGS = ("maximize", "decoupled_weight_decay")
 
 
-def _check_group_flags(name: str, gi: int, group: dict[str, Any]) -> None:
+def check_group_flags(name: str, gi: int, group: dict[str, Any]) -> None:
     """Refuse, naming param group ``gi``, the torch flags ``name`` cannot honour (set to
     ``True``), and honoured flags that are not booleans."""
     for key, why in _REFUSED_FLAGS.items():

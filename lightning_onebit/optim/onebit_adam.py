@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import _check_int
+from lightning_onebit.optim._validation import check_int
 
 __all__ = ["OneBitAdam"]
 
@@ -123,7 +123,7 @@ class OneBitAdam(OneBitOptimizer):
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
     ) -> None:
-        _check_int("freeze_step", freeze_step, 0)
+        check_int("freeze_step", freeze_step, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(
             params,
@@ -175,7 +175,7 @@ class OneBitAdam(OneBitOptimizer):
         # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
         #     backward with overlap_with_backward(); m changes only if every bucket goes through)
         m = self._flat["exp_avg"]
-        if getattr(self._exchange, "device_verdict", False):
+        if self._exchange.device_verdict:
             # (CUDA: the NaN/Inf verdict stays on the device; one fused kernel writes m and p
             # only where it is true: the same step, without a host synchronisation)
             x = self._work["update"]

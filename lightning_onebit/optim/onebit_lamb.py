@@ -41,9 +41,9 @@ import torch.distributed as dist
 from lightning_onebit.kernels import lamb_frozen_update
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
-from lightning_onebit.optim._ops import _decoupled_decay
+from lightning_onebit.optim._ops import decoupled_decay
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import _check_int, _check_real
+from lightning_onebit.optim._validation import check_int, check_real
 
 __all__ = ["OneBitLamb"]
 
@@ -164,7 +164,7 @@ class OneBitLamb(OneBitOptimizer):
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
     ) -> None:
-        _check_int("freeze_step", freeze_step, 0)
+        check_int("freeze_step", freeze_step, 0)
         self._check_options(
             {
                 "coeff_beta": coeff_beta,
@@ -226,10 +226,10 @@ class OneBitLamb(OneBitOptimizer):
     def _check_options(cls, o: dict[str, Any]) -> None:
         super()._check_options(o)
         if "coeff_beta" in o:
-            _check_real("coeff_beta", o["coeff_beta"], 0.0, 1.0, high_open=True)
+            check_real("coeff_beta", o["coeff_beta"], 0.0, 1.0, high_open=True)
         # the factor starts at 1 (no correction): factor_min <= 1 <= factor_max
         if "factor_min" in o:
-            _check_real(
+            check_real(
                 "factor_min",
                 o["factor_min"],
                 0.0,
@@ -238,18 +238,18 @@ class OneBitLamb(OneBitOptimizer):
                 hint="factor_min <= 1 <= factor_max",
             )
         if "factor_max" in o:
-            _check_real(
+            check_real(
                 "factor_max", o["factor_max"], 1.0, math.inf, hint="factor_min <= 1 <= factor_max"
             )
         if "factor_threshold" in o:
-            _check_real("factor_threshold", o["factor_threshold"], 0.0, math.inf)
+            check_real("factor_threshold", o["factor_threshold"], 0.0, math.inf)
         if "max_coeff" in o and "min_coeff" in o:  # (also per param group: _check_hparams)
             OneBitLamb._check_coeffs(o["max_coeff"], o["min_coeff"])
 
     @staticmethod
     def _check_coeffs(max_coeff: Any, min_coeff: Any) -> None:
-        _check_real("max_coeff", max_coeff, 0.0, math.inf, low_open=True)
-        _check_real(
+        check_real("max_coeff", max_coeff, 0.0, math.inf, low_open=True)
+        check_real(
             "min_coeff",
             min_coeff,
             0.0,
@@ -335,7 +335,7 @@ class OneBitLamb(OneBitOptimizer):
         if key in ("beta1", "beta2"):
             return [groups[gi]["betas"][int(key[-1]) - 1] for gi in of]
         if key == "weight_decay":  # (the decoupled part: an L2 term is in the gradient)
-            return [_decoupled_decay(groups[gi]) for gi in of]
+            return [decoupled_decay(groups[gi]) for gi in of]
         return [groups[gi][key] for gi in of]
 
     def _per_layer(self, key: str) -> torch.Tensor:

@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
-from lightning_onebit.optim._ops import _decoupled_decay
+from lightning_onebit.optim._ops import decoupled_decay
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import _check_int
+from lightning_onebit.optim._validation import check_int
 
 __all__ = ["ZeroOneAdam"]
 
@@ -182,7 +182,7 @@ class ZeroOneAdam(OneBitOptimizer):
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
     ) -> None:
-        _check_int("var_freeze_step", var_freeze_step, 0)
+        check_int("var_freeze_step", var_freeze_step, 0)
         self._check_options(
             {
                 "var_update_scaler": var_update_scaler,
@@ -234,7 +234,7 @@ class ZeroOneAdam(OneBitOptimizer):
         super()._check_options(o)
         for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             if key in o:
-                _check_int(key, o[key], 1)
+                check_int(key, o[key], 1)
 
     def _variance_step(self, t: int) -> bool:
         """Whether phase-1 step ``t`` is a variance step (1a) rather than a 1-bit one (1b)."""
@@ -296,7 +296,7 @@ class ZeroOneAdam(OneBitOptimizer):
         m, g, acc, x = self._flat["exp_avg"], self._grad, self._acc, self._work["update"]
         p = self._gather_params(s) if self._any_weight_decay() else None
         for _, group, t in self._segments_in(s):
-            beta1, wd = group["betas"][0], _decoupled_decay(group)
+            beta1, wd = group["betas"][0], decoupled_decay(group)
             torch.mul(m[t], beta1, out=x[t]).add_(g[t], alpha=1 - beta1)
             if pre:
                 x[t].div_(d[t])
@@ -463,8 +463,8 @@ class ZeroOneAdam(OneBitOptimizer):
             beta1 = group["betas"][0]
             m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
             torch.div(m_new, d[s], out=u[s])
-            if _decoupled_decay(group) > 0:
-                u[s].add_(p[s], alpha=_decoupled_decay(group))
+            if decoupled_decay(group) > 0:
+                u[s].add_(p[s], alpha=decoupled_decay(group))
             torch.where(ok, m_new, m[s], out=m[s])
             torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
         u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
@@ -534,8 +534,8 @@ class ZeroOneAdam(OneBitOptimizer):
                     beta1 = group["betas"][0]
                     m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
                     torch.div(m[s], d[s], out=u[s])
-                    if _decoupled_decay(group) > 0:
-                        u[s].add_(p[s], alpha=_decoupled_decay(group))
+                    if decoupled_decay(group) > 0:
+                        u[s].add_(p[s], alpha=decoupled_decay(group))
                     acc[s].add_(u[s], alpha=-group["lr"])
                 self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
             self._rescale_variance_(g if local_ok else None, reduce=False)

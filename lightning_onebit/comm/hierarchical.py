@@ -44,6 +44,7 @@ import contextlib
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -51,20 +52,23 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
-from lightning_onebit.comm import (
-    CompressedAllreduce,
-    ExchangeHandle,
+from lightning_onebit.comm.base import (
+    Exchange,
+    Handle,
     NonFiniteError,
-    _all_gather_single,
     all_finite,
+    all_gather_single,
     check_input,
     fp32_allreduce_bytes,
 )
+from lightning_onebit.comm.flat import CompressedAllreduce, ExchangeHandle
 
 __all__ = [
     "HierarchicalAllreduce",
     "NodeGroups",
+    "average_bytes",
     "hierarchical_average",
+    "make_exchange",
     "resolve_ranks_per_node",
 ]
 
@@ -197,7 +201,7 @@ def hierarchical_average(flat: torch.Tensor, dtype: torch.dtype, nodes: NodeGrou
     mine = torch.empty(shard, dtype=dtype, device=flat.device)
     _reduce_scatter(buf, parts, mine, nodes)
     dist.all_reduce(mine, group=nodes.inter)
-    _all_gather_single(buf, mine, group=nodes.intra)
+    all_gather_single(buf, mine, group=nodes.intra)
     if dtype == torch.float32:
         torch.div(buf[:n], w, out=flat)
     else:
@@ -212,7 +216,7 @@ def average_bytes(numel: int, dtype: torch.dtype, nodes: NodeGroups) -> tuple[in
     return intra, fp32_allreduce_bytes(shard, nodes.nodes) * size // 4
 
 
-class _Handle:
+class _Handle(Handle):
     """A finished hierarchical call: the :class:`~lightning_onebit.comm.ExchangeHandle`
     interface (``wait``, ``commit``, ``discard``, ``finite``, ``get_future``)."""
 
@@ -258,7 +262,7 @@ class _Handle:
         return fut
 
 
-class HierarchicalAllreduce:
+class HierarchicalAllreduce(Exchange):
     """The two-level compressed average of a fp32 buffer of fixed size (module docstring): the
     interface of :class:`~lightning_onebit.comm.CompressedAllreduce` (``start``/``__call__``,
     ``commit=False`` handles, ``state_dict``, byte counters), over :class:`NodeGroups`.
@@ -310,7 +314,7 @@ class HierarchicalAllreduce:
         )
         self._parts = torch.empty(ll, self.shard_numel, dtype=torch.float32, **kw)
         self._shard = torch.empty(self.shard_numel, dtype=torch.float32, **kw)
-        record = self.inter._record
+        record = self.inter.record_bytes
         self._block = torch.zeros(nn, record, dtype=torch.uint8, **kw)  # for a failed shard
         self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, **kw)
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
@@ -366,22 +370,21 @@ class HierarchicalAllreduce:
         if self._padded is not None:
             self._padded[: self.numel].copy_(x)
             x = self._padded
-        nn, record = self.nodes.nodes, self.inter._record
+        nn, record = self.nodes.nodes, self.inter.record_bytes
         # 1. reduce-scatter inside the node: this rank's shard of the node's average
         _reduce_scatter(x, self._parts, self._shard, self.nodes)
         self._shard.div_(self.nodes.local_size)
         # 2. the 1-bit exchange of the shard between nodes (not committed yet)
         inner = self.inter.start(self._shard, commit=False)
         if inner.finite:
-            inner._drain()
-            block = inner._gathered
+            block = inner.records()
         else:  # NaN scales where a rank's input was not finite: every node learns it in 3.
             block = self._block
             block.zero_()
             scales = block.view(nn, record).view(torch.float32)[:, 0]
             scales[inner.bad_ranks] = float("nan")
         # 3. every shard's records to every rank of the node
-        _all_gather_single(self._gathered.view(-1), block.reshape(-1), group=self.nodes.intra)
+        all_gather_single(self._gathered.view(-1), block.reshape(-1), group=self.nodes.intra)
         self.calls += 1
         self.bytes_sent_intra = self._intra_bytes_per_call
         self.bytes_sent_inter = self.inter.bytes_sent
@@ -416,8 +419,22 @@ class HierarchicalAllreduce:
             self._uncommitted = handle
         return handle
 
+    bounds = None  # (one exchange, no buckets)
+
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.start(tensor, out=out).wait()
+
+    def finish(
+        self, values: torch.Tensor | Callable[[int, int], torch.Tensor], out: torch.Tensor
+    ) -> None:
+        """One call over the whole buffer (see :meth:`CompressedAllreduce.finish
+        <lightning_onebit.comm.CompressedAllreduce.finish>`)."""
+        self.start(values(0, self.numel) if callable(values) else values, out=out).wait()
+
+    def inter_node_bytes(self, ranks_per_node: int) -> int:
+        """Of the bytes this rank sent in the last call, those that left its node: the
+        inter-node exchange's (``ranks_per_node`` is this exchange's own)."""
+        return self.bytes_sent_inter
 
     def _decode(self, out: torch.Tensor) -> torch.Tensor:
         row = self.inter.chunk_numel // 8
@@ -524,24 +541,3 @@ def make_exchange(
         double_buffered=double_buffered,
         device_verdict=device_verdict,
     )
-
-
-def inter_node_bytes(exchange: Any, ranks_per_node: int) -> int:
-    """Of the bytes ``exchange`` (flat, bucketed or hierarchical) sent in its last call, those
-    that left this rank's node (nodes of ``ranks_per_node`` consecutive ranks; 1: every peer is
-    on another node), per rank. The flat exchange's ``all_to_all`` sends a record to every peer,
-    ``W - L`` of them on other nodes; its ``all_gather`` is a ring in rank order (gloo's and
-    NCCL's), in which one rank per node forwards ``W - 1`` records to the next node: ``(W - 1)
-    / L`` per rank. (Measured at 2 nodes x 2 ranks: the interfaces' tx 2.5% above this.)"""
-    from lightning_onebit.comm import BucketedAllreduce
-
-    if isinstance(exchange, BucketedAllreduce):
-        return sum(inter_node_bytes(b, ranks_per_node) for b in exchange.buckets)
-    if isinstance(exchange, HierarchicalAllreduce):
-        return exchange.bytes_sent_inter
-    w, ll = exchange.world_size, ranks_per_node
-    if w <= 1 or exchange.bytes_sent == 0:
-        return 0
-    record = exchange.bytes_per_call // (2 * (w - 1))
-    gathered = exchange.bytes_sent == exchange.bytes_per_call  # (not after a NaN)
-    return (w - ll) * record + ((w - 1) * record // ll if gathered else 0)

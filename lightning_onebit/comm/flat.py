@@ -31,116 +31,20 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
+from lightning_onebit.comm.base import (
+    Exchange,
+    Handle,
+    NonFiniteError,
+    all_finite,
+    all_gather_single,
+    check_input,
+    fp32_allreduce_bytes,
+)
 
-__all__ = [
-    "AVERAGE_DTYPES",
-    "BucketedAllreduce",
-    "CompressedAllreduce",
-    "ExchangeHandle",
-    "NonFiniteError",
-    "as_average_dtype",
-    "fp32_allreduce_bytes",
-    "start_average",
-]
-
-# torch >= 2.10 renames all_gather_into_tensor to all_gather_single (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["CompressedAllreduce", "ExchangeHandle"]
 
 
-class NonFiniteError(FloatingPointError):
-    """A NaN or Inf reached the compressed exchange: raised on every rank in the same call, before
-    anything changed (error buffers as before the call, nothing sent after the scales)."""
-
-
-def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``numel`` fp32 values (the DDP baseline)."""
-    return 0 if world_size <= 1 else 2 * (world_size - 1) * numel * 4 // world_size
-
-
-#: The dtypes a full-precision gradient average may travel in, by the names a config may use.
-AVERAGE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def as_average_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.float32``/``bfloat16``/``float16`` from a dtype or its name (``"bf16"`` too)."""
-    got = AVERAGE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if got not in AVERAGE_DTYPES.values():
-        raise ValueError(
-            f"average_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or one of "
-            f"{sorted(AVERAGE_DTYPES)}), got {dtype!r}"
-        )
-    return got
-
-
-def start_average(
-    flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None = None
-) -> Callable[[], None]:
-    """Start averaging the fp32 tensor ``flat`` over the group's ranks; the returned ``wait()``
-    leaves the mean in ``flat``.
-
-    ``float32`` sums exactly as DDP does, then divides. ``bfloat16``/``float16`` send half the
-    bytes as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: cast, divide by ``W``, sum
-    in that dtype, cast back (float16 flushes values below ~6e-8 * W to zero; bfloat16 keeps
-    fp32's range with 8 bits of mantissa).
-    """
-    w = dist.get_world_size(group)
-    if dtype == torch.float32:
-        work = dist.all_reduce(flat, group=group, async_op=True)
-
-        def wait() -> None:
-            work.wait()
-            flat.div_(w)
-
-        return wait
-    buf = flat.to(dtype).div_(w)
-    work = dist.all_reduce(buf, group=group, async_op=True)
-
-    def wait_half() -> None:
-        work.wait()
-        flat.copy_(buf)
-        if buf.is_cuda:  # made on another thread's stream (the overlap), read on this one
-            buf.record_stream(torch.cuda.current_stream(buf.device))
-
-    return wait_half
-
-
-def all_finite(scales: torch.Tensor) -> bool:
-    """The exchange's NaN/Inf verdict, read on the host: whether every rank's scale is finite
-    (one NaN/Inf value makes its rank's scale non-finite). Every rank learns it in the same call,
-    before any state is written, so a bad step is dropped exactly, on every rank. On CUDA this
-    waits for the ``all_to_all``: the 1-bit optimizers' exchanges keep it on the device instead
-    (``CompressedAllreduce(device_verdict=True)``)."""
-    return bool(torch.isfinite(scales).all())
-
-
-def check_input(tensor: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
-    """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
-    values on ``device``: what an exchange built for that takes."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != torch.float32:
-        raise TypeError(
-            f"CompressedAllreduce works on float32 buffers, got {tensor.dtype}; pass tensor.float()"
-        )
-    if tensor.numel() != numel:
-        raise ValueError(
-            f"this exchange was built for {numel} values, got a tensor of {tensor.numel()}"
-        )
-    if tensor.device != device:
-        raise ValueError(
-            f"this exchange's buffers are on {device}, the tensor is on {tensor.device}"
-        )
-    return tensor.reshape(-1)
-
-
-class ExchangeHandle:
+class ExchangeHandle(Handle):
     """An exchange in flight: stage 1 is done, the final ``all_gather`` may still be running.
 
     ``wait()`` finishes it and returns the averaged tensor; ``get_future()`` gives a
@@ -190,6 +94,12 @@ class ExchangeHandle:
             self._result = self._exchange._decode(self._gathered, out).view(self._shape)
         return self._result
 
+    def records(self) -> torch.Tensor:
+        """The ``W`` records every rank decodes (``[scale][bits][padding]`` per server chunk),
+        once the final ``all_gather`` is done: the two-level exchange forwards them."""
+        self._drain()
+        return self._gathered
+
     def _drain(self) -> None:
         if self._work is not None:
             work, self._work = self._work, None
@@ -217,7 +127,7 @@ class ExchangeHandle:
         return self._work.get_future().then(lambda _: self.wait())
 
 
-class CompressedAllreduce:
+class CompressedAllreduce(Exchange):
     """Averages a fp32 buffer of fixed size across a process group, sending 1 bit per value.
 
     The instance owns this rank's two error buffers (worker and server) and every
@@ -309,6 +219,13 @@ class CompressedAllreduce:
         self.bytes_sent = 0  # this rank, last call
         self.total_bytes_sent = 0  # this rank, since construction
         self.calls = 0
+
+    bounds = None  # (one exchange, no buckets)
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record on the wire: ``[float32 scale][m / 8 bytes][padding to 4]``."""
+        return self._record
 
     @property
     def worker_error(self) -> torch.Tensor:
@@ -437,7 +354,7 @@ class CompressedAllreduce:
         gathered = self._gathered
         assert gathered is not None  # (W > 1)
         with self._explained("all_gather"):
-            work = _all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
+            work = all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
         return self._handle(out, tensor.shape, work, gathered, nxt, commit)
 
     def _handle(
@@ -515,6 +432,26 @@ class CompressedAllreduce:
         row = self.chunk_numel // 8
         kernels.decompress(self._bits(gathered, row), self._scales(gathered), out.view(-1))
         return out
+
+    def finish(
+        self, values: torch.Tensor | Callable[[int, int], torch.Tensor], out: torch.Tensor
+    ) -> None:
+        """One call over the whole buffer into ``out``: ``values`` is the input, or a function
+        ``(start, stop) -> values`` (called once, for every value)."""
+        self.start(values(0, self.numel) if callable(values) else values, out=out).wait()
+
+    def inter_node_bytes(self, ranks_per_node: int) -> int:
+        """Of the bytes this rank sent in the last call, those that left its node (nodes of
+        ``ranks_per_node`` consecutive ranks; 1: every peer is on another node). The
+        ``all_to_all`` sends a record to every peer, ``W - L`` of them on other nodes; the
+        ``all_gather`` is a ring in rank order (gloo's and NCCL's), in which one rank per node
+        forwards ``W - 1`` records to the next node: ``(W - 1) / L`` per rank."""
+        w, ll = self.world_size, ranks_per_node
+        if w <= 1 or self.bytes_sent == 0:
+            return 0
+        record = self.bytes_per_call // (2 * (w - 1))
+        gathered = self.bytes_sent == self.bytes_per_call  # (not after a NaN)
+        return (w - ll) * record + ((w - 1) * record // ll if gathered else 0)
 
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Return the compressed average of ``tensor`` over the group (same shape on every rank).
@@ -602,175 +539,4 @@ class CompressedAllreduce:
         return (
             f"{type(self).__name__}(numel={self.numel}, world_size={self.world_size}, "
             f"device={self.device}, bytes_per_call={self.bytes_per_call})"
-        )
-
-
-class BucketedAllreduce:
-    """The compressed average of one flat buffer, split into buckets exchanged separately.
-
-    Each bucket (a contiguous slice) has its own :class:`CompressedAllreduce` (its own scale and
-    error buffers, double buffered), so a bucket can be sent as soon as its values exist, e.g.
-    while backward is still producing the rest of the gradient: :meth:`start_bucket`. A call
-    goes through for all buckets or for none: :meth:`finish` commits every bucket only when every
-    rank's every bucket was finite, else drops them all (error buffers as before) and raises
-    :class:`NonFiniteError` on every rank.
-
-    Buckets are started in index order on every rank (the collectives must match).
-
-    Args:
-        bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
-        device, group, device_verdict: as for :class:`CompressedAllreduce` (the verdict of a
-            call is every bucket's).
-        nodes: a :class:`~lightning_onebit.hierarchy.NodeGroups` for the two-level exchange
-            (:class:`~lightning_onebit.hierarchy.HierarchicalAllreduce` per bucket; ``group``
-            unused), or ``None`` (flat).
-    """
-
-    def __init__(
-        self,
-        bounds: list[tuple[int, int]],
-        device: torch.device | str = "cpu",
-        group: dist.ProcessGroup | None = None,
-        nodes: Any = None,
-        *,
-        device_verdict: bool = False,
-    ) -> None:
-        from lightning_onebit.hierarchy import make_exchange  # (it builds on this module)
-
-        tiles = sorted(bounds)
-        if (
-            not tiles
-            or tiles[0][0] != 0
-            or any(a >= b for a, b in tiles)
-            or any(tiles[i][1] != tiles[i + 1][0] for i in range(len(tiles) - 1))
-        ):
-            raise ValueError(f"bounds must tile [0, numel) with non-empty buckets, got {bounds}")
-        self.bounds = [(int(a), int(b)) for a, b in bounds]  # in exchange order, any layout
-        self.numel = tiles[-1][1]
-        self.buckets = [
-            make_exchange(b - a, device, group, nodes, double_buffered=True,
-                          device_verdict=device_verdict)
-            for a, b in self.bounds
-        ]  # fmt: skip
-        self.nodes = nodes
-        self.device = self.buckets[0].device
-        self.device_verdict = self.buckets[0].device_verdict
-        self.world_size, self.rank = self.buckets[0].world_size, self.buckets[0].rank
-        self._handles: list[ExchangeHandle | None] = [None] * len(self.buckets)
-        self.bytes_sent = 0
-        self.calls = 0
-        if self.device_verdict:
-            self._ok = torch.ones(1, dtype=torch.bool, device=self.device)
-            self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, device=self.device)
-
-    @property
-    def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``device_verdict``: the last call's verdict over every bucket, on the device (see
-        :attr:`CompressedAllreduce.verdict`)."""
-        return self._ok, self._finite_ranks
-
-    def __len__(self) -> int:
-        return len(self.buckets)
-
-    @property
-    def started(self) -> list[bool]:
-        return [h is not None for h in self._handles]
-
-    def start_bucket(self, b: int, values: torch.Tensor) -> None:
-        """Start bucket ``b`` (every bucket before it must have been started) from ``values``
-        (its ``stop - start`` values; read now and not needed afterwards)."""
-        if b and self._handles[b - 1] is None:
-            raise RuntimeError(f"bucket {b} started before bucket {b - 1}: start them in order")
-        self._handles[b] = self.buckets[b].start(values, commit=False)
-
-    def finish(
-        self,
-        source: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor,
-    ) -> None:
-        """Start the buckets not started yet from ``source`` (the flat input, or a function
-        ``(start, stop) -> values`` computing only what is needed), then commit every bucket and
-        decode into ``out`` (``numel`` values), or drop all and raise NonFiniteError on every rank.
-        """
-        for b, (lo, hi) in enumerate(self.bounds):
-            if self._handles[b] is None:
-                values = source(lo, hi) if callable(source) else source[lo:hi]
-                self.start_bucket(b, values)
-        handles, self._handles = self._handles, [None] * len(self.buckets)
-        self.bytes_sent = sum(ex.bytes_sent for ex in self.buckets)
-        self.calls += 1
-        bad = [h for h in handles if not h.finite]
-        if bad:
-            for h in handles:
-                h.discard()
-            raise bad[0].error()
-        ok = None
-        if self.device_verdict:  # every bucket's, on the device: all go through, or none
-            finite = torch.stack([ex.verdict[1] for ex in self.buckets])
-            torch.all(finite, dim=0, out=self._finite_ranks)
-            ok = self._ok
-            torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
-        for h in handles:
-            h.commit(ok)
-        for h, (lo, hi) in zip(handles, self.bounds, strict=True):
-            h.wait(out[lo:hi])
-
-    def discard(self) -> None:
-        """Drop the buckets started so far (e.g. a backward whose step never came)."""
-        for h in self._handles:
-            if h is not None:
-                h.discard()
-        self._handles = [None] * len(self.buckets)
-
-    def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """All buckets at once: the compressed average of ``tensor`` into ``out`` (default: in
-        place)."""
-        out = tensor if out is None else out
-        self.finish(tensor.reshape(-1), out.view(-1))
-        return out
-
-    # ------------------------------------------------------------------ state
-
-    def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
-        """Live views of this rank's error buffers over the values ``[lo, hi)`` (see
-        :meth:`CompressedAllreduce.error_views`), bucket by bucket."""
-        views: list[torch.Tensor] = []
-        for ex, (a, b) in zip(self.buckets, self.bounds, strict=True):
-            if max(lo, a) < min(hi, b):
-                views += ex.error_views(max(lo, a) - a, min(hi, b) - a)
-        return views
-
-    def reset_error(self) -> None:
-        for ex in self.buckets:
-            ex.reset_error()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "numel": self.numel,
-            "world_size": self.world_size,
-            "bounds": list(self.bounds),
-            "buckets": [ex.state_dict() for ex in self.buckets],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (
-            state_dict.get("bounds") != self.bounds
-            or state_dict.get("world_size") != self.world_size
-        ):
-            raise ValueError(
-                f"error buffers saved for buckets {state_dict.get('bounds', 'none (one exchange)')}"
-                f", world_size={state_dict.get('world_size')} cannot be loaded into buckets "
-                f"{self.bounds}, world_size={self.world_size}; use reset_error()"
-            )
-        for ex, sd in zip(self.buckets, state_dict["buckets"], strict=True):
-            ex.load_state_dict(sd)
-
-    @property
-    def bytes_per_call(self) -> int:
-        return sum(ex.bytes_per_call for ex in self.buckets)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(numel={self.numel}, buckets={len(self.buckets)}, "
-            f"world_size={self.world_size}, device={self.device})"
         )

@@ -1,0 +1,56 @@
+"""The error-compensated 1-bit exchanges over ``torch.distributed``, in layers that each import
+only the ones before them:
+
+- :mod:`~lightning_onebit.comm.base`: the :class:`Exchange` and :class:`Handle` interfaces every
+  exchange implements, the NaN/Inf error, the full-precision average, byte formulas;
+- :mod:`~lightning_onebit.comm.flat`: :class:`CompressedAllreduce`, the exchange over one group
+  (the algorithm and its wire format);
+- :mod:`~lightning_onebit.comm.hierarchical`: :class:`HierarchicalAllreduce`, full precision
+  inside a node and 1 bit between nodes, over :class:`NodeGroups`; :func:`make_exchange` picks
+  one of the two;
+- :mod:`~lightning_onebit.comm.bucketed`: :class:`BucketedAllreduce`, one exchange per bucket
+  of a flat buffer (started during backward).
+"""
+
+from __future__ import annotations
+
+from lightning_onebit.comm.base import (
+    AVERAGE_DTYPES,
+    Exchange,
+    Handle,
+    NonFiniteError,
+    all_finite,
+    as_average_dtype,
+    fp32_allreduce_bytes,
+    start_average,
+)
+from lightning_onebit.comm.bucketed import BucketedAllreduce
+from lightning_onebit.comm.flat import CompressedAllreduce, ExchangeHandle
+from lightning_onebit.comm.hierarchical import (
+    HierarchicalAllreduce,
+    NodeGroups,
+    average_bytes,
+    hierarchical_average,
+    make_exchange,
+    resolve_ranks_per_node,
+)
+
+__all__ = [
+    "AVERAGE_DTYPES",
+    "BucketedAllreduce",
+    "CompressedAllreduce",
+    "Exchange",
+    "ExchangeHandle",
+    "Handle",
+    "HierarchicalAllreduce",
+    "NodeGroups",
+    "NonFiniteError",
+    "all_finite",
+    "as_average_dtype",
+    "average_bytes",
+    "fp32_allreduce_bytes",
+    "hierarchical_average",
+    "make_exchange",
+    "resolve_ranks_per_node",
+    "start_average",
+]

@@ -1,0 +1,184 @@
+"""What every exchange shares: the :class:`Exchange` and :class:`Handle` interfaces, the
+NaN/Inf error, input checks, the full-precision average and byte formulas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AVERAGE_DTYPES",
+    "Exchange",
+    "Handle",
+    "NonFiniteError",
+    "all_finite",
+    "all_gather_single",
+    "as_average_dtype",
+    "check_input",
+    "fp32_allreduce_bytes",
+    "start_average",
+]
+
+#: ``dist.all_gather_single`` (torch >= 2.10, where ``all_gather_into_tensor``, the same
+#: collective, warns that it is deprecated) or ``all_gather_into_tensor`` before it.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf reached the compressed exchange: raised on every rank in the same call, before
+    anything changed (error buffers as before the call, nothing sent after the scales)."""
+
+
+def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``numel`` fp32 values (the DDP baseline)."""
+    return 0 if world_size <= 1 else 2 * (world_size - 1) * numel * 4 // world_size
+
+
+#: The dtypes a full-precision gradient average may travel in, by the names a config may use.
+AVERAGE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def as_average_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32``/``bfloat16``/``float16`` from a dtype or its name (``"bf16"`` too)."""
+    got = AVERAGE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if got not in AVERAGE_DTYPES.values():
+        raise ValueError(
+            f"average_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or one of "
+            f"{sorted(AVERAGE_DTYPES)}), got {dtype!r}"
+        )
+    return got
+
+
+def start_average(
+    flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None = None
+) -> Callable[[], None]:
+    """Start averaging the fp32 tensor ``flat`` over the group's ranks; the returned ``wait()``
+    leaves the mean in ``flat``.
+
+    ``float32`` sums exactly as DDP does, then divides. ``bfloat16``/``float16`` send half the
+    bytes as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: cast, divide by ``W``, sum
+    in that dtype, cast back (float16 flushes values below ~6e-8 * W to zero; bfloat16 keeps
+    fp32's range with 8 bits of mantissa).
+    """
+    w = dist.get_world_size(group)
+    if dtype == torch.float32:
+        work = dist.all_reduce(flat, group=group, async_op=True)
+
+        def wait() -> None:
+            work.wait()
+            flat.div_(w)
+
+        return wait
+    buf = flat.to(dtype).div_(w)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+
+    def wait_half() -> None:
+        work.wait()
+        flat.copy_(buf)
+        if buf.is_cuda:  # made on another thread's stream (the overlap), read on this one
+            buf.record_stream(torch.cuda.current_stream(buf.device))
+
+    return wait_half
+
+
+def all_finite(scales: torch.Tensor) -> bool:
+    """The exchange's NaN/Inf verdict, read on the host: whether every rank's scale is finite
+    (one NaN/Inf value makes its rank's scale non-finite). Every rank learns it in the same call,
+    before any state is written, so a bad step is dropped exactly, on every rank. On CUDA this
+    waits for the ``all_to_all``: the 1-bit optimizers' exchanges keep it on the device instead
+    (``CompressedAllreduce(device_verdict=True)``)."""
+    return bool(torch.isfinite(scales).all())
+
+
+def check_input(tensor: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
+    values on ``device``: what an exchange built for that takes."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != torch.float32:
+        raise TypeError(
+            f"CompressedAllreduce works on float32 buffers, got {tensor.dtype}; pass tensor.float()"
+        )
+    if tensor.numel() != numel:
+        raise ValueError(
+            f"this exchange was built for {numel} values, got a tensor of {tensor.numel()}"
+        )
+    if tensor.device != device:
+        raise ValueError(
+            f"this exchange's buffers are on {device}, the tensor is on {tensor.device}"
+        )
+    return tensor.reshape(-1)
+
+
+class Handle(Protocol):
+    """An exchange call in flight (:meth:`Exchange.start`).
+
+    ``wait()`` finishes it and returns the average; a call started with ``commit=False``
+    advances the exchange's error buffers only on ``commit()`` and leaves them as they were on
+    ``discard()``. ``finite`` says whether every rank's input was finite (with a host verdict;
+    ``error()`` is then the error to raise); ``ok`` is the verdict on the device, or ``None``.
+    """
+
+    finite: bool
+    ok: torch.Tensor | None
+
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def commit(self, ok: torch.Tensor | None = None) -> None: ...
+
+    def discard(self) -> None: ...
+
+    def error(self) -> NonFiniteError: ...
+
+    def get_future(self) -> torch.futures.Future: ...
+
+
+class Exchange(Protocol):
+    """An error-compensated 1-bit average of a fp32 buffer of fixed size over the ranks: the
+    flat exchange, the two-level one, and the bucketed one (several of either).
+
+    ``finish(values, out)`` runs one call over the whole buffer (``values``: the input, or a
+    function ``(start, stop) -> values`` of a flat range); ``bytes_sent`` is what this rank sent
+    in the last call and :meth:`inter_node_bytes` the part of it that left the node;
+    ``device_verdict`` exchanges keep their NaN/Inf verdict on the device (:attr:`verdict`).
+    ``bounds`` are the buckets (``None``: one exchange). The error buffers are per rank:
+    ``state_dict``/``load_state_dict``/``reset_error``, and ``error_views`` for a caller that
+    keeps values out of a call.
+    """
+
+    numel: int
+    world_size: int
+    device: torch.device
+    device_verdict: bool
+    bytes_sent: int
+    bounds: list[tuple[int, int]] | None
+
+    @property
+    def verdict(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @property
+    def bytes_per_call(self) -> int: ...
+
+    def finish(
+        self, values: torch.Tensor | Callable[[int, int], torch.Tensor], out: torch.Tensor
+    ) -> None: ...
+
+    def inter_node_bytes(self, ranks_per_node: int) -> int: ...
+
+    def error_views(self, lo: int, hi: int) -> list[torch.Tensor]: ...
+
+    def reset_error(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...

@@ -1,0 +1,190 @@
+"""Several exchanges over the buckets of one flat buffer, so that a bucket can go out while
+backward is still producing the rest (see :class:`BucketedAllreduce`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.comm.base import Exchange, Handle
+from lightning_onebit.comm.hierarchical import NodeGroups, make_exchange
+
+__all__ = ["BucketedAllreduce"]
+
+
+class BucketedAllreduce(Exchange):
+    """The compressed average of one flat buffer, split into buckets exchanged separately.
+
+    Each bucket (a contiguous slice) has its own :class:`CompressedAllreduce` (its own scale and
+    error buffers, double buffered), so a bucket can be sent as soon as its values exist, e.g.
+    while backward is still producing the rest of the gradient: :meth:`start_bucket`. A call
+    goes through for all buckets or for none: :meth:`finish` commits every bucket only when every
+    rank's every bucket was finite, else drops them all (error buffers as before) and raises
+    :class:`NonFiniteError` on every rank.
+
+    Buckets are started in index order on every rank (the collectives must match).
+
+    Args:
+        bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
+        device, group, device_verdict: as for :class:`CompressedAllreduce` (the verdict of a
+            call is every bucket's).
+        nodes: a :class:`~lightning_onebit.hierarchy.NodeGroups` for the two-level exchange
+            (:class:`~lightning_onebit.hierarchy.HierarchicalAllreduce` per bucket; ``group``
+            unused), or ``None`` (flat).
+    """
+
+    def __init__(
+        self,
+        bounds: list[tuple[int, int]],
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+        nodes: NodeGroups | None = None,
+        *,
+        device_verdict: bool = False,
+    ) -> None:
+        tiles = sorted(bounds)
+        if (
+            not tiles
+            or tiles[0][0] != 0
+            or any(a >= b for a, b in tiles)
+            or any(tiles[i][1] != tiles[i + 1][0] for i in range(len(tiles) - 1))
+        ):
+            raise ValueError(f"bounds must tile [0, numel) with non-empty buckets, got {bounds}")
+        self.bounds = [(int(a), int(b)) for a, b in bounds]  # in exchange order, any layout
+        self.numel = tiles[-1][1]
+        self.buckets = [
+            make_exchange(b - a, device, group, nodes, double_buffered=True,
+                          device_verdict=device_verdict)
+            for a, b in self.bounds
+        ]  # fmt: skip
+        self.nodes = nodes
+        self.device = self.buckets[0].device
+        self.device_verdict = self.buckets[0].device_verdict
+        self.world_size, self.rank = self.buckets[0].world_size, self.buckets[0].rank
+        self._handles: list[Handle | None] = [None] * len(self.buckets)
+        self.bytes_sent = 0
+        self.calls = 0
+        if self.device_verdict:
+            self._ok = torch.ones(1, dtype=torch.bool, device=self.device)
+            self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, device=self.device)
+
+    @property
+    def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``device_verdict``: the last call's verdict over every bucket, on the device (see
+        :attr:`CompressedAllreduce.verdict`)."""
+        return self._ok, self._finite_ranks
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def started(self) -> list[bool]:
+        return [h is not None for h in self._handles]
+
+    def start_bucket(self, b: int, values: torch.Tensor) -> None:
+        """Start bucket ``b`` (every bucket before it must have been started) from ``values``
+        (its ``stop - start`` values; read now and not needed afterwards)."""
+        if b and self._handles[b - 1] is None:
+            raise RuntimeError(f"bucket {b} started before bucket {b - 1}: start them in order")
+        self._handles[b] = self.buckets[b].start(values, commit=False)
+
+    def finish(
+        self,
+        source: torch.Tensor | Callable[[int, int], torch.Tensor],
+        out: torch.Tensor,
+    ) -> None:
+        """Start the buckets not started yet from ``source`` (the flat input, or a function
+        ``(start, stop) -> values`` computing only what is needed), then commit every bucket and
+        decode into ``out`` (``numel`` values), or drop all and raise NonFiniteError on every rank.
+        """
+        for b, (lo, hi) in enumerate(self.bounds):
+            if self._handles[b] is None:
+                values = source(lo, hi) if callable(source) else source[lo:hi]
+                self.start_bucket(b, values)
+        handles, self._handles = self._handles, [None] * len(self.buckets)
+        self.bytes_sent = sum(ex.bytes_sent for ex in self.buckets)
+        self.calls += 1
+        bad = [h for h in handles if not h.finite]
+        if bad:
+            for h in handles:
+                h.discard()
+            raise bad[0].error()
+        ok = None
+        if self.device_verdict:  # every bucket's, on the device: all go through, or none
+            finite = torch.stack([ex.verdict[1] for ex in self.buckets])
+            torch.all(finite, dim=0, out=self._finite_ranks)
+            ok = self._ok
+            torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
+        for h in handles:
+            h.commit(ok)
+        for h, (lo, hi) in zip(handles, self.bounds, strict=True):
+            h.wait(out[lo:hi])
+
+    def discard(self) -> None:
+        """Drop the buckets started so far (e.g. a backward whose step never came)."""
+        for h in self._handles:
+            if h is not None:
+                h.discard()
+        self._handles = [None] * len(self.buckets)
+
+    def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All buckets at once: the compressed average of ``tensor`` into ``out`` (default: in
+        place)."""
+        out = tensor if out is None else out
+        self.finish(tensor.reshape(-1), out.view(-1))
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Live views of this rank's error buffers over the values ``[lo, hi)`` (see
+        :meth:`CompressedAllreduce.error_views`), bucket by bucket."""
+        views: list[torch.Tensor] = []
+        for ex, (a, b) in zip(self.buckets, self.bounds, strict=True):
+            if max(lo, a) < min(hi, b):
+                views += ex.error_views(max(lo, a) - a, min(hi, b) - a)
+        return views
+
+    def reset_error(self) -> None:
+        for ex in self.buckets:
+            ex.reset_error()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "numel": self.numel,
+            "world_size": self.world_size,
+            "bounds": list(self.bounds),
+            "buckets": [ex.state_dict() for ex in self.buckets],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if (
+            state_dict.get("bounds") != self.bounds
+            or state_dict.get("world_size") != self.world_size
+        ):
+            raise ValueError(
+                f"error buffers saved for buckets {state_dict.get('bounds', 'none (one exchange)')}"
+                f", world_size={state_dict.get('world_size')} cannot be loaded into buckets "
+                f"{self.bounds}, world_size={self.world_size}; use reset_error()"
+            )
+        for ex, sd in zip(self.buckets, state_dict["buckets"], strict=True):
+            ex.load_state_dict(sd)
+
+    @property
+    def bytes_per_call(self) -> int:
+        return sum(ex.bytes_per_call for ex in self.buckets)
+
+    def inter_node_bytes(self, ranks_per_node: int) -> int:
+        """Of the bytes this rank sent in the last call, those that left its node (every
+        bucket's, see :meth:`CompressedAllreduce.inter_node_bytes
+        <lightning_onebit.comm.CompressedAllreduce.inter_node_bytes>`)."""
+        return sum(ex.inter_node_bytes(ranks_per_node) for ex in self.buckets)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(numel={self.numel}, buckets={len(self.buckets)}, "
+            f"world_size={self.world_size}, device={self.device})"
+        )
