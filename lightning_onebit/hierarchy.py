@@ -532,7 +532,7 @@ def inter_node_bytes(exchange: Any, ranks_per_node: int) -> int:
     on another node), per rank. The flat exchange's ``all_to_all`` sends a record to every peer,
     ``W - L`` of them on other nodes; its ``all_gather`` is a ring in rank order (gloo's and
     NCCL's), in which one rank per node forwards ``W - 1`` records to the next node: ``(W - 1)
-    / L`` per rank. (Measured at 2 nodes x 2 ranks: the interfaces' tx 2.5% above this.)"""
+    / L`` per rank."""
     from lightning_onebit.comm import BucketedAllreduce
 
     if isinstance(exchange, BucketedAllreduce):
