@@ -6,9 +6,8 @@ name, instead of somewhere in a training run. Checked on torch 2.13.0 with Light
 2.6.6 (the floors in pyproject.toml). Not listed: ``torch._foreach_*`` ops, which torch's own
 optimizers are built on (a documented, stable family despite the underscore).
 
-What used to be private and is now done with public APIs: writing and reading rank files
-(``torch.save``/``torch.load`` through ``fsspec``, was Lightning's ``_atomic_save``/``_load``),
-local paths (``fsspec.core.strip_protocol``), the unused-parameters message (our own), the
+Done with public APIs instead, so not listed: writing and reading rank files
+(``torch.save``/``torch.load`` through ``fsspec``), local paths (``fsspec.core.strip_protocol``), the unused-parameters message (our own), the
 precision plugin (``Strategy.precision_plugin``'s setter), the start method and timeout (kept by
 ``OneBitStrategy`` itself).
 """

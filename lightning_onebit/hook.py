@@ -28,7 +28,7 @@ def _build_ddp(
     node, which belongs to the stream it was made on, so with a side stream every backward
     accumulates gradients across streams (torch >= 2.10 warns once per run: "The AccumulateGrad
     node's stream does not match the stream of the node that produced the incoming gradient.
-    This may incur unnecessary synchronization ...", seen on every GPU fit before this)."""
+    This may incur unnecessary synchronization ...")."""
     return DistributedDataParallel(module=module, device_ids=device_ids, **kwargs)
 
 

@@ -126,9 +126,9 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             steps exchange a 1-bit gradient (the paper's phase 1; ``True`` is the optimizer's
             default). ``None``: ``False`` when the strategy converts a torch Adam/AdamW, unless
             ``var_update_scaler`` is given (as a DeepSpeed config gives it): every
-            step up to ``freeze_step`` averages the gradient in full precision (1-bit Adam's
-            warmup; a small BERT ended at chance, 1.46x/1.48x DDP's loss, with as few as 4
-            of its first 40 steps 1-bit, and at 0.98-1.03x over three seeds with none). Pass
+            step up to ``freeze_step`` averages the gradient in full precision, as 1-bit Adam's
+            warmup does (early in training a few 1-bit gradient steps can knock a model out of
+            its basin for good). Pass
             ``True`` for the paper's byte savings on long runs (phase 1 then sends a gradient in
             fp32 only on its exponentially spaced variance steps).
         max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio
@@ -154,17 +154,15 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             ``sqrt(v) + eps`` (in the units of the update), so the 1-bit error is the same size
             relative to every coordinate's Adam step. ``False`` exchanges the momentum as
             DeepSpeed does. ``None``: the algorithm's default (on for 1-bit Adam and 0/1 Adam,
-            off for 1-bit LAMB, where it worsened the demo's loss from -5.3% to +4.8%).
+            off for 1-bit LAMB, where it costs loss on the demo GPT).
         rescale_variance: when converting, precondition the 1-bit steps by the frozen
             variance times ``max(1, G / G_ref)`` per tensor (``G``: the running mean square of
             the tensor's gradients, ``G_ref``: at the switch; one float per tensor all-reduced
             every 10th exchange): where gradients grow after the switch (transformers,
             short runs), the 1-bit steps stay Adam-sized instead of growing with them.
-            ``None``: on for 1-bit Adam (ViT 1.57x -> 0.91x DDP's loss, mean of 3 seeds) and
-            for 0/1 Adam with its full-precision phase 1 (``compressed_variance_phase``: ViT
-            0.97/0.90/3.09x -> 0.95/0.78/0.66x over 3 seeds, BERT's largest parameter
-            5.8/11.1/8.7x -> 5.5/3.8/8.3x DDP's; the demo's loss 2.085 -> 2.130);
-            ``False``: the variance stays as frozen (DeepSpeed's). 1-bit LAMB's
+            ``None``: on for 1-bit Adam and for 0/1 Adam with its full-precision phase 1
+            (``compressed_variance_phase``); ``False``: the variance stays as frozen
+            (DeepSpeed's). 1-bit LAMB's
             trust ratio rescales each layer's step already: not an option there.
         lamb_lr: 1-bit LAMB's learning rate when converting a torch Adam/AdamW to
             ``onebit_lamb``. LAMB scales each layer's step by a trust ratio ``||p|| / ||u||``,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU, one command that checks the GPU path (issue 18):
+# On a machine with an NVIDIA GPU, one command that checks the GPU path:
 #   1. builds the extension with CUDA (ONEBIT_CUDA=ON: no CUDA kernels is a failure),
 #   2. runs the GPU tests (pytest -m cuda) and the kernel tests on both devices,
 #   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda) and the training

@@ -1,4 +1,4 @@
-"""The GPU path (issue 18): skipped without a CUDA GPU; ``scripts/gpu_check.sh`` runs them.
+"""The GPU path: skipped without a CUDA GPU; ``scripts/gpu_check.sh`` runs them.
 
 Written by construction (no GPU where they were written): every test compares the GPU against
 the CPU code that the rest of the suite checks, on the same inputs.

@@ -1,5 +1,5 @@
 """Several nodes, emulated on one machine: two launches of the same script, one per "node", as a
-cluster scheduler would start them (issue 18).
+cluster scheduler would start them.
 
 Each launch is a node of one rank: ``Trainer(num_nodes=2, devices=1)`` under Lightning's own
 environment variables (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or under

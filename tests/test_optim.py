@@ -595,7 +595,7 @@ def test_the_optimizers_need_no_lightning() -> None:
 def test_each_param_group_is_exchanged_with_its_own_scale(overlap: bool) -> None:
     """A group of small values (biases, norms) next to one of weights: its 1-bit momentum is
     +-its own scale, exactly as a CompressedAllreduce of that group alone, not +-the weights'
-    scale (issue 17: one scale for all groups sent the biases 100x their own magnitude)."""
+    scale (with one scale for all groups the biases would get 100x their own magnitude)."""
     torch.manual_seed(0)
     w, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.zeros(16))
     groups = [{"params": [w]}, {"params": [b], "weight_decay": 0.0}]
@@ -626,7 +626,7 @@ def test_each_param_group_is_exchanged_with_its_own_scale(overlap: bool) -> None
 def test_frozen_steps_decay_the_weights_exactly(preconditioned: bool) -> None:
     """1-bit Adam's decoupled weight decay after the switch is ``p -= lr * wd * p`` rounded once:
     over 500 steps at ``lr * wd = 1e-6`` the weights shrink as in float64 (within 0.3%), where
-    the float32 factor ``p * (1 - lr * wd)`` decays 1.5% too much (issue 17). (0/1 Adam and
+    the float32 factor ``p * (1 - lr * wd)`` decays 1.5% too much. (0/1 Adam and
     1-bit LAMB add ``wd * p`` to the update, as the warmup's fused Adam does.)"""
     torch.manual_seed(0)
     n, steps, lr, wd = 100_000, 500, 1e-3, 1e-3

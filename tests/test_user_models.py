@@ -6,7 +6,7 @@ weights, an LR warmup from 0, torch's default betas on short runs; transformers'
 ResNet and ViT are built from configs (no downloads). Every run: 2 fork-started CPU ranks,
 ``Trainer(strategy=...)`` with the module unchanged (it returns torch Adam/AdamW), a 20% warmup.
 
-What must hold (issue 15), each measured against ``strategy="ddp"`` + the user's optimizer:
+What must hold, each measured against ``strategy="ddp"`` + the user's optimizer:
 finishes; held-out loss within 1.25x of DDP's (1-bit LAMB: within 2x of DDP + Adam and within
 1.25x of the same LAMB never frozen); no parameter beyond 10x its DDP counterpart (``|p|`` max
 per tensor, DDP's floored at 1e-3); parameters identical on every rank; the compression phase

@@ -175,7 +175,7 @@ class _FlatOps:
     def _finite(flat: torch.Tensor) -> bool:
         """Whether every value is finite: one read-only sweep, no temporary (min and max
         propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
-        materialises a float64 copy: 20x slower, and it dominated the warmup step."""
+        materialises a float64 copy of the buffer."""
         return bool(_FlatOps._finite_on_device(flat))
 
     @staticmethod
@@ -283,7 +283,7 @@ class _FlatOps:
 
         The variance froze at the switch, but gradients keep changing: where a tensor's
         gradients grow (attention and feed-forward layers of transformers, whose gradient RMS
-        doubled after a 20% warmup in the measured runs), ``m / sqrt(v)`` grows with them, and
+        can double in the steps after the warmup), ``m / sqrt(v)`` grows with them, and
         with it the exchange's scale and every coordinate's 1-bit step, several times Adam's,
         whose variance follows the gradients. So per tensor ``j`` the ranks track ``G_j``, a
         running mean (a factor ``RESCALE_BETA`` per step, bias-corrected) of the mean square

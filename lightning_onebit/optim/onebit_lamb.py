@@ -109,15 +109,14 @@ class OneBitLamb(OneBitOptimizer):
             bias-corrected moments; the trust ratio is invariant to their scale except through
             its clamps and ``eps``). With ``preconditioned_exchange`` 3a and 3b work on
             ``m / (sqrt(v) + eps)``, and 3c multiplies the result back by ``sqrt(v) + eps``: off
-            by default (measured: it keeps ViT's and GPT-2's parameters closer to DDP's, but the
-            demo GPT's loss went from -5.3% to +4.8% of DDP + LAMB's, measured before the floor
-            below raised to the mean). ``variance_floor=0`` is
+            by default (it keeps attention weights closer to DDP's, but costs loss on the demo
+            GPT). ``variance_floor=0`` is
             DeepSpeed's arithmetic. A coordinate the floor catches is raised to the mean
             variance of its tensor (or group), not to ``variance_floor**2`` of it as in the Adam
             variants: this exchange carries ``m`` itself, so a caught coordinate's 1-bit noise
             (``+-scale``, no signal) is divided by its own ``sqrt(v)``, and at 1% of the typical
-            ``sqrt(v)`` it moved 100x a typical coordinate's noise (BERT's unused token-type row:
-            12x DDP's largest value; dead ReLU biases 6-25x). At the mean, its noise is a
+            ``sqrt(v)`` it would move 100x a typical coordinate's noise (unused embedding rows,
+            dead ReLU biases). At the mean, its noise is a
             typical coordinate's, and a coordinate that gets gradients later steps like one.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see

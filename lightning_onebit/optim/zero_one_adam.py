@@ -114,10 +114,9 @@ class ZeroOneAdam(OneBitOptimizer):
             is a variance step (1a, full precision), so phase 1 is 1-bit Adam's warmup and only
             phase 2 is compressed. Why (what ``OneBitStrategy`` builds when it converts a torch
             Adam/AdamW): early in training a few 1-bit gradient steps can knock a model out of
-            its basin for good: a small BERT at lr 3e-3 (each Adam step ~15% of its init's
-            weights) ended at chance, 1.46x/1.48x DDP's loss, with 4 of its first 40 steps 1-bit
-            (the loss jumped 1.15 -> 1.56 at the first one), and at 1.03/1.03/0.98x over three
-            seeds with none. ``True`` saves those bytes: on a long run (100k steps,
+            its basin for good (a model at the edge of stability, such as a small BERT at a
+            large lr, ends at chance after a few of them). ``True`` saves those bytes: on a long
+            run (100k steps,
             ``var_freeze_step`` 20k) phase 1 then sends ~160 fp32 gradients instead of 20k.
         amsgrad: not supported; ``True`` raises ``ValueError``.
         process_group: the group to average over; ``None`` is the default group, and without an
@@ -395,10 +394,9 @@ class ZeroOneAdam(OneBitOptimizer):
         local steps, and those steps are real updates that no error buffer remembers. With
         ``m = 0`` they only move by the exchange's own, error-compensated noise. A floored
         coordinate that gets gradients later (a rare embedding row) still trains: its local
-        steps build momentum afresh from its own gradients after every sync. Measured on a
-        small BERT (11184 coordinates floored: unused position rows, near-dead MLP units), 3
-        seeds: the largest parameter 31.8/12.4/16.5x DDP's -> 6.0/10.4/10.2x, the demo GPT's
-        loss 2.098 -> 2.085. ``variance_floor=0`` keeps DeepSpeed's rebuild everywhere.
+        steps build momentum afresh from its own gradients after every sync (on a small BERT
+        the floor catches unused position rows and near-dead MLP units).
+        ``variance_floor=0`` keeps DeepSpeed's rebuild everywhere.
         ``out``: where to write it (default: m itself).
         """
         m = self._flat["exp_avg"] if out is None else out
