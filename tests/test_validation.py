@@ -539,3 +539,29 @@ def test_model_that_differs_across_ranks_fails_at_setup_on_every_rank(tmp_path: 
     )
     assert "_verify_param_shape_across_processes" not in message
     assert not re.search(r"rank\d\.pt", " ".join(p.name for p in tmp_path.iterdir()))
+
+
+@pytest.mark.parametrize(
+    ("cls", "given", "name"),
+    [
+        (OneBitAdam, {"variance_floor": 0.5}, "variance_floor"),
+        (OneBitAdam, {"bias_correction": True}, "bias_correction"),
+        (OneBitLamb, {"preconditioned_exchange": True}, "preconditioned_exchange"),
+        (ZeroOneAdam, {"rescale_variance": True}, "rescale_variance"),
+        (ZeroOneAdam, {"compressed_variance_phase": False}, "compressed_variance_phase"),
+    ],
+)
+def test_deepspeed_compatible_refuses_a_contradicting_option(cls, given, name) -> None:
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=f"deepspeed_compatible=True.*{name}.*drop one"):
+        cls(p, deepspeed_compatible=True, **given)
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam, OneBitLamb])
+def test_deepspeed_compatible_sets_deepspeeds_options(cls) -> None:
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = cls(p, deepspeed_compatible=True, variance_floor=0.01)  # (the default: no conflict)
+    for k, v in cls.DEEPSPEED_ARITHMETIC.items():
+        assert getattr(opt, k) == v, k
+    with pytest.raises(ValueError, match="deepspeed_compatible must be True or False"):
+        cls(p, deepspeed_compatible="yes")

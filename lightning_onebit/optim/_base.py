@@ -178,7 +178,22 @@ class OneBitOptimizer(
         ranks_per_node: the ranks on each node (ranks numbered node by node); default
             ``LOCAL_WORLD_SIZE`` (torchrun). Also splits the byte counters into the part
             that left the node (``comm_stats["bytes_total_inter"]``).
+        deepspeed_compatible: compute what DeepSpeed's optimizer of the same name computes with
+            the same arguments: the options of :attr:`DEEPSPEED_ARITHMETIC` take DeepSpeed's
+            values (``bias_correction=False``, ``variance_floor=0``,
+            ``preconditioned_exchange=False``, ``rescale_variance=False``; 0/1 Adam's
+            ``compressed_variance_phase=True``). Raises ``ValueError`` where one of them is
+            also given another value than its default. ``False`` (default): this library's
+            defaults, more robust on ordinary models.
     """
+
+    #: The options ``deepspeed_compatible=True`` sets, with DeepSpeed's values.
+    DEEPSPEED_ARITHMETIC: ClassVar[dict[str, Any]] = {
+        "bias_correction": False,
+        "variance_floor": 0.0,
+        "preconditioned_exchange": False,
+        "rescale_variance": False,
+    }
 
     #: The algorithm's options: keyword arguments of ``__init__``, whose signature holds their
     #: defaults and whose docstring documents them; :meth:`check_options` validates them.
@@ -236,8 +251,18 @@ class OneBitOptimizer(
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
+        deepspeed_compatible: bool = False,
     ) -> None:
         name = type(self).__name__
+        bias_correction, variance_floor, preconditioned_exchange, rescale_variance = (
+            self._deepspeed_arithmetic(
+                deepspeed_compatible,
+                bias_correction=bias_correction,
+                variance_floor=variance_floor,
+                preconditioned_exchange=preconditioned_exchange,
+                rescale_variance=rescale_variance,
+            ).values()
+        )
         if not isinstance(decoupled_weight_decay, bool):
             raise ValueError(
                 f"decoupled_weight_decay must be True or False, got {decoupled_weight_decay!r}"
@@ -343,6 +368,30 @@ class OneBitOptimizer(
         self.overlap_paused = False
 
     # ------------------------------------------------------------------ hyperparameters
+
+    @classmethod
+    def _deepspeed_arithmetic(cls, on: bool, **options: Any) -> dict[str, Any]:
+        """``options`` (by name, in their order) with DeepSpeed's values where ``on`` (see
+        ``deepspeed_compatible``). Raises ``ValueError`` for an option given a value that is
+        neither DeepSpeed's nor its default: the two settings contradict each other."""
+        if not isinstance(on, bool):
+            raise ValueError(f"deepspeed_compatible must be True or False, got {on!r}")
+        if not on:
+            return options
+        params = inspect.signature(cls.__init__).parameters
+        out = dict(options)
+        for k, v in options.items():
+            if k not in cls.DEEPSPEED_ARITHMETIC:
+                continue
+            want = cls.DEEPSPEED_ARITHMETIC[k]
+            default = params[k].default if k in params else want
+            if v != want and v != default:
+                raise ValueError(
+                    f"{cls.__name__}(deepspeed_compatible=True) computes with DeepSpeed's "
+                    f"{k}={want!r}, and {k}={v!r} was given too: drop one of the two"
+                )
+            out[k] = want
+        return out
 
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:

@@ -95,6 +95,8 @@ class OneBitAdam(OneBitOptimizer):
         decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
             ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
             moments (after ``maximize``). Also a param-group key, as in torch's Adam.
+        deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
+            same arguments); see :class:`~lightning_onebit.optim.OneBitOptimizer`.
 
     DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
     ``process_group`` of the backend you want (gloo, NCCL).
@@ -122,6 +124,7 @@ class OneBitAdam(OneBitOptimizer):
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
+        deepspeed_compatible: bool = False,
     ) -> None:
         check_int("freeze_step", freeze_step, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -139,6 +142,7 @@ class OneBitAdam(OneBitOptimizer):
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
             decoupled_weight_decay=decoupled_weight_decay,
+            deepspeed_compatible=deepspeed_compatible,
         )
         self.freeze_step = freeze_step
 

@@ -124,6 +124,8 @@ class OneBitLamb(OneBitOptimizer):
         decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
             ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
             moments (after ``maximize``). Also a param-group key, as in torch's Adam.
+        deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
+            same arguments); see :class:`~lightning_onebit.optim.OneBitOptimizer`.
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
@@ -162,6 +164,7 @@ class OneBitLamb(OneBitOptimizer):
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
+        deepspeed_compatible: bool = False,
     ) -> None:
         check_int("freeze_step", freeze_step, 0)
         self._check_options(
@@ -193,6 +196,7 @@ class OneBitLamb(OneBitOptimizer):
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
             decoupled_weight_decay=decoupled_weight_decay,
+            deepspeed_compatible=deepspeed_compatible,
         )
         # hyperparameters
         self.freeze_step = freeze_step

@@ -141,6 +141,8 @@ class ZeroOneAdam(OneBitOptimizer):
         decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
             ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
             moments (after ``maximize``). Also a param-group key, as in torch's Adam.
+        deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
+            same arguments); see :class:`~lightning_onebit.optim.OneBitOptimizer`.
     """
 
     PHASES = (Phase.VARIANCE, Phase.LOCAL)
@@ -180,8 +182,12 @@ class ZeroOneAdam(OneBitOptimizer):
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         decoupled_weight_decay: bool = True,
+        deepspeed_compatible: bool = False,
     ) -> None:
         check_int("var_freeze_step", var_freeze_step, 0)
+        (compressed_variance_phase,) = self._deepspeed_arithmetic(
+            deepspeed_compatible, compressed_variance_phase=compressed_variance_phase
+        ).values()
         self._check_options(
             {
                 "var_update_scaler": var_update_scaler,
@@ -204,6 +210,7 @@ class ZeroOneAdam(OneBitOptimizer):
             hierarchical=hierarchical,
             ranks_per_node=ranks_per_node,
             decoupled_weight_decay=decoupled_weight_decay,
+            deepspeed_compatible=deepspeed_compatible,
         )
         # hyperparameters
         self.var_freeze_step = var_freeze_step
@@ -219,6 +226,10 @@ class ZeroOneAdam(OneBitOptimizer):
         self.lrs: list[float] = [0.0] * len(self.param_groups)  # per group, since the last sync
         self._floored_mask: torch.Tensor | None = None  # see _rebuild_momentum_
 
+    DEEPSPEED_ARITHMETIC: ClassVar[dict[str, Any]] = {
+        **OneBitOptimizer.DEEPSPEED_ARITHMETIC,
+        "compressed_variance_phase": True,
+    }
     OPTIONS = (
         *OneBitOptimizer.OPTIONS,
         "rescale_variance",
