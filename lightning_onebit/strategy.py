@@ -79,6 +79,7 @@ from lightning_onebit.options import (
     notebook_message,
     one_thread_per_forked_rank,
     overlap_paused,
+    own_default_group,
     register_names,
     stop_overlaps,
     warn_single_process,
@@ -304,7 +305,8 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         check_no_inherited_group(self.num_nodes * self.num_processes)
-        super().setup_distributed()
+        with own_default_group():
+            super().setup_distributed()
 
     @override
     def teardown(self) -> None:
