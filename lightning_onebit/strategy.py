@@ -30,6 +30,10 @@ callback wraps it), :mod:`~lightning_onebit.checkpoint_io` (per-rank files) and 
 
 Gradient clipping clips what ``optimizer.step()`` receives: the averaged gradient in warmup and
 this rank's *local* gradient in the compression phase.
+
+At teardown the optimizer's overlap thread, hooks and process groups stop; a default process
+group the strategy created is destroyed at interpreter exit (``options.own_default_group``:
+usable after ``fit`` until then; one the user created is left to them).
 """
 
 from __future__ import annotations
