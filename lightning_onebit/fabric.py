@@ -82,6 +82,7 @@ from lightning_onebit.options import (
     notebook_message,
     one_thread_per_forked_rank,
     overlap_paused,
+    own_default_group,
     register_names,
     stop_overlaps,
     warn_single_process,
@@ -217,7 +218,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     def setup_environment(self) -> None:
         one_thread_per_forked_rank(self._start_method, self.num_processes)
         check_no_inherited_group(self.num_nodes * self.num_processes)
-        super().setup_environment()
+        with own_default_group():
+            super().setup_environment()
         quiet_errors_on_this_rank(self.global_rank)
         if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
             # local gradients can overflow on one rank only: every rank must skip the same step

@@ -7,8 +7,10 @@ One implementation of each, used by both: the strategies differ only in how Ligh
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
+import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from functools import partial
@@ -25,6 +27,7 @@ from lightning_onebit._errors import misspellings, refuse_misspelled
 from lightning_onebit.comm import as_average_dtype
 from lightning_onebit.convert import convert_adam
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from lightning_onebit.optim._base import close_all
 from lightning_onebit.phase_switch import PhaseSwitch
 
 __all__ = ["ALGORITHMS", "OneBitOptions"]
@@ -340,16 +343,58 @@ def one_thread_per_forked_rank(start_method: str, num_processes: int) -> None:
 
 
 def stop_overlaps(optimizers: list[Any], hook_state: Any = None) -> None:
-    """At teardown: stop the overlap's thread and remove its hooks, destroy the two-level
-    exchange's groups, stop the DDP hook's thread."""
+    """At teardown: stop the overlap (its thread, hooks and process groups), destroy the
+    two-level exchange's groups, stop the DDP hook's thread: nothing the strategy or the
+    optimizer started outlives the fit."""
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)  # (LightningOptimizer)
         if isinstance(opt, OneBitOptimizer):
             if opt.overlaps_backward:
                 opt.overlap_with_backward(None)
-            opt.close_node_groups()
+            opt.close()
     if hook_state is not None:
         hook_state.close()
+
+
+#: the default process group a 1-bit strategy created in this process (see own_default_group)
+_owned_group: Any = None
+_destroy_registered = False
+
+
+@contextlib.contextmanager
+def own_default_group() -> Generator[None, None, None]:
+    """Around the strategy's process-group setup: a default group it creates there is destroyed
+    at interpreter exit, while the interpreter is still whole.
+
+    Lightning leaves the default group initialised after ``fit`` (the next ``fit``/``test``
+    reuses it), and torch's C++ side keeps it alive past the interpreter's shutdown: left there,
+    its gloo threads, sockets and the rank-0 store are torn down by C++ static destructors,
+    which can abort a finished run ("terminate called without an active exception", exit
+    status -6 on a rank). The group stays usable until exit (``torch.distributed`` after
+    ``fit`` works as under DDP); one destroyed or replaced by the user is left alone, as is one
+    that existed before (the user's: they destroy it), and, after an uncaught exception, any
+    (another rank may still be inside a collective on it: destroying could block).
+    """
+    existed = dist.is_available() and dist.is_initialized()
+    yield
+    if existed or not (dist.is_available() and dist.is_initialized()):
+        return
+    global _owned_group, _destroy_registered
+    _owned_group = dist.group.WORLD
+    if not _destroy_registered:
+        atexit.register(_destroy_owned_group)
+        _destroy_registered = True
+
+
+def _destroy_owned_group() -> None:
+    global _owned_group
+    group, _owned_group = _owned_group, None
+    if group is None or getattr(sys, "last_value", None) is not None:  # (uncaught exception)
+        return
+    close_all()  # (the optimizers' own groups first: Fabric never tears its strategy down)
+    if dist.is_initialized() and dist.group.WORLD is group:
+        with contextlib.suppress(Exception):  # a peer already gone: the exit goes on as before
+            dist.destroy_process_group()
 
 
 def destroy_single_process_group() -> None:

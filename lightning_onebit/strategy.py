@@ -30,6 +30,10 @@ callback wraps it), :mod:`~lightning_onebit.checkpoint_io` (per-rank files) and 
 
 Gradient clipping clips what ``optimizer.step()`` receives: the averaged gradient in warmup and
 this rank's *local* gradient in the compression phase.
+
+At teardown the optimizer's overlap thread, hooks and process groups stop; a default process
+group the strategy created is destroyed at interpreter exit (``options.own_default_group``:
+usable after ``fit`` until then; one the user created is left to them).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ from lightning_onebit.options import (
     notebook_message,
     one_thread_per_forked_rank,
     overlap_paused,
+    own_default_group,
     register_names,
     stop_overlaps,
     warn_single_process,
@@ -302,7 +307,8 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         check_no_inherited_group(self.num_nodes * self.num_processes)
-        super().setup_distributed()
+        with own_default_group():
+            super().setup_distributed()
 
     @override
     def teardown(self) -> None:

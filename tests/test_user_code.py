@@ -7,8 +7,10 @@ resume, files on disk).
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -429,7 +431,34 @@ def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
     assert run.returncode == 0, out[-3000:]
     assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
     for rank in (0, 1):  # (the ranks' lines may interleave in torchrun's merged stdout)
-        assert run.stdout.count(f"exit-check: rank {rank} done") == 1, run.stdout[-2000:]
+        assert len(re.findall(f"exit-check: rank {rank} pid \\d+ done", run.stdout)) == 1, out
+
+
+@pytest.mark.slow
+def test_a_script_run_leaves_no_process_group_or_thread_to_the_interpreters_exit() -> None:
+    """Lightning's popen launcher (the script run as is, rank 1 started by rank 0): after fit,
+    both processes exit 0, and when every exit handler has run no process group is left and
+    none of gloo's, the store's or the exchange's threads is alive: nothing is left for the
+    interpreter's shutdown and C++ static destructors (where a gloo thread that still holds a
+    Python object aborts the process)."""
+    env = {**os.environ, "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    run = subprocess.run(
+        [sys.executable, str(EXIT_SCRIPT), "zero_one_adam", "--fits", "1", "--steps", "12",
+         "--report-exit"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
+    states = re.findall(
+        r"exit-state: pid \d+ initialized=(\w+) threads=(\[.*?\]) python_threads=(\[.*?\])",
+        run.stdout,
+    )
+    assert len(states) == 2, run.stdout[-2000:]  # (both ranks: rank 1 writes to the same pipe)
+    for initialized, native, python in states:
+        assert initialized == "False", out[-2000:]
+        names = ast.literal_eval(native) + ast.literal_eval(python)
+        assert not [t for t in names if "gloo" in t or "tcpstore" in t or "onebit" in t], names
 
 
 @pytest.mark.slow

@@ -149,7 +149,8 @@ class Exchange(Protocol):
 
     ``finish(values, out)`` runs one call over the whole buffer (``values``: the input, or a
     function ``(start, stop) -> values`` of a flat range); ``bytes_sent`` is what this rank sent
-    in the last call and :meth:`inter_node_bytes` the part of it that left the node;
+    in the last call (``calls``: how many so far) and :meth:`inter_node_bytes` the part of it
+    that left the node;
     ``device_verdict`` exchanges keep their NaN/Inf verdict on the device (:attr:`verdict`).
     ``bounds`` are the buckets (``None``: one exchange). The error buffers are per rank:
     ``state_dict``/``load_state_dict``/``reset_error``, and ``error_views`` for a caller that
@@ -161,6 +162,7 @@ class Exchange(Protocol):
     device: torch.device
     device_verdict: bool
     bytes_sent: int
+    calls: int
     bounds: list[tuple[int, int]] | None
 
     @property

@@ -168,11 +168,13 @@ class NodeGroups:
         return self.nodes * self.local_size
 
     def close(self) -> None:
-        """Destroy this rank's two groups (once)."""
+        """Destroy this rank's two groups (once) and let go of them (a destroyed group keeps
+        its threads while referenced)."""
         groups, self._open = (self.intra, self.inter) if self._open else (), False
         for g in groups:
             with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
                 dist.destroy_process_group(g)
+        self.intra = self.inter = None
 
     def __repr__(self) -> str:
         return f"NodeGroups(nodes={self.nodes}, ranks_per_node={self.local_size})"

@@ -89,6 +89,7 @@ registers only the parameters that required grad when it was built). All other s
 
 from __future__ import annotations
 
+import atexit
 import copy
 import inspect
 import math
@@ -366,6 +367,7 @@ class OneBitOptimizer(
         #: Set True around backward passes that are not followed by ``step()`` (gradient
         #: accumulation) when overlapping the exchange with backward.
         self.overlap_paused = False
+        _OPEN.add(self)  # (closed at interpreter exit: see close())
 
     # ------------------------------------------------------------------ hyperparameters
 
@@ -747,6 +749,7 @@ class OneBitOptimizer(
             if cap == self._overlap.cap and timeout == self._overlap.timeout:
                 return
             self._overlap.close()
+            self._release_exchange()  # (built on the overlap's groups, just destroyed)
         self._overlap = None if cap is None else BackwardOverlap(self, cap, timeout)
         self._layout = None  # new buckets (and hooks) at the next step
 
@@ -1113,7 +1116,31 @@ class OneBitOptimizer(
         next step builds them again."""
         if self._nodes is not None:
             self._nodes.close()
+            self._release_exchange()
         self._nodes, self._nodes_resolved = None, False
+
+    def close(self) -> None:
+        """Stop what this optimizer started: the overlap's communication thread, gradient hooks
+        and process groups, the two-level exchange's groups, and the exchange that runs on
+        them (its error buffers are kept). Settings stay: a later ``step()`` starts them
+        again (collectively: every rank steps). The strategies call it at teardown, and every
+        optimizer is closed at interpreter exit (a process group left to the interpreter's
+        shutdown can abort a finished run)."""
+        if self._overlap is not None:
+            self._overlap.close()
+            self._release_exchange()
+        self.close_node_groups()
+
+    def _release_exchange(self) -> None:
+        """Let go of the exchange when the process groups it runs on are destroyed: a group
+        destroyed while an object still references it keeps its threads and sockets until
+        that object is collected (at the latest in the interpreter's exit, where it can abort
+        the process). Its error buffers wait in the pending state for the next step's
+        exchange (restored where the buckets match, else restarted with a warning)."""
+        ex, self._exchange = self._exchange, None
+        if ex is not None and ex.calls > 0 and self._pending_exchange_state is None:
+            self._pending_exchange_state = ex.state_dict()
+        self._layout = None  # (a new exchange at the next step)
 
     def _node_size(self) -> int:
         """Ranks per node for the byte counters: the layout's, else ``ranks_per_node`` or
@@ -1139,3 +1166,16 @@ class OneBitOptimizer(
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(self.process_group)
         return 1
+
+
+#: every live optimizer, for close_all()
+_OPEN: weakref.WeakSet[OneBitOptimizer] = weakref.WeakSet()
+
+
+def close_all() -> None:
+    """:meth:`OneBitOptimizer.close` every live optimizer (at interpreter exit)."""
+    for opt in list(_OPEN):
+        opt.close()
+
+
+atexit.register(close_all)
