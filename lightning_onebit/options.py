@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import os
 import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -356,8 +357,12 @@ def stop_overlaps(optimizers: list[Any], hook_state: Any = None) -> None:
         hook_state.close()
 
 
-#: the default process group a 1-bit strategy created in this process (see own_default_group)
-_owned_group: Any = None
+#: the default process group a 1-bit strategy created (see own_default_group), with the id of
+#: the process that created it
+_owned: tuple[int, Any] | None = None
+#: what a forked process inherited in ``_owned`` from its parent: kept, never released there (the
+#: group's threads stayed in the parent, and its destructor would wait for them forever)
+_inherited: list[tuple[int, Any]] = []
 _destroy_registered = False
 
 
@@ -379,20 +384,30 @@ def own_default_group() -> Generator[None, None, None]:
     yield
     if existed or not (dist.is_available() and dist.is_initialized()):
         return
-    global _owned_group, _destroy_registered
-    _owned_group = dist.group.WORLD
+    global _owned, _destroy_registered
+    _forget_owned()
+    _owned = (os.getpid(), dist.group.WORLD)
     if not _destroy_registered:
         atexit.register(_destroy_owned_group)
         _destroy_registered = True
 
 
+def _forget_owned() -> None:
+    """Drop ``_owned``; a copy inherited through ``fork`` is kept aside instead (see
+    ``_inherited``)."""
+    global _owned
+    if _owned is not None and _owned[0] != os.getpid():
+        _inherited.append(_owned)
+    _owned = None
+
+
 def _destroy_owned_group() -> None:
-    global _owned_group
-    group, _owned_group = _owned_group, None
-    if group is None or getattr(sys, "last_value", None) is not None:  # (uncaught exception)
-        return
+    owned = _owned
+    _forget_owned()
+    if owned is None or owned[0] != os.getpid() or getattr(sys, "last_value", None) is not None:
+        return  # (none, a parent's, or after an uncaught exception)
     close_all()  # (the optimizers' own groups first: Fabric never tears its strategy down)
-    if dist.is_initialized() and dist.group.WORLD is group:
+    if dist.is_initialized() and dist.group.WORLD is owned[1]:
         with contextlib.suppress(Exception):  # a peer already gone: the exit goes on as before
             dist.destroy_process_group()
 
@@ -401,6 +416,7 @@ def destroy_single_process_group() -> None:
     """At teardown: a single-process run initialised a group in this process; leaving it would
     be inherited by the ranks of a later fork-started run (notebooks) and break them."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        _forget_owned()
         dist.destroy_process_group()
 
 

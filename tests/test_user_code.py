@@ -856,3 +856,30 @@ def test_a_1bit_checkpoint_resumes_under_ddp(tmp_path: Path) -> None:
     after = _fit2(tmp_path / "e", "ddp_notebook", 24, ckpt_path=path)
     for k, v in after[0]["params"].items():
         assert torch.equal(v, after[1]["params"][k]) and v.isfinite().all(), k
+
+
+@pytest.mark.slow
+def test_a_forked_run_after_a_single_process_run_in_the_same_process() -> None:
+    """A notebook's order: a 1-process fit, then a fork-started 2-rank fit from the same
+    process. The forked ranks inherit the first run's record of the default group it created;
+    replacing it there must not release the parent's group (its destructor waited forever for
+    threads that stayed in the parent)."""
+    code = (
+        "import sys; sys.argv = ['x']\n"
+        "import lightning as L, torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "import tests._exit_fit as E\n"
+        "data = torch.randint(0, 32, (64, 9), generator=torch.Generator().manual_seed(0))\n"
+        "for devices, method in ((1, 'popen'), (2, 'fork')):\n"
+        "    trainer = L.Trainer(strategy=E._strategy('onebit_adam', True, method),\n"
+        "        accelerator='cpu', devices=devices, max_steps=4, logger=False,\n"
+        "        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+        "    trainer.fit(E.Attention(), DataLoader(TensorDataset(data), batch_size=16))\n"
+        "print('both fits done', flush=True)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "both fits done" in run.stdout, out[-3000:]
