@@ -277,10 +277,7 @@ class OneBitOptimizer(
             check_int("ranks_per_node", ranks_per_node, 1)
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
-        try:
-            self._check_hparams(defaults)
-        except ValueError as err:
-            raise ValueError(f"{name}(...): {err}") from None
+        self._check_hparams(defaults)  # (the same message as check_options: no prefix)
         OneBitOptimizer._check_options({"variance_floor": variance_floor})
         super().__init__(params, defaults)
         # hyperparameters shared by the three algorithms
