@@ -11,8 +11,9 @@ With the job's backend (NCCL on GPUs, gloo on CPUs) every rank measures, at the 
 
 * the links: ``all_reduce`` of growing sizes inside a node and between nodes (one rank per node),
   fitted as ``time = latency + bytes on the wire / bandwidth``;
-* the compute: one forward/backward of the model (``--model module:Class``, a LightningModule
-  with ``example_input_array``) on every rank at once, or ``--step-ms`` as given;
+* the compute: forward/backward of the model (``--model module:Class``, a LightningModule
+  with ``example_input_array``) on every rank at once, several in a row as in training (the
+  ranks meet only before and after), or ``--step-ms`` as given;
 * at the model's size: the fp32 ``all_reduce`` (DDP), the bf16 one (DDP's bf16 hook, the 1-bit
   strategies' ``average_dtype="bf16"`` warmup), the 1-bit exchange flat and in two levels, each
   overlapped with a backward as the strategies run it (the buckets before the last one during
@@ -413,11 +414,23 @@ def _overlapped(
     total = sum(sizes) // 4
     head = total - sizes[-1] // 4
 
+    def on_thread(sl: slice) -> None:
+        if compute.device.type == "cuda":  # (a new thread's current device is 0)
+            torch.cuda.set_device(compute.device)
+            # its own stream, after the work so far, as the strategies' communication thread
+            stream = torch.cuda.Stream(compute.device)
+            stream.wait_stream(torch.cuda.default_stream(compute.device))
+            with torch.cuda.stream(stream):
+                comm(sl)
+            stream.synchronize()
+            return
+        comm(sl)
+
     def run() -> None:
         loss = compute.forward()
         worker = None
         if head:
-            worker = threading.Thread(target=comm, args=(slice(0, head),))
+            worker = threading.Thread(target=on_thread, args=(slice(0, head),))
             worker.start()
         compute.backward(loss)
         if worker is not None:
@@ -425,6 +438,22 @@ def _overlapped(
         comm(slice(head, total))
 
     return run
+
+
+def _free_running(fn: Callable[[], None], device: torch.device, steps: int) -> float:
+    """Seconds per call of ``steps`` calls in a row, the ranks meeting only before and after:
+    the compute of a training step, whose ranks meet only in the collectives (with more ranks
+    than free cores, one rank computes while another waits; a call timed in lockstep would
+    charge every step the slowest rank's share of the cores)."""
+    fn()
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _sync(device)
+    dist.barrier()
+    return _max_over_ranks((time.perf_counter() - t0) / steps)
 
 
 def _paired(
@@ -617,7 +646,7 @@ def probe(
         model, example = build_model(model_spec, model_kwargs or {}, device)
         n_model = sum(p.numel() for p in model.parameters() if p.requires_grad)
         numel = numel or n_model
-        source = f"{model_spec}: forward+backward measured on every rank at once"
+        source = f"{model_spec}: timed on every rank at once, steps in a row"
     if not numel:
         raise ProbeError("pass --params N or --model module:Class (the model's size)")
     compute = _Compute(device, model, example)
@@ -639,12 +668,14 @@ def probe(
         for name, fn in methods.items()
     }
     # compute alone through the same code path (thread included), without communication
-    compute_s, exposed_s = _paired(
-        _overlapped(compute, lambda sl: None, sizes),
+    alone = _overlapped(compute, lambda sl: None, sizes)
+    _, exposed_s = _paired(
+        alone,
         {name: _overlapped(compute, fn, sizes) for name, fn in methods.items()},
         device,
         repeats,
     )
+    compute_s = _free_running(alone, device, 2 * repeats)
     if model is None and step_ms:  # the stand-in is backward only; contention on shared cores
         compute_s = step_ms / 1000 + max(0.0, compute_s - step_ms / 1000 * 2 / 3)
     update_s, kernels_s = _updates(numel, device, repeats)
