@@ -163,6 +163,29 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{_cell(r['pred_compression'], r['meas_compression'])} | "
             f"{_cell(r['pred_ddp'], r['meas_ddp'])} | {r['says']} |"
         )
+    lines += [
+        "",
+        "Where the time goes, seconds, predicted / measured: *fwd+bwd* until the end of "
+        "backward (predicted: the probe's forward + backward on every rank at once; measured: "
+        "the step less *after bwd*), *after bwd* from the end of backward to the end of the "
+        "step (predicted: the communication left exposed + the update; measured: the slowest "
+        "rank's median in the training loop).",
+        "",
+        "| layout | rate | batch | warmup fwd+bwd | warmup after bwd | compression fwd+bwd "
+        "| compression after bwd |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            continue
+        key = "onebit_hier" if r["layout"].endswith("x2") else "onebit"
+        pred, run = r["probe"]["methods"][key], r["onebit_run"]
+        cells = []
+        for ph in ("warmup", "compression"):
+            p, after = pred[ph], run[f"after_backward_{ph}"]
+            cells.append(f"{p['compute_s']:.3f} / {run[f'step_time_{ph}'] - after:.3f}")
+            cells.append(f"{p['comm_exposed_s'] + p['update_s']:.3f} / {after:.3f}")
+        lines.append(f"| {r['layout']} | {r['rate']} | {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -207,7 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP runs")
     p.add_argument("--name", default="probe-validation")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the cells of the existing results/<name>.json, replacing those run again",
+    )
+    p.add_argument("--report", action="store_true", help="only rewrite the .md from the .json")
     a = p.parse_args(argv)
+    out = ROOT / "benchmarks" / "results"
+    if a.report:
+        saved = json.loads((out / f"{a.name}.json").read_text())
+        (out / f"{a.name}.md").write_text(markdown(saved["rows"], saved["meta"]))
+        return 0
     cluster.check_netns()
     cluster.install_cleanup_handlers()
     rows: list[dict[str, Any]] = []
@@ -219,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": a.warmup,
         "numel": 0,
     }
-    out = ROOT / "benchmarks" / "results"
+    if a.update:
+        rows = json.loads((out / f"{a.name}.json").read_text())["rows"]
     port = 29700 + os.getpid() % 200
     with tempfile.TemporaryDirectory(prefix="obprobe-") as tmp:
         for cell in a.cells.split(","):
@@ -236,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["error"] = str(err) or type(err).__name__
             shown = {k: v for k, v in row.items() if k not in ("probe", "onebit_run")}
             cluster._log(f"{shown} ({time.monotonic() - t0:.0f} s)")
+            rows = [
+                r
+                for r in rows
+                if r["layout"] != layout or (r["rate"], r["batch"]) != (rate, int(batch))
+            ]
             rows.append(row)
             (out / f"{a.name}.json").write_text(
                 json.dumps({"meta": meta, "rows": rows}, indent=1, default=float)
