@@ -8,12 +8,20 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.phase_switch import PhaseSwitch, catch_up
 
-__all__ = ["CompressionScheduler"]
+__all__ = ["PROGRESS_BAR", "CompressionScheduler"]
+
+#: The progress bar's fields: short names that do not wrap (the logger gets the long ones).
+PROGRESS_BAR = {
+    "onebit/phase": "1bit",
+    "onebit/ratio_vs_ddp": "bytes_x",
+    "onebit/step_speedup": "step_x",
+}
 
 
 class CompressionScheduler(PhaseSwitch, Callback):
@@ -31,7 +39,14 @@ class CompressionScheduler(PhaseSwitch, Callback):
     ``onebit/phase`` (0 = warmup / variance phase, 1 = compression), ``onebit/bytes_step`` and
     ``onebit/bytes_total`` (bytes this rank sent), ``onebit/ratio_vs_ddp`` (bytes an fp32 DDP
     allreduce would have sent so far, divided by ``bytes_total``), ``onebit/skipped_steps`` (steps
-    the optimizer dropped because a NaN/Inf reached what it communicates).
+    the optimizer dropped because a NaN/Inf reached what it communicates), and what the run gets
+    from it: ``onebit/step_ms_warmup`` and ``onebit/step_ms_compression`` (median wall-clock
+    time per optimizer step of each phase; the warmup averages in full precision, as DDP does),
+    ``onebit/after_bwd_ms`` (median time from the end of backward to the end of the step: the
+    wait for the communication still in flight, then the update) and ``onebit/step_speedup``
+    (warmup step / compression step). The progress bar shows ``1bit`` (the phase), ``bytes_x``
+    (``ratio_vs_ddp``) and ``step_x`` (``step_speedup``). At the end of ``fit`` one line says
+    the bytes saved, the step time per phase and the time saved vs DDP.
 
     :class:`~lightning_onebit.OneBitStrategy` adds one automatically when the Trainer has none.
 
@@ -42,9 +57,9 @@ class CompressionScheduler(PhaseSwitch, Callback):
         adaptive: also switch as soon as the variance is stable (see above).
         threshold: relative variance change below which it counts as stable.
         window: optimizer steps between variance snapshots.
-        log_stats: log the ``onebit/*`` metrics.
+        log_stats: log the ``onebit/*`` metrics and print the summary at the end of ``fit``.
         sample: the most variance coordinates kept per snapshot (memory bound for large models).
-        progress_bar: show ``onebit/phase`` and ``onebit/ratio_vs_ddp`` on the progress bar
+        progress_bar: show the phase, the bytes ratio and the step speedup on the progress bar
             (with ``log_stats``).
     """
 
@@ -137,16 +152,26 @@ class CompressionScheduler(PhaseSwitch, Callback):
             return  # no optimizer step on this batch (gradient accumulation, scaler skip)
         if self.log_stats:
             stats = self.stats(opt)
-            shown = {k: stats.pop(k) for k in ("onebit/phase", "onebit/ratio_vs_ddp")}
             kw: dict[str, Any] = {"on_step": True, "on_epoch": False, "rank_zero_only": True}
-            pl_module.log_dict(shown, prog_bar=self.progress_bar, **kw)  # on the progress bar too
             pl_module.log_dict(stats, **kw)
+            if self.progress_bar:  # short names: the rich bar wraps long ones over lines
+                shown = {short: stats[k] for k, short in PROGRESS_BAR.items() if k in stats}
+                pl_module.log_dict(shown, prog_bar=True, logger=False, **kw)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self.times.backward_done()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # 0/1 Adam may end between two synchronisations, each rank with its own parameters:
         # the model a user saves, tests or exports must be the same on every rank
-        self._optimizer(trainer).synchronize()  # (a no-op for the others)
+        opt = self._optimizer(trainer)
+        opt.synchronize()  # (a no-op for the others)
+        if self.log_stats and opt.step_count:
+            rank_zero_info(self.summary(opt))
 
     # ------------------------------------------------------------------ checkpoint
 

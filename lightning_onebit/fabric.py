@@ -319,6 +319,13 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     # ------------------------------------------------------------------ the loop
 
     @override
+    def backward(
+        self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any
+    ) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        self._switch.times.backward_done()
+
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, **kwargs)
         if self._optimizer is not None:
@@ -331,8 +338,16 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         ``onebit/*`` metrics (see :class:`~lightning_onebit.CompressionScheduler`), equal on
         every rank: ``onebit/phase`` (0 = warmup / variance phase, 1 = compression),
         ``onebit/ratio_vs_ddp``, ``onebit/bytes_step``, ``onebit/bytes_total``,
-        ``onebit/skipped_steps``."""
+        ``onebit/skipped_steps``, and once measured ``onebit/step_ms_warmup``,
+        ``onebit/step_ms_compression`` (median time per ``optimizer.step()`` to the next, per
+        phase), ``onebit/after_bwd_ms`` (from ``fabric.backward`` returning to the end of the
+        step) and ``onebit/step_speedup`` (warmup / compression)."""
         return self._switch.stats(self.onebit_optimizer)
+
+    def comm_summary(self) -> str:
+        """One line for the end of training: the bytes saved, the step time per phase and the
+        time saved vs DDP (the Trainer strategy prints it at the end of ``fit``)."""
+        return self._switch.summary(self.onebit_optimizer)
 
     def synchronize(self) -> None:
         """Make the parameters equal on every rank (0/1 Adam ends its local steps with a

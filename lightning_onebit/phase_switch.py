@@ -9,6 +9,9 @@ optimizer step). It needs only torch.
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -17,10 +20,111 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.optim import OneBitOptimizer
 
-__all__ = ["PhaseSwitch", "catch_up"]
+__all__ = ["PhaseSwitch", "StepTimes", "catch_up"]
 
 #: the switch when the strategy built the optimizer and no ``freeze_step`` was given
 _DEFAULT_FRACTION = 0.2
+
+
+class StepTimes:
+    """Wall-clock time per optimizer step and phase (what the user gets: data loading, forward,
+    backward, communication, update), and the time from the end of backward to the end of the
+    step (waiting for the communication still in flight, then the update). The first step of a
+    fit and of each phase are not counted (one-off allocations, bucket rebuilds); medians are
+    over the last ``window`` steps of each phase."""
+
+    PHASES = ("warmup", "compression")
+
+    def __init__(self, window: int = 512) -> None:
+        self.window = window
+        self.reset()
+
+    def reset(self) -> None:
+        self._last: tuple[float, int] | None = None  # (end of the last step, its phase)
+        self._backward_end: float | None = None
+        self.steps = {p: deque(maxlen=self.window) for p in range(2)}
+        self.after_backward = {p: deque(maxlen=self.window) for p in range(2)}
+        self.count = [0, 0]  # steps per phase, all of them
+
+    def backward_done(self) -> None:
+        """Call when backward has finished (before the optimizer step)."""
+        self._backward_end = time.perf_counter()
+
+    def step_done(self, phase: int) -> None:
+        """Call after each optimizer step; ``phase``: 0 warmup, 1 compression."""
+        now = time.perf_counter()
+        last, self._last = self._last, (now, phase)
+        self.count[phase] += 1
+        tb, self._backward_end = self._backward_end, None
+        if last is None or last[1] != phase:
+            return
+        self.steps[phase].append(now - last[0])
+        if tb is not None:
+            self.after_backward[phase].append(now - tb)
+
+    def median(self, phase: int) -> float | None:
+        return statistics.median(self.steps[phase]) if self.steps[phase] else None
+
+    def median_after_backward(self, phase: int) -> float | None:
+        ab = self.after_backward[phase]
+        return statistics.median(ab) if ab else None
+
+    def speedup(self) -> float | None:
+        """Median warmup step / median compression step (``None`` until both are known)."""
+        w, c = self.median(0), self.median(1)
+        return w / c if w and c else None
+
+    def stats(self, phase: int) -> dict[str, float]:
+        """``onebit/step_ms_warmup`` / ``_compression`` (medians), ``onebit/after_bwd_ms`` (the
+        current phase's median), ``onebit/step_speedup`` (warmup / compression), where known."""
+        out = {}
+        for p, name in enumerate(self.PHASES):
+            med = self.median(p)
+            if med is not None:
+                out[f"onebit/step_ms_{name}"] = 1e3 * med
+        ab = self.median_after_backward(phase)
+        if ab is not None:
+            out["onebit/after_bwd_ms"] = 1e3 * ab
+        sp = self.speedup()
+        if sp is not None:
+            out["onebit/step_speedup"] = sp
+        return out
+
+    def summary(self, sent: float, fp32_equiv: float) -> str:
+        """One line for the end of a run: bytes saved, step time per phase, the time saved vs
+        DDP (the compression steps at the warmup's full-precision step time)."""
+        parts = [
+            f"sent {_gb(sent)} per rank where DDP's fp32 allreduce sends {_gb(fp32_equiv)}"
+            + (f" ({fp32_equiv / sent:.1f}x less)" if sent else "")
+        ]
+        for p, name in enumerate(self.PHASES):
+            med = self.median(p)
+            if self.count[p]:
+                ms = f"{1e3 * med:.0f} ms" if med is not None else "—"
+                ab = self.median_after_backward(p)
+                wait = f", {1e3 * ab:.0f} ms after backward" if ab is not None else ""
+                parts.append(f"{name} {ms}/step over {self.count[p]} steps{wait}")
+        sp, w, c = self.speedup(), self.median(0), self.median(1)
+        if sp is not None and w is not None and c is not None:
+            saved = self.count[1] * (w - c)
+            parts.append(
+                f"step speedup vs warmup {sp:.2f}x: about {_duration(saved)} "
+                f"{'saved' if saved >= 0 else 'lost'} vs DDP over this run (compression steps "
+                "at the warmup's full-precision step time)"
+            )
+        return "lightning-onebit: " + "; ".join(parts)
+
+
+def _gb(nbytes: float) -> str:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    s = abs(seconds)
+    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
 
 
 class PhaseSwitch:
@@ -71,6 +175,7 @@ class PhaseSwitch:
         self._snapshot: torch.Tensor | None = None
         self._last_logged_step: tuple[int, int] = (-1, -1)
         self._restored = False  # state loaded from a checkpoint, not yet used by a run
+        self.times = StepTimes()  # this fit's step times (not in the checkpoint)
 
     # ------------------------------------------------------------------ the run's start
 
@@ -78,6 +183,7 @@ class PhaseSwitch:
         """Resolve the switch step at the start of a run of ``total`` optimizer steps
         (``inf``: unknown) and set it on ``opt``; ``converted``: the strategy built ``opt``."""
         restored, self._restored = self._restored, False
+        self.times.reset()
         if not restored:  # a new run (or a second fit of this Trainer without a checkpoint)
             self.switched_at, self._snapshot = None, None
         if restored and self.switched_at is not None:
@@ -147,7 +253,21 @@ class PhaseSwitch:
         if opt.phase != opt.PHASES[0] and self.switched_at is None:
             self.switched_at = opt.step_count  # the last uncompressed step
             rank_zero_info(_switch_message(opt))
+        self.times.step_done(self._phase(opt))
         return True
+
+    def _phase(self, opt: OneBitOptimizer) -> int:
+        """The last step's phase: 1 if it was compressed (the switch happens at the end of the
+        last warmup step)."""
+        compressing = opt.phase != opt.PHASES[0]
+        return int(
+            compressing and self.switched_at is not None and opt.step_count > self.switched_at
+        )
+
+    def summary(self, opt: OneBitOptimizer) -> str:
+        """One line for the end of a run (see :meth:`StepTimes.summary`)."""
+        comm = opt.comm_stats
+        return self.times.summary(comm["bytes_total"], comm["fp32_equiv_total"])
 
     def stats(self, opt: OneBitOptimizer) -> dict[str, float]:
         """The ``onebit/*`` counters of the last step (equal on every rank): ``phase`` (0 =
@@ -156,7 +276,6 @@ class PhaseSwitch:
         sent), ``skipped_steps``; on several nodes also ``bytes_step_intra``/``bytes_step_inter``
         (what stayed inside / left this rank's node) and ``ratio_vs_ddp_inter`` (the bytes an
         fp32 ring allreduce sends through a node's link so far / the node's bytes sent)."""
-        compressing = opt.phase != opt.PHASES[0]
         comm = opt.comm_stats
         total = comm["bytes_total"]
         nodes = {}
@@ -171,14 +290,13 @@ class PhaseSwitch:
             }
         return {
             # this step's phase (the switch happens at the end of the last warmup step)
-            "onebit/phase": float(
-                compressing and self.switched_at is not None and opt.step_count > self.switched_at
-            ),
+            "onebit/phase": float(self._phase(opt)),
             "onebit/ratio_vs_ddp": float(comm["fp32_equiv_total"] / total) if total else 1.0,
             "onebit/bytes_step": float(comm["bytes_last_step"]),
             "onebit/bytes_total": float(total),
             "onebit/skipped_steps": float(opt.skipped_steps),
             **nodes,
+            **self.times.stats(self._phase(opt)),
         }
 
     def _adaptive_check(self, opt: OneBitOptimizer) -> None:

@@ -176,8 +176,8 @@ class OneBitStrategy(OneBitOptions, DDPStrategy):
             ``lamb_lr / lr`` (a scheduler of your own gets a warning: its own learning rates
             cannot be found). ``None`` keeps Adam's lr, with a warning.
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
-        comm_stats_on_progress_bar: show the phase and the bytes ratio vs DDP
-            (``onebit/phase``, ``onebit/ratio_vs_ddp``) on the progress bar.
+        comm_stats_on_progress_bar: show the phase, the bytes ratio vs DDP and the step
+            speedup vs the warmup on the progress bar (``1bit``, ``bytes_x``, ``step_x``).
         overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB
             (``optimizer.overlap_with_backward``); ``None`` exchanges in ``optimizer.step()``
             after backward. Turned off (with an info message) where something edits the

@@ -110,6 +110,7 @@ def _loop(
         "phase": str(opt.phase),
         "comm_stats": dict(opt.comm_stats),
         "stats": stats,
+        "summary": fabric.strategy.comm_summary(),
         "overlap": opt.overlaps_backward,
         "loss": float(loss),
         "lr": [g["lr"] for g in opt.param_groups],
@@ -224,6 +225,16 @@ def test_a_fabric_loop_equals_the_trainer_run(tmp_path: Path, algo: str) -> None
     last = rec["stats"][-1]
     assert last["onebit/bytes_total"] == trainer[0]["metrics"]["onebit/bytes_total"]
     assert last["onebit/ratio_vs_ddp"] > 1.5
+    # what the run gets: the step time per phase, the time after backward, their ratio
+    for stats in (last, trainer[0]["metrics"]):
+        warm, comp = stats["onebit/step_ms_warmup"], stats["onebit/step_ms_compression"]
+        assert warm > 0 and comp > 0 and 0 < stats["onebit/after_bwd_ms"] < comp
+        assert stats["onebit/step_speedup"] == pytest.approx(warm / comp, rel=1e-5)
+    assert "onebit/step_ms_compression" not in rec["stats"][switch]  # (its first step: skipped)
+    assert (
+        f"warmup {last['onebit/step_ms_warmup']:.0f} ms/step over {switch} steps" in rec["summary"]
+    )
+    assert f"over {steps - switch} steps" in rec["summary"] and "vs DDP" in rec["summary"]
 
 
 @pytest.mark.slow

@@ -481,11 +481,13 @@ def test_a_diverged_run_prints_one_traceback_not_one_per_rank() -> None:
 # --------------------------------------------------------------------------- messages
 
 
-def _fit1(strategy: Any, model: L.LightningModule | None = None, **trainer_kw: Any) -> L.Trainer:
+def _fit1(
+    strategy: Any, model: L.LightningModule | None = None, steps: int = 4, **trainer_kw: Any
+) -> L.Trainer:
     """A 1-rank, in-process fit of the regression (messages are raised in this process)."""
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)
-    trainer = _trainer(strategy, 1, 4, **trainer_kw)
+    trainer = _trainer(strategy, 1, steps, **trainer_kw)
     trainer.fit(model or Regression(_no_scheduler, 1e-3), loader)
     return trainer
 
@@ -505,6 +507,25 @@ class OwnZeroOne(Regression):
         return ZeroOneAdam(self.parameters(), lr=1e-3, var_freeze_step=2)
 
 
+def test_the_end_of_fit_says_what_compression_saved(caplog: pytest.LogCaptureFixture) -> None:
+    """One line at the end of fit: bytes saved, step time per phase, time saved vs DDP."""
+    import logging
+
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="single process"):
+            trainer = _fit1(OneBitStrategy(freeze_step=3), steps=8)
+    finally:
+        logger.removeHandler(caplog.handler)
+    line = next(r.message for r in caplog.records if r.message.startswith("lightning-onebit:"))
+    m = trainer.callback_metrics
+    assert f"{float(m['onebit/step_ms_warmup']):.0f} ms/step over 3 steps" in line
+    assert f"{float(m['onebit/step_ms_compression']):.0f} ms/step over 5 steps" in line
+    assert f"step speedup vs warmup {float(m['onebit/step_speedup']):.2f}x" in line
+    assert line.startswith("lightning-onebit: sent 0 B per rank")  # (one process sends nothing)
+
+
 def test_two_optimizers_get_our_message_not_lightnings() -> None:
     with pytest.raises(Exception, match="trains with one optimizer") as err:
         _fit1(OneBitStrategy(), TwoOptimizers(_no_scheduler, 1e-3))
@@ -516,12 +537,16 @@ def test_single_process_and_a_mismatched_optimizer_are_said(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with pytest.warns(UserWarning, match="single process .* has nobody to exchange with"):
-        trainer = _fit1(OneBitStrategy())
-    # the phase and the bytes ratio on the progress bar, unless turned off
-    assert {"onebit/phase", "onebit/ratio_vs_ddp"} <= set(trainer.progress_bar_metrics)
-    assert "onebit/bytes_total" not in trainer.progress_bar_metrics
+        trainer = _fit1(OneBitStrategy(freeze_step=3), steps=8)
+    # the phase, the bytes ratio and the step speedup on the progress bar under short names
+    # (the rich bar wraps long ones), unless turned off; the logger gets the long names
+    bar = trainer.progress_bar_metrics
+    assert {"1bit", "bytes_x", "step_x"} <= set(bar) and not [k for k in bar if "/" in k]
+    metrics = trainer.callback_metrics
+    assert float(bar["step_x"]) == pytest.approx(float(metrics["onebit/step_speedup"]))
+    assert float(bar["bytes_x"]) == float(metrics["onebit/ratio_vs_ddp"])
     trainer = _fit1(OneBitStrategy(comm_stats_on_progress_bar=False))
-    assert not [k for k in trainer.progress_bar_metrics if k.startswith("onebit/")]
+    assert not {"1bit", "bytes_x", "step_x"} & set(trainer.progress_bar_metrics)
     assert "onebit/phase" in trainer.callback_metrics
     with pytest.warns(
         UserWarning, match=r"returned ZeroOneAdam, but the strategy is 'onebit_lamb'"

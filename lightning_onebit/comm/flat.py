@@ -442,16 +442,21 @@ class CompressedAllreduce(Exchange):
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:
         """Of the bytes this rank sent in the last call, those that left its node (nodes of
-        ``ranks_per_node`` consecutive ranks; 1: every peer is on another node). The
-        ``all_to_all`` sends a record to every peer, ``W - L`` of them on other nodes; the
-        ``all_gather`` is a ring in rank order (gloo's and NCCL's), in which one rank per node
-        forwards ``W - 1`` records to the next node: ``(W - 1) / L`` per rank."""
-        w, ll = self.world_size, ranks_per_node
-        if w <= 1 or self.bytes_sent == 0:
+        ``ranks_per_node`` consecutive ranks; 1: every peer is on another node): see
+        :meth:`inter_node_bytes_per_call`; only the ``all_to_all``'s after a non-finite call."""
+        if self.world_size <= 1 or self.bytes_sent == 0:
             return 0
-        record = self.bytes_per_call // (2 * (w - 1))
-        gathered = self.bytes_sent == self.bytes_per_call  # (not after a NaN)
-        return (w - ll) * record + ((w - 1) * record // ll if gathered else 0)
+        if self.bytes_sent == self.bytes_per_call:
+            return self.inter_node_bytes_per_call(ranks_per_node)
+        return (self.world_size - ranks_per_node) * self.record_bytes
+
+    def inter_node_bytes_per_call(self, ranks_per_node: int) -> int:
+        """The bytes of one call that leave this rank's node, per rank. The ``all_to_all``
+        sends a record to every peer, ``W - L`` of them on other nodes; the ``all_gather`` is a
+        ring in rank order (gloo's and NCCL's), in which one rank per node forwards ``W - 1``
+        records to the next node: ``(W - 1) / L`` per rank."""
+        w, ll, record = self.world_size, ranks_per_node, self.record_bytes
+        return 0 if w <= 1 else (w - ll) * record + (w - 1) * record // ll
 
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Return the compressed average of ``tensor`` over the group (same shape on every rank).
