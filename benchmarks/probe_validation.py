@@ -186,6 +186,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             cells.append(f"{p['compute_s']:.3f} / {run[f'step_time_{ph}'] - after:.3f}")
             cells.append(f"{p['comm_exposed_s'] + p['update_s']:.3f} / {after:.3f}")
         lines.append(f"| {r['layout']} | {r['rate']} | {r['batch']} | " + " | ".join(cells) + " |")
+    if meta.get("notes"):  # what the runs showed (written into the .json by hand)
+        lines += ["", "## Notes", "", *meta["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -254,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "numel": 0,
     }
     if a.update:
-        rows = json.loads((out / f"{a.name}.json").read_text())["rows"]
+        saved = json.loads((out / f"{a.name}.json").read_text())
+        rows, meta["notes"] = saved["rows"], saved["meta"].get("notes", [])
     port = 29700 + os.getpid() % 200
     with tempfile.TemporaryDirectory(prefix="obprobe-") as tmp:
         for cell in a.cells.split(","):

@@ -755,17 +755,20 @@ _PLANS = {
 
 
 def _bucket_penalty(m: Measured, comm: str, cap_mb: float) -> float:
-    """Extra seconds of ``cap_mb`` buckets over the measured ones: the round trips of the
-    additional calls (fewer buckets: the larger last bucket overlaps less)."""
+    """Extra seconds of ``cap_mb`` buckets over the measured ones: the round trips of more
+    calls, and the last bucket, which waits for backward's end (fewer, larger buckets leave
+    more exposed), as far as the measured run hid the other buckets behind backward."""
     link = m.links.get("inter") or m.links.get("intra")
     if link is None:
         return 0.0
     calls = 2 if comm.startswith("onebit") else 1  # the exchange: all_to_all + all_gather
-    mine, base = _buckets(4 * m.numel, cap_mb), _buckets(4 * m.numel, m.bucket_mb)
+    size = 4 * m.numel
+    mine, base = _buckets(size, cap_mb), _buckets(size, m.bucket_mb)
     extra_calls = (len(mine) - len(base)) * calls * link.latency_s
     t = m.comm_s[comm]
-    # the last bucket waits for backward's end: its share of the communication is exposed
-    extra_tail = t * (mine[-1] - base[-1]) / (4 * m.numel) if m.compute_s else 0.0
+    hideable = t * (1 - base[-1] / size)  # all buckets but the last, of the measured run
+    hidden = min(max((t - m.exposed_s[comm]) / hideable, 0.0), 1.0) if hideable > 0 else 0.0
+    extra_tail = hidden * t * (mine[-1] - base[-1]) / size
     return max(extra_calls + extra_tail, -t)
 
 

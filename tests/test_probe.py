@@ -179,7 +179,7 @@ def _measured(comm_s: float, exposed: dict[str, float], nodes: int = 1) -> Measu
         world_size=4, ranks_per_node=4 // nodes, backend="gloo", device="cpu", numel=n,
         compute_s=0.5, compute_source="test",
         links={"inter": Link(2, 1e-3, 1.25e8)},
-        comm_s=dict.fromkeys(names, comm_s),
+        comm_s={k: exposed.get(k, comm_s) for k in names},  # exposed: nothing hidden
         exposed_s={k: exposed.get(k, 0.0) for k in names},
         update_s={"torch_adam": 0.02, "adam_warmup": 0.01, "frozen_adam": 0.01},
         kernels_s={}, bytes_step=dict.fromkeys(names, 1), bytes_node=dict.fromkeys(names, 1),
@@ -198,6 +198,8 @@ def test_the_recommendation_follows_the_exposed_communication() -> None:
     rec = pred["recommendation"]
     assert rec["choice"] == "OneBitStrategy" and rec["options"]["average_dtype"] == "bf16"
     assert rec["options"]["hierarchical"] is False
+    # nothing was hidden behind backward: the fewest buckets (round trips) are best
+    assert rec["options"]["overlap_bucket_mb"] == 100.0
     run = 200 * (0.5 + 0.6 + 0.01) + 800 * (0.5 + 0.05 + 0.01)
     assert rec["run_s"] == pytest.approx(run) and rec["baseline_run_s"] == pytest.approx(1720)
     # two nodes, the two-level exchange cheaper: hierarchical
