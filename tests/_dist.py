@@ -13,10 +13,27 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+#: what a launcher (torchrun, Lightning, SLURM) sets; Lightning leaves several of them in
+#: ``os.environ`` after an in-process fit
+_LAUNCH_PREFIXES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE",
+                    "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "PL_", "SLURM_")  # fmt: skip
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """A fresh shell's environment for a script the tests start: this process's, without any
+    launcher variable (a script that inherits ``LOCAL_RANK`` takes its ranks for started by
+    someone else and starts none, so rank 0 waits for a rank 1 that never comes), with one
+    OpenMP thread and the checkout on ``PYTHONPATH``; ``extra`` is added last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
 
 
 def free_port() -> int:

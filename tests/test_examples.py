@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._dist import script_env
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -105,17 +107,10 @@ def _train(tmp_path: Path, config: str, *extra: str) -> dict:
         *extra,
     ]
     proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=_launch_env()
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=script_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
-
-
-def _launch_env() -> dict[str, str]:
-    """This process's environment without what an earlier in-process fit left in it
-    (``LOCAL_RANK`` would make the script's launcher wait for ranks it never starts)."""
-    left = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in left}
 
 
 @pytest.mark.slow
@@ -156,7 +151,7 @@ def test_compare_quick_ddp_only(tmp_path: Path) -> None:
         str(tmp_path / "out"),
     ]
     proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=_launch_env()
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=script_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "| DDP + AdamW |" in proc.stdout
@@ -229,7 +224,7 @@ def test_cli_strategy_by_name_and_help(tmp_path: Path) -> None:
         "lightning_onebit.OneBitStrategy",
     ]
     proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=_launch_env()
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=script_env()
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for text in (

@@ -21,6 +21,7 @@ import lightning_onebit
 from lightning_onebit import OneBitFabricStrategy, OneBitStrategy
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests._char_model import ALGOS, CharModel, CharWindows, _corpus, _fit
+from tests._dist import script_env
 
 OPTIMIZER = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}
 LR = {"onebit_adam": 3e-3, "zero_one_adam": 3e-3, "onebit_lamb": 5e-3}
@@ -697,16 +698,11 @@ def test_a_script_launched_run(tmp_path: Path) -> None:
     """``L.Fabric(devices=2, strategy="onebit_adam")`` in a script (Fabric starts rank 1 by
     running the script again), as the issue tried it. By name, with no max_steps, the switch
     is adaptive (said in an info line), at the latest the optimizer's own freeze_step."""
-    import os
     import subprocess
     import sys
 
     (tmp_path / "train.py").write_text(_SCRIPT)
-    # a fresh shell's environment: Lightning leaves LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ... in
-    # this process after an in-process fit, and a script that inherits LOCAL_RANK takes its
-    # ranks for started by someone else and starts none (rank 0 then waits for rank 1)
-    launched = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR")
-    env = {k: v for k, v in os.environ.items() if k not in (*launched, "MASTER_PORT")}
+    env = script_env()
     run = subprocess.run(
         [sys.executable, "train.py"],
         capture_output=True,

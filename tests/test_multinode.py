@@ -13,7 +13,6 @@ own 1-bit state beside the checkpoint and reads it back after the swap.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests._dist import script_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +38,7 @@ def _free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
-        and not k.startswith(("TORCHELASTIC", "PL_", "MASTER_"))
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-    return env
+    return script_env(**extra)
 
 
 def _run_all(cmds: list[tuple[list[str], dict[str, str]]]) -> None:

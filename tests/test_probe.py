@@ -23,6 +23,7 @@ from lightning_onebit.probe import (
     main,
     predict,
 )
+from tests._dist import script_env
 from tests._probe_model import TinyLM
 from tests.test_cluster_smoke import _cluster_module, _skip_reason
 
@@ -34,9 +35,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-    return env
+    return script_env(**extra)
 
 
 @pytest.mark.slow

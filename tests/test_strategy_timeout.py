@@ -28,16 +28,13 @@ from pathlib import Path
 import pytest
 
 from tests._char_model import _fit
+from tests._dist import script_env
 from tests._stall_fit import Stall, strategy
 
 TIMEOUT = 5.0  # seconds: OneBitStrategy(timeout=...)
 # The popen launcher starts rank 1 as a new interpreter, and the rendezvous waits for it under
 # the same timeout: scripts get one that covers importing torch + lightning on a busy machine.
 POPEN_TIMEOUT = 15.0
-# What an earlier in-process fit leaves in os.environ: with LOCAL_RANK set, Lightning's popen
-# launcher believes the processes are created externally and never starts rank 1.
-_LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-_LAUNCH_VARS += ("MASTER_ADDR", "MASTER_PORT")
 EXPLAINED = (
     "1-bit exchange failed",
     "peer rank died, stopped",
@@ -94,8 +91,7 @@ def _run_script(mode: str, tmp: Path, overlap: float | None, limit: float) -> tu
     Output goes to a file, not a pipe: a stopped rank 1 would keep a pipe open after rank 0 has
     exited. The whole process group is killed at the end (rank 1 may still be sleeping)."""
     log = tmp / "output.txt"
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = script_env(PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(SCRIPT), mode, str(POPEN_TIMEOUT), str(tmp), str(overlap).lower()]
     with open(log, "wb") as f:
         proc = subprocess.Popen(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ from torch.optim import lr_scheduler as sched
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitStrategy
-from tests._dist import free_port, run_distributed
+from tests._dist import free_port, run_distributed, script_env
 from tests._user_models import OneThread
 
 STEPS = 12
@@ -421,7 +420,7 @@ EXIT_SCRIPT = Path(__file__).with_name("_exit_fit.py")
 def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
     """torchrun fails the job when any rank exits non-zero (an abort at interpreter exit
     included): two fits per process, then exit 0 on both ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    env = script_env()
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), str(EXIT_SCRIPT), algo],
@@ -441,7 +440,8 @@ def test_a_script_run_leaves_no_process_group_or_thread_to_the_interpreters_exit
     none of gloo's, the store's or the exchange's threads is alive: nothing is left for the
     interpreter's shutdown and C++ static destructors (where a gloo thread that still holds a
     Python object aborts the process)."""
-    env = {**os.environ, "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    env = script_env()
+    del env["OMP_NUM_THREADS"]  # (OpenMP's worker threads as a user gets them)
     run = subprocess.run(
         [sys.executable, str(EXIT_SCRIPT), "zero_one_adam", "--fits", "1", "--steps", "12",
          "--report-exit"],
@@ -465,7 +465,7 @@ def test_a_script_run_leaves_no_process_group_or_thread_to_the_interpreters_exit
 def test_a_diverged_run_prints_one_traceback_not_one_per_rank() -> None:
     """Every rank raises NonFiniteError in the same step: rank 0 prints the traceback, rank 1 one
     line (torchrun prefixes each rank's uncaught-error lines with ``[rankN]:``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    env = script_env()
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), str(EXIT_SCRIPT), "onebit_adam", "diverge"],
@@ -902,7 +902,7 @@ def test_a_forked_run_after_a_single_process_run_in_the_same_process() -> None:
         "    trainer.fit(E.Attention(), DataLoader(TensorDataset(data), batch_size=16))\n"
         "print('both fits done', flush=True)\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXIT_SCRIPT.parent.parent)}
+    env = script_env()
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
     )
