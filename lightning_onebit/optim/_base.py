@@ -104,7 +104,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit import kernels
 from lightning_onebit.comm import (
     BucketedAllreduce,
     CompressedAllreduce,
@@ -125,6 +124,7 @@ from lightning_onebit.optim._validation import (
     check_int,
     check_real,
 )
+from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
@@ -221,8 +221,6 @@ class OneBitOptimizer(
     #: Whether the steps can keep their NaN/Inf verdicts on the device (their writes take it),
     #: which they do on CUDA; see "Non-finite values".
     DEVICE_VERDICT: ClassVar[bool] = False
-    #: Take it on the device on the CPU too (tests: the same code path, read on the host).
-    _device_verdict_on_cpu: bool = False
     #: Host-side counters a step advances: put back when the step turns out dropped (its
     #: verdict was non-finite), whether the host learnt that in the step or one step later.
     _host_counters: ClassVar[tuple[str, ...]] = (
@@ -317,13 +315,8 @@ class OneBitOptimizer(
         self._phase = self.PHASES[0]
         self._warned_young = False  # _warn_if_variance_is_young says it once per run
         self._checked_local_grads = False  # _check_grads_are_local runs once
-        self.skipped_steps = 0  # steps skipped for non-finite values (see step())
-        self._consecutive_skips = 0
-        # device verdicts: this step's (ok, finite per rank, what it judged) on the device, and
-        # the last step's host copy (with the CUDA event that says it arrived and the counters
-        # from before it), resolved by _resolve_verdict
-        self._step_verdict: tuple[torch.Tensor, torch.Tensor, str] | None = None
-        self._pending_verdict: tuple[Any, ...] | None = None
+        #: the step's NaN/Inf verdict and the skip policy (skipped steps are checkpointed)
+        self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
         self.comm_stats: dict[str, int] = {
             "bytes_last_step": 0,  # bytes this rank sent in the last step
             "bytes_total": 0,  # ... since the start of training
@@ -812,7 +805,7 @@ class OneBitOptimizer(
         counters = self._host_state()
         self.step_count += 1
         skipped = self.skipped_steps
-        self._step_verdict = None
+        self.verdict.begin()
         self._hold(self._params_without_grad())
         try:
             self._step()
@@ -826,10 +819,7 @@ class OneBitOptimizer(
             if self._overlap is not None:
                 self._exchange.discard()  # started buckets a step did not use (none normally)
                 self._overlap.end_step()
-        if self._step_verdict is not None:
-            self._defer_verdict(counters)
-        elif self.skipped_steps == skipped:
-            self._consecutive_skips = 0
+        self.verdict.end(self.step_count, counters, skipped)
         stats = self.comm_stats
         stats["bytes_last_step"] = self._bytes_step
         stats["bytes_total"] += self._bytes_step
@@ -948,15 +938,15 @@ class OneBitOptimizer(
         """One step of the algorithm on the flat buffers (``self.step_count`` already counts it).
         Raise :class:`NonFiniteError` before writing any state to have the step dropped."""
 
-    def _uses_device_verdict(self, device: torch.device) -> bool:
-        """Whether this optimizer's steps on ``device`` keep their NaN/Inf verdicts there (see
-        :attr:`DEVICE_VERDICT`): on CUDA with the CUDA kernels built."""
-        on_gpu = device.type == "cuda" and kernels.HAS_CUDA
-        return self.DEVICE_VERDICT and (on_gpu or self._device_verdict_on_cpu)
-
     @property
     def _device_verdicts(self) -> bool:
-        return self._layout is not None and self._uses_device_verdict(self._layout.device)
+        """Whether this step's verdicts stay on the device (see :class:`StepVerdict`)."""
+        return self._layout is not None and self.verdict.uses_device(self._layout.device)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped on every rank (or, 0/1 Adam's local steps, on one) for NaN/Inf."""
+        return self.verdict.skipped_steps
 
     def _host_state(self) -> dict[str, Any]:
         return {k: copy.copy(getattr(self, k)) for k in self._host_counters}
@@ -965,93 +955,35 @@ class OneBitOptimizer(
         for k, v in counters.items():
             setattr(self, k, v)
 
-    def _take_verdict(self) -> torch.Tensor | None:
-        """After a compressed exchange: its verdict ``ok`` on the device (the step's update
-        kernels take it), or ``None`` when the exchange read it on the host (and raised)."""
-        ex = self._exchange
-        if not ex.device_verdict:
-            return None
-        ok, finite = ex.verdict
-        self._step_verdict = (ok, finite, "exchange")
-        return ok
-
-    def _verdict_now(self) -> None:
-        """Read this step's device verdict on the host now (a host synchronisation, for the
-        steps that change the phase: once per run) and raise :class:`NonFiniteError` if it was
-        false, as the host's own verdict does; the step wrote nothing."""
-        if self._step_verdict is None:
-            return
-        ok, finite, kind = self._step_verdict
-        if not bool(ok):
-            self._step_verdict = None
-            raise NonFiniteError(self._verdict_message(finite.tolist(), kind, self.step_count))
-
-    def _verdict_message(self, finite: list[bool], kind: str, step: int) -> str:
-        if kind == "average":
-            return f"the averaged gradient has non-finite values (NaN/Inf) at step {step}"
-        bad = [i for i, f in enumerate(finite) if not f]
-        # (the hierarchical exchange's non-finite shard reaches every node: it names none)
-        where = f"rank(s) {bad} of {len(finite)}" if len(bad) < len(finite) else "a rank"
-        return (
-            f"non-finite values (NaN/Inf) entered the 1-bit exchange on {where} at step {step}; "
-            "every rank dropped the step (nothing was written: the verdict was taken on the "
-            "device)"
-        )
-
-    def _defer_verdict(self, counters: dict[str, Any]) -> None:
-        """End of a step whose verdict is on the device: copy it to the host without waiting
-        (pinned memory, an event after the copy); :meth:`_resolve_verdict` reads it later."""
-        _, finite, kind = self._step_verdict
-        event = None
-        if finite.is_cuda:
-            host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
-            host.copy_(finite, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(finite.device))
-        else:
-            host = finite.clone()
-        self._pending_verdict = (self.step_count, host, event, kind, counters)
-
     def _resolve_verdict(self) -> None:
         """The host's half of a step whose verdict stayed on the device: if it was non-finite,
         the step (which wrote nothing) is uncounted, its counters put back, and reported as a
         skipped step (``"local"``: 0/1 Adam's local step, skipped by its own rank only). Runs
-        at the start of the next step and before a checkpoint; the copy has arrived by then
-        (the event waits only if the GPU is still on that step's exchange)."""
-        pending, self._pending_verdict = self._pending_verdict, None
-        if pending is None:
+        at the start of the next step and before a checkpoint."""
+        dropped = self.verdict.resolve()
+        if dropped is None:
             return
-        step, host, event, kind, counters = pending
-        if event is not None:
-            event.synchronize()
-        finite = host.tolist()
-        if all(finite):
-            self._consecutive_skips = 0
-            return
-        if kind == "local":  # (0/1 Adam's)
+        if dropped.kind == "local":  # (0/1 Adam's)
             self._skipped_locally()
             return
-        self._restore_host_state(counters)
-        self._skipped(NonFiniteError(self._verdict_message(finite, kind, step)))
+        self._restore_host_state(dropped.counters)
+        self._skipped(NonFiniteError(dropped.message))
 
     def _skipped(self, err: NonFiniteError) -> None:
         """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and
         nothing was changed yet (the algorithms only write their state after the exchange), so
         the step is dropped on every rank, as if its batch had not been there."""
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        if self._consecutive_skips >= self.max_consecutive_skips:
-            raise NonFiniteError(
-                f"{self._consecutive_skips} steps in a row had non-finite values (last: {err}); the "
-                f"run has diverged: {self._divergence_hint()}, and resume from the last checkpoint"
-            ) from err
-        if self._exchange is None or self._exchange.rank == 0:  # the same on every rank
-            warnings.warn(
-                f"{type(self).__name__}: skipped step {self.step_count + 1} on every rank "
-                f"({self.skipped_steps} so far): {err}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self.verdict.drop(
+            err,
+            step=self.step_count,
+            limit=self.max_consecutive_skips,
+            announce=self._exchange is None or self._exchange.rank == 0,  # (same on every rank)
+            hint=self._divergence_hint,
+        )
+
+    def _skipped_locally(self) -> None:
+        """This rank's local step (0/1 Adam's) had a non-finite gradient (subclasses)."""
+        raise NotImplementedError
 
     def _divergence_hint(self) -> str:
         """What to change after a divergence: the causes this optimizer can see in its own

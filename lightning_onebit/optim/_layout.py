@@ -134,12 +134,12 @@ class _FlatBuffers:
                 nodes = self._overlap.nodes()
             ex = BucketedAllreduce(
                 bounds, device=device, group=group, nodes=nodes,
-                device_verdict=self._uses_device_verdict(device),
+                device_verdict=self.verdict.uses_device(device),
             )  # fmt: skip
         elif ex is None:
             ex = make_exchange(
                 n, device, self.process_group, nodes,
-                device_verdict=self._uses_device_verdict(device),
+                device_verdict=self.verdict.uses_device(device),
             )  # fmt: skip
         if self._overlap is not None:
             self._overlap.install(layout)

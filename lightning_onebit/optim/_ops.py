@@ -140,8 +140,7 @@ class _FlatOps:
                 self._bytes_step_inter += sent // self._node_size()
         if self._device_verdicts:  # averaged: the same verdict on every rank
             ok = self._finite_on_device(flat)
-            self._step_verdict = (ok, ok, "average")
-            return ok
+            return self.verdict.keep(ok, ok, "average")
         if not self._finite(flat):
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
@@ -211,7 +210,7 @@ class _FlatOps:
         finally:
             self._bytes_step += ex.bytes_sent
             self._bytes_step_inter += ex.inter_node_bytes(self._node_size())
-        return self._take_verdict()
+        return self.verdict.take(ex)
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
         """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
