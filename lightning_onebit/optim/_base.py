@@ -90,10 +90,8 @@ registers only the parameters that required grad when it was built). All other s
 from __future__ import annotations
 
 import atexit
-import copy
 import inspect
 import math
-import os
 import warnings
 import weakref
 from abc import ABCMeta, abstractmethod
@@ -110,14 +108,14 @@ from lightning_onebit.comm import (
     NodeGroups,
     NonFiniteError,
     as_average_dtype,
-    fp32_allreduce_bytes,
-    resolve_ranks_per_node,
 )
 from lightning_onebit.optim._checkpoint import _Checkpointing
+from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._layout import _FlatBuffers, _Layout
 from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, _FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
+from lightning_onebit.optim._topology import Delegated, Topology
 from lightning_onebit.optim._validation import (
     check_betas,
     check_group_flags,
@@ -233,6 +231,9 @@ class OneBitOptimizer(
     #: all-reduces before their running mean is the reference (see ``_rescale_variance_``)
     rescale_interval: int = RESCALE_INTERVAL
     rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
+    process_group = Delegated("topology", "The group the optimizer communicates over.")
+    hierarchical = Delegated("topology", "The two-level exchange (see :meth:`node_groups`).")
+    ranks_per_node = Delegated("topology", "Ranks per node (see :meth:`node_groups`).")
 
     def __init__(
         self,
@@ -298,14 +299,10 @@ class OneBitOptimizer(
         self.grad_sq_weight = 0.0  # 1 - the initial zeros' weight in them (bias correction)
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
-        self.process_group = process_group
         self.average_warmup_grads = bool(average_warmup_grads)
         self.average_dtype = average_dtype
-        #: the two-level exchange (see :meth:`node_groups`); set before the first step
-        self.hierarchical: bool | str = hierarchical
-        self.ranks_per_node = ranks_per_node
-        self._nodes: NodeGroups | None = None
-        self._nodes_resolved = False
+        #: the process group, the world size and the node groups (see :meth:`node_groups`)
+        self.topology = Topology(process_group, hierarchical, ranks_per_node)
 
         # internal state (checkpointed)
         self.step_count = 0  # steps taken; identical on every rank
@@ -317,16 +314,8 @@ class OneBitOptimizer(
         self._checked_local_grads = False  # _check_grads_are_local runs once
         #: the step's NaN/Inf verdict and the skip policy (skipped steps are checkpointed)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
-        self.comm_stats: dict[str, int] = {
-            "bytes_last_step": 0,  # bytes this rank sent in the last step
-            "bytes_total": 0,  # ... since the start of training
-            "fp32_equiv_total": 0,  # what fp32 ring allreduces of the gradients would have sent
-            # the part of those that left the node (nodes of ranks_per_node ranks; see
-            # node_groups), and the fp32 ring's: one rank's ring traffic per node crosses
-            "bytes_last_step_inter": 0,
-            "bytes_total_inter": 0,
-            "fp32_equiv_total_inter": 0,
-        }
+        #: the bytes the steps send (:attr:`comm_stats`; checkpointed)
+        self.counters = CommCounters()
 
         #: ``id``s of the parameters whose warmup gradients the caller averages
         #: (``average_warmup_grads=False``; ``OneBitStrategy`` sets those DDP registered),
@@ -347,8 +336,6 @@ class OneBitOptimizer(
         self._param_flat: torch.Tensor | None = None
         self._exchange: CompressedAllreduce | BucketedAllreduce | None = None
         self._pending_exchange_state: dict[str, Any] | None = None
-        self._bytes_step = 0
-        self._bytes_step_inter = 0
         self._overlap: BackwardOverlap | None = None  # see overlap_with_backward()
         self._denominator: tuple[torch.Tensor, list[torch.Tensor], list[float]] | None = None
         self._skip_gather: set[int] = set()
@@ -799,10 +786,10 @@ class OneBitOptimizer(
             self._check_grads_are_local()
         if self._overlap is not None:  # buckets the communication thread already started
             self._skip_gather = self._overlap.collect()
-        self._bytes_step = self._bytes_step_inter = 0
+        self.counters.start_step()
         if self._device_verdicts:
             self._rescale_reduce_if_due()  # (now that the host knows which steps counted)
-        counters = self._host_state()
+        counters = snapshot(self, self._host_counters)
         self.step_count += 1
         skipped = self.skipped_steps
         self.verdict.begin()
@@ -811,7 +798,7 @@ class OneBitOptimizer(
             self._step()
         except NonFiniteError as err:
             self._release(count=False)
-            self._restore_host_state(counters)
+            restore(self, counters)
             self._skipped(err)
         finally:
             self._release()
@@ -820,15 +807,8 @@ class OneBitOptimizer(
                 self._exchange.discard()  # started buckets a step did not use (none normally)
                 self._overlap.end_step()
         self.verdict.end(self.step_count, counters, skipped)
-        stats = self.comm_stats
-        stats["bytes_last_step"] = self._bytes_step
-        stats["bytes_total"] += self._bytes_step
-        fp32 = fp32_allreduce_bytes(self._layout.numel, self.world_size)
-        stats["fp32_equiv_total"] += fp32
-        stats["bytes_last_step_inter"] = self._bytes_step_inter
-        stats["bytes_total_inter"] += self._bytes_step_inter
-        if self._node_size() < self.world_size:
-            stats["fp32_equiv_total_inter"] += fp32 // self._node_size()
+        w = self.world_size
+        self.counters.end_step(self._layout.numel, w, self.topology.node_size(w))
         return loss
 
     # ------------------------------------------------------------------ parameters without gradients
@@ -944,16 +924,16 @@ class OneBitOptimizer(
         return self._layout is not None and self.verdict.uses_device(self._layout.device)
 
     @property
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes sent: ``bytes_last_step``, ``bytes_total``, ``fp32_equiv_total`` (what fp32
+        ring allreduces of the gradients would have sent) and their ``_inter`` parts (what left
+        the node)."""
+        return self.counters.totals
+
+    @property
     def skipped_steps(self) -> int:
         """Steps dropped on every rank (or, 0/1 Adam's local steps, on one) for NaN/Inf."""
         return self.verdict.skipped_steps
-
-    def _host_state(self) -> dict[str, Any]:
-        return {k: copy.copy(getattr(self, k)) for k in self._host_counters}
-
-    def _restore_host_state(self, counters: dict[str, Any]) -> None:
-        for k, v in counters.items():
-            setattr(self, k, v)
 
     def _resolve_verdict(self) -> None:
         """The host's half of a step whose verdict stayed on the device: if it was non-finite,
@@ -966,7 +946,7 @@ class OneBitOptimizer(
         if dropped.kind == "local":  # (0/1 Adam's)
             self._skipped_locally()
             return
-        self._restore_host_state(dropped.counters)
+        restore(self, dropped.counters)
         self._skipped(NonFiniteError(dropped.message))
 
     def _skipped(self, err: NonFiniteError) -> None:
@@ -1029,24 +1009,13 @@ class OneBitOptimizer(
         runs the flat exchange; ``"auto"`` decides silently. Collective on its first call (every
         rank at the same point: the first step, or the strategy's setup); cached after it.
         """
-        if not self._nodes_resolved:
-            w = dist.get_world_size(self.process_group) if self._distributed() else 1
-            ll = (
-                resolve_ranks_per_node(self.hierarchical, self.ranks_per_node, w) if w > 1 else None
-            )
-            self._nodes = None if ll is None else NodeGroups(self.process_group, ll)
-            self._nodes_resolved = True
-            if self._nodes is not None:  # destroyed with the optimizer, at the latest at exit
-                weakref.finalize(self, self._nodes.close)
-        return self._nodes
+        return self.topology.node_groups()
 
     def close_node_groups(self) -> None:
         """Destroy the groups of :meth:`node_groups` (the strategies do it at teardown); the
         next step builds them again."""
-        if self._nodes is not None:
-            self._nodes.close()
+        if self.topology.close():
             self._release_exchange()
-        self._nodes, self._nodes_resolved = None, False
 
     def close(self) -> None:
         """Stop what this optimizer started: the overlap's communication thread, gradient hooks
@@ -1071,30 +1040,12 @@ class OneBitOptimizer(
             self._pending_exchange_state = ex.state_dict()
         self._layout = None  # (a new exchange at the next step)
 
-    def _node_size(self) -> int:
-        """Ranks per node for the byte counters: the layout's, else ``ranks_per_node`` or
-        ``LOCAL_WORLD_SIZE`` where given, else 1 (every peer counts as on another node)."""
-        if self._nodes is not None:
-            return self._nodes.local_size
-        ll = self.ranks_per_node
-        env = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if ll is None and env.isdigit():
-            ll = int(env)
-        w = self.world_size
-        return ll if ll is not None and ll <= w and w % ll == 0 else 1
-
-    @staticmethod
-    def _distributed() -> bool:
-        return dist.is_available() and dist.is_initialized()
-
     @property
     def world_size(self) -> int:
         """Ranks in ``process_group`` (1 without an initialised process group)."""
         if self._exchange is not None:
             return self._exchange.world_size
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(self.process_group)
-        return 1
+        return self.topology.world_size()
 
 
 #: every live optimizer, for close_all()

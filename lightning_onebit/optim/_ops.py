@@ -130,14 +130,10 @@ class _FlatOps:
             self._average_uncovered_()
         if nodes is not None:
             intra, inter = average_bytes(flat.numel(), self.average_dtype, nodes)
-            self._bytes_step += intra + inter
-            self._bytes_step_inter += inter
+            self.counters.add(intra + inter, inter)
         else:
             sent = fp32_allreduce_bytes(flat.numel(), w) * self.average_dtype.itemsize // 4
-            self._bytes_step += sent
-            # a ring in rank order crosses each node's link once: one rank's traffic per node
-            if self._node_size() < w:
-                self._bytes_step_inter += sent // self._node_size()
+            self.counters.add_ring(sent, w, self.topology.node_size(w))
         if self._device_verdicts:  # averaged: the same verdict on every rank
             ok = self._finite_on_device(flat)
             return self.verdict.keep(ok, ok, "average")
@@ -208,8 +204,8 @@ class _FlatOps:
         try:
             ex.finish((lambda lo, hi: source(slice(lo, hi))) if callable(source) else source, out)
         finally:
-            self._bytes_step += ex.bytes_sent
-            self._bytes_step_inter += ex.inter_node_bytes(self._node_size())
+            ns = self.topology.node_size(self.world_size)
+            self.counters.add(ex.bytes_sent, ex.inter_node_bytes(ns))
         return self.verdict.take(ex)
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
@@ -334,10 +330,8 @@ class _FlatOps:
         if w > 1:
             dist.all_reduce(mean, group=self.process_group)
             mean.div_(w)
-            sent = fp32_allreduce_bytes(mean.numel(), w)
-            self._bytes_step += sent
-            if self._node_size() < w:
-                self._bytes_step_inter += sent
+            sent = fp32_allreduce_bytes(mean.numel(), w)  # (one float per tensor: no ring)
+            self.counters.add(sent, sent if self.topology.node_size(w) < w else 0)
         keep = RESCALE_BETA**self.grad_sq_steps  # the old mean's weight after these steps
         total.zero_()
         self.grad_sq_steps = 0

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import decoupled_decay
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int
@@ -439,19 +440,18 @@ class ZeroOneAdam(OneBitOptimizer):
             source = acc
         else:
             source = torch.mul(acc, self._frozen_denominator()[0], out=x)
-        self._bytes_step = 0
-        counters = self._host_state()
+        self.counters.start_step()
+        counters = snapshot(self, self._host_counters)
         self.verdict.begin()
         try:
             self._synchronize_(source, this_step=False)
             self.verdict.now(self.step_count)  # (not a step: said now, a host read)
         except NonFiniteError:
-            self._restore_host_state(counters)
+            restore(self, counters)
             raise
         finally:
             self.verdict.begin()
-        self.comm_stats["bytes_total"] += self._bytes_step
-        self.comm_stats["bytes_last_step"] += self._bytes_step
+        self.counters.end_between_steps()
 
     def _local_step_on_verdict_(self, g: torch.Tensor) -> None:
         """3a-b of a local step whose gradient's verdict stays on the device (CUDA): the same
