@@ -117,10 +117,12 @@ from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._topology import Delegated, Topology
 from lightning_onebit.optim._validation import (
-    check_betas,
-    check_group_flags,
+    check_common_args,
+    check_group,
+    check_hparams,
     check_int,
     check_real,
+    deepspeed_arithmetic,
 )
 from lightning_onebit.optim._verdict import StepVerdict
 
@@ -255,7 +257,8 @@ class OneBitOptimizer(
     ) -> None:
         name = type(self).__name__
         bias_correction, variance_floor, preconditioned_exchange, rescale_variance = (
-            self._deepspeed_arithmetic(
+            deepspeed_arithmetic(
+                type(self),
                 deepspeed_compatible,
                 bias_correction=bias_correction,
                 variance_floor=variance_floor,
@@ -263,19 +266,10 @@ class OneBitOptimizer(
                 rescale_variance=rescale_variance,
             ).values()
         )
-        if not isinstance(decoupled_weight_decay, bool):
-            raise ValueError(
-                f"decoupled_weight_decay must be True or False, got {decoupled_weight_decay!r}"
-            )
+        check_common_args(name, amsgrad, decoupled_weight_decay, hierarchical, ranks_per_node)
         if not decoupled_weight_decay:  # (a group key only where it is not the default)
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
-        if hierarchical not in (True, False, "auto"):
-            raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
-        if ranks_per_node is not None:
-            check_int("ranks_per_node", ranks_per_node, 1)
-        if amsgrad:
-            raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         self._check_hparams(defaults)  # (the same message as check_options: no prefix)
         OneBitOptimizer._check_options({"variance_floor": variance_floor})
         super().__init__(params, defaults)
@@ -349,30 +343,6 @@ class OneBitOptimizer(
     # ------------------------------------------------------------------ hyperparameters
 
     @classmethod
-    def _deepspeed_arithmetic(cls, on: bool, **options: Any) -> dict[str, Any]:
-        """``options`` (by name, in their order) with DeepSpeed's values where ``on`` (see
-        ``deepspeed_compatible``). Raises ``ValueError`` for an option given a value that is
-        neither DeepSpeed's nor its default: the two settings contradict each other."""
-        if not isinstance(on, bool):
-            raise ValueError(f"deepspeed_compatible must be True or False, got {on!r}")
-        if not on:
-            return options
-        params = inspect.signature(cls.__init__).parameters
-        out = dict(options)
-        for k, v in options.items():
-            if k not in cls.DEEPSPEED_ARITHMETIC:
-                continue
-            want = cls.DEEPSPEED_ARITHMETIC[k]
-            default = params[k].default if k in params else want
-            if v != want and v != default:
-                raise ValueError(
-                    f"{cls.__name__}(deepspeed_compatible=True) computes with DeepSpeed's "
-                    f"{k}={want!r}, and {k}={v!r} was given too: drop one of the two"
-                )
-            out[k] = want
-        return out
-
-    @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """Each of :attr:`OPTIONS` with its default (from ``__init__``'s signature)."""
         params = inspect.signature(cls.__init__).parameters
@@ -395,24 +365,15 @@ class OneBitOptimizer(
         if "variance_floor" in o:
             check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
 
-    @staticmethod
-    def _check_hparams(h: dict[str, Any]) -> None:
-        """Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is
-        accepted: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero)."""
-        if "initial_lr" in h:  # an LR scheduler's setting (``lr`` is its current value)
-            check_real("initial_lr", h["initial_lr"], 0.0, math.inf, high_open=True,
-                        hint="a learning rate >= 0")  # fmt: skip
-        check_real("lr", h["lr"], 0.0, math.inf, high_open=True,
-                    hint="a learning rate >= 0; 0 keeps the parameters fixed")  # fmt: skip
-        check_betas(h["betas"])
-        check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True,
-                    hint="a small positive number, e.g. 1e-8")  # fmt: skip
-        check_real("weight_decay", h["weight_decay"], 0.0, math.inf, hint="0 for none")
+    #: Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is accepted:
+    #: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero).
+    _check_hparams = staticmethod(check_hparams)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
-            self._check_group(len(self.param_groups) - 1)
+            gi = len(self.param_groups) - 1
+            check_group(type(self).__name__, self.param_groups[gi], gi, self._check_hparams)
         except ValueError:
             self.param_groups.pop()  # a refused group must not stay in the optimizer
             raise
@@ -423,38 +384,6 @@ class OneBitOptimizer(
         if getattr(self, "step_count", 0) > 0:
             self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
         self._layout = None  # re-layout at the next step
-
-    def _check_group(self, gi: int) -> None:
-        """Validate param group ``gi``: hyperparameters, torch's per-group flags, parameter
-        kinds, mask type. Every error names the group."""
-        group = self.param_groups[gi]
-        name = type(self).__name__
-        try:
-            self._check_hparams(group)
-        except ValueError as err:
-            raise ValueError(f"param group {gi}: {err}; set it in that group") from None
-        check_group_flags(name, gi, group)
-        for i, p in enumerate(group["params"]):
-            what = f"parameter {i} of param group {gi} (shape {tuple(p.shape)}, dtype {p.dtype})"
-            if p.layout != torch.strided:
-                raise ValueError(
-                    f"{what} has layout {p.layout}: {name} supports dense (torch.strided) "
-                    "parameters only; make the parameter dense (.to_dense())"
-                )
-            if p.is_complex():
-                raise ValueError(
-                    f"{what} is complex: {name} supports real floating-point parameters only "
-                    "(float32, float16, bfloat16, float64); view complex ones as real with "
-                    "torch.view_as_real"
-                )
-            if not p.is_floating_point():
-                raise ValueError(
-                    f"{what}: parameters must be floating point (float32, float16, bfloat16, "
-                    "float64)"
-                )
-        mask = group.get("exp_avg_mask")
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
 
     # ------------------------------------------------------------------ phases
 

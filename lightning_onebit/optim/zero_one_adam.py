@@ -47,7 +47,7 @@ from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import decoupled_decay
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import check_int
+from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
 
 __all__ = ["ZeroOneAdam"]
 
@@ -186,8 +186,8 @@ class ZeroOneAdam(OneBitOptimizer):
         deepspeed_compatible: bool = False,
     ) -> None:
         check_int("var_freeze_step", var_freeze_step, 0)
-        (compressed_variance_phase,) = self._deepspeed_arithmetic(
-            deepspeed_compatible, compressed_variance_phase=compressed_variance_phase
+        (compressed_variance_phase,) = deepspeed_arithmetic(
+            type(self), deepspeed_compatible, compressed_variance_phase=compressed_variance_phase
         ).values()
         self._check_options(
             {
