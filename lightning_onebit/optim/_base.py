@@ -109,10 +109,10 @@ from lightning_onebit.comm import (
     NonFiniteError,
     as_average_dtype,
 )
-from lightning_onebit.optim._checkpoint import _Checkpointing
+from lightning_onebit.optim._checkpoint import Checkpointing
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
-from lightning_onebit.optim._layout import _FlatBuffers, _Layout
-from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, _FlatOps
+from lightning_onebit.optim._layout import FlatBuffers, Layout
+from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._topology import Delegated, Topology
@@ -139,7 +139,7 @@ _RESCALE_STATES = {"grad_sq_sum": 0.0, "grad_sq_avg": 0.0, "grad_sq_ref": 0.0}
 
 
 class OneBitOptimizer(
-    _Checkpointing, _FlatBuffers, _FlatOps, torch.optim.Optimizer, metaclass=ABCMeta
+    Checkpointing, FlatBuffers, FlatOps, torch.optim.Optimizer, metaclass=ABCMeta
 ):
     """Base class: see the module docstring. Subclasses define the class attributes below and
     ``_step()``, and call ``super().__init__`` with their defaults.
@@ -320,7 +320,7 @@ class OneBitOptimizer(
         self.loaded_foreign = False
 
         # internal state (rebuilt lazily by _prepare)
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._trained_ids: frozenset[int] = frozenset()  # the last layout's parameters
         self._flat: dict[str, torch.Tensor] = {}
         self._scalars: dict[str, torch.Tensor] = {}
@@ -509,7 +509,7 @@ class OneBitOptimizer(
             gis = [j for gi, _, _ in self._segments() for j in self._layout.group_params(gi)]
             self.floored = {self._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
 
-    def _param_name(self, j: int, layout: _Layout | None = None) -> str:
+    def _param_name(self, j: int, layout: Layout | None = None) -> str:
         layout = layout or self._layout
         p = layout.params[j]
         name = self.param_names.get(p)
@@ -575,7 +575,7 @@ class OneBitOptimizer(
         variance (the first phase; 0/1 Adam overrides)."""
         return self._phase == self.PHASES[0]
 
-    def _check_joined(self, layout: _Layout) -> None:
+    def _check_joined(self, layout: Layout) -> None:
         """Refuse parameters that became trainable (``add_param_group``, ``requires_grad``
         turned on) after the variance froze, before the step changes anything: they have no
         variance, and a 1-bit step divides by it (their first steps would be ``lr * scale /

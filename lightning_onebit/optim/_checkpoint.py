@@ -10,10 +10,10 @@ import torch
 
 from lightning_onebit.optim._phase import Phase
 
-__all__ = ["_Checkpointing"]
+__all__ = ["Checkpointing"]
 
 
-class _Checkpointing:
+class Checkpointing:
     """``state_dict`` / ``load_state_dict`` / ``rank_state_dict`` of ``OneBitOptimizer``."""
 
     def _global_state(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ __all__ = [
     "RESCALE_BETA",
     "RESCALE_INTERVAL",
     "RESCALE_REFERENCE_UPDATES",
-    "_FlatOps",
+    "FlatOps",
     "decoupled_decay",
 ]
 
@@ -40,11 +40,11 @@ RESCALE_REFERENCE_UPDATES = 1
 def decoupled_decay(group: dict[str, Any]) -> float:
     """The group's decoupled weight decay (AdamW's, ``p -= lr * wd * p``): its
     ``weight_decay``, or 0 where ``decoupled_weight_decay=False`` makes it torch Adam's L2
-    term, which :meth:`_FlatOps._gather_grads` adds to the gradient instead."""
+    term, which :meth:`FlatOps._gather_grads` adds to the gradient instead."""
     return group["weight_decay"] if group.get("decoupled_weight_decay", True) else 0.0
 
 
-class _FlatOps:
+class FlatOps:
     """``OneBitOptimizer``'s arithmetic on its flat buffers (see ``_base.py``)."""
 
     def _segments(self) -> Iterator[tuple[int, dict[str, Any], slice]]:
@@ -171,7 +171,7 @@ class _FlatOps:
         """Whether every value is finite: one read-only sweep, no temporary (min and max
         propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
         materialises a float64 copy of the buffer."""
-        return bool(_FlatOps._finite_on_device(flat))
+        return bool(FlatOps._finite_on_device(flat))
 
     @staticmethod
     def _finite_on_device(flat: torch.Tensor) -> torch.Tensor:
