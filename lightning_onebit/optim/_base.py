@@ -124,13 +124,19 @@ from lightning_onebit.optim._validation import (
     check_real,
     deepspeed_arithmetic,
 )
+from lightning_onebit.optim._variance import (
+    divergence_hint,
+    floor_variance_,
+    fold_bias_correction_,
+    warn_if_variance_is_young,
+)
 from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
 #: Default ``variance_floor``: where a variance preconditions 1-bit steps, no coordinate's
 #: ``sqrt(v)`` counts as less than this fraction of its tensor's or its group's RMS ``sqrt(v)``
-#: (see :meth:`OneBitOptimizer._floor_variance_`).
+#: (see ``floor_variance_`` (``_variance.py``)).
 VARIANCE_FLOOR = 0.01
 
 #: ``rescale_variance``'s per-tensor states: this rank's sum of ``g**2`` since the last
@@ -161,8 +167,9 @@ class OneBitOptimizer(
             arithmetic, whose young variance makes short runs' 1-bit steps several times Adam's.
         variance_floor: where a variance preconditions 1-bit steps, raise it to at least
             ``f**2 * max(mean_k, mean_g)`` (``f = variance_floor``; the mean variance of
-            the coordinate's tensor and of its group; :meth:`_floor_variance_`): coordinates
-            whose gradient was ~0 cannot take ``lr * scale / eps`` steps. ``0``: DeepSpeed's.
+            the coordinate's tensor and of its group; ``_variance.floor_variance_``):
+            coordinates whose gradient was ~0 cannot take ``lr * scale / eps`` steps. ``0``:
+            DeepSpeed's.
         preconditioned_exchange: exchange what the algorithm sends divided by
             ``sqrt(v) + eps`` and multiply back after it (1-bit Adam, 0/1 Adam): the 1-bit
             error is then about the same size relative to every coordinate's Adam step.
@@ -212,7 +219,7 @@ class OneBitOptimizer(
     _scalar_states: ClassVar[dict[str, float]] = {}
     #: Optimizer-wide attributes that go into the checkpoint (besides step count and phase).
     _checkpoint_attrs: tuple[str, ...] = ()
-    #: raise floored variances to their tensor's mean (see :meth:`_floor_variance_`)
+    #: raise floored variances to their tensor's mean (see ``floor_variance_`` (``_variance.py``))
     _floor_to_mean: ClassVar[bool] = False
     #: Flat scratch buffers (not checkpointed).
     _work_buffers: tuple[str, ...] = ("update",)
@@ -304,7 +311,7 @@ class OneBitOptimizer(
         #: coordinates whose variance was floored at the last floor, per parameter name
         self.floored: dict[str, int] = {}
         self._phase = self.PHASES[0]
-        self._warned_young = False  # _warn_if_variance_is_young says it once per run
+        self._warned_young = False  # warn_if_variance_is_young says it once per run
         self._checked_local_grads = False  # _check_grads_are_local runs once
         #: the step's NaN/Inf verdict and the skip policy (skipped steps are checkpointed)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
@@ -411,7 +418,7 @@ class OneBitOptimizer(
         At the switch, with ``bias_correction``, the bias corrections are folded into the
         moments (``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``): the compression phase then runs
         the paper's algorithm unchanged, preconditioned by Adam's unbiased variance. Then the
-        variance is floored (:meth:`_floor_variance_`).
+        variance is floored (``floor_variance_`` (``_variance.py``)).
         """
         if self._phase == self.PHASES[1]:
             return
@@ -421,93 +428,11 @@ class OneBitOptimizer(
         self._phase = self.PHASES[1]
         self._denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
         if self.bias_correction:
-            self._fold_bias_correction_()
+            fold_bias_correction_(self)
         else:
-            self._warn_if_variance_is_young()
-        self._floor_variance_(report=True)
+            warn_if_variance_is_young(self)
+        floor_variance_(self, report=True)
         self._on_freeze()
-
-    def _bias_corrections(self, gi: int, j: int | None = None) -> tuple[float, float]:
-        """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
-        variance updates since the group joined (1 for a variance that never saw a gradient:
-        nothing to correct); of its parameter ``j`` (layout index): less the steps it had no
-        gradient in (torch's Adam counts each parameter's own steps)."""
-        group = self.param_groups[gi]
-        beta1, beta2 = group["betas"]
-        t0, k0 = group.get("joined_at", (0, 0))
-        t, k = self.step_count - t0, self.variance_updates - k0
-        if j is not None:
-            mt, mk = self._missed_steps(j)
-            t, k = t - mt, k - mk
-        return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
-
-    def _fold_bias_correction_(self) -> None:
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        if self._any_missed_steps():  # per parameter: some missed steps
-            of = self._layout.group_of
-            for j, (mj, vj) in enumerate(
-                zip(self._views["exp_avg"], self._views["exp_avg_sq"], strict=True)
-            ):
-                bc1, bc2 = self._bias_corrections(of[j], j)
-                mj.div_(bc1)
-                vj.div_(bc2)
-            return
-        for gi, _, s in self._segments():
-            bc1, bc2 = self._bias_corrections(gi)
-            m[s].div_(bc1)
-            v[s].div_(bc2)
-
-    def _floor_variance_(self, report: bool = False, ok: torch.Tensor | None = None) -> None:
-        """Raise each coordinate's variance to at least ``f**2 * max(mean_k, mean_g)``,
-        ``f = variance_floor``, ``mean_k`` the mean variance of its tensor, ``mean_g`` that of
-        its parameter group: a coordinate counts as degenerate when its gradient RMS is below
-        ``f`` times its own tensor's (a dead unit, an unseen embedding row, the key part of an
-        attention bias) or its group's (a conv bias in front of BatchNorm, whose gradient is
-        rounding noise). Measured at the switch (tensor RMS / group RMS): conv biases before
-        BatchNorm 2e-6 and 2e-4, BERT's key biases 3e-8 and 1e-7; the smallest ordinary tensors
-        of those models 0.08 and 0.55, so ``f = 0.01`` separates them with room on both sides.
-
-        Why: 1 bit cannot send a zero. Every coordinate of an exchange receives ``+-scale``,
-        error feedback keeps its *sum* right, and the update divides by ``sqrt(v) + eps``: with
-        ``v ~ 0`` a coordinate moves by ``lr * scale / eps`` per step (DeepSpeed's arithmetic:
-        the run explodes one step after the switch), and with ``preconditioned_exchange`` its
-        ``m / (sqrt(v) + eps)`` would blow up the exchange's scale for everyone. A floored
-        coordinate only ever takes smaller steps than without the floor. ``variance_floor=0``
-        is DeepSpeed's arithmetic.
-
-        With ``_floor_to_mean`` (1-bit LAMB) a caught coordinate is raised to
-        ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
-        ``ok``: the step's verdict on the device; where it is false nothing changes.
-        """
-        self.floored = {}
-        f2 = self.variance_floor**2
-        if f2 <= 0:
-            return
-        v, views = self._flat["exp_avg_sq"], self._views["exp_avg_sq"]
-        floors = self._views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
-        counts: list[torch.Tensor] = []
-        for gi, _, s in self._segments():
-            idx = self._layout.group_params(gi)
-            # (tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps)
-            group_mean = v[s].mean(dtype=torch.float64)
-            for j in idx:
-                mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
-                floor = (mean * f2).float()
-                if floors is not None:
-                    kept = floor if ok is None else torch.where(ok, floor, floors[j])
-                    floors[j].copy_(kept.reshape(floors[j].shape))
-                if ok is not None:  # (a dropped step: v as it was, floor -inf changes nothing)
-                    floor = torch.where(ok, floor, -math.inf).reshape(())
-                if report:
-                    counts.append((views[j] <= floor).sum())
-                if self._floor_to_mean:
-                    views[j].masked_fill_(views[j] <= floor, mean.float())
-                else:
-                    torch.clamp_min_(views[j], floor)
-        if report and counts:
-            n = torch.stack(counts).tolist()
-            gis = [j for gi, _, _ in self._segments() for j in self._layout.group_params(gi)]
-            self.floored = {self._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
 
     def _param_name(self, j: int, layout: Layout | None = None) -> str:
         layout = layout or self._layout
@@ -518,32 +443,6 @@ class OneBitOptimizer(
             i = next(i for i, q in enumerate(self.param_groups[gi]["params"]) if q is p)
             name = f"param_groups[{gi}][{i}]"
         return f"{name} {tuple(p.shape)}"
-
-    def _warn_if_variance_is_young(self) -> None:
-        """The variance has no bias correction (as in DeepSpeed): after ``k`` variance updates
-        it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
-        step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
-        ~1.4x (once per run)."""
-        if self.bias_correction or self._warned_young:
-            return
-        t = self.variance_updates
-        young = [g["betas"][1] for g in self.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
-        if not young or (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
-            return
-        self._warned_young = True
-        b2 = max(young)
-        held = 1.0 - b2 ** max(t, 1)
-        need = math.ceil(math.log(0.5) / math.log(b2))
-        warnings.warn(
-            f"{type(self).__name__}: the 1-bit steps are preconditioned by a variance of {t} "
-            f"update(s) with beta2={b2}, which holds {held * 100:.2g}% of its steady-state value (no bias "
-            f"correction): every such step is about {1 / math.sqrt(held):.1f}x larger than "
-            f"Adam's. Pass bias_correction=True (OneBitStrategy does when it converts a torch "
-            f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
-            "betas=(0.9, 0.95) for short runs)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _on_freeze(self) -> None:
         """What the algorithm does when its phase switches (subclasses override)."""
@@ -887,45 +786,12 @@ class OneBitOptimizer(
             step=self.step_count,
             limit=self.max_consecutive_skips,
             announce=self._exchange is None or self._exchange.rank == 0,  # (same on every rank)
-            hint=self._divergence_hint,
+            hint=lambda: divergence_hint(self),
         )
 
     def _skipped_locally(self) -> None:
         """This rank's local step (0/1 Adam's) had a non-finite gradient (subclasses)."""
         raise NotImplementedError
-
-    def _divergence_hint(self) -> str:
-        """What to change after a divergence: the causes this optimizer can see in its own
-        state (a variance ~0 that 1-bit steps divide by; a young uncorrected variance), else the
-        usual ones."""
-        hints = []
-        v = self._flat.get("exp_avg_sq")
-        if v is not None and self.variance_floor <= 0:
-            views = self._views["exp_avg_sq"]
-            tiny = {  # below 1e-4 (in RMS) of the tensor's or the group's: what the floor catches
-                self._param_name(j): int(n)
-                for gi, _, s in self._segments()
-                for j in self._layout.group_params(gi)
-                if (n := (views[j] <= 1e-8 * max(float(views[j].mean()), float(v[s].mean()))).sum())
-                > 0
-            }
-            if tiny:
-                shown = ", ".join(f"{k}: {n}" for k, n in list(tiny.items())[:4])
-                hints.append(
-                    f"{sum(tiny.values())} coordinates have a variance ~0 ({shown}), which 1-bit "
-                    "steps divide by (lr * scale / eps): pass variance_floor=0.01 (the default)"
-                )
-        if not self.bias_correction:
-            b2 = max(g["betas"][1] for g in self.param_groups)
-            held = 1.0 - b2 ** max(self.variance_updates, 1)
-            if held < 0.5:
-                hints.append(
-                    f"the variance preconditioning the 1-bit steps holds {held * 100:.2g}% of its steady "
-                    f"state (no bias correction; {self.variance_updates} updates, beta2={b2}): "
-                    "pass bias_correction=True or lower beta2"
-                )
-        hints.append("lower the learning rate or check the data")
-        return "; ".join(hints)
 
     def node_groups(self) -> NodeGroups | None:
         """The two-level layout the exchange runs on, or ``None`` for the flat exchange.

@@ -19,6 +19,7 @@ from lightning_onebit.comm import (
     start_average,
 )
 from lightning_onebit.kernels import adam_update, frozen_adam_update
+from lightning_onebit.optim._variance import bias_corrections
 
 __all__ = [
     "RESCALE_BETA",
@@ -229,7 +230,7 @@ class FlatOps:
         for gi, group, s in self._segments():
             eps, scale = group["eps"], 1.0
             if self.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
-                bc1, bc2 = self._bias_corrections(gi)
+                bc1, bc2 = bias_corrections(self, gi)
                 eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
             torch.sqrt(v[s], out=out[s]).add_(eps)
             torch.div(m[s], out[s], out=out[s])
@@ -399,7 +400,7 @@ class FlatOps:
             group = groups[gi]
             lr, eps, wd = group["lr"], group["eps"], decoupled_decay(group)
             if self.bias_correction:
-                bc1, bc2 = self._bias_corrections(gi, j)
+                bc1, bc2 = bias_corrections(self, gi, j)
                 lr_c = lr * math.sqrt(bc2) / bc1
                 lr, eps, wd = lr_c, eps * math.sqrt(bc2), (wd * lr / lr_c if lr_c else wd)
             return (lr, *group["betas"], eps, wd)

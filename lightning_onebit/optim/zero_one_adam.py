@@ -48,6 +48,11 @@ from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import decoupled_decay
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
+from lightning_onebit.optim._variance import (
+    divergence_hint,
+    floor_variance_,
+    warn_if_variance_is_young,
+)
 
 __all__ = ["ZeroOneAdam"]
 
@@ -274,7 +279,7 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.verdict.count_drop(self.max_consecutive_skips):
             raise NonFiniteError(
                 f"0/1 Adam: {self.verdict.consecutive} local steps in a row had a non-finite "
-                f"gradient on rank {self._exchange.rank}: {self._divergence_hint()}, and resume "
+                f"gradient on rank {self._exchange.rank}: {divergence_hint(self)}, and resume "
                 "from the last checkpoint"
             )
         warnings.warn(
@@ -494,12 +499,12 @@ class ZeroOneAdam(OneBitOptimizer):
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     g.mul_(self._frozen_denominator()[0])
                 self._apply_exp_avg_mask_(g)
-                self._warn_if_variance_is_young()
+                warn_if_variance_is_young(self)
             # 1a/b moments + 1c. Adam update, one fused sweep
             self._adam_step_(update_variance=variance_step, ok=ok)
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
-                self._floor_variance_(ok=ok)
+                floor_variance_(self, ok=ok)
                 self._denominator = None
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
