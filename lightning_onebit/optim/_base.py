@@ -2,9 +2,14 @@
 
 Each algorithm (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) subclasses
 :class:`OneBitOptimizer`; its ``_step`` reads like its paper's Algorithm 1. The base class is
-here (options, phases, the step and its skip policy, the overlap API); its other jobs have a
-module each: the flat layout and buffers (``_layout.py``), the arithmetic ``_step`` is written
-in (``_ops.py``), checkpoints (``_checkpoint.py``), argument checks (``_validation.py``). The
+here (the contract, phases, the step's outline, the overlap API); its other jobs have a module
+each: the flat layout and buffers (``_layout.py``), the arithmetic ``_step`` is written in
+(``_ops.py``), checkpoints (``_checkpoint.py``), options and argument checks
+(``_validation.py``), the variance's bias correction and floor (``_variance.py``). Composed
+objects the optimizer holds: ``verdict`` (:class:`~lightning_onebit.optim._verdict.StepVerdict`,
+the NaN/Inf verdict and skip policy), ``topology``
+(:class:`~lightning_onebit.optim._topology.Topology`, process group, world size, node groups),
+``counters`` (:class:`~lightning_onebit.optim._counters.CommCounters`, ``comm_stats``). The
 contract:
 
 ==============================  ========  ===================================================
@@ -92,7 +97,6 @@ from __future__ import annotations
 import atexit
 import inspect
 import math
-import warnings
 import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
@@ -118,6 +122,7 @@ from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._topology import Delegated, Topology
 from lightning_onebit.optim._validation import (
     check_common_args,
+    check_grads_are_local,
     check_group,
     check_hparams,
     check_int,
@@ -312,7 +317,7 @@ class OneBitOptimizer(
         self.floored: dict[str, int] = {}
         self._phase = self.PHASES[0]
         self._warned_young = False  # warn_if_variance_is_young says it once per run
-        self._checked_local_grads = False  # _check_grads_are_local runs once
+        self._checked_local_grads = False  # check_grads_are_local runs once
         #: the step's NaN/Inf verdict and the skip policy (skipped steps are checkpointed)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
         #: the bytes the steps send (:attr:`comm_stats`; checkpointed)
@@ -611,7 +616,8 @@ class OneBitOptimizer(
         if not self._checked_local_grads and (
             self.average_warmup_grads or not self.expects_averaged_grads
         ):
-            self._check_grads_are_local()
+            self._checked_local_grads = True
+            check_grads_are_local(self)
         if self._overlap is not None:  # buckets the communication thread already started
             self._skip_gather = self._overlap.collect()
         self.counters.start_step()
@@ -706,40 +712,6 @@ class OneBitOptimizer(
 
     def _any_missed_steps(self) -> bool:
         return any("steps_without_grad" in self.state[p] for p in self._layout.params)
-
-    def _check_grads_are_local(self) -> None:
-        """Once, at the first step that should receive each rank's own gradients: warn if they
-        are identical on every rank. Then something averaged them in full precision already
-        (plain DDP: ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step
-        pays DDP's fp32 allreduce plus the 1-bit exchange; or every rank trains on the same
-        batches. Two 2-value all_reduces, once per run."""
-        self._checked_local_grads = True
-        if self.world_size < 2:
-            return
-        grads = [p.grad for p in self._layout.params if p.grad is not None]
-        summary = torch.zeros(2, dtype=torch.float64, device=self._layout.device)
-        for g in grads:  # (every rank takes part, with or without gradients)
-            summary += torch.stack([g.double().sum(), g.double().abs().sum()])
-        low = summary.clone()
-        group = self.process_group
-        dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-        if not (torch.equal(low, summary) and float(summary[1]) > 0):
-            return
-        if (dist.get_rank(group) if group is not None else dist.get_rank()) == 0:
-            warnings.warn(
-                f"{type(self).__name__} received identical gradients on all {self.world_size} "
-                "ranks, where it expects each rank's own: they were averaged in full precision "
-                "before step() (DDP: strategy='ddp' or a DistributedDataParallel model), so every "
-                "step pays DDP's fp32 allreduce and the 1-bit exchange on top (the byte counters "
-                "count only the latter); or every rank trains on the same batches. With "
-                "Lightning use strategy='onebit_adam' / 'zero_one_adam' / 'onebit_lamb' (it "
-                "turns DDP's allreduce off where the optimizer exchanges); without it, do not "
-                "wrap the model in DistributedDataParallel, and give each rank its own data "
-                "(DistributedSampler)",
-                UserWarning,
-                stacklevel=3,
-            )
 
     @abstractmethod
     def _step(self) -> None:

@@ -6,16 +6,22 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_onebit.optim._base import OneBitOptimizer
 
 __all__ = [
     "HONOURED_FLAGS",
     "REFUSED_FLAGS",
     "check_betas",
     "check_common_args",
+    "check_grads_are_local",
     "check_group",
     "check_group_flags",
     "check_hparams",
@@ -176,3 +182,37 @@ def deepspeed_arithmetic(cls: type, on: bool, **options: Any) -> dict[str, Any]:
             )
         out[k] = want
     return out
+
+
+def check_grads_are_local(opt: OneBitOptimizer) -> None:
+    """Once, at the first step that should receive each rank's own gradients: warn if they
+    are identical on every rank. Then something averaged them in full precision already
+    (plain DDP: ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step
+    pays DDP's fp32 allreduce plus the 1-bit exchange; or every rank trains on the same
+    batches. Two 2-value all_reduces, once per run."""
+    if opt.world_size < 2:
+        return
+    grads = [p.grad for p in opt._layout.params if p.grad is not None]
+    summary = torch.zeros(2, dtype=torch.float64, device=opt._layout.device)
+    for g in grads:  # (every rank takes part, with or without gradients)
+        summary += torch.stack([g.double().sum(), g.double().abs().sum()])
+    low = summary.clone()
+    group = opt.process_group
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    if not (torch.equal(low, summary) and float(summary[1]) > 0):
+        return
+    if (dist.get_rank(group) if group is not None else dist.get_rank()) == 0:
+        warnings.warn(
+            f"{type(opt).__name__} received identical gradients on all {opt.world_size} "
+            "ranks, where it expects each rank's own: they were averaged in full precision "
+            "before step() (DDP: strategy='ddp' or a DistributedDataParallel model), so every "
+            "step pays DDP's fp32 allreduce and the 1-bit exchange on top (the byte counters "
+            "count only the latter); or every rank trains on the same batches. With "
+            "Lightning use strategy='onebit_adam' / 'zero_one_adam' / 'onebit_lamb' (it "
+            "turns DDP's allreduce off where the optimizer exchanges); without it, do not "
+            "wrap the model in DistributedDataParallel, and give each rank its own data "
+            "(DistributedSampler)",
+            UserWarning,
+            stacklevel=3,
+        )
