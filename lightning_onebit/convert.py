@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._compat import mark_step_for_lr_schedulers
 from lightning_onebit.optim import OneBitOptimizer
-from lightning_onebit.optim._validation import _REFUSED_FLAGS
+from lightning_onebit.optim._validation import REFUSED_FLAGS
 
 #: torch Adam/AdamW group keys with no effect on the math: dropped (said in the message)
 _DROPPED = ("foreach", "fused")
@@ -163,7 +163,7 @@ def convert_adam(
     what the learning rates were multiplied by (``lamb_lr``, 1-bit LAMB only)."""
     d = original.defaults
     for gi, g in enumerate(original.param_groups):
-        for key, why in _REFUSED_FLAGS.items():
+        for key, why in REFUSED_FLAGS.items():
             if g.get(key):
                 raise MisconfigurationException(
                     f"param group {gi} of {type(original).__name__} has {key}=True: {algorithm} "
@@ -179,7 +179,7 @@ def convert_adam(
         group = {
             k: v if k == "params" else _plain(v)
             for k, v in g.items()
-            if k not in (*_DROPPED, *_REFUSED_FLAGS, "maximize", "decoupled_weight_decay")
+            if k not in (*_DROPPED, *REFUSED_FLAGS, "maximize", "decoupled_weight_decay")
         }
         if g.get("maximize", False):
             group["maximize"] = True

@@ -56,7 +56,7 @@ def _train(
 ) -> dict:
     model = _model()
     opt = FACTORIES[algo](model.parameters())
-    opt._device_verdict_on_cpu = device_verdict  # (the CUDA path's NaN handling)
+    opt.verdict.on_cpu = device_verdict  # (the CUDA path's NaN handling)
     if cap_mb is not None:
         opt.overlap_with_backward(cap_mb)
         opt.overlap_paused = paused

@@ -211,7 +211,7 @@ def _device_verdict_worker(
     factory, _ = _algo(algo, 1, 0, robust=robust, ranks_per_node=ranks_per_node)
     params = make_params()
     opt = factory(make_groups(params))
-    opt._device_verdict_on_cpu = how == "device"
+    opt.verdict.on_cpu = how == "device"
     bad = VERDICT_NAN[algo]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -300,7 +300,7 @@ def test_a_freeze_between_steps_counts_only_the_steps_that_went_through() -> Non
     for device in (True, False):
         params = make_params()
         opt = OneBitAdam(make_groups(params), bias_correction=True, freeze_step=100)
-        opt._device_verdict_on_cpu = device
+        opt.verdict.on_cpu = device
         with pytest.warns(RuntimeWarning, match="skipped step 4"):
             for t in range(1, 5):
                 set_grads(params, 0, t)

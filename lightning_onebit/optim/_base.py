@@ -2,9 +2,14 @@
 
 Each algorithm (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) subclasses
 :class:`OneBitOptimizer`; its ``_step`` reads like its paper's Algorithm 1. The base class is
-here (options, phases, the step and its skip policy, the overlap API); its other jobs have a
-module each: the flat layout and buffers (``_layout.py``), the arithmetic ``_step`` is written
-in (``_ops.py``), checkpoints (``_checkpoint.py``), argument checks (``_validation.py``). The
+here (the contract, phases, the step's outline, the overlap API); its other jobs have a module
+each: the flat layout and buffers (``_layout.py``), the arithmetic ``_step`` is written in
+(``_ops.py``), checkpoints (``_checkpoint.py``), options and argument checks
+(``_validation.py``), the variance's bias correction and floor (``_variance.py``). Composed
+objects the optimizer holds: ``verdict`` (:class:`~lightning_onebit.optim._verdict.StepVerdict`,
+the NaN/Inf verdict and skip policy), ``topology``
+(:class:`~lightning_onebit.optim._topology.Topology`, process group, world size, node groups),
+``counters`` (:class:`~lightning_onebit.optim._counters.CommCounters`, ``comm_stats``). The
 contract:
 
 ==============================  ========  ===================================================
@@ -90,11 +95,8 @@ registers only the parameters that required grad when it was built). All other s
 from __future__ import annotations
 
 import atexit
-import copy
 import inspect
 import math
-import os
-import warnings
 import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
@@ -104,33 +106,42 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit import kernels
 from lightning_onebit.comm import (
     BucketedAllreduce,
     CompressedAllreduce,
     NodeGroups,
     NonFiniteError,
     as_average_dtype,
-    fp32_allreduce_bytes,
-    resolve_ranks_per_node,
 )
-from lightning_onebit.optim._checkpoint import _Checkpointing
-from lightning_onebit.optim._layout import _FlatBuffers, _Layout
-from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, _FlatOps
+from lightning_onebit.optim._checkpoint import Checkpointing
+from lightning_onebit.optim._counters import CommCounters, restore, snapshot
+from lightning_onebit.optim._layout import FlatBuffers, Layout
+from lightning_onebit.optim._ops import RESCALE_INTERVAL, RESCALE_REFERENCE_UPDATES, FlatOps
 from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase
+from lightning_onebit.optim._topology import Delegated, Topology
 from lightning_onebit.optim._validation import (
-    check_betas,
-    check_group_flags,
+    check_common_args,
+    check_grads_are_local,
+    check_group,
+    check_hparams,
     check_int,
     check_real,
+    deepspeed_arithmetic,
 )
+from lightning_onebit.optim._variance import (
+    divergence_hint,
+    floor_variance_,
+    fold_bias_correction_,
+    warn_if_variance_is_young,
+)
+from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
 #: Default ``variance_floor``: where a variance preconditions 1-bit steps, no coordinate's
 #: ``sqrt(v)`` counts as less than this fraction of its tensor's or its group's RMS ``sqrt(v)``
-#: (see :meth:`OneBitOptimizer._floor_variance_`).
+#: (see ``floor_variance_`` (``_variance.py``)).
 VARIANCE_FLOOR = 0.01
 
 #: ``rescale_variance``'s per-tensor states: this rank's sum of ``g**2`` since the last
@@ -139,7 +150,7 @@ _RESCALE_STATES = {"grad_sq_sum": 0.0, "grad_sq_avg": 0.0, "grad_sq_ref": 0.0}
 
 
 class OneBitOptimizer(
-    _Checkpointing, _FlatBuffers, _FlatOps, torch.optim.Optimizer, metaclass=ABCMeta
+    Checkpointing, FlatBuffers, FlatOps, torch.optim.Optimizer, metaclass=ABCMeta
 ):
     """Base class: see the module docstring. Subclasses define the class attributes below and
     ``_step()``, and call ``super().__init__`` with their defaults.
@@ -161,8 +172,9 @@ class OneBitOptimizer(
             arithmetic, whose young variance makes short runs' 1-bit steps several times Adam's.
         variance_floor: where a variance preconditions 1-bit steps, raise it to at least
             ``f**2 * max(mean_k, mean_g)`` (``f = variance_floor``; the mean variance of
-            the coordinate's tensor and of its group; :meth:`_floor_variance_`): coordinates
-            whose gradient was ~0 cannot take ``lr * scale / eps`` steps. ``0``: DeepSpeed's.
+            the coordinate's tensor and of its group; ``_variance.floor_variance_``):
+            coordinates whose gradient was ~0 cannot take ``lr * scale / eps`` steps. ``0``:
+            DeepSpeed's.
         preconditioned_exchange: exchange what the algorithm sends divided by
             ``sqrt(v) + eps`` and multiply back after it (1-bit Adam, 0/1 Adam): the 1-bit
             error is then about the same size relative to every coordinate's Adam step.
@@ -212,7 +224,7 @@ class OneBitOptimizer(
     _scalar_states: ClassVar[dict[str, float]] = {}
     #: Optimizer-wide attributes that go into the checkpoint (besides step count and phase).
     _checkpoint_attrs: tuple[str, ...] = ()
-    #: raise floored variances to their tensor's mean (see :meth:`_floor_variance_`)
+    #: raise floored variances to their tensor's mean (see ``floor_variance_`` (``_variance.py``))
     _floor_to_mean: ClassVar[bool] = False
     #: Flat scratch buffers (not checkpointed).
     _work_buffers: tuple[str, ...] = ("update",)
@@ -221,8 +233,6 @@ class OneBitOptimizer(
     #: Whether the steps can keep their NaN/Inf verdicts on the device (their writes take it),
     #: which they do on CUDA; see "Non-finite values".
     DEVICE_VERDICT: ClassVar[bool] = False
-    #: Take it on the device on the CPU too (tests: the same code path, read on the host).
-    _device_verdict_on_cpu: bool = False
     #: Host-side counters a step advances: put back when the step turns out dropped (its
     #: verdict was non-finite), whether the host learnt that in the step or one step later.
     _host_counters: ClassVar[tuple[str, ...]] = (
@@ -235,6 +245,9 @@ class OneBitOptimizer(
     #: all-reduces before their running mean is the reference (see ``_rescale_variance_``)
     rescale_interval: int = RESCALE_INTERVAL
     rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
+    process_group = Delegated("topology", "The group the optimizer communicates over.")
+    hierarchical = Delegated("topology", "The two-level exchange (see :meth:`node_groups`).")
+    ranks_per_node = Delegated("topology", "Ranks per node (see :meth:`node_groups`).")
 
     def __init__(
         self,
@@ -256,7 +269,8 @@ class OneBitOptimizer(
     ) -> None:
         name = type(self).__name__
         bias_correction, variance_floor, preconditioned_exchange, rescale_variance = (
-            self._deepspeed_arithmetic(
+            deepspeed_arithmetic(
+                type(self),
                 deepspeed_compatible,
                 bias_correction=bias_correction,
                 variance_floor=variance_floor,
@@ -264,19 +278,10 @@ class OneBitOptimizer(
                 rescale_variance=rescale_variance,
             ).values()
         )
-        if not isinstance(decoupled_weight_decay, bool):
-            raise ValueError(
-                f"decoupled_weight_decay must be True or False, got {decoupled_weight_decay!r}"
-            )
+        check_common_args(name, amsgrad, decoupled_weight_decay, hierarchical, ranks_per_node)
         if not decoupled_weight_decay:  # (a group key only where it is not the default)
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
-        if hierarchical not in (True, False, "auto"):
-            raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
-        if ranks_per_node is not None:
-            check_int("ranks_per_node", ranks_per_node, 1)
-        if amsgrad:
-            raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
         self._check_hparams(defaults)  # (the same message as check_options: no prefix)
         OneBitOptimizer._check_options({"variance_floor": variance_floor})
         super().__init__(params, defaults)
@@ -300,14 +305,10 @@ class OneBitOptimizer(
         self.grad_sq_weight = 0.0  # 1 - the initial zeros' weight in them (bias correction)
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
-        self.process_group = process_group
         self.average_warmup_grads = bool(average_warmup_grads)
         self.average_dtype = average_dtype
-        #: the two-level exchange (see :meth:`node_groups`); set before the first step
-        self.hierarchical: bool | str = hierarchical
-        self.ranks_per_node = ranks_per_node
-        self._nodes: NodeGroups | None = None
-        self._nodes_resolved = False
+        #: the process group, the world size and the node groups (see :meth:`node_groups`)
+        self.topology = Topology(process_group, hierarchical, ranks_per_node)
 
         # internal state (checkpointed)
         self.step_count = 0  # steps taken; identical on every rank
@@ -315,25 +316,12 @@ class OneBitOptimizer(
         #: coordinates whose variance was floored at the last floor, per parameter name
         self.floored: dict[str, int] = {}
         self._phase = self.PHASES[0]
-        self._warned_young = False  # _warn_if_variance_is_young says it once per run
-        self._checked_local_grads = False  # _check_grads_are_local runs once
-        self.skipped_steps = 0  # steps skipped for non-finite values (see step())
-        self._consecutive_skips = 0
-        # device verdicts: this step's (ok, finite per rank, what it judged) on the device, and
-        # the last step's host copy (with the CUDA event that says it arrived and the counters
-        # from before it), resolved by _resolve_verdict
-        self._step_verdict: tuple[torch.Tensor, torch.Tensor, str] | None = None
-        self._pending_verdict: tuple[Any, ...] | None = None
-        self.comm_stats: dict[str, int] = {
-            "bytes_last_step": 0,  # bytes this rank sent in the last step
-            "bytes_total": 0,  # ... since the start of training
-            "fp32_equiv_total": 0,  # what fp32 ring allreduces of the gradients would have sent
-            # the part of those that left the node (nodes of ranks_per_node ranks; see
-            # node_groups), and the fp32 ring's: one rank's ring traffic per node crosses
-            "bytes_last_step_inter": 0,
-            "bytes_total_inter": 0,
-            "fp32_equiv_total_inter": 0,
-        }
+        self._warned_young = False  # warn_if_variance_is_young says it once per run
+        self._checked_local_grads = False  # check_grads_are_local runs once
+        #: the step's NaN/Inf verdict and the skip policy (skipped steps are checkpointed)
+        self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
+        #: the bytes the steps send (:attr:`comm_stats`; checkpointed)
+        self.counters = CommCounters()
 
         #: ``id``s of the parameters whose warmup gradients the caller averages
         #: (``average_warmup_grads=False``; ``OneBitStrategy`` sets those DDP registered),
@@ -344,7 +332,7 @@ class OneBitOptimizer(
         self.loaded_foreign = False
 
         # internal state (rebuilt lazily by _prepare)
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._trained_ids: frozenset[int] = frozenset()  # the last layout's parameters
         self._flat: dict[str, torch.Tensor] = {}
         self._scalars: dict[str, torch.Tensor] = {}
@@ -354,8 +342,6 @@ class OneBitOptimizer(
         self._param_flat: torch.Tensor | None = None
         self._exchange: CompressedAllreduce | BucketedAllreduce | None = None
         self._pending_exchange_state: dict[str, Any] | None = None
-        self._bytes_step = 0
-        self._bytes_step_inter = 0
         self._overlap: BackwardOverlap | None = None  # see overlap_with_backward()
         self._denominator: tuple[torch.Tensor, list[torch.Tensor], list[float]] | None = None
         self._skip_gather: set[int] = set()
@@ -367,30 +353,6 @@ class OneBitOptimizer(
         _OPEN.add(self)  # (closed at interpreter exit: see close())
 
     # ------------------------------------------------------------------ hyperparameters
-
-    @classmethod
-    def _deepspeed_arithmetic(cls, on: bool, **options: Any) -> dict[str, Any]:
-        """``options`` (by name, in their order) with DeepSpeed's values where ``on`` (see
-        ``deepspeed_compatible``). Raises ``ValueError`` for an option given a value that is
-        neither DeepSpeed's nor its default: the two settings contradict each other."""
-        if not isinstance(on, bool):
-            raise ValueError(f"deepspeed_compatible must be True or False, got {on!r}")
-        if not on:
-            return options
-        params = inspect.signature(cls.__init__).parameters
-        out = dict(options)
-        for k, v in options.items():
-            if k not in cls.DEEPSPEED_ARITHMETIC:
-                continue
-            want = cls.DEEPSPEED_ARITHMETIC[k]
-            default = params[k].default if k in params else want
-            if v != want and v != default:
-                raise ValueError(
-                    f"{cls.__name__}(deepspeed_compatible=True) computes with DeepSpeed's "
-                    f"{k}={want!r}, and {k}={v!r} was given too: drop one of the two"
-                )
-            out[k] = want
-        return out
 
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
@@ -415,24 +377,15 @@ class OneBitOptimizer(
         if "variance_floor" in o:
             check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
 
-    @staticmethod
-    def _check_hparams(h: dict[str, Any]) -> None:
-        """Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is
-        accepted: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero)."""
-        if "initial_lr" in h:  # an LR scheduler's setting (``lr`` is its current value)
-            check_real("initial_lr", h["initial_lr"], 0.0, math.inf, high_open=True,
-                        hint="a learning rate >= 0")  # fmt: skip
-        check_real("lr", h["lr"], 0.0, math.inf, high_open=True,
-                    hint="a learning rate >= 0; 0 keeps the parameters fixed")  # fmt: skip
-        check_betas(h["betas"])
-        check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True,
-                    hint="a small positive number, e.g. 1e-8")  # fmt: skip
-        check_real("weight_decay", h["weight_decay"], 0.0, math.inf, hint="0 for none")
+    #: Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is accepted:
+    #: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero).
+    _check_hparams = staticmethod(check_hparams)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
-            self._check_group(len(self.param_groups) - 1)
+            gi = len(self.param_groups) - 1
+            check_group(type(self).__name__, self.param_groups[gi], gi, self._check_hparams)
         except ValueError:
             self.param_groups.pop()  # a refused group must not stay in the optimizer
             raise
@@ -443,38 +396,6 @@ class OneBitOptimizer(
         if getattr(self, "step_count", 0) > 0:
             self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
         self._layout = None  # re-layout at the next step
-
-    def _check_group(self, gi: int) -> None:
-        """Validate param group ``gi``: hyperparameters, torch's per-group flags, parameter
-        kinds, mask type. Every error names the group."""
-        group = self.param_groups[gi]
-        name = type(self).__name__
-        try:
-            self._check_hparams(group)
-        except ValueError as err:
-            raise ValueError(f"param group {gi}: {err}; set it in that group") from None
-        check_group_flags(name, gi, group)
-        for i, p in enumerate(group["params"]):
-            what = f"parameter {i} of param group {gi} (shape {tuple(p.shape)}, dtype {p.dtype})"
-            if p.layout != torch.strided:
-                raise ValueError(
-                    f"{what} has layout {p.layout}: {name} supports dense (torch.strided) "
-                    "parameters only; make the parameter dense (.to_dense())"
-                )
-            if p.is_complex():
-                raise ValueError(
-                    f"{what} is complex: {name} supports real floating-point parameters only "
-                    "(float32, float16, bfloat16, float64); view complex ones as real with "
-                    "torch.view_as_real"
-                )
-            if not p.is_floating_point():
-                raise ValueError(
-                    f"{what}: parameters must be floating point (float32, float16, bfloat16, "
-                    "float64)"
-                )
-        mask = group.get("exp_avg_mask")
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
 
     # ------------------------------------------------------------------ phases
 
@@ -502,7 +423,7 @@ class OneBitOptimizer(
         At the switch, with ``bias_correction``, the bias corrections are folded into the
         moments (``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``): the compression phase then runs
         the paper's algorithm unchanged, preconditioned by Adam's unbiased variance. Then the
-        variance is floored (:meth:`_floor_variance_`).
+        variance is floored (``floor_variance_`` (``_variance.py``)).
         """
         if self._phase == self.PHASES[1]:
             return
@@ -512,95 +433,13 @@ class OneBitOptimizer(
         self._phase = self.PHASES[1]
         self._denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
         if self.bias_correction:
-            self._fold_bias_correction_()
+            fold_bias_correction_(self)
         else:
-            self._warn_if_variance_is_young()
-        self._floor_variance_(report=True)
+            warn_if_variance_is_young(self)
+        floor_variance_(self, report=True)
         self._on_freeze()
 
-    def _bias_corrections(self, gi: int, j: int | None = None) -> tuple[float, float]:
-        """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
-        variance updates since the group joined (1 for a variance that never saw a gradient:
-        nothing to correct); of its parameter ``j`` (layout index): less the steps it had no
-        gradient in (torch's Adam counts each parameter's own steps)."""
-        group = self.param_groups[gi]
-        beta1, beta2 = group["betas"]
-        t0, k0 = group.get("joined_at", (0, 0))
-        t, k = self.step_count - t0, self.variance_updates - k0
-        if j is not None:
-            mt, mk = self._missed_steps(j)
-            t, k = t - mt, k - mk
-        return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
-
-    def _fold_bias_correction_(self) -> None:
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        if self._any_missed_steps():  # per parameter: some missed steps
-            of = self._layout.group_of
-            for j, (mj, vj) in enumerate(
-                zip(self._views["exp_avg"], self._views["exp_avg_sq"], strict=True)
-            ):
-                bc1, bc2 = self._bias_corrections(of[j], j)
-                mj.div_(bc1)
-                vj.div_(bc2)
-            return
-        for gi, _, s in self._segments():
-            bc1, bc2 = self._bias_corrections(gi)
-            m[s].div_(bc1)
-            v[s].div_(bc2)
-
-    def _floor_variance_(self, report: bool = False, ok: torch.Tensor | None = None) -> None:
-        """Raise each coordinate's variance to at least ``f**2 * max(mean_k, mean_g)``,
-        ``f = variance_floor``, ``mean_k`` the mean variance of its tensor, ``mean_g`` that of
-        its parameter group: a coordinate counts as degenerate when its gradient RMS is below
-        ``f`` times its own tensor's (a dead unit, an unseen embedding row, the key part of an
-        attention bias) or its group's (a conv bias in front of BatchNorm, whose gradient is
-        rounding noise). Measured at the switch (tensor RMS / group RMS): conv biases before
-        BatchNorm 2e-6 and 2e-4, BERT's key biases 3e-8 and 1e-7; the smallest ordinary tensors
-        of those models 0.08 and 0.55, so ``f = 0.01`` separates them with room on both sides.
-
-        Why: 1 bit cannot send a zero. Every coordinate of an exchange receives ``+-scale``,
-        error feedback keeps its *sum* right, and the update divides by ``sqrt(v) + eps``: with
-        ``v ~ 0`` a coordinate moves by ``lr * scale / eps`` per step (DeepSpeed's arithmetic:
-        the run explodes one step after the switch), and with ``preconditioned_exchange`` its
-        ``m / (sqrt(v) + eps)`` would blow up the exchange's scale for everyone. A floored
-        coordinate only ever takes smaller steps than without the floor. ``variance_floor=0``
-        is DeepSpeed's arithmetic.
-
-        With ``_floor_to_mean`` (1-bit LAMB) a caught coordinate is raised to
-        ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
-        ``ok``: the step's verdict on the device; where it is false nothing changes.
-        """
-        self.floored = {}
-        f2 = self.variance_floor**2
-        if f2 <= 0:
-            return
-        v, views = self._flat["exp_avg_sq"], self._views["exp_avg_sq"]
-        floors = self._views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
-        counts: list[torch.Tensor] = []
-        for gi, _, s in self._segments():
-            idx = self._layout.group_params(gi)
-            # (tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps)
-            group_mean = v[s].mean(dtype=torch.float64)
-            for j in idx:
-                mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
-                floor = (mean * f2).float()
-                if floors is not None:
-                    kept = floor if ok is None else torch.where(ok, floor, floors[j])
-                    floors[j].copy_(kept.reshape(floors[j].shape))
-                if ok is not None:  # (a dropped step: v as it was, floor -inf changes nothing)
-                    floor = torch.where(ok, floor, -math.inf).reshape(())
-                if report:
-                    counts.append((views[j] <= floor).sum())
-                if self._floor_to_mean:
-                    views[j].masked_fill_(views[j] <= floor, mean.float())
-                else:
-                    torch.clamp_min_(views[j], floor)
-        if report and counts:
-            n = torch.stack(counts).tolist()
-            gis = [j for gi, _, _ in self._segments() for j in self._layout.group_params(gi)]
-            self.floored = {self._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
-
-    def _param_name(self, j: int, layout: _Layout | None = None) -> str:
+    def _param_name(self, j: int, layout: Layout | None = None) -> str:
         layout = layout or self._layout
         p = layout.params[j]
         name = self.param_names.get(p)
@@ -609,32 +448,6 @@ class OneBitOptimizer(
             i = next(i for i, q in enumerate(self.param_groups[gi]["params"]) if q is p)
             name = f"param_groups[{gi}][{i}]"
         return f"{name} {tuple(p.shape)}"
-
-    def _warn_if_variance_is_young(self) -> None:
-        """The variance has no bias correction (as in DeepSpeed): after ``k`` variance updates
-        it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
-        step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
-        ~1.4x (once per run)."""
-        if self.bias_correction or self._warned_young:
-            return
-        t = self.variance_updates
-        young = [g["betas"][1] for g in self.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
-        if not young or (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
-            return
-        self._warned_young = True
-        b2 = max(young)
-        held = 1.0 - b2 ** max(t, 1)
-        need = math.ceil(math.log(0.5) / math.log(b2))
-        warnings.warn(
-            f"{type(self).__name__}: the 1-bit steps are preconditioned by a variance of {t} "
-            f"update(s) with beta2={b2}, which holds {held * 100:.2g}% of its steady-state value (no bias "
-            f"correction): every such step is about {1 / math.sqrt(held):.1f}x larger than "
-            f"Adam's. Pass bias_correction=True (OneBitStrategy does when it converts a torch "
-            f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
-            "betas=(0.9, 0.95) for short runs)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _on_freeze(self) -> None:
         """What the algorithm does when its phase switches (subclasses override)."""
@@ -666,7 +479,7 @@ class OneBitOptimizer(
         variance (the first phase; 0/1 Adam overrides)."""
         return self._phase == self.PHASES[0]
 
-    def _check_joined(self, layout: _Layout) -> None:
+    def _check_joined(self, layout: Layout) -> None:
         """Refuse parameters that became trainable (``add_param_group``, ``requires_grad``
         turned on) after the variance froze, before the step changes anything: they have no
         variance, and a 1-bit step divides by it (their first steps would be ``lr * scale /
@@ -803,22 +616,23 @@ class OneBitOptimizer(
         if not self._checked_local_grads and (
             self.average_warmup_grads or not self.expects_averaged_grads
         ):
-            self._check_grads_are_local()
+            self._checked_local_grads = True
+            check_grads_are_local(self)
         if self._overlap is not None:  # buckets the communication thread already started
             self._skip_gather = self._overlap.collect()
-        self._bytes_step = self._bytes_step_inter = 0
+        self.counters.start_step()
         if self._device_verdicts:
             self._rescale_reduce_if_due()  # (now that the host knows which steps counted)
-        counters = self._host_state()
+        counters = snapshot(self, self._host_counters)
         self.step_count += 1
         skipped = self.skipped_steps
-        self._step_verdict = None
+        self.verdict.begin()
         self._hold(self._params_without_grad())
         try:
             self._step()
         except NonFiniteError as err:
             self._release(count=False)
-            self._restore_host_state(counters)
+            restore(self, counters)
             self._skipped(err)
         finally:
             self._release()
@@ -826,19 +640,9 @@ class OneBitOptimizer(
             if self._overlap is not None:
                 self._exchange.discard()  # started buckets a step did not use (none normally)
                 self._overlap.end_step()
-        if self._step_verdict is not None:
-            self._defer_verdict(counters)
-        elif self.skipped_steps == skipped:
-            self._consecutive_skips = 0
-        stats = self.comm_stats
-        stats["bytes_last_step"] = self._bytes_step
-        stats["bytes_total"] += self._bytes_step
-        fp32 = fp32_allreduce_bytes(self._layout.numel, self.world_size)
-        stats["fp32_equiv_total"] += fp32
-        stats["bytes_last_step_inter"] = self._bytes_step_inter
-        stats["bytes_total_inter"] += self._bytes_step_inter
-        if self._node_size() < self.world_size:
-            stats["fp32_equiv_total_inter"] += fp32 // self._node_size()
+        self.verdict.end(self.step_count, counters, skipped)
+        w = self.world_size
+        self.counters.end_step(self._layout.numel, w, self.topology.node_size(w))
         return loss
 
     # ------------------------------------------------------------------ parameters without gradients
@@ -909,182 +713,57 @@ class OneBitOptimizer(
     def _any_missed_steps(self) -> bool:
         return any("steps_without_grad" in self.state[p] for p in self._layout.params)
 
-    def _check_grads_are_local(self) -> None:
-        """Once, at the first step that should receive each rank's own gradients: warn if they
-        are identical on every rank. Then something averaged them in full precision already
-        (plain DDP: ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step
-        pays DDP's fp32 allreduce plus the 1-bit exchange; or every rank trains on the same
-        batches. Two 2-value all_reduces, once per run."""
-        self._checked_local_grads = True
-        if self.world_size < 2:
-            return
-        grads = [p.grad for p in self._layout.params if p.grad is not None]
-        summary = torch.zeros(2, dtype=torch.float64, device=self._layout.device)
-        for g in grads:  # (every rank takes part, with or without gradients)
-            summary += torch.stack([g.double().sum(), g.double().abs().sum()])
-        low = summary.clone()
-        group = self.process_group
-        dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-        if not (torch.equal(low, summary) and float(summary[1]) > 0):
-            return
-        if (dist.get_rank(group) if group is not None else dist.get_rank()) == 0:
-            warnings.warn(
-                f"{type(self).__name__} received identical gradients on all {self.world_size} "
-                "ranks, where it expects each rank's own: they were averaged in full precision "
-                "before step() (DDP: strategy='ddp' or a DistributedDataParallel model), so every "
-                "step pays DDP's fp32 allreduce and the 1-bit exchange on top (the byte counters "
-                "count only the latter); or every rank trains on the same batches. With "
-                "Lightning use strategy='onebit_adam' / 'zero_one_adam' / 'onebit_lamb' (it "
-                "turns DDP's allreduce off where the optimizer exchanges); without it, do not "
-                "wrap the model in DistributedDataParallel, and give each rank its own data "
-                "(DistributedSampler)",
-                UserWarning,
-                stacklevel=3,
-            )
-
     @abstractmethod
     def _step(self) -> None:
         """One step of the algorithm on the flat buffers (``self.step_count`` already counts it).
         Raise :class:`NonFiniteError` before writing any state to have the step dropped."""
 
-    def _uses_device_verdict(self, device: torch.device) -> bool:
-        """Whether this optimizer's steps on ``device`` keep their NaN/Inf verdicts there (see
-        :attr:`DEVICE_VERDICT`): on CUDA with the CUDA kernels built."""
-        on_gpu = device.type == "cuda" and kernels.HAS_CUDA
-        return self.DEVICE_VERDICT and (on_gpu or self._device_verdict_on_cpu)
-
     @property
     def _device_verdicts(self) -> bool:
-        return self._layout is not None and self._uses_device_verdict(self._layout.device)
+        """Whether this step's verdicts stay on the device (see :class:`StepVerdict`)."""
+        return self._layout is not None and self.verdict.uses_device(self._layout.device)
 
-    def _host_state(self) -> dict[str, Any]:
-        return {k: copy.copy(getattr(self, k)) for k in self._host_counters}
+    @property
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes sent: ``bytes_last_step``, ``bytes_total``, ``fp32_equiv_total`` (what fp32
+        ring allreduces of the gradients would have sent) and their ``_inter`` parts (what left
+        the node)."""
+        return self.counters.totals
 
-    def _restore_host_state(self, counters: dict[str, Any]) -> None:
-        for k, v in counters.items():
-            setattr(self, k, v)
-
-    def _take_verdict(self) -> torch.Tensor | None:
-        """After a compressed exchange: its verdict ``ok`` on the device (the step's update
-        kernels take it), or ``None`` when the exchange read it on the host (and raised)."""
-        ex = self._exchange
-        if not ex.device_verdict:
-            return None
-        ok, finite = ex.verdict
-        self._step_verdict = (ok, finite, "exchange")
-        return ok
-
-    def _verdict_now(self) -> None:
-        """Read this step's device verdict on the host now (a host synchronisation, for the
-        steps that change the phase: once per run) and raise :class:`NonFiniteError` if it was
-        false, as the host's own verdict does; the step wrote nothing."""
-        if self._step_verdict is None:
-            return
-        ok, finite, kind = self._step_verdict
-        if not bool(ok):
-            self._step_verdict = None
-            raise NonFiniteError(self._verdict_message(finite.tolist(), kind, self.step_count))
-
-    def _verdict_message(self, finite: list[bool], kind: str, step: int) -> str:
-        if kind == "average":
-            return f"the averaged gradient has non-finite values (NaN/Inf) at step {step}"
-        bad = [i for i, f in enumerate(finite) if not f]
-        # (the hierarchical exchange's non-finite shard reaches every node: it names none)
-        where = f"rank(s) {bad} of {len(finite)}" if len(bad) < len(finite) else "a rank"
-        return (
-            f"non-finite values (NaN/Inf) entered the 1-bit exchange on {where} at step {step}; "
-            "every rank dropped the step (nothing was written: the verdict was taken on the "
-            "device)"
-        )
-
-    def _defer_verdict(self, counters: dict[str, Any]) -> None:
-        """End of a step whose verdict is on the device: copy it to the host without waiting
-        (pinned memory, an event after the copy); :meth:`_resolve_verdict` reads it later."""
-        _, finite, kind = self._step_verdict
-        event = None
-        if finite.is_cuda:
-            host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
-            host.copy_(finite, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(finite.device))
-        else:
-            host = finite.clone()
-        self._pending_verdict = (self.step_count, host, event, kind, counters)
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped on every rank (or, 0/1 Adam's local steps, on one) for NaN/Inf."""
+        return self.verdict.skipped_steps
 
     def _resolve_verdict(self) -> None:
         """The host's half of a step whose verdict stayed on the device: if it was non-finite,
         the step (which wrote nothing) is uncounted, its counters put back, and reported as a
         skipped step (``"local"``: 0/1 Adam's local step, skipped by its own rank only). Runs
-        at the start of the next step and before a checkpoint; the copy has arrived by then
-        (the event waits only if the GPU is still on that step's exchange)."""
-        pending, self._pending_verdict = self._pending_verdict, None
-        if pending is None:
+        at the start of the next step and before a checkpoint."""
+        dropped = self.verdict.resolve()
+        if dropped is None:
             return
-        step, host, event, kind, counters = pending
-        if event is not None:
-            event.synchronize()
-        finite = host.tolist()
-        if all(finite):
-            self._consecutive_skips = 0
-            return
-        if kind == "local":  # (0/1 Adam's)
+        if dropped.kind == "local":  # (0/1 Adam's)
             self._skipped_locally()
             return
-        self._restore_host_state(counters)
-        self._skipped(NonFiniteError(self._verdict_message(finite, kind, step)))
+        restore(self, dropped.counters)
+        self._skipped(NonFiniteError(dropped.message))
 
     def _skipped(self, err: NonFiniteError) -> None:
         """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and
         nothing was changed yet (the algorithms only write their state after the exchange), so
         the step is dropped on every rank, as if its batch had not been there."""
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        if self._consecutive_skips >= self.max_consecutive_skips:
-            raise NonFiniteError(
-                f"{self._consecutive_skips} steps in a row had non-finite values (last: {err}); the "
-                f"run has diverged: {self._divergence_hint()}, and resume from the last checkpoint"
-            ) from err
-        if self._exchange is None or self._exchange.rank == 0:  # the same on every rank
-            warnings.warn(
-                f"{type(self).__name__}: skipped step {self.step_count + 1} on every rank "
-                f"({self.skipped_steps} so far): {err}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self.verdict.drop(
+            err,
+            step=self.step_count,
+            limit=self.max_consecutive_skips,
+            announce=self._exchange is None or self._exchange.rank == 0,  # (same on every rank)
+            hint=lambda: divergence_hint(self),
+        )
 
-    def _divergence_hint(self) -> str:
-        """What to change after a divergence: the causes this optimizer can see in its own
-        state (a variance ~0 that 1-bit steps divide by; a young uncorrected variance), else the
-        usual ones."""
-        hints = []
-        v = self._flat.get("exp_avg_sq")
-        if v is not None and self.variance_floor <= 0:
-            views = self._views["exp_avg_sq"]
-            tiny = {  # below 1e-4 (in RMS) of the tensor's or the group's: what the floor catches
-                self._param_name(j): int(n)
-                for gi, _, s in self._segments()
-                for j in self._layout.group_params(gi)
-                if (n := (views[j] <= 1e-8 * max(float(views[j].mean()), float(v[s].mean()))).sum())
-                > 0
-            }
-            if tiny:
-                shown = ", ".join(f"{k}: {n}" for k, n in list(tiny.items())[:4])
-                hints.append(
-                    f"{sum(tiny.values())} coordinates have a variance ~0 ({shown}), which 1-bit "
-                    "steps divide by (lr * scale / eps): pass variance_floor=0.01 (the default)"
-                )
-        if not self.bias_correction:
-            b2 = max(g["betas"][1] for g in self.param_groups)
-            held = 1.0 - b2 ** max(self.variance_updates, 1)
-            if held < 0.5:
-                hints.append(
-                    f"the variance preconditioning the 1-bit steps holds {held * 100:.2g}% of its steady "
-                    f"state (no bias correction; {self.variance_updates} updates, beta2={b2}): "
-                    "pass bias_correction=True or lower beta2"
-                )
-        hints.append("lower the learning rate or check the data")
-        return "; ".join(hints)
+    def _skipped_locally(self) -> None:
+        """This rank's local step (0/1 Adam's) had a non-finite gradient (subclasses)."""
+        raise NotImplementedError
 
     def node_groups(self) -> NodeGroups | None:
         """The two-level layout the exchange runs on, or ``None`` for the flat exchange.
@@ -1097,24 +776,13 @@ class OneBitOptimizer(
         runs the flat exchange; ``"auto"`` decides silently. Collective on its first call (every
         rank at the same point: the first step, or the strategy's setup); cached after it.
         """
-        if not self._nodes_resolved:
-            w = dist.get_world_size(self.process_group) if self._distributed() else 1
-            ll = (
-                resolve_ranks_per_node(self.hierarchical, self.ranks_per_node, w) if w > 1 else None
-            )
-            self._nodes = None if ll is None else NodeGroups(self.process_group, ll)
-            self._nodes_resolved = True
-            if self._nodes is not None:  # destroyed with the optimizer, at the latest at exit
-                weakref.finalize(self, self._nodes.close)
-        return self._nodes
+        return self.topology.node_groups()
 
     def close_node_groups(self) -> None:
         """Destroy the groups of :meth:`node_groups` (the strategies do it at teardown); the
         next step builds them again."""
-        if self._nodes is not None:
-            self._nodes.close()
+        if self.topology.close():
             self._release_exchange()
-        self._nodes, self._nodes_resolved = None, False
 
     def close(self) -> None:
         """Stop what this optimizer started: the overlap's communication thread, gradient hooks
@@ -1139,30 +807,12 @@ class OneBitOptimizer(
             self._pending_exchange_state = ex.state_dict()
         self._layout = None  # (a new exchange at the next step)
 
-    def _node_size(self) -> int:
-        """Ranks per node for the byte counters: the layout's, else ``ranks_per_node`` or
-        ``LOCAL_WORLD_SIZE`` where given, else 1 (every peer counts as on another node)."""
-        if self._nodes is not None:
-            return self._nodes.local_size
-        ll = self.ranks_per_node
-        env = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if ll is None and env.isdigit():
-            ll = int(env)
-        w = self.world_size
-        return ll if ll is not None and ll <= w and w % ll == 0 else 1
-
-    @staticmethod
-    def _distributed() -> bool:
-        return dist.is_available() and dist.is_initialized()
-
     @property
     def world_size(self) -> int:
         """Ranks in ``process_group`` (1 without an initialised process group)."""
         if self._exchange is not None:
             return self._exchange.world_size
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(self.process_group)
-        return 1
+        return self.topology.world_size()
 
 
 #: every live optimizer, for close_all()

@@ -10,10 +10,10 @@ import torch
 
 from lightning_onebit.optim._phase import Phase
 
-__all__ = ["_Checkpointing"]
+__all__ = ["Checkpointing"]
 
 
-class _Checkpointing:
+class Checkpointing:
     """``state_dict`` / ``load_state_dict`` / ``rank_state_dict`` of ``OneBitOptimizer``."""
 
     def _global_state(self) -> dict[str, Any]:
@@ -98,7 +98,7 @@ class _Checkpointing:
         the next steps' bias correction is the one torch's Adam would apply. The phase switch,
         if that count is already past it, is :meth:`catch_up_switch`'s.
         """
-        self._pending_verdict = None  # (of the steps the loaded state replaces)
+        self.verdict.pending = None  # (of the steps the loaded state replaces)
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         saved_groups = [dict(g) for g in state_dict["param_groups"]]
@@ -163,7 +163,7 @@ class _Checkpointing:
             self._on_foreign_load()
         # (a checkpoint from before the counter: every step had updated the variance)
         self.variance_updates = int(extra.get("variance_updates", self.step_count))
-        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.verdict.skipped_steps = int(extra.get("skipped_steps", 0))
         phase = extra.get("phase", self.PHASES[0].value)
         if phase not in self.PHASES:
             raise ValueError(

@@ -10,10 +10,10 @@ import torch
 
 from lightning_onebit.comm import BucketedAllreduce, make_exchange
 
-__all__ = ["_FlatBuffers", "_Layout"]
+__all__ = ["FlatBuffers", "Layout"]
 
 
-class _Layout:
+class Layout:
     """Where each trainable parameter lives in the flat buffers (group after group)."""
 
     def __init__(self, param_groups: list[dict[str, Any]]) -> None:
@@ -60,7 +60,7 @@ class _Layout:
         return [j for j, g in enumerate(self.group_of) if g == gi]
 
 
-class _FlatBuffers:
+class FlatBuffers:
     """``OneBitOptimizer``'s flat buffers (state, gradients, parameters, scratch) and the
     exchange over them: built at the first step, rebuilt when the parameters change."""
 
@@ -74,7 +74,7 @@ class _FlatBuffers:
         layout = self._layout
         if layout is not None and self._layout_intact(layout):
             return
-        layout = _Layout(self.param_groups)
+        layout = Layout(self.param_groups)
         self._check_joined(layout)
         device, n, kw = layout.device, layout.numel, {"device": layout.device}
         flat = {name: torch.zeros(n, dtype=torch.float32, **kw) for name in self._flat_states}
@@ -134,12 +134,12 @@ class _FlatBuffers:
                 nodes = self._overlap.nodes()
             ex = BucketedAllreduce(
                 bounds, device=device, group=group, nodes=nodes,
-                device_verdict=self._uses_device_verdict(device),
+                device_verdict=self.verdict.uses_device(device),
             )  # fmt: skip
         elif ex is None:
             ex = make_exchange(
                 n, device, self.process_group, nodes,
-                device_verdict=self._uses_device_verdict(device),
+                device_verdict=self.verdict.uses_device(device),
             )  # fmt: skip
         if self._overlap is not None:
             self._overlap.install(layout)
@@ -180,7 +180,7 @@ class _FlatBuffers:
     def _on_layout(self) -> None:
         """Hook for subclasses whose own state depends on the layout (e.g. per-group lists)."""
 
-    def _layout_intact(self, layout: _Layout) -> bool:
+    def _layout_intact(self, layout: Layout) -> bool:
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if tuple(id(p) for p in params) != layout.key:
             return False

@@ -19,12 +19,13 @@ from lightning_onebit.comm import (
     start_average,
 )
 from lightning_onebit.kernels import adam_update, frozen_adam_update
+from lightning_onebit.optim._variance import bias_corrections
 
 __all__ = [
     "RESCALE_BETA",
     "RESCALE_INTERVAL",
     "RESCALE_REFERENCE_UPDATES",
-    "_FlatOps",
+    "FlatOps",
     "decoupled_decay",
 ]
 
@@ -40,11 +41,11 @@ RESCALE_REFERENCE_UPDATES = 1
 def decoupled_decay(group: dict[str, Any]) -> float:
     """The group's decoupled weight decay (AdamW's, ``p -= lr * wd * p``): its
     ``weight_decay``, or 0 where ``decoupled_weight_decay=False`` makes it torch Adam's L2
-    term, which :meth:`_FlatOps._gather_grads` adds to the gradient instead."""
+    term, which :meth:`FlatOps._gather_grads` adds to the gradient instead."""
     return group["weight_decay"] if group.get("decoupled_weight_decay", True) else 0.0
 
 
-class _FlatOps:
+class FlatOps:
     """``OneBitOptimizer``'s arithmetic on its flat buffers (see ``_base.py``)."""
 
     def _segments(self) -> Iterator[tuple[int, dict[str, Any], slice]]:
@@ -130,18 +131,13 @@ class _FlatOps:
             self._average_uncovered_()
         if nodes is not None:
             intra, inter = average_bytes(flat.numel(), self.average_dtype, nodes)
-            self._bytes_step += intra + inter
-            self._bytes_step_inter += inter
+            self.counters.add(intra + inter, inter)
         else:
             sent = fp32_allreduce_bytes(flat.numel(), w) * self.average_dtype.itemsize // 4
-            self._bytes_step += sent
-            # a ring in rank order crosses each node's link once: one rank's traffic per node
-            if self._node_size() < w:
-                self._bytes_step_inter += sent // self._node_size()
+            self.counters.add_ring(sent, w, self.topology.node_size(w))
         if self._device_verdicts:  # averaged: the same verdict on every rank
             ok = self._finite_on_device(flat)
-            self._step_verdict = (ok, ok, "average")
-            return ok
+            return self.verdict.keep(ok, ok, "average")
         if not self._finite(flat):
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
@@ -176,7 +172,7 @@ class _FlatOps:
         """Whether every value is finite: one read-only sweep, no temporary (min and max
         propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
         materialises a float64 copy of the buffer."""
-        return bool(_FlatOps._finite_on_device(flat))
+        return bool(FlatOps._finite_on_device(flat))
 
     @staticmethod
     def _finite_on_device(flat: torch.Tensor) -> torch.Tensor:
@@ -209,9 +205,9 @@ class _FlatOps:
         try:
             ex.finish((lambda lo, hi: source(slice(lo, hi))) if callable(source) else source, out)
         finally:
-            self._bytes_step += ex.bytes_sent
-            self._bytes_step_inter += ex.inter_node_bytes(self._node_size())
-        return self._take_verdict()
+            ns = self.topology.node_size(self.world_size)
+            self.counters.add(ex.bytes_sent, ex.inter_node_bytes(ns))
+        return self.verdict.take(ex)
 
     def _apply_exp_avg_mask_(self, flat: torch.Tensor) -> None:
         """Multiply by each group's ``exp_avg_mask`` (1-bit signs cannot encode exact zeros)."""
@@ -234,7 +230,7 @@ class _FlatOps:
         for gi, group, s in self._segments():
             eps, scale = group["eps"], 1.0
             if self.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
-                bc1, bc2 = self._bias_corrections(gi)
+                bc1, bc2 = bias_corrections(self, gi)
                 eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
             torch.sqrt(v[s], out=out[s]).add_(eps)
             torch.div(m[s], out[s], out=out[s])
@@ -335,10 +331,8 @@ class _FlatOps:
         if w > 1:
             dist.all_reduce(mean, group=self.process_group)
             mean.div_(w)
-            sent = fp32_allreduce_bytes(mean.numel(), w)
-            self._bytes_step += sent
-            if self._node_size() < w:
-                self._bytes_step_inter += sent
+            sent = fp32_allreduce_bytes(mean.numel(), w)  # (one float per tensor: no ring)
+            self.counters.add(sent, sent if self.topology.node_size(w) < w else 0)
         keep = RESCALE_BETA**self.grad_sq_steps  # the old mean's weight after these steps
         total.zero_()
         self.grad_sq_steps = 0
@@ -406,7 +400,7 @@ class _FlatOps:
             group = groups[gi]
             lr, eps, wd = group["lr"], group["eps"], decoupled_decay(group)
             if self.bias_correction:
-                bc1, bc2 = self._bias_corrections(gi, j)
+                bc1, bc2 = bias_corrections(self, gi, j)
                 lr_c = lr * math.sqrt(bc2) / bc1
                 lr, eps, wd = lr_c, eps * math.sqrt(bc2), (wd * lr / lr_c if lr_c else wd)
             return (lr, *group["betas"], eps, wd)

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
-from lightning_onebit.optim._layout import _Layout
+from lightning_onebit.optim._layout import Layout
 
 __all__ = ["BackwardOverlap", "OverlapHost"]
 
@@ -125,7 +125,7 @@ class BackwardOverlap:
 
     # ------------------------------------------------------------------ setup
 
-    def plan(self, layout: _Layout) -> list[tuple[int, int]]:
+    def plan(self, layout: Layout) -> list[tuple[int, int]]:
         """Bucket bounds in exchange order: whole parameters of one param group, from the end of
         the layout; the first bucket holds at most ``FIRST_BUCKET_BYTES`` (as DDP's), so that the
         link starts working early in backward instead of idling until ``bucket_cap_mb`` of
@@ -177,7 +177,7 @@ class BackwardOverlap:
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _shut_down, self._pool, self._group, self._nodes)
 
-    def install(self, layout: _Layout) -> None:
+    def install(self, layout: Layout) -> None:
         """(Re)register the gradient hooks on the layout's parameters."""
         self.remove()
         self._device = layout.device

@@ -3,11 +3,32 @@ the valid range."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["check_betas", "check_group_flags", "check_int", "check_real"]
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_onebit.optim._base import OneBitOptimizer
+
+__all__ = [
+    "HONOURED_FLAGS",
+    "REFUSED_FLAGS",
+    "check_betas",
+    "check_common_args",
+    "check_grads_are_local",
+    "check_group",
+    "check_group_flags",
+    "check_hparams",
+    "check_int",
+    "check_real",
+    "deepspeed_arithmetic",
+]
 
 
 def check_real(
@@ -48,7 +69,7 @@ def check_betas(betas: Any) -> None:
 
 
 #: torch Adam/AdamW per-group flags the 1-bit optimizers cannot honour, and why
-_REFUSED_FLAGS = {
+REFUSED_FLAGS = {
     "amsgrad": "has no amsgrad variant (its variance is frozen after the warmup)",
     "capturable": "cannot be captured in a CUDA graph (its step communicates and reads "
     "its non-finite verdict on the host)",
@@ -57,15 +78,141 @@ _REFUSED_FLAGS = {
 }
 
 #: torch Adam/AdamW per-group flags the 1-bit optimizers honour per group
-_HONOURED_FLAGS = ("maximize", "decoupled_weight_decay")
+HONOURED_FLAGS = ("maximize", "decoupled_weight_decay")
 
 
 def check_group_flags(name: str, gi: int, group: dict[str, Any]) -> None:
     """Refuse, naming param group ``gi``, the torch flags ``name`` cannot honour (set to
     ``True``), and honoured flags that are not booleans."""
-    for key, why in _REFUSED_FLAGS.items():
+    for key, why in REFUSED_FLAGS.items():
         if group.get(key):
             raise ValueError(f"param group {gi} has {key}=True: {name} {why}; set {key}=False")
-    for key in _HONOURED_FLAGS:
+    for key in HONOURED_FLAGS:
         if key in group and not isinstance(group[key], bool):
             raise ValueError(f"param group {gi}: {key} must be True or False, got {group[key]!r}")
+
+
+def check_hparams(h: dict[str, Any]) -> None:
+    """Validate the hyperparameters the three optimizers share, of one param group or of the
+    defaults. ``lr = 0`` is accepted: it keeps the group fixed (as in torch's Adam, e.g. a
+    warmup from zero)."""
+    if "initial_lr" in h:  # an LR scheduler's setting (``lr`` is its current value)
+        check_real("initial_lr", h["initial_lr"], 0.0, math.inf, high_open=True,
+                    hint="a learning rate >= 0")  # fmt: skip
+    check_real("lr", h["lr"], 0.0, math.inf, high_open=True,
+                hint="a learning rate >= 0; 0 keeps the parameters fixed")  # fmt: skip
+    check_betas(h["betas"])
+    check_real("eps", h["eps"], 0.0, math.inf, low_open=True, high_open=True,
+                hint="a small positive number, e.g. 1e-8")  # fmt: skip
+    check_real("weight_decay", h["weight_decay"], 0.0, math.inf, hint="0 for none")
+
+
+def check_group(
+    name: str, group: dict[str, Any], gi: int, check: Callable[[dict[str, Any]], None]
+) -> None:
+    """Validate param group ``gi`` of optimizer ``name``: its hyperparameters (``check``),
+    torch's per-group flags, parameter kinds, mask type. Every error names the group."""
+    try:
+        check(group)
+    except ValueError as err:
+        raise ValueError(f"param group {gi}: {err}; set it in that group") from None
+    check_group_flags(name, gi, group)
+    for i, p in enumerate(group["params"]):
+        what = f"parameter {i} of param group {gi} (shape {tuple(p.shape)}, dtype {p.dtype})"
+        if p.layout != torch.strided:
+            raise ValueError(
+                f"{what} has layout {p.layout}: {name} supports dense (torch.strided) "
+                "parameters only; make the parameter dense (.to_dense())"
+            )
+        if p.is_complex():
+            raise ValueError(
+                f"{what} is complex: {name} supports real floating-point parameters only "
+                "(float32, float16, bfloat16, float64); view complex ones as real with "
+                "torch.view_as_real"
+            )
+        if not p.is_floating_point():
+            raise ValueError(
+                f"{what}: parameters must be floating point (float32, float16, bfloat16, float64)"
+            )
+    mask = group.get("exp_avg_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
+
+
+def check_common_args(
+    name: str,
+    amsgrad: Any,
+    decoupled_weight_decay: Any,
+    hierarchical: Any,
+    ranks_per_node: Any,
+) -> None:
+    """Validate the constructor arguments of optimizer ``name`` that are not options."""
+    if not isinstance(decoupled_weight_decay, bool):
+        raise ValueError(
+            f"decoupled_weight_decay must be True or False, got {decoupled_weight_decay!r}"
+        )
+    if hierarchical not in (True, False, "auto"):
+        raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
+    if ranks_per_node is not None:
+        check_int("ranks_per_node", ranks_per_node, 1)
+    if amsgrad:
+        raise ValueError(f"{name} does not support amsgrad=True (its variance is frozen)")
+
+
+def deepspeed_arithmetic(cls: type, on: bool, **options: Any) -> dict[str, Any]:
+    """``options`` (by name, in their order) with DeepSpeed's values where ``on`` (the
+    optimizer class ``cls``'s ``deepspeed_compatible``; its ``DEEPSPEED_ARITHMETIC`` holds
+    them). Raises ``ValueError`` for an option given a value that is neither DeepSpeed's nor
+    its default: the two settings contradict each other."""
+    if not isinstance(on, bool):
+        raise ValueError(f"deepspeed_compatible must be True or False, got {on!r}")
+    if not on:
+        return options
+    params = inspect.signature(cls.__init__).parameters
+    out = dict(options)
+    for k, v in options.items():
+        if k not in cls.DEEPSPEED_ARITHMETIC:
+            continue
+        want = cls.DEEPSPEED_ARITHMETIC[k]
+        default = params[k].default if k in params else want
+        if v != want and v != default:
+            raise ValueError(
+                f"{cls.__name__}(deepspeed_compatible=True) computes with DeepSpeed's "
+                f"{k}={want!r}, and {k}={v!r} was given too: drop one of the two"
+            )
+        out[k] = want
+    return out
+
+
+def check_grads_are_local(opt: OneBitOptimizer) -> None:
+    """Once, at the first step that should receive each rank's own gradients: warn if they
+    are identical on every rank. Then something averaged them in full precision already
+    (plain DDP: ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step
+    pays DDP's fp32 allreduce plus the 1-bit exchange; or every rank trains on the same
+    batches. Two 2-value all_reduces, once per run."""
+    if opt.world_size < 2:
+        return
+    grads = [p.grad for p in opt._layout.params if p.grad is not None]
+    summary = torch.zeros(2, dtype=torch.float64, device=opt._layout.device)
+    for g in grads:  # (every rank takes part, with or without gradients)
+        summary += torch.stack([g.double().sum(), g.double().abs().sum()])
+    low = summary.clone()
+    group = opt.process_group
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    if not (torch.equal(low, summary) and float(summary[1]) > 0):
+        return
+    if (dist.get_rank(group) if group is not None else dist.get_rank()) == 0:
+        warnings.warn(
+            f"{type(opt).__name__} received identical gradients on all {opt.world_size} "
+            "ranks, where it expects each rank's own: they were averaged in full precision "
+            "before step() (DDP: strategy='ddp' or a DistributedDataParallel model), so every "
+            "step pays DDP's fp32 allreduce and the 1-bit exchange on top (the byte counters "
+            "count only the latter); or every rank trains on the same batches. With "
+            "Lightning use strategy='onebit_adam' / 'zero_one_adam' / 'onebit_lamb' (it "
+            "turns DDP's allreduce off where the optimizer exchanges); without it, do not "
+            "wrap the model in DistributedDataParallel, and give each rank its own data "
+            "(DistributedSampler)",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -171,7 +171,7 @@ class OneBitAdam(OneBitOptimizer):
             # 1b + 3. Adam's moments and update, one fused sweep
             self._adam_step_(ok=ok)
             if self.step_count >= self.freeze_step:
-                self._verdict_now()  # (the switch needs it: read on the host, once)
+                self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
                 self.freeze()
             return
 

@@ -403,7 +403,7 @@ class OneBitLamb(OneBitOptimizer):
             # 1e. update
             self._scale_layers_and_step_(u, coeff)
             if self.step_count >= self.freeze_step:
-                self._verdict_now()  # (the switch needs it: read on the host, once)
+                self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
                 self.freeze()  # 2.
             return
 

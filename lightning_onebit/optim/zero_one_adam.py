@@ -44,9 +44,15 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import decoupled_decay
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import check_int
+from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
+from lightning_onebit.optim._variance import (
+    divergence_hint,
+    floor_variance_,
+    warn_if_variance_is_young,
+)
 
 __all__ = ["ZeroOneAdam"]
 
@@ -185,8 +191,8 @@ class ZeroOneAdam(OneBitOptimizer):
         deepspeed_compatible: bool = False,
     ) -> None:
         check_int("var_freeze_step", var_freeze_step, 0)
-        (compressed_variance_phase,) = self._deepspeed_arithmetic(
-            deepspeed_compatible, compressed_variance_phase=compressed_variance_phase
+        (compressed_variance_phase,) = deepspeed_arithmetic(
+            type(self), deepspeed_compatible, compressed_variance_phase=compressed_variance_phase
         ).values()
         self._check_options(
             {
@@ -270,12 +276,10 @@ class ZeroOneAdam(OneBitOptimizer):
         return self.phase == Phase.VARIANCE or (self.step_count + 1) % self.local_step_interval == 0
 
     def _skipped_locally(self) -> None:
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        if self._consecutive_skips >= self.max_consecutive_skips:
+        if self.verdict.count_drop(self.max_consecutive_skips):
             raise NonFiniteError(
-                f"0/1 Adam: {self._consecutive_skips} local steps in a row had a non-finite "
-                f"gradient on rank {self._exchange.rank}: {self._divergence_hint()}, and resume "
+                f"0/1 Adam: {self.verdict.consecutive} local steps in a row had a non-finite "
+                f"gradient on rank {self._exchange.rank}: {divergence_hint(self)}, and resume "
                 "from the last checkpoint"
             )
         warnings.warn(
@@ -441,28 +445,25 @@ class ZeroOneAdam(OneBitOptimizer):
             source = acc
         else:
             source = torch.mul(acc, self._frozen_denominator()[0], out=x)
-        self._bytes_step = 0
-        counters, self._step_verdict = self._host_state(), None
+        self.counters.start_step()
+        counters = snapshot(self, self._host_counters)
+        self.verdict.begin()
         try:
             self._synchronize_(source, this_step=False)
-            self._verdict_now()  # (not a step: said now, a host read)
+            self.verdict.now(self.step_count)  # (not a step: said now, a host read)
         except NonFiniteError:
-            self._restore_host_state(counters)
+            restore(self, counters)
             raise
         finally:
-            self._step_verdict = None
-        self.comm_stats["bytes_total"] += self._bytes_step
-        self.comm_stats["bytes_last_step"] += self._bytes_step
-
-    def _taken_verdict(self) -> torch.Tensor | None:
-        return None if self._step_verdict is None else self._step_verdict[0]
+            self.verdict.begin()
+        self.counters.end_between_steps()
 
     def _local_step_on_verdict_(self, g: torch.Tensor) -> None:
         """3a-b of a local step whose gradient's verdict stays on the device (CUDA): the same
         values computed aside and kept where it is true (else this rank sits the step out, as
         on the host: its lr still counts)."""
-        ok = self._finite_on_device(g)
-        self._step_verdict = (ok, ok, "local")
+        finite = self._finite_on_device(g)
+        ok = self.verdict.keep(finite, finite, "local")
         m, acc, u = self._flat["exp_avg"], self._acc, self._work["update"]
         for gi, group, _ in self._segments():
             self.lrs[gi] += group["lr"]
@@ -498,12 +499,12 @@ class ZeroOneAdam(OneBitOptimizer):
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     g.mul_(self._frozen_denominator()[0])
                 self._apply_exp_avg_mask_(g)
-                self._warn_if_variance_is_young()
+                warn_if_variance_is_young(self)
             # 1a/b moments + 1c. Adam update, one fused sweep
             self._adam_step_(update_variance=variance_step, ok=ok)
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
-                self._floor_variance_(ok=ok)
+                floor_variance_(self, ok=ok)
                 self._denominator = None
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
@@ -511,7 +512,7 @@ class ZeroOneAdam(OneBitOptimizer):
                     self.var_counter = 0
                     self.var_interval *= 2
             if t >= self.var_freeze_step:
-                self._verdict_now()  # (the switch needs it: read on the host, once)
+                self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
                 self.freeze()  # 2.
             return
 
@@ -521,7 +522,7 @@ class ZeroOneAdam(OneBitOptimizer):
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
             # (the local steps' sums with this one)
-            self._rescale_variance_(g, reduce=True, ok=self._taken_verdict())
+            self._rescale_variance_(g, reduce=True, ok=self.verdict.ok)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every

@@ -1,0 +1,172 @@
+"""The variance that preconditions the 1-bit steps: Adam's bias corrections, the variance floor,
+and what an optimizer says about a variance too young or too small (warnings, the divergence
+hint). Functions of a :class:`~lightning_onebit.optim.OneBitOptimizer` and its flat buffers."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_onebit.optim._base import OneBitOptimizer
+
+__all__ = [
+    "bias_corrections",
+    "divergence_hint",
+    "floor_variance_",
+    "fold_bias_correction_",
+    "warn_if_variance_is_young",
+]
+
+
+def bias_corrections(opt: OneBitOptimizer, gi: int, j: int | None = None) -> tuple[float, float]:
+    """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
+    variance updates since the group joined (1 for a variance that never saw a gradient:
+    nothing to correct); of its parameter ``j`` (layout index): less the steps it had no
+    gradient in (torch's Adam counts each parameter's own steps)."""
+    group = opt.param_groups[gi]
+    beta1, beta2 = group["betas"]
+    t0, k0 = group.get("joined_at", (0, 0))
+    t, k = opt.step_count - t0, opt.variance_updates - k0
+    if j is not None:
+        mt, mk = opt._missed_steps(j)
+        t, k = t - mt, k - mk
+    return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
+
+
+def fold_bias_correction_(opt: OneBitOptimizer) -> None:
+    """At the switch, with ``bias_correction``: ``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``
+    (per parameter where some missed steps), so the compression phase runs unchanged."""
+    m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
+    if opt._any_missed_steps():  # per parameter: some missed steps
+        of = opt._layout.group_of
+        for j, (mj, vj) in enumerate(
+            zip(opt._views["exp_avg"], opt._views["exp_avg_sq"], strict=True)
+        ):
+            bc1, bc2 = bias_corrections(opt, of[j], j)
+            mj.div_(bc1)
+            vj.div_(bc2)
+        return
+    for gi, _, s in opt._segments():
+        bc1, bc2 = bias_corrections(opt, gi)
+        m[s].div_(bc1)
+        v[s].div_(bc2)
+
+
+def floor_variance_(
+    opt: OneBitOptimizer, report: bool = False, ok: torch.Tensor | None = None
+) -> None:
+    """Raise each coordinate's variance to at least ``f**2 * max(mean_k, mean_g)``,
+    ``f = variance_floor``, ``mean_k`` the mean variance of its tensor, ``mean_g`` that of
+    its parameter group: a coordinate counts as degenerate when its gradient RMS is below
+    ``f`` times its own tensor's (a dead unit, an unseen embedding row, the key part of an
+    attention bias) or its group's (a conv bias in front of BatchNorm, whose gradient is
+    rounding noise). Measured at the switch (tensor RMS / group RMS): conv biases before
+    BatchNorm 2e-6 and 2e-4, BERT's key biases 3e-8 and 1e-7; the smallest ordinary tensors
+    of those models 0.08 and 0.55, so ``f = 0.01`` separates them with room on both sides.
+
+    Why: 1 bit cannot send a zero. Every coordinate of an exchange receives ``+-scale``,
+    error feedback keeps its *sum* right, and the update divides by ``sqrt(v) + eps``: with
+    ``v ~ 0`` a coordinate moves by ``lr * scale / eps`` per step (DeepSpeed's arithmetic:
+    the run explodes one step after the switch), and with ``preconditioned_exchange`` its
+    ``m / (sqrt(v) + eps)`` would blow up the exchange's scale for everyone. A floored
+    coordinate only ever takes smaller steps than without the floor. ``variance_floor=0``
+    is DeepSpeed's arithmetic.
+
+    With ``_floor_to_mean`` (1-bit LAMB) a caught coordinate is raised to
+    ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
+    ``ok``: the step's verdict on the device; where it is false nothing changes.
+    """
+    opt.floored = {}
+    f2 = opt.variance_floor**2
+    if f2 <= 0:
+        return
+    v, views = opt._flat["exp_avg_sq"], opt._views["exp_avg_sq"]
+    floors = opt._views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
+    counts: list[torch.Tensor] = []
+    for gi, _, s in opt._segments():
+        idx = opt._layout.group_params(gi)
+        # (tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps)
+        group_mean = v[s].mean(dtype=torch.float64)
+        for j in idx:
+            mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
+            floor = (mean * f2).float()
+            if floors is not None:
+                kept = floor if ok is None else torch.where(ok, floor, floors[j])
+                floors[j].copy_(kept.reshape(floors[j].shape))
+            if ok is not None:  # (a dropped step: v as it was, floor -inf changes nothing)
+                floor = torch.where(ok, floor, -math.inf).reshape(())
+            if report:
+                counts.append((views[j] <= floor).sum())
+            if opt._floor_to_mean:
+                views[j].masked_fill_(views[j] <= floor, mean.float())
+            else:
+                torch.clamp_min_(views[j], floor)
+    if report and counts:
+        n = torch.stack(counts).tolist()
+        gis = [j for gi, _, _ in opt._segments() for j in opt._layout.group_params(gi)]
+        opt.floored = {opt._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
+
+
+def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
+    """The variance has no bias correction (as in DeepSpeed): after ``k`` variance updates
+    it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
+    step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
+    ~1.4x (once per run)."""
+    if opt.bias_correction or opt._warned_young:
+        return
+    t = opt.variance_updates
+    young = [g["betas"][1] for g in opt.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
+    if not young or (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
+        return
+    opt._warned_young = True
+    b2 = max(young)
+    held = 1.0 - b2 ** max(t, 1)
+    need = math.ceil(math.log(0.5) / math.log(b2))
+    warnings.warn(
+        f"{type(opt).__name__}: the 1-bit steps are preconditioned by a variance of {t} "
+        f"update(s) with beta2={b2}, which holds {held * 100:.2g}% of its steady-state value (no bias "
+        f"correction): every such step is about {1 / math.sqrt(held):.1f}x larger than "
+        f"Adam's. Pass bias_correction=True (OneBitStrategy does when it converts a torch "
+        f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
+        "betas=(0.9, 0.95) for short runs)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def divergence_hint(opt: OneBitOptimizer) -> str:
+    """What to change after a divergence: the causes this optimizer can see in its own
+    state (a variance ~0 that 1-bit steps divide by; a young uncorrected variance), else the
+    usual ones."""
+    hints = []
+    v = opt._flat.get("exp_avg_sq")
+    if v is not None and opt.variance_floor <= 0:
+        views = opt._views["exp_avg_sq"]
+        tiny = {  # below 1e-4 (in RMS) of the tensor's or the group's: what the floor catches
+            opt._param_name(j): int(n)
+            for gi, _, s in opt._segments()
+            for j in opt._layout.group_params(gi)
+            if (n := (views[j] <= 1e-8 * max(float(views[j].mean()), float(v[s].mean()))).sum()) > 0
+        }
+        if tiny:
+            shown = ", ".join(f"{k}: {n}" for k, n in list(tiny.items())[:4])
+            hints.append(
+                f"{sum(tiny.values())} coordinates have a variance ~0 ({shown}), which 1-bit "
+                "steps divide by (lr * scale / eps): pass variance_floor=0.01 (the default)"
+            )
+    if not opt.bias_correction:
+        b2 = max(g["betas"][1] for g in opt.param_groups)
+        held = 1.0 - b2 ** max(opt.variance_updates, 1)
+        if held < 0.5:
+            hints.append(
+                f"the variance preconditioning the 1-bit steps holds {held * 100:.2g}% of its steady "
+                f"state (no bias correction; {opt.variance_updates} updates, beta2={b2}): "
+                "pass bias_correction=True or lower beta2"
+            )
+    hints.append("lower the learning rate or check the data")
+    return "; ".join(hints)
