@@ -743,12 +743,13 @@ def test_a_deepspeed_config_sets_the_options_and_the_adam_given_to_setup_wins(
     )
     with pytest.warns(UserWarning, match="cuda_aware: no effect here"):
         strategy = OneBitFabricStrategy.from_deepspeed_config(config, start_method="fork")
-    assert (strategy.algorithm, strategy.freeze_step) == ("onebit_lamb", 7)
-    assert strategy.optimizer_options["max_coeff"] == 0.5
-    assert strategy.deepspeed_optimizer == {"lr": 0.01}
+    assert (strategy.algorithm, strategy.options.freeze_step) == ("onebit_lamb", 7)
+    assert strategy.options.optimizer_options["max_coeff"] == 0.5
+    assert strategy.options.deepspeed_compatible is True
+    assert strategy.builder.hparams == {"lr": 0.01}
     with pytest.warns(UserWarning, match="no effect here"):
         explicit = OneBitFabricStrategy(deepspeed_config=config, freeze_step=3)
-    assert explicit.freeze_step == 3
+    assert explicit.options.freeze_step == 3
     model = torch.nn.Linear(4, 2)
     with pytest.warns(UserWarning, match=r"fabric.setup got Adam with lr=0.002 \(config: 0.01\)"):
         new = strategy._setup_optimizer(torch.optim.Adam(model.parameters(), lr=2e-3), None)
