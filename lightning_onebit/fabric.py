@@ -1,42 +1,9 @@
 """``OneBitFabricStrategy``: the 1-bit strategies for Lightning Fabric (custom training loops).
 
-``L.Fabric(accelerator=..., devices=N, strategy="onebit_adam")`` (after ``import
-lightning_onebit``; also ``"zero_one_adam"``, ``"onebit_lamb"``, the fork-started
-``*_notebook`` names and the ``*_find_unused_parameters_true`` ones) or an instance for the
-options. The loop stays Fabric's::
-
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
-    for batch in loader:
-        loss = model(batch)
-        fabric.backward(loss)
-        optimizer.step()             # the 1-bit optimizer the strategy built from AdamW
-        optimizer.zero_grad()
-        fabric.log_dict(fabric.strategy.comm_stats())   # phase and bytes, for your logger
-
 What it does is the Trainer strategy's (:class:`~lightning_onebit.OneBitStrategy`), from the same
-shared pieces (``lightning_onebit._integration``): the options and the Adam/AdamW conversion
-(param groups kept, LR schedulers built on the torch optimizer before ``setup`` re-pointed),
-DDP's communication hook (averaged gradients on warmup steps, none on compression steps), the
-rank-synced ``16-mixed`` scaler, the phase switch (the optimizer's ``freeze_step``, a fraction
-of the ``max_steps`` given here, ``adaptive_freeze``) and the per-rank checkpoint files that
-``fabric.save``/``fabric.load`` write and read beside the checkpoint.
-
-Where Fabric differs from the Trainer:
-
-* **Clipping.** The exchange overlaps backward (``overlap_bucket_mb``), and an exchange started
-  during backward cannot see a clipping that comes after it. The Trainer knows in advance
-  (``gradient_clip_val``); a Fabric loop does not, so the first ``fabric.clip_gradients`` turns
-  the overlap off for the rest of the run, before the clipping: the exchange then runs in
-  ``optimizer.step()`` on the clipped gradients. Called before the first ``optimizer.step()``
-  (the usual loop: clip on every step) this costs nothing else. First called later, in the
-  compression phase, the step's started exchange is dropped and redone after the clipping, and
-  the 1-bit error buffers restart from zero (a ``RuntimeWarning`` says so); pass
-  ``overlap_bucket_mb=None`` to avoid that. Clipping sees what ``optimizer.step()`` receives:
-  averaged gradients in warmup, this rank's local ones in the compression phase.
-* **Gradient accumulation.** ``fabric.no_backward_sync(model)`` pauses the overlap as well as
-  DDP's allreduce, for the backward passes without a step.
-* **The phase switch and the counters** run after every ``optimizer.step()``; read them with
-  :meth:`OneBitFabricStrategy.comm_stats` (the Trainer's ``onebit/*`` metrics).
+shared pieces (``lightning_onebit._integration``); this module wires them into Fabric's
+``DDPStrategy``. Where a Fabric loop differs from the Trainer (clipping, gradient accumulation,
+the phase switch after each ``optimizer.step()``): see the class.
 """
 
 from __future__ import annotations
@@ -84,9 +51,27 @@ _ONE_OPTIMIZER = (
 class OneBitFabricStrategy(DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB in a Fabric loop.
 
-    Use a registered name (``L.Fabric(strategy="onebit_adam")``, ...) or an instance. ``setup``
+    Use a registered name (``L.Fabric(strategy="onebit_adam")``, after ``import lightning_onebit``;
+    also the ``*_notebook`` and ``*_find_unused_parameters_true`` names) or an instance. ``setup``
     (or ``setup_module`` then ``setup_optimizers``) takes a ``torch.optim.Adam``/``AdamW``, which
-    the strategy replaces by the 1-bit optimizer, or one of ours, used as built.
+    the strategy replaces by the 1-bit optimizer (LR schedulers built on it before are
+    re-pointed), or one of ours, used as built. The loop stays Fabric's::
+
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+        for batch in loader:
+            fabric.backward(model(batch))
+            optimizer.step()             # the 1-bit optimizer the strategy built from AdamW
+            optimizer.zero_grad()
+            fabric.log_dict(fabric.strategy.comm_stats())   # phase and bytes
+
+    Where Fabric differs from the Trainer: the first ``fabric.clip_gradients`` turns the overlap
+    with backward off for the rest of the run (an exchange started during backward cannot see a
+    later clipping; first called in the compression phase, the step's exchange is redone and
+    the 1-bit error buffers restart from zero, with a ``RuntimeWarning``: pass
+    ``overlap_bucket_mb=None`` to avoid that). ``fabric.no_backward_sync(model)`` pauses the
+    overlap as well as DDP's allreduce. The phase switch runs after every ``optimizer.step()``;
+    read the counters with :meth:`comm_stats`. ``fabric.save``/``fabric.load`` write and read the
+    per-rank files beside the checkpoint.
 
     Args:
         max_steps: the run's optimizer steps: what a fractional ``freeze_step`` (and its default,

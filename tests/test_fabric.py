@@ -177,6 +177,15 @@ def test_the_options_are_the_trainer_strategys() -> None:
     assert list(fabric) == list(trainer)
     for name, p in trainer.items():
         assert (fabric[name].default, fabric[name].annotation) == (p.default, p.annotation), name
+    # and both pass them on by name to the one place that holds and checks them
+    import dataclasses
+
+    from lightning_onebit._integration.options import StrategyOptions
+
+    fields = {f.name: f for f in dataclasses.fields(StrategyOptions)}
+    assert list(fields) == [n for n in trainer if n not in ("self", "deepspeed_config", "kwargs")]
+    for name, f in fields.items():
+        assert (f.default, f.type) == (trainer[name].default, trainer[name].annotation), name
     for kwargs in (
         {"algorithm": "onebit_sgd"},
         {"freeze_step": 1.5},

@@ -447,7 +447,7 @@ def test_compression_scheduler_validates_its_arguments() -> None:
     with pytest.raises(ValueError, match="fraction"):
         CompressionScheduler(freeze_step=2.5)
     assert CompressionScheduler(freeze_step=12.0).freeze_step == 12  # "12" from a CLI or YAML
-    assert OneBitStrategy(freeze_step=12.0).freeze_step == 12
+    assert OneBitStrategy(freeze_step=12.0).options.freeze_step == 12
 
 
 @pytest.mark.slow
