@@ -11,8 +11,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_onebit._integration.optimizer import OptimizerBuilder
+from lightning_onebit._integration.phase_switch import PhaseSwitch, catch_up
 from lightning_onebit.optim import OneBitOptimizer
-from lightning_onebit.phase_switch import PhaseSwitch, catch_up
 
 __all__ = ["PROGRESS_BAR", "CompressionScheduler"]
 
@@ -33,7 +34,7 @@ class CompressionScheduler(PhaseSwitch, Callback):
     the relative change ``||v_t - v_{t-window}|| / ||v_t||`` (on a fixed strided sample of at most
     ``sample`` coordinates) is compared with ``threshold``; the decision is combined across ranks
     so that every rank switches on the same step (the logic is
-    :class:`~lightning_onebit.phase_switch.PhaseSwitch`, shared with the Fabric strategy).
+    ``PhaseSwitch``, shared with the Fabric strategy).
 
     Logged every optimizer step (``self.log``, rank 0's values; they are equal on every rank):
     ``onebit/phase`` (0 = warmup / variance phase, 1 = compression), ``onebit/bytes_step`` and
@@ -100,7 +101,8 @@ class CompressionScheduler(PhaseSwitch, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        converted = getattr(trainer.strategy, "_converted_optimizer", False)
+        builder = getattr(trainer.strategy, "builder", None)  # (the 1-bit strategies')
+        converted = isinstance(builder, OptimizerBuilder) and builder.converted
         self.start(self._optimizer(trainer), self._total_steps(trainer), converted)
 
     @override

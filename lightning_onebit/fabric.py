@@ -1,44 +1,9 @@
 """``OneBitFabricStrategy``: the 1-bit strategies for Lightning Fabric (custom training loops).
 
-``L.Fabric(accelerator=..., devices=N, strategy="onebit_adam")`` (after ``import
-lightning_onebit``; also ``"zero_one_adam"``, ``"onebit_lamb"``, the fork-started
-``*_notebook`` names and the ``*_find_unused_parameters_true`` ones) or an instance for the
-options. The loop stays Fabric's::
-
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
-    for batch in loader:
-        loss = model(batch)
-        fabric.backward(loss)
-        optimizer.step()             # the 1-bit optimizer the strategy built from AdamW
-        optimizer.zero_grad()
-        fabric.log_dict(fabric.strategy.comm_stats())   # phase and bytes, for your logger
-
 What it does is the Trainer strategy's (:class:`~lightning_onebit.OneBitStrategy`), from the same
-modules: the options and the Adam/AdamW conversion (:mod:`~lightning_onebit.options`,
-:mod:`~lightning_onebit.convert`: param groups kept, LR schedulers built on the torch optimizer
-before ``setup`` re-pointed), DDP's communication hook (:mod:`~lightning_onebit.hook`: averaged
-gradients on warmup steps, none on compression steps), the rank-synced ``16-mixed`` scaler
-(:mod:`~lightning_onebit.amp`), the phase switch (:mod:`~lightning_onebit.phase_switch`: the
-optimizer's ``freeze_step``, a fraction of the ``max_steps`` given here, ``adaptive_freeze``)
-and the per-rank checkpoint files (:mod:`~lightning_onebit.checkpoint_io`) that
-``fabric.save``/``fabric.load`` write and read beside the checkpoint.
-
-Where Fabric differs from the Trainer:
-
-* **Clipping.** The exchange overlaps backward (``overlap_bucket_mb``), and an exchange started
-  during backward cannot see a clipping that comes after it. The Trainer knows in advance
-  (``gradient_clip_val``); a Fabric loop does not, so the first ``fabric.clip_gradients`` turns
-  the overlap off for the rest of the run, before the clipping: the exchange then runs in
-  ``optimizer.step()`` on the clipped gradients. Called before the first ``optimizer.step()``
-  (the usual loop: clip on every step) this costs nothing else. First called later, in the
-  compression phase, the step's started exchange is dropped and redone after the clipping, and
-  the 1-bit error buffers restart from zero (a ``RuntimeWarning`` says so); pass
-  ``overlap_bucket_mb=None`` to avoid that. Clipping sees what ``optimizer.step()`` receives:
-  averaged gradients in warmup, this rank's local ones in the compression phase.
-* **Gradient accumulation.** ``fabric.no_backward_sync(model)`` pauses the overlap as well as
-  DDP's allreduce, for the backward passes without a step.
-* **The phase switch and the counters** run after every ``optimizer.step()``; read them with
-  :meth:`OneBitFabricStrategy.comm_stats` (the Trainer's ``onebit/*`` metrics).
+shared pieces (``lightning_onebit._integration``); this module wires them into Fabric's
+``DDPStrategy``. Where a Fabric loop differs from the Trainer (clipping, gradient accumulation,
+the phase switch after each ``optimizer.step()``): see the class.
 """
 
 from __future__ import annotations
@@ -53,41 +18,26 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_onebit._checks import _check_dense_gradients, _check_same_model_on_every_rank
 from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
-from lightning_onebit._errors import quiet_errors_on_this_rank
-from lightning_onebit.amp import _synced_scaler
-from lightning_onebit.checkpoint_io import _rank_file_name, _write_rank_file, read_rank_state
-from lightning_onebit.convert import (
-    repoint_schedulers,
-    rescale_restored_lrs,
-    schedulers_of,
-    warn_if_config_differs,
+from lightning_onebit._integration import lifecycle, rank_files
+from lightning_onebit._integration.checks import (
+    check_dense_gradients,
+    check_same_model_on_every_rank,
 )
-from lightning_onebit.hook import _build_ddp, _HookState, _onebit_comm_hook
+from lightning_onebit._integration.convert import schedulers_of
+from lightning_onebit._integration.errors import quiet_errors_on_this_rank
+from lightning_onebit._integration.hook import HookState, build_ddp, onebit_comm_hook
+from lightning_onebit._integration.optimizer import OptimizerBuilder, overlap_paused
+from lightning_onebit._integration.options import StrategyOptions
+from lightning_onebit._integration.phase_switch import PhaseSwitch, catch_up
+from lightning_onebit._integration.registry import register_names
+from lightning_onebit._integration.scaler import synced_scaler
 from lightning_onebit.optim import OneBitOptimizer
-from lightning_onebit.options import (
-    OneBitOptions,
-    check_no_inherited_group,
-    check_strategy_args,
-    configure_hierarchy,
-    configure_overlap,
-    destroy_single_process_group,
-    notebook_message,
-    one_thread_per_forked_rank,
-    overlap_paused,
-    own_default_group,
-    register_names,
-    stop_overlaps,
-    warn_single_process,
-)
-from lightning_onebit.phase_switch import PhaseSwitch, catch_up
 
 __all__ = ["OneBitFabricStrategy"]
 
@@ -98,12 +48,30 @@ _ONE_OPTIMIZER = (
 )
 
 
-class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
+class OneBitFabricStrategy(DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB in a Fabric loop.
 
-    Use a registered name (``L.Fabric(strategy="onebit_adam")``, ...) or an instance. ``setup``
+    Use a registered name (``L.Fabric(strategy="onebit_adam")``, after ``import lightning_onebit``;
+    also the ``*_notebook`` and ``*_find_unused_parameters_true`` names) or an instance. ``setup``
     (or ``setup_module`` then ``setup_optimizers``) takes a ``torch.optim.Adam``/``AdamW``, which
-    the strategy replaces by the 1-bit optimizer, or one of ours, used as built.
+    the strategy replaces by the 1-bit optimizer (LR schedulers built on it before are
+    re-pointed), or one of ours, used as built. The loop stays Fabric's::
+
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+        for batch in loader:
+            fabric.backward(model(batch))
+            optimizer.step()             # the 1-bit optimizer the strategy built from AdamW
+            optimizer.zero_grad()
+            fabric.log_dict(fabric.strategy.comm_stats())   # phase and bytes
+
+    Where Fabric differs from the Trainer: the first ``fabric.clip_gradients`` turns the overlap
+    with backward off for the rest of the run (an exchange started during backward cannot see a
+    later clipping; first called in the compression phase, the step's exchange is redone and
+    the 1-bit error buffers restart from zero, with a ``RuntimeWarning``: pass
+    ``overlap_bucket_mb=None`` to avoid that). ``fabric.no_backward_sync(model)`` pauses the
+    overlap as well as DDP's allreduce. The phase switch runs after every ``optimizer.step()``;
+    read the counters with :meth:`comm_stats`. ``fabric.save``/``fabric.load`` write and read the
+    per-rank files beside the checkpoint.
 
     Args:
         max_steps: the run's optimizer steps: what a fractional ``freeze_step`` (and its default,
@@ -117,11 +85,11 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
     ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
     ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``,
-    ``compressed_variance_phase``, ``lamb_lr``,
-    ``overlap_bucket_mb``,
-    ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``, ``deepspeed_config``
-    (see :meth:`from_deepspeed_config`), and ``**kwargs`` for ``DistributedDataParallel``),
-    less the Trainer's logging options (read :meth:`comm_stats` instead).
+    ``compressed_variance_phase``, ``deepspeed_compatible``, ``lamb_lr``,
+    ``overlap_bucket_mb``, ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``,
+    ``deepspeed_config`` (see :meth:`from_deepspeed_config`), and ``**kwargs`` for
+    ``DistributedDataParallel``), less the Trainer's logging options (read :meth:`comm_stats`
+    instead).
     """
 
     def __init__(
@@ -141,10 +109,11 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         factor_max: float | None = None,
         factor_min: float | None = None,
         factor_threshold: float | None = None,
-        bias_correction: bool = True,
+        bias_correction: bool | None = None,
         variance_floor: float | None = None,
         preconditioned_exchange: bool | None = None,
         rescale_variance: bool | None = None,
+        deepspeed_compatible: bool | None = None,
         lamb_lr: float | None = None,
         overlap_bucket_mb: float | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
@@ -155,23 +124,42 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         max_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if deepspeed_config is not None:  # the config's options merged in, then this
-            self._init_from_deepspeed_config(OneBitFabricStrategy, locals())
-            return
-        check_strategy_args(algorithm, timeout, kwargs)
+        lifecycle.check_ddp_kwargs(kwargs)
+        options = StrategyOptions(
+            algorithm=algorithm, freeze_step=freeze_step, adaptive_freeze=adaptive_freeze,
+            freeze_threshold=freeze_threshold, freeze_window=freeze_window,
+            var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+            compressed_variance_phase=compressed_variance_phase, max_coeff=max_coeff,
+            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+            factor_min=factor_min, factor_threshold=factor_threshold,
+            bias_correction=bias_correction, variance_floor=variance_floor,
+            preconditioned_exchange=preconditioned_exchange, rescale_variance=rescale_variance,
+            deepspeed_compatible=deepspeed_compatible, lamb_lr=lamb_lr,
+            overlap_bucket_mb=overlap_bucket_mb, average_dtype=average_dtype,
+            hierarchical=hierarchical, timeout=timeout, start_method=start_method,
+        )  # fmt: skip
+        hparams, note = None, None
+        if deepspeed_config is not None:  # the config's options merged in
+            options, hparams, note = options.with_deepspeed_config(deepspeed_config)
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
-        self._set_options(locals())
+        self.options = options
+        self.builder = OptimizerBuilder(options, type(self).__name__, ValueError, hparams)
         if max_steps is not None and not (
             isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0
         ):
             raise ValueError(f"max_steps must be an int > 0 or None, got {max_steps!r}")
         self.max_steps = max_steps
-        self._switch = PhaseSwitch(freeze_step, adaptive_freeze, freeze_threshold, freeze_window)
+        o = options
+        self._switch = PhaseSwitch(
+            o.freeze_step, o.adaptive_freeze, o.freeze_threshold, o.freeze_window
+        )
         self._backward_sync_control = _PausingBackwardSyncControl(self)
-        self._hook_state: _HookState | None = None
+        self._hook_state: HookState | None = None
         self._module: Module | None = None  # the user's module (inside DDP)
         self._optimizer: OneBitOptimizer | None = None
-        self.deepspeed_optimizer: dict[str, Any] | None = None  # lr, betas, ... of a config
+        if note:
+            rank_zero_warn(note, category=UserWarning)
 
     @classmethod
     def from_deepspeed_config(
@@ -182,8 +170,15 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         <lightning_onebit.OneBitStrategy.from_deepspeed_config>`: the config's type picks the
         algorithm and its params the options; ``fabric.setup`` still takes your
         ``torch.optim.Adam``/``AdamW``, whose ``lr``/``betas``/... win over the config's (a
-        warning names those that differ). ``overrides``: further arguments, which win."""
+        warning names those that differ); it computes with DeepSpeed's arithmetic
+        (``deepspeed_compatible=True``, unless given as ``False``). ``overrides``: further
+        arguments, which win."""
         return cls(deepspeed_config=config, **overrides)
+
+    @property
+    def algorithm(self) -> str:
+        """``"onebit_adam"``, ``"zero_one_adam"`` or ``"onebit_lamb"``."""
+        return self.options.algorithm
 
     # ------------------------------------------------------------------ registry, precision
 
@@ -199,7 +194,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
         if isinstance(precision, DoublePrecision):
-            self._refuse_float64("OneBitFabricStrategy")
+            lifecycle.refuse_float64(type(self).__name__)
         DDPStrategy.precision.fset(self, precision)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ processes
@@ -212,24 +207,24 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             and self.launcher is not None
             and not self.launcher.is_interactive_compatible
         ):
-            raise RuntimeError(notebook_message(self.algorithm, "OneBitFabricStrategy"))
+            raise RuntimeError(lifecycle.notebook_message(self.algorithm, type(self).__name__))
 
     @override
     def setup_environment(self) -> None:
-        one_thread_per_forked_rank(self._start_method, self.num_processes)
-        check_no_inherited_group(self.num_nodes * self.num_processes)
-        with own_default_group():
+        lifecycle.one_thread_per_forked_rank(self._start_method, self.num_processes)
+        lifecycle.check_no_inherited_group(self.num_nodes * self.num_processes)
+        with lifecycle.own_default_group():
             super().setup_environment()
         quiet_errors_on_this_rank(self.global_rank)
         if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
             # local gradients can overflow on one rank only: every rank must skip the same step
-            self.precision.scaler = _synced_scaler(self.precision.scaler, self.root_device.type)
+            self.precision.scaler = synced_scaler(self.precision.scaler, self.root_device.type)
 
     @override
     def teardown(self) -> None:
-        stop_overlaps([self._optimizer], self._hook_state)
+        lifecycle.stop_overlaps([self._optimizer], self._hook_state)
         super().teardown()
-        destroy_single_process_group()
+        lifecycle.destroy_single_process_group()
 
     # ------------------------------------------------------------------ setup
 
@@ -244,17 +239,17 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        _check_dense_gradients(module)
+        check_dense_gradients(module)
         # before DDP's own check, whose message names neither the parameter nor what to do
-        _check_same_model_on_every_rank(
+        check_same_model_on_every_rank(
             [(name, tuple(p.shape)) for name, p in module.named_parameters()]
         )
-        # on the current stream, not on a side stream as Fabric's DDPStrategy does: see _build_ddp
-        ddp = _build_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
+        # on the current stream, not on a side stream as Fabric's DDPStrategy does: see build_ddp
+        ddp = build_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
         # (DDP's allreduce on every step otherwise; Fabric registers no hook at all)
-        self._hook_state = _HookState(process_group=None, ddp=ddp)
+        self._hook_state = HookState(process_group=None, ddp=ddp)
         self._hook_state.attach(self._optimizer)
-        ddp.register_comm_hook(self._hook_state, _onebit_comm_hook)
+        ddp.register_comm_hook(self._hook_state, onebit_comm_hook)
         self._module = module
         self._name_parameters()
         return ddp
@@ -266,22 +261,20 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     def _setup_optimizer(self, original: torch.optim.Optimizer, scheduler: Any) -> OneBitOptimizer:
         if self._optimizer is not None and original is not self._optimizer:
             raise ValueError(_ONE_OPTIMIZER)
-        if self.deepspeed_optimizer and type(original) in (torch.optim.Adam, torch.optim.AdamW):
-            warn_if_config_differs(original, self.deepspeed_optimizer, "fabric.setup got", "")
-        new = self._onebit_optimizer_from(original, "fabric.setup got", "fabric.setup takes")
+        new = self.builder.from_user(original, "fabric.setup got", "fabric.setup takes")
         if new is not original:
             # schedulers built on `original` before setup: the one given to setup, and any other
             found = schedulers_of(original)
             if scheduler is not None and not any(s is scheduler for s in found):
                 found.append(scheduler)
-            repoint_schedulers(found, original, new, self._lr_scale)
+            self.builder.repoint(found, original, new)
         self._optimizer = new
         if self._hook_state is not None:
             self._hook_state.attach(new)
         self._name_parameters()
         total = float(self.max_steps) if self.max_steps is not None else float("inf")
-        converted = self._converted_optimizer and self.max_steps is not None
-        if self._converted_optimizer and self.max_steps is None and self.freeze_step is None:
+        converted = self.builder.converted and self.max_steps is not None
+        if self.builder.converted and self.max_steps is None and self.options.freeze_step is None:
             # 0.2 of the run (the Trainer's default) cannot be known: switch once the variance
             # has warmed up rather than after the algorithm's 100000 steps, which a name alone
             # would otherwise mean (no compression at all in most runs)
@@ -291,15 +284,12 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
                 "compression starts once the variance has stabilised (adaptive_freeze: relative "
                 f"change below {self._switch.threshold} over {self._switch.window} steps), at the "
                 f"latest after {new._switch_attr}={new.switch_step} steps; pass "
-                "OneBitFabricStrategy(max_steps=...) (0.2 of it) or freeze_step=... to choose"
+                f"{type(self).__name__}(max_steps=...) (0.2 of it) or freeze_step=... to choose"
             )
         self._switch.start(new, total, converted)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
         # (clipping, unknown yet, turns it off later: see _unclip_overlap)
-        configure_hierarchy(new, self.hierarchical, self.num_processes)
-        configure_overlap(new, self.overlap_bucket_mb, self.timeout, False, scaler)
-        if self.world_size == 1:
-            warn_single_process(self.algorithm)
+        self.builder.prepare(new, self.num_processes, self.world_size, False, scaler)
         return new
 
     def _name_parameters(self) -> None:
@@ -312,7 +302,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
         """The 1-bit optimizer being trained with (after ``fabric.setup``)."""
         if self._optimizer is None:
             raise RuntimeError(
-                "OneBitFabricStrategy has no optimizer yet (it exists after fabric.setup)"
+                f"{type(self).__name__} has no optimizer yet (it exists after fabric.setup)"
             )
         return self._optimizer
 
@@ -395,8 +385,8 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _rank_file(self, path: _PATH) -> str:
-        return _rank_file_name(path, self.global_rank, self.world_size)
+    def _rank_file(self, path: rank_files.PATH) -> str:
+        return rank_files.rank_file_name(path, self.global_rank, self.world_size)
 
     def _step_key(self) -> list[int]:
         """What ties a rank file to its checkpoint (Fabric has no global step): the optimizer's
@@ -407,7 +397,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: rank_files.PATH,
         state: dict[str, Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -424,7 +414,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             ],
         }
         module = self._module if self._module is not None else torch.nn.Module()
-        _write_rank_file(
+        rank_files.write_rank_file(
             opt, module, view, path, self._rank_file(path), self.global_rank, self.world_size
         )
         converted["onebit"] = {
@@ -440,7 +430,7 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: rank_files.PATH,
         state: Any = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -456,9 +446,9 @@ class OneBitFabricStrategy(OneBitOptions, DDPStrategy):
             # a fraction of max_steps is decided once per run: a resumed run keeps its switch
             opt.switch_step = self._switch.switch_step
         view = {"global_step": meta.get("global_step"), "onebit": meta}
-        rank_state = read_rank_state(path, view, self.global_rank, self.world_size)
+        rank_state = rank_files.read_rank_state(path, view, self.global_rank, self.world_size)
         catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
-        rescale_restored_lrs(opt, schedulers_of(opt), self._lr_scale)
+        self.builder.rescale_restored(opt, schedulers_of(opt))
         if rank_state is None:
             return remainder
         opt.load_rank_state_dict(rank_state["optimizer"])

@@ -23,8 +23,12 @@ from lightning_onebit._compat import (
     mark_step_for_lr_schedulers,
     scaler_found_inf,
 )
-from lightning_onebit.amp import _synced_scaler
-from lightning_onebit.checkpoint_io import _find_rank_state, _rank_file_name, _save_atomically
+from lightning_onebit._integration.rank_files import (
+    find_rank_state,
+    rank_file_name,
+    save_atomically,
+)
+from lightning_onebit._integration.scaler import synced_scaler
 
 
 def test_is_interactive_is_lightnings_test_for_a_shell() -> None:
@@ -129,7 +133,7 @@ def test_the_synced_scaler_keeps_the_scalers_settings_and_scale() -> None:
     scaler = torch.amp.GradScaler(
         device="cpu", init_scale=2.0**10, growth_factor=3.0, backoff_factor=0.25, growth_interval=7
     )
-    fresh = _synced_scaler(scaler, "cpu")
+    fresh = synced_scaler(scaler, "cpu")
     assert fresh.get_scale() == 2.0**10 and fresh.get_growth_factor() == 3.0
     assert fresh.get_backoff_factor() == 0.25 and fresh.get_growth_interval() == 7
     p = torch.nn.Parameter(torch.ones(2))
@@ -139,9 +143,9 @@ def test_the_synced_scaler_keeps_the_scalers_settings_and_scale() -> None:
     scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()  # backs off: 2**10 * 0.25
-    used = _synced_scaler(scaler, "cpu")
+    used = synced_scaler(scaler, "cpu")
     assert used.get_scale() == 2.0**8 and used.is_enabled()
-    assert not _synced_scaler(torch.amp.GradScaler(device="cpu", enabled=False), "cpu").is_enabled()
+    assert not synced_scaler(torch.amp.GradScaler(device="cpu", enabled=False), "cpu").is_enabled()
 
 
 def test_a_repointed_scheduler_sees_the_new_optimizers_steps() -> None:
@@ -163,19 +167,19 @@ def test_a_repointed_scheduler_sees_the_new_optimizers_steps() -> None:
 
 
 def test_rank_files_on_a_remote_filesystem_round_trip() -> None:
-    """The fsspec path of ``_save_atomically`` (a transaction) and of the loader (fs.open)."""
+    """The fsspec path of ``save_atomically`` (a transaction) and of the loader (fs.open)."""
     path = "memory://onebit-compat/epoch=0.ckpt"
     state = {"global_step": 5, "optimizer": {"x": torch.arange(4.0)}}
-    _save_atomically(state, _rank_file_name(path, 1, 2))
-    found, looked = _find_rank_state(path, {"global_step": 5}, rank=1, world_size=2)
+    save_atomically(state, rank_file_name(path, 1, 2))
+    found, looked = find_rank_state(path, {"global_step": 5}, rank=1, world_size=2)
     assert looked == [] and torch.equal(found["optimizer"]["x"], torch.arange(4.0))
-    missing, looked = _find_rank_state(path, {"global_step": 5}, rank=0, world_size=2)
-    assert missing is None and looked == [_rank_file_name(path, 0, 2)]
+    missing, looked = find_rank_state(path, {"global_step": 5}, rank=0, world_size=2)
+    assert missing is None and looked == [rank_file_name(path, 0, 2)]
 
 
 @pytest.mark.parametrize("prefix", ["", "file://"])
 def test_rank_files_on_local_paths_round_trip(tmp_path: Any, prefix: str) -> None:
     path = f"{prefix}{tmp_path}/last.ckpt"
-    _save_atomically({"global_step": 3}, _rank_file_name(path, 0, 1))
+    save_atomically({"global_step": 3}, rank_file_name(path, 0, 1))
     assert (tmp_path / "last.ckpt.onebit-rank0-of-1").is_file()
-    assert _find_rank_state(path, {"global_step": 3}, rank=0, world_size=1)[0] == {"global_step": 3}
+    assert find_rank_state(path, {"global_step": 3}, rank=0, world_size=1)[0] == {"global_step": 3}

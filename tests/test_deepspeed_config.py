@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitStrategy
-from lightning_onebit._deepspeed import read
+from lightning_onebit._integration.deepspeed import read
 
 CONFIGS = Path(__file__).parent.parent / "examples" / "configs" / "deepspeed"
 
@@ -146,3 +146,93 @@ def test_the_tutorial_configs_train(tmp_path: Path, name: str) -> None:
         assert all(torch.isfinite(v).all() for v in r["params"].values())
     for k, v in ranks[0]["params"].items():
         assert torch.equal(v, ranks[1]["params"][k])
+
+
+class Built(NoOptimizer):
+    """The same model, with the optimizer ``make(params)`` returns."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        return self.make(self.parameters())
+
+
+def _fit_params(out: Path, strategy: Any, model: L.LightningModule) -> dict[str, torch.Tensor]:
+    """Rank 0's parameters after a 10-step 2-rank fit (the ranks' checked equal)."""
+    out.mkdir()
+    x = torch.randn(10 * 2 * 16, 8, generator=torch.Generator().manual_seed(0))
+    L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record(out)],
+    ).fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), 16))
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for k, v in ranks[0]["params"].items():
+        assert torch.equal(v, ranks[1]["params"][k]), k
+    assert ranks[0]["phase"] not in ("warmup", "variance")  # it switched
+    return ranks[0]["params"]
+
+
+_DS_TYPES = {
+    "onebit_adam": "OneBitAdam",
+    "zero_one_adam": "ZeroOneAdam",
+    "onebit_lamb": "OneBitLamb",
+}
+
+
+@pytest.mark.parametrize("algorithm", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_deepspeed_compatible_strategies_compute_what_the_optimizer_does(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """``deepspeed_compatible=True`` on the strategy (converting AdamW), the optimizer built with
+    ``deepspeed_compatible=True`` and a DeepSpeed config: bitwise the same parameters."""
+    from lightning_onebit.strategy import ALGORITHMS
+
+    cls = ALGORITHMS[algorithm]
+    switch = "var_freeze_step" if algorithm == "zero_one_adam" else "freeze_step"
+    hparams = {"lr": 1e-2, "weight_decay": 0.01}
+    fork = {"algorithm": algorithm, "start_method": "fork"}
+    own = _fit_params(
+        tmp_path / "own",
+        OneBitStrategy(**fork),
+        Built(lambda p: cls(p, **hparams, **{switch: 4}, deepspeed_compatible=True)),
+    )
+    converted = _fit_params(
+        tmp_path / "converted",
+        OneBitStrategy(**fork, freeze_step=4, deepspeed_compatible=True, lamb_lr=1e-2),
+        Built(lambda p: torch.optim.AdamW(p, **hparams)),
+    )
+    config = {"optimizer": {"type": _DS_TYPES[algorithm], "params": {**hparams, switch: 4}}}
+    from_config = _fit_params(
+        tmp_path / "config",
+        OneBitStrategy.from_deepspeed_config(config, start_method="fork"),
+        NoOptimizer(),
+    )
+    for k, v in own.items():
+        assert torch.equal(converted[k], v), k
+        assert torch.equal(from_config[k], v), k
+    # and this library's own arithmetic is another one (the switch reaches the optimizer)
+    robust = OneBitStrategy(algorithm=algorithm)
+    assert robust.options.optimizer_kwargs({})["bias_correction"] is True
+    assert "deepspeed_compatible" not in robust.options.optimizer_kwargs({})
+
+
+def test_deepspeed_compatible_refuses_a_contradicting_option_by_name() -> None:
+    with pytest.raises(ValueError, match=r"deepspeed_compatible=True .* bias_correction=True"):
+        OneBitStrategy(deepspeed_compatible=True, bias_correction=True)
+    with pytest.raises(ValueError, match=r"variance_floor=0.01 was given too"):
+        OneBitStrategy.from_deepspeed_config(_config(), variance_floor=0.01)
+    # DeepSpeed's own values, and a config with this library's arithmetic asked for, are fine
+    OneBitStrategy(deepspeed_compatible=True, bias_correction=False, variance_floor=0.0)
+    kept = OneBitStrategy.from_deepspeed_config(_config(), deepspeed_compatible=False)
+    assert kept.options.optimizer_kwargs({})["bias_correction"] is True
+    with pytest.raises(ValueError, match="deepspeed_compatible must be True, False or None"):
+        OneBitStrategy(deepspeed_compatible="yes")

@@ -177,6 +177,15 @@ def test_the_options_are_the_trainer_strategys() -> None:
     assert list(fabric) == list(trainer)
     for name, p in trainer.items():
         assert (fabric[name].default, fabric[name].annotation) == (p.default, p.annotation), name
+    # and both pass them on by name to the one place that holds and checks them
+    import dataclasses
+
+    from lightning_onebit._integration.options import StrategyOptions
+
+    fields = {f.name: f for f in dataclasses.fields(StrategyOptions)}
+    assert list(fields) == [n for n in trainer if n not in ("self", "deepspeed_config", "kwargs")]
+    for name, f in fields.items():
+        assert (f.default, f.type) == (trainer[name].default, trainer[name].annotation), name
     for kwargs in (
         {"algorithm": "onebit_sgd"},
         {"freeze_step": 1.5},
@@ -743,12 +752,13 @@ def test_a_deepspeed_config_sets_the_options_and_the_adam_given_to_setup_wins(
     )
     with pytest.warns(UserWarning, match="cuda_aware: no effect here"):
         strategy = OneBitFabricStrategy.from_deepspeed_config(config, start_method="fork")
-    assert (strategy.algorithm, strategy.freeze_step) == ("onebit_lamb", 7)
-    assert strategy.optimizer_options["max_coeff"] == 0.5
-    assert strategy.deepspeed_optimizer == {"lr": 0.01}
+    assert (strategy.algorithm, strategy.options.freeze_step) == ("onebit_lamb", 7)
+    assert strategy.options.optimizer_options["max_coeff"] == 0.5
+    assert strategy.options.deepspeed_compatible is True
+    assert strategy.builder.hparams == {"lr": 0.01}
     with pytest.warns(UserWarning, match="no effect here"):
         explicit = OneBitFabricStrategy(deepspeed_config=config, freeze_step=3)
-    assert explicit.freeze_step == 3
+    assert explicit.options.freeze_step == 3
     model = torch.nn.Linear(4, 2)
     with pytest.warns(UserWarning, match=r"fabric.setup got Adam with lr=0.002 \(config: 0.01\)"):
         new = strategy._setup_optimizer(torch.optim.Adam(model.parameters(), lr=2e-3), None)

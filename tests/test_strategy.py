@@ -76,11 +76,9 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
     strategy_params = inspect.signature(OneBitStrategy.__init__).parameters
     for cls in (OneBitAdam, ZeroOneAdam, OneBitLamb):
         for name in cls.OPTIONS:
-            # bias_correction: the strategy's own default (it converts a torch Adam, which has it)
-            want = True if name == "bias_correction" else None
-            assert strategy_params[name].default is want, name
+            assert strategy_params[name].default is None, name
         strategy = OneBitStrategy(algorithm=_ALGO_OF[cls])
-        opt = cls([torch.nn.Parameter(torch.zeros(2))], **strategy._algorithm_kwargs(cls, {}))
+        opt = cls([torch.nn.Parameter(torch.zeros(2))], **strategy.options.optimizer_kwargs({}))
         for name, default in cls.option_defaults().items():
             got = getattr(opt, name, None)
             if got is None:  # (LAMB's trust-ratio clamps are param-group hyperparameters)
@@ -96,12 +94,12 @@ def test_algorithm_options_are_declared_once_on_the_optimizers() -> None:
             assert got == want, (cls, name)
     # asking for the paper's variance schedule (as a DeepSpeed config does) keeps its phase 1
     strategy = OneBitStrategy(algorithm="zero_one_adam", var_update_scaler=8)
-    kw = strategy._algorithm_kwargs(ZeroOneAdam, {})
+    kw = strategy.options.optimizer_kwargs({})
     assert kw["var_update_scaler"] == 8 and "compressed_variance_phase" not in kw
     strategy = OneBitStrategy(
         algorithm="zero_one_adam", var_update_scaler=8, compressed_variance_phase=False
     )
-    assert strategy._algorithm_kwargs(ZeroOneAdam, {})["compressed_variance_phase"] is False
+    assert strategy.options.optimizer_kwargs({})["compressed_variance_phase"] is False
     bad = {
         ZeroOneAdam: [{"var_update_scaler": 0}, {"local_step_clipper": 1.5}],
         OneBitLamb: [{"factor_min": 2.0}, {"coeff_beta": 1.0}, {"min_coeff": 20.0}],
@@ -449,7 +447,7 @@ def test_compression_scheduler_validates_its_arguments() -> None:
     with pytest.raises(ValueError, match="fraction"):
         CompressionScheduler(freeze_step=2.5)
     assert CompressionScheduler(freeze_step=12.0).freeze_step == 12  # "12" from a CLI or YAML
-    assert OneBitStrategy(freeze_step=12.0).freeze_step == 12
+    assert OneBitStrategy(freeze_step=12.0).options.freeze_step == 12
 
 
 @pytest.mark.slow

@@ -14,13 +14,17 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitAdam, OneBitStrategy
-from lightning_onebit.convert import convert_adam
+from lightning_onebit._integration.convert import convert_adam
 from tests._user_models import OneThread
 
 STEPS = 12
+
+#: how the Trainer strategy calls the conversion (the class named in messages, the error type)
+_FROM_TRAINER = {"strategy": "OneBitStrategy", "error": MisconfigurationException}
 
 
 class Heads(L.LightningModule):
@@ -194,7 +198,7 @@ def test_per_group_betas_and_eps_are_kept_and_listed(
     assert diff < 1e-6, diff
     original = make(Heads(make, False))
     with caplog.at_level(logging.INFO):
-        convert_adam(original, OneBitAdam, "onebit_adam", lambda d: d, None)
+        convert_adam(original, OneBitAdam, "onebit_adam", lambda d: d, None, **_FROM_TRAINER)
     text = caplog.text
     assert "lr=0.01, betas=(0.8, 0.99), eps=1e-06, weight_decay=0.01" in text, text
     assert "group 1: betas=(0.9, 0.999), eps=1e-08" in text, text
@@ -203,15 +207,15 @@ def test_per_group_betas_and_eps_are_kept_and_listed(
 def test_the_conversion_says_what_it_drops_and_refuses_per_group(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
     make = _two_groups({}, foreach=True)
     with caplog.at_level(logging.INFO):
         new, _ = convert_adam(
-            make(Heads(make, False)), OneBitAdam, "onebit_adam", lambda d: d, None
+            make(Heads(make, False)), OneBitAdam, "onebit_adam", lambda d: d, None, **_FROM_TRAINER
         )
     assert "dropped foreach=True" in caplog.text
     assert all(new.param_groups[i]["decoupled_weight_decay"] is False for i in range(2))
     make = _two_groups({"amsgrad": True})
-    with pytest.raises(MisconfigurationException, match="param group 0 of Adam has amsgrad=True"):
-        convert_adam(make(Heads(make, False)), OneBitAdam, "onebit_adam", lambda d: d, None)
+    with pytest.raises(MisconfigurationException, match="Adam's param group 0 has amsgrad=True"):
+        convert_adam(
+            make(Heads(make, False)), OneBitAdam, "onebit_adam", lambda d: d, None, **_FROM_TRAINER
+        )

@@ -20,15 +20,24 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
-_PATH = str | os.PathLike[str]  # what Lightning accepts as a checkpoint path
+__all__ = [
+    "PATH",
+    "find_rank_state",
+    "rank_file_name",
+    "read_rank_state",
+    "save_atomically",
+    "write_rank_file",
+]
+
+PATH = str | os.PathLike[str]  # what Lightning accepts as a checkpoint path
 
 
-def _rank_file_name(checkpoint_path: _PATH, rank: int, world_size: int) -> str:
+def rank_file_name(checkpoint_path: PATH, rank: int, world_size: int) -> str:
     return f"{os.fspath(checkpoint_path)}.onebit-rank{rank}-of-{world_size}"
 
 
-def _find_rank_state(
-    checkpoint_path: _PATH,
+def find_rank_state(
+    checkpoint_path: PATH,
     checkpoint: Mapping[str, Any],
     rank: int,
     world_size: int,
@@ -50,7 +59,7 @@ def _find_rank_state(
         candidates.append(saved_as)
     looked: list[str] = []
     for candidate in dict.fromkeys(candidates):
-        rank_file = _rank_file_name(candidate, rank, world_size)
+        rank_file = rank_file_name(candidate, rank, world_size)
         fs = get_filesystem(rank_file)
         if not fs.exists(rank_file):
             looked.append(rank_file)
@@ -86,7 +95,7 @@ def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
     )
 
 
-def _save_atomically(obj: Any, path: str) -> None:
+def save_atomically(obj: Any, path: str) -> None:
     """Write ``path`` so that it is never half-written, even if the process dies mid-write.
 
     Local paths: a temporary file in the same directory (so the same filesystem), flushed to
@@ -118,11 +127,11 @@ def _save_atomically(obj: Any, path: str) -> None:
         raise
 
 
-def _write_rank_file(
+def write_rank_file(
     opt: OneBitOptimizer,
     module: torch.nn.Module,
     checkpoint: dict[str, Any],
-    filepath: _PATH,
+    filepath: PATH,
     rank_file: str,
     rank: int,
     world_size: int,
@@ -139,7 +148,7 @@ def _write_rank_file(
         "model": module.state_dict() if opt.params_differ_across_ranks else None,
     }
     get_filesystem(rank_file).makedirs(os.path.dirname(rank_file) or ".", exist_ok=True)
-    _save_atomically(rank_state, rank_file)
+    save_atomically(rank_state, rank_file)
     # what a resume from a copy, with another world size, or without this rank file needs to know
     checkpoint["onebit"] = {
         "world_size": world_size,
@@ -154,12 +163,12 @@ def _write_rank_file(
 
 
 def _rank_files_note(
-    path: _PATH, checkpoint: Mapping[str, Any], world_size: int, found: bool, looked: list[str]
+    path: PATH, checkpoint: Mapping[str, Any], world_size: int, found: bool, looked: list[str]
 ) -> str:
     """What rank 0 sees of every rank's file (the filesystem is shared in the usual case)."""
     missing: dict[int, list[str]] = {} if found else {0: looked}
     for r in range(1, world_size):
-        there, where = _find_rank_state(path, checkpoint, r, world_size, load=False)
+        there, where = find_rank_state(path, checkpoint, r, world_size, load=False)
         if not there:
             missing[r] = where
     if not missing:
@@ -188,12 +197,12 @@ def _rank_files_note(
 
 
 def read_rank_state(
-    path: _PATH, checkpoint: Mapping[str, Any], rank: int, world_size: int
+    path: PATH, checkpoint: Mapping[str, Any], rank: int, world_size: int
 ) -> dict[str, Any] | None:
     """This rank's file for ``checkpoint`` (loaded from ``path``), or ``None`` with a warning:
     rank 0 names every rank whose file is missing (the filesystem is shared in the usual case);
     another rank warns itself only where it saw a file from another step (what rank 0 cannot see)."""
-    state, looked = _find_rank_state(path, checkpoint, rank, world_size)
+    state, looked = find_rank_state(path, checkpoint, rank, world_size)
     if rank == 0:  # one message for every rank, from rank 0
         note = _rank_files_note(
             path, checkpoint, world_size, found=state is not None, looked=looked

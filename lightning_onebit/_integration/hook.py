@@ -1,4 +1,4 @@
-"""The DDP communication hook of ``OneBitStrategy`` and its state (shaped like torch's
+"""The DDP communication hook of the 1-bit strategies and its state (shaped like torch's
 ``powerSGD_hook``): a full-precision average on the steps whose optimizer needs averaged
 gradients (warmup; 0/1 Adam's variance steps; in two levels when the optimizer's exchange is
 hierarchical), nothing on the others (the optimizer exchanges its 1-bit compressed momentum
@@ -17,8 +17,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_onebit.comm import NodeGroups, hierarchical_average
 from lightning_onebit.optim import OneBitOptimizer
 
+__all__ = ["HookState", "build_ddp", "onebit_comm_hook"]
 
-def _build_ddp(
+
+def build_ddp(
     module: torch.nn.Module, device_ids: list[int] | None, kwargs: dict[str, Any]
 ) -> DistributedDataParallel:
     """``DistributedDataParallel(module)`` built on the current CUDA stream, the one training runs
@@ -43,7 +45,7 @@ def _ddp_averaged(ddp: DistributedDataParallel) -> frozenset[int]:
     )
 
 
-class _HookState:
+class HookState:
     """What the communication hook needs: the group, and the optimizer that says which kind of
     gradients its next step wants (set once the optimizer exists, by :meth:`attach`)."""
 
@@ -127,8 +129,8 @@ _AVERAGE_HOOKS = {
 }
 
 
-def _onebit_comm_hook(
-    state: _HookState, bucket: dist.GradBucket
+def onebit_comm_hook(
+    state: HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Full-precision average on steps that need it, nothing on the others (local gradients)."""
     if state.optimizer is None:
@@ -144,8 +146,8 @@ def _onebit_comm_hook(
 
 
 # DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings.
-_onebit_comm_hook.__annotations__ = {
-    "state": _HookState,
+onebit_comm_hook.__annotations__ = {
+    "state": HookState,
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }

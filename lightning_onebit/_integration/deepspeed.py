@@ -1,4 +1,4 @@
-"""DeepSpeed JSON configs of the 1-bit optimizers, read into ``OneBitStrategy`` options.
+"""DeepSpeed JSON configs of the 1-bit optimizers, read into the 1-bit strategies' options.
 
 DeepSpeed (up to 0.19.6) configured its 1-bit optimizers in the ``"optimizer"`` section of its
 JSON config: ``{"type": "OneBitAdam" | "ZeroOneAdam" | "OneBitLamb", "params": {...}}``. Every
@@ -15,13 +15,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+__all__ = ["HPARAMS", "TYPES", "load", "read"]
+
 #: DeepSpeed's optimizer type (lower-cased, as DeepSpeed compares it) -> our algorithm
 TYPES = {"onebitadam": "onebit_adam", "zerooneadam": "zero_one_adam", "onebitlamb": "onebit_lamb"}
 
 #: the optimizer hyperparameters (of every param group)
 HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
-#: DeepSpeed parameter -> OneBitStrategy option, per algorithm
+#: DeepSpeed parameter -> strategy option, per algorithm
 _OPTIONS = {
     "onebit_adam": {"freeze_step": "freeze_step"},
     "zero_one_adam": {
@@ -45,9 +47,8 @@ _OPTIONS = {
 _NO_MEANING = {
     "cuda_aware": "the transport is torch.distributed's (NCCL on GPUs, gloo on CPUs)",
     "comm_backend_name": "the backend is the process group's (Trainer/torchrun decide it)",
-    "bias_correction": "DeepSpeed's 1-bit optimizers accept it but never apply a bias correction; "
-    "here OneBitStrategy(bias_correction=True) (the default) corrects as torch Adam does, "
-    "bias_correction=False is DeepSpeed's arithmetic",
+    "bias_correction": "DeepSpeed's 1-bit optimizers accept it but never apply a bias correction, "
+    "nor does deepspeed_compatible=True, which a DeepSpeed config turns on",
     "eps_inside_sqrt": "eps is added outside the square root, as DeepSpeed's 1-bit optimizers do",
     "max_grad_norm": "DeepSpeed's 1-bit optimizers ignore it; clip with Trainer(gradient_clip_val=...)",
 }
@@ -99,7 +100,7 @@ def read(
     if algorithm is None:
         raise ValueError(
             f"DeepSpeed optimizer type {section['type']!r} is not a 1-bit optimizer: "
-            f"OneBitStrategy runs {', '.join(_ds_names())}; for another optimizer use "
+            f"the 1-bit strategies run {', '.join(_ds_names())}; for another optimizer use "
             "strategy='ddp' (or Lightning's DeepSpeedStrategy)"
         )
     unknown_section = sorted(set(section) - {"type", "params"})
@@ -136,23 +137,3 @@ def read(
 
 def _ds_names() -> list[str]:
     return ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
-
-
-def strategy_arguments(
-    given: dict[str, Any], defaults: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any], str | None]:
-    """``OneBitStrategy.__init__``'s arguments with the options of ``given["deepspeed_config"]``
-    merged in (an argument given explicitly, i.e. not its default in ``defaults``, wins); the
-    config's optimizer hyperparameters; one message naming what the config sets without effect
-    here, or ``None``. ``given``: the arguments as passed (``kwargs`` among them)."""
-    given = dict(given)
-    config = given.pop("deepspeed_config")
-    kwargs = given.pop("kwargs")
-    algorithm, options, hparams, notes = read(config)
-    for key, value in options.items():
-        if given[key] != defaults[key] and given[key] != value:  # an explicit argument wins
-            notes.append(f"{key}={given[key]!r} given as an argument (the config: {value!r})")
-        else:
-            given[key] = value
-    note = f"DeepSpeed config ({algorithm}): " + "; ".join(notes) if notes else None
-    return {**given, **kwargs}, hparams, note

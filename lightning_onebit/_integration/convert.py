@@ -9,17 +9,26 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._compat import mark_step_for_lr_schedulers
 from lightning_onebit.optim import OneBitOptimizer
-from lightning_onebit.optim._validation import REFUSED_FLAGS
+from lightning_onebit.optim._validation import REFUSED_FLAGS, check_group_flags
+
+__all__ = [
+    "convert_adam",
+    "repoint_schedulers",
+    "rescale_restored_lrs",
+    "schedulers_of",
+    "warn_about_unscaled_schedulers",
+    "warn_if_config_differs",
+]
 
 #: torch Adam/AdamW group keys with no effect on the math: dropped (said in the message)
 _DROPPED = ("foreach", "fused")
 
-
+#: torch Adam/AdamW implementation switches the 1-bit optimizers refuse when ``True``
+#: (``check_group_flags`` says why): dropped where ``False``
 #: learning rates that converting to 1-bit LAMB with ``lamb_lr`` rescales: param-group keys
 #: (torch's schedulers keep their own there) and LR scheduler attributes
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -47,7 +56,11 @@ def _plain(value: Any) -> Any:
 
 
 def _repoint_scheduler(
-    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer, lr_scale: float = 1.0
+    scheduler: Any,
+    old: torch.optim.Optimizer,
+    new: torch.optim.Optimizer,
+    lr_scale: float,
+    error: type[Exception],
 ) -> None:
     """Make an LR scheduler built for ``old`` drive ``new`` (same groups, same order).
 
@@ -72,21 +85,26 @@ def _repoint_scheduler(
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     setattr(obj, key, value * lr_scale)
     if not found:
-        raise MisconfigurationException(
-            f"LR scheduler {type(scheduler).__name__} does not drive the optimizer returned by "
-            "configure_optimizers: build it on that optimizer"
+        raise error(
+            f"LR scheduler {type(scheduler).__name__} does not drive the optimizer given to the "
+            "strategy: build it on that optimizer"
         )
     # torch wraps optimizer.step to warn when scheduler.step() comes first; wrap the new one too
     mark_step_for_lr_schedulers(new)
 
 
 def repoint_schedulers(
-    schedulers: list[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer, lr_scale: float
+    schedulers: list[Any],
+    old: torch.optim.Optimizer,
+    new: torch.optim.Optimizer,
+    lr_scale: float,
+    error: type[Exception],
 ) -> None:
     """Make every LR scheduler built for ``old`` drive ``new`` (see :func:`_repoint_scheduler`);
-    warn about learning rates that ``lr_scale`` could not reach."""
+    warn about learning rates that ``lr_scale`` could not reach. ``error``: raised for a
+    scheduler that does not drive ``old``."""
     for scheduler in schedulers:
-        _repoint_scheduler(scheduler, old, new, lr_scale)
+        _repoint_scheduler(scheduler, old, new, lr_scale, error)
     if lr_scale != 1.0:
         warn_about_unscaled_schedulers(schedulers, old)
 
@@ -99,7 +117,9 @@ def _scale_group_lrs(groups: list[dict[str, Any]], lr_scale: float) -> None:
                 g[k] *= lr_scale
 
 
-def rescale_restored_lrs(opt: OneBitOptimizer, schedulers: list[Any], lr_scale: float) -> None:
+def rescale_restored_lrs(
+    opt: OneBitOptimizer, schedulers: list[Any], lr_scale: float, error: type[Exception]
+) -> None:
     """After restoring a checkpoint of torch's Adam (e.g. from ``strategy="ddp"``) into a
     converted 1-bit LAMB: scale its learning rates (param groups, schedulers) by ``lr_scale``,
     as the conversion scaled the ones the user built. Once per load."""
@@ -107,7 +127,7 @@ def rescale_restored_lrs(opt: OneBitOptimizer, schedulers: list[Any], lr_scale: 
         return
     opt.loaded_foreign = False
     _scale_group_lrs(opt.param_groups, lr_scale)
-    repoint_schedulers(schedulers, opt, opt, lr_scale)
+    repoint_schedulers(schedulers, opt, opt, lr_scale, error)
     rank_zero_info(
         f"{type(opt).__name__}: the checkpoint holds torch Adam's learning rates; scaled by "
         f"{lr_scale:g} (lamb_lr), as the conversion scaled the optimizer's own"
@@ -157,18 +177,20 @@ def convert_adam(
     algorithm: str,
     options: Callable[[dict[str, Any]], dict[str, Any]],
     lamb_lr: float | None,
+    *,
+    strategy: str,
+    error: type[Exception],
 ) -> tuple[OneBitOptimizer, float]:
     """Build the 1-bit optimizer ``cls`` from a torch Adam/AdamW with the same groups and
     settings; ``options(defaults)`` gives its constructor's keyword arguments. Returns it and
-    what the learning rates were multiplied by (``lamb_lr``, 1-bit LAMB only)."""
+    what the learning rates were multiplied by (``lamb_lr``, 1-bit LAMB only). ``strategy``
+    names the strategy class in messages; ``error`` is raised for a flag that cannot be honoured."""
     d = original.defaults
     for gi, g in enumerate(original.param_groups):
-        for key, why in REFUSED_FLAGS.items():
-            if g.get(key):
-                raise MisconfigurationException(
-                    f"param group {gi} of {type(original).__name__} has {key}=True: {algorithm} "
-                    f"{why}; set {key}=False"
-                )
+        try:
+            check_group_flags(algorithm, gi, g)
+        except ValueError as err:
+            raise error(f"{type(original).__name__}'s {err}") from None
     # Every group key is kept (LR schedulers store their own there: OneCycleLR's max_lr,
     # min_lr, max_momentum, ...) except torch's implementation switches: the refused ones
     # (False), those with no effect on the math, and maximize where False (the default).
@@ -187,7 +209,7 @@ def convert_adam(
             group["decoupled_weight_decay"] = False
         groups.append(group)
     defaults = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in d}
-    lr_scale = _lamb_lr_scale(algorithm, lamb_lr, defaults.get("lr"))
+    lr_scale = _lamb_lr_scale(algorithm, lamb_lr, defaults.get("lr"), strategy)
     if lr_scale != 1.0:
         _scale_group_lrs(groups, lr_scale)
         defaults["lr"] *= lr_scale
@@ -199,7 +221,7 @@ def convert_adam(
     )
     dropped = sorted({k for g in original.param_groups for k in _DROPPED if g.get(k)})
     rank_zero_info(
-        f"OneBitStrategy: replaced {type(original).__name__} by {cls.__name__} "
+        f"{strategy}: replaced {type(original).__name__} by {cls.__name__} "
         f"({len(groups)} param group(s), {_describe_groups(new.param_groups)}; {robust})"
         + (
             f"; dropped {', '.join(f'{k}=True' for k in dropped)} (no effect on the math: "
@@ -230,7 +252,9 @@ def _describe_groups(groups: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def _lamb_lr_scale(algorithm: str, lamb_lr: float | None, adam_lr: float | None) -> float:
+def _lamb_lr_scale(
+    algorithm: str, lamb_lr: float | None, adam_lr: float | None, strategy: str
+) -> float:
     """What converting Adam/AdamW to 1-bit LAMB multiplies the learning rates by."""
     if algorithm != "onebit_lamb":
         return 1.0
@@ -238,9 +262,9 @@ def _lamb_lr_scale(algorithm: str, lamb_lr: float | None, adam_lr: float | None)
         rank_zero_warn(
             f"onebit_lamb runs at the converted optimizer's lr={adam_lr}, which was chosen for "
             "Adam: LAMB scales each layer's step by ||p|| / ||u|| and usually wants another "
-            "lr. Pass OneBitStrategy(algorithm='onebit_lamb', lamb_lr=...) (it rescales "
-            "every group and LR scheduler), or return lightning_onebit.OneBitLamb from "
-            "configure_optimizers"
+            f"lr. Pass {strategy}(algorithm='onebit_lamb', lamb_lr=...) (it rescales "
+            "every group and LR scheduler), or give the strategy a lightning_onebit.OneBitLamb "
+            "of your own"
         )
         return 1.0
     return lamb_lr / adam_lr if adam_lr else 1.0
@@ -265,19 +289,20 @@ def warn_about_unscaled_schedulers(schedulers: list[Any], original: torch.optim.
         f"and those torch's LR schedulers hold, but {', '.join(custom)} is not one of torch's: "
         "learning rates it keeps elsewhere"
         + (f" (param-group keys {keys})" if keys else "")
-        + " were not rescaled. Return lightning_onebit.OneBitLamb(lr=...) from "
-        "configure_optimizers to build the schedule for LAMB's lr yourself"
+        + " were not rescaled. Give the strategy a lightning_onebit.OneBitLamb(lr=...) of your "
+        "own to build the schedule for LAMB's lr yourself"
     )
 
 
 def warn_if_config_differs(
     original: torch.optim.Optimizer,
     config: dict[str, Any],
-    given: str = "configure_optimizers returned",
-    instead: str = ". Return nothing from configure_optimizers to build the optimizer from "
-    "the config",
+    given: str,
+    instead: str,
 ) -> None:
-    """A DeepSpeed config's optimizer params that the user's torch optimizer overrides."""
+    """A DeepSpeed config's optimizer params that the user's torch optimizer overrides
+    (``given``: where it came from, e.g. "fabric.setup got"; ``instead``: what to do to use the
+    config's, or "")."""
     d = original.defaults
     differ = {k: (v, _plain(d[k])) for k, v in config.items() if k in d and _plain(d[k]) != v}
     if differ:

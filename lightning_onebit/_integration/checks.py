@@ -7,8 +7,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+__all__ = ["check_dense_gradients", "check_same_model_on_every_rank"]
 
-def _check_same_model_on_every_rank(shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+
+def check_same_model_on_every_rank(shapes: list[tuple[str, tuple[int, ...]]]) -> None:
     """Catch a model that differs across ranks now, with a clear error, not as a hang later.
 
     ``shapes``: (name, shape) of every parameter, in order. Every rank raises the same error.
@@ -46,7 +48,7 @@ def _check_same_model_on_every_rank(shapes: list[tuple[str, tuple[int, ...]]]) -
     )
 
 
-def _check_dense_gradients(module: torch.nn.Module) -> None:
+def check_dense_gradients(module: torch.nn.Module) -> None:
     """Refuse modules that produce sparse gradients before the first step."""
     for name, mod in module.named_modules():
         if (

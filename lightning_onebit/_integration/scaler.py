@@ -9,8 +9,10 @@ from typing_extensions import override
 
 from lightning_onebit._compat import scaler_found_inf
 
+__all__ = ["RankSyncedGradScaler", "synced_scaler"]
 
-class _RankSyncedGradScaler(torch.amp.GradScaler):
+
+class RankSyncedGradScaler(torch.amp.GradScaler):
     """GradScaler whose overflow flag is the maximum over ranks.
 
     In the compression phase every rank has its own local gradients, so one rank can overflow
@@ -27,9 +29,9 @@ class _RankSyncedGradScaler(torch.amp.GradScaler):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
 
-def _synced_scaler(scaler: torch.amp.GradScaler, device: str) -> _RankSyncedGradScaler:
-    """``scaler`` as a :class:`_RankSyncedGradScaler` on ``device`` ("cuda", "cpu"): the same
+def synced_scaler(scaler: torch.amp.GradScaler, device: str) -> RankSyncedGradScaler:
+    """``scaler`` as a :class:`RankSyncedGradScaler` on ``device`` ("cuda", "cpu"): the same
     current scale, growth and backoff settings and growth tracker (its ``state_dict``)."""
-    synced = _RankSyncedGradScaler(device=device, enabled=scaler.is_enabled())
+    synced = RankSyncedGradScaler(device=device, enabled=scaler.is_enabled())
     synced.load_state_dict(scaler.state_dict())
     return synced

@@ -3,7 +3,7 @@
 One implementation for both integrations: the Trainer's
 :class:`~lightning_onebit.callbacks.CompressionScheduler` (a callback around it) and the Fabric
 strategy (:class:`~lightning_onebit.fabric.OneBitFabricStrategy`, which calls it after every
-optimizer step). It needs only torch.
+optimizer step). It needs only torch and Lightning Fabric's rank-zero utilities.
 """
 
 from __future__ import annotations
@@ -158,11 +158,11 @@ class PhaseSwitch:
         freeze_step = _normalize_freeze_step(freeze_step)
         if window < 1:
             raise ValueError(
-                f"window (OneBitStrategy: freeze_window) must be an int >= 1, got {window!r}"
+                f"window (the strategies' freeze_window) must be an int >= 1, got {window!r}"
             )
         if not threshold > 0:
             raise ValueError(
-                f"threshold (OneBitStrategy: freeze_threshold) must be > 0, got {threshold!r}"
+                f"threshold (the strategies' freeze_threshold) must be > 0, got {threshold!r}"
             )
         self.freeze_step = freeze_step
         self.adaptive = adaptive

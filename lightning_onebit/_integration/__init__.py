@@ -1,0 +1,23 @@
+"""What the Trainer strategy (:class:`~lightning_onebit.OneBitStrategy`) and the Fabric strategy
+(:class:`~lightning_onebit.OneBitFabricStrategy`) share: one implementation of each piece, which
+the two strategies wire into Lightning's ``DDPStrategy`` of their own kind. Internal: the public
+names are re-exported from :mod:`lightning_onebit`.
+
+Nothing here imports ``lightning.pytorch``, and messages name the strategy class the user built
+(passed in), never one of the two by itself.
+
+* ``options``: :class:`~options.StrategyOptions`, the options of both strategies and their
+  checks, and ``ALGORITHMS``.
+* ``optimizer``: :class:`~optimizer.OptimizerBuilder`, the 1-bit optimizer from the user's
+  (a torch Adam/AdamW converted, one of ours used as built, or a DeepSpeed config's), the
+  two-level exchange and the overlap with backward.
+* ``convert``: the Adam/AdamW conversion itself, and the LR schedulers re-pointed.
+* ``phase_switch``: when compression starts, identically on every rank; the step counters.
+* ``hook``: the DDP communication hook (averages on warmup steps, nothing on compression steps).
+* ``scaler``: the ``16-mixed`` loss scaler whose overflow check is combined across ranks.
+* ``rank_files``: the per-rank checkpoint files beside a checkpoint.
+* ``deepspeed``: DeepSpeed JSON configs read into options.
+* ``lifecycle``: launch checks, the default process group's life, teardown.
+* ``registry``: the registered strategy names and the near-miss ones.
+* ``checks``, ``errors``: cross-rank model checks; one traceback instead of one per rank.
+"""

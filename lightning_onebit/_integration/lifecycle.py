@@ -1,0 +1,169 @@
+"""The processes and process groups of a 1-bit strategy's run, from launch to teardown: what
+is checked before they start, what they set up, and what is stopped or destroyed after."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+from collections.abc import Generator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_onebit._integration.options import REFUSED_DDP_KWARGS
+from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.optim._base import close_all
+
+__all__ = [
+    "check_ddp_kwargs",
+    "check_no_inherited_group",
+    "destroy_single_process_group",
+    "notebook_message",
+    "one_thread_per_forked_rank",
+    "own_default_group",
+    "refuse_float64",
+    "stop_overlaps",
+    "warn_single_process",
+]
+
+_NO_FLOAT64 = (
+    "precision='64-true' is not supported by {who}: the 1-bit optimizers keep "
+    "their states and the compressed exchange in float32, so float64 parameters would "
+    "be updated with float32 arithmetic (0/1 Adam would even round them to float32 at "
+    "every synchronisation); use precision='32-true', 'bf16-mixed' or '16-mixed'"
+)
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse the DDP options the 1-bit strategies set themselves."""
+    if any(kwargs.get(k) is not None for k in REFUSED_DDP_KWARGS):
+        raise ValueError(
+            "a 1-bit strategy installs its own DDP communication hook (and averages no "
+            f"models); remove {'/'.join(REFUSED_DDP_KWARGS)}"
+        )
+
+
+def refuse_float64(strategy: str) -> None:
+    """``precision='64-true'``, refused by ``strategy`` (the class the user built)."""
+    raise ValueError(_NO_FLOAT64.format(who=strategy))
+
+
+def check_no_inherited_group(expected: int) -> None:
+    """Refuse a process group inherited through fork from an earlier run in the parent process
+    (e.g. a notebook that ran devices=1 under plain DDP). Its first collective would never
+    return, and it cannot be destroyed from a forked child."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != expected:
+        raise RuntimeError(
+            f"a torch.distributed process group of world size {dist.get_world_size()} from an "
+            f"earlier run is still initialised in this process, but this run has {expected} "
+            "ranks; call torch.distributed.destroy_process_group() before this run starts "
+            "(Trainer.fit, fabric.launch)"
+        )
+
+
+def notebook_message(algorithm: str, cls_name: str) -> str:
+    """Why a script-launched strategy cannot run in a notebook, and what to use instead."""
+    return (
+        f"strategy={algorithm!r} starts each rank by running your script again, and "
+        "an interactive session (a notebook, the Python shell) has none: use "
+        f"strategy='{algorithm}_notebook' (fork-started ranks), or "
+        f"{cls_name}(algorithm='{algorithm}', start_method='fork')"
+    )
+
+
+def one_thread_per_forked_rank(start_method: str, num_processes: int) -> None:
+    """GNU OpenMP cannot run a parallel region in a forked child once the parent has used its
+    thread pool (the child waits forever for threads that did not survive the fork), and a
+    notebook's parent process usually has. One thread per fork-started rank."""
+    if start_method == "fork" and num_processes > 1:
+        torch.set_num_threads(1)
+
+
+def stop_overlaps(optimizers: list[Any], hook_state: Any = None) -> None:
+    """At teardown: stop the overlap (its thread, hooks and process groups), destroy the
+    two-level exchange's groups, stop the DDP hook's thread: nothing the strategy or the
+    optimizer started outlives the fit."""
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # (LightningOptimizer)
+        if isinstance(opt, OneBitOptimizer):
+            if opt.overlaps_backward:
+                opt.overlap_with_backward(None)
+            opt.close()
+    if hook_state is not None:
+        hook_state.close()
+
+
+#: the default process group a 1-bit strategy created (see own_default_group), with the id of
+#: the process that created it
+_owned: tuple[int, Any] | None = None
+#: what a forked process inherited in ``_owned`` from its parent: kept, never released there (the
+#: group's threads stayed in the parent, and its destructor would wait for them forever)
+_inherited: list[tuple[int, Any]] = []
+_destroy_registered = False
+
+
+@contextlib.contextmanager
+def own_default_group() -> Generator[None, None, None]:
+    """Around the strategy's process-group setup: a default group it creates there is destroyed
+    at interpreter exit, while the interpreter is still whole.
+
+    Lightning leaves the default group initialised after ``fit`` (the next ``fit``/``test``
+    reuses it), and torch's C++ side keeps it alive past the interpreter's shutdown: left there,
+    its gloo threads, sockets and the rank-0 store are torn down by C++ static destructors,
+    which can abort a finished run ("terminate called without an active exception", exit
+    status -6 on a rank). The group stays usable until exit (``torch.distributed`` after
+    ``fit`` works as under DDP); one destroyed or replaced by the user is left alone, as is one
+    that existed before (the user's: they destroy it), and, after an uncaught exception, any
+    (another rank may still be inside a collective on it: destroying could block).
+    """
+    existed = dist.is_available() and dist.is_initialized()
+    yield
+    if existed or not (dist.is_available() and dist.is_initialized()):
+        return
+    global _owned, _destroy_registered
+    _forget_owned()
+    _owned = (os.getpid(), dist.group.WORLD)
+    if not _destroy_registered:
+        atexit.register(_destroy_owned_group)
+        _destroy_registered = True
+
+
+def _forget_owned() -> None:
+    """Drop ``_owned``; a copy inherited through ``fork`` is kept aside instead (see
+    ``_inherited``)."""
+    global _owned
+    if _owned is not None and _owned[0] != os.getpid():
+        _inherited.append(_owned)
+    _owned = None
+
+
+def _destroy_owned_group() -> None:
+    owned = _owned
+    _forget_owned()
+    if owned is None or owned[0] != os.getpid() or getattr(sys, "last_value", None) is not None:
+        return  # (none, a parent's, or after an uncaught exception)
+    close_all()  # (the optimizers' own groups first: Fabric never tears its strategy down)
+    if dist.is_initialized() and dist.group.WORLD is owned[1]:
+        with contextlib.suppress(Exception):  # a peer already gone: the exit goes on as before
+            dist.destroy_process_group()
+
+
+def destroy_single_process_group() -> None:
+    """At teardown: a single-process run initialised a group in this process; leaving it would
+    be inherited by the ranks of a later fork-started run (notebooks) and break them."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        _forget_owned()
+        dist.destroy_process_group()
+
+
+def warn_single_process(algorithm: str) -> None:
+    rank_zero_warn(
+        f"{algorithm} with a single process (devices=1, num_nodes=1) has nobody to "
+        "exchange with: it sends nothing either way, and its steps are those of a "
+        "1-rank 1-bit run (compressed momentum), not Adam's. Use it to debug; train on "
+        "one device with strategy='auto' and torch.optim.Adam/AdamW"
+    )

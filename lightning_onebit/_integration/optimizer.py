@@ -1,0 +1,217 @@
+"""The 1-bit optimizer a strategy trains with: built from the user's torch Adam/AdamW (or from a
+DeepSpeed config's hyperparameters), or the user's own used as built; then set up for the run
+(the two-level exchange, the overlap with backward)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_onebit._integration import convert
+from lightning_onebit._integration.checks import check_same_model_on_every_rank
+from lightning_onebit._integration.lifecycle import warn_single_process
+from lightning_onebit._integration.options import ALGORITHMS, StrategyOptions
+from lightning_onebit.optim import OneBitOptimizer
+
+__all__ = ["OptimizerBuilder", "overlap_blocker", "overlap_paused"]
+
+
+class OptimizerBuilder:
+    """Turns what the user gave into the strategy's 1-bit optimizer, and remembers how.
+
+    Args:
+        options: the strategy's options.
+        strategy: the name of the strategy class the user built, for messages.
+        error: the exception type of the user's mistakes (the Trainer's
+            ``MisconfigurationException``, Fabric's ``ValueError``).
+        hparams: a DeepSpeed config's optimizer hyperparameters (lr, betas, ...), or ``None``.
+
+    Attributes:
+        converted: whether the strategy built the optimizer (from a torch Adam/AdamW or from
+            ``hparams``), so that its options and the default switch point apply.
+        lr_scale: what the conversion multiplied the learning rates by (``lamb_lr``).
+    """
+
+    def __init__(
+        self,
+        options: StrategyOptions,
+        strategy: str,
+        error: type[Exception],
+        hparams: dict[str, Any] | None = None,
+    ) -> None:
+        self.options = options
+        self.strategy = strategy
+        self.error = error
+        self.hparams = hparams
+        self.converted = False
+        self.lr_scale = 1.0
+
+    def from_user(
+        self, original: torch.optim.Optimizer, given: str, expected: str, instead: str = ""
+    ) -> OneBitOptimizer:
+        """The 1-bit optimizer to train with: ``original`` itself if it is one, else built from a
+        torch Adam/AdamW (the caller re-points the LR schedulers: :meth:`repoint`).
+        ``given``/``expected`` say where the optimizer came from in messages ("configure_optimizers
+        returned" / "configure_optimizers must return"); ``instead``: what to do to build it from
+        a DeepSpeed config's hyperparameters instead, said where they differ from its own."""
+        algorithm = self.options.algorithm
+        cls = ALGORITHMS[algorithm]
+        if isinstance(original, OneBitOptimizer):
+            self._check_own(original, given)
+            original.average_warmup_grads = False
+            if self.options.average_dtype is not None:
+                original.average_dtype = self.options.average_dtype
+            new = original
+        elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
+            if self.hparams:
+                convert.warn_if_config_differs(original, self.hparams, given, instead)
+            new, self.lr_scale = convert.convert_adam(
+                original,
+                cls,
+                algorithm,
+                self.options.optimizer_kwargs,
+                self.options.lamb_lr,
+                strategy=self.strategy,
+                error=self.error,
+            )
+            self.converted = True
+        else:
+            raise self.error(
+                f"{self.strategy} cannot run {type(original).__name__}: {expected} "
+                "torch.optim.Adam, torch.optim.AdamW, or one of lightning_onebit.optim.OneBitAdam / "
+                "ZeroOneAdam / OneBitLamb"
+            )
+        check_same_model_on_every_rank(
+            [
+                (f"param_groups[{gi}][{i}]", tuple(p.shape))
+                for gi, g in enumerate(new.param_groups)
+                for i, p in enumerate(g["params"])
+            ]
+        )
+        return new
+
+    def _check_own(self, opt: OneBitOptimizer, given: str) -> None:
+        """Say where the user's own optimizer differs from what the strategy was asked for: it
+        is used as built."""
+        cls = ALGORITHMS[self.options.algorithm]
+        name = type(opt).__name__
+        if type(opt) is not cls:
+            rank_zero_warn(
+                f"{given} {name}, but the strategy is {self.options.algorithm!r} "
+                f"({cls.__name__}): training with {name} as built (the strategy's algorithm and "
+                "optimizer options apply when it converts a torch.optim.Adam/AdamW)"
+            )
+        if self.options.deepspeed_compatible:
+            differ = [
+                f"{k}={getattr(opt, k)!r}"
+                for k, v in type(opt).DEEPSPEED_ARITHMETIC.items()
+                if hasattr(opt, k) and getattr(opt, k) != v
+            ]
+            if differ:
+                rank_zero_warn(
+                    f"{self.strategy}(deepspeed_compatible=True), but {given} {name} with "
+                    f"{', '.join(differ)}: training with it as built, not with DeepSpeed's "
+                    f"arithmetic; build it with {name}(..., deepspeed_compatible=True)"
+                )
+
+    def from_hparams(self, params: list[torch.nn.Parameter], where: str) -> OneBitOptimizer:
+        """The chosen algorithm's optimizer over ``params`` (one group) with :attr:`hparams`
+        (``where`` names them in the message, e.g. "DeepSpeed config")."""
+        cls = ALGORITHMS[self.options.algorithm]
+        new = cls(params, **self.options.optimizer_kwargs(dict(self.hparams or {})))
+        self.converted = True
+        rank_zero_info(
+            f"{self.strategy}: {cls.__name__} from the {where} ({self.hparams or 'defaults'})"
+        )
+        return new
+
+    def repoint(
+        self, schedulers: list[Any], original: torch.optim.Optimizer, new: OneBitOptimizer
+    ) -> None:
+        """Make the LR schedulers built on ``original`` drive ``new``."""
+        if new is not original:
+            convert.repoint_schedulers(schedulers, original, new, self.lr_scale, self.error)
+
+    def rescale_restored(self, opt: OneBitOptimizer, schedulers: list[Any]) -> None:
+        """After a checkpoint of torch's Adam was restored into ``opt``: its learning rates
+        scaled as the conversion scaled the user's (``lamb_lr``)."""
+        convert.rescale_restored_lrs(opt, schedulers, self.lr_scale, self.error)
+
+    def prepare(
+        self,
+        opt: OneBitOptimizer,
+        ranks_per_node: int,
+        world_size: int,
+        clipping: bool,
+        scaler: bool,
+    ) -> None:
+        """Set ``opt`` up for a fit: the two-level exchange on ``ranks_per_node`` processes per
+        node (collective: every rank, before the first backward), the overlap with backward
+        (unless ``clipping`` or a loss ``scaler`` edits the gradients after backward), and a
+        warning for a single process."""
+        configure_hierarchy(opt, self.options.hierarchical, ranks_per_node)
+        configure_overlap(
+            opt, self.options.overlap_bucket_mb, self.options.timeout, clipping, scaler
+        )
+        if world_size == 1:
+            warn_single_process(self.options.algorithm)
+
+
+def configure_overlap(
+    opt: OneBitOptimizer,
+    bucket_mb: float | None,
+    timeout: timedelta | None,
+    clipping: bool,
+    scaler: bool,
+) -> None:
+    """Overlap ``opt``'s exchange with backward in buckets of ``bucket_mb`` MiB, unless
+    something edits the gradients between backward and the step (said once, as info)."""
+    if bucket_mb is None:
+        return
+    why = overlap_blocker(clipping, scaler)
+    if why is not None:
+        rank_zero_info(f"1-bit exchange after backward, not overlapped with it: {why}")
+        return
+    opt.overlap_with_backward(bucket_mb, timeout=timeout)
+
+
+def configure_hierarchy(
+    opt: OneBitOptimizer, hierarchical: bool | str, ranks_per_node: int
+) -> None:
+    """Give ``opt`` the strategy's two-level setting and the launch's layout (``ranks_per_node``
+    processes per node), and build its groups now; one info line when it is on."""
+    opt.hierarchical, opt.ranks_per_node = hierarchical, ranks_per_node or None
+    nodes = opt.node_groups()
+    if nodes is not None:
+        rank_zero_info(
+            f"1-bit exchange in two levels on {nodes.nodes} nodes x {nodes.local_size} ranks: "
+            "full precision inside a node, 1 bit between nodes (hierarchical=False: every "
+            "rank compresses its own values)"
+        )
+
+
+@contextlib.contextmanager
+def overlap_paused(opts: list[OneBitOptimizer]) -> Generator[None, None, None]:
+    """A backward without a step (gradient accumulation): the exchange must not start yet."""
+    for o in opts:
+        o.overlap_paused = True
+    try:
+        yield
+    finally:
+        for o in opts:
+            o.overlap_paused = False
+
+
+def overlap_blocker(clipping: bool, scaler: bool) -> str | None:
+    """Why the exchange cannot overlap backward (``None``: it can): something edits the
+    gradients between backward and the step, which an exchange started during backward misses."""
+    if clipping:
+        return "gradient clipping edits the gradients after backward"
+    if scaler:
+        return "the 16-mixed loss scaler unscales the gradients after backward"
+    return None

@@ -1,0 +1,205 @@
+"""The options of both 1-bit strategies, held and validated in one place.
+
+Each strategy's ``__init__`` lists them as explicit, typed keyword arguments (LightningCLI reads
+its signature) and passes them on to :class:`StrategyOptions` by name; the checks, the defaults
+the strategies apply when they build the optimizer, and the merge of a DeepSpeed config live
+here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lightning_onebit._integration import deepspeed
+from lightning_onebit._integration.phase_switch import PhaseSwitch
+from lightning_onebit.comm import as_average_dtype
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+
+__all__ = [
+    "ALGORITHMS",
+    "CONVERSION_DEFAULTS",
+    "OPTIMIZER_OPTIONS",
+    "REFUSED_DDP_KWARGS",
+    "StrategyOptions",
+]
+
+ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
+    "onebit_adam": OneBitAdam,
+    "zero_one_adam": ZeroOneAdam,
+    "onebit_lamb": OneBitLamb,
+}
+
+#: the algorithms' options among the strategies' arguments (passed on to the optimizer): read
+#: from the optimizers' own ``OPTIONS``, where each is declared with its default and checks
+OPTIMIZER_OPTIONS = tuple(dict.fromkeys(k for cls in ALGORITHMS.values() for k in cls.OPTIONS))
+
+#: options the strategies set (unless given) when they build the optimizer, where that differs
+#: from the optimizer's own default (which is DeepSpeed's arithmetic): torch Adam's bias
+#: correction, and the variance rescaling. ``deepspeed_compatible`` sets none of them.
+CONVERSION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "onebit_adam": {"bias_correction": True, "rescale_variance": True},
+    "zero_one_adam": {
+        "bias_correction": True,
+        "compressed_variance_phase": False,
+        "rescale_variance": True,
+    },
+    "onebit_lamb": {"bias_correction": True},
+}
+
+#: DDP options that the 1-bit strategies set themselves
+REFUSED_DDP_KWARGS = (
+    "ddp_comm_state",
+    "ddp_comm_hook",
+    "ddp_comm_wrapper",
+    "model_averaging_period",
+)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """The options of :class:`~lightning_onebit.OneBitStrategy` and
+    :class:`~lightning_onebit.OneBitFabricStrategy` (documented there), validated at
+    construction, before any process starts. ``freeze_step`` and ``average_dtype`` are kept
+    normalised (a whole float step count as an int; a dtype)."""
+
+    algorithm: Literal["onebit_adam", "zero_one_adam", "onebit_lamb"] = "onebit_adam"
+    freeze_step: int | float | None = None
+    adaptive_freeze: bool = False
+    freeze_threshold: float = 0.05
+    freeze_window: int = 50
+    var_update_scaler: int | None = None
+    local_step_scaler: int | None = None
+    local_step_clipper: int | None = None
+    compressed_variance_phase: bool | None = None
+    max_coeff: float | None = None
+    min_coeff: float | None = None
+    coeff_beta: float | None = None
+    factor_max: float | None = None
+    factor_min: float | None = None
+    factor_threshold: float | None = None
+    bias_correction: bool | None = None
+    variance_floor: float | None = None
+    preconditioned_exchange: bool | None = None
+    rescale_variance: bool | None = None
+    deepspeed_compatible: bool | None = None
+    lamb_lr: float | None = None
+    overlap_bucket_mb: float | None = 25.0
+    average_dtype: str | torch.dtype | None = None
+    hierarchical: bool | Literal["auto"] = "auto"
+    timeout: timedelta | None = timedelta(minutes=30)
+    start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"algorithm must be one of {sorted(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        if self.timeout is not None and not (
+            isinstance(self.timeout, timedelta) and self.timeout > timedelta(0)
+        ):
+            raise ValueError(
+                f"timeout must be a datetime.timedelta > 0 or None, got {self.timeout!r}; "
+                "e.g. timeout=timedelta(minutes=30)"
+            )
+        switch = PhaseSwitch(
+            self.freeze_step, self.adaptive_freeze, self.freeze_threshold, self.freeze_window
+        )  # (validated now: the switch itself is built where it runs)
+        object.__setattr__(self, "freeze_step", switch.freeze_step)
+        # Each optimizer's own checks. Every algorithm's options are checked, not only the
+        # chosen one's: a bad value is a mistake even where this algorithm ignores it.
+        for cls in ALGORITHMS.values():
+            cls.check_options(**self.given_options(cls))
+        if self.deepspeed_compatible not in (None, True, False):
+            raise ValueError(
+                f"deepspeed_compatible must be True, False or None, got {self.deepspeed_compatible!r}"
+            )
+        if self.deepspeed_compatible:
+            self._check_deepspeed_arithmetic()
+        if self.lamb_lr is not None and not _positive(self.lamb_lr):
+            raise ValueError(f"lamb_lr must be a number > 0 or None, got {self.lamb_lr!r}")
+        if self.overlap_bucket_mb is not None and not (
+            _positive(self.overlap_bucket_mb) and self.overlap_bucket_mb < float("inf")
+        ):
+            raise ValueError(
+                f"overlap_bucket_mb must be a number in (0, inf) or None (no overlap), got "
+                f"{self.overlap_bucket_mb!r}"
+            )
+        if self.average_dtype is not None:
+            object.__setattr__(self, "average_dtype", as_average_dtype(self.average_dtype))
+        if self.hierarchical not in (True, False, "auto"):
+            raise ValueError(
+                f"hierarchical must be True, False or 'auto', got {self.hierarchical!r}"
+            )
+
+    def _check_deepspeed_arithmetic(self) -> None:
+        """An option given explicitly (not ``None``) with another value than DeepSpeed's
+        contradicts ``deepspeed_compatible=True``."""
+        cls = ALGORITHMS[self.algorithm]
+        for key, want in cls.DEEPSPEED_ARITHMETIC.items():
+            value = getattr(self, key, None)
+            if key in cls.OPTIONS and value is not None and value != want:
+                raise ValueError(
+                    f"deepspeed_compatible=True computes with DeepSpeed's {key}={want!r}, and "
+                    f"{key}={value!r} was given too: drop one of the two (a DeepSpeed config "
+                    "turns deepspeed_compatible on; pass deepspeed_compatible=False to keep this "
+                    "library's arithmetic with it)"
+                )
+
+    @property
+    def optimizer_options(self) -> dict[str, Any]:
+        """The algorithms' options as given (``None``: the optimizer's default)."""
+        return {k: getattr(self, k) for k in OPTIMIZER_OPTIONS}
+
+    def given_options(self, cls: type[OneBitOptimizer]) -> dict[str, Any]:
+        """The options of ``cls`` given to the strategy (not ``None``)."""
+        return {
+            k: v for k, v in self.optimizer_options.items() if k in cls.OPTIONS and v is not None
+        }
+
+    def optimizer_kwargs(self, hparams: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments the strategy builds the chosen algorithm's optimizer with:
+        ``hparams`` (lr, betas, ...), the strategy's defaults for a built optimizer (unless
+        ``deepspeed_compatible``), the options given, and the averaging settings."""
+        kw = dict(hparams)
+        given = self.given_options(ALGORITHMS[self.algorithm])
+        if self.deepspeed_compatible:
+            kw["deepspeed_compatible"] = True
+        else:
+            kw.update(CONVERSION_DEFAULTS[self.algorithm])
+            if "var_update_scaler" in given:  # the paper's variance schedule, asked for by name
+                kw.pop("compressed_variance_phase", None)  # (as a DeepSpeed config does)
+        kw.update(given)
+        kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
+        kw["average_dtype"] = self.average_dtype or torch.float32
+        return kw
+
+    def with_deepspeed_config(
+        self, config: str | Path | dict[str, Any]
+    ) -> tuple[StrategyOptions, dict[str, Any], str | None]:
+        """These options with those of a DeepSpeed ``config`` merged in (an option given here,
+        i.e. not at its default, wins, and is named in the note), ``deepspeed_compatible`` on
+        unless given; the config's optimizer hyperparameters; one note naming what the config
+        sets without effect here (or ``None``)."""
+        algorithm, options, hparams, notes = deepspeed.read(config)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        merged: dict[str, Any] = {}
+        for key, value in options.items():
+            mine = getattr(self, key)
+            if mine != defaults[key] and mine != value:  # an explicit argument wins
+                notes.append(f"{key}={mine!r} given as an argument (the config: {value!r})")
+            else:
+                merged[key] = value
+        if self.deepspeed_compatible is None:
+            merged["deepspeed_compatible"] = True
+        note = f"DeepSpeed config ({algorithm}): " + "; ".join(notes) if notes else None
+        return dataclasses.replace(self, **merged), hparams, note
