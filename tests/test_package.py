@@ -1,6 +1,7 @@
 """The package's structure (``scripts/layers.py`` reads it): no import cycles between its
 modules, at module level or inside functions; every module imports only its own layer and the
-ones below it (kernels, exchange, optimizers, integration, tools)."""
+ones below it (kernels, exchange, optimizers, integration, tools); no module takes an
+underscore name from another (``_compat`` excepted: other libraries' private APIs)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def test_every_module_imports_only_its_layer_and_the_ones_below() -> None:
     assert layers.layer_violations(upward) == [
         "lightning_onebit.kernels.ops (kernels) -> lightning_onebit.optim._base (optimizers)"
     ]
+
+
+def test_no_underscore_name_is_imported_across_modules() -> None:
+    assert layers.private_imports(layers.graph()) == []
+    g = {"lightning_onebit.strategy": {"lightning_onebit.hook": {"_build", "build"}}}
+    assert layers.private_imports(g) == ["lightning_onebit.strategy: lightning_onebit.hook._build"]
+    assert layers.private_imports({"m": {layers.COMPAT: {"_private_api"}}}) == []
