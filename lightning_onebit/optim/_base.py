@@ -38,13 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import (
-    BucketedAllreduce,
-    NodeGroups,
-    NonFiniteError,
-    as_average_dtype,
-    make_exchange,
-)
+from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
 from lightning_onebit.optim._checkpoint import load_rank_state, load_state, rank_state, save_state
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._flat import FlatState, Layout
@@ -55,7 +49,7 @@ from lightning_onebit.optim._ops import (
     init_rescale,
     rescale_reduce_if_due,
 )
-from lightning_onebit.optim._overlap import BackwardOverlap
+from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
 from lightning_onebit.optim._phase import Phase, Phases
 from lightning_onebit.optim._topology import Delegated, Topology
 from lightning_onebit.optim._validation import (
@@ -141,10 +135,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         "preconditioned_exchange": False,
         "rescale_variance": False,
     }
-
-    #: The algorithm's options: keyword arguments of ``__init__``, whose signature holds their
-    #: defaults and whose docstring documents them; :meth:`check_options` validates them.
-    #: ``OneBitStrategy`` offers each one (``None`` there: this default) and reads them from here.
+    #: The algorithm's options (subclasses extend): keyword arguments of ``__init__``, whose
+    #: signature holds their defaults; :meth:`check_options` validates them. ``OneBitStrategy``
+    #: offers each one (``None`` there: this default) and reads them from here.
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "bias_correction",
         "variance_floor",
@@ -154,29 +147,26 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     PHASES: ClassVar[tuple[Phase, Phase]] = (Phase.WARMUP, Phase.COMPRESSION)
     #: The attribute holding the step after which the built-in switch happens (subclasses).
     SWITCH_OPTION: ClassVar[str] = "freeze_step"
-    #: Flat per-parameter states (one fp32 value per parameter value; subclasses).
-    _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-    #: Per-parameter scalar states and their initial values (one fp32 value per parameter).
-    _scalar_states: ClassVar[dict[str, float]] = {}
-    #: Optimizer-wide attributes that go into the checkpoint (besides step count and phase).
-    _checkpoint_attrs: tuple[str, ...] = ()
-    #: raise floored variances to their tensor's mean (see ``floor_variance_`` (``_variance.py``))
-    _floor_to_mean: ClassVar[bool] = False
-    #: Flat scratch buffers (not checkpointed).
-    _work_buffers: tuple[str, ...] = ("update",)
+    #: Whether the steps can keep their NaN/Inf verdicts on the device, which they do on CUDA
+    #: (their writes take it; see :class:`~lightning_onebit.optim._verdict.StepVerdict`).
+    DEVICE_VERDICT: ClassVar[bool] = False
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
-    #: Whether the steps can keep their NaN/Inf verdicts on the device (their writes take it),
-    #: which they do on CUDA (see :class:`~lightning_onebit.optim._verdict.StepVerdict`).
-    DEVICE_VERDICT: ClassVar[bool] = False
-    #: Host-side counters a step advances: put back when the step turns out dropped (its
-    #: verdict was non-finite), whether the host learnt that in the step or one step later.
+    #: Flat per-parameter states, per-parameter scalar states with their initial values, flat
+    #: scratch buffers (not checkpointed), optimizer-wide checkpointed attributes (subclasses).
+    _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    _scalar_states: ClassVar[dict[str, float]] = {}
+    _work_buffers: tuple[str, ...] = ("update",)
+    _checkpoint_attrs: tuple[str, ...] = ()
+    #: Host-side counters a step advances, put back when its verdict turns out non-finite.
     _host_counters: ClassVar[tuple[str, ...]] = (
         "step_count",
         "variance_updates",
         "grad_sq_steps",
         "_rescale_due",
     )
+    #: raise floored variances to their tensor's mean (see ``floor_variance_``; 1-bit LAMB)
+    _floor_to_mean: ClassVar[bool] = False
     #: ``rescale_variance``: steps between the all-reduces of the gradients' mean squares, and
     #: all-reduces before their running mean is the reference (see ``rescale_variance_``)
     rescale_interval: int = RESCALE_INTERVAL
@@ -333,10 +323,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         Call it on every rank between the same two steps (the built-in switch, driven by the
         step counter, always does). Calling it again is a no-op.
 
-        At the switch, with ``bias_correction``, the bias corrections are folded into the
-        moments (``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``): the compression phase then runs
-        the paper's algorithm unchanged, preconditioned by Adam's unbiased variance. Then the
-        variance is floored (``floor_variance_`` (``_variance.py``)).
+        With ``bias_correction`` the bias corrections are folded into the moments (``m /= 1 -
+        beta1**t``, ``v /= 1 - beta2**k``), so the compression phase runs the paper's algorithm
+        unchanged; then the variance is floored (``variance_floor``).
         """
         if self.phases.switched:
             return
@@ -417,15 +406,13 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Start the step's communication during backward, bucket by bucket (``None``: off).
 
         The flat buffers are cut into buckets of about ``bucket_cap_mb`` MiB (whole parameters,
-        last layers first), each exchanged as soon as backward has produced its gradients, on a
-        communication thread and a process group of its own; ``step()`` then only finishes what
-        is left. Compression steps start the compressed exchange; steps that average fp32
-        gradients (warmup, with ``average_warmup_grads=True``) start async ``all_reduce`` s, as
-        DDP does. Each bucket has its own 1-bit scale and error buffers (so the numbers differ
-        slightly from one exchange for the whole model); a NaN/Inf in any bucket still drops the
-        whole step on every rank. See ``lightning_onebit/optim/_overlap.py`` for the contract:
-        the exchange sees ``.grad`` as backward leaves it (no clipping or unscaling in between),
-        and backward passes not followed by ``step()`` need ``overlap_paused = True``.
+        last layers first), each exchanged (compression steps) or averaged in fp32 (warmup, with
+        ``average_warmup_grads=True``) as soon as backward has produced its gradients, on a
+        communication thread and a process group of its own; ``step()`` finishes what is left.
+        Each bucket has its own 1-bit scale and error buffers; a NaN/Inf in any bucket drops the
+        whole step on every rank. The exchange sees ``.grad`` as backward leaves it (no clipping
+        or unscaling in between), and backward passes not followed by ``step()`` need
+        ``overlap_paused = True`` (``lightning_onebit/optim/_overlap.py`` has the details).
 
         Call it on every rank, before the first step or between two steps; changing the buckets
         of a run in progress restarts the error buffers (with a warning). ``timeout`` is that of
@@ -435,13 +422,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if bucket_cap_mb is not None:
             check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
         cap = None if bucket_cap_mb is None else max(4, int(bucket_cap_mb * 2**20))
-        if self.overlap is not None:
-            if cap == self.overlap.cap and timeout == self.overlap.timeout:
-                return
-            self.overlap.close()
-            self.flat.release_exchange()  # (built on the overlap's groups, just destroyed)
-        self.overlap = None if cap is None else BackwardOverlap(self, cap, timeout)
-        self.flat.invalidate()  # new buckets (and hooks) at the next step
+        self.overlap = replace_overlap(self.overlap, self, cap, timeout)
 
     @property
     def overlaps_backward(self) -> bool:
@@ -518,32 +499,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         layout = Layout(self.param_groups)
         check_joined(self, layout, self._trained_ids)  # (before anything changes)
         flat.build(layout, self.state, self._flat_states, self._scalar_states, self._work_buffers)
-        # Each param group is exchanged on its own (its own scale and error buffers, as
-        # DeepSpeed does): biases and norms in a group of their own are not quantised with the
-        # weights' scale. With the overlap, its buckets never span two groups.
-        overlap = self.overlap
-        bounds = overlap.plan(layout) if overlap is not None else None
-        if bounds is None and len(layout.group_bounds()) > 1:
-            bounds = layout.group_bounds()
         nodes = self.node_groups()  # (collective the first time: every rank is here)
         on_device = self.verdict.uses_device(layout.device)
-
-        def make() -> Any:
-            if bounds is None:
-                return make_exchange(
-                    layout.numel, layout.device, self.process_group, nodes,
-                    device_verdict=on_device,
-                )  # fmt: skip
-            group = overlap.group() if overlap is not None else self.process_group
-            return BucketedAllreduce(
-                bounds, device=layout.device, group=group,
-                nodes=overlap.nodes() if overlap is not None else nodes,
-                device_verdict=on_device,
-            )  # fmt: skip
-
-        flat.fit_exchange(layout, bounds, make)
-        if overlap is not None:
-            overlap.install(layout)
+        flat.fit_exchange(layout, self.overlap, self.process_group, nodes, on_device)
         flat.layout = layout
         self._trained_ids = frozenset(layout.key)
         flat.check_masks(self.param_groups)
@@ -608,11 +566,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """torch's optimizer state plus ``"onebit"``: step count, phase, counters, error buffers.
 
         The error buffers belong to this rank: save one state dict per rank to resume exactly.
-        Each parameter's state also has torch Adam's ``step`` (the steps its group has taken),
-        so that ``torch.optim.Adam``/``AdamW`` can load it: going back to ``strategy="ddp"``
-        from a 1-bit checkpoint. (After the switch the moments hold the bias correction folded
-        in, which torch applies again: its first steps are smaller by ``sqrt(1 - beta2**t) /
-        (1 - beta1**t)``, ~1 once ``t`` is in the thousands.)
+        Each parameter's state also has torch Adam's ``step``, so that ``torch.optim.Adam``/
+        ``AdamW`` can load it (back to ``strategy="ddp"``; after the switch the moments hold the
+        bias correction folded in, which torch applies again in its first steps).
         """
         self._resolve_verdict()  # (a verdict still on the device: the count must be final)
         return save_state(self, super().state_dict())
@@ -648,12 +604,11 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """The two-level layout the exchange runs on, or ``None`` for the flat exchange.
 
         With ``hierarchical=True`` (or ``"auto"``) and several nodes of several ranks each
-        (``ranks_per_node``, default ``LOCAL_WORLD_SIZE`` as torchrun sets it), every exchange
-        and full-precision average runs in two levels (``lightning_onebit/comm/hierarchical.py``): full
-        precision inside a node, 1 bit between nodes, ``ranks_per_node`` times fewer bytes
-        through each node's network link. ``True`` with one node or one rank per node warns and
-        runs the flat exchange; ``"auto"`` decides silently. Collective on its first call (every
-        rank at the same point: the first step, or the strategy's setup); cached after it.
+        (``ranks_per_node``, default ``LOCAL_WORLD_SIZE``), every exchange and full-precision
+        average runs in two levels: full precision inside a node, 1 bit between nodes
+        (``ranks_per_node`` times fewer bytes through each node's link). ``True`` with one node
+        or one rank per node warns and runs the flat exchange; ``"auto"`` decides silently.
+        Collective on its first call (every rank at the same point); cached after it.
         """
         return self.topology.node_groups()
 
@@ -664,12 +619,10 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self.flat.release_exchange()
 
     def close(self) -> None:
-        """Stop what this optimizer started: the overlap's communication thread, gradient hooks
-        and process groups, the two-level exchange's groups, and the exchange that runs on
-        them (its error buffers are kept). Settings stay: a later ``step()`` starts them
-        again (collectively: every rank steps). The strategies call it at teardown, and every
-        optimizer is closed at interpreter exit (a process group left to the interpreter's
-        shutdown can abort a finished run)."""
+        """Stop what this optimizer started: the overlap's thread, hooks and process groups, the
+        node groups and the exchange on them (its error buffers are kept); a later ``step()``
+        starts them again. The strategies call it at teardown, and every optimizer is closed at
+        interpreter exit (a process group left to the shutdown can abort a finished run)."""
         if self.overlap is not None:
             self.overlap.close()
             self.flat.release_exchange()

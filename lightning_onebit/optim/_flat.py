@@ -5,12 +5,15 @@ group, in one fp32 buffer per state (:class:`Layout`), the buffers and their per
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_onebit.comm import BucketedAllreduce, CompressedAllreduce
+from lightning_onebit.comm import BucketedAllreduce, CompressedAllreduce, NodeGroups, make_exchange
+
+if TYPE_CHECKING:
+    from lightning_onebit.optim._overlap import BackwardOverlap
 
 __all__ = ["FlatState", "Layout"]
 
@@ -201,12 +204,23 @@ class FlatState:
     def fit_exchange(
         self,
         layout: Layout,
-        bounds: list[tuple[int, int]] | None,
-        make: Callable[[], CompressedAllreduce | BucketedAllreduce],
+        overlap: BackwardOverlap | None,
+        group: Any,
+        nodes: NodeGroups | None,
+        device_verdict: bool,
     ) -> None:
-        """Keep the exchange if it fits ``layout`` and ``bounds`` (its buckets), else replace
-        it by ``make()``, carrying its error buffers over where only the device changed (a
-        warning where they restart); then apply a loaded state (:meth:`load_exchange_state`)."""
+        """Keep the exchange if it fits ``layout`` (and its buckets), else build one over
+        ``group`` (and ``nodes``), carrying the error buffers over where only the device changed
+        (a warning where they restart); then apply a loaded state (:meth:`load_exchange_state`)
+        and install the ``overlap``'s gradient hooks.
+
+        Each param group is exchanged on its own (its own scale and error buffers, as DeepSpeed
+        does): biases and norms in a group of their own are not quantised with the weights'
+        scale. The ``overlap``'s buckets (:meth:`BackwardOverlap.plan`) never span two groups.
+        """
+        bounds = overlap.plan(layout) if overlap is not None else None
+        if bounds is None and len(layout.group_bounds()) > 1:
+            bounds = layout.group_bounds()
         ex, n = self.exchange, layout.numel
         same_buckets = ex is not None and ex.bounds == bounds
         if ex is not None and (ex.numel != n or ex.device != layout.device or not same_buckets):
@@ -221,8 +235,17 @@ class FlatState:
                     stacklevel=4,
                 )
             ex = None
-        if ex is None:
-            ex = make()
+        if ex is None and bounds is not None:
+            ex = BucketedAllreduce(
+                bounds, device=layout.device,
+                group=overlap.group() if overlap is not None else group,
+                nodes=overlap.nodes() if overlap is not None else nodes,
+                device_verdict=device_verdict,
+            )  # fmt: skip
+        elif ex is None:
+            ex = make_exchange(n, layout.device, group, nodes, device_verdict=device_verdict)
+        if overlap is not None:
+            overlap.install(layout)
         pending, self.pending_exchange = self.pending_exchange, None
         if pending == "reset":  # loaded a checkpoint taken before the first exchange
             ex.reset_error()

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
 from lightning_onebit.optim._flat import FlatState, Layout
 
-__all__ = ["BackwardOverlap", "OverlapHost"]
+__all__ = ["BackwardOverlap", "OverlapHost", "replace_overlap"]
 
 #: The first bucket's cap (DDP's ``first_bucket_cap``: 1 MiB).
 FIRST_BUCKET_BYTES = 2**20
@@ -339,3 +339,19 @@ def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | 
                 dist.destroy_process_group(group)
         if nodes is not None:
             nodes.close()
+
+
+def replace_overlap(
+    current: BackwardOverlap | None, host: OverlapHost, cap: int | None, timeout: timedelta | None
+) -> BackwardOverlap | None:
+    """The overlap ``host`` has after ``overlap_with_backward(cap, timeout)`` (``cap`` in bytes,
+    ``None``: off): ``current`` if it has these settings, else a new one (or none), the current
+    one closed and the exchange built on its groups let go; the layout is then rebuilt (new
+    buckets and hooks) at the next step."""
+    if current is not None:
+        if cap == current.cap and timeout == current.timeout:
+            return current
+        current.close()
+        host.flat.release_exchange()  # (built on the overlap's groups, just destroyed)
+    host.flat.invalidate()
+    return None if cap is None else BackwardOverlap(host, cap, timeout)
