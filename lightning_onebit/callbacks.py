@@ -114,9 +114,8 @@ class CompressionScheduler(PhaseSwitch, Callback):
     def _check_backbone_finetuning(self, trainer: pl.Trainer) -> None:
         """Lightning's ``BackboneFinetuning`` adds the backbone to the optimizer at the start of
         epoch ``unfreeze_backbone_at_epoch``. A parameter that becomes trainable after the
-        switch has no variance to be preconditioned by, and the optimizer refuses it then
-        (see ``OneBitOptimizer._check_joined``): say so before training, with the step to
-        switch after instead."""
+        switch has no variance to be preconditioned by, and the optimizer refuses it then: say
+        so before training, with the step to switch after instead."""
         from lightning.pytorch.callbacks import BackboneFinetuning
 
         opt = self._optimizer(trainer)

@@ -283,7 +283,7 @@ class OneBitFabricStrategy(DDPStrategy):
                 f"{self.algorithm}: with no max_steps (0.2 of the run cannot be known), 1-bit "
                 "compression starts once the variance has stabilised (adaptive_freeze: relative "
                 f"change below {self._switch.threshold} over {self._switch.window} steps), at the "
-                f"latest after {new._switch_attr}={new.switch_step} steps; pass "
+                f"latest after {new.SWITCH_OPTION}={new.switch_step} steps; pass "
                 f"{type(self).__name__}(max_steps=...) (0.2 of it) or freeze_step=... to choose"
             )
         self._switch.start(new, total, converted)
@@ -351,9 +351,9 @@ class OneBitFabricStrategy(DDPStrategy):
         opt = self._optimizer
         if opt is None or optimizer is not opt or not opt.overlaps_backward:
             return
-        started = opt._layout is not None  # (built at the first step)
-        if started and opt._overlap is not None:
-            opt._overlap.drop()  # what backward started saw the unclipped gradients
+        started = opt.flat.layout is not None  # (built at the first step)
+        if started and opt.overlap is not None:
+            opt.overlap.drop()  # what backward started saw the unclipped gradients
         opt.overlap_with_backward(None)
         # (in the compression phase the optimizer warns that its error buffers restart)
         rank_zero_info(

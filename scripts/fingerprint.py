@@ -160,7 +160,7 @@ def _run_case(rank: int, name: str, ranks_per_node: int | None) -> tuple[str, st
         opt.step()
     if ranks_per_node is not None and opt.node_groups() is None:
         raise RuntimeError(f"{name}: the two-level exchange is not in use")
-    buckets = len(getattr(opt._exchange, "buckets", [None]))
+    buckets = len(getattr(opt.flat.exchange, "buckets", [None]))
     if overlap == "overlap" and buckets < 3:
         raise RuntimeError(f"{name}: the overlap made {buckets} bucket(s); lower BUCKET_CAP_MB")
     if all(syncs) != (algo != "zero_one_adam") or not syncs[-1]:

@@ -49,7 +49,7 @@ class Attention(L.LightningModule):
 
     def on_train_end(self) -> None:
         # (the kind of exchange, before teardown closes the optimizer and lets go of it)
-        ex = self.trainer.strategy.onebit_optimizer._exchange
+        ex = self.trainer.strategy.onebit_optimizer.flat.exchange
         self.exchange = type(getattr(ex, "buckets", [ex])[0]).__name__
 
 

@@ -571,15 +571,15 @@ def test_a_nan_is_dropped_on_the_device(algo: str, overlap: bool) -> None:
     steps once it learns the verdicts (the next step, or the checkpoint)."""
     bad, opt = _nan_run(algo, overlap, "device")
     ref, ref_opt = _nan_run(algo, overlap, "skip" if algo == "onebit_adam" else "host")
-    assert opt._exchange.device_verdict and torch.isfinite(bad).all()
+    assert opt.flat.exchange.device_verdict and torch.isfinite(bad).all()
     assert torch.equal(bad, ref), float((bad - ref).abs().max())
     state, ref_state = opt.state_dict(), ref_opt.state_dict()
     n = len(NAN_BATCHES[algo])  # (W = 1: 0/1 Adam's local skip is this rank's, counted too)
     assert opt.skipped_steps == n
     assert ref_opt.skipped_steps == (0 if algo == "onebit_adam" else n)
     assert state["onebit"]["step_count"] == ref_state["onebit"]["step_count"]
-    for k in opt._flat:
-        assert torch.equal(opt._flat[k], ref_opt._flat[k]), k
+    for k in opt.flat.states:
+        assert torch.equal(opt.flat.states[k], ref_opt.flat.states[k]), k
 
 
 def _fit(tmp: Path, algo: str, precision: str, devices: int, max_steps: int, **fit_kw: Any):

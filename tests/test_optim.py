@@ -13,6 +13,7 @@ import torch
 
 from lightning_onebit.comm import CompressedAllreduce, NonFiniteError
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, Phase, ZeroOneAdam
+from lightning_onebit.optim._ops import variance_scales
 from lightning_onebit.optim._variance import divergence_hint
 from tests._reference import (
     CKPT_CASES,
@@ -126,7 +127,7 @@ def test_rescale_variance_follows_growing_gradients(algo: str) -> None:
         avg = [keep * a + (1 - keep) * m for a, m in zip(avg, mean, strict=True)]
         ref = ref or [a / weight for a in avg]  # the first reduce: the reference
     want = [max(1.0, a / weight / r) for a, r in zip(avg, ref, strict=True)]
-    got = opt._variance_scales().tolist()
+    got = variance_scales(opt).tolist()
     assert got == pytest.approx(want, rel=1e-5)
     assert want[0] > 8 and want[1] == 1.0  # grew 4x (16x in g**2); shrank: frozen v kept
     _, plain, _ = run(False)
@@ -509,7 +510,7 @@ def test_parameters_that_join_after_the_switch_are_refused_before_any_change(
         opt.step()
     msg = str(err.value)
     assert "backbone.weight (8,)" in msg and "head.weight" not in msg, msg
-    assert "BackboneFinetuning" in msg and f"the optimizer's {opt._switch_attr}" in msg, msg
+    assert "BackboneFinetuning" in msg and f"the optimizer's {opt.SWITCH_OPTION}" in msg, msg
     assert torch.equal(head, before[0]) and torch.equal(body, before[1])
     assert opt.step_count == 5 and opt.state_dict()["state"].keys() == before[2]["state"].keys()
 
@@ -619,7 +620,7 @@ def test_each_param_group_is_exchanged_with_its_own_scale(overlap: bool) -> None
         )
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         assert got[64:].abs().max() < 1e-3  # the biases' own scale (all groups: ~0.05)
-    assert sorted(opt._exchange.bounds) == [(0, 64), (64, 80)]
+    assert sorted(opt.flat.exchange.bounds) == [(0, 64), (64, 80)]
     opt.overlap_with_backward(None)
 
 

@@ -73,11 +73,11 @@ def _train(
         if t == nan_at and rank == 1:  # a NaN gradient for the first parameter only: one bucket
             loss = loss + next(model.parameters()).sum() * float("nan")
         loss.backward()
-        if opt._overlap is not None:
-            started.append(opt._overlap._next)  # buckets the thread took during backward
+        if opt.overlap is not None:
+            started.append(opt.overlap._next)  # buckets the thread took during backward
         opt.step()
         hist.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
-    buckets = len(opt._exchange) if hasattr(opt._exchange, "buckets") else 1
+    buckets = len(opt.flat.exchange) if hasattr(opt.flat.exchange, "buckets") else 1
     return {"hist": torch.stack(hist), "started": started, "buckets": buckets}
 
 
@@ -129,7 +129,7 @@ def _half_warmup(rank: int, world: int, dtype: torch.dtype, cap_mb: float | None
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-        started.append(opt._overlap._next if opt._overlap is not None else 0)
+        started.append(opt.overlap._next if opt.overlap is not None else 0)
         opt.step()
     params = [p.detach().clone() for p in model.parameters()]
     bytes_ = opt.comm_stats["bytes_last_step"]
@@ -207,6 +207,6 @@ def test_first_bucket_is_small_like_ddps() -> None:
     opt = OneBitAdam(params)
     opt.overlap_with_backward(25.0)
     opt._prepare()
-    sizes = [hi - lo for lo, hi in opt._overlap.bounds]
+    sizes = [hi - lo for lo, hi in opt.overlap.bounds]
     assert sizes == [300_000, 700_000], sizes
-    assert opt._overlap.bounds[0][1] == 1_000_000  # exchanged first: the end of the layout
+    assert opt.overlap.bounds[0][1] == 1_000_000  # exchanged first: the end of the layout

@@ -225,11 +225,11 @@ def _device_verdict_worker(
         state = opt.state_dict()  # (the last step's verdict is final here)
     return {
         "params": flat_trainable(params),
-        "m": opt._flat["exp_avg"].clone(),
-        "state": {k: v.clone() for k, v in opt._flat.items()},
+        "m": opt.flat.states["exp_avg"].clone(),
+        "state": {k: v.clone() for k, v in opt.flat.states.items()},
         "counters": {k: state["onebit"].get(k) for k in opt._checkpoint_attrs},
-        "errors": opt._exchange.state_dict(),
-        "device_verdict": opt._exchange.device_verdict,
+        "errors": opt.flat.exchange.state_dict(),
+        "device_verdict": opt.flat.exchange.device_verdict,
         "skipped": opt.skipped_steps,
         "steps": state["onebit"]["step_count"],
         "warnings": [
@@ -309,7 +309,13 @@ def test_a_freeze_between_steps_counts_only_the_steps_that_went_through() -> Non
                 opt.step()
             opt.freeze()
         assert opt.step_count == 3 and opt.skipped_steps == 1
-        out.append((flat_trainable(params), opt._flat["exp_avg"].clone(), opt._flat["exp_avg_sq"]))
+        out.append(
+            (
+                flat_trainable(params),
+                opt.flat.states["exp_avg"].clone(),
+                opt.flat.states["exp_avg_sq"],
+            )
+        )
     for a, b in zip(*out, strict=True):
         assert torch.equal(a, b)
 
@@ -364,7 +370,7 @@ def _local_nan_worker(rank: int, world: int, nan_at: int, skip: bool = False) ->
         ):
             opt.step()
         hist.append(flat_trainable(params))
-    return {"hist": hist, "skipped": opt.skipped_steps, "m": opt._flat["exp_avg"].clone()}
+    return {"hist": hist, "skipped": opt.skipped_steps, "m": opt.flat.states["exp_avg"].clone()}
 
 
 def test_nan_in_a_local_step_of_zero_one_adam_is_dropped_by_that_rank_only() -> None:

@@ -395,7 +395,7 @@ def _synchronize_vs_a_zero_lr_sync_step(rank: int, world: int) -> dict:
         ex = opt.state_dict()["onebit"]["exchange"]
         out.update(
             params=torch.cat([p.detach().flatten().clone() for p in model.parameters()]),
-            exp_avg=opt._flat["exp_avg"].clone(),
+            exp_avg=opt.flat.states["exp_avg"].clone(),
             worker_error=ex["worker_error"],
             server_error=ex["server_error"],
             step_count=opt.step_count,
@@ -858,7 +858,7 @@ class LambRatios(Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         opt = trainer.strategy.onebit_optimizer
-        frozen = opt._scalars["lamb_coeff_freeze"].tolist()
+        frozen = opt.flat.scalars["lamb_coeff_freeze"].tolist()
         record = {"phases": self.phases, "first": self.first, "frozen": frozen}
         torch.save(record, self.out / f"ratios{trainer.global_rank}.pt")
 

@@ -325,7 +325,7 @@ class _NoTrainingStep(Callback):
         self.exchanges: int | None = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.exchanges = trainer.strategy.onebit_optimizer._exchange.calls
+        self.exchanges = trainer.strategy.onebit_optimizer.flat.exchange.calls
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if self.batches == 0 and self.seen is not None:

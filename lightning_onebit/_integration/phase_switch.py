@@ -199,7 +199,7 @@ class PhaseSwitch:
         if fs is None:
             self.switch_step = opt.switch_step
             self._warn_if_never_switches(
-                opt, self.switch_step, total, f"{type(opt).__name__}.{opt._switch_attr}"
+                opt, self.switch_step, total, f"{type(opt).__name__}.{opt.SWITCH_OPTION}"
             )
             return
         how = ""

@@ -57,9 +57,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
-from lightning_onebit.optim._layout import Layout
+from lightning_onebit.optim._flat import FlatState, Layout
 
-__all__ = ["BackwardOverlap", "OverlapHost"]
+__all__ = ["BackwardOverlap", "OverlapHost", "replace_overlap"]
 
 #: The first bucket's cap (DDP's ``first_bucket_cap``: 1 MiB).
 FIRST_BUCKET_BYTES = 2**20
@@ -74,23 +74,23 @@ class OverlapHost(Protocol):
     #: the group the exchange's own group is made from, and the warmup average's dtype
     process_group: Any
     average_dtype: torch.dtype
+    average_warmup_grads: bool
+    param_groups: list[dict[str, Any]]
+    #: the flat buffers (the gradients are copied into ``flat.grad``) and the exchange
+    flat: FlatState
 
-    def _overlap_mode(self) -> str | None:
-        """What backward may start for the next step: ``"average"``, ``"exchange"`` or None."""
+    @property
+    def expects_averaged_grads(self) -> bool: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def _overlappable(self) -> bool:
+        """Whether the next step's exchange can start from its gradients alone."""
         ...
 
-    def _overlap_gradients(self, params: list[int], s: slice) -> torch.Tensor:
-        """Copy the gradients of the layout's parameters ``params`` into the flat gradient
-        buffer; return its flat slice ``s``."""
-        ...
-
-    def _overlap_start_exchange(self, bucket: int, s: slice) -> None:
-        """Start bucket ``bucket``'s exchange of what the next step sends for flat slice ``s``
-        (its gradients are in the flat buffer)."""
-        ...
-
-    def _overlap_discard(self) -> None:
-        """Drop the exchange's started buckets."""
+    def _exchange_source(self, s: slice) -> torch.Tensor:
+        """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
         ...
 
 
@@ -197,7 +197,7 @@ class BackwardOverlap:
         opt = self.opt
         if opt.overlap_paused:
             return
-        mode = opt._overlap_mode()
+        mode = self.mode()
         if mode is None:
             return
         if j in self._ready:  # a second backward before step(): drop what the first started
@@ -237,11 +237,29 @@ class BackwardOverlap:
             done.record(stream)
         return work, done
 
+    def mode(self) -> str | None:
+        """What backward may start for the next step: ``"average"`` (the fp32 average of the
+        gradients), ``"exchange"`` (the compressed exchange) or ``None`` (nothing)."""
+        opt = self.opt
+        if opt.flat.layout is None:
+            return None
+        if opt.expects_averaged_grads:
+            return "average" if opt.average_warmup_grads and opt.world_size > 1 else None
+        return "exchange" if opt._overlappable() else None
+
+    def _gradients(self, params: list[int], s: slice) -> torch.Tensor:
+        """Copy the gradients of the layout's parameters ``params`` into the flat gradient
+        buffer; return its flat slice ``s``."""
+        flat = self.opt.flat
+        if params:
+            flat.gather_grads(self.opt.param_groups, params)
+        return flat.grad[s]
+
     def _start_bucket(self, b: int, s: slice) -> Any:
-        grad = self.opt._overlap_gradients(self.bucket_params[b], s)
+        grad = self._gradients(self.bucket_params[b], s)
         if self._mode == "average":
             return self._start_all_reduce(grad)
-        self.opt._overlap_start_exchange(b, s)
+        self.opt.flat.exchange.start_bucket(b, self.opt._exchange_source(s))
         return None
 
     def _start_all_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
@@ -269,7 +287,7 @@ class BackwardOverlap:
         buckets backward started, start the others (their gradients are in the buffer by now)."""
         works, self._works = self._works, []
         works += [  # (step() gathered their gradients: nothing to copy)
-            self._start_all_reduce(self.opt._overlap_gradients([], slice(lo, hi)))
+            self._start_all_reduce(self._gradients([], slice(lo, hi)))
             for lo, hi in self.bounds[len(works) :]
         ]
         for wait in works:
@@ -279,7 +297,7 @@ class BackwardOverlap:
         """Forget the current round: wait for the thread, discard the started buckets."""
         self.collect()
         self._settle()
-        self.opt._overlap_discard()
+        self.opt.flat.exchange.discard()
         self._reset_round()
 
     def _settle(self) -> None:
@@ -321,3 +339,19 @@ def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | 
                 dist.destroy_process_group(group)
         if nodes is not None:
             nodes.close()
+
+
+def replace_overlap(
+    current: BackwardOverlap | None, host: OverlapHost, cap: int | None, timeout: timedelta | None
+) -> BackwardOverlap | None:
+    """The overlap ``host`` has after ``overlap_with_backward(cap, timeout)`` (``cap`` in bytes,
+    ``None``: off): ``current`` if it has these settings, else a new one (or none), the current
+    one closed and the exchange built on its groups let go; the layout is then rebuilt (new
+    buckets and hooks) at the next step."""
+    if current is not None:
+        if cap == current.cap and timeout == current.timeout:
+            return current
+        current.close()
+        host.flat.release_exchange()  # (built on the overlap's groups, just destroyed)
+    host.flat.invalidate()
+    return None if cap is None else BackwardOverlap(host, cap, timeout)

@@ -1,8 +1,8 @@
-"""The phases of the three algorithms."""
+"""The phases of the three algorithms, and the current phase of one optimizer."""
 
 from enum import Enum
 
-__all__ = ["Phase"]
+__all__ = ["Phase", "Phases"]
 
 
 class Phase(str, Enum):
@@ -16,3 +16,34 @@ class Phase(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Phases:
+    """An algorithm's two phases and the current one: the first at construction, the second
+    from the switch on (the switch happens once; a checkpoint may restore either).
+
+    Interface: :attr:`first`, :attr:`second`, :attr:`current`, :attr:`switched`,
+    :meth:`switch`, :meth:`restore`.
+    """
+
+    def __init__(self, phases: tuple[Phase, Phase]) -> None:
+        self.first, self.second = phases
+        self.current = self.first
+
+    @property
+    def switched(self) -> bool:
+        """Whether the second phase is the current one."""
+        return self.current == self.second
+
+    def switch(self) -> None:
+        """Make the second phase the current one."""
+        self.current = self.second
+
+    def restore(self, value: str) -> None:
+        """Make the phase ``value`` (a checkpoint's) the current one; ``ValueError`` if it is
+        not one of the two."""
+        if value not in (self.first, self.second):
+            raise ValueError(
+                f"checkpoint phase {value!r} is not one of {[self.first.value, self.second.value]}"
+            )
+        self.current = Phase(value)

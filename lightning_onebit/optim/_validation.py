@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
+    from lightning_onebit.optim._flat import Layout
 
 __all__ = [
     "HONOURED_FLAGS",
@@ -26,6 +27,7 @@ __all__ = [
     "check_group_flags",
     "check_hparams",
     "check_int",
+    "check_joined",
     "check_real",
     "deepspeed_arithmetic",
 ]
@@ -192,8 +194,8 @@ def check_grads_are_local(opt: OneBitOptimizer) -> None:
     batches. Two 2-value all_reduces, once per run."""
     if opt.world_size < 2:
         return
-    grads = [p.grad for p in opt._layout.params if p.grad is not None]
-    summary = torch.zeros(2, dtype=torch.float64, device=opt._layout.device)
+    grads = [p.grad for p in opt.flat.layout.params if p.grad is not None]
+    summary = torch.zeros(2, dtype=torch.float64, device=opt.flat.layout.device)
     for g in grads:  # (every rank takes part, with or without gradients)
         summary += torch.stack([g.double().sum(), g.double().abs().sum()])
     low = summary.clone()
@@ -216,3 +218,26 @@ def check_grads_are_local(opt: OneBitOptimizer) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def check_joined(opt: OneBitOptimizer, layout: Layout, trained: frozenset[int]) -> None:
+    """Refuse parameters of the new ``layout`` that became trainable (``add_param_group``,
+    ``requires_grad`` turned on) after the variance froze, before the step changes anything:
+    they have no variance, and a 1-bit step divides by it (their first steps would be
+    ``lr * scale / eps``). ``trained``: the ``id`` s of the last layout's parameters."""
+    if not trained or opt._joins_allowed():
+        return
+    joined = [j for j, p in enumerate(layout.params) if id(p) not in trained]
+    if not joined:
+        return
+    names = ", ".join(layout.name(j, opt.param_groups, opt.param_names) for j in joined[:8])
+    more = f" and {len(joined) - 8} more" if len(joined) > 8 else ""
+    raise ValueError(
+        f"{type(opt).__name__}: {len(joined)} parameter(s) became trainable at step "
+        f"{opt.step_count + 1}, in the {opt.phase} phase: {names}{more} (add_param_group, "
+        "or requires_grad turned on: e.g. a fine-tuning callback such as Lightning's "
+        "BackboneFinetuning unfreezing a backbone). Their variance was never measured, and "
+        "the 1-bit steps divide by the variance frozen at the switch (step "
+        f"{opt.switch_step}). Make them trainable before the switch: unfreeze earlier, or "
+        f"switch later (OneBitStrategy(freeze_step=...), the optimizer's {opt.SWITCH_OPTION})"
+    )

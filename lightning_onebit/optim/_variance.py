@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from lightning_onebit.optim._nograd import any_missed_steps, missed_steps
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
@@ -23,6 +26,10 @@ __all__ = [
 ]
 
 
+#: the optimizers warn_if_variance_is_young has warned (once per run)
+_WARNED_YOUNG: weakref.WeakSet[OneBitOptimizer] = weakref.WeakSet()
+
+
 def bias_corrections(opt: OneBitOptimizer, gi: int, j: int | None = None) -> tuple[float, float]:
     """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
     variance updates since the group joined (1 for a variance that never saw a gradient:
@@ -33,7 +40,7 @@ def bias_corrections(opt: OneBitOptimizer, gi: int, j: int | None = None) -> tup
     t0, k0 = group.get("joined_at", (0, 0))
     t, k = opt.step_count - t0, opt.variance_updates - k0
     if j is not None:
-        mt, mk = opt._missed_steps(j)
+        mt, mk = missed_steps(opt, j)
         t, k = t - mt, k - mk
     return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
 
@@ -41,17 +48,17 @@ def bias_corrections(opt: OneBitOptimizer, gi: int, j: int | None = None) -> tup
 def fold_bias_correction_(opt: OneBitOptimizer) -> None:
     """At the switch, with ``bias_correction``: ``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``
     (per parameter where some missed steps), so the compression phase runs unchanged."""
-    m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
-    if opt._any_missed_steps():  # per parameter: some missed steps
-        of = opt._layout.group_of
+    m, v = opt.flat.states["exp_avg"], opt.flat.states["exp_avg_sq"]
+    if any_missed_steps(opt):  # per parameter: some missed steps
+        of = opt.flat.layout.group_of
         for j, (mj, vj) in enumerate(
-            zip(opt._views["exp_avg"], opt._views["exp_avg_sq"], strict=True)
+            zip(opt.flat.views["exp_avg"], opt.flat.views["exp_avg_sq"], strict=True)
         ):
             bc1, bc2 = bias_corrections(opt, of[j], j)
             mj.div_(bc1)
             vj.div_(bc2)
         return
-    for gi, _, s in opt._segments():
+    for gi, _, s in opt.flat.segments(opt.param_groups):
         bc1, bc2 = bias_corrections(opt, gi)
         m[s].div_(bc1)
         v[s].div_(bc2)
@@ -85,11 +92,11 @@ def floor_variance_(
     f2 = opt.variance_floor**2
     if f2 <= 0:
         return
-    v, views = opt._flat["exp_avg_sq"], opt._views["exp_avg_sq"]
-    floors = opt._views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
+    v, views = opt.flat.states["exp_avg_sq"], opt.flat.views["exp_avg_sq"]
+    floors = opt.flat.views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
     counts: list[torch.Tensor] = []
-    for gi, _, s in opt._segments():
-        idx = opt._layout.group_params(gi)
+    for gi, _, s in opt.flat.segments(opt.param_groups):
+        idx = opt.flat.layout.group_params(gi)
         # (tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps)
         group_mean = v[s].mean(dtype=torch.float64)
         for j in idx:
@@ -108,8 +115,16 @@ def floor_variance_(
                 torch.clamp_min_(views[j], floor)
     if report and counts:
         n = torch.stack(counts).tolist()
-        gis = [j for gi, _, _ in opt._segments() for j in opt._layout.group_params(gi)]
-        opt.floored = {opt._param_name(j): k for j, k in zip(gis, n, strict=True) if k > 0}
+        gis = [
+            j
+            for gi, _, _ in opt.flat.segments(opt.param_groups)
+            for j in opt.flat.layout.group_params(gi)
+        ]
+        opt.floored = {
+            opt.flat.layout.name(j, opt.param_groups, opt.param_names): k
+            for j, k in zip(gis, n, strict=True)
+            if k > 0
+        }
 
 
 def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
@@ -117,13 +132,13 @@ def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
     it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
     step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
     ~1.4x (once per run)."""
-    if opt.bias_correction or opt._warned_young:
+    if opt.bias_correction or opt in _WARNED_YOUNG:
         return
     t = opt.variance_updates
     young = [g["betas"][1] for g in opt.param_groups if 1.0 - g["betas"][1] ** max(t, 1) < 0.5]
     if not young or (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
         return
-    opt._warned_young = True
+    _WARNED_YOUNG.add(opt)
     b2 = max(young)
     held = 1.0 - b2 ** max(t, 1)
     need = math.ceil(math.log(0.5) / math.log(b2))
@@ -144,13 +159,13 @@ def divergence_hint(opt: OneBitOptimizer) -> str:
     state (a variance ~0 that 1-bit steps divide by; a young uncorrected variance), else the
     usual ones."""
     hints = []
-    v = opt._flat.get("exp_avg_sq")
+    v = opt.flat.states.get("exp_avg_sq")
     if v is not None and opt.variance_floor <= 0:
-        views = opt._views["exp_avg_sq"]
+        views = opt.flat.views["exp_avg_sq"]
         tiny = {  # below 1e-4 (in RMS) of the tensor's or the group's: what the floor catches
-            opt._param_name(j): int(n)
-            for gi, _, s in opt._segments()
-            for j in opt._layout.group_params(gi)
+            opt.flat.layout.name(j, opt.param_groups, opt.param_names): int(n)
+            for gi, _, s in opt.flat.segments(opt.param_groups)
+            for j in opt.flat.layout.group_params(gi)
             if (n := (views[j] <= 1e-8 * max(float(views[j].mean()), float(v[s].mean()))).sum()) > 0
         }
         if tiny:

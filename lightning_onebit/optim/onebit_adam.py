@@ -28,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
+from lightning_onebit.optim._ops import (
+    adam_step_,
+    average_,
+    compressed_average_,
+    decoupled_update_,
+    denominator,
+    frozen_adam_update_,
+    rescale_variance_,
+)
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int
 
@@ -88,7 +97,7 @@ class OneBitAdam(OneBitOptimizer):
             ``v * max(1, G / G_ref)``, ``G`` the running mean square of its gradients (one float
             per tensor all-reduced every 10 steps), so growing gradients do not make the 1-bit steps
             several times Adam's; see
-            :meth:`~lightning_onebit.optim.OneBitOptimizer._rescale_variance_`.
+            ``rescale_variance_`` (``optim/_ops.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
@@ -154,22 +163,22 @@ class OneBitAdam(OneBitOptimizer):
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged),
         divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
-        m, g, u = self._flat["exp_avg"], self._grad, self._work["update"]
-        for _, group, t in self._segments_in(s):
+        m, g, u = self.flat.states["exp_avg"], self.flat.grad, self.flat.work["update"]
+        for _, group, t in self.flat.segments_in(self.param_groups, s):
             beta1 = group["betas"][0]
             torch.mul(m[t], beta1, out=u[t]).add_(g[t], alpha=1 - beta1)
         if self.preconditioned_exchange:
-            u[s].div_(self._frozen_denominator()[0][s])
+            u[s].div_(denominator(self)[0][s])
         return u[s]
 
     def _step(self) -> None:
-        g = self._gather_grads()
+        g = self.flat.gather_grads(self.param_groups)
 
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
-            ok = self._average_(g)
+            ok = average_(self, g)
             # 1b + 3. Adam's moments and update, one fused sweep
-            self._adam_step_(ok=ok)
+            adam_step_(self, ok=ok)
             if self.step_count >= self.freeze_step:
                 self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
                 self.freeze()
@@ -178,30 +187,30 @@ class OneBitAdam(OneBitOptimizer):
         # 2a. momentum from the local gradient (_exchange_source), and
         # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
         #     backward with overlap_with_backward(); m changes only if every bucket goes through)
-        m = self._flat["exp_avg"]
-        if self._exchange.device_verdict:
+        m = self.flat.states["exp_avg"]
+        if self.flat.exchange.device_verdict:
             # (CUDA: the NaN/Inf verdict stays on the device; one fused kernel writes m and p
             # only where it is true: the same step, without a host synchronisation)
-            x = self._work["update"]
-            ok = self._compressed_average_(self._exchange_source, out=x)
-            self._apply_exp_avg_mask_(x)
+            x = self.flat.work["update"]
+            ok = compressed_average_(self, self._exchange_source, out=x)
+            self.flat.apply_mask_(self.param_groups, x)
             # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
-            self._frozen_adam_update_(ok, x)
-            self._rescale_variance_(g, reduce=True, ok=ok)
+            frozen_adam_update_(self, ok, x)
+            rescale_variance_(self, g, reduce=True, ok=ok)
             return
         if not self.preconditioned_exchange:
-            self._compressed_average_(self._exchange_source, out=m)
-            self._apply_exp_avg_mask_(m)
+            compressed_average_(self, self._exchange_source, out=m)
+            self.flat.apply_mask_(self.param_groups, m)
             # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
-            self._decoupled_update_(m, frozen_denominator=True)
-            self._rescale_variance_(g, reduce=True)
+            decoupled_update_(self, m, frozen_denominator=True)
+            rescale_variance_(self, g, reduce=True)
             return
         # the same in the units of the update: x = 1-bit average of m / (sqrt(v) + eps), then
         # m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p)
-        x = self._work["update"]
-        self._compressed_average_(self._exchange_source, out=x)
-        self._apply_exp_avg_mask_(x)
-        torch.mul(x, self._frozen_denominator()[0], out=m)
-        self._decoupled_update_(x)
+        x = self.flat.work["update"]
+        compressed_average_(self, self._exchange_source, out=x)
+        self.flat.apply_mask_(self.param_groups, x)
+        torch.mul(x, denominator(self)[0], out=m)
+        decoupled_update_(self, x)
         # (rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale)
-        self._rescale_variance_(g, reduce=True)
+        rescale_variance_(self, g, reduce=True)

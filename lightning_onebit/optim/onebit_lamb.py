@@ -41,7 +41,14 @@ import torch.distributed as dist
 from lightning_onebit.kernels import lamb_frozen_update
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
-from lightning_onebit.optim._ops import decoupled_decay
+from lightning_onebit.optim._ops import (
+    adam_direction,
+    any_weight_decay,
+    average_,
+    compressed_average_,
+    decoupled_decay,
+    denominator,
+)
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, check_real
 
@@ -281,7 +288,7 @@ class OneBitLamb(OneBitOptimizer):
         read from the device once per value it takes (at the freeze or a checkpoint load), not
         on every step. The cache key is the tensor and its version counter, which every in-place
         write (``copy_`` at the freeze or on load) advances."""
-        t = self._scalars["scaling_coeff"]
+        t = self.flat.scalars["scaling_coeff"]
         cache = self._scaling_cache
         if cache is None or cache[0] is not t or cache[1] != t._version:
             cache = self._scaling_cache = (t, t._version, t.tolist())
@@ -295,19 +302,19 @@ class OneBitLamb(OneBitOptimizer):
 
     def _on_freeze(self) -> None:
         # 2. the fresh variance starts from the frozen one
-        self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
+        self.flat.states["exp_avg_sq_fresh"].copy_(self.flat.states["exp_avg_sq"])
         # 3a. (computed now: m is what the first compression step starts from)
         self._compute_scaling()
 
     def _compute_scaling(self) -> None:
         """3a. per-layer scaling so that one 1-bit scale fits every layer (of what is exchanged:
         ``m``, or ``m / (sqrt(v) + eps)`` with ``preconditioned_exchange``)."""
-        m = self._views["exp_avg"]
+        m = self.flat.views["exp_avg"]
         if self.preconditioned_exchange:
-            d = self._frozen_denominator()[1]
+            d = denominator(self)[1]
             m = [mk / dk for mk, dk in zip(m, d, strict=True)]
         rms = torch.stack([mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in m])
-        scaling = self._scalars["scaling_coeff"]
+        scaling = self.flat.scalars["scaling_coeff"]
         scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
         self.scaling_coeff_ready = True
         self._scaling_values()  # (read now, in the switch step, not in the first 1-bit step)
@@ -321,20 +328,20 @@ class OneBitLamb(OneBitOptimizer):
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
         (two sweeps per layer, the scaling folded into the coefficients), divided by
         ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
-        m, g, u = self._views["exp_avg"], self._views["grad"], self._views["update"]
-        d = self._frozen_denominator()[1] if self.preconditioned_exchange else None
+        m, g, u = self.flat.views["exp_avg"], self.flat.views["grad"], self.flat.views["update"]
+        d = denominator(self)[1] if self.preconditioned_exchange else None
         scaling = self._scaling_values()
-        for j, o in enumerate(self._layout.offsets):
+        for j, o in enumerate(self.flat.layout.offsets):
             if s.start <= o < s.stop:
-                beta1, c = self.param_groups[self._layout.group_of[j]]["betas"][0], scaling[j]
+                beta1, c = self.param_groups[self.flat.layout.group_of[j]]["betas"][0], scaling[j]
                 torch.mul(m[j], beta1 * c, out=u[j]).add_(g[j], alpha=(1 - beta1) * c)
                 if d is not None:
                     u[j].div_(d[j])
-        return self._work["update"][s]
+        return self.flat.work["update"][s]
 
     def _per_layer_values(self, key: str) -> list[float]:
         """A group hyperparameter, one value per layer (``beta1``/``beta2``: from ``betas``)."""
-        groups, of = self.param_groups, self._layout.group_of
+        groups, of = self.param_groups, self.flat.layout.group_of
         if key in ("beta1", "beta2"):
             return [groups[gi]["betas"][int(key[-1]) - 1] for gi in of]
         if key == "weight_decay":  # (the decoupled part: an L2 term is in the gradient)
@@ -346,7 +353,7 @@ class OneBitLamb(OneBitOptimizer):
         device, copied without a host synchronisation and only when its values (or, on CUDA,
         the current stream: the copy is ordered on the stream it was made on) change."""
         values = self._per_layer_values(key)
-        device = self._layout.device
+        device = self.flat.layout.device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         cached = self._per_layer_cache.get(key)
         if cached is None or cached[:2] != (values, stream):  # (a stream names its device)
@@ -360,23 +367,23 @@ class OneBitLamb(OneBitOptimizer):
 
     def _norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-layer L2 norms of a flat buffer."""
-        return torch.stack(torch._foreach_norm(self._views_of(flat)))
+        return torch.stack(torch._foreach_norm(self.flat.views_of(flat)))
 
     def _step(self) -> None:
-        g = self._gather_grads()
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        v_fresh, u = self._flat["exp_avg_sq_fresh"], self._work["update"]
-        lamb_coeff_freeze = self._scalars["lamb_coeff_freeze"]
-        last_factor = self._scalars["last_factor"]
-        scaling = self._scalars["scaling_coeff"]
+        g = self.flat.gather_grads(self.param_groups)
+        m, v = self.flat.states["exp_avg"], self.flat.states["exp_avg_sq"]
+        v_fresh, u = self.flat.states["exp_avg_sq_fresh"], self.flat.work["update"]
+        lamb_coeff_freeze = self.flat.scalars["lamb_coeff_freeze"]
+        last_factor = self.flat.scalars["last_factor"]
+        scaling = self.flat.scalars["scaling_coeff"]
 
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients (ok: its verdict, on CUDA on the
             #     device: the moments and the parameters change only where it is true)
-            ok = self._average_(g)
+            ok = average_(self, g)
             # 1b. moments
             self.variance_updates += 1
-            for _, group, s in self._segments():
+            for _, group, s in self.flat.segments(self.param_groups):
                 beta1, beta2 = group["betas"]
                 if ok is None:
                     m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
@@ -387,9 +394,9 @@ class OneBitLamb(OneBitOptimizer):
                 v_new = torch.mul(v[s], beta2).addcmul_(g[s], g[s], value=1 - beta2)
                 torch.where(ok, v_new, v[s], out=v[s])
             # 1c. Adam direction with decoupled weight decay
-            self._adam_direction(u)
+            adam_direction(self, u)
             # 1d. trust ratio per layer, and its moving average
-            p_norm, u_norm = self._norms(self._gather_params()), self._norms(u)
+            p_norm, u_norm = self._norms(self.flat.gather_params()), self._norms(u)
             defined = (p_norm > 0) & (u_norm > 0)
             coeff = (p_norm / u_norm).clamp_(self._per_layer("min_coeff"))
             coeff = torch.where(defined, coeff.minimum(self._per_layer("max_coeff")), 1.0)
@@ -414,18 +421,18 @@ class OneBitLamb(OneBitOptimizer):
         # 3c. one compressed exchange for all layers (bucket by bucket with
         #     overlap_with_backward(); x changes only if every bucket goes through), masked (the
         #     mask commutes with the scaling); m still holds the last momentum, for 3d
-        x = self._work["exchanged"]
+        x = self.flat.work["exchanged"]
         # (ok: on CUDA the NaN/Inf verdict, on the device; the kernel below writes nothing where
         # it is false and zeroes u, so that 3g leaves p as it was)
-        ok = self._compressed_average_(self._exchange_source, out=x)
-        self._apply_exp_avg_mask_(x)
-        d, _ = self._frozen_denominator()  # sqrt(v) + eps, computed once: v is frozen
+        ok = compressed_average_(self, self._exchange_source, out=x)
+        self.flat.apply_mask_(self.param_groups, x)
+        d, _ = denominator(self)  # sqrt(v) + eps, computed once: v is frozen
         if self.preconditioned_exchange:  # it was exchanged divided by sqrt(v) + eps
             x.mul_(d)
         # 3c (unscaling), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
         # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
         # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
-        p = self._gather_params() if self._any_weight_decay() else None
+        p = self.flat.gather_params() if any_weight_decay(self) else None
         hparams = ("beta1", "beta2", "eps", "weight_decay")
         stats = lamb_frozen_update(
             x,
@@ -434,7 +441,7 @@ class OneBitLamb(OneBitOptimizer):
             v_fresh,
             p,
             u,
-            [*self._layout.offsets, self._layout.numel],
+            [*self.flat.layout.offsets, self.flat.layout.numel],
             self._scaling_values(),
             *(self._per_layer_values(k) for k in hparams),
             ok=ok,
@@ -442,7 +449,7 @@ class OneBitLamb(OneBitOptimizer):
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
         # 3f. the fresh-variance factor, blended, clipped in value and in speed
         factor = ratio_max
-        if self._any_weight_decay():
+        if any_weight_decay(self):
             wd = self._per_layer("weight_decay")
             r = (prelim_norm / u_norm).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
             factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)
@@ -461,12 +468,16 @@ class OneBitLamb(OneBitOptimizer):
         (``-lr_k * coeff_k`` in float32 on the device: no host synchronisation; rounds
         differently from the CPU's float64 product in the last bit)."""
         self._coeffs = coeff
-        views = self._views_of(u)
+        views = self.flat.views_of(u)
         if u.device.type == "cpu":
-            lrs, of, coeffs = self._lrs(), self._layout.group_of, coeff.tolist()
-            for j, p in enumerate(self._layout.params):
+            lrs, of, coeffs = (
+                [group["lr"] for group in self.param_groups],
+                self.flat.layout.group_of,
+                coeff.tolist(),
+            )
+            for j, p in enumerate(self.flat.layout.params):
                 p.add_(views[j], alpha=-lrs[of[j]] * coeffs[j])
             return
         alpha = (coeff * self._per_layer("lr")).neg_()
-        for j, p in enumerate(self._layout.params):
+        for j, p in enumerate(self.flat.layout.params):
             p.addcmul_(views[j], alpha[j])

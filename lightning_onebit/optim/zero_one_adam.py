@@ -45,7 +45,17 @@ import torch.distributed as dist
 from lightning_onebit.comm import NonFiniteError
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._counters import restore, snapshot
-from lightning_onebit.optim._ops import decoupled_decay
+from lightning_onebit.optim._ops import (
+    adam_step_,
+    any_weight_decay,
+    average_,
+    compressed_average_,
+    decoupled_decay,
+    denominator,
+    finite,
+    finite_on_device,
+    rescale_variance_,
+)
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
 from lightning_onebit.optim._variance import (
@@ -140,7 +150,7 @@ class ZeroOneAdam(OneBitOptimizer):
         rescale_variance: in phase 2 precondition each tensor by ``v * max(1, G / G_ref)``,
             ``G`` the running mean square of its gradients (this rank's local steps summed, one
             float per tensor all-reduced on a sync step every 10 steps or more); see
-            :meth:`~lightning_onebit.optim.OneBitOptimizer._rescale_variance_`.
+            ``rescale_variance_`` (``optim/_ops.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
@@ -260,7 +270,7 @@ class ZeroOneAdam(OneBitOptimizer):
     def expects_averaged_grads(self) -> bool:
         return self.phase == Phase.VARIANCE and self._variance_step(self.step_count + 1)
 
-    _switch_attr = "var_freeze_step"
+    SWITCH_OPTION = "var_freeze_step"
 
     def _joins_allowed(self) -> bool:
         # a new parameter's variance is 0 until a variance step, and a 1-bit step divides by it
@@ -279,12 +289,12 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.verdict.count_drop(self.max_consecutive_skips):
             raise NonFiniteError(
                 f"0/1 Adam: {self.verdict.consecutive} local steps in a row had a non-finite "
-                f"gradient on rank {self._exchange.rank}: {divergence_hint(self)}, and resume "
+                f"gradient on rank {self.flat.exchange.rank}: {divergence_hint(self)}, and resume "
                 "from the last checkpoint"
             )
         warnings.warn(
             f"0/1 Adam: non-finite local gradient at step {self.step_count} on rank "
-            f"{self._exchange.rank}: this rank skips its local update ({self.skipped_steps} so far)",
+            f"{self.flat.exchange.rank}: this rank skips its local update ({self.skipped_steps} so far)",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -302,14 +312,19 @@ class ZeroOneAdam(OneBitOptimizer):
         With ``preconditioned_exchange`` both are divided by ``d = sqrt(v) + eps``: 1b
         ``g / d``, 3c ``acc - lr u`` (parameter units)."""
         pre = self.preconditioned_exchange
-        d, _ = self._frozen_denominator()  # sqrt(v) + eps (phase 1: of the current v)
+        d, _ = denominator(self)  # sqrt(v) + eps (phase 1: of the current v)
         if self.phase == Phase.VARIANCE:
             if not pre:
-                return self._grad[s]
-            return torch.div(self._grad[s], d[s], out=self._work["update"][s])
-        m, g, acc, x = self._flat["exp_avg"], self._grad, self._acc, self._work["update"]
-        p = self._gather_params(s) if self._any_weight_decay() else None
-        for _, group, t in self._segments_in(s):
+                return self.flat.grad[s]
+            return torch.div(self.flat.grad[s], d[s], out=self.flat.work["update"][s])
+        m, g, acc, x = (
+            self.flat.states["exp_avg"],
+            self.flat.grad,
+            self._acc,
+            self.flat.work["update"],
+        )
+        p = self.flat.gather_params(s) if any_weight_decay(self) else None
+        for _, group, t in self.flat.segments_in(self.param_groups, s):
             beta1, wd = group["betas"][0], decoupled_decay(group)
             torch.mul(m[t], beta1, out=x[t]).add_(g[t], alpha=1 - beta1)
             if pre:
@@ -328,7 +343,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @property
     def _acc(self) -> torch.Tensor:
-        return self._flat["momentum_accumulator"]
+        return self.flat.states["momentum_accumulator"]
 
     @property
     def _local_steps_taken(self) -> bool:
@@ -343,44 +358,44 @@ class ZeroOneAdam(OneBitOptimizer):
     def _on_freeze(self) -> None:
         self._floored_mask = None
         # 2. the error buffers held gradient residuals; from now on they hold accumulator ones
-        self._exchange.reset_error()
-        self._flat["synced_params"].copy_(self._gather_params())
+        self.flat.exchange.reset_error()
+        self.flat.states["synced_params"].copy_(self.flat.gather_params())
 
     def _synchronize_(self, source: Any, this_step: bool) -> None:
         """3c: exchange ``source`` (the accumulated local steps, and this step's when
         ``this_step``), rebuild the momentum from it and move every rank to the same point."""
-        m, acc, u = self._flat["exp_avg"], self._acc, self._work["update"]
-        ok = self._compressed_average_(source, out=u)  # u: the averaged acc
+        m, acc, u = self.flat.states["exp_avg"], self._acc, self.flat.work["update"]
+        ok = compressed_average_(self, source, out=u)  # u: the averaged acc
         if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
             self._synchronize_on_verdict_(ok, u, this_step)
             return
         if self._local_steps_taken:
             acc.zero_()  # consumed by the exchange
-        self._apply_exp_avg_mask_(u)
-        d = self._frozen_denominator()[0]
+        self.flat.apply_mask_(self.param_groups, u)
+        d = denominator(self)[0]
         if self.preconditioned_exchange:  # u was exchanged in parameter units: u = acc
             synced_step, u = u, m
             torch.mul(synced_step, d, out=u)  # back to momentum units, into m
         self._rebuild_momentum_(u, this_step)
         # p = last synced point + acc / (sqrt(v) + eps), computed on the synced copy (bitwise
         # the same on every rank, unlike p - acc + ...) and copied into p
-        synced = self._flat["synced_params"]
+        synced = self.flat.states["synced_params"]
         if self.preconditioned_exchange:
             synced.add_(synced_step)
         else:
             synced.addcdiv_(u, d)
-        self._copy_to_params_(synced)
+        self.flat.copy_to_params_(synced)
         self.lrs = [0.0] * len(self.lrs)
 
     def _synchronize_on_verdict_(self, ok: torch.Tensor, u: torch.Tensor, this_step: bool) -> None:
         """:meth:`_synchronize_` after an exchange whose verdict ``ok`` stayed on the device:
         the same values computed aside and kept with ``torch.where`` (a dropped step leaves
         acc, m, the synced copy and the parameters as they were), no host synchronisation."""
-        m, acc, synced = self._flat["exp_avg"], self._acc, self._flat["synced_params"]
+        m, acc, synced = self.flat.states["exp_avg"], self._acc, self.flat.states["synced_params"]
         if self._local_steps_taken:
             acc.masked_fill_(ok, 0.0)
-        self._apply_exp_avg_mask_(u)
-        d = self._frozen_denominator()[0]
+        self.flat.apply_mask_(self.param_groups, u)
+        d = denominator(self)[0]
         if self.preconditioned_exchange:  # u = the synced step (parameter units)
             moment = torch.mul(u, d)
             new_synced = torch.add(synced, u)
@@ -390,7 +405,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self._rebuild_momentum_(moment, this_step, out=moment)
         torch.where(ok, moment, m, out=m)
         torch.where(ok, new_synced, synced, out=synced)
-        for p, view in zip(self._layout.params, self._views["synced_params"], strict=True):
+        for p, view in zip(self.flat.layout.params, self.flat.views["synced_params"], strict=True):
             if p.dtype == view.dtype and p.is_contiguous():
                 torch.where(ok, view, p, out=p)
             else:
@@ -414,8 +429,8 @@ class ZeroOneAdam(OneBitOptimizer):
         ``variance_floor=0`` keeps DeepSpeed's rebuild everywhere.
         ``out``: where to write it (default: m itself).
         """
-        m = self._flat["exp_avg"] if out is None else out
-        for gi, group, s in self._segments():
+        m = self.flat.states["exp_avg"] if out is None else out
+        for gi, group, s in self.flat.segments(self.param_groups):
             if this_step:
                 self.lrs[gi] += group["lr"]
             if self.lrs[gi] > 0:
@@ -425,9 +440,11 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.variance_floor > 0:
             if self._floored_mask is None:  # v is frozen: once per freeze or layout (resume)
                 floors = torch.repeat_interleave(
-                    self._scalars["variance_floor"], self._layout.sizes, output_size=m.numel()
+                    self.flat.scalars["variance_floor"],
+                    self.flat.layout.sizes,
+                    output_size=m.numel(),
                 )
-                self._floored_mask = self._flat["exp_avg_sq"] <= floors
+                self._floored_mask = self.flat.states["exp_avg_sq"] <= floors
             m.masked_fill_(self._floored_mask, 0.0)
 
     @torch.no_grad()
@@ -440,11 +457,11 @@ class ZeroOneAdam(OneBitOptimizer):
         at the end of ``fit``."""
         if self.phase != Phase.LOCAL or not self._local_steps_taken:
             return
-        acc, x = self._acc, self._work["update"]
+        acc, x = self._acc, self.flat.work["update"]
         if self.preconditioned_exchange:  # acc is in parameter units already
             source = acc
         else:
-            source = torch.mul(acc, self._frozen_denominator()[0], out=x)
+            source = torch.mul(acc, denominator(self)[0], out=x)
         self.counters.start_step()
         counters = snapshot(self, self._host_counters)
         self.verdict.begin()
@@ -462,14 +479,14 @@ class ZeroOneAdam(OneBitOptimizer):
         """3a-b of a local step whose gradient's verdict stays on the device (CUDA): the same
         values computed aside and kept where it is true (else this rank sits the step out, as
         on the host: its lr still counts)."""
-        finite = self._finite_on_device(g)
+        finite = finite_on_device(g)
         ok = self.verdict.keep(finite, finite, "local")
-        m, acc, u = self._flat["exp_avg"], self._acc, self._work["update"]
-        for gi, group, _ in self._segments():
+        m, acc, u = self.flat.states["exp_avg"], self._acc, self.flat.work["update"]
+        for gi, group, _ in self.flat.segments(self.param_groups):
             self.lrs[gi] += group["lr"]
-        d, _ = self._frozen_denominator()
-        p = self._gather_params() if self._any_weight_decay() else None
-        for _, group, s in self._segments():
+        d, _ = denominator(self)
+        p = self.flat.gather_params() if any_weight_decay(self) else None
+        for _, group, s in self.flat.segments(self.param_groups):
             beta1 = group["betas"][0]
             m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
             torch.div(m_new, d[s], out=u[s])
@@ -478,13 +495,13 @@ class ZeroOneAdam(OneBitOptimizer):
             torch.where(ok, m_new, m[s], out=m[s])
             torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
         u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
-        self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
-        self._rescale_variance_(g, reduce=False, ok=ok)
+        self.flat.add_to_params_(self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups])
+        rescale_variance_(self, g, reduce=False, ok=ok)
 
     def _step(self) -> None:
-        g = self._gather_grads()
-        m = self._flat["exp_avg"]
-        acc, u = self._flat["momentum_accumulator"], self._work["update"]
+        g = self.flat.gather_grads(self.param_groups)
+        m = self.flat.states["exp_avg"]
+        acc, u = self.flat.states["momentum_accumulator"], self.flat.work["update"]
         t = self.step_count
 
         if self.phase == Phase.VARIANCE:
@@ -492,20 +509,20 @@ class ZeroOneAdam(OneBitOptimizer):
             # (ok: on CUDA the step's verdict, on the device: its writes take it)
             if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
-                ok = self._average_(g)
+                ok = average_(self, g)
             else:
                 # 1b. 1-bit averaged gradient, momentum only
-                ok = self._compressed_average_(self._exchange_source, out=g)
+                ok = compressed_average_(self, self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
-                    g.mul_(self._frozen_denominator()[0])
-                self._apply_exp_avg_mask_(g)
+                    g.mul_(denominator(self)[0])
+                self.flat.apply_mask_(self.param_groups, g)
                 warn_if_variance_is_young(self)
             # 1a/b moments + 1c. Adam update, one fused sweep
-            self._adam_step_(update_variance=variance_step, ok=ok)
+            adam_step_(self, update_variance=variance_step, ok=ok)
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
                 floor_variance_(self, ok=ok)
-                self._denominator = None
+                self.flat.denominator = None
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
@@ -522,7 +539,7 @@ class ZeroOneAdam(OneBitOptimizer):
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
             # (the local steps' sums with this one)
-            self._rescale_variance_(g, reduce=True, ok=self.verdict.ok)
+            rescale_variance_(self, g, reduce=True, ok=self.verdict.ok)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
@@ -531,24 +548,26 @@ class ZeroOneAdam(OneBitOptimizer):
                 self._local_step_on_verdict_(g)
                 self._next_local_interval()
                 return
-            local_ok = self._finite(g)
+            local_ok = finite(g)
             if not local_ok:
                 self._skipped_locally()
-            for gi, group, _ in self._segments():
+            for gi, group, _ in self.flat.segments(self.param_groups):
                 self.lrs[gi] += group["lr"]
             if local_ok:
                 # 3b. u = m / (sqrt(v) + eps) + weight_decay * p; p -= lr u; acc -= lr u
-                d, _ = self._frozen_denominator()
-                p = self._gather_params() if self._any_weight_decay() else None
-                for _, group, s in self._segments():
+                d, _ = denominator(self)
+                p = self.flat.gather_params() if any_weight_decay(self) else None
+                for _, group, s in self.flat.segments(self.param_groups):
                     beta1 = group["betas"][0]
                     m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
                     torch.div(m[s], d[s], out=u[s])
                     if decoupled_decay(group) > 0:
                         u[s].add_(p[s], alpha=decoupled_decay(group))
                     acc[s].add_(u[s], alpha=-group["lr"])
-                self._add_to_params_(u, alpha=[-lr for lr in self._lrs()])
-            self._rescale_variance_(g if local_ok else None, reduce=False)
+                self.flat.add_to_params_(
+                    self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups]
+                )
+            rescale_variance_(self, g if local_ok else None, reduce=False)
         self._next_local_interval()
 
     def _next_local_interval(self) -> None:
