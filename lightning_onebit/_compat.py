@@ -44,11 +44,13 @@ __all__ = [
 # --------------------------------------------------------------------------- Lightning
 
 #: DDPStrategy's private hooks that OneBitStrategy overrides (2.6.0-2.6.6):
-#: ``_register_ddp_hooks`` registers DDP's comm hook, on CUDA only (ours must run on every
-#: device); ``_configure_launcher`` builds the launcher (our interactive-session message must
-#: come before Lightning's check in ``Trainer``). If Lightning renames one, our override would
-#: silently never run: the test checks that Lightning still calls both.
-DDP_HOOKS_OVERRIDDEN = ("_register_ddp_hooks", "_configure_launcher")
+#: ``_setup_model`` wraps the model in DDP (ours: on the current stream, with our comm hook
+#: registered on every device); ``_register_ddp_hooks`` registers DDP's comm hook, on CUDA only
+#: (ours does nothing: the hook is registered); ``_configure_launcher`` builds the launcher (our
+#: interactive-session message must come before Lightning's check in ``Trainer``). If Lightning
+#: renames one, our override would silently never run: the test checks that Lightning still
+#: calls each.
+DDP_HOOKS_OVERRIDDEN = ("_setup_model", "_register_ddp_hooks", "_configure_launcher")
 
 #: Fabric DDPStrategy's private members that OneBitFabricStrategy overrides or uses (2.6.0-2.6.6):
 #: ``_configure_launcher`` (our interactive-session message), ``_backward_sync_control`` (what

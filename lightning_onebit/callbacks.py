@@ -11,7 +11,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_onebit._integration.optimizer import OptimizerBuilder
+from lightning_onebit._integration.front_end import TRAINER
+from lightning_onebit._integration.optimizer import OptimizerBuilder, onebit_optimizers
 from lightning_onebit._integration.phase_switch import PhaseSwitch, catch_up
 from lightning_onebit.optim import OneBitOptimizer
 
@@ -82,10 +83,8 @@ class CompressionScheduler(PhaseSwitch, Callback):
 
     @staticmethod
     def _optimizer(trainer: pl.Trainer) -> OneBitOptimizer:
-        for opt in trainer.strategy.optimizers:
-            opt = getattr(opt, "_optimizer", opt)
-            if isinstance(opt, OneBitOptimizer):
-                return opt
+        for opt in onebit_optimizers(trainer.strategy.optimizers):
+            return opt
         raise RuntimeError(
             "CompressionScheduler needs a lightning_onebit optimizer: use OneBitStrategy "
             "(strategy='onebit_adam' etc.) or return OneBitAdam/ZeroOneAdam/OneBitLamb from configure_optimizers"
@@ -103,7 +102,7 @@ class CompressionScheduler(PhaseSwitch, Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         builder = getattr(trainer.strategy, "builder", None)  # (the 1-bit strategies')
         converted = isinstance(builder, OptimizerBuilder) and builder.converted
-        self.start(self._optimizer(trainer), self._total_steps(trainer), converted)
+        self.start(self._optimizer(trainer), self._total_steps(trainer), converted, TRAINER)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -8,35 +8,36 @@ the phase switch after each ``optimizer.step()``): see the class.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_onebit._compat import IS_INTERACTIVE, DDPBackwardSyncControl
-from lightning_onebit._integration import lifecycle, rank_files
-from lightning_onebit._integration.checks import (
-    check_dense_gradients,
-    check_same_model_on_every_rank,
-)
+from lightning_onebit._compat import IS_INTERACTIVE
+from lightning_onebit._integration import lifecycle
+from lightning_onebit._integration.checks import check_dense_gradients
 from lightning_onebit._integration.convert import schedulers_of
 from lightning_onebit._integration.errors import quiet_errors_on_this_rank
-from lightning_onebit._integration.hook import HookState, build_ddp, onebit_comm_hook
-from lightning_onebit._integration.optimizer import OptimizerBuilder, overlap_paused
+from lightning_onebit._integration.front_end import FABRIC
+from lightning_onebit._integration.hook import HookState, wrap_in_ddp
+from lightning_onebit._integration.optimizer import (
+    OptimizerBuilder,
+    PausingBackwardSyncControl,
+    stop_overlap_for_clipping,
+)
 from lightning_onebit._integration.options import StrategyOptions
 from lightning_onebit._integration.phase_switch import PhaseSwitch, catch_up
+from lightning_onebit._integration.rank_files import PATH, RankCheckpoint
 from lightning_onebit._integration.registry import register_names
-from lightning_onebit._integration.scaler import synced_scaler
+from lightning_onebit._integration.scaler import sync_scaler_of
 from lightning_onebit.optim import OneBitOptimizer
 
 __all__ = ["OneBitFabricStrategy"]
@@ -125,7 +126,7 @@ class OneBitFabricStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         lifecycle.check_ddp_kwargs(kwargs)
-        options = StrategyOptions(
+        options, hparams, note = StrategyOptions(
             algorithm=algorithm, freeze_step=freeze_step, adaptive_freeze=adaptive_freeze,
             freeze_threshold=freeze_threshold, freeze_window=freeze_window,
             var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
@@ -138,10 +139,7 @@ class OneBitFabricStrategy(DDPStrategy):
             deepspeed_compatible=deepspeed_compatible, lamb_lr=lamb_lr,
             overlap_bucket_mb=overlap_bucket_mb, average_dtype=average_dtype,
             hierarchical=hierarchical, timeout=timeout, start_method=start_method,
-        )  # fmt: skip
-        hparams, note = None, None
-        if deepspeed_config is not None:  # the config's options merged in
-            options, hparams, note = options.with_deepspeed_config(deepspeed_config)
+        ).with_deepspeed_config(deepspeed_config, FABRIC)  # fmt: skip
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self.options = options
         self.builder = OptimizerBuilder(options, type(self).__name__, ValueError, hparams)
@@ -154,8 +152,9 @@ class OneBitFabricStrategy(DDPStrategy):
         self._switch = PhaseSwitch(
             o.freeze_step, o.adaptive_freeze, o.freeze_threshold, o.freeze_window
         )
-        self._backward_sync_control = _PausingBackwardSyncControl(self)
+        self._backward_sync_control = PausingBackwardSyncControl(self._onebit_optimizers)
         self._hook_state: HookState | None = None
+        self._rank_checkpoint = RankCheckpoint(self)
         self._module: Module | None = None  # the user's module (inside DDP)
         self._optimizer: OneBitOptimizer | None = None
         if note:
@@ -187,15 +186,8 @@ class OneBitFabricStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(cls, strategy_registry)
 
-    @property  # type: ignore[override]
-    def precision(self) -> Precision:
-        return DDPStrategy.precision.fget(self)  # type: ignore[attr-defined]
-
-    @precision.setter
-    def precision(self, precision: Precision | None) -> None:
-        if isinstance(precision, DoublePrecision):
-            lifecycle.refuse_float64(type(self).__name__)
-        DDPStrategy.precision.fset(self, precision)  # type: ignore[attr-defined]
+    # (precision='64-true' refused when Fabric is built)
+    precision = lifecycle.refusing_float64(DDPStrategy.precision, DoublePrecision)
 
     # ------------------------------------------------------------------ processes
 
@@ -211,20 +203,16 @@ class OneBitFabricStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        lifecycle.one_thread_per_forked_rank(self._start_method, self.num_processes)
-        lifecycle.check_no_inherited_group(self.num_nodes * self.num_processes)
-        with lifecycle.own_default_group():
+        n = self.num_processes
+        with lifecycle.process_setup(self._start_method, n, self.num_nodes, FABRIC):
             super().setup_environment()
         quiet_errors_on_this_rank(self.global_rank)
-        if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
-            # local gradients can overflow on one rank only: every rank must skip the same step
-            self.precision.scaler = synced_scaler(self.precision.scaler, self.root_device.type)
+        sync_scaler_of(self.precision, self.root_device.type)
 
     @override
     def teardown(self) -> None:
-        lifecycle.stop_overlaps([self._optimizer], self._hook_state)
-        super().teardown()
-        lifecycle.destroy_single_process_group()
+        with lifecycle.teardown_steps([self._optimizer], self._hook_state):
+            super().teardown()
 
     # ------------------------------------------------------------------ setup
 
@@ -240,18 +228,12 @@ class OneBitFabricStrategy(DDPStrategy):
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         check_dense_gradients(module)
-        # before DDP's own check, whose message names neither the parameter nor what to do
-        check_same_model_on_every_rank(
-            [(name, tuple(p.shape)) for name, p in module.named_parameters()]
+        # on the current stream, not on a side stream as Fabric's DDPStrategy does (see build_ddp)
+        ddp, self._hook_state = wrap_in_ddp(
+            module, self._determine_ddp_device_ids(), self._ddp_kwargs
         )
-        # on the current stream, not on a side stream as Fabric's DDPStrategy does: see build_ddp
-        ddp = build_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
-        # (DDP's allreduce on every step otherwise; Fabric registers no hook at all)
-        self._hook_state = HookState(process_group=None, ddp=ddp)
-        self._hook_state.attach(self._optimizer)
-        ddp.register_comm_hook(self._hook_state, onebit_comm_hook)
         self._module = module
-        self._name_parameters()
+        self.builder.attach(self._optimizer, module, self._hook_state)
         return ddp
 
     @override
@@ -269,33 +251,19 @@ class OneBitFabricStrategy(DDPStrategy):
                 found.append(scheduler)
             self.builder.repoint(found, original, new)
         self._optimizer = new
-        if self._hook_state is not None:
-            self._hook_state.attach(new)
-        self._name_parameters()
+        self.builder.attach(new, self._module, self._hook_state)
         total = float(self.max_steps) if self.max_steps is not None else float("inf")
         converted = self.builder.converted and self.max_steps is not None
         if self.builder.converted and self.max_steps is None and self.options.freeze_step is None:
-            # 0.2 of the run (the Trainer's default) cannot be known: switch once the variance
-            # has warmed up rather than after the algorithm's 100000 steps, which a name alone
-            # would otherwise mean (no compression at all in most runs)
-            self._switch.adaptive = True
-            rank_zero_info(
-                f"{self.algorithm}: with no max_steps (0.2 of the run cannot be known), 1-bit "
-                "compression starts once the variance has stabilised (adaptive_freeze: relative "
-                f"change below {self._switch.threshold} over {self._switch.window} steps), at the "
-                f"latest after {new.SWITCH_OPTION}={new.switch_step} steps; pass "
-                f"{type(self).__name__}(max_steps=...) (0.2 of it) or freeze_step=... to choose"
-            )
-        self._switch.start(new, total, converted)
+            self._switch.switch_when_stable(new, self.algorithm, type(self).__name__)
+        self._switch.start(new, total, converted, FABRIC)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
-        # (clipping, unknown yet, turns it off later: see _unclip_overlap)
+        # (clipping, unknown yet, turns it off later: see clip_gradients_norm)
         self.builder.prepare(new, self.num_processes, self.world_size, False, scaler)
         return new
 
-    def _name_parameters(self) -> None:
-        """Names for the optimizer's messages (e.g. the variance floor's)."""
-        if self._optimizer is not None and self._module is not None:
-            self._optimizer.param_names = {p: n for n, p in self._module.named_parameters()}
+    def _onebit_optimizers(self) -> list[OneBitOptimizer]:
+        return [self._optimizer] if self._optimizer is not None else []
 
     @property
     def onebit_optimizer(self) -> OneBitOptimizer:
@@ -346,22 +314,6 @@ class OneBitFabricStrategy(DDPStrategy):
         ``fit``)."""
         self.onebit_optimizer.synchronize()
 
-    def _unclip_overlap(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the overlap off before the first clipping (see the module docstring)."""
-        opt = self._optimizer
-        if opt is None or optimizer is not opt or not opt.overlaps_backward:
-            return
-        started = opt.flat.layout is not None  # (built at the first step)
-        if started and opt.overlap is not None:
-            opt.overlap.drop()  # what backward started saw the unclipped gradients
-        opt.overlap_with_backward(None)
-        # (in the compression phase the optimizer warns that its error buffers restart)
-        rank_zero_info(
-            "fabric.clip_gradients: the 1-bit exchange runs in optimizer.step() from now on, not "
-            "overlapped with backward (a clipping after backward cannot reach an exchange that "
-            "backward started); pass overlap_bucket_mb=None to the strategy to say so up front"
-        )
-
     @override
     def clip_gradients_norm(
         self,
@@ -371,7 +323,7 @@ class OneBitFabricStrategy(DDPStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        self._unclip_overlap(optimizer)
+        stop_overlap_for_clipping(self._optimizer, optimizer)
         return super().clip_gradients_norm(
             module, optimizer, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
@@ -380,24 +332,15 @@ class OneBitFabricStrategy(DDPStrategy):
     def clip_gradients_value(
         self, module: Module, optimizer: torch.optim.Optimizer, clip_val: float | int
     ) -> None:
-        self._unclip_overlap(optimizer)
+        stop_overlap_for_clipping(self._optimizer, optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _rank_file(self, path: rank_files.PATH) -> str:
-        return rank_files.rank_file_name(path, self.global_rank, self.world_size)
-
-    def _step_key(self) -> list[int]:
-        """What ties a rank file to its checkpoint (Fabric has no global step): the optimizer's
-        steps and skipped steps."""
-        opt = self.onebit_optimizer
-        return [opt.step_count, opt.skipped_steps]
-
     @override
     def save_checkpoint(
         self,
-        path: rank_files.PATH,
+        path: PATH,
         state: dict[str, Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -406,22 +349,9 @@ class OneBitFabricStrategy(DDPStrategy):
         if opt is None or not any(v is opt for v in state.values()):
             return super().save_checkpoint(path, state, storage_options, filter)
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        # the shape the shared writer knows (the Trainer's checkpoint): a step, the optimizer states
-        view: dict[str, Any] = {
-            "global_step": self._step_key(),
-            "optimizer_states": [
-                converted[k] for k, v in state.items() if v is opt and k in converted
-            ],
-        }
-        module = self._module if self._module is not None else torch.nn.Module()
-        rank_files.write_rank_file(
-            opt, module, view, path, self._rank_file(path), self.global_rank, self.world_size
-        )
-        converted["onebit"] = {
-            **view["onebit"],
-            "global_step": view["global_step"],
-            "phase_switch": self._switch.state_dict(),
-        }
+        states = [converted[k] for k, v in state.items() if v is opt and k in converted]
+        extra = {"phase_switch": self._switch.state_dict()}
+        self._rank_checkpoint.save_step_keyed(opt, self._module, converted, states, path, extra)
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(
                 checkpoint=converted, path=path, storage_options=storage_options
@@ -429,54 +359,21 @@ class OneBitFabricStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(
-        self,
-        path: rank_files.PATH,
-        state: Any = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
+        self, path: PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         opt = self._optimizer
         restores_opt = isinstance(state, dict) and any(v is opt for v in state.values())
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not restores_opt or opt is None:
             return remainder
-        meta = remainder.pop("onebit", None) or {}
+        meta = self._rank_checkpoint.read_step_keyed(path, remainder)
         self._switch.load_state_dict(meta.get("phase_switch") or {})
         if self._switch.switch_step is not None and opt.phase == opt.PHASES[0]:
             # a fraction of max_steps is decided once per run: a resumed run keeps its switch
             opt.switch_step = self._switch.switch_step
-        view = {"global_step": meta.get("global_step"), "onebit": meta}
-        rank_state = rank_files.read_rank_state(path, view, self.global_rank, self.world_size)
         catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
         self.builder.rescale_restored(opt, schedulers_of(opt))
-        if rank_state is None:
-            return remainder
-        opt.load_rank_state_dict(rank_state["optimizer"])
-        if rank_state.get("model") is not None and self._module is not None:
-            # 0/1 Adam between two synchronisations: this rank's own parameters
-            self._module.load_state_dict(rank_state["model"], strict=strict)
+        if self._module is not None:  # (0/1 Adam between two synchronisations: its own)
+            self._rank_checkpoint.restore_model(self._module, strict)
+        self._rank_checkpoint.restore_optimizer(opt)
         return remainder
-
-
-class _PausingBackwardSyncControl(DDPBackwardSyncControl):
-    """``fabric.no_backward_sync``: DDP's ``no_sync`` and the 1-bit exchange paused (a backward
-    without a step must not start the step's exchange)."""
-
-    def __init__(self, strategy: OneBitFabricStrategy) -> None:
-        self.strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return contextlib.nullcontext()
-        no_sync = super().no_backward_sync(module, enabled)
-        opt = self.strategy._optimizer
-        return _chain(overlap_paused([opt] if opt is not None else []), no_sync)
-
-
-@contextlib.contextmanager
-def _chain(*managers: AbstractContextManager) -> Generator[None, None, None]:
-    with contextlib.ExitStack() as stack:
-        for m in managers:
-            stack.enter_context(m)
-        yield

@@ -1,11 +1,6 @@
-"""``OneBitStrategy``: Lightning's ``DDPStrategy`` with its gradient allreduce replaced by the 1-bit
-compressed exchange of 1-bit Adam, 0/1 Adam or 1-bit LAMB (see the class).
-
-The pieces are shared with the Fabric strategy (``lightning_onebit._integration``); this module
-wires them into the Trainer's hooks. At teardown the optimizer's overlap thread, hooks and process
-groups stop; a default process group the strategy created is destroyed at interpreter exit
-(usable after ``fit`` until then; one the user created is left to them).
-"""
+"""``OneBitStrategy``: Lightning's ``DDPStrategy`` with the 1-bit exchange of 1-bit Adam, 0/1 Adam
+or 1-bit LAMB instead of its gradient allreduce (see the class): the pieces it shares with the
+Fabric strategy (``lightning_onebit._integration``) wired into the Trainer's hooks."""
 
 from __future__ import annotations
 
@@ -17,9 +12,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
@@ -27,17 +21,20 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_onebit._compat import IS_INTERACTIVE, MockOptimizer
-from lightning_onebit._integration import lifecycle, rank_files
-from lightning_onebit._integration.checks import (
-    check_dense_gradients,
-    check_same_model_on_every_rank,
-)
+from lightning_onebit._integration import lifecycle
+from lightning_onebit._integration.checks import check_dense_gradients
 from lightning_onebit._integration.errors import name_unused_parameters, quiet_errors_on_this_rank
-from lightning_onebit._integration.hook import HookState, build_ddp, onebit_comm_hook
-from lightning_onebit._integration.optimizer import OptimizerBuilder, overlap_paused
+from lightning_onebit._integration.front_end import TRAINER
+from lightning_onebit._integration.hook import HookState, wrap_in_ddp
+from lightning_onebit._integration.optimizer import (
+    OptimizerBuilder,
+    onebit_optimizers,
+    overlap_paused,
+)
 from lightning_onebit._integration.options import ALGORITHMS, StrategyOptions
+from lightning_onebit._integration.rank_files import PATH, RankCheckpoint
 from lightning_onebit._integration.registry import register_names
-from lightning_onebit._integration.scaler import synced_scaler
+from lightning_onebit._integration.scaler import sync_scaler_of
 from lightning_onebit.callbacks import CompressionScheduler
 from lightning_onebit.optim import OneBitOptimizer
 
@@ -180,7 +177,7 @@ class OneBitStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         lifecycle.check_ddp_kwargs(kwargs)
-        options = StrategyOptions(
+        options, hparams, note = StrategyOptions(
             algorithm=algorithm, freeze_step=freeze_step, adaptive_freeze=adaptive_freeze,
             freeze_threshold=freeze_threshold, freeze_window=freeze_window,
             var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
@@ -193,20 +190,13 @@ class OneBitStrategy(DDPStrategy):
             deepspeed_compatible=deepspeed_compatible, lamb_lr=lamb_lr,
             overlap_bucket_mb=overlap_bucket_mb, average_dtype=average_dtype,
             hierarchical=hierarchical, timeout=timeout, start_method=start_method,
-        )  # fmt: skip
-        hparams, note = None, None
-        if deepspeed_config is not None:  # the config's options merged in
-            options, hparams, note = options.with_deepspeed_config(deepspeed_config)
+        ).with_deepspeed_config(deepspeed_config, TRAINER)  # fmt: skip
         super().__init__(
-            timeout=timeout,
-            start_method=start_method,
+            timeout=timeout, start_method=start_method,
             # (given here, so that LightningCLI does not offer them as options)
-            ddp_comm_state=None,
-            ddp_comm_hook=None,
-            ddp_comm_wrapper=None,
-            model_averaging_period=None,
-            **kwargs,
-        )
+            ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+            model_averaging_period=None, **kwargs,
+        )  # fmt: skip
         self.options = options
         self.builder = OptimizerBuilder(
             options, type(self).__name__, MisconfigurationException, hparams
@@ -214,7 +204,7 @@ class OneBitStrategy(DDPStrategy):
         self.log_comm_stats = log_comm_stats
         self.comm_stats_on_progress_bar = comm_stats_on_progress_bar
         self._hook_state: HookState | None = None
-        self._rank_state: dict[str, Any] | None = None
+        self._rank_checkpoint = RankCheckpoint(self)
         if note:
             rank_zero_warn(note, category=UserWarning)
 
@@ -242,16 +232,8 @@ class OneBitStrategy(DDPStrategy):
         """``"onebit_adam"``, ``"zero_one_adam"`` or ``"onebit_lamb"``."""
         return self.options.algorithm
 
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        return super().precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # The Trainer sets the plugin at construction: refuse what cannot work before any fit.
-        if isinstance(plugin, DoublePrecision):
-            lifecycle.refuse_float64(type(self).__name__)
-        DDPStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
+    # (precision='64-true' refused when the Trainer is built)
+    precision_plugin = lifecycle.refusing_float64(DDPStrategy.precision_plugin, DoublePrecision)
 
     @classmethod
     @override
@@ -261,21 +243,15 @@ class OneBitStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
 
     @override
-    def setup_distributed(self) -> None:
-        lifecycle.check_no_inherited_group(self.num_nodes * self.num_processes)
-        with lifecycle.own_default_group():
-            super().setup_distributed()
-
-    @override
     def teardown(self) -> None:
-        lifecycle.stop_overlaps(self.optimizers, self._hook_state)
-        super().teardown()
-        lifecycle.destroy_single_process_group()
+        with lifecycle.teardown_steps(self.optimizers, self._hook_state):
+            super().teardown()
 
     @override
     def setup_environment(self) -> None:
-        lifecycle.one_thread_per_forked_rank(self.options.start_method, self.num_processes)
-        super().setup_environment()
+        o, n = self.options, self.num_processes
+        with lifecycle.process_setup(o.start_method, n, self.num_nodes, TRAINER):
+            super().setup_environment()  # (starts the process group: setup_distributed)
         quiet_errors_on_this_rank(self.global_rank)
         # Add the phase-switch callback before Lightning restores callback states from a
         # checkpoint (that happens before ``setup``), so its state is restored too.
@@ -283,17 +259,11 @@ class OneBitStrategy(DDPStrategy):
         if trainer is not None and not any(
             isinstance(c, CompressionScheduler) for c in trainer.callbacks
         ):
-            o = self.options
-            trainer.callbacks.append(
-                CompressionScheduler(
-                    o.freeze_step,
-                    o.adaptive_freeze,
-                    o.freeze_threshold,
-                    o.freeze_window,
-                    log_stats=self.log_comm_stats,
-                    progress_bar=self.comm_stats_on_progress_bar,
-                )
-            )
+            scheduler = CompressionScheduler(
+                o.freeze_step, o.adaptive_freeze, o.freeze_threshold, o.freeze_window,
+                log_stats=self.log_comm_stats, progress_bar=self.comm_stats_on_progress_bar,
+            )  # fmt: skip
+            trainer.callbacks.append(scheduler)
 
     @override
     def _configure_launcher(self) -> None:
@@ -319,23 +289,14 @@ class OneBitStrategy(DDPStrategy):
         if module is not None:
             check_dense_gradients(module)
         super().setup(trainer)
-        if self._rank_state is not None and self._rank_state.get("model") is not None:
-            # Lightning restored the model before this setup, and wrapping it in DDP just now
-            # broadcast rank 0's parameters to every rank: put this rank's own back (0/1 Adam
-            # checkpointed between two synchronisations, when they differ across ranks).
-            self.lightning_module.load_state_dict(
-                self._rank_state["model"], strict=self._rank_state.get("strict", True)
-            )
-        plugin = self.precision_plugin
-        scaler = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
-        if scaler:
-            plugin.scaler = synced_scaler(plugin.scaler, self.root_device.type)
+        # Lightning restored the model before this setup, and wrapping it in DDP just now
+        # broadcast rank 0's parameters to every rank: this rank's own back, where they differ
+        self._rank_checkpoint.restore_model(self.lightning_module)
+        scaler = sync_scaler_of(self.precision_plugin, self.root_device.type)
         if not self.optimizers:
             return
         opt = self.onebit_optimizer
-        opt.param_names = {p: n for n, p in self.lightning_module.named_parameters()}
-        if self._hook_state is not None:
-            self._hook_state.attach(opt)
+        self.builder.attach(opt, self.lightning_module, self._hook_state)
         if trainer.state.fn == "fit":
             clipping = bool(trainer.gradient_clip_val)
             self.builder.prepare(opt, self.num_processes, self.world_size, clipping, scaler)
@@ -343,30 +304,21 @@ class OneBitStrategy(DDPStrategy):
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        opts = [o for o in self.optimizers if isinstance(o, OneBitOptimizer)]
-        with overlap_paused(opts), super().block_backward_sync():
+        with overlap_paused(onebit_optimizers(self.optimizers)), super().block_backward_sync():
             yield
 
     @override
-    def configure_ddp(self) -> None:
-        # before DDP's own check, whose message names neither the parameter nor what to do
-        assert self.model is not None
-        check_same_model_on_every_rank(
-            [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
-        )
-        super().configure_ddp()
-
-    @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        # on the current stream, not on a side stream as DDPStrategy does: see build_ddp
-        return build_ddp(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
+        # on the current stream, not on a side stream as DDPStrategy does (see build_ddp), with
+        # our hook on every device
+        ddp, self._hook_state = wrap_in_ddp(
+            model, self.determine_ddp_device_ids(), self._ddp_kwargs
+        )
+        return ddp
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # DDPStrategy registers hooks on CUDA only; ours must run on every device.
-        assert isinstance(self.model, DistributedDataParallel)
-        self._hook_state = HookState(process_group=None, ddp=self.model)
-        self.model.register_comm_hook(self._hook_state, onebit_comm_hook)
+        pass  # DDPStrategy's registers on CUDA only; ours is registered in _setup_model
 
     @property
     def onebit_optimizer(self) -> OneBitOptimizer:
@@ -375,9 +327,7 @@ class OneBitStrategy(DDPStrategy):
             raise RuntimeError(
                 f"{type(self).__name__} has no optimizer yet (it exists after Trainer setup)"
             )
-        opt = self.optimizers[0]
-        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer
-        assert isinstance(opt, OneBitOptimizer)
+        (opt,) = onebit_optimizers(self.optimizers)
         return opt
 
     @override
@@ -392,16 +342,11 @@ class OneBitStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise MisconfigurationException(_ONE_OPTIMIZER)
         original = self.optimizers[0]
-        if isinstance(original, MockOptimizer) and self.builder.hparams is not None:
+        if isinstance(original, MockOptimizer):  # (configure_optimizers returned none)
             params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
-            self.optimizers = [self.builder.from_hparams(params, "DeepSpeed config")]
+            given = "configure_optimizers returned"
+            self.optimizers = [self.builder.from_config(params, given, "return")]
             return
-        if isinstance(original, MockOptimizer):
-            raise MisconfigurationException(
-                f"{type(self).__name__} needs an optimizer, but configure_optimizers returned "
-                "none; return torch.optim.Adam, torch.optim.AdamW, or one of "
-                "lightning_onebit.optim.OneBitAdam / ZeroOneAdam / OneBitLamb"
-            )
         new = self.builder.from_user(
             original,
             "configure_optimizers returned",
@@ -413,43 +358,27 @@ class OneBitStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _rank_file(self, filepath: rank_files.PATH) -> str:
-        return rank_files.rank_file_name(filepath, self.global_rank, self.world_size)
-
     @override
     def save_checkpoint(
-        self,
-        checkpoint: dict[str, Any],
-        filepath: rank_files.PATH,
-        storage_options: Any | None = None,
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
     ) -> None:
-        if self.optimizers and isinstance(
-            getattr(self.optimizers[0], "_optimizer", self.optimizers[0]), OneBitOptimizer
-        ):
-            rank_files.write_rank_file(
-                self.onebit_optimizer, self.lightning_module, checkpoint, filepath,
-                self._rank_file(filepath), self.global_rank, self.world_size,
-            )  # fmt: skip
+        for opt in onebit_optimizers(self.optimizers):
+            self._rank_checkpoint.save(opt, self.lightning_module, checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def remove_checkpoint(self, filepath: rank_files.PATH) -> None:
+    def remove_checkpoint(self, filepath: PATH) -> None:
         super().remove_checkpoint(filepath)
-        fs = get_filesystem(filepath)
-        rank_file = self._rank_file(filepath)
-        if fs.exists(rank_file):
-            fs.rm(rank_file)
+        self._rank_checkpoint.remove(filepath)
 
     @override
     def load_checkpoint(
-        self, checkpoint_path: rank_files.PATH, weights_only: bool | None = None
+        self, checkpoint_path: PATH, weights_only: bool | None = None
     ) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._rank_state = None
+        self._rank_checkpoint.forget()
         if "optimizer_states" in checkpoint:  # (weights only: nothing per rank to restore)
-            self._rank_state = rank_files.read_rank_state(
-                checkpoint_path, checkpoint, self.global_rank, self.world_size
-            )
+            self._rank_checkpoint.read(checkpoint_path, checkpoint)
         return checkpoint
 
     @override
@@ -462,14 +391,11 @@ class OneBitStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        if self._rank_state is not None and self._rank_state.get("model") is not None:
-            # (again after DDP's broadcast in setup, when the restore comes before it)
-            self._rank_state["strict"] = strict
-            self.lightning_module.load_state_dict(self._rank_state["model"], strict=strict)
+        # (again after DDP's broadcast in setup, when the restore comes before it)
+        self._rank_checkpoint.restore_model(self.lightning_module, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
-        if self._rank_state is not None:
-            self.onebit_optimizer.load_rank_state_dict(self._rank_state["optimizer"])
-        self._rank_state = None
+        if self._rank_checkpoint.pending is not None:
+            self._rank_checkpoint.restore_optimizer(self.onebit_optimizer)

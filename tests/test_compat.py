@@ -53,6 +53,10 @@ def test_configure_optimizers_returning_none_gives_the_mock_optimizer() -> None:
 class _Recording(OneBitStrategy):
     calls: ClassVar[list[str]] = []
 
+    def _setup_model(self, model: torch.nn.Module) -> Any:
+        _Recording.calls.append("_setup_model")
+        return super()._setup_model(model)
+
     def _register_ddp_hooks(self) -> None:
         _Recording.calls.append("_register_ddp_hooks")
         super()._register_ddp_hooks()
@@ -92,7 +96,7 @@ def test_fabric_still_has_what_the_fabric_strategy_relies_on() -> None:
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=Recording(start_method="fork"))
     assert calls == ["_configure_launcher"]
-    assert type(fabric.strategy._backward_sync_control).__name__ == "_PausingBackwardSyncControl"
+    assert type(fabric.strategy._backward_sync_control).__name__ == "PausingBackwardSyncControl"
 
 
 def test_lightning_still_calls_the_ddp_hooks_we_override() -> None:

@@ -13,20 +13,21 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_onebit import OneBitStrategy
+from lightning_onebit import OneBitFabricStrategy, OneBitStrategy
 from lightning_onebit._integration.deepspeed import read
+from lightning_onebit._integration.front_end import FABRIC, TRAINER
 
 CONFIGS = Path(__file__).parent.parent / "examples" / "configs" / "deepspeed"
 
 
 def test_the_tutorial_configs_map_every_parameter() -> None:
-    algo, options, hparams, notes = read(CONFIGS / "onebit_adam.json")
+    algo, options, hparams, notes = read(CONFIGS / "onebit_adam.json", TRAINER)
     assert (algo, options, hparams) == (
         "onebit_adam",
         {"algorithm": "onebit_adam", "freeze_step": 23000},
         {"lr": 4e-4},
     )
-    algo, options, hparams, _ = read(CONFIGS / "zero_one_adam.json")
+    algo, options, hparams, _ = read(CONFIGS / "zero_one_adam.json", TRAINER)
     assert options == {
         "algorithm": "zero_one_adam",
         "freeze_step": 1000,  # DeepSpeed's var_freeze_step
@@ -35,7 +36,7 @@ def test_the_tutorial_configs_map_every_parameter() -> None:
         "local_step_clipper": 16,
     }
     assert hparams == {"lr": 1e-3, "weight_decay": 0.01}
-    algo, options, hparams, _ = read(CONFIGS / "onebit_lamb.json")
+    algo, options, hparams, _ = read(CONFIGS / "onebit_lamb.json", TRAINER)
     assert options == {
         "algorithm": "onebit_lamb",
         "freeze_step": 1000,
@@ -56,6 +57,42 @@ def test_the_tutorial_configs_map_every_parameter() -> None:
         "train_micro_batch_size_per_gpu: not applied by the strategy; here it is your DataLoader's",
     ):
         assert part in said, part
+
+
+def test_what_the_config_does_not_apply_is_named_in_the_users_front_end() -> None:
+    config = {
+        "gradient_clipping": 1.0,
+        "fp16": {"enabled": True},
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}},
+    }
+    with pytest.warns(UserWarning, match="DeepSpeed config") as trainer_warnings:
+        OneBitStrategy.from_deepspeed_config(config)
+    said = " ".join(str(w.message) for w in trainer_warnings)
+    assert (
+        "gradient_clipping: not applied by the strategy; here it is Trainer(gradient_clip_val=...)"
+        in said
+    )
+    assert "fp16: not applied by the strategy; here it is Trainer(precision='16-mixed')" in said
+    assert "fabric." not in said and "Fabric(" not in said
+    with pytest.warns(UserWarning, match="DeepSpeed config") as fabric_warnings:
+        OneBitFabricStrategy.from_deepspeed_config(config)
+    said = " ".join(str(w.message) for w in fabric_warnings)
+    assert f"gradient_clipping: not applied by the strategy; here it is {FABRIC.clip}" in said
+    assert "fp16: not applied by the strategy; here it is Fabric(precision='16-mixed')" in said
+    assert (
+        "max_grad_norm: no effect here (DeepSpeed's 1-bit optimizers ignore it; clip with fabric.clip_gradients("
+        in said
+    )
+    assert (
+        "gradient_accumulation_steps: not applied by the strategy; here it is fabric.no_backward_sync"
+        in said
+    )
+    assert (
+        "Trainer" not in said
+        and "accumulate_grad_batches" not in said
+        and "configure_optimizers" not in said
+    )
 
 
 def _config(**params: Any) -> dict:

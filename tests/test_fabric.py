@@ -844,3 +844,22 @@ def test_a_ddp_checkpoint_resumes_under_the_1bit_strategy(tmp_path: Path) -> Non
     resumed = run(tmp_path / "resumed", onebit(), resume=True)
     whole = run(tmp_path / "whole", onebit())
     _assert_params_close(resumed["params"], whole["params"])
+
+
+@pytest.mark.parametrize(
+    ("front_end", "said", "not_said"),
+    [
+        ("FABRIC", "pass the strategy's max_steps=...", "Trainer"),
+        ("TRAINER", "Trainer(max_steps=...)", "Fabric"),
+    ],
+)
+def test_a_fraction_without_a_step_limit_names_the_users_front_end(
+    front_end: str, said: str, not_said: str
+) -> None:
+    from lightning_onebit._integration import front_end as front_ends
+    from lightning_onebit._integration.phase_switch import PhaseSwitch
+
+    opt = OneBitAdam([torch.nn.Parameter(torch.ones(4))], lr=1e-3)
+    with pytest.raises(ValueError, match="no step limit") as err:
+        PhaseSwitch(0.2).start(opt, float("inf"), True, getattr(front_ends, front_end))
+    assert said in str(err.value) and not_said not in str(err.value)

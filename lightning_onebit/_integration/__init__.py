@@ -4,7 +4,8 @@ the two strategies wire into Lightning's ``DDPStrategy`` of their own kind. Inte
 names are re-exported from :mod:`lightning_onebit`.
 
 Nothing here imports ``lightning.pytorch``, and messages name the strategy class the user built
-(passed in), never one of the two by itself.
+(passed in), never one of the two by itself, and what to do in the user's front end
+(``front_end``: the Trainer's or Fabric's API).
 
 * ``options``: :class:`~options.StrategyOptions`, the options of both strategies and their
   checks, and ``ALGORITHMS``.
@@ -13,10 +14,13 @@ Nothing here imports ``lightning.pytorch``, and messages name the strategy class
   two-level exchange and the overlap with backward.
 * ``convert``: the Adam/AdamW conversion itself, and the LR schedulers re-pointed.
 * ``phase_switch``: when compression starts, identically on every rank; the step counters.
-* ``hook``: the DDP communication hook (averages on warmup steps, nothing on compression steps).
+* ``hook``: the DDP communication hook (averages on warmup steps, nothing on compression steps),
+  and the DDP wrapper with it registered.
 * ``scaler``: the ``16-mixed`` loss scaler whose overflow check is combined across ranks.
-* ``rank_files``: the per-rank checkpoint files beside a checkpoint.
+* ``rank_files``: the per-rank checkpoint files beside a checkpoint; :class:`~rank_files.RankCheckpoint`
+  writes, reads and restores them for a strategy.
 * ``deepspeed``: DeepSpeed JSON configs read into options.
+* ``front_end``: how the Trainer and Fabric each do what a message asks (``TRAINER``, ``FABRIC``).
 * ``lifecycle``: launch checks, the default process group's life, teardown.
 * ``registry``: the registered strategy names and the near-miss ones.
 * ``checks``, ``errors``: cross-rank model checks; one traceback instead of one per rank.

@@ -4,8 +4,9 @@ DeepSpeed (up to 0.19.6) configured its 1-bit optimizers in the ``"optimizer"`` 
 JSON config: ``{"type": "OneBitAdam" | "ZeroOneAdam" | "OneBitLamb", "params": {...}}``. Every
 parameter of those optimizers maps to an option here, is refused by name, or has no meaning
 here (said once, with what to do instead). The rest of a DeepSpeed config belongs to the
-Trainer, the DataLoader or the LightningModule; the keys with a training effect are named with
-their Lightning equivalent, since this strategy does not apply them.
+Trainer or the Fabric loop, the DataLoader or the model; the keys with a training effect are
+named with their equivalent in the user's front end (:class:`~front_end.FrontEnd`), since the
+strategy does not apply them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from lightning_onebit._integration.front_end import FrontEnd
 
 __all__ = ["HPARAMS", "TYPES", "load", "read"]
 
@@ -46,22 +49,23 @@ _OPTIONS = {
 #: DeepSpeed parameters that have no effect here, and why
 _NO_MEANING = {
     "cuda_aware": "the transport is torch.distributed's (NCCL on GPUs, gloo on CPUs)",
-    "comm_backend_name": "the backend is the process group's (Trainer/torchrun decide it)",
+    "comm_backend_name": "the backend is the process group's ({start} or torchrun decides it)",
     "bias_correction": "DeepSpeed's 1-bit optimizers accept it but never apply a bias correction, "
     "nor does deepspeed_compatible=True, which a DeepSpeed config turns on",
     "eps_inside_sqrt": "eps is added outside the square root, as DeepSpeed's 1-bit optimizers do",
-    "max_grad_norm": "DeepSpeed's 1-bit optimizers ignore it; clip with Trainer(gradient_clip_val=...)",
+    "max_grad_norm": "DeepSpeed's 1-bit optimizers ignore it; clip with {clip}",
 }
 
-#: top-level DeepSpeed keys with a training effect that this strategy does not apply
+#: top-level DeepSpeed keys with a training effect that the strategies do not apply, and where
+#: they go instead (``{...}``: a field of the user's :class:`~front_end.FrontEnd`)
 _ELSEWHERE = {
-    "train_batch_size": "the DataLoader's batch_size x accumulate_grad_batches x world size",
+    "train_batch_size": "{batch_size}",
     "train_micro_batch_size_per_gpu": "your DataLoader's batch_size",
-    "gradient_accumulation_steps": "Trainer(accumulate_grad_batches=...)",
-    "gradient_clipping": "Trainer(gradient_clip_val=...)",
-    "fp16": "Trainer(precision='16-mixed')",
-    "bf16": "Trainer(precision='bf16-mixed')",
-    "scheduler": "an LR scheduler returned by configure_optimizers",
+    "gradient_accumulation_steps": "{accumulate}",
+    "gradient_clipping": "{clip}",
+    "fp16": "{fp16}",
+    "bf16": "{bf16}",
+    "scheduler": "{scheduler}",
     "zero_optimization": "nothing: the 1-bit optimizers keep a full optimizer state on every "
     "rank (DeepSpeed's did not support ZeRO either)",
 }
@@ -81,10 +85,20 @@ def load(config: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _where(text: str, front_end: FrontEnd) -> str:
+    """``text`` with the ``{...}`` fields of ``front_end`` filled in."""
+    return text.format(
+        fp16=front_end.precision.format("'16-mixed'"),
+        bf16=front_end.precision.format("'bf16-mixed'"),
+        **{k: v for k, v in vars(front_end).items() if k != "precision"},
+    )
+
+
 def read(
-    config: str | os.PathLike[str] | dict[str, Any],
+    config: str | os.PathLike[str] | dict[str, Any], front_end: FrontEnd
 ) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
-    """``(algorithm, strategy options, optimizer hyperparameters, notes)`` of a DeepSpeed config.
+    """``(algorithm, strategy options, optimizer hyperparameters, notes)`` of a DeepSpeed config;
+    the notes name what to do instead in ``front_end``'s terms (the Trainer's or Fabric's).
 
     Raises ``ValueError`` naming what cannot be run here: another optimizer type, an unknown
     parameter, ``amsgrad=True``.
@@ -122,7 +136,8 @@ def read(
                     f"amsgrad=True: {section['type']} has no AMSGrad variant (nor had DeepSpeed's)"
                 )
         elif key in _NO_MEANING:
-            notes.append(f"optimizer.params.{key}: no effect here ({_NO_MEANING[key]})")
+            why = _where(_NO_MEANING[key], front_end)
+            notes.append(f"optimizer.params.{key}: no effect here ({why})")
         else:
             known = sorted((*HPARAMS, *mapping, "amsgrad", *_NO_MEANING))
             raise ValueError(
@@ -131,7 +146,8 @@ def read(
     for key in sorted(set(cfg) & set(_ELSEWHERE)):
         if key in ("fp16", "bf16") and not (cfg[key] or {}).get("enabled", False):
             continue
-        notes.append(f"{key}: not applied by the strategy; here it is {_ELSEWHERE[key]}")
+        where = _where(_ELSEWHERE[key], front_end)
+        notes.append(f"{key}: not applied by the strategy; here it is {where}")
     return algorithm, options, hparams, notes
 
 

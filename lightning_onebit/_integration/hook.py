@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_onebit._integration.checks import check_same_model_on_every_rank
 from lightning_onebit.comm import NodeGroups, hierarchical_average
 from lightning_onebit.optim import OneBitOptimizer
 
-__all__ = ["HookState", "build_ddp", "onebit_comm_hook"]
+__all__ = ["HookState", "build_ddp", "onebit_comm_hook", "wrap_in_ddp"]
 
 
 def build_ddp(
@@ -151,3 +152,20 @@ onebit_comm_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
+
+
+def wrap_in_ddp(
+    module: torch.nn.Module, device_ids: list[int] | None, kwargs: dict[str, Any]
+) -> tuple[DistributedDataParallel, HookState]:
+    """``module`` in DDP (:func:`build_ddp`) with :func:`onebit_comm_hook` registered, on every
+    device (Lightning's Trainer ``DDPStrategy`` registers a hook on CUDA only, Fabric's none:
+    DDP's allreduce on every step otherwise), and the hook's state (:meth:`HookState.attach`
+    the optimizer to it). First checks that every rank has the same parameters: DDP's own check
+    names neither the parameter nor what to do."""
+    check_same_model_on_every_rank(
+        [(name, tuple(p.shape)) for name, p in module.named_parameters()]
+    )
+    ddp = build_ddp(module, device_ids, kwargs)
+    state = HookState(process_group=None, ddp=ddp)
+    ddp.register_comm_hook(state, onebit_comm_hook)
+    return ddp, state

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit._integration.options import REFUSED_DDP_KWARGS
 from lightning_onebit.optim import OneBitOptimizer
 from lightning_onebit.optim._base import close_all
@@ -25,8 +26,11 @@ __all__ = [
     "notebook_message",
     "one_thread_per_forked_rank",
     "own_default_group",
+    "process_setup",
     "refuse_float64",
+    "refusing_float64",
     "stop_overlaps",
+    "teardown_steps",
     "warn_single_process",
 ]
 
@@ -52,7 +56,20 @@ def refuse_float64(strategy: str) -> None:
     raise ValueError(_NO_FLOAT64.format(who=strategy))
 
 
-def check_no_inherited_group(expected: int) -> None:
+def refusing_float64(base: property, double: type) -> property:
+    """A strategy's precision property (``base``: its Lightning parent's) whose setter refuses
+    ``double`` (the front end's ``DoublePrecision`` plugin): Lightning sets the plugin when it
+    builds the Trainer or Fabric, so ``precision='64-true'`` fails before anything runs."""
+
+    def set_plugin(strategy: Any, plugin: Any) -> None:
+        if isinstance(plugin, double):
+            refuse_float64(type(strategy).__name__)
+        base.fset(strategy, plugin)  # type: ignore[misc]
+
+    return property(base.fget, set_plugin, doc=base.__doc__)
+
+
+def check_no_inherited_group(expected: int, front_end: FrontEnd) -> None:
     """Refuse a process group inherited through fork from an earlier run in the parent process
     (e.g. a notebook that ran devices=1 under plain DDP). Its first collective would never
     return, and it cannot be destroyed from a forked child."""
@@ -61,8 +78,31 @@ def check_no_inherited_group(expected: int) -> None:
             f"a torch.distributed process group of world size {dist.get_world_size()} from an "
             f"earlier run is still initialised in this process, but this run has {expected} "
             "ranks; call torch.distributed.destroy_process_group() before this run starts "
-            "(Trainer.fit, fabric.launch)"
+            f"({front_end.start})"
         )
+
+
+@contextlib.contextmanager
+def process_setup(
+    start_method: str, num_processes: int, num_nodes: int, front_end: FrontEnd
+) -> Generator[None, None, None]:
+    """Around a strategy's ``setup_environment``, which starts the process group: one thread per
+    fork-started rank, no group inherited from an earlier run (``front_end`` names what starts
+    the run), and a default group created inside destroyed at exit (:func:`own_default_group`)."""
+    one_thread_per_forked_rank(start_method, num_processes)
+    check_no_inherited_group(num_nodes * num_processes, front_end)
+    with own_default_group():
+        yield
+
+
+@contextlib.contextmanager
+def teardown_steps(optimizers: list[Any], hook_state: Any = None) -> Generator[None, None, None]:
+    """Around a strategy's ``teardown``: before it, the overlaps and the hook's thread stop
+    (:func:`stop_overlaps`); after it, a single-process group is destroyed
+    (:func:`destroy_single_process_group`)."""
+    stop_overlaps(optimizers, hook_state)
+    yield
+    destroy_single_process_group()
 
 
 def notebook_message(algorithm: str, cls_name: str) -> str:

@@ -5,20 +5,32 @@ DeepSpeed config's hyperparameters), or the user's own used as built; then set u
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from typing_extensions import override
 
+from lightning_onebit._compat import DDPBackwardSyncControl
 from lightning_onebit._integration import convert
 from lightning_onebit._integration.checks import check_same_model_on_every_rank
 from lightning_onebit._integration.lifecycle import warn_single_process
 from lightning_onebit._integration.options import ALGORITHMS, StrategyOptions
 from lightning_onebit.optim import OneBitOptimizer
 
-__all__ = ["OptimizerBuilder", "overlap_blocker", "overlap_paused"]
+__all__ = [
+    "OptimizerBuilder",
+    "PausingBackwardSyncControl",
+    "name_parameters",
+    "onebit_optimizers",
+    "overlap_blocker",
+    "overlap_paused",
+    "stop_overlap_for_clipping",
+]
 
 
 class OptimizerBuilder:
@@ -119,6 +131,28 @@ class OptimizerBuilder:
                     f"arithmetic; build it with {name}(..., deepspeed_compatible=True)"
                 )
 
+    def attach(self, opt: OneBitOptimizer | None, module: Module | None, hook: Any) -> None:
+        """Once they exist: ``opt``'s parameters named after ``module``'s (for its messages) and
+        ``opt`` given to the DDP hook's state ``hook`` (which asks it what each step needs)."""
+        name_parameters(opt, module)
+        if hook is not None:
+            hook.attach(opt)
+
+    def from_config(
+        self, params: list[torch.nn.Parameter], given: str, expected: str
+    ) -> OneBitOptimizer:
+        """Where the user gave no optimizer (``given`` says where, e.g. "configure_optimizers
+        returned"): the chosen algorithm's optimizer over ``params`` from the DeepSpeed config's
+        hyperparameters (:meth:`from_hparams`). Without a config: an error saying to give one
+        (``expected``: how, e.g. "return")."""
+        if self.hparams is None:
+            raise self.error(
+                f"{self.strategy} needs an optimizer, but {given} none; {expected} "
+                "torch.optim.Adam, torch.optim.AdamW, or one of "
+                "lightning_onebit.optim.OneBitAdam / ZeroOneAdam / OneBitLamb"
+            )
+        return self.from_hparams(params, "DeepSpeed config")
+
     def from_hparams(self, params: list[torch.nn.Parameter], where: str) -> OneBitOptimizer:
         """The chosen algorithm's optimizer over ``params`` (one group) with :attr:`hparams`
         (``where`` names them in the message, e.g. "DeepSpeed config")."""
@@ -215,3 +249,61 @@ def overlap_blocker(clipping: bool, scaler: bool) -> str | None:
     if scaler:
         return "the 16-mixed loss scaler unscales the gradients after backward"
     return None
+
+
+def onebit_optimizers(optimizers: list[Any]) -> list[OneBitOptimizer]:
+    """The 1-bit optimizers among a strategy's ``optimizers`` (a Trainer's
+    ``LightningOptimizer`` unwrapped)."""
+    found = [getattr(o, "_optimizer", o) for o in optimizers]
+    return [o for o in found if isinstance(o, OneBitOptimizer)]
+
+
+def name_parameters(opt: OneBitOptimizer | None, module: Module | None) -> None:
+    """Name ``opt``'s parameters after ``module``'s, for the optimizer's messages (e.g. the
+    variance floor's); nothing until both exist."""
+    if opt is not None and module is not None:
+        opt.param_names = {p: n for n, p in module.named_parameters()}
+
+
+def stop_overlap_for_clipping(opt: OneBitOptimizer | None, optimizer: Any) -> None:
+    """Before the first ``fabric.clip_gradients`` of ``optimizer``: the exchange runs in
+    ``optimizer.step()`` from now on (an exchange that backward started saw the unclipped
+    gradients; one already started is dropped and redone)."""
+    if opt is None or optimizer is not opt or not opt.overlaps_backward:
+        return
+    started = opt.flat.layout is not None  # (built at the first step)
+    if started and opt.overlap is not None:
+        opt.overlap.drop()  # what backward started saw the unclipped gradients
+    opt.overlap_with_backward(None)
+    # (in the compression phase the optimizer warns that its error buffers restart)
+    rank_zero_info(
+        "fabric.clip_gradients: the 1-bit exchange runs in optimizer.step() from now on, not "
+        "overlapped with backward (a clipping after backward cannot reach an exchange that "
+        "backward started); pass overlap_bucket_mb=None to the strategy to say so up front"
+    )
+
+
+class PausingBackwardSyncControl(DDPBackwardSyncControl):
+    """``fabric.no_backward_sync``: DDP's ``no_sync`` and the 1-bit exchange paused (a backward
+    without a step must not start the step's exchange).
+
+    Args:
+        optimizers: the strategy's 1-bit optimizers (none before ``fabric.setup``), when asked.
+    """
+
+    def __init__(self, optimizers: Callable[[], list[OneBitOptimizer]]) -> None:
+        self.optimizers = optimizers
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        return _both(overlap_paused(self.optimizers()), super().no_backward_sync(module, enabled))
+
+
+@contextlib.contextmanager
+def _both(
+    first: AbstractContextManager, second: AbstractContextManager
+) -> Generator[None, None, None]:
+    with first, second:
+        yield

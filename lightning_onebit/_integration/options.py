@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_onebit._integration import deepspeed
+from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit._integration.phase_switch import PhaseSwitch
 from lightning_onebit.comm import as_average_dtype
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
@@ -184,13 +185,16 @@ class StrategyOptions:
         return kw
 
     def with_deepspeed_config(
-        self, config: str | Path | dict[str, Any]
-    ) -> tuple[StrategyOptions, dict[str, Any], str | None]:
+        self, config: str | Path | dict[str, Any] | None, front_end: FrontEnd
+    ) -> tuple[StrategyOptions, dict[str, Any] | None, str | None]:
         """These options with those of a DeepSpeed ``config`` merged in (an option given here,
         i.e. not at its default, wins, and is named in the note), ``deepspeed_compatible`` on
         unless given; the config's optimizer hyperparameters; one note naming what the config
-        sets without effect here (or ``None``)."""
-        algorithm, options, hparams, notes = deepspeed.read(config)
+        sets without effect here, and what to do instead in ``front_end``'s terms (or ``None``).
+        Without a config: ``(self, None, None)``."""
+        if config is None:
+            return self, None, None
+        algorithm, options, hparams, notes = deepspeed.read(config, front_end)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         merged: dict[str, Any] = {}
         for key, value in options.items():

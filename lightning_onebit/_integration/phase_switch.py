@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit.optim import OneBitOptimizer
 
 __all__ = ["PhaseSwitch", "StepTimes", "catch_up"]
@@ -179,9 +180,12 @@ class PhaseSwitch:
 
     # ------------------------------------------------------------------ the run's start
 
-    def start(self, opt: OneBitOptimizer, total: float, converted: bool) -> None:
+    def start(
+        self, opt: OneBitOptimizer, total: float, converted: bool, front_end: FrontEnd
+    ) -> None:
         """Resolve the switch step at the start of a run of ``total`` optimizer steps
-        (``inf``: unknown) and set it on ``opt``; ``converted``: the strategy built ``opt``."""
+        (``inf``: unknown) and set it on ``opt``; ``converted``: the strategy built ``opt``;
+        ``front_end``: the user's (the Trainer or Fabric), named in messages."""
         restored, self._restored = self._restored, False
         self.times.reset()
         if not restored:  # a new run (or a second fit of this Trainer without a checkpoint)
@@ -212,8 +216,7 @@ class PhaseSwitch:
             if not math.isfinite(total):
                 raise ValueError(
                     f"freeze_step={fs} is a fraction of the run's steps, but the run has no step limit; "
-                    "set Trainer(max_steps=...) or max_epochs (Fabric: the strategy's max_steps), "
-                    "or pass an int freeze_step"
+                    f"{front_end.run_length}, or pass an int freeze_step"
                 )
             step = max(1, round(fs * total))
         else:
@@ -225,6 +228,20 @@ class PhaseSwitch:
             rank_zero_info(
                 f"1-bit compression starts after optimizer step {step}{how} ({type(opt).__name__})"
             )
+
+    def switch_when_stable(self, opt: OneBitOptimizer, algorithm: str, strategy: str) -> None:
+        """A run of unknown length whose optimizer the strategy built, with no ``freeze_step``:
+        0.2 of the run (the default) cannot be known, so switch once the variance has stabilised
+        rather than after the algorithm's own ``freeze_step`` (100000 steps: no compression at
+        all in most runs). ``strategy`` names the strategy class in the message."""
+        self.adaptive = True
+        rank_zero_info(
+            f"{algorithm}: with no max_steps (0.2 of the run cannot be known), 1-bit "
+            "compression starts once the variance has stabilised (adaptive_freeze: relative "
+            f"change below {self.threshold} over {self.window} steps), at the "
+            f"latest after {opt.SWITCH_OPTION}={opt.switch_step} steps; pass "
+            f"{strategy}(max_steps=...) (0.2 of it) or freeze_step=... to choose"
+        )
 
     @staticmethod
     def _warn_if_never_switches(opt: OneBitOptimizer, step: int, total: float, name: str) -> None:

@@ -10,7 +10,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from fsspec.core import strip_protocol
@@ -22,6 +22,8 @@ from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
 __all__ = [
     "PATH",
+    "RankCheckpoint",
+    "Ranked",
     "find_rank_state",
     "rank_file_name",
     "read_rank_state",
@@ -217,3 +219,112 @@ def read_rank_state(
             stacklevel=2,
         )
     return state
+
+
+class Ranked(Protocol):
+    """What :class:`RankCheckpoint` reads of its strategy (both Lightning ``DDPStrategy`` kinds
+    have it)."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+class RankCheckpoint:
+    """This rank's 1-bit state around a strategy's checkpoints: written beside each checkpoint
+    (:func:`write_rank_file`), read back on resume (:func:`read_rank_state`) and restored into
+    the optimizer and the model after Lightning restored theirs. Lightning writes a checkpoint
+    on rank 0 only; the error buffers (and, between two synchronisations of 0/1 Adam, the
+    parameters) differ across ranks.
+
+    Args:
+        strategy: the strategy whose rank and world size name the files.
+
+    Attributes:
+        pending: the state read by :meth:`read`, until :meth:`restore_optimizer` used it.
+        strict: the ``strict`` of the last model restore (used again by :meth:`restore_model`).
+    """
+
+    def __init__(self, strategy: Ranked) -> None:
+        self.strategy = strategy
+        self.pending: dict[str, Any] | None = None
+        self.strict = True
+
+    def file(self, path: PATH) -> str:
+        """This rank's file beside the checkpoint at ``path``."""
+        return rank_file_name(path, self.strategy.global_rank, self.strategy.world_size)
+
+    def save(
+        self,
+        opt: OneBitOptimizer,
+        module: torch.nn.Module,
+        checkpoint: dict[str, Any],
+        path: PATH,
+    ) -> None:
+        """Write this rank's file for ``checkpoint`` (about to be saved at ``path`` by rank 0),
+        and note in ``checkpoint`` what a resume needs to know."""
+        s = self.strategy
+        write_rank_file(opt, module, checkpoint, path, self.file(path), s.global_rank, s.world_size)
+
+    def save_step_keyed(
+        self,
+        opt: OneBitOptimizer,
+        module: torch.nn.Module | None,
+        checkpoint: dict[str, Any],
+        optimizer_states: list[Any],
+        path: PATH,
+        extra: dict[str, Any],
+    ) -> None:
+        """:meth:`save` for a checkpoint with no global step (Fabric's): the optimizer's steps
+        and skipped steps tie the rank file to it. ``optimizer_states``: the optimizer's entries
+        in ``checkpoint`` (their error buffers are dropped); ``extra`` goes into the
+        checkpoint's ``"onebit"`` entry."""
+        view: dict[str, Any] = {
+            "global_step": [opt.step_count, opt.skipped_steps],
+            "optimizer_states": optimizer_states,
+        }
+        self.save(opt, module if module is not None else torch.nn.Module(), view, path)
+        checkpoint["onebit"] = {**view["onebit"], "global_step": view["global_step"], **extra}
+
+    def remove(self, path: PATH) -> None:
+        """Delete this rank's file beside the checkpoint at ``path``, if there is one."""
+        rank_file = self.file(path)
+        fs = get_filesystem(rank_file)
+        if fs.exists(rank_file):
+            fs.rm(rank_file)
+
+    def read(self, path: PATH, checkpoint: Mapping[str, Any]) -> None:
+        """Read this rank's file for ``checkpoint`` (loaded from ``path``) into :attr:`pending`
+        (``None``, with a warning, where it is missing)."""
+        s = self.strategy
+        self.strict = True
+        self.pending = read_rank_state(path, checkpoint, s.global_rank, s.world_size)
+
+    def read_step_keyed(self, path: PATH, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`read` for a checkpoint :meth:`save_step_keyed` wrote; pops and returns its
+        ``"onebit"`` entry (``{}`` where it has none)."""
+        meta = checkpoint.pop("onebit", None) or {}
+        self.read(path, {"global_step": meta.get("global_step"), "onebit": meta})
+        return meta
+
+    def forget(self) -> None:
+        """Drop what :meth:`read` read (a checkpoint with nothing per rank to restore)."""
+        self.pending = None
+
+    def restore_model(self, module: torch.nn.Module, strict: bool | None = None) -> None:
+        """This rank's own parameters into ``module``, where the checkpoint was taken while they
+        differed across ranks (0/1 Adam between two synchronisations); ``strict``: as given to
+        Lightning's model restore (``None``: the last one given)."""
+        if strict is not None:
+            self.strict = strict
+        if self.pending is not None and self.pending.get("model") is not None:
+            module.load_state_dict(self.pending["model"], strict=self.strict)
+
+    def restore_optimizer(self, opt: OneBitOptimizer) -> None:
+        """This rank's error buffers into ``opt`` (after Lightning restored its shared state);
+        then :attr:`pending` is used up."""
+        if self.pending is not None:
+            opt.load_rank_state_dict(self.pending["optimizer"])
+        self.pending = None

@@ -9,7 +9,7 @@ from typing_extensions import override
 
 from lightning_onebit._compat import scaler_found_inf
 
-__all__ = ["RankSyncedGradScaler", "synced_scaler"]
+__all__ = ["RankSyncedGradScaler", "sync_scaler_of", "synced_scaler"]
 
 
 class RankSyncedGradScaler(torch.amp.GradScaler):
@@ -35,3 +35,14 @@ def synced_scaler(scaler: torch.amp.GradScaler, device: str) -> RankSyncedGradSc
     synced = RankSyncedGradScaler(device=device, enabled=scaler.is_enabled())
     synced.load_state_dict(scaler.state_dict())
     return synced
+
+
+def sync_scaler_of(plugin: object, device: str) -> bool:
+    """Give a precision ``plugin`` with a loss scaler (``16-mixed``, the Trainer's or Fabric's)
+    a :func:`synced_scaler` on ``device``: local gradients can overflow on one rank only, and
+    every rank must skip the same step. Returns whether the plugin has a scaler."""
+    scaler = getattr(plugin, "scaler", None)
+    if not isinstance(scaler, torch.amp.GradScaler):
+        return False
+    plugin.scaler = synced_scaler(scaler, device)  # type: ignore[attr-defined]
+    return True
