@@ -284,7 +284,7 @@ def test_strategies_refuse_a_bad_hierarchical_value() -> None:
     for cls in (OneBitStrategy, OneBitFabricStrategy):
         with pytest.raises(ValueError, match="hierarchical must be True, False or 'auto'"):
             cls(hierarchical="yes")
-        assert cls().hierarchical == "auto"
+        assert cls().options.hierarchical == "auto"
 
 
 def _skip_worker(rank: int, world: int) -> dict:
