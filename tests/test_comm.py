@@ -15,7 +15,8 @@ SIZES = [1, 7, 8, 9, 1023, 10**6 + 3]
 
 
 # --------------------------------------------------------------------------- reference
-# Written from the algorithm's description (DESIGN.md §2), sharing no code with the package.
+# Written from the algorithm's description (docs/how-it-works.md, "The compressed allreduce"),
+# sharing no code with the package.
 
 
 class Simulation:

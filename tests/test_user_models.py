@@ -95,7 +95,7 @@ def test_trains_like_ddp(name: str, algo: str, tmp_path_factory: pytest.TempPath
 KNOWN_LAMB = {
     "dead_relu": "1.23-1.37x the loss of LAMB never frozen over seeds 0-2: the freeze of both "
     "the variance and the trust ratio at step 40 of 200 (with an exact fp32 exchange instead of "
-    "the 1 bit: 1.21-1.37x; only both live, i.e. LAMB, gets 0.99-1.05x; see the README)",
+    "the 1 bit: 1.21-1.37x; only both live, i.e. LAMB, gets 0.99-1.05x; see docs/tuning.md)",
     "vit": "0.92-1.04x the loss of LAMB never frozen over seeds 0-2 here, but q/k_proj.weight "
     "4.9/6.5/11.3x DDP's (and 1.0-2.2x, 9.6-14x on another machine before floored variances "
     "were raised to the mean)",
