@@ -1,11 +1,10 @@
 """The reference implementations the optimizer tests compare with, and their test problem.
 
-The references are written straight from the papers' update rules (Algorithm 1 of each paper, as
-the optimizers' module docstrings give it), one parameter at a
-time, in float64, and share no code with ``lightning_onebit.optim``. The compression is
-simulated here too (two-stage, error-compensated: docs/how-it-works.md, "The compressed
-allreduce"), for any number of ranks, so the
-same simulation checks ``W = 1`` (``test_optim.py``) and ``W = 2, 4`` (``test_optim_dist.py``).
+The references are written straight from the papers' update rules (Algorithm 1 of each paper,
+as the optimizers' module docstrings give it), one parameter at a time, in float64, and share no
+code with ``lightning_onebit.optim``. The compression is simulated here too (two-stage,
+error-compensated: docs/how-it-works.md, "The compressed allreduce"), for any number of ranks, so
+the same simulation checks ``W = 1`` (``test_optim.py``) and ``W = 2, 4`` (``test_optim_dist.py``).
 
 The test problem: five parameters in two groups; one is frozen (requires_grad=False) and one has
 grad=None on some steps (on some ranks). Gradients are a deterministic function of (rank, step,
