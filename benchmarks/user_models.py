@@ -5,7 +5,7 @@
     python benchmarks/user_models.py --json /tmp/zoo.json             # also write the results
     python benchmarks/user_models.py --seeds 0 1 2                    # + every seed's ratios
 
-Every model of ``tests/_user_models.py`` (plain LightningModules whose ``configure_optimizers``
+Every model of ``tests/helpers/user_models.py`` (plain LightningModules whose ``configure_optimizers``
 returns ``torch.optim.Adam``/``AdamW``: a conv net with BatchNorm, an MLP with dead ReLUs,
 ``nn.MultiheadAttention``, a regression MLP, tied embeddings, and Hugging Face GPT-2, BERT,
 ResNet and ViT) is trained on 2 fork-started CPU ranks (gloo), from the same seed on the same
@@ -48,11 +48,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from _user_models import MODELS, compare, fit_user_model, ranks_in_sync  # noqa: E402
+sys.path.insert(0, str(ROOT))  # `tests.helpers`
 
 from lightning_onebit import OneBitStrategy  # noqa: E402
+from tests.helpers.user_models import MODELS, compare, fit_user_model, ranks_in_sync  # noqa: E402
 
 ALGOS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 LAMB_BASELINE = "lamb (never frozen)"

@@ -1,7 +1,7 @@
 """Every private API of Lightning and torch that lightning_onebit relies on, in one place.
 
 Each entry names what it is, why no public API does the job, and the versions it was checked on;
-``tests/test_compat.py`` has one test per entry, so an upgrade that breaks one fails there, by
+``tests/integration/test_compat.py`` has one test per entry, so an upgrade that breaks one fails there, by
 name, instead of somewhere in a training run. Checked on torch 2.13.0 with Lightning 2.6.0 and
 2.6.6 (the floors in pyproject.toml). Not listed: ``torch._foreach_*`` ops, which torch's own
 optimizers are built on (a documented, stable family despite the underscore).

@@ -3,7 +3,7 @@ aborts and non-zero exit statuses per rank (CI runs it after the test suite)::
 
     python scripts/exit_check.py [--runs 60] [--ddp-runs 12] [--json PATH]
 
-Each run is ``tests/_exit_fit.py`` (a small attention model, a few steps past the switch to
+Each run is ``tests/scripts/exit_fit.py`` (a small attention model, a few steps past the switch to
 1-bit compression) under one of the three ways Lightning starts ranks:
 
 * ``popen``: the script run as is; Lightning's launcher starts rank 1 as a new process.
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "_exit_fit.py"
+SCRIPT = ROOT / "tests" / "scripts" / "exit_fit.py"
 LAUNCHERS = ("popen", "torchrun", "fork")
 ALGORITHMS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 ABORT_MARKERS = ("terminate called", "Fatal Python error", "core dumped")

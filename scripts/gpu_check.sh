@@ -40,7 +40,7 @@ echo "$ENV_LINE"
 step build env ONEBIT_CUDA=ON $PY -m pip install --no-deps --no-build-isolation -e .
 step cuda_built $PY -c "import lightning_onebit.kernels as K; assert K.HAS_CUDA, 'built without CUDA'; print('CUDA kernels: yes')"
 step gpu_tests $PY -m pytest -q -m cuda -rs tests/
-step kernel_tests $PY -m pytest -q -x tests/test_kernels.py tests/test_comm.py
+step kernel_tests $PY -m pytest -q -x tests/kernels/test_kernels.py tests/exchange/test_comm.py
 step bench_kernels $PY benchmarks/kernels.py --device cuda --n 100000000 --repeat 20
 step bench_step $PY benchmarks/gpu_step.py
 if ! $PY -c "import jsonargparse, docstring_parser, typeshed_client" 2>/dev/null; then

@@ -5,7 +5,7 @@ and underscore names imported across modules::
 
 Imports are read from the source (``ast``): at module level and inside functions alike (a
 function-level import that closes a cycle is a cycle deferred, not removed); ``TYPE_CHECKING``
-blocks are left out (they never run). ``tests/test_package.py`` asserts on the same functions.
+blocks are left out (they never run). ``tests/project/test_package.py`` asserts on the same functions.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #
 # torch's floor is 2.13 because older releases failed here (2026-11-25): with torch 2.6.0 the
 # fast tests pass file by file, but ranks forked by the tests hang (bf16 casts in
-# tests/test_overlap.py); torch 2.3.1 also lacked torch.autograd.graph.increment_version on a
+# tests/optim/test_overlap.py); torch 2.3.1 also lacked torch.autograd.graph.increment_version on a
 # list (fixed). Older releases' CPU wheels are on download.pytorch.org only; PyPI's CUDA wheels
 # need ~3 GB of NVIDIA libraries: LOWEST_TORCH=2.6.0 bash scripts/test_lowest.sh tries one.
 set -euo pipefail

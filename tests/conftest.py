@@ -1,4 +1,4 @@
-"""Shared test fixtures."""
+"""What every test shares: its markers and the fixtures that keep tests independent."""
 
 from __future__ import annotations
 
@@ -7,12 +7,24 @@ from collections.abc import Iterator
 
 import pytest
 
+#: The suite's markers (``-m "not slow"`` runs the fast tests; ``-m cuda`` the GPU ones).
+MARKERS = {
+    "slow": "multi-process tests that take more than a few seconds (still run in CI)",
+    "cuda": "needs a CUDA GPU",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the markers, so a misspelt one is reported rather than silently selecting nothing."""
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
 
 @pytest.fixture(autouse=True)
 def _restore_environment() -> Iterator[None]:
     """Give every test the environment the session started with: an in-process fit leaves
     Lightning's launcher variables (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...) in
-    ``os.environ``, and a later test would inherit them (see ``tests._dist.script_env``)."""
+    ``os.environ``, and a later test would inherit them (see ``tests.helpers.dist.script_env``)."""
     saved = dict(os.environ)
     yield
     if dict(os.environ) != saved:

@@ -1,0 +1,173 @@
+"""The character-level model the strategy tests train (standard-library source, next-character
+prediction, no downloads) and the 2-rank fit helper they share."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from tests.helpers.user_models import OneThread, _stdlib_text
+
+VOCAB, CONTEXT, EMBED, HIDDEN = 48, 8, 16, 64
+
+
+ALGOS = ["onebit_adam", "zero_one_adam", "onebit_lamb"]
+
+
+def _corpus(nbytes: int = 120_000) -> torch.Tensor:
+    """Standard-library source as token ids; the VOCAB-1 most frequent bytes get their own id
+    (every id occurs often in warmup: a frozen variance of 0 would make 1-bit steps explode)."""
+    raw = torch.frombuffer(bytearray(_stdlib_text(nbytes)), dtype=torch.uint8).long()
+    frequent = torch.bincount(raw, minlength=256).argsort(descending=True)[: VOCAB - 1]
+    ids = torch.full((256,), VOCAB - 1, dtype=torch.long)
+    ids[frequent] = torch.arange(VOCAB - 1)
+    return ids[raw]
+
+
+class CharWindows(Dataset):
+    """(CONTEXT characters, next character) pairs at fixed, evenly spread offsets."""
+
+    def __init__(self, data: torch.Tensor, n: int, start: int = 0) -> None:
+        self.data = data
+        self.offsets = torch.linspace(start, len(data) - CONTEXT - 1, n).long()
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        o = int(self.offsets[i])
+        return self.data[o : o + CONTEXT], self.data[o + CONTEXT]
+
+
+class CharModel(L.LightningModule):
+    """A plain LightningModule: nothing in it knows about 1-bit training."""
+
+    def __init__(
+        self, lr: float = 3e-3, weight_decay: float = 0.0, scheduler: bool = False, nan_at: int = -1
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Embedding(VOCAB, EMBED),  # (B, T, E)
+            torch.nn.Flatten(),  # (B, T*E)
+            torch.nn.Linear(CONTEXT * EMBED, HIDDEN),
+            torch.nn.Tanh(),
+            torch.nn.Linear(HIDDEN, VOCAB),  # (B, V)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.global_step == self.hparams.nan_at and self.global_rank == 1:
+            loss = loss * float("inf")  # an overflow on one rank only
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        if not self.hparams.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class RecordRanks(Callback):
+    """Every rank writes its parameters, optimizer step count and counters at the end of fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = trainer.strategy.optimizers[0]
+        opt = getattr(opt, "_optimizer", opt)
+        record = {
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "step_count": getattr(opt, "step_count", None),
+            "comm_stats": dict(getattr(opt, "comm_stats", {})),
+            "phase": getattr(opt, "phase", None),
+            "optimizer": type(opt).__name__,
+            "lr": [g["lr"] for g in opt.param_groups],
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "overlap": getattr(opt, "overlaps_backward", None),
+            "buckets": len(getattr(getattr(opt, "_exchange", None), "buckets", [None])),
+        }
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit(
+    tmp: Path,
+    strategy: Any,
+    devices: int = 2,
+    steps: int = 40,
+    model: CharModel | None = None,
+    ckpt_path: str | None = None,
+    callbacks: list[Callback] | None = None,
+    batch: int = 32,
+    epoch_steps: int | None = None,
+    **trainer_kw: Any,
+) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = _corpus()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RecordRanks(tmp), OneThread(), *(callbacks or [])],
+        default_root_dir=tmp,
+        **trainer_kw,
+    )
+    # one epoch of `epoch_steps` optimizer steps (default: the whole run sees each window once);
+    # resuming at an epoch boundary replays exactly the same batches
+    n = (epoch_steps or steps) * batch * devices * trainer_kw.get("accumulate_grad_batches", 1)
+    loader = DataLoader(CharWindows(data, n), batch_size=batch, shuffle=True)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    try:
+        trainer.fit(model or CharModel(), loader, ckpt_path=ckpt_path)
+    finally:  # an in-process (devices=1) fit sets OMP_NUM_THREADS for the later forked ones
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def _per_call(numel: int, world: int) -> int:
+    """Bytes one compressed exchange sends per rank: 2 (W - 1) records of scale + bits + pad."""
+    row = math.ceil(numel / (8 * world))  # bytes of signs per chunk
+    return 2 * (world - 1) * (4 + math.ceil(row / 4) * 4)
+
+
+def _rescale_bytes(params: dict, world: int, compressed_steps: int) -> int:
+    """Bytes per rank of ``rescale_variance``'s all_reduces (one float per tensor, every 10th
+    1-bit exchange) over ``compressed_steps`` steps of 1-bit Adam converted by the strategy."""
+    return compressed_steps // 10 * (2 * (world - 1) * len(params) * 4 // world)
+
+
+def _assert_same_on_all_ranks(records: list[dict]) -> None:
+    for r in records[1:]:
+        for k, v in records[0]["params"].items():
+            assert torch.equal(v, r["params"][k]), f"parameter {k} differs across ranks"
+
+
+def _held_out_loss(params: dict[str, torch.Tensor]) -> float:
+    model = CharModel()
+    model.load_state_dict(params)
+    data = _corpus(200_000)[120_000:]
+    x, y = next(iter(DataLoader(CharWindows(data, 4096), batch_size=4096)))
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model.net(x), y))

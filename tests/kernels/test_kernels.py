@@ -1,0 +1,878 @@
+"""Level-0 tests: every fused kernel against the pure-torch reference, and argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_onebit import kernels as K
+from lightning_onebit.kernels import native
+
+pytestmark = pytest.mark.skipif(not K.HAS_CPP, reason="C++ extension not built")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and K.HAS_CUDA else [])
+# Awkward sizes (values per rank buffer after padding to 8 * W) and world sizes.
+SIZES = [8, 16, 56, 1024, 1032, 10**6 + 8]
+WORLDS = [1, 2, 3, 4, 8]
+
+
+def _rand(n: int, gen: torch.Generator, device: str, zeros: bool = True) -> torch.Tensor:
+    x = torch.randn(n, generator=gen)
+    if zeros and n >= 8:  # exact +0.0 and -0.0 must both encode +1
+        idx = torch.randperm(n, generator=gen)[: max(2, n // 10)]
+        x[idx[: len(idx) // 2]] = 0.0
+        x[idx[len(idx) // 2 :]] = -0.0
+    return x.to(device)
+
+
+def _padded(n: int, w: int) -> int:
+    return -(-n // (8 * w)) * 8 * w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1023, 10**6 + 3])
+@pytest.mark.parametrize("w", WORLDS)
+def test_worker_compress_matches_reference(n: int, w: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(n * 31 + w)
+    n_pad = _padded(n, w)
+    x = _rand(n, gen, device)
+    e0 = _rand(n_pad, gen, device) * 0.3
+    rows = n_pad // (8 * w)
+    # bits written into strided rows, as the exchange does (records with a 4-byte header)
+    rec = torch.zeros(w, rows + 7, dtype=torch.uint8, device=device)
+    bits, bits_ref = rec[:, 4 : 4 + rows], torch.zeros(w, rows, dtype=torch.uint8, device=device)
+    e, e_ref = e0.clone(), e0.clone()
+    s, s_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    K.worker_compress(x, e, bits, s)
+    K.reference_worker_compress(x, e_ref, bits_ref, s_ref)
+    assert torch.equal(bits, bits_ref)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s_ref))
+    # the header and trailing bytes of the records were not touched
+    assert rec[:, :4].eq(0).all() and rec[:, 4 + rows :].eq(0).all()
+    # x was not modified and sign(0) = +1 for both zeros
+    y = x.cpu().double()
+    y = torch.cat([y, torch.zeros(n_pad - n, dtype=torch.float64)]) + e0.cpu().double()
+    expect = np.packbits((y >= 0).numpy(), bitorder="little")
+    assert np.array_equal(bits.cpu().reshape(-1).numpy(), expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [5, 1023, 10**6 + 3])
+def test_deferred_error_update_matches_the_eager_one(n: int, device: str) -> None:
+    """update_error=False leaves the error untouched; worker_update_error then gives bitwise
+    what the one-call form gives (the exchange relies on this to skip non-finite steps)."""
+    gen = torch.Generator().manual_seed(n)
+    w, n_pad = 4, _padded(n, 4)
+    x, e0 = _rand(n, gen, device), _rand(n_pad, gen, device) * 0.3
+    bits, bits_eager = (
+        torch.zeros(w, n_pad // (8 * w), dtype=torch.uint8, device=device) for _ in "ab"
+    )
+    e, e_eager = e0.clone(), e0.clone()
+    s, s_eager = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    K.worker_compress(x, e, bits, s, update_error=False)
+    assert torch.equal(e, e0)
+    K.worker_compress(x, e_eager, bits_eager, s_eager)
+    assert torch.equal(bits, bits_eager) and torch.equal(s, s_eager)
+    e_next = torch.full_like(e, float("nan"))
+    K.worker_update_error(x, e, s, out=e_next)  # double buffering: e stays as it was
+    assert torch.equal(e, e0) and torch.equal(e_next, e_eager)
+    K.worker_update_error(x, e, s)
+    assert torch.equal(e, e_eager)
+    e_ref = e0.clone()
+    K.reference_worker_update_error(x, e_ref, s)
+    torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s))
+
+
+def _double_buffered(fn, bits, scales, cur, pending):
+    """One server call (``fn``: the kernel or its reference) from state ``cur`` = (error, bits,
+    scale) into fresh buffers; returns them."""
+    out = tuple(torch.empty_like(t) for t in cur)
+    fn(bits, scales, cur[0], out[1], out[2], pending=pending, error_out=out[0],
+       prev_bits=cur[1], prev_scale=cur[2])  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("w", [1, 3, 4])
+def test_server_reduce_double_buffered_matches_in_place(w: int, device: str) -> None:
+    """Separate error_out / prev_bits / prev_scale give bitwise the in-place results and leave
+    the previous state untouched (a dropped call changes nothing)."""
+    gen = torch.Generator().manual_seed(w)
+    m = 8 * 1001
+    e = _rand(m, gen, device) * 0.1
+    state = [
+        (
+            e.clone(),
+            torch.zeros(m // 8, dtype=torch.uint8, device=device),
+            torch.zeros(1, device=device),
+        )
+    ]
+    e_ip, ob_ip, s_ip = (
+        e.clone(),
+        torch.zeros(m // 8, dtype=torch.uint8, device=device),
+        torch.zeros(1, device=device),
+    )
+    for call in range(3):
+        bits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8).to(device)
+        scales = (torch.rand(w, generator=gen) + 0.1).to(device)
+        K.server_reduce(bits, scales, e_ip, ob_ip, s_ip, pending=call > 0)
+        cur = state[-1]
+        kept = [t.clone() for t in cur]
+
+        nxt, ref = (
+            _double_buffered(fn, bits, scales, cur, call > 0)
+            for fn in (K.server_reduce, K.reference_server_reduce)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(cur, kept, strict=True))
+        assert (
+            torch.equal(nxt[0], e_ip) and torch.equal(nxt[1], ob_ip) and torch.equal(nxt[2], s_ip)
+        )
+        assert torch.equal(ref[1], nxt[1])
+        torch.testing.assert_close(ref[0], nxt[0], rtol=1e-6, atol=1e-6 * float(nxt[2]))
+        state.append(nxt)
+
+
+def test_worker_compress_error_identity() -> None:
+    """e_new = y - s*sign(y) exactly, s = ||y|| / sqrt(n), computed independently in float64."""
+    gen = torch.Generator().manual_seed(0)
+    x, e = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
+    y = (x + e).double()
+    bits, s = torch.empty(2, 256, dtype=torch.uint8), torch.empty(1)
+    K.worker_compress(x, e, bits, s)
+    s64 = y.norm() / 4096**0.5
+    assert abs(float(s) - float(s64)) <= 1e-7 * float(s64)
+    torch.testing.assert_close(
+        e.double(), y - float(s) * torch.where(y >= 0, 1.0, -1.0), rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", SIZES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_server_reduce_matches_reference(m: int, w: int, device: str) -> None:
+    """Two calls in a row: the second applies the first one's deferred error update."""
+    gen = torch.Generator().manual_seed(m * 7 + w)
+    rows = m // 8
+    e0 = _rand(m, gen, device) * 0.1
+    e, e_ref = e0.clone(), e0.clone()
+    ob, ob_ref = (torch.empty(rows, dtype=torch.uint8, device=device) for _ in range(2))
+    s, s_ref = torch.empty(1, device=device), torch.empty(1, device=device)
+    eager = e0.clone().cpu().double()  # the error as the algorithm defines it, in float64
+    for call in range(2):
+        rec = torch.randint(0, 256, (w, rows + 12), generator=gen, dtype=torch.uint8).to(device)
+        bits = rec[:, 8 : 8 + rows]  # strided rows
+        scales = (torch.rand(w, 3, generator=gen) + 0.1).to(device)[:, 1]  # strided scales
+        K.server_reduce(bits, scales, e, ob, s, pending=call > 0)
+        K.reference_server_reduce(bits, scales, e_ref, ob_ref, s_ref, pending=call > 0)
+        assert torch.equal(ob, ob_ref)
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s_ref))
+        # independent check: c = mean of decoded rows + error; new error = c - s * sign(c)
+        signs = torch.from_numpy(
+            np.unpackbits(bits.cpu().contiguous().numpy(), axis=1, bitorder="little")
+        )
+        c = ((signs.double() * 2 - 1) * (scales.cpu().double() / w)[:, None]).sum(0) + eager
+        sign_c = torch.where(c >= 0, 1.0, -1.0).double()
+        assert np.array_equal(ob.cpu().numpy(), np.packbits((c >= 0).numpy(), bitorder="little"))
+        torch.testing.assert_close(float(s), float(c.norm() / m**0.5), rtol=1e-5, atol=0)
+        eager = c - float(s) * sign_c
+        true_err = e.clone()
+        K.finish_pending(true_err, ob, s)
+        torch.testing.assert_close(true_err.cpu().double(), eager, rtol=1e-5, atol=1e-5 * float(s))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", SIZES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_decompress_matches_reference(m: int, w: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(m * 13 + w)
+    rows = m // 8
+    rec = torch.randint(0, 256, (w, rows + 4), generator=gen, dtype=torch.uint8).to(device)
+    bits = rec[:, 4:]
+    scales = torch.rand(w, generator=gen).to(device)
+    for nout in sorted({w * m, max(1, w * m - 5), max(1, w * m - 8 * rows - 3)}):
+        out = torch.full((nout,), 7.0, device=device)
+        ref = torch.full((nout,), 7.0, device=device)
+        K.decompress(bits, scales, out)
+        K.reference_decompress(bits, scales, ref)
+        assert torch.equal(out, ref)
+    # spot-check the wire format against numpy's little-endian unpacking
+    full = torch.empty(w * m, device=device)
+    K.decompress(bits, scales, full)
+    signs = (
+        np.unpackbits(bits.cpu().contiguous().numpy(), axis=1, bitorder="little").astype(np.float32)
+        * 2
+        - 1
+    )
+    assert np.array_equal(full.cpu().numpy().reshape(w, m), signs * scales.cpu().numpy()[:, None])
+
+
+def test_kernels_independent_of_thread_count() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x, e0 = torch.randn(300_000, generator=gen), torch.randn(300_000, generator=gen)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            e, bits, s = (
+                e0.clone(),
+                torch.empty(4, 300_000 // 32, dtype=torch.uint8),
+                torch.empty(1),
+            )
+            K.worker_compress(x, e, bits, s)
+            results.append((e, bits, s))
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+
+
+# --------------------------------------------------------------------------- 1-bit LAMB update
+
+LAMB_SIZES = [0, 5, 8, 1, 20_000, 77, 3, 70_000]  # empty, sub-vector, multi-block, threaded
+
+
+def _lamb_case(seed: int, decay: bool, sizes: list[int] = LAMB_SIZES):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    L = len(sizes)
+    u01 = lambda: torch.rand(L, generator=gen).tolist()  # noqa: E731
+    hp = {
+        "scaling": [0.25 + 2 * a for a in u01()],
+        "beta1": [0.8 + 0.15 * a for a in u01()],
+        "beta2": [0.9 + 0.099 * a for a in u01()],
+        "eps": [10 ** (-8 + 2 * a) for a in u01()],
+        "weight_decay": [0.1 * a if decay and a > 0.3 else 0.0 for a in u01()],
+    }
+    bufs = {
+        "exchanged": torch.randn(n, generator=gen),
+        "exp_avg": torch.randn(n, generator=gen) * 0.5,
+        "denom": torch.rand(n, generator=gen) + 1e-3,
+        "exp_avg_sq_fresh": torch.rand(n, generator=gen) * 0.1,
+        "param": torch.randn(n, generator=gen) if decay else None,
+        "update": torch.full((n,), float("nan")),  # written before read
+    }
+    return bufs, offsets, hp
+
+
+def _lamb_run(fn, bufs, offsets, hp):
+    b = {k: (v.clone() if v is not None else None) for k, v in bufs.items()}
+    stats = fn(*b.values(), offsets, **hp)
+    return b, stats
+
+
+def _assert_lamb_close(got, ref) -> None:
+    (b1, s1), (b2, s2) = got, ref
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        torch.testing.assert_close(b1[k], b2[k], rtol=2e-6, atol=1e-7, msg=k)
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
+    bufs, offsets, hp = _lamb_case(11 + decay, decay)
+    got = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+    ref = _lamb_run(K.reference_lamb_frozen_update, bufs, offsets, hp)
+    _assert_lamb_close(got, ref)
+    stats = got[1]
+    assert stats.shape == (len(offsets) - 1, 3) and stats.dtype == torch.float64
+    assert stats[0].tolist() == [1.0, 0.0, 0.0]  # the empty layer
+    # the reference itself, against a float64 evaluation of the formulas
+    x, m, d = (bufs[k].double() for k in ("exchanged", "exp_avg", "denom"))
+    vf = bufs["exp_avg_sq_fresh"].double()
+    lo, hi = offsets[4], offsets[5]  # the multi-block layer
+    c = {k: v[4] for k, v in hp.items()}
+    m_new = x[lo:hi] / c["scaling"]
+    g = (m_new - c["beta1"] * m[lo:hi]) / (1 - c["beta1"])
+    vf_new = c["beta2"] * vf[lo:hi] + (1 - c["beta2"]) * g * g
+    up = m_new / d[lo:hi]
+    u = up + c["weight_decay"] * bufs["param"].double()[lo:hi] if decay else up
+    torch.testing.assert_close(
+        got[0]["exp_avg_sq_fresh"][lo:hi].double(), vf_new, rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(got[0]["update"][lo:hi].double(), u, rtol=1e-5, atol=1e-7)
+    want = [(d[lo:hi] / (vf_new.sqrt() + c["eps"])).max(), up.square().sum(), u.square().sum()]
+    torch.testing.assert_close(stats[4], torch.stack(want), rtol=1e-5, atol=0)
+
+
+def _run_portable(code: str, *argv: str) -> None:
+    """Run ``code`` (after importing torch, this module as T and the kernels as K) in a fresh
+    process whose kernels take the scalar (non-AVX2) path: ONEBIT_NO_SIMD is read at import."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tests.kernels.test_kernels as T; from lightning_onebit import kernels as K\n"
+        "assert not K.native.module.cpu_has_simd()\n" + code
+    )
+    env = {**os.environ, "ONEBIT_NO_SIMD": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_lamb_frozen_update_portable_path_matches_reference() -> None:
+    _run_portable(
+        "for decay in (False, True):\n"
+        "    bufs, offsets, hp = T._lamb_case(7, decay)\n"
+        "    T._assert_lamb_close(T._lamb_run(K.lamb_frozen_update, bufs, offsets, hp),\n"
+        "                         T._lamb_run(K.reference_lamb_frozen_update, bufs, offsets, hp))\n"
+    )
+
+
+def test_lamb_frozen_update_independent_of_thread_count() -> None:
+    bufs, offsets, hp = _lamb_case(3, True, [200_000, 90_001])
+    old = torch.get_num_threads()
+    try:
+        runs = []
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            runs.append(_lamb_run(K.lamb_frozen_update, bufs, offsets, hp))
+    finally:
+        torch.set_num_threads(old)
+    (b1, s1), (b2, s2) = runs
+    assert torch.equal(s1, s2)
+    assert all(torch.equal(b1[k], b2[k]) for k in ("exp_avg", "exp_avg_sq_fresh", "update"))
+
+
+# --------------------------------------------------------------------------- Adam update
+
+ADAM_SIZES = [0, 5, 8, 1, 20_000, 77, 3, 70_000]
+
+
+def _adam_case(seed: int, dtype: torch.dtype = torch.float32, sizes: list[int] = ADAM_SIZES):
+    """Flat buffers with a 2-value gap before every parameter (must stay untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts, n = [], 0
+    for s in sizes:
+        starts.append(n + 2)
+        n += s + 2
+    u01 = lambda: torch.rand(len(sizes), generator=gen).tolist()  # noqa: E731
+    hp = {
+        "lr": [1e-3 * (0.5 + a) for a in u01()],
+        "beta1": [0.8 + 0.15 * a for a in u01()],
+        "beta2": [0.9 + 0.099 * a for a in u01()],
+        "eps": [10 ** (-8 + 2 * a) for a in u01()],
+        "weight_decay": [0.1 * a if a > 0.3 else 0.0 for a in u01()],
+    }
+    bufs = {
+        "grad": torch.randn(n, generator=gen),
+        "exp_avg": torch.randn(n, generator=gen) * 0.1,
+        "exp_avg_sq": torch.rand(n, generator=gen) * 0.1,
+    }
+    params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+    return bufs, params, starts, hp
+
+
+def _adam_run(fn, case, update_variance: bool):
+    bufs, params, starts, hp = case
+    b = {k: v.clone() for k, v in bufs.items()}
+    ps = [p.clone() for p in params]
+    fn(*b.values(), ps, starts, **hp, update_variance=update_variance)
+    return b, ps
+
+
+def _assert_adam_close(got, ref) -> None:
+    """Values are O(1): a few float32 ulps of the operands (the kernel rounds differently)."""
+    (b1, p1), (b2, p2) = got, ref
+    for k in b1:
+        torch.testing.assert_close(b1[k], b2[k], rtol=2e-6, atol=5e-7, msg=k)
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=5e-7)
+
+
+@pytest.mark.parametrize("update_variance", [False, True])
+def test_adam_update_matches_reference_and_float64(update_variance: bool) -> None:
+    case = _adam_case(5 + update_variance)
+    b1, p1 = got = _adam_run(K.adam_update, case, update_variance)
+    _assert_adam_close(got, _adam_run(K.reference_adam_update, case, update_variance))
+    bufs, params, starts, hp = case
+    gap = torch.ones(bufs["grad"].numel(), dtype=torch.bool)
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        gap[lo : lo + p.numel()] = False
+        s = slice(lo, lo + p.numel())
+        g, m, v = (bufs[k][s].double() for k in ("grad", "exp_avg", "exp_avg_sq"))
+        m = hp["beta1"][j] * m + (1 - hp["beta1"][j]) * g
+        if update_variance:
+            v = hp["beta2"][j] * v + (1 - hp["beta2"][j]) * g * g
+        u = m / (v.sqrt() + hp["eps"][j]) + hp["weight_decay"][j] * p.double()
+        # rtol 1e-6: holds only because 1 - beta reaches the kernel rounded from double (from float32
+        # beta it is 1.3e-5 off at beta2 = 0.999)
+        torch.testing.assert_close(b1["exp_avg"][s].double(), m, rtol=1e-6, atol=3e-7)
+        torch.testing.assert_close(b1["exp_avg_sq"][s].double(), v, rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            p1[j].double(), p.double() - hp["lr"][j] * u, rtol=1e-6, atol=1e-7
+        )
+    for k in b1:  # values outside every parameter's range are not touched
+        assert torch.equal(b1[k][gap], bufs[k][gap]), k
+
+
+def test_adam_update_portable_path_and_threads_and_dtypes() -> None:
+    """The scalar kernel (ONEBIT_NO_SIMD=1, fresh process) and 1 vs 2 threads match the
+    reference; a bf16 parameter (the pure-torch path) is updated like its fp32 twin."""
+    _run_portable(
+        "case = T._adam_case(9)\n"
+        "T._assert_adam_close(T._adam_run(K.adam_update, case, True),\n"
+        "                     T._adam_run(K.reference_adam_update, case, True))\n"
+    )
+
+    case = _adam_case(4, sizes=[300_000, 90_001])
+    old = torch.get_num_threads()
+    try:
+        runs = []
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            runs.append(_adam_run(K.adam_update, case, True))
+    finally:
+        torch.set_num_threads(old)
+    (b1, p1), (b2, p2) = runs
+    assert all(torch.equal(b1[k], b2[k]) for k in b1)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
+
+    f32, bf16 = _adam_case(8, sizes=[1000, 24]), _adam_case(8, torch.bfloat16, sizes=[1000, 24])
+    (_, p32), (_, p16) = _adam_run(K.adam_update, f32, True), _adam_run(K.adam_update, bf16, True)
+    for a, b, b0 in zip(p32, p16, bf16[1], strict=True):
+        assert b.dtype == torch.bfloat16 and not torch.equal(b, b0)  # updated
+        torch.testing.assert_close(b.float(), a, rtol=2e-2, atol=2e-2)
+
+
+def test_simd_and_portable_paths_agree_bitwise(tmp_path) -> None:
+    """The AVX2 and the scalar kernels compute every element with the same float operations
+    (built with -ffp-contract=off: no fused multiply-add the other path lacks), so Adam's and
+    1-bit LAMB's updates agree bit for bit; only LAMB's per-layer double sums may differ in
+    their last bits (summation order)."""
+    if native.module is None or not native.module.cpu_has_simd():
+        pytest.skip("needs the AVX2 path")
+    code = (
+        "import sys\n"
+        "case = T._adam_case(9); lc = T._lamb_case(7, True)\n"
+        "torch.save({'adam': T._adam_run(K.adam_update, case, True),\n"
+        "            'lamb': T._lamb_run(K.lamb_frozen_update, *lc)}, sys.argv[1])\n"
+    )
+    out = tmp_path / "portable.pt"
+    _run_portable(code, str(out))
+    portable = torch.load(out, weights_only=True)
+    (b1, p1), (b2, p2) = _adam_run(K.adam_update, _adam_case(9), True), portable["adam"]
+    assert all(torch.equal(b1[k], b2[k]) for k in b1), "adam: a buffer differs"
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True)), "adam: a parameter differs"
+    (l1, s1), (l2, s2) = _lamb_run(K.lamb_frozen_update, *_lamb_case(7, True)), portable["lamb"]
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        assert torch.equal(l1[k], l2[k]), f"lamb: {k} differs"
+    torch.testing.assert_close(s1, s2, rtol=1e-12, atol=0)
+
+
+def test_adam_update_bumps_the_autograd_version() -> None:
+    """Parameters written by the kernel count as modified in place: backward through a graph
+    that saved one fails instead of silently using the updated values."""
+    bufs, params, starts, hp = _adam_case(3, sizes=[64, 8])
+    w = params[0].clone().requires_grad_()
+    loss = (w * w).sum()  # saves w for backward
+    with torch.no_grad():
+        K.adam_update(*bufs.values(), [w, params[1]], starts, **hp)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def _frozen_case(seed: int, sizes: list[int] = ADAM_SIZES):
+    """Inputs of frozen_adam_update from an Adam case: x, m, d = sqrt(v) + eps, params, starts,
+    lr, weight decay (2-value gaps before every parameter, which must stay untouched)."""
+    bufs, params, starts, hp = _adam_case(seed, sizes=sizes)
+    d = bufs["exp_avg_sq"].sqrt() + 1e-3
+    return (bufs["grad"], bufs["exp_avg"], d, params, starts, hp["lr"], hp["weight_decay"])
+
+
+def frozen_run(case, ok: torch.Tensor, precond: bool):
+    """frozen_adam_update on copies of ``case``: (m, params) after it."""
+    x, m, d, params, starts, lr, wd = case
+    m, ps = m.clone(), [p.clone() for p in params]
+    K.frozen_adam_update(ok, x, m, d, ps, starts, lr, wd, precond)
+    return m, ps
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_frozen_adam_update_is_the_optimizers_torch_update(precond: bool) -> None:
+    """A true verdict: m = x * d (or x) and each parameter's torch ops of the path without a
+    verdict (_decoupled_update_: decay, then the step), bit for bit; a false one: nothing."""
+    case = _frozen_case(7 + precond)
+    x, m0, d, params, starts, lr, wd = case
+    m, ps = frozen_run(case, torch.ones(1, dtype=torch.bool), precond)
+    want_m = m0.clone()
+    for p, lo in zip(params, starts, strict=True):
+        s = slice(lo, lo + p.numel())
+        want_m[s] = x[s] * d[s] if precond else x[s]
+    assert torch.equal(m, want_m)  # (the gaps too: untouched)
+    for j, (p, q, lo) in enumerate(zip(params, ps, starts, strict=True)):
+        want, s = p.clone(), slice(lo, lo + p.numel())
+        if wd[j] > 0:
+            torch._foreach_add_([want], [want], alpha=-lr[j] * wd[j])
+        if precond:
+            torch._foreach_add_([want], [x[s]], alpha=-lr[j])
+        else:
+            torch._foreach_addcdiv_([want], [x[s]], [d[s]], value=-lr[j])
+        assert torch.equal(q, want), j
+        assert p.numel() == 0 or not torch.equal(q, p), j
+    m, ps = frozen_run(case, torch.zeros(1, dtype=torch.bool), precond)
+    assert torch.equal(m, m0)
+    assert all(torch.equal(p, q) for p, q in zip(params, ps, strict=True))
+
+
+def test_adam_update_with_a_verdict() -> None:
+    """ok true: the call without a verdict, bit for bit; false: nothing written."""
+    case = _adam_case(23)
+    ref = _adam_run(K.adam_update, case, True)
+    yes = _adam_run(
+        lambda *a, **k: K.adam_update(*a, **k, ok=torch.ones(1, dtype=torch.bool)), case, True
+    )
+    no = _adam_run(
+        lambda *a, **k: K.adam_update(*a, **k, ok=torch.zeros(1, dtype=torch.bool)), case, True
+    )
+    bufs, params = case[0], case[1]
+    for k in bufs:
+        assert torch.equal(yes[0][k], ref[0][k]) and torch.equal(no[0][k], bufs[k]), k
+    for a, b in zip(yes[1], ref[1], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, p) for a, p in zip(no[1], params, strict=True))
+
+
+def test_a_false_verdict_leaves_lamb_state_and_zeroes_the_update() -> None:
+    """lamb_frozen_update with ok false: m and v_fresh as they were, u = 0 (so the step leaves
+    the parameters as they were), stats 1, 0, 0 per layer; true: the call without a verdict."""
+    bufs, offsets, hp = _lamb_case(17, True)
+    ref, stats = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+    with_ok, stats_ok = _lamb_run(
+        lambda *a, **k: K.lamb_frozen_update(*a, **k, ok=torch.ones(1, dtype=torch.bool)),
+        bufs, offsets, hp,
+    )  # fmt: skip
+    assert all(torch.equal(with_ok[k], ref[k]) for k in ref if ref[k] is not None)
+    assert torch.equal(stats_ok, stats)
+    got, stats_bad = _lamb_run(
+        lambda *a, **k: K.lamb_frozen_update(*a, **k, ok=torch.zeros(1, dtype=torch.bool)),
+        bufs, offsets, hp,
+    )  # fmt: skip
+    for k in ("exp_avg", "exp_avg_sq_fresh", "exchanged", "denom"):
+        assert torch.equal(got[k], bufs[k]), k
+    assert not got["update"][: offsets[-1]].any()
+    assert torch.equal(stats_bad, torch.tensor([[1.0, 0.0, 0.0]] * (len(offsets) - 1)).double())
+
+
+def test_restore_unless_copies_only_on_a_false_verdict() -> None:
+    dst, src = torch.randn(100), torch.randn(100)
+    before = dst.clone()
+    K.restore_unless(torch.ones(1, dtype=torch.bool), dst, src)
+    assert torch.equal(dst, before)
+    K.restore_unless(torch.zeros(1, dtype=torch.bool), dst, src)
+    assert torch.equal(dst, src)
+    with pytest.raises(TypeError, match="one-element bool tensor"):
+        K.restore_unless(torch.ones(1), dst, src)
+    with pytest.raises(ValueError, match="same dtype, size and device"):
+        K.restore_unless(torch.ones(1, dtype=torch.bool), dst, src[:5])
+
+
+def test_adam_update_rejects_bad_input() -> None:
+    bufs, params, starts, hp = _adam_case(2, sizes=[4, 4])
+    args = list(bufs.values())
+    with pytest.raises(ValueError, match="one value per parameter"):
+        K.adam_update(*args, params, starts, **{**hp, "eps": [1e-8]})
+    with pytest.raises(ValueError, match="does not fit the flat buffers"):
+        K.adam_update(*args, params, [0, 9], **hp)
+    with pytest.raises(TypeError, match=r"exp_avg_sq must have dtype torch\.float32"):
+        K.adam_update(args[0], args[1], args[2].double(), params, starts, **hp)
+
+
+def test_lamb_frozen_update_rejects_bad_input() -> None:
+    bufs, offsets, hp = _lamb_case(1, True, [4, 4])
+    args = list(bufs.values())
+    with pytest.raises(ValueError, match="param is required"):
+        K.lamb_frozen_update(*args[:4], None, args[5], offsets, **hp)
+    with pytest.raises(ValueError, match="one value per layer"):
+        K.lamb_frozen_update(*args, offsets, **{**hp, "eps": [1e-8]})
+    with pytest.raises(ValueError, match="non-decreasing"):
+        K.lamb_frozen_update(*args, [0, 5, 4], **hp)
+    with pytest.raises(ValueError, match="the layers need 9"):
+        K.lamb_frozen_update(*args, [0, 4, 9], **hp)
+    with pytest.raises(TypeError, match=r"denom must have dtype torch\.float32"):
+        K.lamb_frozen_update(*args[:2], args[2].double(), *args[3:], offsets, **hp)
+    with pytest.raises(ValueError, match="update must be contiguous"):
+        K.lamb_frozen_update(*args[:5], torch.zeros(16)[::2], offsets, **hp)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _good():
+    return (torch.zeros(64), torch.zeros(64), torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "exc", "match"),
+    [
+        (lambda a: (a[0].double(), *a[1:]), TypeError, "x must have dtype torch.float32"),
+        (lambda a: (a[0].half(), *a[1:]), TypeError, "x must have dtype"),
+        (lambda a: (a[0].numpy(), *a[1:]), TypeError, "x must be a torch.Tensor"),
+        (
+            lambda a: (a[0], a[1], a[2].to(torch.int8), a[3]),
+            TypeError,
+            "bits must have dtype torch.uint8",
+        ),
+        (lambda a: (torch.zeros(128)[::2], *a[1:]), ValueError, "x must be contiguous"),
+        (lambda a: (a[0], torch.zeros(128)[::2], *a[2:]), ValueError, "error must be contiguous"),
+        (lambda a: (torch.zeros(65), *a[1:]), ValueError, "x has 65 values"),
+        (lambda a: (a[0], torch.zeros(60), *a[2:]), ValueError, "multiple of 8"),
+        (
+            lambda a: (a[0], a[1], torch.zeros(2, 5, dtype=torch.uint8), a[3]),
+            ValueError,
+            "rows must hold 4 bytes",
+        ),
+        (
+            lambda a: (a[0], a[1], torch.zeros(8, dtype=torch.uint8), a[3]),
+            ValueError,
+            "must be 2-D",
+        ),
+        (
+            lambda a: (a[0], a[1], torch.zeros(4, 2, dtype=torch.uint8).t(), a[3]),
+            ValueError,
+            "rows must be contiguous",
+        ),
+        (
+            lambda a: (
+                a[0],
+                a[1],
+                torch.zeros(8, dtype=torch.uint8).as_strided((2, 4), (2, 1)),
+                a[3],
+            ),
+            ValueError,
+            "overlap",
+        ),
+        (lambda a: (*a[:3], torch.zeros(2)), ValueError, "exactly one element"),
+        (lambda a: (a[0], a[1].to("meta"), *a[2:]), ValueError, "one device"),
+        (lambda a: (a[0].to_sparse(), *a[1:]), TypeError, "dense"),
+    ],
+)
+def test_worker_compress_rejects_bad_input(mutate, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        K.worker_compress(*mutate(_good()))
+
+
+def test_server_reduce_and_decompress_reject_bad_input() -> None:
+    bits, scales, e = torch.zeros(2, 4, dtype=torch.uint8), torch.ones(2), torch.zeros(32)
+    ob, s = torch.zeros(4, dtype=torch.uint8), torch.zeros(1)
+    with pytest.raises(ValueError, match="one scale per row"):
+        K.server_reduce(bits, torch.ones(3), e, ob, s)
+    with pytest.raises(ValueError, match="rows must hold 5 bytes"):
+        K.server_reduce(bits, scales, torch.zeros(40), torch.zeros(5, dtype=torch.uint8), s)
+    with pytest.raises(ValueError, match="out_bits must hold"):
+        K.server_reduce(bits, scales, e, torch.zeros(3, dtype=torch.uint8), s)
+    with pytest.raises(TypeError, match="scales must have dtype"):
+        K.server_reduce(bits, scales.double(), e, ob, s)
+    with pytest.raises(ValueError, match="out has 65 values"):
+        K.decompress(bits, scales, torch.zeros(65))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        K.decompress(bits, scales, torch.zeros(128)[::2])
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, ValueError)):
+            K.decompress(bits, scales, torch.zeros(64, device="meta"))
+
+
+def test_the_cpp_entry_points_check_sizes_themselves() -> None:
+    """Behind the checks of lightning_onebit.kernels, the C++ entry points refuse sizes that would read or write
+    out of bounds (or divide by zero: a NaN scale for n = 0) instead of trusting the caller."""
+    if native.module is None:
+        pytest.skip("the C++ extension is not built")
+    buf = torch.zeros(64)
+    bits, scale = torch.zeros(8, dtype=torch.uint8), torch.zeros(1)
+    x, e, b, s = buf.data_ptr(), buf.data_ptr(), bits.data_ptr(), scale.data_ptr()
+    with pytest.raises(ValueError, match="worker_compress_cpu: need"):
+        native.module.worker_compress_cpu(x, 0, e, 0, b, 1, 8, s, 1)  # n = 0
+    with pytest.raises(ValueError, match="worker_compress_cpu: need"):
+        native.module.worker_compress_cpu(x, 65, e, 64, b, 1, 8, s, 1)  # nx > n
+    with pytest.raises(ValueError, match="worker_compress_cpu: need"):
+        native.module.worker_compress_cpu(x, 24, e, 24, b, 2, 8, s, 1)  # n % (8 * W)
+    with pytest.raises(ValueError, match="worker_update_error_cpu: need"):
+        native.module.worker_update_error_cpu(x, 12, e, e, 12, 1.0, 1)
+    with pytest.raises(ValueError, match="server_reduce_cpu: need"):
+        native.module.server_reduce_cpu(b, 1, 8, s, 1, e, e, 0, b, 0.0, b, s, False, 1)  # m = 0
+    with pytest.raises(ValueError, match="server_reduce_cpu: need"):
+        native.module.server_reduce_cpu(b, 0, 8, s, 1, e, e, 64, b, 0.0, b, s, False, 1)  # W = 0
+    with pytest.raises(ValueError, match="decompress_cpu: need"):
+        native.module.decompress_cpu(b, 1, 8, s, 1, 64, x, 65, 1)  # nout > W * m
+    native.module.worker_compress_cpu(
+        x, 64, e, 64, b, 1, 8, s, 1
+    )  # (and a valid call goes through)
+    assert float(scale) == 0.0
+
+
+def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
+    """The CUDA entry points refuse bad sizes before any CUDA call (so this runs without a GPU),
+    and calls with nothing to do return before it."""
+    if native.module is None or not K.HAS_CUDA:
+        pytest.skip("the CUDA kernels are not built")
+    C = native.module
+    with pytest.raises(ValueError, match="worker_compress_cuda: need"):
+        C.worker_compress_cuda(0, 0, 0, 0, 0, 0, 1, 8, 0, 0, 0)  # n = 0
+    with pytest.raises(ValueError, match="server_reduce_cuda: need"):
+        C.server_reduce_cuda(0, 0, 0, 8, 0, 1, 0, 0, 64, 0, 0, 0, 0, False, 0, 0)  # W = 0
+    with pytest.raises(ValueError, match="decompress_cuda: need"):
+        C.decompress_cuda(0, 0, 1, 8, 0, 1, 64, 0, 65, 0)  # nout > W * m
+
+    def adam(n_params: int, nchunks: int) -> None:
+        C.adam_update_cuda(0, 0, 0, 0, 0, 0, n_params, 0, 0, 0, nchunks, *[0] * 7, True, 0)
+
+    def lamb(n_layers: int, nchunks: int) -> None:
+        C.lamb_frozen_update_cuda(0, *[0] * 7, n_layers, 0, 0, nchunks, *[0] * 7, 0, 0, 0)
+
+    def frozen_adam(n_params: int, nchunks: int) -> None:
+        C.frozen_adam_update_cuda(0, *[0] * 5, n_params, 0, 0, 0, nchunks, 0, 0, True, 0)
+
+    for fn, name in (
+        (adam, "adam_update_cuda"),
+        (lamb, "lamb_frozen_update_cuda"),
+        (frozen_adam, "frozen_adam_update_cuda"),
+    ):
+        with pytest.raises(ValueError, match=f"{name}: need . >= 0"):
+            fn(-1, 0)
+        with pytest.raises(ValueError, match=f"{name}: need nchunks >= 0"):
+            fn(3, -1)
+        with pytest.raises(ValueError, match=f"{name}: need nchunks >= 0"):
+            fn(0, 2)  # chunks but no parameters (layers)
+    # nothing to do: no CUDA call, so no error without a GPU
+    adam(0, 0)
+    adam(3, 0)
+    lamb(0, 0)
+    frozen_adam(3, 0)
+    C.restore_unless_cuda(0, 0, 0, 0, 0, 0)  # 0 bytes
+    with pytest.raises(ValueError, match="restore_unless_cuda: need nbytes >= 0"):
+        C.restore_unless_cuda(0, 0, 0, 0, -1, 0)
+    chunk = C.cuda_update_chunk()
+    assert native.chunk_starts([0, 5, chunk, chunk + 1, 0, 3 * chunk]) == [0, 0, 1, 2, 4, 4, 7]
+
+
+def test_cuda_kernels_are_built_when_nvcc_is_present() -> None:
+    """CI compiles the CUDA kernels (they cannot run here): make sure the build did not skip them."""
+    import os
+    import shutil
+
+    if os.environ.get("ONEBIT_CUDA", "AUTO").upper() == "OFF" or not shutil.which("nvcc"):
+        pytest.skip("no nvcc on PATH (or ONEBIT_CUDA=OFF): CUDA kernels are not expected")
+    assert K.HAS_CUDA, "nvcc is on PATH but lightning_onebit._C was built without CUDA kernels"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and K.HAS_CUDA), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cuda_matches_cpu_bitwise(w: int, seed: int) -> None:
+    """Wire-format interop: a GPU rank and a CPU rank produce the same bits, scales, errors and
+    decoded values, bit for bit, through all three stages (worker, server with a pending error,
+    decode). Both sides accumulate the squares in float64 and round the scale once, and every
+    other value is one float32 operation on equal inputs: the float64 sums differ only in their
+    last bits (~1e-13 relative), far below float32's rounding (6e-8), so equal is expected."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 8 * w * (12345 + 977 * seed)
+    x = torch.randn(n - 5, generator=gen) * (1 + seed)
+    e0, es = torch.randn(n, generator=gen), torch.randn(n // w, generator=gen)
+    outs: dict[str, list[torch.Tensor]] = {}
+    for dev in ("cpu", "cuda"):
+        e = e0.clone().to(dev)
+        bits = torch.empty(w, n // (8 * w), dtype=torch.uint8, device=dev)
+        s = torch.empty(1, device=dev)
+        K.worker_compress(x.to(dev), e, bits, s)
+        scales = s.expand(w).contiguous() * torch.linspace(0.5, 1.5, w, device=dev)
+        err, ob, os_ = (
+            es.clone().to(dev),
+            torch.empty(n // (8 * w), dtype=torch.uint8, device=dev),
+            torch.empty(1, device=dev),
+        )
+        K.server_reduce(bits, scales, err, ob, os_)
+        K.server_reduce(bits, scales, err, ob, os_, pending=True)  # applies the deferred error
+        out = torch.empty(n - 5, device=dev)
+        K.decompress(bits, scales, out)
+        outs[dev] = [t.cpu() for t in (bits, s, e, ob, os_, err, out)]
+    names = (
+        "bits",
+        "scale",
+        "worker error",
+        "server bits",
+        "server scale",
+        "server error",
+        "decoded",
+    )
+    for name, a, b in zip(names, outs["cpu"], outs["cuda"], strict=True):
+        assert torch.equal(a, b), (
+            f"{name} differs (max |diff| {(a.double() - b.double()).abs().max()})"
+        )
+
+
+@pytest.mark.skipif(not getattr(native.module, "has_cuda", False), reason="built without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="needs a machine without a GPU (with one, the device guard passes and the kernels would "
+    "be launched on host pointers); tests/kernels/test_gpu.py calls the bindings for real there",
+)
+def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypatch) -> None:
+    """Without a GPU the CUDA entry points can still be reached: the call must get past
+    pybind's argument check and fail only in the device guard (a wrong argument list is a
+    TypeError before any CUDA call). The pointers are those of CPU tensors, never read."""
+    real = native.module
+
+    class AnyDevice:  # CPU tensors have no device index
+        def __getattr__(self, name: str):
+            f = getattr(real, name)
+            return (
+                (lambda dev, *a: f(0 if dev is None else dev, *a)) if name.endswith("_cuda") else f
+            )
+
+    monkeypatch.setattr(native, "module", AnyDevice())
+    monkeypatch.setattr(native, "on_device", lambda v, dtype, device: torch.tensor(v, dtype=dtype))
+    monkeypatch.setattr(native, "stream", lambda device: 0)
+    g, m, v, p = torch.randn(10), torch.zeros(10), torch.zeros(10), torch.randn(10)
+    hp = {"lr": [1e-3], "beta1": [0.9], "beta2": [0.999], "eps": [1e-8], "weight_decay": [0.1]}
+    for verdict in (None, torch.ones(1, dtype=torch.bool)):
+        with pytest.raises(RuntimeError, match="onebit: cuda"):
+            native.adam_update_cuda(g, m, v, [p], [0], hp, True, verdict)
+    coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
+    ok = torch.ones(1, dtype=torch.bool)
+    for verdict in (None, ok):
+        with pytest.raises(RuntimeError, match="onebit: cuda"):
+            native.lamb_frozen_update_cuda(
+                (g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs, verdict
+            )
+    with pytest.raises(RuntimeError, match="onebit: cuda"):
+        native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
+    with pytest.raises(RuntimeError, match="onebit: cuda"):
+        native.restore_unless_cuda(ok, m, g)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
+def test_the_gpu_scripts_refuse_clearly_without_a_gpu(tmp_path) -> None:
+    """scripts/gpu_check.sh and benchmarks/gpu_step.py run only on GPU machines, so CI checks
+    that they parse and stop with a message that says why (they must not rot unseen)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    check = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)},
+        timeout=120,
+    )
+    assert check.returncode == 2, check.stderr
+    assert "sees no GPU" in check.stderr
+    step = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_step.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert step.returncode != 0 and "needs a CUDA GPU" in step.stderr, step.stderr

@@ -1,0 +1,96 @@
+"""Smoke test of the emulated-cluster benchmark (benchmarks/cluster.py): W = 2 network
+namespaces on a 100 Mbit/s link, a tiny model, a few steps of DDP + Adam and 1-bit Adam, the
+latter in the plain loop, through ``L.Trainer(strategy=OneBitStrategy(...))`` and through
+``L.Fabric(strategy=OneBitFabricStrategy(...))``.
+
+Needs root and iproute2 (``ip netns add``); skipped with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "cluster.py"
+
+
+def _cluster_module():
+    spec = importlib.util.spec_from_file_location("_bench_cluster", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _skip_reason() -> str | None:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "network namespaces need root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "iproute2 (ip, tc) is not installed"
+    cluster = _cluster_module()
+    try:
+        cluster.check_netns()
+    except cluster.ClusterUnavailable as err:
+        return f"cannot create network namespaces here: {err}"
+    return None
+
+
+@pytest.mark.slow
+def test_cluster_smoke(tmp_path: Path) -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cmd = [
+        sys.executable, str(SCRIPT),
+        "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
+        "--workloads", "finetune", "--methods", "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam",
+        "--steps", "8", "--warmup", "4", "--eval-every", "4", "--val-windows", "8",
+        "--out-dir", str(tmp_path), "--name", "smoke", "--timeout", "120",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # its SIGTERM handler tears the namespaces down
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+
+    # the run's namespaces are gone
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"obc{proc.pid}x" not in left  # pid of `cluster.py` is in every name it creates
+
+    for ext in ("json", "md", "png"):
+        assert (tmp_path / f"smoke.{ext}").is_file()
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert set(rows) == {"ddp_adam", "onebit_adam", "pl_onebit_adam", "fabric_onebit_adam"}
+    for r in rows.values():
+        assert "error" not in r
+        assert r["step_time_warmup"] > 0 and r["step_time_compression"] > 0
+        assert 0 < r["after_backward_compression"] < r["step_time_compression"]
+        assert r["final_val_loss"] is not None
+        # the project's counters agree with the interface's (which add TCP/IP headers)
+        for ph in ("warmup", "compression"):
+            assert r[f"bytes_{ph}"] * 0.9 < r[f"tx_bytes_{ph}"] < r[f"bytes_{ph}"] * 1.5 + 4096
+    ddp, onebit = rows["ddp_adam"], rows["onebit_adam"]
+    assert onebit["bytes_warmup"] == ddp["bytes_warmup"]  # fp32 averaging in the warmup
+    assert onebit["bytes_compression"] < ddp["bytes_compression"] / 20  # ~32x less
+    # through the Trainer and through Fabric: the same phases, bytes and (up to summation
+    # order) the same training
+    full = {r["method"]: r for r in json.loads((tmp_path / "smoke.json").read_text())["rows"]}
+    for method in ("pl_onebit_adam", "fabric_onebit_adam"):
+        pl = rows[method]
+        assert full[method]["phases"] == full["onebit_adam"]["phases"]
+        assert full[method]["opt_phases"] == full["onebit_adam"]["opt_phases"]
+        for ph in ("warmup", "compression"):
+            assert pl[f"bytes_{ph}"] == onebit[f"bytes_{ph}"]
+        loss = onebit["final_val_loss"]
+        assert abs(pl["final_val_loss"] - loss) < 0.02 * loss, method

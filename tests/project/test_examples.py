@@ -1,0 +1,257 @@
+"""The examples: the data module on user text, the CLI configs end to end, the notebook.
+
+The CLI runs use strategy="ddp" (popen launcher), which re-runs its command for the other
+ranks; inside pytest that would re-run pytest, so they run ``examples/train.py`` in a subprocess.
+The notebook forks its ranks from a Jupyter kernel (another process too).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.dist import script_env
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def _import_gpt():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import gpt
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return gpt
+
+
+def _onebit_registered(name: str) -> bool:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_onebit
+
+    return hasattr(lightning_onebit, "OneBitStrategy") and name in StrategyRegistry
+
+
+# --------------------------------------------------------------------------- data module
+
+
+def test_text_datamodule_reads_a_directory_and_a_file(tmp_path: Path) -> None:
+    gpt = _import_gpt()
+    (tmp_path / "b.txt").write_text("hello world\n" * 40)
+    (tmp_path / "a.txt").write_text("abc abc abc\n" * 40 + "\u00e9")  # é: 2 rare bytes
+    (tmp_path / "skip.md").write_text("not matched " * 100)
+    dm = gpt.TextDataModule(str(tmp_path), pattern="*.txt", block_size=8, batch_size=4, min_count=5)
+    assert [p.name for p in dm.files()] == ["a.txt", "b.txt"]  # sorted, pattern applied
+    assert dm.vocab_size == 1 + len(set("hello world\nabc "))  # + the unknown id
+    n = len(dm.train_tokens) + len(dm.val_tokens)
+    assert n == 12 * 40 + 2 + 12 * 40
+    assert len(dm.val_tokens) == int(0.1 * n)
+    # the held-out split is the end of the corpus, the last file in sorted order
+    assert dm.decode(dm.val_tokens[-12:]) == "hello world\n"
+    assert dm.decode(dm.encode("abc\u00e9")) == "abc??"  # rare bytes share the unknown id
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (4, 8) and x.dtype == torch.long
+    assert int(x.max()) < dm.vocab_size
+
+    single = gpt.TextDataModule(str(tmp_path / "b.txt"), block_size=8, min_count=1)
+    assert [p.name for p in single.files()] == ["b.txt"]
+    assert single.decode(single.train_tokens[:11]) == "hello world"
+
+    with pytest.raises(FileNotFoundError, match="no files match"):
+        gpt.TextDataModule(str(tmp_path), pattern="*.rst")
+
+
+def test_default_corpus_is_the_standard_library() -> None:
+    gpt = _import_gpt()
+    dm = gpt.TextDataModule(max_bytes=200_000, block_size=32)
+    assert dm.files()[0].parent == Path(os.__file__).parent
+    assert 50 < dm.vocab_size <= 256
+    model = gpt.GPT(vocab_size=dm.vocab_size, block_size=32, n_layer=1, n_embd=32)
+    x, _ = next(iter(dm.train_dataloader()))
+    assert model(x).shape == (*x.shape, dm.vocab_size)  # (B, T, V)
+
+
+# --------------------------------------------------------------------------- the CLI end to end
+
+
+def _train(tmp_path: Path, config: str, *extra: str) -> dict:
+    out = tmp_path / "run.json"
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        "fit",
+        "--config",
+        str(EXAMPLES / "configs" / config),
+        "--trainer.devices",
+        "2",
+        "--trainer.max_steps",
+        "3",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.max_bytes",
+        "300000",
+        "--summary.json_path",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=script_env()
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_cli_ddp_adam_config(tmp_path: Path) -> None:
+    from lightning_onebit.comm import fp32_allreduce_bytes
+
+    r = _train(tmp_path, "ddp_adam.yaml")
+    assert r["steps"] == 3 and r["world_size"] == 2 and r["optimizer"] == "AdamW"
+    assert r["bytes_per_rank"] == 3 * fp32_allreduce_bytes(r["parameters"], 2)
+    assert len(r["val_curve"]) == 1 and 0 < r["final_val_loss"] < 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["onebit_adam.yaml", "zero_one_adam.yaml", "onebit_lamb.yaml"])
+def test_cli_onebit_config(tmp_path: Path, config: str) -> None:
+    name = config.removesuffix(".yaml")
+    if not _onebit_registered(name):
+        pytest.skip(f"strategy {name!r} is not registered yet (lightning_onebit.OneBitStrategy)")
+    r = _train(tmp_path, config)
+    assert r["steps"] == 3 and r["world_size"] == 2
+    # freeze_step 0.2 of 3 steps: one fp32 warmup step (at least one always runs), then 1-bit
+    # steps: fewer bytes than 3 fp32 allreduces
+    assert 0 < r["bytes_per_rank"] < r["fp32_ddp_bytes_per_rank"]
+    assert 0 < r["final_val_loss"] < 10
+
+
+@pytest.mark.slow
+def test_compare_quick_ddp_only(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "compare.py"),
+        "--quick",
+        "--steps",
+        "6",
+        "--only",
+        "DDP + AdamW",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=script_env()
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "| DDP + AdamW |" in proc.stdout
+    assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- the notebook
+
+
+@pytest.mark.slow
+def test_notebook_runs(tmp_path: Path) -> None:
+    missing = [
+        m for m in ("nbclient", "nbformat", "ipykernel") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        pytest.skip(
+            f"executing the notebook needs {', '.join(missing)} (pip install nbclient ipykernel)"
+        )
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)
+    # run it as a user would (next to gpt.py), writing its outputs under tmp_path
+    nb.cells.insert(
+        0,
+        nbformat.v4.new_code_cell(f"import sys; sys.path.insert(0, {str(EXAMPLES)!r})"),
+    )
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    outputs = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+    )
+    assert "| DDP + AdamW |" in outputs
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
+    assert images, "the plot cell produced no image"
+
+
+def test_the_committed_notebook_shows_its_results() -> None:
+    """A reader who opens the notebook on GitHub sees the table, the plot and a sample
+    (``python scripts/execute_notebook.py`` re-executes it), in a file of modest size."""
+    nb = json.loads((EXAMPLES / "notebook.ipynb").read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    text = "".join("".join(o.get("text", "")) for o in outputs)
+    assert "| DDP + AdamW |" in text and "| 1-bit Adam |" in text
+    assert "compression phase (1-bit exchange)" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert "it/s" not in text and "\x1b" not in text  # no progress-bar redraws
+    assert (EXAMPLES / "notebook.ipynb").stat().st_size < 200_000
+
+
+@pytest.mark.slow
+def test_cli_strategy_by_name_and_help(tmp_path: Path) -> None:
+    """`--trainer.strategy onebit_adam` (a registered name) works, and `--help` documents the
+    strategy's hyperparameters (LightningCLI reads them from OneBitStrategy's docstring)."""
+    r = _train(tmp_path, "ddp_adam.yaml", "--trainer.strategy", "onebit_adam")
+    assert r["optimizer"] == "OneBitAdam" and r["world_size"] == 2
+    assert 0 < r["bytes_per_rank"] < r["fp32_ddp_bytes_per_rank"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        "fit",
+        "--trainer.strategy.help",
+        "lightning_onebit.OneBitStrategy",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=script_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = " ".join(proc.stdout.split())  # (argparse wraps the help at any width)
+    for text in (
+        "--trainer.strategy.freeze_step",
+        "fraction of the run",
+        "--trainer.strategy.max_coeff",
+        "--trainer.strategy.deepspeed_config",
+        "--trainer.strategy.find_unused_parameters",  # DDP's own, passed on
+    ):
+        assert text in words, text
+    # DDPStrategy's hook options, which OneBitStrategy refuses, are not offered
+    assert "ddp_comm_hook" not in proc.stdout and "model_averaging_period" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_takes_a_deepspeed_config(tmp_path: Path) -> None:
+    ds = EXAMPLES / "configs" / "deepspeed" / "zero_one_adam.json"
+    r = _train(
+        tmp_path,
+        "ddp_adam.yaml",
+        "--trainer.strategy",
+        "lightning_onebit.OneBitStrategy",
+        "--trainer.strategy.deepspeed_config",
+        str(ds),
+        "--trainer.strategy.freeze_step",
+        "1",  # the tutorial's 1000 is for a 100k-step run
+    )
+    assert r["optimizer"] == "ZeroOneAdam" and r["world_size"] == 2
+    assert 0 < r["bytes_per_rank"] < r["fp32_ddp_bytes_per_rank"]
