@@ -99,7 +99,9 @@ class RecordRanks(Callback):
             "lr": [g["lr"] for g in opt.param_groups],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "overlap": getattr(opt, "overlaps_backward", None),
-            "buckets": len(getattr(getattr(opt, "_exchange", None), "buckets", [None])),
+            "buckets": len(
+                getattr(getattr(getattr(opt, "flat", None), "exchange", None), "buckets", [None])
+            ),
         }
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
