@@ -20,4 +20,4 @@ python -m pip install -q "torch==$TORCH" "lightning==$LIGHTNING"
 # (a build directory of its own: the main venv's editable build stays as it is)
 python -m pip install -q -e '.[examples]' --group test -C build-dir=build/lowest
 python -c "import torch, lightning; print('lowest versions: torch', torch.__version__, 'lightning', lightning.__version__)"
-python -m pytest -q -m "not slow" -p no:cacheprovider "$@"
+python -m pytest -q -n 2 --dist loadfile -m "not slow" -p no:cacheprovider "$@"

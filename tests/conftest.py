@@ -7,10 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
-#: The suite's markers (``-m "not slow"`` runs the fast tests; ``-m cuda`` the GPU ones).
+#: The suite's markers (``-m "not slow"`` runs the fast tests; ``-m long`` the long matrices;
+#: ``-m cuda`` the GPU ones).
 MARKERS = {
     "slow": "multi-process tests that take more than a few seconds (still run in CI)",
     "cuda": "needs a CUDA GPU",
+    "long": "long matrices (every user model x algorithm, sanitizers, multi-node layouts): "
+    "scripts/test_long.sh, which CI runs after the suite; scripts/test.sh leaves them out",
 }
 
 

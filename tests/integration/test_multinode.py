@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers.dist import script_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_fit.py"

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(
     not (shutil.which("cmake") and shutil.which("c++")), reason="needs cmake and a C++ compiler"
 )

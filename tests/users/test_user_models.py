@@ -23,7 +23,7 @@ import pytest
 from lightning_onebit import OneBitStrategy
 from tests.helpers.user_models import MODELS, compare, fit_user_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 #: 1-bit LAMB's learning rate per model (``OneBitStrategy(lamb_lr=...)``): LAMB's trust ratio
 #: wants its own lr, not Adam's
