@@ -68,8 +68,7 @@ class OneBitStrategy(DDPStrategy):
     Args:
         algorithm: ``"onebit_adam"``, ``"zero_one_adam"`` or ``"onebit_lamb"``.
         freeze_step: when compression starts: an int is the number of warmup optimizer steps, a
-            float in (0, 1) a fraction of the run's optimizer steps
-            (``Trainer.estimated_stepping_batches``).
+            float in (0, 1) a fraction of the run (``Trainer.estimated_stepping_batches``).
             ``None`` keeps the ``freeze_step`` / ``var_freeze_step`` of an optimizer from
             ``configure_optimizers``, and means 0.2 when the strategy builds the optimizer (the
             1-bit Adam paper and DeepSpeed's tutorials use 15–25%). 0/1 Adam: ``var_freeze_step``.
