@@ -8,43 +8,19 @@ Needs root and iproute2 (``ip netns add``); skipped with the reason elsewhere.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "cluster.py"
-
-
-def _cluster_module():
-    spec = importlib.util.spec_from_file_location("_bench_cluster", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _skip_reason() -> str | None:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root"
-    if not (shutil.which("ip") and shutil.which("tc")):
-        return "iproute2 (ip, tc) is not installed"
-    cluster = _cluster_module()
-    try:
-        cluster.check_netns()
-    except cluster.ClusterUnavailable as err:
-        return f"cannot create network namespaces here: {err}"
-    return None
+from tests.helpers.cluster import SCRIPT, skip_reason
 
 
 @pytest.mark.slow
 def test_cluster_smoke(tmp_path: Path) -> None:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     cmd = [

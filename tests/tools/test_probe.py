@@ -23,9 +23,9 @@ from lightning_onebit.probe import (
     main,
     predict,
 )
+from tests.helpers.cluster import cluster_module, skip_reason
 from tests.helpers.dist import script_env
 from tests.helpers.probe_model import TinyLM
-from tests.project.test_cluster_smoke import _cluster_module, _skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = [sys.executable, "-m", "lightning_onebit.probe"]
@@ -65,10 +65,10 @@ def test_two_emulated_nodes_measure_the_capped_link() -> None:
     """Two network namespaces joined by a 200 Mbit/s ``tc tbf`` link, one rank each, started as
     torchrun would (RANK, WORLD_SIZE, MASTER_ADDR): the bandwidth estimate between nodes is
     within 20% of the cap, the byte counts are the exchange's, and it recommends."""
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    cluster = _cluster_module()
+    cluster = cluster_module()
     rate_bps = 200e6
     with cluster.Cluster(2, 1) as c:
         c.set_rate("200mbit")
