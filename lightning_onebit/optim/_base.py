@@ -518,31 +518,16 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         return layout is not None and self.verdict.uses_device(layout.device)
 
     def _resolve_verdict(self) -> None:
-        """The host's half of a step whose verdict stayed on the device: if it was non-finite,
-        the step (which wrote nothing) is uncounted, its counters put back, and reported as a
-        skipped step (``"local"``: 0/1 Adam's local step, skipped by its own rank only). Runs
-        at the start of the next step and before a checkpoint."""
-        dropped = self.verdict.resolve()
-        if dropped is None:
-            return
-        if dropped.kind == "local":  # (0/1 Adam's)
-            self._skipped_locally()
-            return
-        restore(self, dropped.counters)
-        self._skipped(NonFiniteError(dropped.message))
+        """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
+        self.verdict.settle(lambda c: restore(self, c), self._skipped, self._skipped_locally)
 
     def _skipped(self, err: NonFiniteError) -> None:
-        """A NaN/Inf reached a communicated quantity: every rank learnt it in the same call and
-        nothing was changed yet (the algorithms only write their state after the exchange), so
-        the step is dropped on every rank, as if its batch had not been there."""
+        """A NaN/Inf reached a communicated quantity before anything was written: the step is
+        dropped on every rank, as if its batch had not been there (:meth:`StepVerdict.drop`)."""
         ex = self.flat.exchange
-        self.verdict.drop(
-            err,
-            step=self.step_count,
-            limit=self.max_consecutive_skips,
-            announce=ex is None or ex.rank == 0,  # (the same on every rank)
-            hint=lambda: divergence_hint(self),
-        )
+        announce = ex is None or ex.rank == 0  # (the same on every rank)
+        limit, hint = self.max_consecutive_skips, lambda: divergence_hint(self)
+        self.verdict.drop(err, step=self.step_count, limit=limit, announce=announce, hint=hint)
 
     def _skipped_locally(self) -> None:
         """This rank's local step (0/1 Adam's) had a non-finite gradient (subclasses)."""

@@ -53,7 +53,7 @@ class StepVerdict:
 
     Interface: :meth:`uses_device` (where verdicts stay on the device); in a step,
     :meth:`begin`, :meth:`keep` / :meth:`take` (a verdict on the device), :meth:`now` (read it
-    at once), :meth:`end`; between steps :meth:`resolve` (the last step's, read on the host);
+    at once), :meth:`end`; between steps :meth:`resolve` / :meth:`settle` (the last step's, on the host);
     :meth:`drop` and :meth:`count_drop` (the skip policy); ``skipped_steps`` (checkpointed).
 
     Args:
@@ -151,6 +151,26 @@ class StepVerdict:
             self.consecutive = 0
             return None
         return Dropped(kind, verdict_message(finite, kind, step), counters)
+
+    def settle(
+        self,
+        restore: Callable[[dict[str, Any]], None],
+        drop: Callable[[NonFiniteError], None],
+        drop_local: Callable[[], None],
+    ) -> None:
+        """The host's half of a step whose verdict stayed on the device (:meth:`resolve`), at
+        the start of the next step and before a checkpoint: if it was non-finite, the step
+        (which wrote nothing) gets its host counters put back (``restore``) and is dropped
+        (``drop``, as :meth:`drop` does); a ``"local"`` one (0/1 Adam's local step, skipped by
+        its own rank only) goes to ``drop_local``."""
+        dropped = self.resolve()
+        if dropped is None:
+            return
+        if dropped.kind == "local":
+            drop_local()
+            return
+        restore(dropped.counters)
+        drop(NonFiniteError(dropped.message))
 
     def count_drop(self, limit: int) -> bool:
         """Count a dropped step; return whether it is the ``limit``-th in a row (diverged)."""
