@@ -26,10 +26,8 @@ registers only the parameters that required grad when it was built). All other s
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import math
-import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
@@ -51,7 +49,7 @@ from lightning_onebit.optim._ops import (
 )
 from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
 from lightning_onebit.optim._phase import Phase, Phases
-from lightning_onebit.optim._topology import Delegated, Topology
+from lightning_onebit.optim._topology import Delegated, Topology, register
 from lightning_onebit.optim._validation import (
     check_common_args,
     check_grads_are_local,
@@ -252,7 +250,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._trained_ids: frozenset[int] = frozenset()  # the last layout's parameters
         self._held = HeldParams()  # this step's parameters without a gradient
         self._checked_local_grads = False  # check_grads_are_local runs once
-        _OPEN.add(self)  # (closed at interpreter exit: see close())
+        register(self)  # (closed at interpreter exit: see close())
 
     # ------------------------------------------------------------------ options
 
@@ -619,16 +617,3 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if self.flat.exchange is not None:
             return self.flat.exchange.world_size
         return self.topology.world_size()
-
-
-#: every live optimizer, for close_all()
-_OPEN: weakref.WeakSet[OneBitOptimizer] = weakref.WeakSet()
-
-
-def close_all() -> None:
-    """:meth:`OneBitOptimizer.close` every live optimizer (at interpreter exit)."""
-    for opt in list(_OPEN):
-        opt.close()
-
-
-atexit.register(close_all)
