@@ -27,7 +27,6 @@ registers only the parameters that required grad when it was built). All other s
 from __future__ import annotations
 
 import inspect
-import math
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
@@ -417,10 +416,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         the exchange's process group (a dead or stuck peer raises after it; ``None``: torch's
         default for new groups, 30 minutes): pass the one of your ``init_process_group``.
         """
-        if bucket_cap_mb is not None:
-            check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
-        cap = None if bucket_cap_mb is None else max(4, int(bucket_cap_mb * 2**20))
-        self.overlap = replace_overlap(self.overlap, self, cap, timeout)
+        self.overlap = replace_overlap(self.overlap, self, bucket_cap_mb, timeout)
 
     @property
     def overlaps_backward(self) -> bool:

@@ -46,6 +46,7 @@ current device is 0 and its current stream the default one, which orders nothing
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
 from lightning_onebit.optim._flat import FlatState, Layout
+from lightning_onebit.optim._validation import check_real
 
 __all__ = ["BackwardOverlap", "OverlapHost", "replace_overlap"]
 
@@ -342,12 +344,19 @@ def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | 
 
 
 def replace_overlap(
-    current: BackwardOverlap | None, host: OverlapHost, cap: int | None, timeout: timedelta | None
+    current: BackwardOverlap | None,
+    host: OverlapHost,
+    bucket_cap_mb: float | None,
+    timeout: timedelta | None,
 ) -> BackwardOverlap | None:
-    """The overlap ``host`` has after ``overlap_with_backward(cap, timeout)`` (``cap`` in bytes,
-    ``None``: off): ``current`` if it has these settings, else a new one (or none), the current
+    """The overlap ``host`` has after ``overlap_with_backward(bucket_cap_mb, timeout=timeout)``
+    (``None``: off): ``current`` if it has these settings, else a new one (or none), the current
     one closed and the exchange built on its groups let go; the layout is then rebuilt (new
-    buckets and hooks) at the next step."""
+    buckets and hooks) at the next step. Raises ``ValueError`` unless ``bucket_cap_mb > 0``."""
+    cap = None
+    if bucket_cap_mb is not None:
+        check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
+        cap = max(4, int(bucket_cap_mb * 2**20))  # (bytes: at least one fp32 value)
     if current is not None:
         if cap == current.cap and timeout == current.timeout:
             return current
