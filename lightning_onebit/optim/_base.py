@@ -30,6 +30,7 @@ import inspect
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
 from lightning_onebit.optim._checkpoint import load_rank_state, load_state, rank_state, save_state
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
-from lightning_onebit.optim._flat import FlatState, Layout
+from lightning_onebit.optim._flat import FlatState
 from lightning_onebit.optim._nograd import HeldParams, params_without_grad
 from lightning_onebit.optim._ops import (
     RESCALE_INTERVAL,
@@ -246,7 +247,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.flat = FlatState(name)
         #: the exchange started during backward (see :meth:`overlap_with_backward`)
         self.overlap: BackwardOverlap | None = None
-        self._trained_ids: frozenset[int] = frozenset()  # the last layout's parameters
         self._held = HeldParams()  # this step's parameters without a gradient
         self._checked_local_grads = False  # check_grads_are_local runs once
         register(self)  # (closed at interpreter exit: see close())
@@ -484,22 +484,14 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         return loss
 
     def _prepare(self) -> None:
-        """(Re)build the flat buffers and the exchange at the first step and whenever the
-        parameters, their device or a state tensor changed behind our back
-        (``load_state_dict``, ``add_param_group``, a tool that moved the state)."""
-        flat = self.flat
-        if flat.intact(self.param_groups, self.state):
-            return
-        layout = Layout(self.param_groups)
-        check_joined(self, layout, self._trained_ids)  # (before anything changes)
-        flat.build(layout, self.state, self._flat_states, self._scalar_states, self._work_buffers)
-        nodes = self.node_groups()  # (collective the first time: every rank is here)
-        on_device = self.verdict.uses_device(layout.device)
-        flat.fit_exchange(layout, self.overlap, self.process_group, nodes, on_device)
-        flat.layout = layout
-        self._trained_ids = frozenset(layout.key)
-        flat.check_masks(self.param_groups)
-        self._on_layout()
+        """(Re)build the flat buffers and the exchange where needed (:meth:`FlatState.prepare`)."""
+        buffers = (self._flat_states, self._scalar_states, self._work_buffers)
+        flat, joined = self.flat, partial(check_joined, self)
+        if flat.prepare(
+            self.param_groups, self.state, buffers, self.overlap, self.topology,
+            self.verdict.uses_device, joined,
+        ):  # fmt: skip
+            self._on_layout()
 
     def _on_layout(self) -> None:
         """Work after the flat buffers were (re)built (subclasses whose state depends on the
