@@ -459,11 +459,10 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if self.overlap is not None:  # buckets the communication thread already started
             self.flat.gathered = self.overlap.collect()
         self.counters.start_step()
-        if self._device_verdicts:
+        if self.verdict.uses_device(self.flat.layout.device):
             rescale_reduce_if_due(self)  # (now that the host knows which steps counted)
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
-        skipped = self.skipped_steps
         self.verdict.begin()
         self._held.hold(self, params_without_grad(self))  # (kept out of the step)
         try:
@@ -478,7 +477,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             if self.overlap is not None:
                 self.flat.exchange.discard()  # started buckets a step did not use (none normally)
                 self.overlap.end_step()
-        self.verdict.end(self.step_count, counters, skipped)
+        self.verdict.end(self.step_count, counters)
         w = self.world_size
         self.counters.end_step(self.flat.layout.numel, w, self.topology.node_size(w))
         return loss
@@ -497,23 +496,16 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Work after the flat buffers were (re)built (subclasses whose state depends on the
         layout, e.g. per-group lists)."""
 
-    @property
-    def _device_verdicts(self) -> bool:
-        """Whether this step's verdicts stay on the device (see :class:`StepVerdict`)."""
-        layout = self.flat.layout
-        return layout is not None and self.verdict.uses_device(layout.device)
-
     def _resolve_verdict(self) -> None:
         """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
-        self.verdict.settle(lambda c: restore(self, c), self._skipped, self._skipped_locally)
+        self.verdict.settle(partial(restore, self), self._skipped, self._skipped_locally)
 
     def _skipped(self, err: NonFiniteError) -> None:
-        """A NaN/Inf reached a communicated quantity before anything was written: the step is
-        dropped on every rank, as if its batch had not been there (:meth:`StepVerdict.drop`)."""
-        ex = self.flat.exchange
-        announce = ex is None or ex.rank == 0  # (the same on every rank)
-        limit, hint = self.max_consecutive_skips, lambda: divergence_hint(self)
-        self.verdict.drop(err, step=self.step_count, limit=limit, announce=announce, hint=hint)
+        """Drop the step on every rank, as if its batch had not been there (a NaN/Inf reached
+        what it communicates before anything was written; :meth:`StepVerdict.drop`)."""
+        rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
+        limit, hint = self.max_consecutive_skips, partial(divergence_hint, self)
+        self.verdict.drop(err, step=self.step_count, limit=limit, rank=rank, hint=hint)
 
     def _skipped_locally(self) -> None:
         """This rank's local step (0/1 Adam's) had a non-finite gradient (subclasses)."""
