@@ -26,7 +26,6 @@ registers only the parameters that required grad when it was built). All other s
 
 from __future__ import annotations
 
-import inspect
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
@@ -59,6 +58,8 @@ from lightning_onebit.optim._validation import (
     check_joined,
     check_real,
     deepspeed_arithmetic,
+    option_defaults,
+    raise_for_options,
 )
 from lightning_onebit.optim._variance import (
     divergence_hint,
@@ -256,19 +257,13 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """Each of :attr:`OPTIONS` with its default (from ``__init__``'s signature)."""
-        params = inspect.signature(cls.__init__).parameters
-        return {k: params[k].default for k in cls.OPTIONS}
+        return option_defaults(cls)
 
     @classmethod
     def check_options(cls, **options: Any) -> None:
         """Raise the ``ValueError`` the constructor would raise for these options (any of
         :attr:`OPTIONS`; the others at their defaults), without building an optimizer."""
-        unknown = sorted(set(options) - set(cls.OPTIONS))
-        if unknown:
-            raise TypeError(
-                f"{cls.__name__} has no option(s) {unknown}; it has {list(cls.OPTIONS)}"
-            )
-        cls._check_options({**cls.option_defaults(), **options})
+        raise_for_options(cls, options)
 
     @classmethod
     def _check_options(cls, o: dict[str, Any]) -> None:

@@ -30,6 +30,8 @@ __all__ = [
     "check_joined",
     "check_real",
     "deepspeed_arithmetic",
+    "option_defaults",
+    "raise_for_options",
 ]
 
 
@@ -184,6 +186,22 @@ def deepspeed_arithmetic(cls: type, on: bool, **options: Any) -> dict[str, Any]:
             )
         out[k] = want
     return out
+
+
+def option_defaults(cls: type[OneBitOptimizer]) -> dict[str, Any]:
+    """Each of ``cls.OPTIONS`` with its default (from ``cls.__init__``'s signature)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: params[k].default for k in cls.OPTIONS}
+
+
+def raise_for_options(cls: type[OneBitOptimizer], options: dict[str, Any]) -> None:
+    """Raise what ``cls(..., **options)`` would raise for these options (the others at their
+    defaults): ``TypeError`` for a name not in ``cls.OPTIONS``, ``cls._check_options``'s
+    ``ValueError`` for a value."""
+    unknown = sorted(set(options) - set(cls.OPTIONS))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no option(s) {unknown}; it has {list(cls.OPTIONS)}")
+    cls._check_options({**option_defaults(cls), **options})
 
 
 def check_grads_are_local(opt: OneBitOptimizer) -> None:
