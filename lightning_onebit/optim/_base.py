@@ -1,27 +1,11 @@
 """The base class of the three 1-bit optimizers: its contract and the step's outline.
 
-Each algorithm (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) subclasses
-:class:`OneBitOptimizer`, defines ``_step`` (one step on the flat buffers, read like its paper's
-Algorithm 1) and what the contract asks: the class attributes and hooks below whose docstrings
-say "subclasses" (``docs/contributing.md``, "Adding an algorithm", lists them;
-``docs/how-it-works.md`` tells the design). The optimizer is made of composed objects, each with
-its own module and interface: ``flat`` (``_flat.py``: the layout, the flat fp32 buffers and their
-views, the exchange over them), ``verdict`` (``_verdict.py``: the NaN/Inf verdict and the skip
-policy), ``topology`` (``_topology.py``: process group, world size, node groups), ``counters``
-(``_counters.py``: the bytes sent), ``phases`` (``_phase.py``), ``overlap`` (``_overlap.py``:
-the exchange started during backward). The algorithms' arithmetic is in ``_ops.py``, the
-checkpoints in ``_checkpoint.py``, the parameters without a gradient in ``_nograd.py``, the
-checks in ``_validation.py``, the variance's bias correction and floor in ``_variance.py``.
-
-Gradient averaging contract, common to the three optimizers: steps that need full-precision
-averaged gradients (warmup of 1-bit Adam and 1-bit LAMB, variance-update steps of 0/1 Adam;
-``optimizer.expects_averaged_grads`` says whether the *next* step is one) average the flat
-gradient themselves with one fp32 ``all_reduce`` when ``average_warmup_grads=True`` (the
-default: plain ``torch.distributed`` use, call ``step()`` on local gradients). A strategy whose
-DDP already averaged those gradients passes ``average_warmup_grads=False`` and sets
-:attr:`caller_averaged` to the parameters DDP knows; the optimizer averages the others itself (DDP
-registers only the parameters that required grad when it was built). All other steps expect
-*local* gradients: the optimizer communicates only what its algorithm compresses.
+A subclass (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) defines ``_step`` (one
+step on the flat buffers, read like its paper's Algorithm 1) and what is marked "subclasses"
+below (``docs/contributing.md``, "Adding an algorithm"). Composed parts: ``flat`` (``_flat.py``:
+layout, buffers, exchange), ``verdict`` (``_verdict.py``: NaN/Inf verdict, skips), ``topology``
+(``_topology.py``: process and node groups), ``counters`` (``_counters.py``: bytes), ``phases``
+(``_phase.py``), ``overlap`` (``_overlap.py``); ``docs/how-it-works.md`` maps the other modules.
 """
 
 from __future__ import annotations
@@ -71,60 +55,39 @@ from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
-#: Default ``variance_floor``: where a variance preconditions 1-bit steps, no coordinate's
-#: ``sqrt(v)`` counts as less than this fraction of its tensor's or its group's RMS ``sqrt(v)``
-#: (see ``floor_variance_`` (``_variance.py``)).
+#: Default ``variance_floor`` (see :class:`OneBitOptimizer`).
 VARIANCE_FLOOR = 0.01
 
 
 class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
-    """Base class of the 1-bit optimizers (see the module docstring). Subclasses define ``_step()``
-    and the class attributes and hooks marked "subclasses", and call ``super().__init__`` with
-    their defaults.
+    """Base class of the 1-bit optimizers (see the module docstring).
 
-    Args (shared by every subclass):
-        process_group: the group to communicate over; ``None`` is the default group, and without
-            an initialised process group the optimizer runs with ``W = 1``.
-        average_warmup_grads: whether steps that need averaged gradients average them here (one
-            fp32 ``all_reduce``); ``False`` when DDP already averaged them.
-        average_dtype: the dtype those averages travel in: ``torch.float32`` (default, exact),
-            or ``torch.bfloat16``/``torch.float16`` (or ``"bf16"``/``"fp16"``) for half the
-            bytes on the warmup steps, as DDP's bf16/fp16 compress hooks (see
-            :func:`~lightning_onebit.comm.start_average`). An explicit trade: the warmup's
-            gradients, hence the variance that the compression phase freezes, lose precision.
-        bias_correction: Adam's bias correction, as torch's Adam/AdamW: ``m / (1 - beta1**t)``
-            over ``sqrt(v / (1 - beta2**k)) + eps`` (``k``: variance updates) on the steps with
-            full-precision gradients, folded into ``m`` and ``v`` at the switch, so the 1-bit
-            steps are preconditioned by the unbiased variance. ``False`` (default): DeepSpeed's
-            arithmetic, whose young variance makes short runs' 1-bit steps several times Adam's.
-        variance_floor: where a variance preconditions 1-bit steps, raise it to at least
-            ``f**2 * max(mean_k, mean_g)`` (``f = variance_floor``; the mean variance of
-            the coordinate's tensor and of its group; ``_variance.floor_variance_``):
-            coordinates whose gradient was ~0 cannot take ``lr * scale / eps`` steps. ``0``:
-            DeepSpeed's.
-        preconditioned_exchange: exchange what the algorithm sends divided by
-            ``sqrt(v) + eps`` and multiply back after it (1-bit Adam, 0/1 Adam): the 1-bit
-            error is then about the same size relative to every coordinate's Adam step.
-            ``False``: DeepSpeed's (the momentum, or 0/1 Adam's gradient, as is).
-        rescale_variance: (1-bit Adam, 0/1 Adam) in the frozen phase, precondition each tensor
-            by its frozen variance times ``max(1, G / G_ref)``, ``G`` the running mean square
-            of its gradients, ``G_ref`` that at the switch (one float per tensor all-reduced
-            every 10th exchange; ``rescale_variance_`` (``_ops.py``)): where gradients grow after
-            the switch, the 1-bit steps stay Adam-sized. ``False`` (default): the variance
-            stays as frozen (the papers' and DeepSpeed's).
-        hierarchical: ``True``/``"auto"``: on several nodes of several ranks, full precision
-            inside a node and 1 bit between nodes (:meth:`node_groups`); ``False`` (default):
-            the flat exchange, every rank's values compressed (DeepSpeed's).
-        ranks_per_node: the ranks on each node (ranks numbered node by node); default
-            ``LOCAL_WORLD_SIZE`` (torchrun). Also splits the byte counters into the part
-            that left the node (``comm_stats["bytes_total_inter"]``).
-        deepspeed_compatible: compute what DeepSpeed's optimizer of the same name computes with
-            the same arguments: the options of :attr:`DEEPSPEED_ARITHMETIC` take DeepSpeed's
-            values (``bias_correction=False``, ``variance_floor=0``,
-            ``preconditioned_exchange=False``, ``rescale_variance=False``; 0/1 Adam's
-            ``compressed_variance_phase=True``). Raises ``ValueError`` where one of them is
-            also given another value than its default. ``False`` (default): this library's
-            defaults, more robust on ordinary models.
+    Args (shared by every subclass; their docstrings add what is particular to them):
+        process_group: the group to communicate over (``None``: the default group; ``W = 1``
+            without an initialised process group).
+        average_warmup_grads: average here the gradients of the steps that need them averaged;
+            ``False`` where DDP averaged them already.
+        average_dtype: those averages' dtype: ``torch.float32`` (default), ``torch.bfloat16`` or
+            ``torch.float16`` (``"bf16"``/``"fp16"``: half the bytes, a less precise variance).
+        bias_correction: torch Adam's bias correction on the full-precision steps, folded into
+            ``m`` and ``v`` at the switch. ``False`` (default): DeepSpeed's.
+        variance_floor: ``f``: where a variance preconditions 1-bit steps, raise it to at least
+            ``f**2 * max(mean_k, mean_g)`` (the mean variance of the coordinate's tensor and
+            group), so that coordinates whose gradient was ~0 cannot take ``lr * scale / eps``
+            steps (``_variance.floor_variance_``). ``0``: DeepSpeed's.
+        preconditioned_exchange: exchange what the algorithm sends divided by ``sqrt(v) + eps``
+            (and multiply back), so that the 1-bit error is alike relative to every
+            coordinate's step. ``False``: DeepSpeed's.
+        rescale_variance: (1-bit Adam, 0/1 Adam) after the switch, precondition each tensor by
+            its frozen variance times ``max(1, G / G_ref)``, ``G`` its gradients' running mean
+            square, ``G_ref`` that at the switch (``_ops.rescale_variance_``). ``False``
+            (default): DeepSpeed's.
+        hierarchical: ``True``/``"auto"``: the two-level exchange (:meth:`node_groups`);
+            ``False`` (default): the flat one (DeepSpeed's).
+        ranks_per_node: ranks per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
+            the byte counters' ``_inter`` parts use it too.
+        deepspeed_compatible: DeepSpeed's values for the options of :attr:`DEEPSPEED_ARITHMETIC`
+            (``ValueError`` where one is also given a value other than its default).
     """
 
     #: The options ``deepspeed_compatible=True`` sets, with DeepSpeed's values.
@@ -134,9 +97,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         "preconditioned_exchange": False,
         "rescale_variance": False,
     }
-    #: The algorithm's options (subclasses extend): keyword arguments of ``__init__``, whose
-    #: signature holds their defaults; :meth:`check_options` validates them. ``OneBitStrategy``
-    #: offers each one (``None`` there: this default) and reads them from here.
+    #: The algorithm's options, keyword arguments of ``__init__`` (defaults in its signature),
+    #: which ``OneBitStrategy`` offers (subclasses extend).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "bias_correction",
         "variance_floor",
@@ -146,8 +108,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     PHASES: ClassVar[tuple[Phase, Phase]] = (Phase.WARMUP, Phase.COMPRESSION)
     #: The attribute holding the step after which the built-in switch happens (subclasses).
     SWITCH_OPTION: ClassVar[str] = "freeze_step"
-    #: Whether the steps can keep their NaN/Inf verdicts on the device, which they do on CUDA
-    #: (their writes take it; see :class:`~lightning_onebit.optim._verdict.StepVerdict`).
+    #: Whether the steps can keep their NaN/Inf verdicts on the device (``StepVerdict``).
     DEVICE_VERDICT: ClassVar[bool] = False
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
@@ -159,15 +120,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     _checkpoint_attrs: tuple[str, ...] = ()
     #: Host-side counters a step advances, put back when its verdict turns out non-finite.
     _host_counters: ClassVar[tuple[str, ...]] = (
-        "step_count",
-        "variance_updates",
-        "grad_sq_steps",
-        "_rescale_due",
-    )
-    #: raise floored variances to their tensor's mean (see ``floor_variance_``; 1-bit LAMB)
+        "step_count", "variance_updates", "grad_sq_steps", "_rescale_due",
+    )  # fmt: skip
+    #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
     _floor_to_mean: ClassVar[bool] = False
     #: ``rescale_variance``: steps between the all-reduces of the gradients' mean squares, and
-    #: all-reduces before their running mean is the reference (see ``rescale_variance_``)
+    #: all-reduces before their running mean is the reference (``rescale_variance_``).
     rescale_interval: int = RESCALE_INTERVAL
     rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
     process_group = Delegated("topology", "The group the optimizer communicates over.")
@@ -193,64 +151,53 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         deepspeed_compatible: bool = False,
     ) -> None:
         name = type(self).__name__
-        bias_correction, variance_floor, preconditioned_exchange, rescale_variance = (
-            deepspeed_arithmetic(
-                type(self),
-                deepspeed_compatible,
-                bias_correction=bias_correction,
-                variance_floor=variance_floor,
-                preconditioned_exchange=preconditioned_exchange,
-                rescale_variance=rescale_variance,
-            ).values()
+        shared = deepspeed_arithmetic(
+            type(self),
+            deepspeed_compatible,
+            bias_correction=bias_correction,
+            variance_floor=variance_floor,
+            preconditioned_exchange=preconditioned_exchange,
+            rescale_variance=rescale_variance,
         )
         check_common_args(name, amsgrad, decoupled_weight_decay, hierarchical, ranks_per_node)
         if not decoupled_weight_decay:  # (a group key only where it is not the default)
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
         self._check_hparams(defaults)  # (the same message as check_options: no prefix)
-        OneBitOptimizer._check_options({"variance_floor": variance_floor})
+        OneBitOptimizer._check_options(shared)
         super().__init__(params, defaults)
         # hyperparameters shared by the three algorithms
-        self.bias_correction = bool(bias_correction)
-        self.variance_floor = float(variance_floor)
-        self.preconditioned_exchange = bool(preconditioned_exchange)
-        self.rescale_variance = bool(rescale_variance)
+        self.bias_correction = bool(shared["bias_correction"])
+        self.variance_floor = float(shared["variance_floor"])
+        self.preconditioned_exchange = bool(shared["preconditioned_exchange"])
+        self.rescale_variance = bool(shared["rescale_variance"])
         init_rescale(self)  # its counters (and, where on, its states)
-        #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
-        self.param_names: dict[torch.Tensor, str] = {}
         self.average_warmup_grads = bool(average_warmup_grads)
         self.average_dtype = average_dtype
-        #: ``id``s of the parameters whose warmup gradients the caller averages
-        #: (``average_warmup_grads=False``; ``OneBitStrategy`` sets those DDP registered),
-        #: ``None``: all of them. The others are averaged here (``average_uncovered_``).
+        #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
+        self.param_names: dict[torch.Tensor, str] = {}
+        #: ``id`` s of the parameters whose averaged gradients the caller provides (with
+        #: ``average_warmup_grads=False``; ``None``: all); the others are averaged here
         self.caller_averaged: frozenset[int] | None = None
-        #: whether the last ``load_state_dict`` was another optimizer's (torch's Adam): the
-        #: strategies then scale 1-bit LAMB's restored learning rates by ``lamb_lr / lr``
+        #: whether the last ``load_state_dict`` was another optimizer's (torch's Adam)
         self.loaded_foreign = False
-        #: Set True around backward passes that are not followed by ``step()`` (gradient
-        #: accumulation) when overlapping the exchange with backward.
+        #: set around backward passes not followed by ``step()`` while overlapping
         self.overlap_paused = False
-
         # checkpointed
         self.step_count = 0  # steps taken; identical on every rank
         self.variance_updates = 0  # steps that updated the variance (bias correction counts them)
-        #: coordinates whose variance was floored at the last floor, per parameter name
+        #: coordinates whose variance the last floor raised, per parameter name
         self.floored: dict[str, int] = {}
         self.phases = Phases(self.PHASES)
-        #: the step's NaN/Inf verdict and the skip policy (skipped steps are checkpointed)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
-        #: the bytes the steps send (:attr:`comm_stats`; checkpointed)
-        self.counters = CommCounters()
+        self.counters = CommCounters()  # bytes sent (:attr:`comm_stats`)
         # composed, not checkpointed
-        #: the process group, the world size and the node groups (see :meth:`node_groups`)
         self.topology = Topology(process_group, hierarchical, ranks_per_node)
-        #: the layout, the flat buffers and the exchange (built at the first step)
-        self.flat = FlatState(name)
-        #: the exchange started during backward (see :meth:`overlap_with_backward`)
-        self.overlap: BackwardOverlap | None = None
+        self.flat = FlatState(name)  # built at the first step
+        self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
         self._held = HeldParams()  # this step's parameters without a gradient
-        self._checked_local_grads = False  # check_grads_are_local runs once
-        register(self)  # (closed at interpreter exit: see close())
+        self._grads_checked = False  # check_grads_are_local runs once
+        register(self)  # (closed at interpreter exit)
 
     # ------------------------------------------------------------------ options
 
@@ -271,8 +218,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if "variance_floor" in o:
             check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
 
-    #: Validate one param group's hyperparameters (subclasses extend). ``lr = 0`` is accepted:
-    #: it keeps the group fixed (as in torch's Adam, e.g. a warmup from zero).
+    #: Validate one param group's hyperparameters (subclasses extend).
     _check_hparams = staticmethod(check_hparams)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -283,14 +229,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         except ValueError:
             self.param_groups.pop()  # a refused group must not stay in the optimizer
             raise
-        # the step and variance update the group joins at: its bias correction counts from
-        # there, as torch's Adam counts each parameter's own steps (e.g. a backbone that a
-        # fine-tuning callback unfreezes mid-run); kept in the group, so checkpoints carry it
-        # (torch's __init__ adds the first groups before the counters exist: they join at 0)
+        # where the group's bias correction counts from, as torch's Adam counts each
+        # parameter's own steps (torch's __init__ adds the first groups: they join at 0)
         if getattr(self, "step_count", 0) > 0:
             self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
         if hasattr(self, "flat"):
-            self.flat.invalidate()  # re-layout at the next step
+            self.flat.invalidate()
 
     # ------------------------------------------------------------------ phases
 
@@ -301,31 +245,24 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     @property
     def expects_averaged_grads(self) -> bool:
-        """Whether the next ``step()`` uses full-precision averaged gradients.
-
-        With ``average_warmup_grads=False`` the caller (e.g. DDP) must provide averaged
-        gradients exactly on these steps and local gradients on all others.
-        """
+        """Whether the next ``step()`` uses averaged gradients (warmup, 0/1 Adam's variance
+        steps): it averages them itself with ``average_warmup_grads=True``; with ``False`` the
+        caller (DDP) provides them, for the parameters in :attr:`caller_averaged`. All other
+        steps expect each rank's local gradients."""
         return not self.phases.switched
 
     @torch.no_grad()
     def freeze(self) -> None:
-        """Switch to the compression phase from the next ``step()`` on.
-
-        Call it on every rank between the same two steps (the built-in switch, driven by the
-        step counter, always does). Calling it again is a no-op.
-
-        With ``bias_correction`` the bias corrections are folded into the moments (``m /= 1 -
-        beta1**t``, ``v /= 1 - beta2**k``), so the compression phase runs the paper's algorithm
-        unchanged; then the variance is floored (``variance_floor``).
-        """
+        """Switch to the second phase from the next ``step()`` on; call it on every rank between
+        the same two steps (the built-in switch does). A no-op once switched. Folds the bias
+        corrections into the moments (``bias_correction``), then floors the variance."""
         if self.phases.switched:
             return
-        self._resolve_verdict()  # (called between steps: the last step's counts are final)
+        self._resolve_verdict()  # (the last step's counts are final)
         self._prepare()
         self._held.release(self)  # (the switch step's: before the state changes meaning)
         self.phases.switch()
-        self.flat.denominator = None  # v changed until now: sqrt(v) + eps is computed afresh
+        self.flat.denominator = None  # (v changed until now)
         if self.bias_correction:
             fold_bias_correction_(self)
         else:
@@ -334,39 +271,34 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._on_freeze()
 
     def _on_freeze(self) -> None:
-        """What the algorithm does when its phase switches (subclasses override)."""
+        """What the algorithm does when its phase switches (subclasses)."""
 
     def _on_foreign_load(self) -> None:
-        """After loading a state dict of another optimizer (torch's Adam): subclasses whose
-        first phase keeps more than Adam's moments note what is missing."""
+        """After loading torch Adam's state dict: note what is missing (subclasses)."""
 
     def _ready_to_switch(self) -> bool:
-        """Whether the first phase's state is complete enough to freeze (subclasses override)."""
+        """Whether the first phase's state is complete enough to freeze (subclasses)."""
         return True
 
     def _joins_allowed(self) -> bool:
-        """Whether parameters may become trainable now: while every step measures the
-        variance (the first phase; subclasses override)."""
+        """Whether parameters may become trainable now (while the variance is measured)."""
         return not self.phases.switched
 
     def catch_up_switch(self) -> bool:
-        """Switch now if the step count is already past the switch step; call between steps,
-        on every rank. The built-in switch runs at the end of the step that reaches it, so this
-        matters only after loading a checkpoint of another optimizer (torch's Adam under
-        ``strategy="ddp"``: its moments are this optimizer's warmup) past the switch, or after
-        moving the switch below the step count. Returns whether it switched."""
+        """Switch now if the step count is past the switch step (after loading torch Adam's
+        checkpoint, or moving the switch below the count); call it between steps, on every
+        rank. Returns whether it switched."""
         self._resolve_verdict()
         if self.phases.switched or self.step_count < self.switch_step:
             return False
-        if not self._ready_to_switch():
+        if not self._ready_to_switch():  # (e.g. 1-bit LAMB's ratios after torch Adam's state)
             return False
         self.freeze()
         return True
 
     @property
     def switch_step(self) -> int:
-        """The step after which the built-in phase switch happens (:attr:`SWITCH_OPTION`:
-        ``freeze_step`` or, for 0/1 Adam, ``var_freeze_step``). Settable: a callback may move it
+        """The step after which the built-in switch happens (:attr:`SWITCH_OPTION`); settable
         before that step."""
         return int(getattr(self, self.SWITCH_OPTION))
 
@@ -377,13 +309,13 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     @property
     def params_differ_across_ranks(self) -> bool:
-        """Whether parameters (and momenta) may differ across ranks right now, so a checkpoint
-        must keep every rank's copy (0/1 Adam between synchronisations)."""
+        """Whether parameters may differ across ranks now (0/1 Adam between synchronisations),
+        so a checkpoint keeps every rank's copy."""
         return False
 
     def synchronize(self) -> None:
-        """Make the parameters equal on every rank now, where :attr:`params_differ_across_ranks`
-        (0/1 Adam between synchronisations); a no-op for the others. Collective."""
+        """Make the parameters equal on every rank now, where :attr:`params_differ_across_ranks`;
+        a no-op otherwise. Collective."""
 
     @property
     def variance(self) -> torch.Tensor | None:
@@ -395,22 +327,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def overlap_with_backward(
         self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
     ) -> None:
-        """Start the step's communication during backward, bucket by bucket (``None``: off).
-
-        The flat buffers are cut into buckets of about ``bucket_cap_mb`` MiB (whole parameters,
-        last layers first), each exchanged (compression steps) or averaged in fp32 (warmup, with
-        ``average_warmup_grads=True``) as soon as backward has produced its gradients, on a
-        communication thread and a process group of its own; ``step()`` finishes what is left.
-        Each bucket has its own 1-bit scale and error buffers; a NaN/Inf in any bucket drops the
-        whole step on every rank. The exchange sees ``.grad`` as backward leaves it (no clipping
-        or unscaling in between), and backward passes not followed by ``step()`` need
-        ``overlap_paused = True`` (``lightning_onebit/optim/_overlap.py`` has the details).
-
-        Call it on every rank, before the first step or between two steps; changing the buckets
-        of a run in progress restarts the error buffers (with a warning). ``timeout`` is that of
-        the exchange's process group (a dead or stuck peer raises after it; ``None``: torch's
-        default for new groups, 30 minutes): pass the one of your ``init_process_group``.
-        """
+        """Start the step's communication during backward, in buckets of about ``bucket_cap_mb``
+        MiB (``None``: off), each exchanged or averaged as soon as backward produced its
+        gradients, on a thread and process group of its own (``_overlap.py``). It sees ``.grad``
+        as backward leaves it (no clipping or unscaling); set ``overlap_paused`` around backward
+        passes not followed by ``step()``. Call it on every rank between steps (new buckets
+        restart the error buffers). ``timeout``: the new group's (``None``: torch's default)."""
         self.overlap = replace_overlap(self.overlap, self, bucket_cap_mb, timeout)
 
     @property
@@ -430,12 +352,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     @abstractmethod
     def _step(self) -> None:
-        """One step of the algorithm on the flat buffers (``self.step_count`` already counts it).
-        Raise :class:`NonFiniteError` before writing any state to have the step dropped."""
+        """One step on the flat buffers (``step_count`` counts it already). Raise
+        :class:`NonFiniteError` before writing any state to have the step dropped."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Perform one optimization step (see the class docstring for the algorithm).
+        """Perform one optimization step (the subclass's docstring has the algorithm).
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss.
@@ -446,12 +368,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         self._prepare()
-        if not self._checked_local_grads and (
+        if not self._grads_checked and (
             self.average_warmup_grads or not self.expects_averaged_grads
         ):
-            self._checked_local_grads = True
+            self._grads_checked = True
             check_grads_are_local(self)
-        if self.overlap is not None:  # buckets the communication thread already started
+        if self.overlap is not None:  # buckets the overlap started
             self.flat.gathered = self.overlap.collect()
         self.counters.start_step()
         if self.verdict.uses_device(self.flat.layout.device):
@@ -459,7 +381,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
         self.verdict.begin()
-        self._held.hold(self, params_without_grad(self))  # (kept out of the step)
+        self._held.hold(self, params_without_grad(self))
         try:
             self._step()
         except NonFiniteError as err:
@@ -470,7 +392,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self._held.release(self)
             self.flat.gathered = set()
             if self.overlap is not None:
-                self.flat.exchange.discard()  # started buckets a step did not use (none normally)
+                self.flat.exchange.discard()  # started buckets the step did not use
                 self.overlap.end_step()
         self.verdict.end(self.step_count, counters)
         w = self.world_size
@@ -488,16 +410,14 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self._on_layout()
 
     def _on_layout(self) -> None:
-        """Work after the flat buffers were (re)built (subclasses whose state depends on the
-        layout, e.g. per-group lists)."""
+        """Work after the flat buffers were (re)built (subclasses)."""
 
     def _resolve_verdict(self) -> None:
         """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
         self.verdict.settle(partial(restore, self), self._skipped, self._skipped_locally)
 
     def _skipped(self, err: NonFiniteError) -> None:
-        """Drop the step on every rank, as if its batch had not been there (a NaN/Inf reached
-        what it communicates before anything was written; :meth:`StepVerdict.drop`)."""
+        """Drop the step on every rank, as if its batch had not been there (``StepVerdict``)."""
         rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
         limit, hint = self.max_consecutive_skips, partial(divergence_hint, self)
         self.verdict.drop(err, step=self.step_count, limit=limit, rank=rank, hint=hint)
@@ -508,9 +428,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     @property
     def comm_stats(self) -> dict[str, int]:
-        """Bytes sent: ``bytes_last_step``, ``bytes_total``, ``fp32_equiv_total`` (what fp32
-        ring allreduces of the gradients would have sent) and their ``_inter`` parts (what left
-        the node)."""
+        """Bytes sent: ``bytes_last_step``, ``bytes_total``, ``fp32_equiv_total`` (fp32 ring
+        allreduces' bytes) and their ``_inter`` parts (what left the node)."""
         return self.counters.totals
 
     @property
@@ -521,35 +440,21 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"onebit"``: step count, phase, counters, error buffers.
-
-        The error buffers belong to this rank: save one state dict per rank to resume exactly.
-        Each parameter's state also has torch Adam's ``step``, so that ``torch.optim.Adam``/
-        ``AdamW`` can load it (back to ``strategy="ddp"``; after the switch the moments hold the
-        bias correction folded in, which torch applies again in its first steps).
-        """
-        self._resolve_verdict()  # (a verdict still on the device: the count must be final)
+        """torch's optimizer state plus ``"onebit"``: step count, phase, counters, this rank's
+        error buffers (:meth:`rank_state_dict`). Each parameter's state has torch Adam's
+        ``step`` too, so that ``torch.optim.Adam``/``AdamW`` can load it."""
+        self._resolve_verdict()  # (the counts must be final)
         return save_state(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the next step continues exactly where it left off.
-
-        Per-parameter states are copied into this optimizer's fp32 flat buffers (torch's loader
-        would cast them to the parameters' dtype). Each group's current ``exp_avg_mask`` is kept
-        (as in DeepSpeed: the mask belongs to the training script, not to the checkpoint).
-        A state dict without ``"onebit"`` (e.g. ``torch.optim.Adam``'s, from a run under DDP)
-        loads the moments and takes its step count from torch's per-parameter ``step`` (a group
-        whose parameters counted fewer steps joined later: ``joined_at``), in the first phase:
-        the next steps' bias correction is the one torch's Adam would apply. The phase switch,
-        if that count is already past it, is :meth:`catch_up_switch`'s.
-        """
+        """Restore a :meth:`state_dict` (states in fp32; each group keeps its current
+        ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"`` (``torch.optim.Adam``'s)
+        loads the moments and step counts into the first phase (then :meth:`catch_up_switch`)."""
         load_state(self, state_dict, super().load_state_dict)
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """What of this rank's state differs from the other ranks': its error buffers, or
-        (0/1 Adam between synchronisations, :attr:`params_differ_across_ranks`) the whole
-        :meth:`state_dict`. With every rank's :meth:`state_dict` saved once (they are
-        otherwise equal), each rank's ``rank_state_dict`` restores it exactly."""
+        """What of this rank's state differs from the others': its error buffers, or the whole
+        :meth:`state_dict` where :attr:`params_differ_across_ranks`."""
         return rank_state(self)
 
     def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -561,12 +466,10 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def node_groups(self) -> NodeGroups | None:
         """The two-level layout the exchange runs on, or ``None`` for the flat exchange.
 
-        With ``hierarchical=True`` (or ``"auto"``) and several nodes of several ranks each
-        (``ranks_per_node``, default ``LOCAL_WORLD_SIZE``), every exchange and full-precision
-        average runs in two levels: full precision inside a node, 1 bit between nodes
-        (``ranks_per_node`` times fewer bytes through each node's link). ``True`` with one node
-        or one rank per node warns and runs the flat exchange; ``"auto"`` decides silently.
-        Collective on its first call (every rank at the same point); cached after it.
+        With ``hierarchical`` and several nodes of several ranks each (``ranks_per_node``),
+        every exchange and average runs in two levels: full precision inside a node, 1 bit
+        between nodes. ``True`` on one node or one rank per node warns and runs the flat
+        exchange; ``"auto"`` decides silently. Collective on its first call; cached after it.
         """
         return self.topology.node_groups()
 
@@ -577,10 +480,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self.flat.release_exchange()
 
     def close(self) -> None:
-        """Stop what this optimizer started: the overlap's thread, hooks and process groups, the
-        node groups and the exchange on them (its error buffers are kept); a later ``step()``
-        starts them again. The strategies call it at teardown, and every optimizer is closed at
-        interpreter exit (a process group left to the shutdown can abort a finished run)."""
+        """Stop the overlap's thread, hooks and groups, the node groups and the exchange on them
+        (keeping its error buffers); a later ``step()`` starts them again. The strategies call
+        it at teardown; every optimizer is closed at interpreter exit."""
         if self.overlap is not None:
             self.overlap.close()
             self.flat.release_exchange()
@@ -589,6 +491,5 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     @property
     def world_size(self) -> int:
         """Ranks in ``process_group`` (1 without an initialised process group)."""
-        if self.flat.exchange is not None:
-            return self.flat.exchange.world_size
-        return self.topology.world_size()
+        ex = self.flat.exchange
+        return self.topology.world_size() if ex is None else ex.world_size
