@@ -45,12 +45,7 @@ from lightning_onebit.optim._validation import (
     option_defaults,
     raise_for_options,
 )
-from lightning_onebit.optim._variance import (
-    divergence_hint,
-    floor_variance_,
-    fold_bias_correction_,
-    warn_if_variance_is_young,
-)
+from lightning_onebit.optim._variance import divergence_hint, freeze_variance_
 from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
@@ -263,11 +258,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._held.release(self)  # (the switch step's: before the state changes meaning)
         self.phases.switch()
         self.flat.denominator = None  # (v changed until now)
-        if self.bias_correction:
-            fold_bias_correction_(self)
-        else:
-            warn_if_variance_is_young(self)
-        floor_variance_(self, report=True)
+        freeze_variance_(self)
         self._on_freeze()
 
     def _on_freeze(self) -> None:

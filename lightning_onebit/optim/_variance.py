@@ -22,6 +22,7 @@ __all__ = [
     "divergence_hint",
     "floor_variance_",
     "fold_bias_correction_",
+    "freeze_variance_",
     "warn_if_variance_is_young",
 ]
 
@@ -125,6 +126,16 @@ def floor_variance_(
             for j, k in zip(gis, n, strict=True)
             if k > 0
         }
+
+
+def freeze_variance_(opt: OneBitOptimizer) -> None:
+    """What the phase switch does to the variance it freezes: fold the bias corrections into
+    the moments (``bias_correction``; else warn of a young variance), then floor it."""
+    if opt.bias_correction:
+        fold_bias_correction_(opt)
+    else:
+        warn_if_variance_is_young(opt)
+    floor_variance_(opt, report=True)
 
 
 def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
