@@ -367,8 +367,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if self.overlap is not None:  # buckets the overlap started
             self.flat.gathered = self.overlap.collect()
         self.counters.start_step()
-        if self.verdict.uses_device(self.flat.layout.device):
-            rescale_reduce_if_due(self)  # (now that the host knows which steps counted)
+        rescale_reduce_if_due(self)  # (a verdict on the device: now that the host knows it)
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
         self.verdict.begin()
