@@ -40,7 +40,7 @@ from lightning_onebit.optim._validation import (
     check_hparams,
     check_int,
     check_joined,
-    check_real,
+    check_shared_options,
     deepspeed_arithmetic,
     option_defaults,
     raise_for_options,
@@ -207,13 +207,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         :attr:`OPTIONS`; the others at their defaults), without building an optimizer."""
         raise_for_options(cls, options)
 
-    @classmethod
-    def _check_options(cls, o: dict[str, Any]) -> None:
-        """Validate the options in ``o`` (subclasses extend; ``o`` may hold only some)."""
-        if "variance_floor" in o:
-            check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
-
-    #: Validate one param group's hyperparameters (subclasses extend).
+    #: Validate the options in a dict, which may hold only some (subclasses extend), and one
+    #: param group's hyperparameters (subclasses extend).
+    _check_options = staticmethod(check_shared_options)
     _check_hparams = staticmethod(check_hparams)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

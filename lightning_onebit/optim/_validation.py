@@ -29,6 +29,7 @@ __all__ = [
     "check_int",
     "check_joined",
     "check_real",
+    "check_shared_options",
     "deepspeed_arithmetic",
     "option_defaults",
     "raise_for_options",
@@ -141,6 +142,12 @@ def check_group(
     mask = group.get("exp_avg_mask")
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
+
+
+def check_shared_options(o: dict[str, Any]) -> None:
+    """Validate the options every optimizer has, those of them in ``o``."""
+    if "variance_floor" in o:
+        check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
 
 
 def check_common_args(
