@@ -191,7 +191,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.flat = FlatState(name)  # built at the first step
         self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
         self._held = HeldParams()  # this step's parameters without a gradient
-        self._grads_checked = False  # check_grads_are_local runs once
+        self._grads_checked = False  # (check_grads_are_local: once)
         register(self)  # (closed at interpreter exit)
 
     # ------------------------------------------------------------------ options
@@ -355,11 +355,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         self._prepare()
-        if not self._grads_checked and (
-            self.average_warmup_grads or not self.expects_averaged_grads
-        ):
-            self._grads_checked = True
-            check_grads_are_local(self)
+        if not self._grads_checked:
+            self._grads_checked = check_grads_are_local(self)
         if self.overlap is not None:  # buckets the overlap started
             self.flat.gathered = self.overlap.collect()
         self.counters.start_step()
