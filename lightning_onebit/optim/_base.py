@@ -375,7 +375,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self._held.release(self)
             self.flat.gathered = set()
             if self.overlap is not None:
-                self.flat.exchange.discard()  # started buckets the step did not use
                 self.overlap.end_step()
         self.verdict.end(self.step_count, counters)
         w = self.world_size
@@ -468,7 +467,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         it at teardown; every optimizer is closed at interpreter exit."""
         if self.overlap is not None:
             self.overlap.close()
-            self.flat.release_exchange()
         self.close_node_groups()
 
     @property

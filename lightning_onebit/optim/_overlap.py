@@ -319,17 +319,21 @@ class BackwardOverlap:
         self._works = []
 
     def end_step(self) -> None:
+        """The step is over: discard the buckets it did not use (none normally), wait for stray
+        averages, start a new round."""
+        self.opt.flat.exchange.discard()
         self._settle()
         self._reset_round()
 
     def close(self) -> None:
         """Remove the hooks, stop the thread, destroy the exchanges' process group (what this
         class started must not outlive it: a process group left to the interpreter's exit can
-        abort it)."""
+        abort it), and let go of the exchange built on it."""
         self.remove()
         self._finalizer()
         self._pool, self._group, self._group_made = None, None, False
         self._nodes, self._nodes_made = None, False
+        self.opt.flat.release_exchange()
 
 
 def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | None) -> None:
@@ -361,6 +365,5 @@ def replace_overlap(
         if cap == current.cap and timeout == current.timeout:
             return current
         current.close()
-        host.flat.release_exchange()  # (built on the overlap's groups, just destroyed)
     host.flat.invalidate()
     return None if cap is None else BackwardOverlap(host, cap, timeout)
