@@ -1,11 +1,10 @@
 """The base class of the three 1-bit optimizers: its contract and the step's outline.
 
-A subclass (``onebit_adam.py``, ``zero_one_adam.py``, ``onebit_lamb.py``) defines ``_step`` (one
-step on the flat buffers, read like its paper's Algorithm 1) and what is marked "subclasses"
-below (``docs/contributing.md``, "Adding an algorithm"). Composed parts: ``flat`` (``_flat.py``:
-layout, buffers, exchange), ``verdict`` (``_verdict.py``: NaN/Inf verdict, skips), ``topology``
-(``_topology.py``: process and node groups), ``counters`` (``_counters.py``: bytes), ``phases``
-(``_phase.py``), ``overlap`` (``_overlap.py``); ``docs/how-it-works.md`` maps the other modules.
+A subclass defines ``_step`` (one step on the flat buffers, read like its paper's Algorithm 1)
+and the rest of "what subclasses define" below (``docs/contributing.md``). Composed parts:
+``flat`` (``_flat.py``: layout, buffers, exchange), ``verdict`` (``_verdict.py``: NaN/Inf verdict,
+skips), ``topology`` (``_topology.py``: process and node groups), ``counters`` (``_counters.py``),
+``phases`` (``_phase.py``), ``overlap`` (``_overlap.py``); ``docs/how-it-works.md`` maps the rest.
 """
 
 from __future__ import annotations
@@ -67,18 +66,15 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         bias_correction: torch Adam's bias correction on the full-precision steps, folded into
             ``m`` and ``v`` at the switch. ``False`` (default): DeepSpeed's.
         variance_floor: ``f``: where a variance preconditions 1-bit steps, raise it to at least
-            ``f**2 * max(mean_k, mean_g)`` (the mean variance of the coordinate's tensor and
-            group), so that coordinates whose gradient was ~0 cannot take ``lr * scale / eps``
-            steps (``_variance.floor_variance_``). ``0``: DeepSpeed's.
+            ``f**2 * max(mean_k, mean_g)`` (its tensor's and group's mean variance): coordinates
+            with ~0 gradients then cannot take ``lr * scale / eps`` steps. ``0``: DeepSpeed's.
         preconditioned_exchange: exchange what the algorithm sends divided by ``sqrt(v) + eps``
             (and multiply back), so that the 1-bit error is alike relative to every
             coordinate's step. ``False``: DeepSpeed's.
         rescale_variance: (1-bit Adam, 0/1 Adam) after the switch, precondition each tensor by
             its frozen variance times ``max(1, G / G_ref)``, ``G`` its gradients' running mean
-            square, ``G_ref`` that at the switch (``_ops.rescale_variance_``). ``False``
-            (default): DeepSpeed's.
-        hierarchical: ``True``/``"auto"``: the two-level exchange (:meth:`node_groups`);
-            ``False`` (default): the flat one (DeepSpeed's).
+            square, ``G_ref`` that at the switch. ``False`` (default): DeepSpeed's.
+        hierarchical: ``True``/``"auto"``: the two-level exchange (:meth:`node_groups`).
         ranks_per_node: ranks per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
             the byte counters' ``_inter`` parts use it too.
         deepspeed_compatible: DeepSpeed's values for the options of :attr:`DEEPSPEED_ARITHMETIC`
@@ -92,8 +88,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         "preconditioned_exchange": False,
         "rescale_variance": False,
     }
-    #: The algorithm's options, keyword arguments of ``__init__`` (defaults in its signature),
-    #: which ``OneBitStrategy`` offers (subclasses extend).
+    #: The algorithm's options: keyword arguments of ``__init__`` (subclasses extend).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "bias_correction",
         "variance_floor",
@@ -119,8 +114,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     )  # fmt: skip
     #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
     _floor_to_mean: ClassVar[bool] = False
-    #: ``rescale_variance``: steps between the all-reduces of the gradients' mean squares, and
-    #: all-reduces before their running mean is the reference (``rescale_variance_``).
+    #: ``rescale_variance``'s steps between all-reduces, and all-reduces before its reference.
     rescale_interval: int = RESCALE_INTERVAL
     rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
     process_group = Delegated("topology", "The group the optimizer communicates over.")
@@ -159,7 +153,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
         self._check_hparams(defaults)  # (the same message as check_options: no prefix)
-        OneBitOptimizer._check_options(shared)
+        check_shared_options(shared)
         super().__init__(params, defaults)
         # hyperparameters shared by the three algorithms
         self.bias_correction = bool(shared["bias_correction"])
@@ -171,8 +165,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.average_dtype = average_dtype
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
-        #: ``id`` s of the parameters whose averaged gradients the caller provides (with
-        #: ``average_warmup_grads=False``; ``None``: all); the others are averaged here
+        #: ``id`` s of the parameters whose averaged gradients the caller provides (``None``: all)
         self.caller_averaged: frozenset[int] | None = None
         #: whether the last ``load_state_dict`` was another optimizer's (torch's Adam)
         self.loaded_foreign = False
@@ -194,153 +187,62 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._grads_checked = False  # (check_grads_are_local: once)
         register(self)  # (closed at interpreter exit)
 
-    # ------------------------------------------------------------------ options
+    # ------------------------------------------------------------------ what subclasses define
 
-    @classmethod
-    def option_defaults(cls) -> dict[str, Any]:
-        """Each of :attr:`OPTIONS` with its default (from ``__init__``'s signature)."""
-        return option_defaults(cls)
+    @abstractmethod
+    def _step(self) -> None:
+        """One step on the flat buffers (``step_count`` counts it already). Raise
+        :class:`NonFiniteError` before writing any state to have the step dropped."""
 
-    @classmethod
-    def check_options(cls, **options: Any) -> None:
-        """Raise the ``ValueError`` the constructor would raise for these options (any of
-        :attr:`OPTIONS`; the others at their defaults), without building an optimizer."""
-        raise_for_options(cls, options)
+    @abstractmethod
+    def _exchange_source(self, s: slice) -> torch.Tensor:
+        """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
 
-    #: Validate the options in a dict, which may hold only some (subclasses extend), and one
-    #: param group's hyperparameters (subclasses extend).
+    #: Validate (some) options, and one param group's hyperparameters (subclasses extend).
     _check_options = staticmethod(check_shared_options)
     _check_hparams = staticmethod(check_hparams)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            gi = len(self.param_groups) - 1
-            check_group(type(self).__name__, self.param_groups[gi], gi, self._check_hparams)
-        except ValueError:
-            self.param_groups.pop()  # a refused group must not stay in the optimizer
-            raise
-        # where the group's bias correction counts from, as torch's Adam counts each
-        # parameter's own steps (torch's __init__ adds the first groups: they join at 0)
-        if getattr(self, "step_count", 0) > 0:
-            self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
-        if hasattr(self, "flat"):
-            self.flat.invalidate()
-
-    # ------------------------------------------------------------------ phases
-
-    @property
-    def phase(self) -> Phase:
-        """The current phase, one of :attr:`PHASES`."""
-        return self.phases.current
-
     @property
     def expects_averaged_grads(self) -> bool:
-        """Whether the next ``step()`` uses averaged gradients (warmup, 0/1 Adam's variance
-        steps): it averages them itself with ``average_warmup_grads=True``; with ``False`` the
-        caller (DDP) provides them, for the parameters in :attr:`caller_averaged`. All other
-        steps expect each rank's local gradients."""
+        """Whether the next ``step()`` uses averaged gradients (warmup, 0/1 Adam's variance steps,
+        averaged here; with ``average_warmup_grads=False`` the caller's, for the parameters in
+        :attr:`caller_averaged`). The other steps expect each rank's local gradients."""
         return not self.phases.switched
 
-    @torch.no_grad()
-    def freeze(self) -> None:
-        """Switch to the second phase from the next ``step()`` on; call it on every rank between
-        the same two steps (the built-in switch does). A no-op once switched. Folds the bias
-        corrections into the moments (``bias_correction``), then floors the variance."""
-        if self.phases.switched:
-            return
-        self._resolve_verdict()  # (the last step's counts are final)
-        self._prepare()
-        self._held.release(self)  # (the switch step's: before the state changes meaning)
-        self.phases.switch()
-        self.flat.denominator = None  # (v changed until now)
-        freeze_variance_(self)
-        self._on_freeze()
+    @property
+    def params_differ_across_ranks(self) -> bool:
+        """Whether parameters may differ across ranks now (0/1 Adam between synchronisations)."""
+        return False
+
+    def synchronize(self) -> None:
+        """Make the parameters equal on every rank where they may differ (collective)."""
+
+    def _overlappable(self) -> bool:
+        """Whether the next step's exchange can start from its gradients alone."""
+        return False
+
+    def _on_layout(self) -> None:
+        """Work after the flat buffers were (re)built."""
 
     def _on_freeze(self) -> None:
-        """What the algorithm does when its phase switches (subclasses)."""
+        """What the algorithm does when its phase switches."""
 
     def _on_foreign_load(self) -> None:
-        """After loading torch Adam's state dict: note what is missing (subclasses)."""
+        """After loading torch Adam's state dict: note what is missing."""
 
     def _ready_to_switch(self) -> bool:
-        """Whether the first phase's state is complete enough to freeze (subclasses)."""
+        """Whether the first phase's state is complete enough to freeze."""
         return True
 
     def _joins_allowed(self) -> bool:
         """Whether parameters may become trainable now (while the variance is measured)."""
         return not self.phases.switched
 
-    def catch_up_switch(self) -> bool:
-        """Switch now if the step count is past the switch step (after loading torch Adam's
-        checkpoint, or moving the switch below the count); call it between steps, on every
-        rank. Returns whether it switched."""
-        self._resolve_verdict()
-        if self.phases.switched or self.step_count < self.switch_step:
-            return False
-        if not self._ready_to_switch():  # (e.g. 1-bit LAMB's ratios after torch Adam's state)
-            return False
-        self.freeze()
-        return True
+    def _skipped_locally(self) -> None:
+        """This rank's local step (0/1 Adam's) had a non-finite gradient."""
+        raise NotImplementedError
 
-    @property
-    def switch_step(self) -> int:
-        """The step after which the built-in switch happens (:attr:`SWITCH_OPTION`); settable
-        before that step."""
-        return int(getattr(self, self.SWITCH_OPTION))
-
-    @switch_step.setter
-    def switch_step(self, step: int) -> None:
-        check_int(self.SWITCH_OPTION, step, 0)
-        setattr(self, self.SWITCH_OPTION, int(step))
-
-    @property
-    def params_differ_across_ranks(self) -> bool:
-        """Whether parameters may differ across ranks now (0/1 Adam between synchronisations),
-        so a checkpoint keeps every rank's copy."""
-        return False
-
-    def synchronize(self) -> None:
-        """Make the parameters equal on every rank now, where :attr:`params_differ_across_ranks`;
-        a no-op otherwise. Collective."""
-
-    @property
-    def variance(self) -> torch.Tensor | None:
-        """The flat second-moment buffer (``None`` before the first step)."""
-        return self.flat.states.get("exp_avg_sq")
-
-    # ------------------------------------------------------------------ overlap with backward
-
-    def overlap_with_backward(
-        self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
-    ) -> None:
-        """Start the step's communication during backward, in buckets of about ``bucket_cap_mb``
-        MiB (``None``: off), each exchanged or averaged as soon as backward produced its
-        gradients, on a thread and process group of its own (``_overlap.py``). It sees ``.grad``
-        as backward leaves it (no clipping or unscaling); set ``overlap_paused`` around backward
-        passes not followed by ``step()``. Call it on every rank between steps (new buckets
-        restart the error buffers). ``timeout``: the new group's (``None``: torch's default)."""
-        self.overlap = replace_overlap(self.overlap, self, bucket_cap_mb, timeout)
-
-    @property
-    def overlaps_backward(self) -> bool:
-        """Whether the exchange is started during backward (see :meth:`overlap_with_backward`)."""
-        return self.overlap is not None
-
-    def _overlappable(self) -> bool:
-        """Whether the next step's exchange can start from its gradients alone (subclasses)."""
-        return False
-
-    @abstractmethod
-    def _exchange_source(self, s: slice) -> torch.Tensor:
-        """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
-
-    # ------------------------------------------------------------------ the step
-
-    @abstractmethod
-    def _step(self) -> None:
-        """One step on the flat buffers (``step_count`` counts it already). Raise
-        :class:`NonFiniteError` before writing any state to have the step dropped."""
+    # ------------------------------------------------------------------ the step and the switch
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -391,9 +293,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         ):  # fmt: skip
             self._on_layout()
 
-    def _on_layout(self) -> None:
-        """Work after the flat buffers were (re)built (subclasses)."""
-
     def _resolve_verdict(self) -> None:
         """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
         self.verdict.settle(partial(restore, self), self._skipped, self._skipped_locally)
@@ -404,9 +303,76 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         limit, hint = self.max_consecutive_skips, partial(divergence_hint, self)
         self.verdict.drop(err, step=self.step_count, limit=limit, rank=rank, hint=hint)
 
-    def _skipped_locally(self) -> None:
-        """This rank's local step (0/1 Adam's) had a non-finite gradient (subclasses)."""
-        raise NotImplementedError
+    @torch.no_grad()
+    def freeze(self) -> None:
+        """Switch to the second phase from the next ``step()`` on (on every rank between the same
+        two steps; a no-op once switched): fold the bias corrections, floor the variance."""
+        if self.phases.switched:
+            return
+        self._resolve_verdict()  # (the last step's counts are final)
+        self._prepare()
+        self._held.release(self)  # (the switch step's: before the state changes meaning)
+        self.phases.switch()
+        self.flat.denominator = None  # (v changed until now)
+        freeze_variance_(self)
+        self._on_freeze()
+
+    def catch_up_switch(self) -> bool:
+        """Switch now (between steps, on every rank) if the step count is past the switch step:
+        after loading torch Adam's state, or moving the switch. Returns whether it switched."""
+        self._resolve_verdict()
+        due = not self.phases.switched and self.step_count >= self.switch_step
+        if not (due and self._ready_to_switch()):
+            return False
+        self.freeze()
+        return True
+
+    @property
+    def switch_step(self) -> int:
+        """The step after which the built-in switch happens (:attr:`SWITCH_OPTION`; settable)."""
+        return int(getattr(self, self.SWITCH_OPTION))
+
+    @switch_step.setter
+    def switch_step(self, step: int) -> None:
+        check_int(self.SWITCH_OPTION, step, 0)
+        setattr(self, self.SWITCH_OPTION, int(step))
+
+    @property
+    def phase(self) -> Phase:
+        """The current phase, one of :attr:`PHASES`."""
+        return self.phases.current
+
+    # ------------------------------------------------------------------ the rest of the API
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """Each of :attr:`OPTIONS` with its default (from ``__init__``'s signature)."""
+        return option_defaults(cls)
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        """Raise the ``ValueError`` the constructor would raise for these options (any of
+        :attr:`OPTIONS`; the others at their defaults), without building an optimizer."""
+        raise_for_options(cls, options)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        try:
+            check_group(type(self).__name__, self.param_groups[gi], gi, self._check_hparams)
+        except ValueError:
+            self.param_groups.pop()  # a refused group must not stay in the optimizer
+            raise
+        # where its bias correction counts from (torch's __init__ adds the first groups: at 0)
+        if getattr(self, "step_count", 0) > 0:
+            self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
+        if hasattr(self, "flat"):
+            self.flat.invalidate()
+
+    @property
+    def variance(self) -> torch.Tensor | None:
+        """The flat second-moment buffer (``None`` before the first step)."""
+        return self.flat.states.get("exp_avg_sq")
 
     @property
     def comm_stats(self) -> dict[str, int]:
@@ -418,8 +384,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def skipped_steps(self) -> int:
         """Steps dropped on every rank (or, 0/1 Adam's local steps, on one) for NaN/Inf."""
         return self.verdict.skipped_steps
-
-    # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus ``"onebit"``: step count, phase, counters, this rank's
@@ -443,28 +407,36 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
         load_rank_state(self, state_dict)
 
-    # ------------------------------------------------------------------ process groups
+    def overlap_with_backward(
+        self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
+    ) -> None:
+        """Start the step's communication during backward, in buckets of about ``bucket_cap_mb``
+        MiB (``None``: off), on a thread and process group of its own (``_overlap.py``). It sees
+        ``.grad`` as backward leaves it (no clipping or unscaling); set ``overlap_paused`` around
+        backward passes not followed by ``step()``. Call it on every rank between steps (new
+        buckets restart the error buffers). ``timeout``: the new group's (``None``: torch's)."""
+        self.overlap = replace_overlap(self.overlap, self, bucket_cap_mb, timeout)
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether the exchange is started during backward (see :meth:`overlap_with_backward`)."""
+        return self.overlap is not None
 
     def node_groups(self) -> NodeGroups | None:
-        """The two-level layout the exchange runs on, or ``None`` for the flat exchange.
-
-        With ``hierarchical`` and several nodes of several ranks each (``ranks_per_node``),
-        every exchange and average runs in two levels: full precision inside a node, 1 bit
-        between nodes. ``True`` on one node or one rank per node warns and runs the flat
-        exchange; ``"auto"`` decides silently. Collective on its first call; cached after it.
-        """
+        """The two-level layout the exchange runs on (``hierarchical`` on several nodes of several
+        ranks each: full precision inside a node, 1 bit between them), or ``None``: the flat one
+        (``True`` on one node or one rank per node warns; ``"auto"`` decides silently).
+        Collective on its first call; cached after it."""
         return self.topology.node_groups()
 
     def close_node_groups(self) -> None:
-        """Destroy the groups of :meth:`node_groups` (the strategies do it at teardown); the
-        next step builds them again."""
+        """Destroy the groups of :meth:`node_groups`; the next step builds them again."""
         if self.topology.close():
             self.flat.release_exchange()
 
     def close(self) -> None:
         """Stop the overlap's thread, hooks and groups, the node groups and the exchange on them
-        (keeping its error buffers); a later ``step()`` starts them again. The strategies call
-        it at teardown; every optimizer is closed at interpreter exit."""
+        (its error buffers are kept) until the next ``step()``; also at interpreter exit."""
         if self.overlap is not None:
             self.overlap.close()
         self.close_node_groups()
