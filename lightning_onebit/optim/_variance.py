@@ -134,15 +134,15 @@ def freeze_variance_(opt: OneBitOptimizer) -> None:
     if opt.bias_correction:
         fold_bias_correction_(opt)
     else:
-        warn_if_variance_is_young(opt)
+        warn_if_variance_is_young(opt, stacklevel=4)
     floor_variance_(opt, report=True)
 
 
-def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
+def warn_if_variance_is_young(opt: OneBitOptimizer, stacklevel: int = 3) -> None:
     """The variance has no bias correction (as in DeepSpeed): after ``k`` variance updates
     it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
     step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
-    ~1.4x (once per run)."""
+    ~1.4x (once per run; ``stacklevel`` as ``warnings.warn``'s, counted from here)."""
     if opt.bias_correction or opt in _WARNED_YOUNG:
         return
     t = opt.variance_updates
@@ -161,7 +161,7 @@ def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
         f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
         "betas=(0.9, 0.95) for short runs)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 
