@@ -17,7 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit._integration.options import REFUSED_DDP_KWARGS
 from lightning_onebit.optim import OneBitOptimizer
-from lightning_onebit.optim._base import close_all
+from lightning_onebit.optim._topology import close_all
 
 __all__ = [
     "check_ddp_kwargs",

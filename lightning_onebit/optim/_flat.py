@@ -5,7 +5,7 @@ group, in one fp32 buffer per state (:class:`Layout`), the buffers and their per
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +14,7 @@ from lightning_onebit.comm import BucketedAllreduce, CompressedAllreduce, NodeGr
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._overlap import BackwardOverlap
+    from lightning_onebit.optim._topology import Topology
 
 __all__ = ["FlatState", "Layout"]
 
@@ -85,7 +86,8 @@ class FlatState:
     """The flat fp32 buffers of one optimizer, their per-parameter views, and the exchange over
     them: built at the first step, rebuilt when the trainable parameters change.
 
-    Interface: :attr:`layout` (``None`` until built, and after :meth:`invalidate`),
+    Interface: :meth:`prepare` (at every step), :attr:`layout` (``None`` until built, and after
+    :meth:`invalidate`), :attr:`trained` (the last layout's parameters),
     :attr:`states` (flat per-parameter states, e.g. ``exp_avg``), :attr:`scalars` (one value per
     parameter), :attr:`work` (scratch), :attr:`grad` and :attr:`param` (fp32 copies of the
     gradients and parameters), :attr:`views` (per-parameter views of each, by name, ``"grad"``
@@ -116,12 +118,51 @@ class FlatState:
         self.exchange: CompressedAllreduce | BucketedAllreduce | None = None
         #: a loaded exchange state the next :meth:`fit_exchange` applies (``"reset"``: zeros)
         self.pending_exchange: dict[str, Any] | str | None = None
+        #: the ``id`` s of the last layout's parameters (kept while :attr:`layout` is ``None``)
+        self.trained: frozenset[int] = frozenset()
 
     def invalidate(self) -> None:
         """Rebuild the layout (and the buffers) at the next step."""
         self.layout = None
 
     # ------------------------------------------------------------------ building
+
+    def prepare(
+        self,
+        param_groups: list[Group],
+        state: dict[Any, dict[str, Any]],
+        buffers: tuple[tuple[str, ...], dict[str, float], tuple[str, ...]],
+        overlap: BackwardOverlap | None,
+        topology: Topology,
+        device_verdict: Callable[[torch.device], bool],
+        check_joined: Callable[[Layout, frozenset[int]], None],
+    ) -> bool:
+        """(Re)build the layout, the buffers and the exchange unless :meth:`intact`: at the first
+        step and whenever the parameters, their device or a state tensor changed behind the
+        optimizer's back (``load_state_dict``, ``add_param_group``, a tool that moved the state).
+        Return whether it rebuilt.
+
+        Args:
+            param_groups, state: the optimizer's.
+            buffers: the names of its flat states, scalar states (with their initial values) and
+                work buffers (:meth:`build`).
+            overlap, topology: the overlap with backward and the process and node groups the
+                exchange runs on (:meth:`fit_exchange`; the node groups are collective the first
+                time: every rank prepares at the same step).
+            device_verdict: whether steps on a device keep their NaN/Inf verdicts there.
+            check_joined: called with the new layout and :attr:`trained` before anything
+                changes (raises for parameters that may not join now).
+        """
+        if self.intact(param_groups, state):
+            return False
+        layout = Layout(param_groups)
+        check_joined(layout, self.trained)
+        self.build(layout, state, *buffers)
+        group, nodes = topology.process_group, topology.node_groups()
+        self.fit_exchange(layout, overlap, group, nodes, device_verdict(layout.device))
+        self.layout, self.trained = layout, frozenset(layout.key)
+        self.check_masks(param_groups)
+        return True
 
     def build(
         self,

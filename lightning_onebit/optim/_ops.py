@@ -294,8 +294,8 @@ def rescale_reduce_if_due(opt: OneBitOptimizer) -> None:
     """``rescale_variance`` with the verdict on the device: the reduce that
     :func:`rescale_variance_` leaves to the start of the next step, when the host knows
     whether the step that made it due counted (the same values, one step later on the
-    wire)."""
-    if opt._rescale_due:
+    wire). Called at the start of every step."""
+    if opt._rescale_due and opt.verdict.uses_device(opt.flat.layout.device):
         opt._rescale_due = False
         rescale_reduce_(opt)
 

@@ -46,6 +46,7 @@ current device is 0 and its current stream the default one, which orders nothing
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
 from lightning_onebit.optim._flat import FlatState, Layout
+from lightning_onebit.optim._validation import check_real
 
 __all__ = ["BackwardOverlap", "OverlapHost", "replace_overlap"]
 
@@ -317,17 +319,21 @@ class BackwardOverlap:
         self._works = []
 
     def end_step(self) -> None:
+        """The step is over: discard the buckets it did not use (none normally), wait for stray
+        averages, start a new round."""
+        self.opt.flat.exchange.discard()
         self._settle()
         self._reset_round()
 
     def close(self) -> None:
         """Remove the hooks, stop the thread, destroy the exchanges' process group (what this
         class started must not outlive it: a process group left to the interpreter's exit can
-        abort it)."""
+        abort it), and let go of the exchange built on it."""
         self.remove()
         self._finalizer()
         self._pool, self._group, self._group_made = None, None, False
         self._nodes, self._nodes_made = None, False
+        self.opt.flat.release_exchange()
 
 
 def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | None) -> None:
@@ -342,16 +348,22 @@ def _shut_down(pool: ThreadPoolExecutor | None, group: Any, nodes: NodeGroups | 
 
 
 def replace_overlap(
-    current: BackwardOverlap | None, host: OverlapHost, cap: int | None, timeout: timedelta | None
+    current: BackwardOverlap | None,
+    host: OverlapHost,
+    bucket_cap_mb: float | None,
+    timeout: timedelta | None,
 ) -> BackwardOverlap | None:
-    """The overlap ``host`` has after ``overlap_with_backward(cap, timeout)`` (``cap`` in bytes,
-    ``None``: off): ``current`` if it has these settings, else a new one (or none), the current
+    """The overlap ``host`` has after ``overlap_with_backward(bucket_cap_mb, timeout=timeout)``
+    (``None``: off): ``current`` if it has these settings, else a new one (or none), the current
     one closed and the exchange built on its groups let go; the layout is then rebuilt (new
-    buckets and hooks) at the next step."""
+    buckets and hooks) at the next step. Raises ``ValueError`` unless ``bucket_cap_mb > 0``."""
+    cap = None
+    if bucket_cap_mb is not None:
+        check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
+        cap = max(4, int(bucket_cap_mb * 2**20))  # (bytes: at least one fp32 value)
     if current is not None:
         if cap == current.cap and timeout == current.timeout:
             return current
         current.close()
-        host.flat.release_exchange()  # (built on the overlap's groups, just destroyed)
     host.flat.invalidate()
     return None if cap is None else BackwardOverlap(host, cap, timeout)

@@ -1,17 +1,22 @@
 """The ranks an optimizer communicates over: its process group, the world size, and the
-two-level layout (node groups) of the hierarchical exchange."""
+two-level layout (node groups) of the hierarchical exchange; and the closing of every live
+optimizer's process groups at interpreter exit."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, resolve_ranks_per_node
 
-__all__ = ["Delegated", "Topology"]
+if TYPE_CHECKING:
+    from lightning_onebit.optim._base import OneBitOptimizer
+
+__all__ = ["Delegated", "Topology", "close_all", "register"]
 
 
 class Topology:
@@ -102,3 +107,22 @@ class Delegated:
 
     def __set__(self, obj: Any, value: Any) -> None:
         setattr(getattr(obj, self.owner), self.name, value)
+
+
+#: every live optimizer (:func:`register`)
+_OPEN: weakref.WeakSet[OneBitOptimizer] = weakref.WeakSet()
+
+
+def register(opt: OneBitOptimizer) -> None:
+    """Have :func:`close_all` close ``opt`` if it is still alive then: a process group left to
+    the interpreter's shutdown can abort a finished run."""
+    _OPEN.add(opt)
+
+
+def close_all() -> None:
+    """``close()`` every live optimizer (at interpreter exit, and at the end of a Fabric run)."""
+    for opt in list(_OPEN):
+        opt.close()
+
+
+atexit.register(close_all)

@@ -29,7 +29,10 @@ __all__ = [
     "check_int",
     "check_joined",
     "check_real",
+    "check_shared_options",
     "deepspeed_arithmetic",
+    "option_defaults",
+    "raise_for_options",
 ]
 
 
@@ -141,6 +144,12 @@ def check_group(
         raise ValueError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
 
 
+def check_shared_options(o: dict[str, Any]) -> None:
+    """Validate the options every optimizer has, those of them in ``o``."""
+    if "variance_floor" in o:
+        check_real("variance_floor", o["variance_floor"], 0.0, 1.0, high_open=True)
+
+
 def check_common_args(
     name: str,
     amsgrad: Any,
@@ -186,14 +195,32 @@ def deepspeed_arithmetic(cls: type, on: bool, **options: Any) -> dict[str, Any]:
     return out
 
 
-def check_grads_are_local(opt: OneBitOptimizer) -> None:
-    """Once, at the first step that should receive each rank's own gradients: warn if they
-    are identical on every rank. Then something averaged them in full precision already
-    (plain DDP: ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step
-    pays DDP's fp32 allreduce plus the 1-bit exchange; or every rank trains on the same
-    batches. Two 2-value all_reduces, once per run."""
+def option_defaults(cls: type[OneBitOptimizer]) -> dict[str, Any]:
+    """Each of ``cls.OPTIONS`` with its default (from ``cls.__init__``'s signature)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: params[k].default for k in cls.OPTIONS}
+
+
+def raise_for_options(cls: type[OneBitOptimizer], options: dict[str, Any]) -> None:
+    """Raise what ``cls(..., **options)`` would raise for these options (the others at their
+    defaults): ``TypeError`` for a name not in ``cls.OPTIONS``, ``cls._check_options``'s
+    ``ValueError`` for a value."""
+    unknown = sorted(set(options) - set(cls.OPTIONS))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no option(s) {unknown}; it has {list(cls.OPTIONS)}")
+    cls._check_options({**option_defaults(cls), **options})
+
+
+def check_grads_are_local(opt: OneBitOptimizer) -> bool:
+    """At a step that should receive each rank's own gradients: warn if they are identical on
+    every rank. Then something averaged them in full precision already (plain DDP:
+    ``strategy="ddp"`` or a ``DistributedDataParallel`` model), and every step pays DDP's fp32
+    allreduce plus the 1-bit exchange; or every rank trains on the same batches. Two 2-value
+    all_reduces. Returns whether the step was one (checked): the caller checks once a run."""
+    if opt.expects_averaged_grads and not opt.average_warmup_grads:
+        return False  # (the caller averages this step's gradients)
     if opt.world_size < 2:
-        return
+        return True
     grads = [p.grad for p in opt.flat.layout.params if p.grad is not None]
     summary = torch.zeros(2, dtype=torch.float64, device=opt.flat.layout.device)
     for g in grads:  # (every rank takes part, with or without gradients)
@@ -203,7 +230,7 @@ def check_grads_are_local(opt: OneBitOptimizer) -> None:
     dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     if not (torch.equal(low, summary) and float(summary[1]) > 0):
-        return
+        return True
     if (dist.get_rank(group) if group is not None else dist.get_rank()) == 0:
         warnings.warn(
             f"{type(opt).__name__} received identical gradients on all {opt.world_size} "
@@ -218,6 +245,7 @@ def check_grads_are_local(opt: OneBitOptimizer) -> None:
             UserWarning,
             stacklevel=3,
         )
+    return True
 
 
 def check_joined(opt: OneBitOptimizer, layout: Layout, trained: frozenset[int]) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "divergence_hint",
     "floor_variance_",
     "fold_bias_correction_",
+    "freeze_variance_",
     "warn_if_variance_is_young",
 ]
 
@@ -127,11 +128,21 @@ def floor_variance_(
         }
 
 
-def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
+def freeze_variance_(opt: OneBitOptimizer) -> None:
+    """What the phase switch does to the variance it freezes: fold the bias corrections into
+    the moments (``bias_correction``; else warn of a young variance), then floor it."""
+    if opt.bias_correction:
+        fold_bias_correction_(opt)
+    else:
+        warn_if_variance_is_young(opt, stacklevel=4)
+    floor_variance_(opt, report=True)
+
+
+def warn_if_variance_is_young(opt: OneBitOptimizer, stacklevel: int = 3) -> None:
     """The variance has no bias correction (as in DeepSpeed): after ``k`` variance updates
     it holds ``1 - beta2**k`` of its steady-state value, and preconditioning with that, every
     step is ``1 / sqrt(1 - beta2**k)`` times larger than Adam's. Say so when that is above
-    ~1.4x (once per run)."""
+    ~1.4x (once per run; ``stacklevel`` as ``warnings.warn``'s, counted from here)."""
     if opt.bias_correction or opt in _WARNED_YOUNG:
         return
     t = opt.variance_updates
@@ -150,7 +161,7 @@ def warn_if_variance_is_young(opt: OneBitOptimizer) -> None:
         f"Adam/AdamW), warm up for at least {need} variance updates, or lower beta2 (e.g. "
         "betas=(0.9, 0.95) for short runs)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 

@@ -73,6 +73,7 @@ class StepVerdict:
         self.current: tuple[torch.Tensor, torch.Tensor, str] | None = None
         #: the last step's: ``(step, host copy, CUDA event, kind, counters)`` (see :meth:`end`)
         self.pending: tuple[Any, ...] | None = None
+        self._skipped_before = 0  # skipped_steps when the step began
 
     def uses_device(self, device: torch.device) -> bool:
         """Whether steps on ``device`` keep their verdicts there."""
@@ -84,6 +85,7 @@ class StepVerdict:
     def begin(self) -> None:
         """A step starts: no verdict yet."""
         self.current = None
+        self._skipped_before = self.skipped_steps
 
     def keep(self, ok: torch.Tensor, finite: torch.Tensor, kind: str) -> torch.Tensor:
         """Keep this step's verdict ``ok`` (and ``finite`` per rank) on the device; return
@@ -115,12 +117,12 @@ class StepVerdict:
             self.current = None
             raise NonFiniteError(verdict_message(finite.tolist(), kind, step))
 
-    def end(self, step: int, counters: dict[str, Any], skipped_before: int) -> None:
+    def end(self, step: int, counters: dict[str, Any]) -> None:
         """End of step ``step``: a verdict still on the device is copied to the host without
         waiting (pinned memory, an event after the copy) for :meth:`resolve`; a step that
         counted ends the run of dropped steps."""
         if self.current is None:
-            if self.skipped_steps == skipped_before:
+            if self.skipped_steps == self._skipped_before:
                 self.consecutive = 0
             return
         _, finite, kind = self.current
@@ -184,18 +186,17 @@ class StepVerdict:
         *,
         step: int,
         limit: int,
-        announce: bool,
+        rank: int,
         hint: Callable[[], str],
     ) -> None:
-        """Step ``step + 1`` was dropped on every rank for ``err``: count it, warn (where
-        ``announce``: one rank says it for all), or raise after ``limit`` in a row with what to
-        change (``hint()``)."""
+        """Step ``step + 1`` was dropped on every rank for ``err``: count it, warn (on ``rank``
+        0, for all), or raise after ``limit`` in a row with what to change (``hint()``)."""
         if self.count_drop(limit):
             raise NonFiniteError(
                 f"{self.consecutive} steps in a row had non-finite values (last: {err}); the "
                 f"run has diverged: {hint()}, and resume from the last checkpoint"
             ) from err
-        if announce:
+        if rank == 0:
             warnings.warn(
                 f"{self.name}: skipped step {step + 1} on every rank "
                 f"({self.skipped_steps} so far): {err}",

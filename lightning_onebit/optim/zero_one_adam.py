@@ -544,7 +544,7 @@ class ZeroOneAdam(OneBitOptimizer):
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
             #     rank derives the same m at the next synchronisation).
-            if self._device_verdicts:  # (CUDA: on the device; this rank learns it next step)
+            if self.verdict.uses_device(self.flat.layout.device):  # (learnt at the next step)
                 self._local_step_on_verdict_(g)
                 self._next_local_interval()
                 return
