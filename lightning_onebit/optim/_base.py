@@ -433,6 +433,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Whether the next step's exchange can start from its gradients alone (subclasses)."""
         return False
 
+    def _unsynced(self) -> torch.Tensor | None:
+        """Per parameter (layout order, on its device): whether this rank has earlier local
+        steps of it to synchronise in the step being taken (subclasses: 0/1 Adam's sync
+        steps); ``None``: none."""
+        return None
+
     @abstractmethod
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
@@ -519,7 +525,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def _resolve_verdict(self) -> None:
         """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
-        self.verdict.settle(lambda c: restore(self, c), self._skipped, self._skipped_locally)
+        kept = self.verdict.settle(lambda c: restore(self, c), self._skipped, self._skipped_locally)
+        self._held.settle(self, kept)  # (its held parameters' missed step counts if it did)
 
     def _skipped(self, err: NonFiniteError) -> None:
         """A NaN/Inf reached a communicated quantity before anything was written: the step is
