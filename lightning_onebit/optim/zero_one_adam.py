@@ -283,7 +283,9 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @property
     def next_step_syncs(self) -> bool:
-        """Whether the next step communicates at all (always in phase 1; sync steps in phase 2)."""
+        """Whether the next step synchronises the ranks (always in phase 1; sync steps in phase
+        2). A local step sends nothing else than, under plain ``torch.distributed``, the ranks'
+        agreement on the parameters without a gradient (one byte per parameter tensor)."""
         return self.phase == Phase.VARIANCE or (self.step_count + 1) % self.local_step_interval == 0
 
     def _unsynced(self) -> torch.Tensor | None:
