@@ -395,6 +395,10 @@ class CompressedAllreduce(Exchange):
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
         if self.device_verdict:
             ok, cur = handle.ok if ok is None else ok, self._cur
+            if not self._server_pending:
+                # the server error of set cur is final (error_views, a load): with its record's
+                # scale 0 the deferred update below leaves it so where the old set is put back
+                self._srec[cur].view(torch.float32)[:1].zero_()
             # (W = 1 has no server stage: its buffers never change)
             for bufs in (self._werr, self._sacc, self._srec)[: 1 if self.world_size == 1 else 3]:
                 kernels.restore_unless(ok, bufs[next_set], bufs[cur])

@@ -221,6 +221,11 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Whether the next step's exchange can start from its gradients alone."""
         return False
 
+    def _unsynced(self) -> torch.Tensor | None:
+        """Per parameter (layout order, on its device): whether this rank has earlier local steps
+        of it to synchronise in the step being taken (0/1 Adam's sync steps); ``None``: none."""
+        return None
+
     def _on_layout(self) -> None:
         """Work after the flat buffers were (re)built."""
 
@@ -295,7 +300,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def _resolve_verdict(self) -> None:
         """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
-        self.verdict.settle(partial(restore, self), self._skipped, self._skipped_locally)
+        kept = self.verdict.settle(partial(restore, self), self._skipped, self._skipped_locally)
+        self._held.settle(self, kept)  # (its held parameters' missed step counts if it did)
 
     def _skipped(self, err: NonFiniteError) -> None:
         """Drop the step on every rank, as if its batch had not been there (``StepVerdict``)."""

@@ -171,20 +171,31 @@ def compressed_average_(
 
 def adam_direction(opt: OneBitOptimizer, out: torch.Tensor) -> torch.Tensor:
     """``out = exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (decoupled decay);
-    with ``bias_correction`` the moments are bias-corrected first."""
+    with ``bias_correction`` the moments are bias-corrected first, per group, or per parameter
+    where some parameter missed steps for want of a gradient (each counts its own steps, as
+    torch's Adam)."""
     m, v = opt.flat.states["exp_avg"], opt.flat.states["exp_avg_sq"]
     p = opt.flat.gather_params() if any_weight_decay(opt) else None
-    for gi, group, s in opt.flat.segments(opt.param_groups):
-        eps, scale = group["eps"], 1.0
-        if opt.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
-            bc1, bc2 = bias_corrections(opt, gi)
-            eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
-        torch.sqrt(v[s], out=out[s]).add_(eps)
-        torch.div(m[s], out[s], out=out[s])
-        if scale != 1.0:
-            out[s].mul_(scale)
+    layout, per_param = opt.flat.layout, opt.bias_correction and any_missed_steps(opt)
+    for gi, group, seg in opt.flat.segments(opt.param_groups):
+        if per_param:
+            parts = [
+                (j, slice(layout.offsets[j], layout.offsets[j] + layout.params[j].numel()))
+                for j in layout.group_params(gi)
+            ]
+        else:
+            parts = [(None, seg)]
+        for j, s in parts:
+            eps, scale = group["eps"], 1.0
+            if opt.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
+                bc1, bc2 = bias_corrections(opt, gi, j)
+                eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
+            torch.sqrt(v[s], out=out[s]).add_(eps)
+            torch.div(m[s], out[s], out=out[s])
+            if scale != 1.0:
+                out[s].mul_(scale)
         if decoupled_decay(group) > 0:
-            out[s].add_(p[s], alpha=decoupled_decay(group))
+            out[seg].add_(p[seg], alpha=decoupled_decay(group))
     return out
 
 

@@ -53,8 +53,9 @@ class StepVerdict:
 
     Interface: :meth:`uses_device` (where verdicts stay on the device); in a step,
     :meth:`begin`, :meth:`keep` / :meth:`take` (a verdict on the device), :meth:`now` (read it
-    at once), :meth:`end`; between steps :meth:`resolve` / :meth:`settle` (the last step's, on the host);
-    :meth:`drop` and :meth:`count_drop` (the skip policy); ``skipped_steps`` (checkpointed).
+    at once), :attr:`on_device` (not read yet), :meth:`end`; between steps :meth:`resolve` /
+    :meth:`settle` (the last step's, on the host); :meth:`drop` and :meth:`count_drop` (the
+    skip policy); ``skipped_steps`` (checkpointed).
 
     Args:
         name: the optimizer's class name, for messages.
@@ -71,6 +72,7 @@ class StepVerdict:
         self.consecutive = 0  # ... in a row
         #: this step's ``(ok, finite per rank, what it judged)`` on the device
         self.current: tuple[torch.Tensor, torch.Tensor, str] | None = None
+        self.read = False  # ... read on the host already (:meth:`now`)
         #: the last step's: ``(step, host copy, CUDA event, kind, counters)`` (see :meth:`end`)
         self.pending: tuple[Any, ...] | None = None
         self._skipped_before = 0  # skipped_steps when the step began
@@ -86,6 +88,7 @@ class StepVerdict:
         """A step starts: no verdict yet."""
         self.current = None
         self._skipped_before = self.skipped_steps
+        self.read = False
 
     def keep(self, ok: torch.Tensor, finite: torch.Tensor, kind: str) -> torch.Tensor:
         """Keep this step's verdict ``ok`` (and ``finite`` per rank) on the device; return
@@ -106,6 +109,12 @@ class StepVerdict:
         """This step's verdict on the device, if any."""
         return None if self.current is None else self.current[0]
 
+    @property
+    def on_device(self) -> bool:
+        """Whether this step's verdict is on the device only: the host learns it at the next
+        :meth:`settle`."""
+        return self.current is not None and not self.read
+
     def now(self, step: int) -> None:
         """Read this step's device verdict on the host now (a host synchronisation, for the
         steps that change the phase: once per run) and raise :class:`NonFiniteError` if it was
@@ -116,6 +125,7 @@ class StepVerdict:
         if not bool(ok):
             self.current = None
             raise NonFiniteError(verdict_message(finite.tolist(), kind, step))
+        self.read = True
 
     def end(self, step: int, counters: dict[str, Any]) -> None:
         """End of step ``step``: a verdict still on the device is copied to the host without
@@ -159,20 +169,25 @@ class StepVerdict:
         restore: Callable[[dict[str, Any]], None],
         drop: Callable[[NonFiniteError], None],
         drop_local: Callable[[], None],
-    ) -> None:
+    ) -> bool | None:
         """The host's half of a step whose verdict stayed on the device (:meth:`resolve`), at
         the start of the next step and before a checkpoint: if it was non-finite, the step
         (which wrote nothing) gets its host counters put back (``restore``) and is dropped
         (``drop``, as :meth:`drop` does); a ``"local"`` one (0/1 Adam's local step, skipped by
-        its own rank only) goes to ``drop_local``."""
+        its own rank only) goes to ``drop_local``. Returns whether that step counts: ``True``
+        (finite, or sat out by one rank), ``False`` (dropped), ``None`` (no verdict was
+        waiting)."""
+        if self.pending is None:
+            return None
         dropped = self.resolve()
         if dropped is None:
-            return
+            return True
         if dropped.kind == "local":
             drop_local()
-            return
+            return True
         restore(dropped.counters)
         drop(NonFiniteError(dropped.message))
+        return False
 
     def count_drop(self, limit: int) -> bool:
         """Count a dropped step; return whether it is the ``limit``-th in a row (diverged)."""

@@ -35,6 +35,7 @@ decided the next step's allreduce from the saved interval, so ranks can drift).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -282,8 +283,20 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @property
     def next_step_syncs(self) -> bool:
-        """Whether the next step communicates at all (always in phase 1; sync steps in phase 2)."""
+        """Whether the next step synchronises the ranks (always in phase 1; sync steps in phase
+        2). A local step sends nothing else than, under plain ``torch.distributed``, the ranks'
+        agreement on the parameters without a gradient (one byte per parameter tensor)."""
         return self.phase == Phase.VARIANCE or (self.step_count + 1) % self.local_step_interval == 0
+
+    def _unsynced(self) -> torch.Tensor | None:
+        # a sync step after local steps: the accumulator holds what each parameter moved since
+        # the last sync (a parameter no rank has a gradient for now is still synchronised)
+        sync = self.step_count % self.local_step_interval == 0
+        if self.phase != Phase.LOCAL or not sync or not self._local_steps_taken:
+            return None
+        return (
+            torch.stack(torch._foreach_norm(self.flat.views["momentum_accumulator"], math.inf)) > 0
+        )
 
     def _skipped_locally(self) -> None:
         if self.verdict.count_drop(self.max_consecutive_skips):

@@ -155,7 +155,9 @@ def test_half_precision_warmup_average(dtype: torch.dtype, cap_mb: float | None)
         for a, b in zip(r["params"], ref_model.parameters(), strict=True):
             assert torch.equal(a, b)
         numel = sum(p.numel() for p in ref_model.parameters())
-        assert r["bytes"] == numel * 2  # ring allreduce of 2-byte values: 2 (W-1)/W * 2 B each
+        # ring allreduce of 2-byte values: 2 (W-1)/W * 2 B each; and one byte per parameter,
+        # the ranks' agreement on which parameters none of them has a gradient for
+        assert r["bytes"] == numel * 2 + len(r["params"])
     # and the rounding is real: fp32 averages differ from these
     fp32 = run_distributed(_half_warmup, 2, torch.float32, cap_mb)
     assert not all(
