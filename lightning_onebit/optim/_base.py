@@ -155,14 +155,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._check_hparams(defaults)  # (the same message as check_options: no prefix)
         check_shared_options(shared)
         super().__init__(params, defaults)
-        # hyperparameters shared by the three algorithms
         self.bias_correction = bool(shared["bias_correction"])
         self.variance_floor = float(shared["variance_floor"])
         self.preconditioned_exchange = bool(shared["preconditioned_exchange"])
         self.rescale_variance = bool(shared["rescale_variance"])
         init_rescale(self)  # its counters (and, where on, its states)
-        self.average_warmup_grads = bool(average_warmup_grads)
-        self.average_dtype = average_dtype
+        self.average_warmup_grads, self.average_dtype = bool(average_warmup_grads), average_dtype
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
         #: ``id`` s of the parameters whose averaged gradients the caller provides (``None``: all)
@@ -222,8 +220,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         return False
 
     def _unsynced(self) -> torch.Tensor | None:
-        """Per parameter (layout order, on its device): whether this rank has earlier local steps
-        of it to synchronise in the step being taken (0/1 Adam's sync steps); ``None``: none."""
+        """Per parameter: whether this rank has local steps of it to synchronise now (0/1 Adam)."""
         return None
 
     def _on_layout(self) -> None:
@@ -328,10 +325,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         after loading torch Adam's state, or moving the switch. Returns whether it switched."""
         self._resolve_verdict()
         due = not self.phases.switched and self.step_count >= self.switch_step
-        if not (due and self._ready_to_switch()):
-            return False
-        self.freeze()
-        return True
+        if due and self._ready_to_switch():
+            self.freeze()
+        return due and self.phases.switched
 
     @property
     def switch_step(self) -> int:
