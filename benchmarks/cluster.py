@@ -348,9 +348,12 @@ def summarize(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
     after_bwd = [
         max(rr[k]["t1"] - rr[k].get("tb", rr[k]["t1"]) for rr in recs) for k in range(steps)
     ]
+    # per step, the longest time one rank spent in it, from its own start (>= its after_bwd)
+    own = [max(rr[k]["t1"] - rr[k]["t0"] for rr in recs) for k in range(steps)]
     out: dict[str, Any] = {
         "numel": ranks[0]["numel"],
         "step_times": times,
+        "own_step_times": own,
         "after_backward_times": after_bwd,
         "phases": phases,
     }

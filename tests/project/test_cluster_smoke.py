@@ -51,22 +51,29 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     for r in rows.values():
         assert "error" not in r
         assert r["step_time_warmup"] > 0 and r["step_time_compression"] > 0
-        assert 0 < r["after_backward_compression"] < r["step_time_compression"]
+        assert r["after_backward_compression"] > 0
         assert r["final_val_loss"] is not None
         # the project's counters agree with the interface's (which add TCP/IP headers)
         for ph in ("warmup", "compression"):
             assert r[f"bytes_{ph}"] * 0.9 < r[f"tx_bytes_{ph}"] < r[f"bytes_{ph}"] * 1.5 + 4096
     ddp, onebit = rows["ddp_adam"], rows["onebit_adam"]
-    assert onebit["bytes_warmup"] == ddp["bytes_warmup"]  # fp32 averaging in the warmup
+    # fp32 averaging in the warmup; the optimizer used directly (plain torch.distributed) adds
+    # the ranks' agreement on parameters without a gradient, one byte per tensor (ring)
+    agreement = onebit["bytes_warmup"] - ddp["bytes_warmup"]
+    numel = json.loads((tmp_path / "smoke.json").read_text())["rows"][0]["numel"]
+    assert 0 < agreement < 1e-3 * numel, agreement
     assert onebit["bytes_compression"] < ddp["bytes_compression"] / 20  # ~32x less
     # through the Trainer and through Fabric: the same phases, bytes and (up to summation
     # order) the same training
     full = {r["method"]: r for r in json.loads((tmp_path / "smoke.json").read_text())["rows"]}
+    for r in full.values():  # (each rank's time after backward is part of its own step)
+        pairs = zip(r["after_backward_times"], r["own_step_times"], strict=True)
+        assert all(0 <= a <= s for a, s in pairs), r["method"]
     for method in ("pl_onebit_adam", "fabric_onebit_adam"):
         pl = rows[method]
         assert full[method]["phases"] == full["onebit_adam"]["phases"]
         assert full[method]["opt_phases"] == full["onebit_adam"]["opt_phases"]
-        for ph in ("warmup", "compression"):
-            assert pl[f"bytes_{ph}"] == onebit[f"bytes_{ph}"]
+        for ph in ("warmup", "compression"):  # (DDP's gradients: nothing to agree on)
+            assert pl[f"bytes_{ph}"] == onebit[f"bytes_{ph}"] - agreement
         loss = onebit["final_val_loss"]
         assert abs(pl["final_val_loss"] - loss) < 0.02 * loss, method
