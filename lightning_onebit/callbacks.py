@@ -101,8 +101,11 @@ class CompressionScheduler(PhaseSwitch, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         builder = getattr(trainer.strategy, "builder", None)  # (the 1-bit strategies')
-        converted = isinstance(builder, OptimizerBuilder) and builder.converted
-        self.start(self._optimizer(trainer), self._total_steps(trainer), converted, TRAINER)
+        ours = isinstance(builder, OptimizerBuilder)
+        converted = ours and builder.converted
+        local_steps = ours and builder.derives_local_step_scaler
+        opt, total = self._optimizer(trainer), self._total_steps(trainer)
+        self.start(opt, total, converted, TRAINER, local_steps)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

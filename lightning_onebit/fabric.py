@@ -76,11 +76,12 @@ class OneBitFabricStrategy(DDPStrategy):
 
     Args:
         max_steps: the run's optimizer steps: what a fractional ``freeze_step`` (and its default,
-            0.2 of the run, when the strategy converts a torch Adam/AdamW) is a fraction of.
+            0.2 of the run, when the strategy converts a torch Adam/AdamW) and a converted 0/1
+            Adam's ``local_step_scaler`` (0.4 of the run unless given) are fractions of.
             Without it (and without ``freeze_step``), a converted optimizer switches once its
             variance has stabilised (``adaptive_freeze``, turned on for you: the run's length is
             unknown), at the latest after the algorithm's own ``freeze_step``; a fractional
-            ``freeze_step`` raises.
+            ``freeze_step`` raises; 0/1 Adam keeps DeepSpeed's ``local_step_scaler`` of 32768.
 
     The other arguments are :class:`~lightning_onebit.OneBitStrategy`'s, with the same types,
     defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
@@ -256,7 +257,8 @@ class OneBitFabricStrategy(DDPStrategy):
         converted = self.builder.converted and self.max_steps is not None
         if self.builder.converted and self.max_steps is None and self.options.freeze_step is None:
             self._switch.switch_when_stable(new, self.algorithm, type(self).__name__)
-        self._switch.start(new, total, converted, FABRIC)
+        local_steps = self.builder.derives_local_step_scaler
+        self._switch.start(new, total, converted, FABRIC, local_steps)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
         # (clipping, unknown yet, turns it off later: see clip_gradients_norm)
         self.builder.prepare(new, self.num_processes, self.world_size, False, scaler)
@@ -368,9 +370,9 @@ class OneBitFabricStrategy(DDPStrategy):
             return remainder
         meta = self._rank_checkpoint.read_step_keyed(path, remainder)
         self._switch.load_state_dict(meta.get("phase_switch") or {})
-        if self._switch.switch_step is not None and opt.phase == opt.PHASES[0]:
-            # a fraction of max_steps is decided once per run: a resumed run keeps its switch
-            opt.switch_step = self._switch.switch_step
+        # a fraction of max_steps is decided once per run: a resumed run keeps its switch (and
+        # 0/1 Adam's local_step_scaler)
+        self._switch.keep_restored(opt)
         catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
         self.builder.rescale_restored(opt, schedulers_of(opt))
         if self._module is not None:  # (0/1 Adam between two synchronisations: its own)

@@ -82,6 +82,13 @@ class OneBitStrategy(DDPStrategy):
             strategy builds; one from ``configure_optimizers`` keeps its own): the optimizer's
             default (:class:`~lightning_onebit.optim.ZeroOneAdam`, ...).
         local_step_scaler: 0/1 Adam: steps between doublings of the local-step interval.
+            ``None``, when the strategy builds the optimizer: 0.4 of the run (decided once per
+            run, like a fractional ``freeze_step``): after a switch at 0.2 the interval is 1 step
+            until 0.6 of the run and 2 steps after, 25% fewer synchronisations than 1-bit
+            Adam's after the switch. DeepSpeed's 32768 (the optimizer's default) with
+            ``deepspeed_compatible`` or a DeepSpeed config, for an optimizer from
+            ``configure_optimizers``, and where the run's length is unknown (an info line says
+            so).
         local_step_clipper: 0/1 Adam: the largest local-step interval.
         compressed_variance_phase: 0/1 Adam: whether the steps between phase 1's variance steps
             exchange a 1-bit gradient (the paper's phase 1). ``None``: ``False`` when the

@@ -63,6 +63,20 @@ class OptimizerBuilder:
         self.converted = False
         self.lr_scale = 1.0
 
+    @property
+    def derives_local_step_scaler(self) -> bool:
+        """Whether the run's length sets ``local_step_scaler``: the strategy built a 0/1 Adam
+        and was given no ``local_step_scaler`` and no ``deepspeed_compatible=True`` (a DeepSpeed
+        config's keeps DeepSpeed's 32768 where the config names none; an optimizer from the user
+        keeps its own)."""
+        o = self.options
+        return (
+            self.converted
+            and o.algorithm == "zero_one_adam"
+            and o.local_step_scaler is None
+            and not o.deepspeed_compatible
+        )
+
     def from_user(
         self, original: torch.optim.Optimizer, given: str, expected: str, instead: str = ""
     ) -> OneBitOptimizer:

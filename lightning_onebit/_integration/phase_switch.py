@@ -19,12 +19,23 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._integration.front_end import FrontEnd
-from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
-__all__ = ["PhaseSwitch", "StepTimes", "catch_up"]
+__all__ = ["LOCAL_STEP_FRACTION", "PhaseSwitch", "StepTimes", "catch_up"]
 
 #: the switch when the strategy built the optimizer and no ``freeze_step`` was given
 _DEFAULT_FRACTION = 0.2
+
+#: 0/1 Adam's ``local_step_scaler`` as a fraction of the run's optimizer steps, when the strategy
+#: built the optimizer and none was given. The local-step interval doubles every
+#: ``local_step_scaler`` steps after the variance freezes: after a switch at 0.2 of the run (the
+#: default) it is 1 step until 0.6 of the run and 2 steps after, so 0.6 of the run's steps
+#: synchronise after the switch where 1-bit Adam's 0.8 do (25% fewer rounds); an earlier switch
+#: (``adaptive_freeze``) reaches 4. A smaller fraction reaches longer intervals (0.2: 1, 2, 4
+#: and 8 steps, 53% fewer rounds), which short runs pay for in loss (docs/algorithms.md).
+#: DeepSpeed's fixed 32768 makes every step synchronise on a run with fewer than 32768 steps
+#: after the freeze, as 1-bit Adam's do.
+LOCAL_STEP_FRACTION = 0.4
 
 
 class StepTimes:
@@ -172,22 +183,34 @@ class PhaseSwitch:
         self.sample = sample
         # state (in the checkpoint)
         self.switch_step: int | None = None  # the resolved step
+        self.local_step_scaler: int | None = None  # 0/1 Adam's, where the strategy chose it
         self.switched_at: int | None = None  # the last optimizer step before compression
         self._snapshot: torch.Tensor | None = None
         self._last_logged_step: tuple[int, int] = (-1, -1)
         self._restored = False  # state loaded from a checkpoint, not yet used by a run
+        self._local_steps = False  # this run sets 0/1 Adam's local_step_scaler
         self.times = StepTimes()  # this fit's step times (not in the checkpoint)
 
     # ------------------------------------------------------------------ the run's start
 
     def start(
-        self, opt: OneBitOptimizer, total: float, converted: bool, front_end: FrontEnd
+        self,
+        opt: OneBitOptimizer,
+        total: float,
+        converted: bool,
+        front_end: FrontEnd,
+        local_steps: bool = False,
     ) -> None:
         """Resolve the switch step at the start of a run of ``total`` optimizer steps
         (``inf``: unknown) and set it on ``opt``; ``converted``: the strategy built ``opt``;
-        ``front_end``: the user's (the Trainer or Fabric), named in messages."""
+        ``front_end``: the user's (the Trainer or Fabric), named in messages; ``local_steps``:
+        also set 0/1 Adam's ``local_step_scaler`` from the run's length
+        (:data:`LOCAL_STEP_FRACTION`)."""
         restored, self._restored = self._restored, False
         self.times.reset()
+        self._local_steps = local_steps and isinstance(opt, ZeroOneAdam)
+        if self._local_steps:
+            self._start_local_steps(opt, total, restored, front_end)
         if not restored:  # a new run (or a second fit of this Trainer without a checkpoint)
             self.switched_at, self._snapshot = None, None
         if restored and self.switched_at is not None:
@@ -228,6 +251,43 @@ class PhaseSwitch:
             rank_zero_info(
                 f"1-bit compression starts after optimizer step {step}{how} ({type(opt).__name__})"
             )
+
+    def _start_local_steps(
+        self, opt: ZeroOneAdam, total: float, restored: bool, front_end: FrontEnd
+    ) -> None:
+        """Set ``opt.local_step_scaler`` to :data:`LOCAL_STEP_FRACTION` of the run's ``total``
+        optimizer steps, decided once per run as a fractional switch is: a resumed fit keeps the
+        checkpoint's (its interval counters count towards it). A run of unknown length keeps the
+        optimizer's own (DeepSpeed's 32768), with an info line."""
+        if restored and self.local_step_scaler is not None:
+            opt.local_step_scaler = self.local_step_scaler
+            return
+        if math.isfinite(total):
+            opt.local_step_scaler = max(1, round(LOCAL_STEP_FRACTION * total))
+            rank_zero_info(
+                f"ZeroOneAdam: local_step_scaler={opt.local_step_scaler} ({LOCAL_STEP_FRACTION} "
+                f"of the run's {int(total)} optimizer steps): after the variance freezes the "
+                f"local-step interval doubles every {opt.local_step_scaler} steps, up to "
+                f"local_step_clipper={opt.local_step_clipper}"
+            )
+        else:
+            rank_zero_info(
+                f"ZeroOneAdam: local_step_scaler={opt.local_step_scaler} (DeepSpeed's default: "
+                f"{LOCAL_STEP_FRACTION} of the run cannot be known, the run has no step limit), "
+                f"so every step synchronises for the first {opt.local_step_scaler} steps after "
+                f"the variance freezes; {front_end.run_length}, or pass local_step_scaler=..."
+            )
+        self.local_step_scaler = opt.local_step_scaler
+
+    def keep_restored(self, opt: OneBitOptimizer) -> None:
+        """After :meth:`start`, once a checkpoint's state has been loaded into this switch and
+        into ``opt`` (Fabric loads after setup): what the run decided when it started, the
+        switch step of a fractional ``freeze_step`` and a ``local_step_scaler`` from the run's
+        length, over what this fit's ``max_steps`` gave."""
+        if self.switch_step is not None and opt.phase == opt.PHASES[0]:
+            opt.switch_step = self.switch_step
+        if self._local_steps and self.local_step_scaler is not None:
+            opt.local_step_scaler = self.local_step_scaler
 
     def switch_when_stable(self, opt: OneBitOptimizer, algorithm: str, strategy: str) -> None:
         """A run of unknown length whose optimizer the strategy built, with no ``freeze_step``:
@@ -344,10 +404,12 @@ class PhaseSwitch:
             "switch_step": self.switch_step,
             "switched_at": self.switched_at,
             "snapshot": self._snapshot,
+            "local_step_scaler": self.local_step_scaler,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.switch_step = state_dict.get("switch_step")
+        self.local_step_scaler = state_dict.get("local_step_scaler")
         self.switched_at = state_dict.get("switched_at")
         self._snapshot = state_dict.get("snapshot")
         self._restored = True

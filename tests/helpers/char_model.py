@@ -20,6 +20,11 @@ VOCAB, CONTEXT, EMBED, HIDDEN = 48, 8, 16, 64
 
 ALGOS = ["onebit_adam", "zero_one_adam", "onebit_lamb"]
 
+#: the steps that synchronise when 0/1 Adam by name runs 40 steps: the variance phase is steps
+#: 1-8 (freeze_step 0.2 of the run), then the local-step interval doubles every 16 steps
+#: (local_step_scaler 0.4 of the run): 1 (steps 9-24), 2 (25-40)
+SYNC_STEPS_OF_40 = [*range(1, 25), *range(26, 41, 2)]
+
 
 def _corpus(nbytes: int = 120_000) -> torch.Tensor:
     """Standard-library source as token ids; the VOCAB-1 most frequent bytes get their own id
@@ -96,6 +101,7 @@ class RecordRanks(Callback):
             "comm_stats": dict(getattr(opt, "comm_stats", {})),
             "phase": getattr(opt, "phase", None),
             "optimizer": type(opt).__name__,
+            "local_step_scaler": getattr(opt, "local_step_scaler", None),
             "lr": [g["lr"] for g in opt.param_groups],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "overlap": getattr(opt, "overlaps_backward", None),

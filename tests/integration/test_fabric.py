@@ -20,7 +20,14 @@ from torch.utils.data import DataLoader
 import lightning_onebit
 from lightning_onebit import OneBitFabricStrategy, OneBitStrategy
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-from tests.helpers.char_model import ALGOS, CharModel, CharWindows, _corpus, _fit
+from tests.helpers.char_model import (
+    ALGOS,
+    SYNC_STEPS_OF_40,
+    CharModel,
+    CharWindows,
+    _corpus,
+    _fit,
+)
 from tests.helpers.dist import script_env
 
 OPTIMIZER = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}
@@ -111,6 +118,7 @@ def _loop(
         "phase": str(opt.phase),
         "comm_stats": dict(opt.comm_stats),
         "stats": stats,
+        "local_step_scaler": getattr(opt, "local_step_scaler", None),
         "summary": fabric.strategy.comm_summary(),
         "overlap": opt.overlaps_backward,
         "loss": float(loss),
@@ -220,7 +228,9 @@ def test_a_fabric_loop_equals_the_trainer_run(tmp_path: Path, algo: str) -> None
     )
     fabric = _fabric(
         tmp_path / "fabric",
-        OneBitFabricStrategy(algorithm=algo, freeze_step=switch, start_method="fork"),
+        OneBitFabricStrategy(
+            algorithm=algo, freeze_step=switch, max_steps=steps, start_method="fork"
+        ),
         lr=LR[algo],
         steps=steps,
     )
@@ -648,6 +658,46 @@ def test_a_fractional_switch_is_kept_on_resume(tmp_path: Path) -> None:
     assert [s["onebit/phase"] for s in resumed[0]["stats"]] == [0.0] * 4 + [1.0] * 10
 
 
+@pytest.mark.slow
+def test_zero_one_adams_local_steps_follow_max_steps_as_in_the_trainer(tmp_path: Path) -> None:
+    """``local_step_scaler`` is 0.4 of ``max_steps``, as 0.4 of the Trainer's run: the same
+    synchronising steps, bytes and parameters. An explicit value, a DeepSpeed config, and a run
+    without ``max_steps`` keep theirs (DeepSpeed's 32768 where none is named)."""
+    lr, algo = LR["zero_one_adam"], "zero_one_adam"
+    trainer = _fit(
+        tmp_path / "trainer",
+        OneBitStrategy(algorithm=algo, start_method="fork"),
+        steps=40,
+        model=CharModel(lr=lr),
+    )
+    fabric = _fabric(
+        tmp_path / "fabric",
+        OneBitFabricStrategy(algorithm=algo, max_steps=40, start_method="fork"),
+        lr=lr,
+        steps=40,
+    )
+    rec = fabric[0]
+    assert rec["local_step_scaler"] == trainer[0]["local_step_scaler"] == 16
+    syncs = [i + 1 for i, s in enumerate(rec["stats"]) if s["onebit/bytes_step"] > 0]
+    assert syncs == SYNC_STEPS_OF_40
+    assert rec["comm_stats"] == trainer[0]["comm_stats"]
+    _assert_params_close(rec["params"], trainer[0]["params"])
+    explicit = OneBitFabricStrategy(
+        algorithm=algo, max_steps=10, local_step_scaler=3, start_method="fork"
+    )
+    config = {"optimizer": {"type": "ZeroOneAdam", "params": {"lr": lr, "var_freeze_step": 4}}}
+    kept = {
+        "explicit": (explicit, 3),
+        "config": (
+            OneBitFabricStrategy.from_deepspeed_config(config, max_steps=10, start_method="fork"),
+            32768,
+        ),
+        "unknown": (OneBitFabricStrategy(algorithm=algo, start_method="fork"), 32768),
+    }
+    for name, (strategy, scaler) in kept.items():
+        assert _fabric(tmp_path / name, strategy, lr=lr, steps=10)[0]["local_step_scaler"] == scaler
+
+
 def _own_optimizer(fabric: L.Fabric, out: Path, kind: str) -> None:
     model = CharNet()
     if kind == "sgd":
@@ -863,3 +913,37 @@ def test_a_fraction_without_a_step_limit_names_the_users_front_end(
     with pytest.raises(ValueError, match="no step limit") as err:
         PhaseSwitch(0.2).start(opt, float("inf"), True, getattr(front_ends, front_end))
     assert said in str(err.value) and not_said not in str(err.value)
+
+
+def test_local_step_scaler_is_decided_once_per_run(caplog: pytest.LogCaptureFixture) -> None:
+    """0.4 of the run's steps, with an info line; a resumed fit keeps the checkpoint's whatever
+    its own length; a run of unknown length keeps DeepSpeed's 32768 and says how to choose."""
+    import logging
+
+    from lightning_onebit._integration.front_end import FABRIC, TRAINER
+    from lightning_onebit._integration.phase_switch import PhaseSwitch
+
+    def built() -> ZeroOneAdam:
+        return ZeroOneAdam([torch.nn.Parameter(torch.ones(4))], lr=1e-3)
+
+    logger = logging.getLogger("lightning.fabric.utilities.rank_zero")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            first, opt = PhaseSwitch(), built()
+            first.start(opt, 500.0, True, TRAINER, local_steps=True)
+            assert opt.local_step_scaler == 200
+            assert "local_step_scaler=200 (0.4 of the run's 500 optimizer steps)" in caplog.text
+            resumed, again = PhaseSwitch(), built()
+            resumed.load_state_dict(first.state_dict())
+            resumed.start(again, 2000.0, True, TRAINER, local_steps=True)
+            assert again.local_step_scaler == 200
+            unknown = built()
+            PhaseSwitch(8).start(unknown, float("inf"), False, FABRIC, local_steps=True)
+            assert unknown.local_step_scaler == 32768
+            assert "pass the strategy's max_steps=..., or pass local_step_scaler=" in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+    not_asked = built()  # (an explicit value, a DeepSpeed config, an optimizer of the user's)
+    PhaseSwitch().start(not_asked, 500.0, True, TRAINER)
+    assert not_asked.local_step_scaler == 32768

@@ -25,6 +25,7 @@ from lightning_onebit.comm import fp32_allreduce_bytes
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests.helpers.char_model import (
     ALGOS,
+    SYNC_STEPS_OF_40,
     CharModel,
     _assert_same_on_all_ranks,
     _fit,
@@ -296,7 +297,11 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None
     """Stop at step 16 (in the compression phase), resume to 32: same parameters as 32 at once."""
 
     def strategy() -> OneBitStrategy:
-        return OneBitStrategy(algorithm=algo, freeze_step=6, start_method="fork")
+        # (0/1 Adam's local_step_scaler by default is a fraction of each fit's max_steps: 16
+        # for the first fit, 32 for the whole run)
+        return OneBitStrategy(
+            algorithm=algo, freeze_step=6, local_step_scaler=4, start_method="fork"
+        )
 
     def kw() -> dict:  # a fresh model per fit: the fork launcher copies rank 0's weights back
         return {"model": CharModel(lr=1e-3), "epoch_steps": 8}
@@ -479,6 +484,52 @@ def test_switch_step_maps_to_each_optimizers_freeze_parameter() -> None:
     assert z.switch_step == 9
     z.switch_step = 11
     assert z.var_freeze_step == 11
+
+
+class SentPerStep(Callback):
+    """Every rank writes the bytes it sent in each optimizer step (0: a local step)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.sent: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        opt = trainer.strategy.optimizers[0]
+        self.sent.append(getattr(opt, "_optimizer", opt).comm_stats["bytes_last_step"])
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(self.sent, self.out / f"sent{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_zero_one_adam_by_name_takes_local_steps_on_a_short_run(tmp_path: Path) -> None:
+    """``strategy="zero_one_adam"`` sets ``local_step_scaler`` to 0.4 of the run: on 40 steps
+    it synchronises on 32 of them and sends fewer bytes than 1-bit Adam, which synchronises on
+    all 40. An explicit ``local_step_scaler`` and a DeepSpeed config keep theirs."""
+    runs = {}
+    for algorithm in ("zero_one_adam", "onebit_adam"):
+        out = tmp_path / algorithm
+        out.mkdir()
+        strategy = OneBitStrategy(algorithm=algorithm, start_method="fork")
+        records = _fit(out, strategy, steps=40, callbacks=[SentPerStep(out)])
+        sent = torch.load(out / "sent0.pt")
+        runs[algorithm] = records[0], sent, [i + 1 for i, b in enumerate(sent) if b > 0]
+    zero_one, zero_one_sent, zero_one_syncs = runs["zero_one_adam"]
+    onebit, onebit_sent, onebit_syncs = runs["onebit_adam"]
+    assert zero_one["local_step_scaler"] == 16
+    assert zero_one_syncs == SYNC_STEPS_OF_40
+    assert onebit_syncs == list(range(1, 41))
+    # the same fp32 variance phase / warmup, then one 1-bit exchange per synchronising step
+    numel = sum(v.numel() for v in zero_one["params"].values())
+    assert zero_one_sent[:8] == onebit_sent[:8] == [fp32_allreduce_bytes(numel, 2)] * 8
+    saved = (40 - len(SYNC_STEPS_OF_40)) * _per_call(numel, 2)
+    assert zero_one["comm_stats"]["bytes_total"] <= onebit["comm_stats"]["bytes_total"] - saved
+    # an explicit value, and a DeepSpeed config (DeepSpeed's 32768 where it names none), are kept
+    explicit = OneBitStrategy(algorithm="zero_one_adam", local_step_scaler=3, start_method="fork")
+    assert _fit(tmp_path / "explicit", explicit, steps=10)[0]["local_step_scaler"] == 3
+    config = {"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 3e-3, "var_freeze_step": 4}}}
+    from_config = OneBitStrategy.from_deepspeed_config(config, start_method="fork")
+    assert _fit(tmp_path / "config", from_config, steps=10)[0]["local_step_scaler"] == 32768
 
 
 # --------------------------------------------------------------------------- ordinary models
