@@ -586,6 +586,6 @@ class ZeroOneAdam(OneBitOptimizer):
     def _next_local_interval(self) -> None:
         # 3d. the local step interval doubles every local_step_scaler steps
         self.local_step_counter += 1
-        if self.local_step_counter == self.local_step_scaler:
+        if self.local_step_counter >= self.local_step_scaler:  # (>=: a scaler lowered mid-run)
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
