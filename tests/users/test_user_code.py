@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitStrategy
 from tests.helpers.dist import free_port, run_distributed, script_env
-from tests.helpers.user_models import OneThread
+from tests.helpers.fit import OneThread
 
 STEPS = 12
 
