@@ -146,7 +146,12 @@ def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize(
+    # 4 ranks: the same code with more chunks per exchange (the exchange itself is compared with
+    # the simulation on 4 ranks on every change, tests/optim/test_optim_dist.py)
+    "devices",
+    [2, pytest.param(4, marks=pytest.mark.long)],
+)
 def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
     """Each algorithm against DDP + AdamW (same module, same steps); 1-bit LAMB against LAMB."""
     steps, switch = 200, 50  # compression after 25% of the steps
