@@ -154,7 +154,7 @@ def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> No
 )
 def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
     """Each algorithm against DDP + AdamW (same module, same steps); 1-bit LAMB against LAMB."""
-    steps, switch = 200, 50  # compression after 25% of the steps
+    steps, switch = 100, 25  # compression after 25% of the steps
     results: dict[str, tuple[float, list[dict]]] = {}
     runs: dict[str, Any] = {
         "ddp": "ddp_notebook",
