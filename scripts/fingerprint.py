@@ -7,7 +7,8 @@ change that must not change the numbers (restructuring, renaming, moving code).
     python scripts/fingerprint.py --cases 'zero_one_adam/*/overlap/*'   # a subset (fnmatch)
 
 Each case trains a small MLP (fixed seed, fixed synthetic batches per rank) for ``STEPS`` steps
-with one optimizer used directly on real gloo ranks (forked processes, one torch thread each):
+with one optimizer used directly on real gloo ranks (forked processes, one torch thread each,
+started by the tests' launcher ``tests.helpers.dist.run_distributed``):
 
 * algorithm: ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``, each configured so that 12 steps
   reach the compression phase (and 0/1 Adam's 1-bit gradient steps and local steps);
@@ -35,24 +36,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import fnmatch
 import hashlib
-import io
-import multiprocessing as mp
-import socket
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.helpers` (the rank launcher)
 
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from tests.helpers.dist import run_distributed
 
 STEPS = 12
 LR = 1e-2
+#: how long the overlap's communication thread waits for a bucket's exchange
 TIMEOUT = timedelta(seconds=120)
 #: overlap buckets of about 1 KiB: one per layer (and a group's last bucket may be smaller)
 BUCKET_CAP_MB = 0.001
@@ -183,57 +184,6 @@ def _worker(rank: int, world: int, ranks_per_node: int | None, names: list[str])
         return {name: _run_case(rank, name, ranks_per_node) for name in names}
 
 
-# --------------------------------------------------------------------------- the ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank: int, world: int, port: int, q: Any, args: tuple) -> None:
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-        try:
-            result = _worker(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        q.put((rank, "ok", buf.getvalue()))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-
-
-def _run_ranks(world: int, *args: Any) -> list[Any]:
-    """Run ``_worker(rank, world, *args)`` on ``world`` forked gloo ranks; results by rank."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_child, args=(r, world, port, q, args), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, payload = q.get(timeout=600)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
-
-
 def fingerprint(pattern: str = "*") -> list[str]:
     """Run the cases whose names match ``pattern``; return one ``name hash`` line per case."""
     lines = []
@@ -241,7 +191,7 @@ def fingerprint(pattern: str = "*") -> list[str]:
         names = [n for n in case_names(topology) if fnmatch.fnmatchcase(n, pattern)]
         if not names:
             continue
-        results = _run_ranks(world, ranks_per_node, names)
+        results = run_distributed(_worker, world, ranks_per_node, names, timeout=600)
         for name in names:
             full, params = results[0][name]
             differ = [r for r in range(1, world) if results[r][name][1] != params]

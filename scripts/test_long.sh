@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The long matrices (tests marked `long`: every user model x algorithm next to DDP, the C++
-# kernels under sanitizers, the multi-node layouts): CI runs them after scripts/test.sh.
+# kernels under sanitizers, the multi-node layouts, and the cases of a matrix beyond the one
+# scripts/test.sh keeps): CI runs them after scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

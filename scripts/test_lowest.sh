@@ -16,8 +16,10 @@ LIGHTNING=${LOWEST_LIGHTNING:-2.6.0}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==$TORCH" "lightning==$LIGHTNING"
+# (--no-compile, then byte-compiled on every core at the end: see scripts/setup.sh)
+python -m pip install -q --no-compile "torch==$TORCH" "lightning==$LIGHTNING"
 # (a build directory of its own: the main venv's editable build stays as it is)
-python -m pip install -q -e '.[examples]' --group test -C build-dir=build/lowest
+python -m pip install -q --no-compile -e '.[examples]' --group test -C build-dir=build/lowest
+python -m compileall -qq -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 python -c "import torch, lightning; print('lowest versions: torch', torch.__version__, 'lightning', lightning.__version__)"
 python -m pytest -q -n 2 --dist loadfile -m "not slow" -p no:cacheprovider "$@"

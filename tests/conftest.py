@@ -12,8 +12,9 @@ import pytest
 MARKERS = {
     "slow": "multi-process tests that take more than a few seconds (still run in CI)",
     "cuda": "needs a CUDA GPU",
-    "long": "long matrices (every user model x algorithm, sanitizers, multi-node layouts): "
-    "scripts/test_long.sh, which CI runs after the suite; scripts/test.sh leaves them out",
+    "long": "long matrices (every user model x algorithm, sanitizers, multi-node layouts) and "
+    "the cases of a matrix beyond the one the suite keeps: scripts/test_long.sh, which CI runs "
+    "after the suite; scripts/test.sh leaves them out",
 }
 
 

@@ -4,16 +4,16 @@ prediction, no downloads) and the 2-rank fit helper they share."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers.user_models import OneThread, _stdlib_text
+from tests.helpers.fit import fit_ranks
+from tests.helpers.user_models import bytes_to_ids, stdlib_text
 
 VOCAB, CONTEXT, EMBED, HIDDEN = 48, 8, 16, 64
 
@@ -29,11 +29,8 @@ SYNC_STEPS_OF_40 = [*range(1, 25), *range(26, 41, 2)]
 def _corpus(nbytes: int = 120_000) -> torch.Tensor:
     """Standard-library source as token ids; the VOCAB-1 most frequent bytes get their own id
     (every id occurs often in warmup: a frozen variance of 0 would make 1-bit steps explode)."""
-    raw = torch.frombuffer(bytearray(_stdlib_text(nbytes)), dtype=torch.uint8).long()
-    frequent = torch.bincount(raw, minlength=256).argsort(descending=True)[: VOCAB - 1]
-    ids = torch.full((256,), VOCAB - 1, dtype=torch.long)
-    ids[frequent] = torch.arange(VOCAB - 1)
-    return ids[raw]
+    text = stdlib_text(nbytes)
+    return bytes_to_ids(text, VOCAB, text)
 
 
 class CharWindows(Dataset):
@@ -86,32 +83,6 @@ class CharModel(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class RecordRanks(Callback):
-    """Every rank writes its parameters, optimizer step count and counters at the end of fit."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        opt = trainer.strategy.optimizers[0]
-        opt = getattr(opt, "_optimizer", opt)
-        record = {
-            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-            "step_count": getattr(opt, "step_count", None),
-            "comm_stats": dict(getattr(opt, "comm_stats", {})),
-            "phase": getattr(opt, "phase", None),
-            "optimizer": type(opt).__name__,
-            "local_step_scaler": getattr(opt, "local_step_scaler", None),
-            "lr": [g["lr"] for g in opt.param_groups],
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "overlap": getattr(opt, "overlaps_backward", None),
-            "buckets": len(
-                getattr(getattr(getattr(opt, "flat", None), "exchange", None), "buckets", [None])
-            ),
-        }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
-
-
 def _fit(
     tmp: Path,
     strategy: Any,
@@ -124,34 +95,22 @@ def _fit(
     epoch_steps: int | None = None,
     **trainer_kw: Any,
 ) -> list[dict]:
-    tmp.mkdir(parents=True, exist_ok=True)
+    """Train ``model`` (default: a fresh ``CharModel()``) on the corpus' windows; every rank's
+    record (``tests.helpers.fit.fit_ranks``, whose arguments these are)."""
     data = _corpus()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[RecordRanks(tmp), OneThread(), *(callbacks or [])],
-        default_root_dir=tmp,
+    return fit_ranks(
+        model or CharModel(),
+        lambda n: CharWindows(data, n),
+        strategy,
+        tmp,
+        steps,
+        devices,
+        batch,
+        epoch_steps=epoch_steps,
+        ckpt_path=ckpt_path,
+        callbacks=callbacks,
         **trainer_kw,
     )
-    # one epoch of `epoch_steps` optimizer steps (default: the whole run sees each window once);
-    # resuming at an epoch boundary replays exactly the same batches
-    n = (epoch_steps or steps) * batch * devices * trainer_kw.get("accumulate_grad_batches", 1)
-    loader = DataLoader(CharWindows(data, n), batch_size=batch, shuffle=True)
-    omp = os.environ.get("OMP_NUM_THREADS")
-    try:
-        trainer.fit(model or CharModel(), loader, ckpt_path=ckpt_path)
-    finally:  # an in-process (devices=1) fit sets OMP_NUM_THREADS for the later forked ones
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
 def _per_call(numel: int, world: int) -> int:

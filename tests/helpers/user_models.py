@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,20 +36,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_onebit.comm import fp32_allreduce_bytes
+from tests.helpers.fit import fit_ranks
 
 __all__ = [
     "MODELS",
     "TEXT_VOCAB",
-    "RecordUserRun",
     "UserModel",
+    "bytes_to_ids",
     "compare",
     "fit_user_model",
     "ranks_in_sync",
+    "stdlib_text",
 ]
 
 TEXT_VOCAB = 96  # 95 most frequent bytes of the training text + one id for all others
@@ -63,7 +63,7 @@ _SPLIT_SEED = 1234  # the fixed train / held-out split of the sklearn data sets
 
 
 @functools.cache
-def _stdlib_text(nbytes: int = _TEXT_BYTES) -> bytes:
+def stdlib_text(nbytes: int = _TEXT_BYTES) -> bytes:
     lib = Path(os.__file__).parent
     text = b""
     for path in sorted(lib.glob("*.py")):
@@ -73,7 +73,7 @@ def _stdlib_text(nbytes: int = _TEXT_BYTES) -> bytes:
     return text[:nbytes]
 
 
-def _bytes_to_ids(raw: bytes, vocab: int, table_from: bytes) -> torch.Tensor:
+def bytes_to_ids(raw: bytes, vocab: int, table_from: bytes) -> torch.Tensor:
     """Byte ids: the ``vocab - 1`` most frequent bytes of ``table_from`` get their own id, the
     rest share id ``vocab - 1``."""
     ref = torch.frombuffer(bytearray(table_from), dtype=torch.uint8).long()
@@ -86,8 +86,8 @@ def _bytes_to_ids(raw: bytes, vocab: int, table_from: bytes) -> torch.Tensor:
 @functools.cache
 def _text_ids(vocab: int = TEXT_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """(train ids, held-out ids) of the standard-library text."""
-    text = _stdlib_text()
-    ids = _bytes_to_ids(text, vocab, text[:_TRAIN_TEXT])
+    text = stdlib_text()
+    ids = bytes_to_ids(text, vocab, text[:_TRAIN_TEXT])
     return ids[:_TRAIN_TEXT], ids[_TRAIN_TEXT:]
 
 
@@ -97,39 +97,41 @@ def _windows(data: torch.Tensor, n: int, length: int) -> torch.Tensor:
     return data[offsets[:, None] + torch.arange(length)]
 
 
+def _split(x: torch.Tensor, y: torch.Tensor, held: int) -> tuple[torch.Tensor, ...]:
+    """(x_train, y_train, x_held, y_held): the last ``held`` rows of a fixed permutation held out."""
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(_SPLIT_SEED))
+    x, y = x[perm], y[perm]
+    return x[:-held], y[:-held], x[-held:], y[-held:]
+
+
 @functools.cache
-def _digits(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train, y_train, x_held, y_held): digits upsampled to size x size, standardized."""
+def _digits(size: int) -> tuple[torch.Tensor, ...]:
+    """(x_train, y_train, x_held, y_held): digits upsampled to size x size, standardized on
+    train; 1500 train, 297 held out."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0  # (N, 1, 8, 8)
     if size != 8:
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(_SPLIT_SEED))
-    x, y = x[perm], y[perm]
-    held = 297  # 1500 train, 297 held out
-    mean, std = x[:-held].mean(), x[:-held].std()
-    x = (x - mean) / std
-    return x[:-held], y[:-held], x[-held:], y[-held:]
+    xt, yt, xh, yh = _split(x, torch.tensor(d.target, dtype=torch.long), held=297)
+    mean, std = xt.mean(), xt.std()
+    return (xt - mean) / std, yt, (xh - mean) / std, yh
 
 
 @functools.cache
-def _diabetes() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train, y_train, x_held, y_held) of the diabetes regression, standardized on train."""
+def _diabetes() -> tuple[torch.Tensor, ...]:
+    """(x_train, y_train, x_held, y_held) of the diabetes regression, x and y standardized on
+    train; 354 train, 88 held out."""
     from sklearn.datasets import load_diabetes
 
     d = load_diabetes()
     x = torch.tensor(d.data, dtype=torch.float32)
     y = torch.tensor(d.target, dtype=torch.float32)[:, None]
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(_SPLIT_SEED))
-    x, y = x[perm], y[perm]
-    held = 88  # 354 train, 88 held out
-    xm, xs = x[:-held].mean(0), x[:-held].std(0)
-    ym, ys = y[:-held].mean(), y[:-held].std()
-    x, y = (x - xm) / xs, (y - ym) / ys
-    return x[:-held], y[:-held], x[-held:], y[-held:]
+    xt, yt, xh, yh = _split(x, y, held=88)
+    xm, xs = xt.mean(0), xt.std(0)
+    ym, ys = yt.mean(), yt.std()
+    return (xt - xm) / xs, (yt - ym) / ys, (xh - xm) / xs, (yh - ym) / ys
 
 
 _SNIPPET_MODULES = ("argparse.py", "_pydecimal.py", "turtle.py", "ssl.py")
@@ -141,10 +143,10 @@ def _snippets(per_class_train: int = 1024, per_class_held: int = 64) -> tuple[to
     """Which standard-library module a 64-byte snippet comes from (4 classes): the first 80% of
     each file for training, the last 20% held out. Ids as the text models' (+ [CLS] = vocab)."""
     lib = Path(os.__file__).parent
-    table = _stdlib_text()[:_TRAIN_TEXT]
+    table = stdlib_text()[:_TRAIN_TEXT]
     parts: dict[str, list[torch.Tensor]] = {"xt": [], "yt": [], "xh": [], "yh": []}
     for label, name in enumerate(_SNIPPET_MODULES):
-        ids = _bytes_to_ids((lib / name).read_bytes(), TEXT_VOCAB, table)
+        ids = bytes_to_ids((lib / name).read_bytes(), TEXT_VOCAB, table)
         cut = int(0.8 * len(ids))
         for split, data, n in (("t", ids[:cut], per_class_train), ("h", ids[cut:], per_class_held)):
             parts["x" + split].append(_windows(data, n, _SNIPPET))
@@ -181,24 +183,46 @@ class Cycle(Dataset):
 
 
 class UserModel(L.LightningModule):
-    """Shared plumbing: ``train_loss`` logged every step, a fixed held-out ``eval_loss()``."""
+    """Shared plumbing: the seed, ``train_loss`` logged every step, a fixed held-out
+    ``eval_loss()``, and ``configure_optimizers`` returning ``optimizer(params, lr=lr,
+    **optimizer_kw)``, torch's own, as the user wrote it.
+
+    A subclass builds its layers after ``super().__init__(seed, lr)`` (which seeds torch) and
+    says where its data comes from: ``splits()`` (x_train, y_train, x_held, y_held), or its own
+    ``train_set`` and ``eval_batch``.
+    """
 
     default_steps = 200
     batch_size = 32
+    optimizer: type[torch.optim.Optimizer] = torch.optim.Adam
+    optimizer_kw: dict[str, Any] = {}  # noqa: RUF012 (read only)
+
+    def __init__(self, seed: int, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        torch.manual_seed(seed)
 
     def batch_loss(self, batch: Any) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def train_set(self, n: int) -> Dataset:  # pragma: no cover - abstract
+    def splits(self) -> tuple[torch.Tensor, ...]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def eval_batch(self) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def train_set(self, n: int) -> Dataset:
+        x, y, _, _ = self.splits()
+        return Cycle(n, x, y)
+
+    def eval_batch(self) -> Any:
+        _, _, x, y = self.splits()
+        return x, y
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.batch_loss(batch)
         self.log("train_loss", loss)
         return loss
+
+    def configure_optimizers(self) -> Any:
+        return self.optimizer(self.parameters(), lr=self.lr, **self.optimizer_kw)
 
     @torch.no_grad()
     def eval_loss(self) -> float:
@@ -211,15 +235,12 @@ class UserModel(L.LightningModule):
 
 
 class _DigitsModel(UserModel):
+    """A classifier of the digits at ``image_size`` x ``image_size``."""
+
     image_size = 16
 
-    def train_set(self, n: int) -> Dataset:
-        x, y, _, _ = _digits(self.image_size)
-        return Cycle(n, x, y)
-
-    def eval_batch(self) -> Any:
-        _, _, x, y = _digits(self.image_size)
-        return x, y
+    def splits(self) -> tuple[torch.Tensor, ...]:
+        return _digits(self.image_size)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -233,12 +254,8 @@ class ConvBN(_DigitsModel):
     """Two Conv2d(bias=True) -> BatchNorm2d -> ReLU blocks, pooling, a linear classifier: the conv
     biases have (numerically) zero gradient, as BatchNorm removes the channel mean."""
 
-    default_steps = 200
-
     def __init__(self, seed: int = 0, lr: float = 2e-3) -> None:
-        super().__init__()
-        self.lr = lr
-        torch.manual_seed(seed)
+        super().__init__(seed, lr)
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1, bias=True),
             nn.BatchNorm2d(16),
@@ -255,22 +272,16 @@ class ConvBN(_DigitsModel):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
 
 class DeadReLU(_DigitsModel):
     """64 -> 32 -> 10 ReLU MLP on 8x8 digits; 4 hidden units are dead from the start (incoming
     weights 0, bias -1): their weights and biases, in and out, never get a gradient."""
 
     image_size = 8
-    default_steps = 200
     dead = 4
 
     def __init__(self, seed: int = 0, lr: float = 3e-3) -> None:
-        super().__init__()
-        self.lr = lr
-        torch.manual_seed(seed)
+        super().__init__(seed, lr)
         self.hidden = nn.Linear(64, 32)
         self.out = nn.Linear(32, 10)
         with torch.no_grad():
@@ -279,9 +290,6 @@ class DeadReLU(_DigitsModel):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.relu(self.hidden(x.flatten(1))))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
 class _TextLM(UserModel):
@@ -311,12 +319,11 @@ class MHABlock(_TextLM):
     """A GPT-style block around ``nn.MultiheadAttention`` (causal, in_proj bias): embeddings,
     pre-LayerNorm attention and MLP, a final LayerNorm and an LM head."""
 
-    default_steps = 200
+    optimizer = torch.optim.AdamW
+    optimizer_kw = {"betas": (0.9, 0.95)}  # noqa: RUF012
 
     def __init__(self, seed: int = 0, lr: float = 3e-3, dim: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.lr = lr
-        torch.manual_seed(seed)
+        super().__init__(seed, lr)
         self.tok = nn.Embedding(TEXT_VOCAB, dim)
         self.pos = nn.Embedding(self.context, dim)
         self.ln1 = nn.LayerNorm(dim)
@@ -336,21 +343,17 @@ class MHABlock(_TextLM):
         h = h + self.mlp(self.ln2(h))
         return self.head(self.ln_f(h))
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95))
-
 
 class TiedEmbeddings(_TextLM):
     """A window LM whose output projection *is* the input embedding (``head.weight = emb.weight``,
     as Hugging Face ties them): 16 characters -> MLP -> the next one."""
 
     context = 16
-    default_steps = 200
+    optimizer = torch.optim.AdamW
+    optimizer_kw = {"weight_decay": 0.01}  # noqa: RUF012
 
     def __init__(self, seed: int = 0, lr: float = 3e-3, dim: int = 32, hidden: int = 128) -> None:
-        super().__init__()
-        self.lr = lr
-        torch.manual_seed(seed)
+        super().__init__(seed, lr)
         self.emb = nn.Embedding(TEXT_VOCAB, dim)
         self.body = nn.Sequential(
             nn.Flatten(), nn.Linear(self.context * dim, hidden), nn.Tanh(), nn.Linear(hidden, dim)
@@ -362,22 +365,19 @@ class TiedEmbeddings(_TextLM):
         (seq,) = batch  # predict the last id from the 16 before it
         return F.cross_entropy(self.head(self.body(self.emb(seq[:, :-1]))), seq[:, -1])
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-
 
 class GPT2(_TextLM):
     """``transformers.GPT2LMHeadModel`` (2 layers, 128 wide, 4 heads; tied embeddings); the
     slowest of the zoo, hence 150 steps."""
 
     default_steps = 150
+    optimizer = torch.optim.AdamW
+    optimizer_kw = {"betas": (0.9, 0.95), "weight_decay": 0.1}  # noqa: RUF012
 
     def __init__(self, seed: int = 0, lr: float = 3e-3) -> None:
-        super().__init__()
+        super().__init__(seed, lr)
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        self.lr = lr
-        torch.manual_seed(seed)
         config = GPT2Config(
             vocab_size=TEXT_VOCAB,
             n_positions=64,
@@ -397,23 +397,20 @@ class GPT2(_TextLM):
         (seq,) = batch
         return self.model(input_ids=seq, labels=seq).loss  # the model shifts the labels
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
-
 
 class Bert(UserModel):
     """``transformers.BertForSequenceClassification`` (2 layers, 64 wide, 2 heads): which of 4
     standard-library modules a 64-byte snippet comes from; AdamW with Hugging Face's linear
     warmup/decay schedule (from lr 0, stepped every batch)."""
 
-    default_steps = 200
+    optimizer = torch.optim.AdamW
+    optimizer_kw = {"weight_decay": 0.01}  # noqa: RUF012
 
     def __init__(self, seed: int = 0, lr: float = 3e-3, warmup: float = 0.1) -> None:
-        super().__init__()
+        super().__init__(seed, lr)
         from transformers import BertConfig, BertForSequenceClassification
 
-        self.lr, self.warmup = lr, warmup
-        torch.manual_seed(seed)
+        self.warmup = warmup
         config = BertConfig(
             vocab_size=TEXT_VOCAB + 1,  # + [CLS]
             hidden_size=64,
@@ -428,13 +425,8 @@ class Bert(UserModel):
         )
         self.model = BertForSequenceClassification(config)
 
-    def train_set(self, n: int) -> Dataset:
-        x, y, _, _ = _snippets()
-        return Cycle(n, x, y)
-
-    def eval_batch(self) -> Any:
-        _, _, x, y = _snippets()
-        return x, y
+    def splits(self) -> tuple[torch.Tensor, ...]:
+        return _snippets()
 
     def batch_loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -443,24 +435,28 @@ class Bert(UserModel):
     def configure_optimizers(self) -> Any:
         from transformers import get_linear_schedule_with_warmup
 
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        opt = super().configure_optimizers()
         total = int(self.trainer.estimated_stepping_batches)
         sched = get_linear_schedule_with_warmup(opt, math.ceil(self.warmup * total), total)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class ResNet(_DigitsModel):
-    """``transformers.ResNetForImageClassification`` (basic blocks, [16, 32] wide) on 32x32."""
+class _HFImageClassifier(_DigitsModel):
+    """A ``transformers`` image classifier (``self.model``) on 32x32 digits."""
 
     image_size = 32
-    default_steps = 200
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+
+class ResNet(_HFImageClassifier):
+    """``transformers.ResNetForImageClassification`` (basic blocks, [16, 32] wide) on 32x32."""
 
     def __init__(self, seed: int = 0, lr: float = 2e-3) -> None:
-        super().__init__()
+        super().__init__(seed, lr)
         from transformers import ResNetConfig, ResNetForImageClassification
 
-        self.lr = lr
-        torch.manual_seed(seed)
         config = ResNetConfig(
             num_channels=1,
             embedding_size=16,
@@ -471,26 +467,18 @@ class ResNet(_DigitsModel):
         )
         self.model = ResNetForImageClassification(config)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=x).logits
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
-class ViT(_DigitsModel):
+class ViT(_HFImageClassifier):
     """``transformers.ViTForImageClassification`` (2 blocks, 64 wide, 2 heads, 8x8 patches of
     32x32 digits)."""
 
-    image_size = 32
-    default_steps = 200
+    optimizer = torch.optim.AdamW
+    optimizer_kw = {"weight_decay": 0.01}  # noqa: RUF012
 
     def __init__(self, seed: int = 0, lr: float = 2e-3) -> None:
-        super().__init__()
+        super().__init__(seed, lr)
         from transformers import ViTConfig, ViTForImageClassification
 
-        self.lr = lr
-        torch.manual_seed(seed)
         config = ViTConfig(
             image_size=32,
             patch_size=8,
@@ -505,12 +493,6 @@ class ViT(_DigitsModel):
         )
         self.model = ViTForImageClassification(config)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=x).logits
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-
 
 class MLPRegression(UserModel):
     """10 -> 32 -> 1 ReLU MLP on diabetes (MSE), Adam at torch's default betas (wider or
@@ -519,25 +501,15 @@ class MLPRegression(UserModel):
     default_steps = 300
 
     def __init__(self, seed: int = 0, lr: float = 1e-2) -> None:
-        super().__init__()
-        self.lr = lr
-        torch.manual_seed(seed)
+        super().__init__(seed, lr)
         self.net = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
 
-    def train_set(self, n: int) -> Dataset:
-        x, y, _, _ = _diabetes()
-        return Cycle(n, x, y)
-
-    def eval_batch(self) -> Any:
-        _, _, x, y = _diabetes()
-        return x, y
+    def splits(self) -> tuple[torch.Tensor, ...]:
+        return _diabetes()
 
     def batch_loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
         return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)  # betas (0.9, 0.999)
 
 
 #: name -> factory(seed=0, **hparams) -> UserModel
@@ -557,81 +529,6 @@ MODELS: dict[str, Callable[..., UserModel]] = {
 # --------------------------------------------------------------------------- the runner
 
 
-def _inner_optimizer(trainer: L.Trainer) -> Any:
-    opt = trainer.strategy.optimizers[0]
-    return getattr(opt, "_optimizer", opt)
-
-
-class RecordUserRun(Callback):
-    """Every rank writes its record at the end of fit: parameters and buffers, the held-out loss
-    (computed on that rank), the optimizer's type/phase/step count/counters and, per training
-    batch (= per optimizer step without gradient accumulation), the train loss, the phase the
-    step ran in and the bytes ``step()`` sent (``bytes_last_step``)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.history: list[dict[str, Any]] = []
-        self._phase: str | None = None
-        self._t0 = 0.0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.history = []
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, i: int) -> None:
-        self._phase = getattr(_inner_optimizer(trainer), "phase", None)  # the phase step i runs in
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int
-    ) -> None:
-        opt = _inner_optimizer(trainer)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.history.append(
-            {
-                "loss": float(loss) if loss is not None else math.nan,
-                "phase": self._phase,
-                "bytes": getattr(opt, "comm_stats", {}).get("bytes_last_step"),
-            }
-        )
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        opt = _inner_optimizer(trainer)
-        params = list(pl_module.parameters())  # tied parameters once
-        record = {
-            "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-            "param_names": [  # the rest are buffers; tied weights under each of their names
-                k
-                for k, v in pl_module.state_dict(keep_vars=True).items()
-                if isinstance(v, nn.Parameter)
-            ],
-            "numel": sum(p.numel() for p in params if p.requires_grad),
-            "eval_loss": pl_module.eval_loss(),
-            "optimizer": type(opt).__name__,
-            "phases": getattr(type(opt), "PHASES", None),
-            "phase": getattr(opt, "phase", None),
-            "step_count": getattr(opt, "step_count", None),
-            "skipped_steps": getattr(opt, "skipped_steps", None),
-            "params_differ_across_ranks": getattr(opt, "params_differ_across_ranks", False),
-            "comm_stats": dict(getattr(opt, "comm_stats", {})),
-            "lr": [g["lr"] for g in opt.param_groups],
-            "global_step": trainer.global_step,
-            "history": self.history,
-            "seconds": time.perf_counter() - self._t0,
-        }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
-
-
-class OneThread(Callback):
-    """One torch thread per fork-started rank, as OneBitStrategy sets for its own: GNU OpenMP
-    hangs in a forked child once the parent process has used its thread pool (plain DDP's
-    ``ddp_notebook`` does not guard against it)."""
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        torch.set_num_threads(1)
-
-
 def fit_user_model(
     name: str,
     strategy: Any,
@@ -643,41 +540,16 @@ def fit_user_model(
     **trainer_kw: Any,
 ) -> list[dict]:
     """Train ``MODELS[name]`` for ``steps`` optimizer steps (default: the model's) on ``devices``
-    CPU ranks under ``strategy``; return every rank's record (see :class:`RecordUserRun`).
+    CPU ranks under ``strategy``; return every rank's record (``tests.helpers.fit.RecordRanks``).
 
     The data loader holds one epoch of exactly ``steps`` batches per rank, shuffled with
     Lightning's distributed sampler (seed 0): every strategy sees the same batches.
     """
-    tmp = Path(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    for old in tmp.glob("rank*.pt"):
-        old.unlink()
     model = MODELS[name](seed=seed, **(model_kw or {}))
     steps = steps or model.default_steps
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[RecordUserRun(tmp), OneThread(), *trainer_kw.pop("callbacks", [])],
-        default_root_dir=tmp,
-        **trainer_kw,
+    return fit_ranks(
+        model, model.train_set, strategy, tmp, steps, devices, model.batch_size, **trainer_kw
     )
-    n = steps * model.batch_size * devices * trainer_kw.get("accumulate_grad_batches", 1)
-    loader = DataLoader(model.train_set(n), batch_size=model.batch_size, shuffle=True)
-    omp = os.environ.get("OMP_NUM_THREADS")
-    try:
-        trainer.fit(model, loader)
-    finally:  # an in-process (devices=1) fit sets OMP_NUM_THREADS for the later forked ones
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
 # --------------------------------------------------------------------------- comparison

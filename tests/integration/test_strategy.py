@@ -147,10 +147,15 @@ def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize(
+    # 4 ranks: the same code with more chunks per exchange (the exchange itself is compared with
+    # the simulation on 4 ranks on every change, tests/optim/test_optim_dist.py)
+    "devices",
+    [2, pytest.param(4, marks=pytest.mark.long)],
+)
 def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
     """Each algorithm against DDP + AdamW (same module, same steps); 1-bit LAMB against LAMB."""
-    steps, switch = 200, 50  # compression after 25% of the steps
+    steps, switch = 100, 25  # compression after 25% of the steps
     results: dict[str, tuple[float, list[dict]]] = {}
     runs: dict[str, Any] = {
         "ddp": "ddp_notebook",
@@ -523,6 +528,10 @@ def test_zero_one_adam_by_name_takes_local_steps_on_a_short_run(tmp_path: Path) 
     numel = sum(v.numel() for v in zero_one["params"].values())
     assert zero_one_sent[:8] == onebit_sent[:8] == [fp32_allreduce_bytes(numel, 2)] * 8
     saved = (40 - len(SYNC_STEPS_OF_40)) * _per_call(numel, 2)
+    # (a sync step after local steps first agrees on the parameters without a gradient: one
+    # byte per parameter tensor)
+    after_local = [t for t in SYNC_STEPS_OF_40 if t - 1 not in SYNC_STEPS_OF_40]
+    saved -= len(after_local) * len(zero_one["param_names"])
     assert zero_one["comm_stats"]["bytes_total"] <= onebit["comm_stats"]["bytes_total"] - saved
     # an explicit value, and a DeepSpeed config (DeepSpeed's 32768 where it names none), are kept
     explicit = OneBitStrategy(algorithm="zero_one_adam", local_step_scaler=3, start_method="fork")

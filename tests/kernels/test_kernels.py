@@ -300,32 +300,42 @@ def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
     torch.testing.assert_close(stats[4], torch.stack(want), rtol=1e-5, atol=0)
 
 
-def _run_portable(code: str, *argv: str) -> None:
-    """Run ``code`` (after importing torch, this module as T and the kernels as K) in a fresh
-    process whose kernels take the scalar (non-AVX2) path: ONEBIT_NO_SIMD is read at import."""
+#: what the scalar (non-AVX2) kernels compute, in a fresh process whose kernels take that path
+#: (ONEBIT_NO_SIMD is read at import): Adam's update on case 9, 1-bit LAMB's on case 7
+_PORTABLE = """
+import sys, torch, tests.kernels.test_kernels as T
+from lightning_onebit import kernels as K
+assert not K.native.module.cpu_has_simd()
+lamb = {d: T._lamb_run(K.lamb_frozen_update, *T._lamb_case(7, d)) for d in (False, True)}
+torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb}, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The scalar kernels' results (``_PORTABLE``): one process serves the tests of that path."""
     import os
     import subprocess
     import sys
 
-    code = (
-        "import torch, tests.kernels.test_kernels as T; from lightning_onebit import kernels as K\n"
-        "assert not K.native.module.cpu_has_simd()\n" + code
-    )
+    out = tmp_path_factory.mktemp("portable") / "portable.pt"
     env = {**os.environ, "ONEBIT_NO_SIMD": "1"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", code, *argv], env=env, cwd=root, capture_output=True, text=True
+    run = subprocess.run(
+        [sys.executable, "-c", _PORTABLE, str(out)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out, weights_only=True)
 
 
-def test_lamb_frozen_update_portable_path_matches_reference() -> None:
-    _run_portable(
-        "for decay in (False, True):\n"
-        "    bufs, offsets, hp = T._lamb_case(7, decay)\n"
-        "    T._assert_lamb_close(T._lamb_run(K.lamb_frozen_update, bufs, offsets, hp),\n"
-        "                         T._lamb_run(K.reference_lamb_frozen_update, bufs, offsets, hp))\n"
-    )
+def test_lamb_frozen_update_portable_path_matches_reference(portable: dict) -> None:
+    for decay in (False, True):
+        ref = _lamb_run(K.reference_lamb_frozen_update, *_lamb_case(7, decay))
+        _assert_lamb_close(portable["lamb"][decay], ref)
 
 
 def test_lamb_frozen_update_independent_of_thread_count() -> None:
@@ -415,14 +425,10 @@ def test_adam_update_matches_reference_and_float64(update_variance: bool) -> Non
         assert torch.equal(b1[k][gap], bufs[k][gap]), k
 
 
-def test_adam_update_portable_path_and_threads_and_dtypes() -> None:
+def test_adam_update_portable_path_and_threads_and_dtypes(portable: dict) -> None:
     """The scalar kernel (ONEBIT_NO_SIMD=1, fresh process) and 1 vs 2 threads match the
     reference; a bf16 parameter (the pure-torch path) is updated like its fp32 twin."""
-    _run_portable(
-        "case = T._adam_case(9)\n"
-        "T._assert_adam_close(T._adam_run(K.adam_update, case, True),\n"
-        "                     T._adam_run(K.reference_adam_update, case, True))\n"
-    )
+    _assert_adam_close(portable["adam"], _adam_run(K.reference_adam_update, _adam_case(9), True))
 
     case = _adam_case(4, sizes=[300_000, 90_001])
     old = torch.get_num_threads()
@@ -444,26 +450,20 @@ def test_adam_update_portable_path_and_threads_and_dtypes() -> None:
         torch.testing.assert_close(b.float(), a, rtol=2e-2, atol=2e-2)
 
 
-def test_simd_and_portable_paths_agree_bitwise(tmp_path) -> None:
+def test_simd_and_portable_paths_agree_bitwise(portable: dict) -> None:
     """The AVX2 and the scalar kernels compute every element with the same float operations
     (built with -ffp-contract=off: no fused multiply-add the other path lacks), so Adam's and
     1-bit LAMB's updates agree bit for bit; only LAMB's per-layer double sums may differ in
     their last bits (summation order)."""
     if native.module is None or not native.module.cpu_has_simd():
         pytest.skip("needs the AVX2 path")
-    code = (
-        "import sys\n"
-        "case = T._adam_case(9); lc = T._lamb_case(7, True)\n"
-        "torch.save({'adam': T._adam_run(K.adam_update, case, True),\n"
-        "            'lamb': T._lamb_run(K.lamb_frozen_update, *lc)}, sys.argv[1])\n"
-    )
-    out = tmp_path / "portable.pt"
-    _run_portable(code, str(out))
-    portable = torch.load(out, weights_only=True)
     (b1, p1), (b2, p2) = _adam_run(K.adam_update, _adam_case(9), True), portable["adam"]
     assert all(torch.equal(b1[k], b2[k]) for k in b1), "adam: a buffer differs"
     assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True)), "adam: a parameter differs"
-    (l1, s1), (l2, s2) = _lamb_run(K.lamb_frozen_update, *_lamb_case(7, True)), portable["lamb"]
+    (l1, s1), (l2, s2) = (
+        _lamb_run(K.lamb_frozen_update, *_lamb_case(7, True)),
+        portable["lamb"][True],
+    )
     for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
         assert torch.equal(l1[k], l2[k]), f"lamb: {k} differs"
     torch.testing.assert_close(s1, s2, rtol=1e-12, atol=0)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitStrategy
 from tests.helpers.dist import free_port, run_distributed, script_env
-from tests.helpers.user_models import OneThread
+from tests.helpers.fit import OneThread
 
 STEPS = 12
 
@@ -416,7 +416,16 @@ EXIT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "exit_fit.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+@pytest.mark.parametrize(
+    # one algorithm on every change (they share the teardown); scripts/exit_check.py, after the
+    # suite in CI, runs each under each launcher
+    "algo",
+    [
+        "onebit_adam",
+        pytest.param("zero_one_adam", marks=pytest.mark.long),
+        pytest.param("onebit_lamb", marks=pytest.mark.long),
+    ],
+)
 def test_finished_runs_exit_cleanly_on_every_rank(algo: str) -> None:
     """torchrun fails the job when any rank exits non-zero (an abort at interpreter exit
     included): two fits per process, then exit 0 on both ranks."""

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_onebit import OneBitAdam, OneBitStrategy
 from lightning_onebit._integration.convert import convert_adam
-from tests.helpers.user_models import OneThread
+from tests.helpers.fit import OneThread
 
 STEPS = 12
 
