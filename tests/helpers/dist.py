@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -49,15 +51,21 @@ def _child(
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        buf = io.BytesIO()  # plain bytes: tensors must not travel as shared-memory handles
-        torch.save(result, buf)
-        q.put((rank, "ok", buf.getvalue()))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException:
+        # reported before the group goes: destroying it resets the peers' connections, and
+        # their errors must not arrive first and hide the cause
+        q.put((rank, "error", traceback.format_exc()))
+        dist.destroy_process_group()
+        return
+    dist.destroy_process_group()
+    buf = io.BytesIO()  # plain bytes: tensors must not travel as shared-memory handles
+    torch.save(result, buf)
+    q.put((rank, "ok", buf.getvalue()))
 
 
 def run_distributed(
@@ -70,7 +78,7 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be defined at module level; its result must be picklable. A failure on any
-    rank raises ``RuntimeError`` with that rank's traceback. ``start_method="spawn"`` where
+    rank raises ``RuntimeError`` with every rank's outcome (traceback, or exit code). ``start_method="spawn"`` where
     the parent has initialised CUDA (a forked child cannot use it).
     """
     ctx = mp.get_context(start_method)
@@ -83,15 +91,46 @@ def run_distributed(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = q.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        while len(results) + len(errors) < world_size:
+            # after a failure, the other ranks get a few seconds to report theirs
+            left = (
+                deadline - time.monotonic()
+                if not errors
+                else min(10.0, deadline - time.monotonic())
+            )
+            try:
+                rank, status, payload = q.get(timeout=max(left, 0.0))
+            except queue.Empty:
+                break
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join()
+    if len(results) < world_size:
+        raise RuntimeError(_failure(procs, results, errors, timeout))
     return [results[r] for r in range(world_size)]
+
+
+def _failure(
+    procs: list[Any], results: dict[int, Any], errors: dict[int, str], timeout: float
+) -> str:
+    """What each rank did: finished, raised (its traceback), or neither (its exit code; a
+    negative one is the signal that ended it, -9 ours after the timeout)."""
+    lines = [f"{len(procs) - len(results)} of {len(procs)} ranks failed (timeout {timeout:.0f} s)"]
+    for r, p in enumerate(procs):
+        if r in results:
+            lines.append(f"rank {r}: ok")
+        elif r in errors:
+            lines.append(f"rank {r} failed (exit code {p.exitcode}):\n{errors[r]}")
+        else:
+            lines.append(f"rank {r} reported nothing (exit code {p.exitcode})")
+    return "\n".join(lines)
