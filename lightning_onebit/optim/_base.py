@@ -219,9 +219,14 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Whether the next step's exchange can start from its gradients alone."""
         return False
 
-    def _unsynced(self) -> torch.Tensor | None:
-        """Per parameter: whether this rank has local steps of it to synchronise now (0/1 Adam)."""
-        return None
+    def _syncs_local_steps(self) -> bool:
+        """Whether this step synchronises local steps the ranks took apart (0/1 Adam)."""
+        return False
+
+    def _unsynced(self, idx: list[int]) -> torch.Tensor:
+        """Per parameter of ``idx`` (layout indices), on its device: whether this rank has local
+        steps of it to synchronise (asked only where :meth:`_syncs_local_steps`)."""
+        raise NotImplementedError
 
     def _on_layout(self) -> None:
         """Work after the flat buffers were (re)built."""

@@ -13,7 +13,7 @@ them, so that its latency overlaps theirs; its bytes count in ``comm_stats``. (D
 saves what its own parameters without a gradient hold, and puts back those no rank had a
 gradient for; a parameter some rank used is averaged with the others' zeros, as DDP averages
 it. On 0/1 Adam's sync steps after local steps a parameter also counts as used where some rank
-has local steps of it to synchronise (``opt._unsynced()``; then every parameter is agreed on,
+has local steps of it to synchronise (``opt._unsynced``; then every parameter is agreed on,
 DDP's too): its accumulated steps are exchanged, and the ranks end the sync step together.
 
 The steps a kept-out parameter misses are counted (its bias correction counts its own steps, as
@@ -45,20 +45,18 @@ def params_without_grad(opt: OneBitOptimizer) -> list[int]:
     return [j for j, p in enumerate(opt.flat.layout.params) if p.grad is None]
 
 
-def _asked_params(opt: OneBitOptimizer) -> tuple[list[int], torch.Tensor | None]:
-    """The parameters (layout indices) whose use on the other ranks this step must know, and
-    what else than a gradient this rank has of each to send (``opt._unsynced()``: 0/1 Adam's
-    local steps to synchronise; ``None``: nothing). All of them where some rank may have local
-    steps to synchronise; else, where ``W > 1``, those whose gradients DDP did not produce (all
-    of them under plain ``torch.distributed``)."""
-    unsynced = opt._unsynced()
+def _asked_params(opt: OneBitOptimizer) -> list[int]:
+    """The parameters (layout indices) whose use on the other ranks this step must know: all
+    of them where the step synchronises local steps (0/1 Adam's, which may have moved a
+    parameter without a gradient now); else, where ``W > 1``, those whose gradients DDP did
+    not produce (all of them under plain ``torch.distributed``)."""
     params = opt.flat.layout.params
-    if unsynced is not None:
-        return list(range(len(params))), unsynced
+    if opt._syncs_local_steps():
+        return list(range(len(params)))
     if opt.world_size == 1:
-        return [], None
+        return []
     covered = opt.caller_averaged or frozenset()
-    return [j for j, p in enumerate(params) if id(p) not in covered], None
+    return [j for j, p in enumerate(params) if id(p) not in covered]
 
 
 def missed_steps(opt: OneBitOptimizer, j: int) -> tuple[int, int]:
@@ -84,15 +82,20 @@ class _Agreement:
     """Which parameters some rank has a gradient (or earlier local steps) for: this rank's
     flags, all-reduced (``MAX``) over the ranks where ``W > 1``, in flight."""
 
-    def __init__(self, opt: OneBitOptimizer, ask: list[int], unsynced: torch.Tensor | None) -> None:
+    def __init__(self, opt: OneBitOptimizer, ask: list[int]) -> None:
         params, device = opt.flat.layout.params, opt.flat.layout.device
         used = [int(params[j].grad is not None) for j in ask]
         if device.type == "cuda":  # (from pinned memory: no host synchronisation)
             self.flags = on_device(used, torch.uint8, device)
         else:
             self.flags = torch.tensor(used, dtype=torch.uint8)
-        if unsynced is not None:  # (every parameter is asked about; on the device)
-            self.flags = torch.maximum(self.flags, unsynced.to(torch.uint8))
+        if opt._syncs_local_steps():
+            # without a gradient here, a parameter with local steps to synchronise counts as
+            # used (read from the accumulator only where it decides: on the device)
+            missing = [i for i, u in enumerate(used) if not u]
+            if missing:
+                moved = opt._unsynced([ask[i] for i in missing]).to(torch.uint8)
+                self.flags[torch.tensor(missing, device=self.flags.device)] = moved
         self.wait: Callable[[], Any] = lambda: None
         w = opt.world_size
         if w > 1:
@@ -137,9 +140,9 @@ class HeldParams:
         values, their state and their part of the exchange's error buffers are saved now and
         put back by :meth:`release`. Their exchanged values are sent (1 bit cannot send a zero)
         and dropped; their error buffers then do not remember them."""
-        ask, unsynced = _asked_params(opt)
+        ask = _asked_params(opt)
         if ask:
-            self.agreement = _Agreement(opt, ask, unsynced)
+            self.agreement = _Agreement(opt, ask)
         if not idx:
             return
         flat = opt.flat

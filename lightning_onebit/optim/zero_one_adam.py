@@ -288,15 +288,14 @@ class ZeroOneAdam(OneBitOptimizer):
         agreement on the parameters without a gradient (one byte per parameter tensor)."""
         return self.phase == Phase.VARIANCE or (self.step_count + 1) % self.local_step_interval == 0
 
-    def _unsynced(self) -> torch.Tensor | None:
-        # a sync step after local steps: the accumulator holds what each parameter moved since
-        # the last sync (a parameter no rank has a gradient for now is still synchronised)
+    def _syncs_local_steps(self) -> bool:
         sync = self.step_count % self.local_step_interval == 0
-        if self.phase != Phase.LOCAL or not sync or not self._local_steps_taken:
-            return None
-        return (
-            torch.stack(torch._foreach_norm(self.flat.views["momentum_accumulator"], math.inf)) > 0
-        )
+        return self.phase == Phase.LOCAL and sync and self._local_steps_taken
+
+    def _unsynced(self, idx: list[int]) -> torch.Tensor:
+        # the accumulator holds what each parameter moved since the last sync
+        views = self.flat.views["momentum_accumulator"]
+        return torch.stack(torch._foreach_norm([views[j] for j in idx], math.inf)) > 0
 
     def _skipped_locally(self) -> None:
         if self.verdict.count_drop(self.max_consecutive_skips):
