@@ -5,10 +5,12 @@ buckets of about ``bucket_cap_mb`` each, from the end of the layout (the last pa
 gradients come first) to its start; bucket ``b`` is exchanged by its own double-buffered
 :class:`~lightning_onebit.comm.CompressedAllreduce` (``comm.BucketedAllreduce``). A
 post-accumulate-grad hook on every parameter notes its gradient as ready; as soon as buckets
-``0..b`` are complete, bucket ``b`` goes to a single communication thread, which copies its
-gradients into the flat buffer, computes what the algorithm exchanges for those values (e.g. the
-new momentum) and runs the exchange's compression, all_to_all and server stage while backward
-goes on (C++ kernels and collectives release the GIL). ``step()`` waits for the thread, starts
+``0..b`` are complete, the hook copies bucket ``b``'s gradients into the flat buffer and hands
+the bucket to a single communication thread, which computes what the algorithm exchanges for
+those values (e.g. the new momentum) and runs the exchange's compression, all_to_all and server
+stage while backward goes on (C++ kernels and collectives release the GIL). The thread never
+reads ``.grad``: a later backward (one whose step never came, or gradient accumulation) writes
+``.grad`` without the GIL while the thread may still be working on the previous one. ``step()`` waits for the thread, starts
 the buckets that were not complete (a parameter without a gradient), and commits all buckets or,
 if any rank had a NaN/Inf anywhere, none.
 
@@ -32,8 +34,10 @@ current device is 0 and its current stream the default one, which orders nothing
 
 1. Each gradient hook records an event on the current stream of its parameter's device: the
    stream that produced the gradient (autograd runs a node's hooks with its stream current).
+   The hook that completes a bucket makes its current stream wait on the bucket's events,
+   copies the bucket's gradients there and records one event after the copy.
 2. The communication thread makes the parameters' device current and runs on a stream of its
-   own, which first waits on the events of the bucket's gradients; every kernel and collective
+   own, which first waits on that event; every kernel and collective
    it starts goes on that stream (ProcessGroupNCCL orders its work after the calling thread's
    current stream), and it records a "done" event after them.
 3. ``step()`` (:meth:`BackwardOverlap.collect`) makes its own current stream wait on each
@@ -217,8 +221,29 @@ class BackwardOverlap:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
                 self._rearm()
             b = self._next
-            self._futures.append(self._pool.submit(self._launch, b, self._events[b]))
+            events = self._copy_grads(b)
+            self._futures.append(self._pool.submit(self._launch, b, events))
             self._next += 1
+
+    def _copy_grads(self, b: int) -> list[Any]:
+        """Copy bucket ``b``'s gradients into the flat gradient buffer, here, on the thread
+        that runs backward (see the module docstring: the communication thread never reads
+        ``.grad``). Returns what the communication thread must wait for: on CUDA, an event
+        after the copy, which itself follows the streams that produced the gradients."""
+        flat, params = self.opt.flat, self.bucket_params[b]
+        device = self._device
+        with torch.no_grad():
+            if device is None or device.type != "cuda":
+                flat.gather_grads(self.opt.param_groups, params)
+                return []
+            stream = torch.cuda.current_stream(device)
+            for event in self._events[b]:
+                stream.wait_event(event)
+            with torch.cuda.device(device):
+                flat.gather_grads(self.opt.param_groups, params)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return [done]
 
     def _launch(self, b: int, events: list[Any]) -> tuple[Any, Any]:  # on the communication thread
         """Start bucket ``b``; return its all_reduce's ``wait`` (or None) and, on CUDA, the event
@@ -249,18 +274,9 @@ class BackwardOverlap:
             return "average" if opt.average_warmup_grads and opt.world_size > 1 else None
         return "exchange" if opt._overlappable() else None
 
-    def _gradients(self, params: list[int], s: slice) -> torch.Tensor:
-        """Copy the gradients of the layout's parameters ``params`` into the flat gradient
-        buffer; return its flat slice ``s``."""
-        flat = self.opt.flat
-        if params:
-            flat.gather_grads(self.opt.param_groups, params)
-        return flat.grad[s]
-
     def _start_bucket(self, b: int, s: slice) -> Any:
-        grad = self._gradients(self.bucket_params[b], s)
         if self._mode == "average":
-            return self._start_all_reduce(grad)
+            return self._start_all_reduce(self.opt.flat.grad[s])
         self.opt.flat.exchange.start_bucket(b, self.opt._exchange_source(s))
         return None
 
@@ -274,7 +290,7 @@ class BackwardOverlap:
     # ------------------------------------------------------------------ in step()
 
     def collect(self) -> set[int]:
-        """Wait for the thread; return the parameters whose gradients it already copied."""
+        """Wait for the thread; return the parameters whose gradients the hooks copied."""
         futures, self._futures = self._futures, []
         for f in futures:
             work, done = f.result()  # re-raises a failure of the thread (e.g. a dead peer)
@@ -288,8 +304,8 @@ class BackwardOverlap:
         """Average the flat gradient buffer over the ranks, bucket by bucket: wait for the
         buckets backward started, start the others (their gradients are in the buffer by now)."""
         works, self._works = self._works, []
-        works += [  # (step() gathered their gradients: nothing to copy)
-            self._start_all_reduce(self._gradients([], slice(lo, hi)))
+        works += [  # (step() gathered their gradients)
+            self._start_all_reduce(self.opt.flat.grad[lo:hi])
             for lo, hi in self.bounds[len(works) :]
         ]
         for wait in works:

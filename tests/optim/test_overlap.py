@@ -9,6 +9,8 @@ every rank exactly, and a backward whose step never came is forgotten.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -190,6 +192,35 @@ def test_a_backward_without_its_step_is_forgotten() -> None:
     plain = run_distributed(_train, 2, "onebit_adam", 0.01, False)
     for a, b in zip(extra, plain, strict=True):
         assert torch.equal(a["hist"], b["hist"])
+
+
+def test_backward_copies_the_gradients_before_it_returns() -> None:
+    """The hook that completes a bucket copies its gradients into the flat buffer, not the
+    communication thread: a later backward (a step that never came, gradient accumulation)
+    or ``zero_grad`` replaces ``.grad`` while the thread may still be busy with the previous
+    one, and a read of ``.grad`` racing with that write can crash the process. With the
+    thread held busy, backward returns with every bucket's gradients in the flat buffer."""
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1)
+    opt.overlap_with_backward(0.01)
+    for t in (1, 2, 3):  # warmup, then compression steps (the thread exists from step 2)
+        x, y = _batch(0, t)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    gate = threading.Event()
+    opt.overlap._pool.submit(gate.wait)  # the thread is busy until the gate opens
+    try:
+        x, y = _batch(0, 4)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert opt.overlap._next == len(opt.overlap.bounds)  # every bucket handed over
+        grads = torch.cat([p.grad.reshape(-1) for p in opt.flat.layout.params])
+        assert torch.equal(opt.flat.grad[: grads.numel()], grads)
+    finally:
+        gate.set()
+    opt.step()
+    assert torch.isfinite(torch.cat([p.reshape(-1) for p in model.parameters()])).all()
 
 
 def test_overlap_arguments_are_checked() -> None:
