@@ -233,12 +233,13 @@ def reference_frozen_adam_update(
             torch.where(ok, m_new, exp_avg[s], out=exp_avg[s])
         x = exchanged[s].view_as(p)
         q = p.detach() if ok is None else p.clone()
+        # (one-tensor foreach ops: the optimizers' ops, also on CUDA, where torch fuses them)
         if w > 0:
-            q.add_(q, alpha=-a * w)
+            torch._foreach_add_([q], [q], alpha=-a * w)
         if preconditioned:
-            q.add_(x, alpha=-a)
+            torch._foreach_add_([q], [x], alpha=-a)
         else:
-            q.addcdiv_(x, denom[s].view_as(p), value=-a)
+            torch._foreach_addcdiv_([q], [x], [denom[s].view_as(p)], value=-a)
         if ok is not None:
             p.copy_(torch.where(ok, q, p))
 
