@@ -303,15 +303,24 @@ AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t 
   if (i < hi) adam_block_scalar(g, m, v, q + i, i, hi, c, update_v);
 }
 
+// Values from f to the next 32-byte boundary (0-7; f is 4-byte aligned): the AVX2 blocks that store
+// with _mm256_stream_ps (no read for ownership of a line that is only written) start there.
+inline int64_t aligned_gap(const float* f) {
+  return static_cast<int64_t>((32 - (reinterpret_cast<std::uintptr_t>(f) & 31)) & 31) / 4;
+}
+
 AVX2 void source_block_avx2(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
                             float a) {
   const __m256 bv = _mm256_set1_ps(b), av = _mm256_set1_ps(a);
-  int64_t i = lo;
+  const int64_t head = std::min(hi, lo + aligned_gap(u + lo));  // u + i 32-byte aligned from here
+  if (lo < head) source_block_scalar(m, g, d, u, lo, head, b, a);
+  int64_t i = head;
   for (; i + 8 <= hi; i += 8) {
     __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
     if (d) v = _mm256_div_ps(v, _mm256_loadu_ps(d + i));
-    _mm256_storeu_ps(u + i, v);
+    _mm256_stream_ps(u + i, v);  // (not read back soon: no read for ownership)
   }
+  _mm_sfence();  // the streamed stores before anything this thread does next
   if (i < hi) source_block_scalar(m, g, d, u, i, hi, b, a);
 }
 
@@ -320,13 +329,15 @@ AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, 
   const bool decay = nlw != 0.0f || std::signbit(nlw);
   const __m256 lr = _mm256_set1_ps(nlr), lw = _mm256_set1_ps(nlw);
   float* q = p - lo;  // q[i] is the parameter's value of flat index i
-  int64_t i = lo;
+  const int64_t head = precond ? std::min(hi, lo + aligned_gap(m + lo)) : lo;  // m + i aligned from here
+  if (lo < head) frozen_block_scalar(x, m, d, p, lo, head, nlr, nlw, precond);
+  int64_t i = head;
   for (; i + 8 <= hi; i += 8) {
     __m256 pi = _mm256_loadu_ps(q + i);
     if (decay) pi = _mm256_fmadd_ps(pi, lw, pi);
     const __m256 xi = _mm256_loadu_ps(x + i);
     if (precond) {
-      _mm256_storeu_ps(m + i, _mm256_mul_ps(xi, _mm256_loadu_ps(d + i)));
+      _mm256_stream_ps(m + i, _mm256_mul_ps(xi, _mm256_loadu_ps(d + i)));  // (not read this step)
       pi = _mm256_fmadd_ps(xi, lr, pi);
     } else {
       if (m != x) _mm256_storeu_ps(m + i, xi);
@@ -334,6 +345,7 @@ AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, 
     }
     _mm256_storeu_ps(q + i, pi);
   }
+  _mm_sfence();  // the streamed stores before anything this thread does next
   if (i < hi) frozen_block_scalar(x, m, d, q + i, i, hi, nlr, nlw, precond);
 }
 
