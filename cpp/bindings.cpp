@@ -60,6 +60,20 @@ PYBIND11_MODULE(_C, m) {
                             P<const float>(eps), P<const float>(wd), update_v, nthreads);
   }, release(), "Adam step (no bias correction) of P parameters in one sweep (params: array of fp32 pointers)");
 
+  m.def("momentum_source_cpu", [](ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
+                                  int nthreads) {
+    onebit::momentum_source_cpu(P<const float>(mm), P<const float>(g), P<const float>(d), P<float>(u), np,
+                                P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
+                                P<const float>(a), nthreads);
+  }, release(), "u = fma(g, a_j, m * b_j) [/ d] over P segments in one sweep (d may be 0: no division)");
+
+  m.def("frozen_adam_update_cpu", [](ptr x, ptr mm, ptr d, ptr params, int64_t np, ptr starts, ptr sizes, ptr nlr,
+                                     ptr nlw, bool precond, int nthreads) {
+    onebit::frozen_adam_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float* const>(params), np,
+                                   P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(nlr),
+                                   P<const float>(nlw), precond, nthreads);
+  }, release(), "1-bit Adam's compression-phase step of P parameters in one sweep (params: array of fp32 pointers)");
+
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 
   m.def("decompress_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,

@@ -39,6 +39,7 @@ inline void check_decompress(const char* what, int64_t W, int64_t m, int64_t nou
 }
 inline void check_adam(const char* what, int64_t P) { require(P >= 0, what, "P >= 0"); }
 inline void check_lamb(const char* what, int64_t L) { require(L >= 0, what, "L >= 0"); }
+inline void check_segments(const char* what, int64_t P) { require(P >= 0, what, "P >= 0"); }
 // The CUDA updates' chunk table (see adam_update_cuda): `count` parameters or layers, nchunks chunks.
 inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
   require(nchunks >= 0 && (count > 0 || nchunks == 0), what, "nchunks >= 0, and nchunks == 0 when P (or L) is 0");
@@ -97,6 +98,24 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
 void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
                      const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
                      const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads);
+
+// The momentum the compressed exchange sends, one sweep: segment j holds the flat values
+// [starts[j], starts[j] + sizes[j]); per value, with j's coefficients b[j] and a[j] (floats):
+//   u <- fma(g, a, m * b);  u <- u / d  (only where d is not null)
+// The roundings of torch's `torch.mul(m, b, out=u).add_(g, alpha=a)` and `u.div_(d)` on x86 CPUs
+// (torch's CPU add with alpha is a fused multiply-add, vectorised and scalar alike).
+void momentum_source_cpu(const float* m, const float* g, const float* d, float* u, int64_t P, const int64_t* starts,
+                         const int64_t* sizes, const float* b, const float* a, int nthreads);
+
+// 1-bit Adam's compression-phase step after the exchange, one sweep (frozen_adam_update_cuda's
+// arithmetic, without a verdict): per value of parameter j (storage params[j], fp32, contiguous),
+//   p <- fma(p, nlw[j], p)  (unless nlw[j] is +0.0);
+//   precond: m <- x * d;  p <- fma(x, nlr[j], p)
+//   else:    m <- x (nothing when m is x);  p <- p + (nlr[j] * x) / d
+// The roundings of the optimizer's torch ops (add_ with alpha, addcdiv_) on x86 CPUs.
+void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* const* params, int64_t P,
+                            const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
+                            bool precond, int nthreads);
 
 // True when the CPU kernels use the AVX2 path (set ONEBIT_NO_SIMD=1 to force portable code).
 bool cpu_has_simd();

@@ -137,6 +137,40 @@ void adam_block_scalar(const float* g, float* m, float* v, float* p, int64_t lo,
   }
 }
 
+// The exchange source of one segment's values [lo, hi): u = fma(g, a, m * b), then u / d where d is
+// not null. torch's `torch.mul(m, b, out=u).add_(g, alpha=a)` rounds so on x86 (its CPU add with
+// alpha is a fused multiply-add), and `u.div_(d)` is one division.
+void source_block_scalar(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
+                         float a) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float v = std::fma(g[i], a, m[i] * b);
+    u[i] = d ? v / d[i] : v;
+  }
+}
+
+// 1-bit Adam's compression-phase update of one parameter's values [lo, hi) of the flat buffers; its
+// storage p is indexed from 0 at lo. The roundings of the optimizer's torch ops: the decay
+// `p.add_(p, alpha=nlw)` is fma(p, nlw, p) (applied unless nlw is +0.0); precond: `m = x * d`,
+// `p.add_(x, alpha=nlr)` = fma(x, nlr, p); otherwise `m = x` (skipped when m is x) and
+// `p.addcdiv_(x, d, value=nlr)` = p + (nlr * x) / d.
+void frozen_block_scalar(const float* x, float* m, const float* d, float* p, int64_t lo, int64_t hi, float nlr,
+                         float nlw, bool precond) {
+  const bool decay = nlw != 0.0f || std::signbit(nlw);
+  for (int64_t i = lo; i < hi; ++i) {
+    float pi = p[i - lo];
+    if (decay) pi = std::fma(pi, nlw, pi);
+    const float xi = x[i];
+    if (precond) {
+      m[i] = xi * d[i];
+      pi = std::fma(xi, nlr, pi);
+    } else {
+      if (m != x) m[i] = xi;
+      pi = pi + (nlr * xi) / d[i];
+    }
+    p[i - lo] = pi;
+  }
+}
+
 #ifdef ONEBIT_X86
 // ---------------------------------------------------------------- block functions: AVX2
 // movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
@@ -269,6 +303,52 @@ AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t 
   if (i < hi) adam_block_scalar(g, m, v, q + i, i, hi, c, update_v);
 }
 
+// Values from f to the next 32-byte boundary (0-7; f is 4-byte aligned): the AVX2 blocks that store
+// with _mm256_stream_ps (no read for ownership of a line that is only written) start there.
+inline int64_t aligned_gap(const float* f) {
+  return static_cast<int64_t>((32 - (reinterpret_cast<std::uintptr_t>(f) & 31)) & 31) / 4;
+}
+
+AVX2 void source_block_avx2(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
+                            float a) {
+  const __m256 bv = _mm256_set1_ps(b), av = _mm256_set1_ps(a);
+  const int64_t head = std::min(hi, lo + aligned_gap(u + lo));  // u + i 32-byte aligned from here
+  if (lo < head) source_block_scalar(m, g, d, u, lo, head, b, a);
+  int64_t i = head;
+  for (; i + 8 <= hi; i += 8) {
+    __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
+    if (d) v = _mm256_div_ps(v, _mm256_loadu_ps(d + i));
+    _mm256_stream_ps(u + i, v);  // (not read back soon: no read for ownership)
+  }
+  _mm_sfence();  // the streamed stores before anything this thread does next
+  if (i < hi) source_block_scalar(m, g, d, u, i, hi, b, a);
+}
+
+AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, int64_t lo, int64_t hi, float nlr,
+                            float nlw, bool precond) {
+  const bool decay = nlw != 0.0f || std::signbit(nlw);
+  const __m256 lr = _mm256_set1_ps(nlr), lw = _mm256_set1_ps(nlw);
+  float* q = p - lo;  // q[i] is the parameter's value of flat index i
+  const int64_t head = precond ? std::min(hi, lo + aligned_gap(m + lo)) : lo;  // m + i aligned from here
+  if (lo < head) frozen_block_scalar(x, m, d, p, lo, head, nlr, nlw, precond);
+  int64_t i = head;
+  for (; i + 8 <= hi; i += 8) {
+    __m256 pi = _mm256_loadu_ps(q + i);
+    if (decay) pi = _mm256_fmadd_ps(pi, lw, pi);
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    if (precond) {
+      _mm256_stream_ps(m + i, _mm256_mul_ps(xi, _mm256_loadu_ps(d + i)));  // (not read this step)
+      pi = _mm256_fmadd_ps(xi, lr, pi);
+    } else {
+      if (m != x) _mm256_storeu_ps(m + i, xi);
+      pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(lr, xi), _mm256_loadu_ps(d + i)));
+    }
+    _mm256_storeu_ps(q + i, pi);
+  }
+  _mm_sfence();  // the streamed stores before anything this thread does next
+  if (i < hi) frozen_block_scalar(x, m, d, q + i, i, hi, nlr, nlw, precond);
+}
+
 #endif  // ONEBIT_X86
 
 // ---------------------------------------------------------------- dispatch
@@ -282,6 +362,8 @@ struct Impl {
   void (*lamb)(const float*, float*, const float*, float*, const float*, float*, int64_t, int64_t, LambCoef,
                double*);
   void (*adam)(const float*, float*, float*, float*, int64_t, int64_t, AdamCoef, bool);
+  void (*source)(const float*, const float*, const float*, float*, int64_t, int64_t, float, float);
+  void (*frozen)(const float*, float*, const float*, float*, int64_t, int64_t, float, float, bool);
 };
 
 const Impl& impl() {
@@ -289,12 +371,24 @@ const Impl& impl() {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
       return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2,
-                  adam_block_avx2};
+                  adam_block_avx2, source_block_avx2, frozen_block_avx2};
 #endif
     return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar,
-                lamb_block_scalar, adam_block_scalar};
+                lamb_block_scalar, adam_block_scalar, source_block_scalar, frozen_block_scalar};
   }();
   return chosen;
+}
+
+// Blocks of at most kBlock values that never straddle two segments (parameters): segment j holds
+// [starts[j], starts[j] + sizes[j]). Each value belongs to one block; returns the total count.
+int64_t segment_blocks(int64_t P, const int64_t* starts, const int64_t* sizes, std::vector<int64_t>& owner,
+                       std::vector<int64_t>& lows) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < P; ++j) {
+    for (int64_t lo = starts[j]; lo < starts[j] + sizes[j]; lo += kBlock) owner.push_back(j), lows.push_back(lo);
+    n += sizes[j];
+  }
+  return n;
 }
 
 // Sum block partials in a fixed order and turn the sum of squares into the scale.
@@ -440,6 +534,39 @@ void adam_update_cpu(const float* g, float* m, float* v, float* const* params, i
     const int64_t j = owner[b], lo = lows[b], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
     adam(g, m, v, params[j] + (lo - starts[j]), lo, hi, AdamCoef{lr[j], beta1[j], ob1[j], beta2[j], ob2[j], eps[j], wd[j]},
          update_v);
+  }
+}
+
+void momentum_source_cpu(const float* m, const float* g, const float* d, float* u, int64_t P, const int64_t* starts,
+                         const int64_t* sizes, const float* b, const float* a, int nthreads) {
+  detail::check_segments("momentum_source_cpu", P);
+  std::vector<int64_t> owner, lows;
+  const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  const int nt = threads_for(n, nthreads);
+  const auto source = impl().source;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t k = 0; k < nblk; ++k) {
+    const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    source(m, g, d, u, lo, hi, b[j], a[j]);
+  }
+}
+
+void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* const* params, int64_t P,
+                            const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
+                            bool precond, int nthreads) {
+  detail::check_segments("frozen_adam_update_cpu", P);
+  std::vector<int64_t> owner, lows;
+  const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  const int nt = threads_for(n, nthreads);
+  const auto frozen = impl().frozen;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t k = 0; k < nblk; ++k) {
+    const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    frozen(x, m, d, params[j] + (lo - starts[j]), lo, hi, nlr[j], nlw[j], precond);
   }
 }
 

@@ -19,10 +19,12 @@ __all__ = [
     "adam_update_cuda",
     "chunk_starts",
     "decompress",
+    "frozen_adam_update_cpu",
     "frozen_adam_update_cuda",
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
     "module",
+    "momentum_source_cpu",
     "nthreads",
     "on_device",
     "param_table",
@@ -389,5 +391,61 @@ def adam_update_cpu(
         n,
         *(a.data_ptr() for a in arrays[1:]),
         update_variance,
+        nthreads(),
+    )
+
+
+def momentum_source_cpu(
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
+    starts: list[int],
+    sizes: list[int],
+    coefs: tuple[list[float], list[float]],
+) -> None:
+    """The compiled ``momentum_source`` on CPU tensors (``tensors``: exp_avg, grad, denom or
+    ``None``, out; ``coefs``: per segment the factors of ``exp_avg`` and of ``grad``)."""
+    exp_avg, grad, denom, out = tensors
+    arrays = [
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor(sizes, dtype=torch.int64),
+        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
+    ]
+    module.momentum_source_cpu(
+        exp_avg.data_ptr(),
+        grad.data_ptr(),
+        0 if denom is None else denom.data_ptr(),
+        out.data_ptr(),
+        len(starts),
+        *(a.data_ptr() for a in arrays),
+        nthreads(),
+    )
+
+
+def frozen_adam_update_cpu(
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], list[float], bool],
+) -> None:
+    """:func:`frozen_adam_update` on CPU tensors (``tensors``: exchanged, exp_avg, denom;
+    ``hp``: lr, weight_decay, preconditioned), without a verdict."""
+    (exchanged, exp_avg, denom), (lr, weight_decay, preconditioned) = tensors, hp
+    # -lr and -lr * wd in double, then rounded: the alphas the torch path passes; +0.0 (no
+    # decay step at all) where weight_decay is not positive, as the torch path skips it
+    nlw = [-a * w if w > 0 else 0.0 for a, w in zip(lr, weight_decay, strict=True)]
+    arrays = [
+        torch.tensor([p.data_ptr() for p in params], dtype=torch.int64),
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor([p.numel() for p in params], dtype=torch.int64),
+        torch.tensor([-a for a in lr], dtype=torch.float32),
+        torch.tensor(nlw, dtype=torch.float32),
+    ]
+    module.frozen_adam_update_cpu(
+        exchanged.data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        arrays[0].data_ptr(),
+        len(params),
+        *(a.data_ptr() for a in arrays[1:]),
+        bool(preconditioned),
         nthreads(),
     )

@@ -24,6 +24,7 @@ from lightning_onebit.kernels.reference import (
     reference_decompress,
     reference_frozen_adam_update,
     reference_lamb_frozen_update,
+    reference_momentum_source,
     reference_restore_unless,
     reference_server_reduce,
     reference_worker_compress,
@@ -35,6 +36,7 @@ __all__ = [
     "decompress",
     "frozen_adam_update",
     "lamb_frozen_update",
+    "momentum_source",
     "restore_unless",
     "server_reduce",
     "worker_compress",
@@ -442,8 +444,57 @@ def adam_update(
         torch.autograd.graph.increment_version(p)
 
 
+def momentum_source(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor,
+    denom: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+) -> None:
+    """The momentum a compressed exchange sends, one sweep over flat buffers (``exp_avg``
+    itself unchanged). Segment ``k`` holds the values ``starts[k]:starts[k] + sizes[k]``; per
+    value, with its coefficients::
+
+        out = beta * exp_avg + alpha * grad         (as torch.mul(m, beta).add_(g, alpha=alpha))
+        out = out / denom                           (only where denom is given)
+
+    On the CPU the C++ kernel writes torch's floats for that sequence bit for bit (torch's
+    CPU ``add`` with ``alpha`` is a fused multiply-add on x86, which the kernel does too); it
+    reads 2-3 buffers and writes one, where the torch ops make three sweeps. Elsewhere (CUDA,
+    or no compiled module) the torch ops themselves run (:func:`reference_momentum_source`).
+
+    Args:
+        exp_avg, grad, out: float32, contiguous, one device, covering every segment.
+        denom: like them, or ``None`` (no division).
+        starts, sizes: each segment's first flat index and number of values.
+        beta, alpha: one value per segment (rounded to float32).
+    """
+    named = [("exp_avg", exp_avg), ("grad", grad), ("out", out)]
+    if denom is not None:
+        named.append(("denom", denom))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    n = len(starts)
+    for name, vals in (("sizes", sizes), ("beta", beta), ("alpha", alpha)):
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per segment ({n}), got {len(vals)}")
+    limit = min(t.numel() for _, t in named)
+    for lo, size in zip(starts, sizes, strict=True):
+        if lo < 0 or size < 0 or lo + size > limit:
+            raise ValueError(f"segment [{lo}, {lo + size}) does not fit buffers of {limit} values")
+    if device.type != "cpu" or not native.use_native():
+        reference_momentum_source(exp_avg, grad, denom, out, starts, sizes, beta, alpha)
+        return
+    native.momentum_source_cpu((exp_avg, grad, denom, out), starts, sizes, (beta, alpha))
+
+
 def frozen_adam_update(
-    ok: torch.Tensor,
+    ok: torch.Tensor | None,
     exchanged: torch.Tensor,
     exp_avg: torch.Tensor,
     denom: torch.Tensor,
@@ -464,28 +515,43 @@ def frozen_adam_update(
         p <- p - lr * weight_decay * p;   p <- p - lr * dir
 
     ``ok`` is a one-element bool tensor on the buffers' device (the exchange's verdict): when
-    it is false nothing is written. On CUDA with fp32 contiguous parameters one fused kernel
-    reads it on the device (no host synchronisation); its floats equal the torch path's within
-    the last bit (each operation rounded on its own; torch's own kernels may fuse a multiply and
-    an add). Otherwise torch ops compute the step aside and ``torch.where`` keeps it or not,
-    also without a host read; on the CPU their floats are those of the path without a verdict
-    (``_decoupled_update_``), bit for bit.
+    it is false nothing is written; ``None`` is always true. On CUDA, given ``ok``, with fp32
+    contiguous parameters one fused kernel reads it on the device (no host synchronisation);
+    its floats equal the torch path's within the last bit (each operation rounded on its own;
+    torch's own kernels may fuse a multiply and an add). On the CPU (``ok`` read on the host) with fp32
+    contiguous parameters the C++ kernel makes the one sweep (reads 3 buffers, writes 2, where
+    the torch ops make four sweeps) and writes the floats of the torch ops
+    (``decoupled_update_``'s ``add_`` with ``alpha`` and ``addcdiv_``, after ``m = x * d``)
+    bit for bit. Otherwise torch ops compute the step, aside with a verdict (kept with
+    ``torch.where``, without a host read).
     """
     named = [("exchanged", exchanged), ("exp_avg", exp_avg), ("denom", denom)]
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
     device = check_device(*named, need_cuda_kernels=False)
-    check_verdict(ok, device)
+    if ok is not None:
+        check_verdict(ok, device)
     n = len(params)
     for name, vals in (("starts", starts), ("lr", lr), ("weight_decay", weight_decay)):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
-    fast = device.type == "cuda" and native.HAS_CUDA and native.use_native()
-    if fast and all(p.dtype == torch.float32 and p.is_contiguous() for p in params):
+    if device.type == "cpu" and ok is not None:  # (a host read: free off the GPU)
+        if not bool(ok):
+            return
+        ok = None
+    kernel = device.type == "cpu" or (device.type == "cuda" and native.HAS_CUDA and ok is not None)
+    if (
+        kernel
+        and native.use_native()
+        and all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
+    ):
         hp = (lr, weight_decay, preconditioned)
-        native.frozen_adam_update_cuda(ok, (exchanged, exp_avg, denom), params, starts, hp)
+        if device.type == "cpu":
+            native.frozen_adam_update_cpu((exchanged, exp_avg, denom), params, starts, hp)
+        else:
+            native.frozen_adam_update_cuda(ok, (exchanged, exp_avg, denom), params, starts, hp)
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)
         return

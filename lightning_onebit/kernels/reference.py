@@ -15,6 +15,7 @@ __all__ = [
     "reference_decompress",
     "reference_frozen_adam_update",
     "reference_lamb_frozen_update",
+    "reference_momentum_source",
     "reference_restore_unless",
     "reference_server_reduce",
     "reference_worker_compress",
@@ -191,8 +192,26 @@ def reference_lamb_frozen_update(
     return torch.stack(rows)
 
 
+def reference_momentum_source(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor,
+    denom: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+) -> None:
+    """Pure-torch :func:`momentum_source` (same arguments; bit for bit on x86 CPUs)."""
+    for lo, n, b, a in zip(starts, sizes, beta, alpha, strict=True):
+        s = slice(lo, lo + n)
+        torch.mul(exp_avg[s], b, out=out[s]).add_(grad[s], alpha=a)
+        if denom is not None:
+            out[s].div_(denom[s])
+
+
 def reference_frozen_adam_update(
-    ok: torch.Tensor,
+    ok: torch.Tensor | None,
     exchanged: torch.Tensor,
     exp_avg: torch.Tensor,
     denom: torch.Tensor,
@@ -202,22 +221,27 @@ def reference_frozen_adam_update(
     weight_decay: list[float],
     preconditioned: bool,
 ) -> None:
-    """Pure-torch :func:`frozen_adam_update` (same arguments; the step computed aside and kept
-    with ``torch.where``, no host read of ``ok``). Its floats are those of the optimizers' path
-    without a verdict, bit for bit on the CPU."""
+    """Pure-torch :func:`frozen_adam_update` (same arguments; with a verdict the step is
+    computed aside and kept with ``torch.where``, no host read of ``ok``; without one, ``None``,
+    in place). Its floats are the optimizers' torch ops', bit for bit on the CPU."""
     for p, lo, a, w in zip(params, starts, lr, weight_decay, strict=True):
         s = slice(lo, lo + p.numel())
         m_new = torch.mul(exchanged[s], denom[s]) if preconditioned else exchanged[s]
-        torch.where(ok, m_new, exp_avg[s], out=exp_avg[s])
-        x = exchanged[s].view_as(p)
-        q = p.clone()
-        if w > 0:
-            q.add_(q, alpha=-a * w)
-        if preconditioned:
-            q.add_(x, alpha=-a)
+        if ok is None:
+            exp_avg[s].copy_(m_new)
         else:
-            q.addcdiv_(x, denom[s].view_as(p), value=-a)
-        p.copy_(torch.where(ok, q, p))
+            torch.where(ok, m_new, exp_avg[s], out=exp_avg[s])
+        x = exchanged[s].view_as(p)
+        q = p.detach() if ok is None else p.clone()
+        # (one-tensor foreach ops: the optimizers' ops, also on CUDA, where torch fuses them)
+        if w > 0:
+            torch._foreach_add_([q], [q], alpha=-a * w)
+        if preconditioned:
+            torch._foreach_add_([q], [x], alpha=-a)
+        else:
+            torch._foreach_addcdiv_([q], [x], [denom[s].view_as(p)], value=-a)
+        if ok is not None:
+            p.copy_(torch.where(ok, q, p))
 
 
 def reference_restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -358,11 +358,13 @@ def decoupled_update_(
             torch._foreach_addcdiv_(params, xs, [denom[j] for j in idx], value=-lr)
 
 
-def frozen_adam_update_(opt: OneBitOptimizer, ok: torch.Tensor, x: torch.Tensor) -> None:
+def frozen_adam_update_(opt: OneBitOptimizer, ok: torch.Tensor | None, x: torch.Tensor) -> None:
     """1-bit Adam's compression-phase update from the exchanged ``x``, only where the
-    verdict ``ok`` (on the device) is true: ``m = x * d`` and ``p -= lr * (x + wd * p)``
-    with ``preconditioned_exchange``, else ``m = x`` and ``p -= lr * (x / d + wd * p)``
-    (``d = sqrt(v) + eps``, frozen); :func:`~lightning_onebit.kernels.frozen_adam_update`."""
+    verdict ``ok`` (on the device; ``None``: always) is true: ``m = x * d`` and
+    ``p -= lr * (x + wd * p)`` with ``preconditioned_exchange``, else ``m = x`` and
+    ``p -= lr * (x / d + wd * p)`` (``d = sqrt(v) + eps``, frozen; ``x`` may be ``m``
+    itself); :func:`~lightning_onebit.kernels.frozen_adam_update` (one sweep on the CPU too,
+    the floats of :func:`decoupled_update_`)."""
     layout, groups = opt.flat.layout, opt.param_groups
     of = layout.group_of
     frozen_adam_update(

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.kernels import momentum_source
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_step_,
     average_,
     compressed_average_,
-    decoupled_update_,
     denominator,
     frozen_adam_update_,
     rescale_variance_,
@@ -164,11 +164,20 @@ class OneBitAdam(OneBitOptimizer):
         """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged),
         divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
         m, g, u = self.flat.states["exp_avg"], self.flat.grad, self.flat.work["update"]
-        for _, group, t in self.flat.segments_in(self.param_groups, s):
-            beta1 = group["betas"][0]
-            torch.mul(m[t], beta1, out=u[t]).add_(g[t], alpha=1 - beta1)
-        if self.preconditioned_exchange:
-            u[s].div_(denominator(self)[0][s])
+        d = denominator(self)[0] if self.preconditioned_exchange else None
+        segs = [
+            (t, group["betas"][0]) for _, group, t in self.flat.segments_in(self.param_groups, s)
+        ]
+        momentum_source(
+            m,
+            g,
+            d,
+            u,
+            [t.start for t, _ in segs],
+            [t.stop - t.start for t, _ in segs],
+            [b for _, b in segs],
+            [1 - b for _, b in segs],
+        )
         return u[s]
 
     def _step(self) -> None:
@@ -187,30 +196,17 @@ class OneBitAdam(OneBitOptimizer):
         # 2a. momentum from the local gradient (_exchange_source), and
         # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
         #     backward with overlap_with_backward(); m changes only if every bucket goes through)
-        m = self.flat.states["exp_avg"]
-        if self.flat.exchange.device_verdict:
-            # (CUDA: the NaN/Inf verdict stays on the device; one fused kernel writes m and p
-            # only where it is true: the same step, without a host synchronisation)
-            x = self.flat.work["update"]
-            ok = compressed_average_(self, self._exchange_source, out=x)
-            self.flat.apply_mask_(self.param_groups, x)
-            # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
-            frozen_adam_update_(self, ok, x)
-            rescale_variance_(self, g, reduce=True, ok=ok)
-            return
-        if not self.preconditioned_exchange:
-            compressed_average_(self, self._exchange_source, out=m)
-            self.flat.apply_mask_(self.param_groups, m)
-            # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner
-            decoupled_update_(self, m, frozen_denominator=True)
-            rescale_variance_(self, g, reduce=True)
-            return
-        # the same in the units of the update: x = 1-bit average of m / (sqrt(v) + eps), then
-        # m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p)
-        x = self.flat.work["update"]
-        compressed_average_(self, self._exchange_source, out=x)
+        # (CUDA: the NaN/Inf verdict ok stays on the device, and the update kernel writes m and
+        # p only where it is true: the same step, without a host synchronisation. Elsewhere ok
+        # is None: a non-finite exchange raised, nothing changed.) With preconditioned_exchange
+        # the exchange is in the units of the update: x = 1-bit average of m / (sqrt(v) + eps),
+        # then m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p).
+        m, into_m = self.flat.states["exp_avg"], not self.flat.exchange.device_verdict
+        x = m if into_m and not self.preconditioned_exchange else self.flat.work["update"]
+        ok = compressed_average_(self, self._exchange_source, out=x)
         self.flat.apply_mask_(self.param_groups, x)
-        torch.mul(x, denominator(self)[0], out=m)
-        decoupled_update_(self, x)
+        # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner (one
+        # sweep: m and p)
+        frozen_adam_update_(self, ok, x)
         # (rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale)
-        rescale_variance_(self, g, reduce=True)
+        rescale_variance_(self, g, reduce=True, ok=ok)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import lamb_frozen_update
+from lightning_onebit.kernels import lamb_frozen_update, momentum_source
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
@@ -326,18 +326,23 @@ class OneBitLamb(OneBitOptimizer):
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
-        (two sweeps per layer, the scaling folded into the coefficients), divided by
-        ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
-        m, g, u = self.flat.views["exp_avg"], self.flat.views["grad"], self.flat.views["update"]
-        d = denominator(self)[1] if self.preconditioned_exchange else None
-        scaling = self._scaling_values()
-        for j, o in enumerate(self.flat.layout.offsets):
+        (the scaling folded into the coefficients), divided by ``sqrt(v) + eps`` with
+        ``preconditioned_exchange``: one sweep (:func:`~lightning_onebit.kernels.momentum_source`)."""
+        layout, scaling = self.flat.layout, self._scaling_values()
+        starts, sizes, beta, alpha = [], [], [], []
+        for j, o in enumerate(layout.offsets):
             if s.start <= o < s.stop:
-                beta1, c = self.param_groups[self.flat.layout.group_of[j]]["betas"][0], scaling[j]
-                torch.mul(m[j], beta1 * c, out=u[j]).add_(g[j], alpha=(1 - beta1) * c)
-                if d is not None:
-                    u[j].div_(d[j])
-        return self.flat.work["update"][s]
+                beta1, c = self.param_groups[layout.group_of[j]]["betas"][0], scaling[j]
+                starts.append(o)
+                sizes.append(layout.params[j].numel())
+                beta.append(beta1 * c)
+                alpha.append((1 - beta1) * c)
+        d = denominator(self)[0] if self.preconditioned_exchange else None
+        u = self.flat.work["update"]
+        momentum_source(
+            self.flat.states["exp_avg"], self.flat.grad, d, u, starts, sizes, beta, alpha
+        )
+        return u[s]
 
     def _per_layer_values(self, key: str) -> list[float]:
         """A group hyperparameter, one value per layer (``beta1``/``beta2``: from ``betas``)."""

@@ -307,7 +307,10 @@ import sys, torch, tests.kernels.test_kernels as T
 from lightning_onebit import kernels as K
 assert not K.native.module.cpu_has_simd()
 lamb = {d: T._lamb_run(K.lamb_frozen_update, *T._lamb_case(7, d)) for d in (False, True)}
-torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb}, sys.argv[1])
+source = {d: T.source_run(K.momentum_source, T._source_case(3), d) for d in (False, True)}
+frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in (False, True)}
+torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
+            "source": source, "frozen": frozen}, sys.argv[1])
 """
 
 
@@ -524,6 +527,137 @@ def test_frozen_adam_update_is_the_optimizers_torch_update(precond: bool) -> Non
     assert all(torch.equal(p, q) for p, q in zip(params, ps, strict=True))
 
 
+#: parameter sizes around the kernels' 8-value vectors and their scalar tails
+AWKWARD = [1, 7, 8, 9, 31, 33, 1_000_003]
+
+
+def _source_case(seed: int, sizes: list[int] = AWKWARD):
+    """Inputs of momentum_source: m, g, d and a poisoned out, with a 3-value gap before every
+    segment (must stay untouched); starts, sizes, per-segment beta and alpha."""
+    gen = torch.Generator().manual_seed(seed)
+    starts, n = [], 0
+    for size in sizes:
+        starts.append(n + 3)
+        n += size + 3
+    m, g = torch.randn(n, generator=gen) * 0.1, torch.randn(n, generator=gen) * 1e-3
+    d = torch.rand(n, generator=gen) * 0.1 + 1e-4
+    beta = [0.8 + 0.19 * a for a in torch.rand(len(sizes), generator=gen).tolist()]
+    alpha = [
+        (1 - b) * (0.5 + a)
+        for b, a in zip(beta, torch.rand(len(sizes), generator=gen).tolist(), strict=True)
+    ]
+    return m, g, d, starts, sizes, beta, alpha
+
+
+def source_run(fn, case, divide: bool) -> torch.Tensor:
+    """momentum_source (or a twin) on ``case`` into a NaN-filled buffer: that buffer."""
+    m, g, d, starts, sizes, beta, alpha = case
+    out = torch.full_like(m, float("nan"))
+    fn(m.clone(), g.clone(), d.clone() if divide else None, out, starts, sizes, beta, alpha)
+    return out
+
+
+def _source_by_torch(case, divide: bool) -> torch.Tensor:
+    """The optimizers' torch ops for what momentum_source computes."""
+    m, g, d, starts, sizes, beta, alpha = case
+    out = torch.full_like(m, float("nan"))
+    for lo, size, b, a in zip(starts, sizes, beta, alpha, strict=True):
+        s = slice(lo, lo + size)
+        torch.mul(m[s], b, out=out[s]).add_(g[s], alpha=a)
+        if divide:
+            out[s].div_(d[s])
+    return out
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_momentum_source_is_the_torch_ops_bitwise(divide: bool) -> None:
+    """One sweep, torch's floats bit for bit (its add with alpha is a fused multiply-add), on
+    1 and 2 threads; gaps between the segments untouched, the inputs unchanged."""
+    case = _source_case(2 + divide)
+    want = _source_by_torch(case, divide)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got = source_run(K.momentum_source, case, divide)
+            assert _same_bits(got, want), nt
+    finally:
+        torch.set_num_threads(old)
+    assert _same_bits(source_run(K.reference_momentum_source, case, divide), want)
+    m, g, d, starts, sizes, beta, alpha = case
+    m0, g0 = m.clone(), g.clone()
+    K.momentum_source(m, g, d, torch.empty_like(m), starts, sizes, beta, alpha)
+    assert torch.equal(m, m0) and torch.equal(g, g0)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as bit patterns (NaNs included: the untouched gaps)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_momentum_source_portable_path_is_bitwise_too(portable: dict) -> None:
+    for divide in (False, True):
+        assert _same_bits(portable["source"][divide], _source_by_torch(_source_case(3), divide))
+
+
+def test_momentum_source_rejects_bad_input() -> None:
+    m = torch.zeros(16)
+    with pytest.raises(ValueError, match="does not fit"):
+        K.momentum_source(m, m, None, torch.zeros(16), [10], [7], [0.9], [0.1])
+    with pytest.raises(ValueError, match="one value per segment"):
+        K.momentum_source(m, m, None, torch.zeros(16), [0], [8], [0.9, 0.8], [0.1])
+    with pytest.raises(TypeError):
+        K.momentum_source(m, m.double(), None, torch.zeros(16), [0], [8], [0.9], [0.1])
+
+
+def _frozen_by_torch(case, precond: bool):
+    """The optimizers' torch ops (m = x * d or x; decoupled_update_'s decay and step)."""
+    x, m0, d, params, starts, lr, wd = case
+    m, ps = m0.clone(), [p.clone() for p in params]
+    for j, (p, lo) in enumerate(zip(ps, starts, strict=True)):
+        s = slice(lo, lo + p.numel())
+        m[s] = x[s] * d[s] if precond else x[s]
+        if wd[j] > 0:
+            torch._foreach_add_([p], [p], alpha=-lr[j] * wd[j])
+        if precond:
+            torch._foreach_add_([p], [x[s]], alpha=-lr[j])
+        else:
+            torch._foreach_addcdiv_([p], [x[s]], [d[s]], value=-lr[j])
+    return m, ps
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_frozen_adam_update_cpu_without_verdict_is_bitwise_on_awkward_sizes(precond: bool) -> None:
+    """ok=None (the CPU optimizers' call): the torch ops' floats bit for bit on sizes around
+    the vector width, on 1 and 2 threads; x may be m itself (the exchange wrote into m)."""
+    case = _frozen_case(11, AWKWARD)
+    want_m, want_p = _frozen_by_torch(case, precond)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            m, ps = frozen_run(case, None, precond)
+            assert torch.equal(m, want_m), nt
+            assert all(torch.equal(a, b) for a, b in zip(ps, want_p, strict=True)), nt
+    finally:
+        torch.set_num_threads(old)
+    _, m0, d, params, starts, lr, wd = case
+    if not precond:  # x is m: the kernel leaves m as it is
+        m, ps = m0.clone(), [p.clone() for p in params]
+        K.frozen_adam_update(None, m, m, d, ps, starts, lr, wd, False)
+        _, want_p = _frozen_by_torch((m0, m0, d, params, starts, lr, wd), False)
+        assert torch.equal(m, m0)
+        assert all(torch.equal(a, b) for a, b in zip(ps, want_p, strict=True))
+
+
+def test_frozen_adam_update_portable_path_is_bitwise_too(portable: dict) -> None:
+    for precond in (False, True):
+        want_m, want_p = _frozen_by_torch(_frozen_case(11, AWKWARD), precond)
+        m, ps = portable["frozen"][precond]
+        assert torch.equal(m, want_m)
+        assert all(torch.equal(a, b) for a, b in zip(ps, want_p, strict=True))
+
+
 def test_adam_update_with_a_verdict() -> None:
     """ok true: the call without a verdict, bit for bit; false: nothing written."""
     case = _adam_case(23)
@@ -703,6 +837,10 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
         native.module.server_reduce_cpu(b, 0, 8, s, 1, e, e, 64, b, 0.0, b, s, False, 1)  # W = 0
     with pytest.raises(ValueError, match="decompress_cpu: need"):
         native.module.decompress_cpu(b, 1, 8, s, 1, 64, x, 65, 1)  # nout > W * m
+    with pytest.raises(ValueError, match="momentum_source_cpu: need"):
+        native.module.momentum_source_cpu(x, x, 0, x, -1, 0, 0, 0, 0, 1)  # P < 0
+    with pytest.raises(ValueError, match="frozen_adam_update_cpu: need"):
+        native.module.frozen_adam_update_cpu(x, x, x, 0, -1, 0, 0, 0, 0, True, 1)  # P < 0
     native.module.worker_compress_cpu(
         x, 64, e, 64, b, 1, 8, s, 1
     )  # (and a valid call goes through)
