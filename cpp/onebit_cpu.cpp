@@ -436,6 +436,9 @@ AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored
   const __m256 nlv = _mm256_set1_ps(nl), z = _mm256_setzero_ps();
   float* q = p ? p - lo : nullptr;  // q[i] is the parameter's value of flat index i
   const int64_t head = std::min(hi, lo + aligned_gap(m + lo));  // m + i aligned from here
+  // acc + i too when acc and m are equally aligned (the optimizer's flat buffers)
+  const bool stream_acc =
+      acc && ((reinterpret_cast<std::uintptr_t>(acc) - reinterpret_cast<std::uintptr_t>(m)) & 31) == 0;
   if (lo < head) sync_block_scalar(x, d, floored, m, synced, p, acc, lo, head, nl, precond);
   int64_t i = head;
   for (; i + 8 <= hi; i += 8) {
@@ -452,7 +455,11 @@ AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored
     const __m256 sn = precond ? _mm256_add_ps(si, xi) : _mm256_add_ps(si, _mm256_div_ps(xi, _mm256_loadu_ps(d + i)));
     _mm256_storeu_ps(synced + i, sn);
     if (q) _mm256_storeu_ps(q + i, sn);
-    if (acc) _mm256_storeu_ps(acc + i, z);
+    if (stream_acc) {
+      _mm256_stream_ps(acc + i, z);  // (not read this step)
+    } else if (acc) {
+      _mm256_storeu_ps(acc + i, z);
+    }
   }
   _mm_sfence();  // the streamed stores before anything this thread does next
   if (i < hi) sync_block_scalar(x, d, floored, m, synced, q ? q + i : nullptr, acc, i, hi, nl, precond);

@@ -858,6 +858,18 @@ def test_sync_update_portable_path_is_bitwise_too(portable: dict) -> None:
         assert _same_sync(portable["sync"][precond], _sync_by_torch(precond))
 
 
+def test_sync_update_clears_an_accumulator_aligned_unlike_the_momentum() -> None:
+    """An accumulator whose address is not the momentum's modulo the vector width (a view one
+    value in) is cleared too, the other results unchanged."""
+    (x, d, m0, synced0), floored, acc0, params, starts, lrs = _sync_case(6)
+    want = _sync_by_torch(True)[(True, True)]
+    m, synced, ps = m0.clone(), synced0.clone(), [p.clone() for p in params]
+    acc = torch.empty(acc0.numel() + 1)[1:]
+    acc.copy_(acc0)
+    K.sync_update((x, d, m, synced), floored, acc, ps, starts, lrs, True)
+    assert _same_sync({0: (m, synced, acc, ps)}, {0: want})
+
+
 def test_sync_update_casts_into_parameters_of_other_dtypes() -> None:
     """A bf16 or strided parameter gets the synced values cast (the torch copy after the
     kernel); the fp32 ones are written by the kernel, the same values."""
