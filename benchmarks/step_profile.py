@@ -42,6 +42,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_exchange_source", "exchange source", 8),
     ("lightning_onebit.optim.onebit_lamb:OneBitLamb", "_exchange_source", "exchange source", 12),
     ("lightning_onebit.kernels", "momentum_source", "source kernel", 16),
+    ("lightning_onebit.kernels", "local_source", "source kernel", 20),
     ("lightning_onebit.kernels", "worker_compress", "worker compress", 8),
     ("lightning_onebit.kernels", "worker_update_error", "worker error", 12),
     ("torch.distributed", "all_to_all_single", "all_to_all", None),
@@ -53,7 +54,8 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.kernels", "lamb_frozen_update", "fused update", None),
     ("lightning_onebit.optim._ops", "decoupled_update_", "update (torch)", 20),
     ("lightning_onebit.optim._ops", "rescale_variance_", "rescale variance", None),
-    ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_synchronize_", "sync (torch)", None),
+    ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_synchronize_", "sync (rest)", None),
+    ("lightning_onebit.kernels", "sync_update", "sync kernel", None),
 ]
 
 

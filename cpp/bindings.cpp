@@ -74,6 +74,21 @@ PYBIND11_MODULE(_C, m) {
                                    P<const float>(nlw), precond, nthreads);
   }, release(), "1-bit Adam's compression-phase step of P parameters in one sweep (params: array of fp32 pointers)");
 
+  m.def("local_source_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts, ptr sizes,
+                               ptr b, ptr a, ptr nw, ptr nlr, bool precond, int nthreads) {
+    onebit::local_source_cpu(P<const float>(mm), P<const float>(g), P<const float>(d), P<const float>(p),
+                             P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
+                             P<const float>(b), P<const float>(a), P<const float>(nw), P<const float>(nlr), precond,
+                             nthreads);
+  }, release(), "0/1 Adam's sync-step exchange source over P segments in one sweep (p, acc may be 0: no term)");
+
+  m.def("sync_update_cpu", [](ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc, int64_t np,
+                              ptr starts, ptr sizes, ptr nl, bool precond, int nthreads) {
+    onebit::sync_update_cpu(P<const float>(x), P<const float>(d), P<const uint8_t>(floored), P<float>(mm),
+                            P<float>(synced), P<float* const>(params), P<float>(acc), np, P<const int64_t>(starts),
+                            P<const int64_t>(sizes), P<const float>(nl), precond, nthreads);
+  }, release(), "0/1 Adam's momentum, synced copy and parameters after a sync step's exchange in one sweep");
+
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 
   m.def("decompress_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,

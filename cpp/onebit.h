@@ -117,6 +117,29 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
                             const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
                             bool precond, int nthreads);
 
+// 0/1 Adam's exchange source on a sync step of its local phase, one sweep: segment j holds the
+// flat values [starts[j], starts[j] + sizes[j]); per value, with j's coefficients (floats):
+//   x <- fma(g, a, m * b)
+//   precond: x <- x / d;  x <- fma(p, -nw, x)         (the decay terms only where p is not null
+//   else:    x <- fma(-nw * p, d, x)                   and nw[j] is not +0.0)
+//   x <- x * nlr
+//   precond: x <- x + acc;  else: x <- fma(acc, d, x)  (only where acc is not null)
+//   u <- x
+// The roundings of the optimizer's torch ops (mul, add_ with alpha, div_, addcmul_, mul_) on x86
+// CPUs: torch's CPU add with alpha and addcmul_ are fused multiply-adds.
+void local_source_cpu(const float* m, const float* g, const float* d, const float* p, const float* acc, float* u,
+                      int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+                      const float* nw, const float* nlr, bool precond, int nthreads);
+
+// 0/1 Adam's update after a sync step's exchange x, one sweep: per value of parameter j (flat
+// values [starts[j], starts[j] + sizes[j]); storage params[j], fp32, contiguous, or no params),
+//   m <- (precond ? x * d : x) / nl[j]   (+0.0 where nl[j] is +0.0, or floored[i] is set)
+//   synced <- precond ? synced + x : synced + x / d;  p <- synced;  acc <- 0 (unless null)
+// The roundings of the optimizer's torch ops (mul, div by a scalar, add_, addcdiv_) on x86 CPUs.
+void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+                     float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
+                     const float* nl, bool precond, int nthreads);
+
 // True when the CPU kernels use the AVX2 path (set ONEBIT_NO_SIMD=1 to force portable code).
 bool cpu_has_simd();
 

@@ -171,6 +171,60 @@ void frozen_block_scalar(const float* x, float* m, const float* d, float* p, int
   }
 }
 
+// One segment's coefficients of local_source: m's and g's factors, -weight_decay, -lr.
+struct LocalSourceCoef {
+  float b, a, nw, nlr;
+};
+
+// 0/1 Adam's sync-step exchange source of one segment's values [lo, hi) (p and acc may be null:
+// no decay term, no accumulator term). The roundings of the optimizer's torch ops on x86 CPUs:
+//   x = fma(g, a, m * b)                               torch.mul(m, b, out=x).add_(g, alpha=a)
+//   precond: x = x / d;  x = fma(p, w, x)              div_(d); add_(p, alpha=w)
+//   else:    x = fma(w * p, d, x)                      addcmul_(p, d, value=w)
+//   x = x * nlr                                        mul_(nlr)
+//   precond: x = x + acc;  else: x = fma(acc, d, x)    add_(acc); addcmul_(acc, d)
+// The decay term is taken unless nw (= -w) is +0.0; torch's CPU addcmul_ is a fused
+// multiply-add of (value * t1) and t2.
+void local_source_block_scalar(const float* m, const float* g, const float* d, const float* p, const float* acc,
+                               float* u, int64_t lo, int64_t hi, LocalSourceCoef c, bool precond) {
+  const bool decay = p && (c.nw != 0.0f || std::signbit(c.nw));
+  const float w = -c.nw;
+  for (int64_t i = lo; i < hi; ++i) {
+    float x = std::fma(g[i], c.a, m[i] * c.b);
+    if (precond) {
+      x = x / d[i];
+      if (decay) x = std::fma(p[i], w, x);
+    } else if (decay) {
+      x = std::fma(w * p[i], d[i], x);
+    }
+    x = x * c.nlr;
+    if (acc) x = precond ? x + acc[i] : std::fma(acc[i], d[i], x);
+    u[i] = x;
+  }
+}
+
+// 0/1 Adam's update after a sync step's exchange of one parameter's values [lo, hi) (its storage
+// p indexed from 0 at lo; p, floored and acc may be null). The roundings of the torch ops:
+//   precond: m = (x * d) / nl;  synced = synced + x          torch.mul(x, d); torch.div(., nl); add_
+//   else:    m = x / nl;        synced = synced + x / d      torch.div(x, nl); addcdiv_(x, d)
+//   m = +0.0 where nl is +0.0 (no lr since the last sync) or floored[i] (masked_fill_);
+//   p = synced; acc = 0.
+void sync_block_scalar(const float* x, const float* d, const uint8_t* floored, float* m, float* synced, float* p,
+                       float* acc, int64_t lo, int64_t hi, float nl, bool precond) {
+  const bool zero = nl == 0.0f && !std::signbit(nl);
+  for (int64_t i = lo; i < hi; ++i) {
+    const float xi = x[i];
+    float mi = precond ? xi * d[i] : xi;
+    mi = zero ? 0.0f : mi / nl;
+    if (floored && floored[i]) mi = 0.0f;
+    m[i] = mi;
+    const float si = precond ? synced[i] + xi : synced[i] + xi / d[i];
+    synced[i] = si;
+    if (p) p[i - lo] = si;
+    if (acc) acc[i] = 0.0f;
+  }
+}
+
 #ifdef ONEBIT_X86
 // ---------------------------------------------------------------- block functions: AVX2
 // movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
@@ -349,6 +403,68 @@ AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, 
   if (i < hi) frozen_block_scalar(x, m, d, q + i, i, hi, nlr, nlw, precond);
 }
 
+AVX2 void local_source_block_avx2(const float* m, const float* g, const float* d, const float* p, const float* acc,
+                                  float* u, int64_t lo, int64_t hi, LocalSourceCoef c, bool precond) {
+  const bool decay = p && (c.nw != 0.0f || std::signbit(c.nw));
+  const __m256 bv = _mm256_set1_ps(c.b), av = _mm256_set1_ps(c.a), wv = _mm256_set1_ps(-c.nw),
+               lr = _mm256_set1_ps(c.nlr);
+  const int64_t head = std::min(hi, lo + aligned_gap(u + lo));  // u + i 32-byte aligned from here
+  if (lo < head) local_source_block_scalar(m, g, d, p, acc, u, lo, head, c, precond);
+  int64_t i = head;
+  for (; i + 8 <= hi; i += 8) {
+    __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
+    if (precond) {
+      x = _mm256_div_ps(x, _mm256_loadu_ps(d + i));
+      if (decay) x = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), wv, x);
+    } else if (decay) {
+      x = _mm256_fmadd_ps(_mm256_mul_ps(wv, _mm256_loadu_ps(p + i)), _mm256_loadu_ps(d + i), x);
+    }
+    x = _mm256_mul_ps(x, lr);
+    if (acc) {
+      const __m256 ai = _mm256_loadu_ps(acc + i);
+      x = precond ? _mm256_add_ps(x, ai) : _mm256_fmadd_ps(ai, _mm256_loadu_ps(d + i), x);
+    }
+    _mm256_stream_ps(u + i, x);  // (read by the exchange, not at once: no read for ownership)
+  }
+  _mm_sfence();  // the streamed stores before anything this thread does next
+  if (i < hi) local_source_block_scalar(m, g, d, p, acc, u, i, hi, c, precond);
+}
+
+AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored, float* m, float* synced, float* p,
+                          float* acc, int64_t lo, int64_t hi, float nl, bool precond) {
+  const bool zero = nl == 0.0f && !std::signbit(nl);
+  const __m256 nlv = _mm256_set1_ps(nl), z = _mm256_setzero_ps();
+  float* q = p ? p - lo : nullptr;  // q[i] is the parameter's value of flat index i
+  const int64_t head = std::min(hi, lo + aligned_gap(m + lo));  // m + i aligned from here
+  // acc + i too when acc and m are equally aligned (the optimizer's flat buffers)
+  const bool stream_acc =
+      acc && ((reinterpret_cast<std::uintptr_t>(acc) - reinterpret_cast<std::uintptr_t>(m)) & 31) == 0;
+  if (lo < head) sync_block_scalar(x, d, floored, m, synced, p, acc, lo, head, nl, precond);
+  int64_t i = head;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    __m256 mi = z;
+    if (!zero) mi = _mm256_div_ps(precond ? _mm256_mul_ps(xi, _mm256_loadu_ps(d + i)) : xi, nlv);
+    if (floored) {  // 8 bytes 0/1 -> lanes of all ones where set
+      const __m128i f8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(floored + i));
+      const __m256i f = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(f8), _mm256_setzero_si256());
+      mi = _mm256_andnot_ps(_mm256_castsi256_ps(f), mi);
+    }
+    _mm256_stream_ps(m + i, mi);  // (not read this step)
+    const __m256 si = _mm256_loadu_ps(synced + i);
+    const __m256 sn = precond ? _mm256_add_ps(si, xi) : _mm256_add_ps(si, _mm256_div_ps(xi, _mm256_loadu_ps(d + i)));
+    _mm256_storeu_ps(synced + i, sn);
+    if (q) _mm256_storeu_ps(q + i, sn);
+    if (stream_acc) {
+      _mm256_stream_ps(acc + i, z);  // (not read this step)
+    } else if (acc) {
+      _mm256_storeu_ps(acc + i, z);
+    }
+  }
+  _mm_sfence();  // the streamed stores before anything this thread does next
+  if (i < hi) sync_block_scalar(x, d, floored, m, synced, q ? q + i : nullptr, acc, i, hi, nl, precond);
+}
+
 #endif  // ONEBIT_X86
 
 // ---------------------------------------------------------------- dispatch
@@ -364,6 +480,10 @@ struct Impl {
   void (*adam)(const float*, float*, float*, float*, int64_t, int64_t, AdamCoef, bool);
   void (*source)(const float*, const float*, const float*, float*, int64_t, int64_t, float, float);
   void (*frozen)(const float*, float*, const float*, float*, int64_t, int64_t, float, float, bool);
+  void (*local_source)(const float*, const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
+                       LocalSourceCoef, bool);
+  void (*sync)(const float*, const float*, const uint8_t*, float*, float*, float*, float*, int64_t, int64_t, float,
+               bool);
 };
 
 const Impl& impl() {
@@ -371,10 +491,11 @@ const Impl& impl() {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
       return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2,
-                  adam_block_avx2, source_block_avx2, frozen_block_avx2};
+                  adam_block_avx2, source_block_avx2, frozen_block_avx2, local_source_block_avx2, sync_block_avx2};
 #endif
     return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar,
-                lamb_block_scalar, adam_block_scalar, source_block_scalar, frozen_block_scalar};
+                lamb_block_scalar, adam_block_scalar, source_block_scalar, frozen_block_scalar, local_source_block_scalar,
+                sync_block_scalar};
   }();
   return chosen;
 }
@@ -567,6 +688,41 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
     frozen(x, m, d, params[j] + (lo - starts[j]), lo, hi, nlr[j], nlw[j], precond);
+  }
+}
+
+void local_source_cpu(const float* m, const float* g, const float* d, const float* p, const float* acc, float* u,
+                      int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+                      const float* nw, const float* nlr, bool precond, int nthreads) {
+  detail::check_segments("local_source_cpu", P);
+  std::vector<int64_t> owner, lows;
+  const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  const int nt = threads_for(n, nthreads);
+  const auto source = impl().local_source;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t k = 0; k < nblk; ++k) {
+    const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    source(m, g, d, p, acc, u, lo, hi, LocalSourceCoef{b[j], a[j], nw[j], nlr[j]}, precond);
+  }
+}
+
+void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+                     float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
+                     const float* nl, bool precond, int nthreads) {
+  detail::check_segments("sync_update_cpu", P);
+  std::vector<int64_t> owner, lows;
+  const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  const int nt = threads_for(n, nthreads);
+  const auto sync = impl().sync;
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t k = 0; k < nblk; ++k) {
+    const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    float* p = params ? params[j] + (lo - starts[j]) : nullptr;
+    sync(x, d, floored, m, synced, p, acc, lo, hi, nl[j], precond);
   }
 }
 

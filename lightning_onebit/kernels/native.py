@@ -23,6 +23,7 @@ __all__ = [
     "frozen_adam_update_cuda",
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
+    "local_source_cpu",
     "module",
     "momentum_source_cpu",
     "nthreads",
@@ -31,6 +32,7 @@ __all__ = [
     "restore_unless_cuda",
     "server_reduce",
     "stream",
+    "sync_update_cpu",
     "update_error",
     "use_native",
     "worker_compress",
@@ -444,6 +446,73 @@ def frozen_adam_update_cpu(
         exp_avg.data_ptr(),
         denom.data_ptr(),
         arrays[0].data_ptr(),
+        len(params),
+        *(a.data_ptr() for a in arrays[1:]),
+        bool(preconditioned),
+        nthreads(),
+    )
+
+
+def local_source_cpu(
+    tensors: tuple[torch.Tensor, ...],
+    param: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    segments: tuple[list[int], list[int]],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+    preconditioned: bool,
+) -> None:
+    """The compiled ``local_source`` on CPU tensors (``tensors``: exp_avg, grad, denom;
+    ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr, weight_decay)."""
+    (exp_avg, grad, denom), (starts, sizes), (beta, alpha, lr, weight_decay) = tensors, segments, hp
+    # -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr
+    nw = [-w if w > 0 else 0.0 for w in weight_decay]
+    arrays = [
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor(sizes, dtype=torch.int64),
+        *(torch.tensor(c, dtype=torch.float32) for c in (beta, alpha, nw, [-a for a in lr])),
+    ]
+    module.local_source_cpu(
+        exp_avg.data_ptr(),
+        grad.data_ptr(),
+        denom.data_ptr(),
+        0 if param is None else param.data_ptr(),
+        0 if acc is None else acc.data_ptr(),
+        out.data_ptr(),
+        len(starts),
+        *(a.data_ptr() for a in arrays),
+        bool(preconditioned),
+        nthreads(),
+    )
+
+
+def sync_update_cpu(
+    tensors: tuple[torch.Tensor, ...],
+    floored: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], bool, bool],
+) -> None:
+    """The compiled ``sync_update`` on CPU tensors (``tensors``: exchanged, denom, exp_avg,
+    synced; ``hp``: per parameter the lr summed since the last sync, preconditioned, and
+    whether to write the parameters, fp32 and contiguous, too)."""
+    (exchanged, denom, exp_avg, synced), (lrs, preconditioned, write_params) = tensors, hp
+    # -lrs rounded from double, the divisor of the torch path; +0.0: m = 0 (no step taken)
+    arrays = [
+        torch.tensor([p.data_ptr() for p in params], dtype=torch.int64),
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor([p.numel() for p in params], dtype=torch.int64),
+        torch.tensor([-a if a > 0 else 0.0 for a in lrs], dtype=torch.float32),
+    ]
+    module.sync_update_cpu(
+        exchanged.data_ptr(),
+        denom.data_ptr(),
+        0 if floored is None else floored.data_ptr(),
+        exp_avg.data_ptr(),
+        synced.data_ptr(),
+        arrays[0].data_ptr() if write_params else 0,
+        0 if acc is None else acc.data_ptr(),
         len(params),
         *(a.data_ptr() for a in arrays[1:]),
         bool(preconditioned),

@@ -24,9 +24,11 @@ from lightning_onebit.kernels.reference import (
     reference_decompress,
     reference_frozen_adam_update,
     reference_lamb_frozen_update,
+    reference_local_source,
     reference_momentum_source,
     reference_restore_unless,
     reference_server_reduce,
+    reference_sync_update,
     reference_worker_compress,
     reference_worker_update_error,
 )
@@ -36,9 +38,11 @@ __all__ = [
     "decompress",
     "frozen_adam_update",
     "lamb_frozen_update",
+    "local_source",
     "momentum_source",
     "restore_unless",
     "server_reduce",
+    "sync_update",
     "worker_compress",
     "worker_update_error",
 ]
@@ -558,6 +562,123 @@ def frozen_adam_update(
     reference_frozen_adam_update(
         ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay, preconditioned
     )
+
+
+def local_source(
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    param: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+    preconditioned: bool,
+) -> None:
+    """0/1 Adam's exchange source on a sync step of its local phase, one sweep over flat
+    buffers (no input changes). ``tensors``: ``exp_avg``, ``grad``, ``denom``
+    (``sqrt(v) + eps``); segment ``k`` holds the values ``starts[k]:starts[k] + sizes[k]``
+    and has the coefficients ``hp`` (``beta``, ``alpha``, ``lr``, ``weight_decay``, one
+    value per segment). Per value, as the optimizer's torch ops::
+
+        x = beta * exp_avg + alpha * grad           (torch.mul(m, beta).add_(g, alpha=alpha))
+        preconditioned: x = x / denom + weight_decay * param
+        otherwise:      x = x + weight_decay * param * denom        (addcmul_)
+        x = -lr * x
+        preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
+
+    The decay term is taken where ``param`` is given and ``weight_decay > 0``, the
+    accumulator's where ``acc`` is given. On the CPU the C++ kernel writes torch's floats
+    bit for bit (torch's CPU ``add`` with ``alpha`` and ``addcmul_`` are fused multiply-adds
+    on x86, which the kernel does too): it reads 3-5 buffers and writes one, where the torch
+    ops make five or more sweeps. Elsewhere (CUDA, or no compiled module) the torch ops
+    themselves run (:func:`reference_local_source`).
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
+            or a segment that does not fit; coefficient lists of other lengths.
+    """
+    named = [("exp_avg", tensors[0]), ("grad", tensors[1]), ("denom", tensors[2]), ("out", out)]
+    for name, t in (("param", param), ("acc", acc)):
+        if t is not None:
+            named.append((name, t))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    n = len(starts)
+    for name, vals in zip(
+        ("sizes", "beta", "alpha", "lr", "weight_decay"), (sizes, *hp), strict=True
+    ):
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per segment ({n}), got {len(vals)}")
+    limit = min(t.numel() for _, t in named)
+    for lo, size in zip(starts, sizes, strict=True):
+        if lo < 0 or size < 0 or lo + size > limit:
+            raise ValueError(f"segment [{lo}, {lo + size}) does not fit buffers of {limit} values")
+    if device.type != "cpu" or not native.use_native():
+        reference_local_source(tensors, param, acc, out, starts, sizes, hp, preconditioned)
+        return
+    native.local_source_cpu(tensors, param, acc, out, (starts, sizes), hp, preconditioned)
+
+
+def sync_update(
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    floored: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lrs: list[float],
+    preconditioned: bool,
+) -> None:
+    """0/1 Adam's update after a sync step's exchange, one sweep over flat buffers.
+    ``tensors``: ``exchanged`` (the averaged accumulator; read only), ``denom``
+    (``sqrt(v) + eps``), ``exp_avg`` and ``synced`` (the synchronised parameters, fp32);
+    parameter ``j``'s values start at ``starts[j]``, ``lrs[j]`` is the learning rate summed
+    since the last sync. Per value, as the optimizer's torch ops::
+
+        exp_avg = (exchanged * denom if preconditioned else exchanged) / -lrs
+                  (0 where lrs <= 0, or floored is true: masked_fill_)
+        synced += exchanged if preconditioned else exchanged / denom     (add_, addcdiv_)
+        p = synced;  acc = 0  (where acc is given)
+
+    On the CPU the C++ kernel makes the one sweep (torch's floats bit for bit, where the torch
+    ops make five or more sweeps); it writes the parameters itself when every one is fp32 and
+    contiguous, else they are copied from ``synced`` after it (cast to their dtype). Elsewhere
+    (CUDA, or no compiled module) the torch ops run (:func:`reference_sync_update`).
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
+            or a parameter that does not fit; ``lrs`` of another length.
+    """
+    names = ("exchanged", "denom", "exp_avg", "synced")
+    named = list(zip(names, tensors, strict=True))
+    if acc is not None:
+        named.append(("acc", acc))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    if floored is not None:
+        check_tensor("floored", floored, torch.bool)
+        check_contiguous("floored", floored)
+        named.append(("floored", floored))
+    device = check_device(*named, need_cuda_kernels=False)
+    if len(starts) != len(params) or len(lrs) != len(params):
+        raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    if device.type != "cpu" or not native.use_native():
+        reference_sync_update(tensors, floored, acc, params, starts, lrs, preconditioned)
+        return
+    direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
+    native.sync_update_cpu(tensors, floored, acc, params, starts, (lrs, preconditioned, direct))
+    if direct:
+        for p in params:  # (written through raw pointers: see adam_update)
+            torch.autograd.graph.increment_version(p)
+    else:
+        synced = tensors[3]
+        torch._foreach_copy_(
+            params,
+            [synced[lo : lo + p.numel()].view_as(p) for p, lo in zip(params, starts, strict=True)],
+        )
 
 
 def restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -15,9 +15,11 @@ __all__ = [
     "reference_decompress",
     "reference_frozen_adam_update",
     "reference_lamb_frozen_update",
+    "reference_local_source",
     "reference_momentum_source",
     "reference_restore_unless",
     "reference_server_reduce",
+    "reference_sync_update",
     "reference_worker_compress",
     "reference_worker_update_error",
 ]
@@ -208,6 +210,71 @@ def reference_momentum_source(
         torch.mul(exp_avg[s], b, out=out[s]).add_(grad[s], alpha=a)
         if denom is not None:
             out[s].div_(denom[s])
+
+
+def reference_local_source(
+    tensors: tuple[torch.Tensor, ...],
+    param: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+    preconditioned: bool,
+) -> None:
+    """Pure-torch :func:`~lightning_onebit.kernels.local_source` (same arguments; 0/1 Adam's
+    torch ops, bit for bit on x86 CPUs)."""
+    (exp_avg, grad, denom), (beta, alpha, lr, weight_decay) = tensors, hp
+    for lo, n, b, a, r, w in zip(starts, sizes, beta, alpha, lr, weight_decay, strict=True):
+        s = slice(lo, lo + n)
+        x = out[s]
+        torch.mul(exp_avg[s], b, out=x).add_(grad[s], alpha=a)
+        if preconditioned:
+            x.div_(denom[s])
+            if param is not None and w > 0:
+                x.add_(param[s], alpha=w)
+        elif param is not None and w > 0:
+            x.addcmul_(param[s], denom[s], value=w)
+        x.mul_(-r)
+        if acc is not None:
+            if preconditioned:
+                x.add_(acc[s])
+            else:
+                x.addcmul_(acc[s], denom[s])
+
+
+def reference_sync_update(
+    tensors: tuple[torch.Tensor, ...],
+    floored: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    params: list[torch.Tensor],
+    starts: list[int],
+    lrs: list[float],
+    preconditioned: bool,
+) -> None:
+    """Pure-torch :func:`~lightning_onebit.kernels.sync_update` (same arguments; 0/1 Adam's
+    torch ops, bit for bit on x86 CPUs)."""
+    exchanged, denom, exp_avg, synced = tensors
+    for p, lo, total in zip(params, starts, lrs, strict=True):
+        s = slice(lo, lo + p.numel())
+        if preconditioned:
+            torch.mul(exchanged[s], denom[s], out=exp_avg[s])
+            src = exp_avg[s]
+        else:
+            src = exchanged[s]
+        if total > 0:
+            torch.div(src, -total, out=exp_avg[s])
+        else:  # no step since the last sync
+            exp_avg[s].zero_()
+        if floored is not None:
+            exp_avg[s].masked_fill_(floored[s], 0.0)
+        if preconditioned:
+            synced[s].add_(exchanged[s])
+        else:
+            synced[s].addcdiv_(exchanged[s], denom[s])
+        if acc is not None:
+            acc[s].zero_()
+        p.copy_(synced[s].view_as(p))
 
 
 def reference_frozen_adam_update(

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
+from lightning_onebit.kernels import local_source, sync_update
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import (
@@ -329,28 +330,26 @@ class ZeroOneAdam(OneBitOptimizer):
             if not pre:
                 return self.flat.grad[s]
             return torch.div(self.flat.grad[s], d[s], out=self.flat.work["update"][s])
-        m, g, acc, x = (
-            self.flat.states["exp_avg"],
-            self.flat.grad,
-            self._acc,
-            self.flat.work["update"],
-        )
+        x = self.flat.work["update"]
         p = self.flat.gather_params(s) if any_weight_decay(self) else None
-        for _, group, t in self.flat.segments_in(self.param_groups, s):
-            beta1, wd = group["betas"][0], decoupled_decay(group)
-            torch.mul(m[t], beta1, out=x[t]).add_(g[t], alpha=1 - beta1)
-            if pre:
-                x[t].div_(d[t])
-                if wd > 0:
-                    x[t].add_(p[t], alpha=wd)
-            elif wd > 0:
-                x[t].addcmul_(p[t], d[t], value=wd)
-            x[t].mul_(-group["lr"])
-            if self._local_steps_taken:
-                if pre:
-                    x[t].add_(acc[t])
-                else:
-                    x[t].addcmul_(acc[t], d[t])
+        segs = [(t, group) for _, group, t in self.flat.segments_in(self.param_groups, s)]
+        betas = [group["betas"][0] for _, group in segs]
+        # one sweep (torch's floats bit for bit on the CPU; the torch ops elsewhere)
+        local_source(
+            (self.flat.states["exp_avg"], self.flat.grad, d),
+            p,
+            self._acc if self._local_steps_taken else None,
+            x,
+            [t.start for t, _ in segs],
+            [t.stop - t.start for t, _ in segs],
+            (
+                betas,
+                [1 - b for b in betas],
+                [group["lr"] for _, group in segs],
+                [decoupled_decay(group) for _, group in segs],
+            ),
+            pre,
+        )
         return x[s]
 
     @property
@@ -381,22 +380,24 @@ class ZeroOneAdam(OneBitOptimizer):
         if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
             self._synchronize_on_verdict_(ok, u, this_step)
             return
-        if self._local_steps_taken:
-            acc.zero_()  # consumed by the exchange
+        taken = self._local_steps_taken  # (acc is consumed by the exchange: zeroed below)
         self.flat.apply_mask_(self.param_groups, u)
-        d = denominator(self)[0]
-        if self.preconditioned_exchange:  # u was exchanged in parameter units: u = acc
-            synced_step, u = u, m
-            torch.mul(synced_step, d, out=u)  # back to momentum units, into m
-        self._rebuild_momentum_(u, this_step)
-        # p = last synced point + acc / (sqrt(v) + eps), computed on the synced copy (bitwise
-        # the same on every rank, unlike p - acc + ...) and copied into p
-        synced = self.flat.states["synced_params"]
-        if self.preconditioned_exchange:
-            synced.add_(synced_step)
-        else:
-            synced.addcdiv_(u, d)
-        self.flat.copy_to_params_(synced)
+        self._add_this_step_lr(this_step)
+        # m = -acc / lrs (acc in momentum units: u * (sqrt(v) + eps) when it was exchanged in
+        # parameter units), 0 where v was floored (see _rebuild_momentum_); p = last synced point
+        # + acc / (sqrt(v) + eps), computed on the synced copy (bitwise the same on every rank,
+        # unlike p - acc + ...) and copied into p; acc = 0. One sweep (torch's floats bit for bit
+        # on the CPU; the torch ops elsewhere).
+        layout = self.flat.layout
+        sync_update(
+            (u, denominator(self)[0], m, self.flat.states["synced_params"]),
+            self._floored(),
+            acc if taken else None,
+            layout.params,
+            layout.offsets,
+            [self.lrs[gi] for gi in layout.group_of],
+            self.preconditioned_exchange,
+        )
         self.lrs = [0.0] * len(self.lrs)
 
     def _synchronize_on_verdict_(self, ok: torch.Tensor, u: torch.Tensor, this_step: bool) -> None:
@@ -442,22 +443,36 @@ class ZeroOneAdam(OneBitOptimizer):
         ``out``: where to write it (default: m itself).
         """
         m = self.flat.states["exp_avg"] if out is None else out
-        for gi, group, s in self.flat.segments(self.param_groups):
-            if this_step:
-                self.lrs[gi] += group["lr"]
+        self._add_this_step_lr(this_step)
+        for gi, _, s in self.flat.segments(self.param_groups):
             if self.lrs[gi] > 0:
                 torch.div(u[s], -self.lrs[gi], out=m[s])
             else:  # lr == 0 since the last sync: no step was taken
                 m[s].zero_()
-        if self.variance_floor > 0:
-            if self._floored_mask is None:  # v is frozen: once per freeze or layout (resume)
-                floors = torch.repeat_interleave(
-                    self.flat.scalars["variance_floor"],
-                    self.flat.layout.sizes,
-                    output_size=m.numel(),
-                )
-                self._floored_mask = self.flat.states["exp_avg_sq"] <= floors
-            m.masked_fill_(self._floored_mask, 0.0)
+        floored = self._floored()
+        if floored is not None:
+            m.masked_fill_(floored, 0.0)
+
+    def _add_this_step_lr(self, this_step: bool) -> None:
+        """``lrs += lr`` per group when the sync step takes this step's local step too."""
+        if this_step:
+            for gi, group, _ in self.flat.segments(self.param_groups):
+                self.lrs[gi] += group["lr"]
+
+    def _floored(self) -> torch.Tensor | None:
+        """Where the variance was floored at the freeze (``v <= its tensor's floor``; cached:
+        ``v`` is frozen, recomputed once per freeze or layout), or ``None`` with
+        ``variance_floor=0``."""
+        if self.variance_floor <= 0:
+            return None
+        if self._floored_mask is None:
+            floors = torch.repeat_interleave(
+                self.flat.scalars["variance_floor"],
+                self.flat.layout.sizes,
+                output_size=self.flat.layout.numel,
+            )
+            self._floored_mask = self.flat.states["exp_avg_sq"] <= floors
+        return self._floored_mask
 
     @torch.no_grad()
     def synchronize(self) -> None:

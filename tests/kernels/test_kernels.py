@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -309,8 +311,10 @@ assert not K.native.module.cpu_has_simd()
 lamb = {d: T._lamb_run(K.lamb_frozen_update, *T._lamb_case(7, d)) for d in (False, True)}
 source = {d: T.source_run(K.momentum_source, T._source_case(3), d) for d in (False, True)}
 frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in (False, True)}
+local = {pre: T.local_runs(K.local_source, pre) for pre in (False, True)}
+sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
-            "source": source, "frozen": frozen}, sys.argv[1])
+            "source": source, "frozen": frozen, "local": local, "sync": sync}, sys.argv[1])
 """
 
 
@@ -658,6 +662,235 @@ def test_frozen_adam_update_portable_path_is_bitwise_too(portable: dict) -> None
         assert all(torch.equal(a, b) for a, b in zip(ps, want_p, strict=True))
 
 
+def _local_case(seed: int):
+    """Inputs of local_source on AWKWARD segments with 3-value gaps: (m, g, d), the flat
+    parameters, the accumulator, starts, sizes and per segment (beta, alpha, lr, weight decay),
+    the decay 0 on every third segment."""
+    m, g, d, starts, sizes, beta, _ = _source_case(seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    p, acc = torch.randn(m.numel(), generator=gen), torch.randn(m.numel(), generator=gen) * 1e-3
+    r = torch.rand(len(sizes), generator=gen).tolist()
+    lr = [1e-3 * (1 + a) for a in r]
+    wd = [0.0 if k % 3 == 0 else 0.01 * (1 + a) for k, a in enumerate(r)]
+    return (m, g, d), p, acc, starts, sizes, (beta, [1 - b for b in beta], lr, wd)
+
+
+def local_runs(fn, precond: bool) -> dict:
+    """local_source (or its twin) on ``_local_case(4)`` into NaN-filled buffers, with and
+    without the decay and accumulator terms: {(decay, acc): out}."""
+    tensors, p, acc, starts, sizes, hp = _local_case(4)
+    runs = {}
+    for decay, with_acc in itertools.product((False, True), repeat=2):
+        out = torch.full_like(p, float("nan"))
+        fn(
+            tensors,
+            p if decay else None,
+            acc if with_acc else None,
+            out,
+            starts,
+            sizes,
+            hp,
+            precond,
+        )
+        runs[(decay, with_acc)] = out
+    return runs
+
+
+def _local_by_torch(precond: bool) -> dict:
+    """The optimizer's torch ops (ZeroOneAdam._exchange_source) for local_runs' cases."""
+    (m, g, d), p, acc, starts, sizes, (beta, _, lr, wd) = _local_case(4)
+    runs = {}
+    for decay, with_acc in itertools.product((False, True), repeat=2):
+        out = torch.full_like(p, float("nan"))
+        for lo, n, b, r, w in zip(starts, sizes, beta, lr, wd, strict=True):
+            s = slice(lo, lo + n)
+            torch.mul(m[s], b, out=out[s]).add_(g[s], alpha=1 - b)
+            if precond:
+                out[s].div_(d[s])
+                if decay and w > 0:
+                    out[s].add_(p[s], alpha=w)
+            elif decay and w > 0:
+                out[s].addcmul_(p[s], d[s], value=w)
+            out[s].mul_(-r)
+            if with_acc:
+                if precond:
+                    out[s].add_(acc[s])
+                else:
+                    out[s].addcmul_(acc[s], d[s])
+        runs[(decay, with_acc)] = out
+    return runs
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_local_source_is_the_torch_ops_bitwise(precond: bool) -> None:
+    """One sweep, the optimizer's torch floats bit for bit (its add with alpha and addcmul_ are
+    fused multiply-adds) on sizes around the vector width, 1 and 2 threads, with and without
+    each optional term; gaps untouched, inputs unchanged."""
+    want = _local_by_torch(precond)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got = local_runs(K.local_source, precond)
+            assert all(_same_bits(got[k], want[k]) for k in want), nt
+    finally:
+        torch.set_num_threads(old)
+    ref = local_runs(K.reference_local_source, precond)
+    assert all(_same_bits(ref[k], want[k]) for k in want)
+    assert not _same_bits(want[(True, True)], want[(False, False)])  # (the terms count)
+    tensors, p, acc, starts, sizes, hp = _local_case(4)
+    before = [t.clone() for t in (*tensors, p, acc)]
+    K.local_source(tensors, p, acc, torch.empty_like(p), starts, sizes, hp, precond)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
+
+
+def test_local_source_portable_path_is_bitwise_too(portable: dict) -> None:
+    for precond in (False, True):
+        want, got = _local_by_torch(precond), portable["local"][precond]
+        assert all(_same_bits(got[k], want[k]) for k in want)
+
+
+def test_local_source_rejects_bad_input() -> None:
+    t, hp = torch.zeros(16), ([0.9], [0.1], [1e-3], [0.0])
+    with pytest.raises(ValueError, match="does not fit"):
+        K.local_source((t, t, t), None, None, torch.zeros(16), [10], [7], hp, True)
+    with pytest.raises(ValueError, match="one value per segment"):
+        K.local_source((t, t, t), None, None, t.clone(), [0], [8], (*hp[:3], [0.0, 0.1]), True)
+    with pytest.raises(TypeError):
+        K.local_source((t, t, t), t.double(), None, t.clone(), [0], [8], hp, True)
+
+
+def _sync_case(seed: int):
+    """Inputs of sync_update on AWKWARD parameters with 3-value gaps: (x, d, m, synced), the
+    floored mask, the accumulator, params, starts and per parameter lrs (0 on one: m = 0)."""
+    m, g, d, starts, sizes, _, _ = _source_case(seed)
+    gen = torch.Generator().manual_seed(seed + 200)
+    synced = torch.randn(m.numel(), generator=gen)
+    floored = torch.rand(m.numel(), generator=gen) < 0.2
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    lrs = [0.0 if k == 2 else 1e-3 * (k + 1) for k in range(len(sizes))]
+    return (g * 100, d, m, synced), floored, g.clone(), params, starts, lrs
+
+
+def sync_runs(fn, precond: bool) -> dict:
+    """sync_update (or its twin) on copies of ``_sync_case(6)``, with and without the floored
+    mask and the accumulator: {(floored, acc): (m, synced, acc, params)}."""
+    (x, d, m0, synced0), floored, acc0, params, starts, lrs = _sync_case(6)
+    runs = {}
+    for with_floor, with_acc in itertools.product((False, True), repeat=2):
+        m, synced, acc, ps = m0.clone(), synced0.clone(), acc0.clone(), [p.clone() for p in params]
+        fn(
+            (x, d, m, synced),
+            floored if with_floor else None,
+            acc if with_acc else None,
+            ps,
+            starts,
+            lrs,
+            precond,
+        )
+        runs[(with_floor, with_acc)] = (m, synced, acc, ps)
+    return runs
+
+
+def _sync_by_torch(precond: bool) -> dict:
+    """The optimizer's torch ops (ZeroOneAdam's sync: m from the exchange, masked_fill_, the
+    synced copy's add_/addcdiv_, acc.zero_(), copy_to_params_) for sync_runs' cases."""
+    (x, d, m0, synced0), floored, acc0, params, starts, lrs = _sync_case(6)
+    runs = {}
+    for with_floor, with_acc in itertools.product((False, True), repeat=2):
+        m, synced, acc, ps = m0.clone(), synced0.clone(), acc0.clone(), [p.clone() for p in params]
+        for p, lo, total in zip(ps, starts, lrs, strict=True):
+            s = slice(lo, lo + p.numel())
+            if with_acc:
+                acc[s].zero_()
+            src = torch.mul(x[s], d[s], out=m[s]) if precond else x[s]
+            if total > 0:
+                torch.div(src, -total, out=m[s])
+            else:
+                m[s].zero_()
+            if with_floor:
+                m[s].masked_fill_(floored[s], 0.0)
+            if precond:
+                synced[s].add_(x[s])
+            else:
+                synced[s].addcdiv_(x[s], d[s])
+        torch._foreach_copy_(
+            ps, [synced[lo : lo + p.numel()] for p, lo in zip(ps, starts, strict=True)]
+        )
+        runs[(with_floor, with_acc)] = (m, synced, acc, ps)
+    return runs
+
+
+def _same_sync(got: dict, want: dict) -> bool:
+    return all(
+        all(_same_bits(a, b) for a, b in zip(got[k][:3], want[k][:3], strict=True))
+        and all(_same_bits(a, b) for a, b in zip(got[k][3], want[k][3], strict=True))
+        for k in want
+    )
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_sync_update_is_the_torch_ops_bitwise(precond: bool) -> None:
+    """One sweep, the optimizer's torch floats bit for bit on sizes around the vector width,
+    1 and 2 threads, with and without the floored mask and the accumulator; a parameter with
+    no lr since the last sync gets m = 0; gaps untouched."""
+    want = _sync_by_torch(precond)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            assert _same_sync(sync_runs(K.sync_update, precond), want), nt
+    finally:
+        torch.set_num_threads(old)
+    assert _same_sync(sync_runs(K.reference_sync_update, precond), want)
+    _, floored, _, params, starts, _ = _sync_case(6)
+    m, _, acc, ps = want[(True, True)]
+    lo = starts[2]
+    assert torch.equal(m[lo : lo + params[2].numel()], torch.zeros(params[2].numel()))
+    last = slice(starts[-1], None)
+    assert (m[last][floored[last]] == 0).all() and acc[last].count_nonzero() == 0
+    assert (want[(False, False)][0][last][floored[last]] != 0).all()
+    assert all(not torch.equal(p, q) for p, q in zip(params, ps, strict=True))
+
+
+def test_sync_update_portable_path_is_bitwise_too(portable: dict) -> None:
+    for precond in (False, True):
+        assert _same_sync(portable["sync"][precond], _sync_by_torch(precond))
+
+
+def test_sync_update_clears_an_accumulator_aligned_unlike_the_momentum() -> None:
+    """An accumulator whose address is not the momentum's modulo the vector width (a view one
+    value in) is cleared too, the other results unchanged."""
+    (x, d, m0, synced0), floored, acc0, params, starts, lrs = _sync_case(6)
+    want = _sync_by_torch(True)[(True, True)]
+    m, synced, ps = m0.clone(), synced0.clone(), [p.clone() for p in params]
+    acc = torch.empty(acc0.numel() + 1)[1:]
+    acc.copy_(acc0)
+    K.sync_update((x, d, m, synced), floored, acc, ps, starts, lrs, True)
+    assert _same_sync({0: (m, synced, acc, ps)}, {0: want})
+
+
+def test_sync_update_casts_into_parameters_of_other_dtypes() -> None:
+    """A bf16 or strided parameter gets the synced values cast (the torch copy after the
+    kernel); the fp32 ones are written by the kernel, the same values."""
+    (x, d, m, synced), floored, acc, params, starts, lrs = _sync_case(6)
+    ps = [params[0].bfloat16(), *params[1:6], params[6]]
+    ps[5] = torch.randn(33, 2)[:, 0]  # (strided: 33 values)
+    K.sync_update((x, d, m, synced), floored, acc, ps, starts, lrs, True)
+    for p, lo in zip(ps, starts, strict=True):
+        assert torch.equal(p, synced[lo : lo + p.numel()].to(p.dtype))
+
+
+def test_sync_update_rejects_bad_input() -> None:
+    t, p = torch.zeros(16), [torch.zeros(8)]
+    with pytest.raises(ValueError, match="does not fit"):
+        K.sync_update((t, t, t, t), None, None, p, [10], [1e-3], True)
+    with pytest.raises(ValueError, match="one value per parameter"):
+        K.sync_update((t, t, t, t), None, None, p, [0], [1e-3, 1e-3], True)
+    with pytest.raises(TypeError):
+        K.sync_update((t, t, t, t), torch.zeros(16), None, p, [0], [1e-3], True)
+
+
 def test_adam_update_with_a_verdict() -> None:
     """ok true: the call without a verdict, bit for bit; false: nothing written."""
     case = _adam_case(23)
@@ -841,6 +1074,10 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
         native.module.momentum_source_cpu(x, x, 0, x, -1, 0, 0, 0, 0, 1)  # P < 0
     with pytest.raises(ValueError, match="frozen_adam_update_cpu: need"):
         native.module.frozen_adam_update_cpu(x, x, x, 0, -1, 0, 0, 0, 0, True, 1)  # P < 0
+    with pytest.raises(ValueError, match="local_source_cpu: need"):
+        native.module.local_source_cpu(x, x, x, 0, 0, x, -1, 0, 0, 0, 0, 0, 0, True, 1)  # P < 0
+    with pytest.raises(ValueError, match="sync_update_cpu: need"):
+        native.module.sync_update_cpu(x, x, 0, x, x, 0, 0, -1, 0, 0, 0, True, 1)  # P < 0
     native.module.worker_compress_cpu(
         x, 64, e, 64, b, 1, 8, s, 1
     )  # (and a valid call goes through)
