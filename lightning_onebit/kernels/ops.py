@@ -5,6 +5,7 @@ none applies."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -448,6 +449,23 @@ def adam_update(
         torch.autograd.graph.increment_version(p)
 
 
+def _check_segments(
+    named: list[tuple[str, torch.Tensor | None]],
+    starts: list[int],
+    per_segment: dict[str, Sequence[float]],
+) -> None:
+    """Raise ``ValueError`` unless every list of ``per_segment`` has one value per segment and
+    each segment ``[starts[k], starts[k] + sizes[k])`` fits every tensor of ``named``."""
+    n = len(starts)
+    for name, vals in per_segment.items():
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per segment ({n}), got {len(vals)}")
+    limit = min(t.numel() for _, t in named if t is not None)
+    for lo, size in zip(starts, per_segment["sizes"], strict=True):
+        if lo < 0 or size < 0 or lo + size > limit:
+            raise ValueError(f"segment [{lo}, {lo + size}) does not fit buffers of {limit} values")
+
+
 def momentum_source(
     exp_avg: torch.Tensor,
     grad: torch.Tensor,
@@ -483,14 +501,7 @@ def momentum_source(
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
     device = check_device(*named, need_cuda_kernels=False)
-    n = len(starts)
-    for name, vals in (("sizes", sizes), ("beta", beta), ("alpha", alpha)):
-        if len(vals) != n:
-            raise ValueError(f"{name} must have one value per segment ({n}), got {len(vals)}")
-    limit = min(t.numel() for _, t in named)
-    for lo, size in zip(starts, sizes, strict=True):
-        if lo < 0 or size < 0 or lo + size > limit:
-            raise ValueError(f"segment [{lo}, {lo + size}) does not fit buffers of {limit} values")
+    _check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
     if device.type != "cpu" or not native.use_native():
         reference_momentum_source(exp_avg, grad, denom, out, starts, sizes, beta, alpha)
         return
@@ -605,16 +616,8 @@ def local_source(
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
     device = check_device(*named, need_cuda_kernels=False)
-    n = len(starts)
-    for name, vals in zip(
-        ("sizes", "beta", "alpha", "lr", "weight_decay"), (sizes, *hp), strict=True
-    ):
-        if len(vals) != n:
-            raise ValueError(f"{name} must have one value per segment ({n}), got {len(vals)}")
-    limit = min(t.numel() for _, t in named)
-    for lo, size in zip(starts, sizes, strict=True):
-        if lo < 0 or size < 0 or lo + size > limit:
-            raise ValueError(f"segment [{lo}, {lo + size}) does not fit buffers of {limit} values")
+    names = ("sizes", "beta", "alpha", "lr", "weight_decay")
+    _check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
     if device.type != "cpu" or not native.use_native():
         reference_local_source(tensors, param, acc, out, starts, sizes, hp, preconditioned)
         return
