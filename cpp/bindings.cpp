@@ -155,6 +155,28 @@ PYBIND11_MODULE(_C, m) {
                                     P<const int64_t>(chunk_start), nchunks, P<const float>(nlr), P<const float>(nlw),
                                     precond, P<void>(stream));
   }, release(), "1-bit Adam's compression-phase step, only if *ok (device bool)");
+  m.def("momentum_source_cuda", [](int device, ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes,
+                                   ptr chunk_start, int64_t nchunks, ptr b, ptr a, ptr stream) {
+    onebit::momentum_source_cuda(device, P<const float>(mm), P<const float>(g), P<const float>(d), P<float>(u), np,
+                                 P<const int64_t>(starts), P<const int64_t>(sizes), P<const int64_t>(chunk_start),
+                                 nchunks, P<const float>(b), P<const float>(a), P<void>(stream));
+  }, release(), "momentum_source on the given CUDA stream, torch's CUDA roundings (every array in device memory)");
+  m.def("local_source_cuda", [](int device, ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts,
+                                ptr sizes, ptr chunk_start, int64_t nchunks, ptr b, ptr a, ptr nw, ptr nlr,
+                                bool precond, ptr stream) {
+    onebit::local_source_cuda(device, P<const float>(mm), P<const float>(g), P<const float>(d), P<const float>(p),
+                              P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
+                              P<const int64_t>(chunk_start), nchunks, P<const float>(b), P<const float>(a),
+                              P<const float>(nw), P<const float>(nlr), precond, P<void>(stream));
+  }, release(), "0/1 Adam's sync-step exchange source on the given CUDA stream, torch's CUDA roundings");
+  m.def("sync_update_cuda", [](int device, ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc,
+                               int64_t np, ptr starts, ptr sizes, ptr chunk_start, int64_t nchunks, ptr inv,
+                               bool precond, ptr stream) {
+    onebit::sync_update_cuda(device, P<const float>(x), P<const float>(d), P<const uint8_t>(floored), P<float>(mm),
+                             P<float>(synced), P<float* const>(params), P<float>(acc), np, P<const int64_t>(starts),
+                             P<const int64_t>(sizes), P<const int64_t>(chunk_start), nchunks, P<const float>(inv),
+                             precond, P<void>(stream));
+  }, release(), "0/1 Adam's update after a sync step's exchange on the given CUDA stream, torch's CUDA roundings");
   m.def("restore_unless_cuda", [](int device, ptr ok, ptr dst, ptr src, int64_t nbytes, ptr stream) {
     onebit::restore_unless_cuda(device, P<const bool>(ok), P<void>(dst), P<const void>(src), nbytes, P<void>(stream));
   }, release(), "dst <- src (nbytes) only if *ok (device bool) is false");

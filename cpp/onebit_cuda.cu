@@ -25,6 +25,9 @@
 // CPU kernels' per-value arithmetic, operation for operation without FMA, on chunks of kUpdChunk
 // values (one block each) that never straddle two parameters (layers); LAMB's per-layer sums go
 // through per-chunk partials in a per-call workspace and a per-layer finalize, in a fixed order.
+// The exchange sources and 0/1 Adam's sync update (momentum_source_cuda, local_source_cuda,
+// sync_update_cuda) cut their work the same way but round as torch's CUDA kernels do for the
+// optimizers' torch ops, so that they equal the torch path on the same GPU bit for bit.
 #include "onebit.h"
 
 #include <cuda_runtime.h>
@@ -548,6 +551,162 @@ frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, flo
   }
 }
 
+// ------------------------------------------------------------ exchange sources and 0/1 Adam's sync
+// Unlike the updates above (the CPU kernels' roundings), these three round as torch's own CUDA
+// kernels do for the optimizers' op sequences (kernels/reference.py), op for op, so that they
+// write the floats of the torch path on the same GPU bit for bit. Each torch op is one rounding,
+// written here as the intrinsic that performs it (nvcc contracts none of them):
+//   torch.mul(t, s), mul_(s)       MulFunctor a * b                              __fmul_rn(a, s)
+//   add_(t, alpha=s)               ufunc add `self + alpha * other`, which nvcc
+//                                  (fmad on, as torch builds) contracts          __fmaf_rn(t, s, self)
+//   div_(t)                        DivFunctor a / b (IEEE: no fast math)          __fdiv_rn(a, t)
+//   torch.div(t, s), s a Python    BinaryDivTrueKernel: t * (1 / s), the
+//   float                          reciprocal taken on the host in float         __fmul_rn(t, inv)
+//   addcmul_(t1, t2, value=v)      pointwise_op_impl: std::fma(v, t1 * t2, self)  __fmaf_rn(v, __fmul_rn(t1, t2), self)
+//                                  std::fma(t1, t2, self) when v == 1             __fmaf_rn(t1, t2, self)
+//                                  (the torch >= 2.13 this package requires; torch before pointwise_op_impl
+//                                  rounded t1 * t2 for v == 1 too)
+//   addcdiv_(t1, t2) (value 1)     pointwise_op_impl: self + t1 / t2              __fadd_rn(self, __fdiv_rn(t1, t2))
+// Otherwise as frozen_adam_kernel: chunk table, kUnroll values per thread with all loads first,
+// plain loads and stores (outputs may alias inputs value for value; each value is one thread's).
+
+// The momentum the exchange sends (kernels.momentum_source): per value i of segment j,
+//   u <- fma(g, a, m * b), then u <- u / d where d is not null
+// (torch.mul(m, b, out=u).add_(g, alpha=a), u.div_(d)).
+__global__ void __launch_bounds__(kThreads)
+momentum_source_kernel(const float* m, const float* g, const float* d, float* u, int64_t P, const int64_t* starts,
+                       const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* beta,
+                       const float* alpha) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const ParamChunk pc(chunk_start, P, starts, sizes, c);
+    const int64_t lo = pc.lo, hi = pc.hi;
+    const float b = beta[pc.j], a = alpha[pc.j];
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float mr[kUnroll], gr[kUnroll], dr[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        mr[k] = m[i];
+        gr[k] = g[i];
+        dr[k] = d ? d[i] : 1.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        float x = __fmul_rn(mr[k], b);   // torch.mul(m, b)
+        x = __fmaf_rn(gr[k], a, x);      // .add_(g, alpha=a)
+        if (d) x = __fdiv_rn(x, dr[k]);  // .div_(d)
+        u[i] = x;
+      }
+    }
+  }
+}
+
+// 0/1 Adam's exchange source on a sync step (kernels.local_source): per value i of segment j,
+// with w = -nw[j] (the decay term only where p is not null and nw[j] is not +0.0; the
+// accumulator's only where acc is not null):
+//   x = fma(g, a, m * b)                          torch.mul(m, b, out=x).add_(g, alpha=a)
+//   precond: x = x / d;  x = fma(p, w, x)         div_(d); add_(p, alpha=w)
+//   else:    x = fma(w, p * d, x)                 addcmul_(p, d, value=w) (fma(p, d, x) if w == 1)
+//   x = x * nlr                                   mul_(-lr)
+//   precond: x = x + acc;  else: x = fma(acc, d, x)    add_(acc); addcmul_(acc, d)
+//   u <- x
+__global__ void __launch_bounds__(kThreads)
+local_source_kernel(const float* m, const float* g, const float* d, const float* p, const float* acc, float* u,
+                    int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
+                    int64_t nchunks, const float* beta, const float* alpha, const float* nw, const float* nlr,
+                    bool precond) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const ParamChunk pc(chunk_start, P, starts, sizes, c);
+    const int64_t lo = pc.lo, hi = pc.hi;
+    const float b = beta[pc.j], a = alpha[pc.j], r = nlr[pc.j], nwj = nw[pc.j];
+    const float w = -nwj;  // weight_decay as torch's float alpha / value: -float(-wd) == float(wd)
+    const bool decay = p != nullptr && __float_as_uint(nwj) != 0u;  // nw is not +0.0
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float mr[kUnroll], gr[kUnroll], dr[kUnroll], pr[kUnroll], ar[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        mr[k] = m[i];
+        gr[k] = g[i];
+        dr[k] = d[i];
+        pr[k] = decay ? p[i] : 0.0f;
+        ar[k] = acc ? acc[i] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        const float di = dr[k];
+        float x = __fmul_rn(mr[k], b);  // torch.mul(m, b)
+        x = __fmaf_rn(gr[k], a, x);     // .add_(g, alpha=a)
+        if (precond) {
+          x = __fdiv_rn(x, di);                      // .div_(d)
+          if (decay) x = __fmaf_rn(pr[k], w, x);     // .add_(p, alpha=w)
+        } else if (decay) {
+          x = w == 1.0f ? __fmaf_rn(pr[k], di, x)    // .addcmul_(p, d, value=w), value 1: fma(t1, t2, self)
+                        : __fmaf_rn(w, __fmul_rn(pr[k], di), x);  // else fma(value, t1 * t2, self)
+        }
+        x = __fmul_rn(x, r);  // .mul_(-lr)
+        if (acc) x = precond ? __fadd_rn(x, ar[k])   // .add_(acc) (alpha 1: fma(acc, 1, x), one rounding)
+                             : __fmaf_rn(ar[k], di, x);  // .addcmul_(acc, d) (value 1: fma(acc, d, x))
+        u[i] = x;
+      }
+    }
+  }
+}
+
+// 0/1 Adam's update after a sync step's exchange x (kernels.sync_update): per value i of
+// parameter j (storage params[j], or no parameter written when params is null),
+//   m <- (precond ? x * d : x) * inv[j]     torch.mul(x, d, out=m); torch.div(., -lrs, out=m)
+//   m <- +0.0 where inv[j] is +0.0 (no lr since the last sync: zero_()) or floored[i] (masked_fill_)
+//   synced <- precond ? synced + x : synced + x / d;  p <- synced;  acc <- 0 (unless null)
+// inv[j] is the float reciprocal of float(-lrs[j]), computed by the caller as torch computes it
+// on the host for a division by a Python scalar.
+__global__ void __launch_bounds__(kThreads)
+sync_update_kernel(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+                   float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
+                   const int64_t* chunk_start, int64_t nchunks, const float* inv, bool precond) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const ParamChunk pc(chunk_start, P, starts, sizes, c);
+    const int64_t start = pc.start, lo = pc.lo, hi = pc.hi;
+    float* const p = params ? params[pc.j] : nullptr;  // value i of the flat buffers is p[i - start]
+    const float q = inv[pc.j];
+    const bool zero = __float_as_uint(q) == 0u;  // +0.0: m = 0
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float xr[kUnroll], dr[kUnroll], sr[kUnroll];
+      bool fr[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        xr[k] = x[i];
+        dr[k] = d[i];
+        sr[k] = synced[i];
+        fr[k] = floored ? floored[i] != 0 : false;
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        const float xi = xr[k], di = dr[k];
+        float mi = precond ? __fmul_rn(xi, di) : xi;  // torch.mul(x, d, out=m)
+        mi = zero ? 0.0f : __fmul_rn(mi, q);          // torch.div(., -lrs): . * (1 / -lrs); or zero_()
+        if (fr[k]) mi = 0.0f;                         // masked_fill_(floored, 0.0)
+        m[i] = mi;
+        const float si = precond ? __fadd_rn(sr[k], xi)                // synced.add_(x)
+                                 : __fadd_rn(sr[k], __fdiv_rn(xi, di));  // synced.addcdiv_(x, d)
+        synced[i] = si;
+        if (p) p[i - start] = si;  // p.copy_(synced)
+        if (acc) acc[i] = 0.0f;    // acc.zero_()
+      }
+    }
+  }
+}
+
 // dst <- src (n bytes) only when !*ok: an exchange's double-buffered state put back after a call
 // whose verdict (on the device) was non-finite. When *ok every thread returns at once: the common
 // case costs one launch.
@@ -737,6 +896,40 @@ void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* 
   DeviceGuard guard(device);
   launch("frozen_adam_kernel", frozen_adam_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
          ok, x, m, d, params, P, starts, sizes, chunk_start, nchunks, nlr, nlw, precond);
+}
+
+void momentum_source_cuda(int device, const float* m, const float* g, const float* d, float* u, int64_t P,
+                          const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
+                          const float* b, const float* a, void* stream) {
+  detail::check_segments("momentum_source_cuda", P);
+  detail::check_chunks("momentum_source_cuda", P, nchunks);
+  if (nchunks == 0) return;  // no values
+  DeviceGuard guard(device);
+  launch("momentum_source_kernel", momentum_source_kernel, grid_for(nchunks, 1), kThreads,
+         static_cast<cudaStream_t>(stream), m, g, d, u, P, starts, sizes, chunk_start, nchunks, b, a);
+}
+
+void local_source_cuda(int device, const float* m, const float* g, const float* d, const float* p, const float* acc,
+                       float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
+                       int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
+                       void* stream) {
+  detail::check_segments("local_source_cuda", P);
+  detail::check_chunks("local_source_cuda", P, nchunks);
+  if (nchunks == 0) return;  // no values
+  DeviceGuard guard(device);
+  launch("local_source_kernel", local_source_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
+         m, g, d, p, acc, u, P, starts, sizes, chunk_start, nchunks, b, a, nw, nlr, precond);
+}
+
+void sync_update_cuda(int device, const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+                      float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
+                      const int64_t* chunk_start, int64_t nchunks, const float* inv, bool precond, void* stream) {
+  detail::check_segments("sync_update_cuda", P);
+  detail::check_chunks("sync_update_cuda", P, nchunks);
+  if (nchunks == 0) return;  // no values
+  DeviceGuard guard(device);
+  launch("sync_update_kernel", sync_update_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
+         x, d, floored, m, synced, params, acc, P, starts, sizes, chunk_start, nchunks, inv, precond);
 }
 
 void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src, int64_t nbytes, void* stream) {

@@ -7,6 +7,7 @@ and CMake alone and one build works with any torch. :mod:`.checks` owns every ch
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 
 import torch
@@ -24,15 +25,19 @@ __all__ = [
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
     "local_source_cpu",
+    "local_source_cuda",
     "module",
     "momentum_source_cpu",
+    "momentum_source_cuda",
     "nthreads",
     "on_device",
     "param_table",
     "restore_unless_cuda",
+    "segment_table",
     "server_reduce",
     "stream",
     "sync_update_cpu",
+    "sync_update_cuda",
     "update_error",
     "use_native",
     "worker_compress",
@@ -98,6 +103,18 @@ def workspace(device: torch.device) -> torch.Tensor:
     param groups, threads) each get their own. From torch's caching allocator on the current
     stream, which the call's kernels run on, so it is reused only after they have read it."""
     return torch.empty(module.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
+
+
+def segment_table(
+    starts: list[int], sizes: list[int], device: torch.device
+) -> tuple[torch.Tensor, int] | None:
+    """The CUDA segment sweeps' table on ``device``: the segments' starts, sizes and chunk table
+    (``P`` values each, ``P + 1`` for the chunks), and the number of chunks; ``None`` when the
+    segments hold no values."""
+    chunk_start = chunk_starts(sizes)
+    if chunk_start[-1] == 0:
+        return None
+    return on_device([*starts, *sizes, *chunk_start], torch.int64, device), chunk_start[-1]
 
 
 def param_table(
@@ -517,4 +534,118 @@ def sync_update_cpu(
         *(a.data_ptr() for a in arrays[1:]),
         bool(preconditioned),
         nthreads(),
+    )
+
+
+def momentum_source_cuda(
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
+    starts: list[int],
+    sizes: list[int],
+    coefs: tuple[list[float], list[float]],
+) -> None:
+    """The compiled ``momentum_source`` on CUDA tensors (arguments as
+    :func:`momentum_source_cpu`): the kernel on the current stream."""
+    exp_avg, grad, denom, out = tensors
+    n, device = len(starts), out.device
+    table = segment_table(starts, sizes, device)
+    if table is None:
+        return  # no values
+    meta, nchunks = table
+    coef = on_device(list(coefs), torch.float32, device)  # beta, alpha, rounded from double
+    module.momentum_source_cuda(
+        device.index,
+        exp_avg.data_ptr(),
+        grad.data_ptr(),
+        0 if denom is None else denom.data_ptr(),
+        out.data_ptr(),
+        n,
+        *(meta[k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
+        nchunks,
+        coef[0].data_ptr(),
+        coef[1].data_ptr(),
+        stream(device),
+    )
+
+
+def local_source_cuda(
+    tensors: tuple[torch.Tensor, ...],
+    param: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    segments: tuple[list[int], list[int]],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+    preconditioned: bool,
+) -> None:
+    """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`):
+    the kernel on the current stream."""
+    (exp_avg, grad, denom), (starts, sizes), (beta, alpha, lr, weight_decay) = tensors, segments, hp
+    n, device = len(starts), out.device
+    table = segment_table(starts, sizes, device)
+    if table is None:
+        return  # no values
+    meta, nchunks = table
+    # -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr
+    nw = [-w if w > 0 else 0.0 for w in weight_decay]
+    coef = on_device([beta, alpha, nw, [-a for a in lr]], torch.float32, device)
+    module.local_source_cuda(
+        device.index,
+        exp_avg.data_ptr(),
+        grad.data_ptr(),
+        denom.data_ptr(),
+        0 if param is None else param.data_ptr(),
+        0 if acc is None else acc.data_ptr(),
+        out.data_ptr(),
+        n,
+        *(meta[k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
+        nchunks,
+        *(row.data_ptr() for row in coef),
+        bool(preconditioned),
+        stream(device),
+    )
+
+
+def _reciprocals(lrs: list[float]) -> list[float]:
+    """Per parameter the float32 reciprocal of float32(-lrs[j]) that torch's CUDA division by the
+    Python scalar ``-lrs[j]`` multiplies by (its ``1.0f / b``, taken on the host), as doubles to
+    round to float32; +0.0 (the kernel's "m = 0") where ``lrs[j] <= 0``. The quotient of two
+    float32 values taken in double and rounded once more to float32 is the float32 quotient."""
+    nl = torch.tensor([-a if a > 0 else 0.0 for a in lrs], dtype=torch.float32).tolist()
+    return [
+        0.0 if not a > 0 else (1.0 / v if v != 0 else math.copysign(math.inf, v))
+        for a, v in zip(lrs, nl, strict=True)
+    ]
+
+
+def sync_update_cuda(
+    tensors: tuple[torch.Tensor, ...],
+    floored: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], bool, bool],
+) -> None:
+    """The compiled ``sync_update`` on CUDA tensors (arguments as :func:`sync_update_cpu`):
+    the kernel on the current stream."""
+    (exchanged, denom, exp_avg, synced), (lrs, preconditioned, write_params) = tensors, hp
+    n, device = len(params), exchanged.device
+    table = param_table(params, starts, device)
+    if table is None:
+        return  # no values
+    meta, nchunks = table
+    inv = on_device(_reciprocals(lrs), torch.float32, device)
+    module.sync_update_cuda(
+        device.index,
+        exchanged.data_ptr(),
+        denom.data_ptr(),
+        0 if floored is None else floored.data_ptr(),
+        exp_avg.data_ptr(),
+        synced.data_ptr(),
+        meta.data_ptr() if write_params else 0,  # the parameters' pointers
+        0 if acc is None else acc.data_ptr(),
+        n,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        nchunks,
+        inv.data_ptr(),
+        bool(preconditioned),
+        stream(device),
     )

@@ -449,6 +449,12 @@ def adam_update(
         torch.autograd.graph.increment_version(p)
 
 
+def _has_kernel(device: torch.device) -> bool:
+    """Whether the compiled module has a kernel for ``device``: the CPU, or CUDA in a build
+    with CUDA kernels."""
+    return device.type == "cpu" or (device.type == "cuda" and native.HAS_CUDA)
+
+
 def _check_segments(
     named: list[tuple[str, torch.Tensor | None]],
     starts: list[int],
@@ -483,10 +489,13 @@ def momentum_source(
         out = beta * exp_avg + alpha * grad         (as torch.mul(m, beta).add_(g, alpha=alpha))
         out = out / denom                           (only where denom is given)
 
-    On the CPU the C++ kernel writes torch's floats for that sequence bit for bit (torch's
-    CPU ``add`` with ``alpha`` is a fused multiply-add on x86, which the kernel does too); it
-    reads 2-3 buffers and writes one, where the torch ops make three sweeps. Elsewhere (CUDA,
-    or no compiled module) the torch ops themselves run (:func:`reference_momentum_source`).
+    One sweep (reads 2-3 buffers, writes one) where the torch ops make three, writing torch's
+    floats for that sequence bit for bit on the same device: on the CPU the C++ kernel (torch's
+    CPU ``add`` with ``alpha`` is a fused multiply-add on x86, which the kernel does too), on
+    CUDA the CUDA kernel on the current stream (no host synchronisation), with the roundings of
+    torch's CUDA kernels. Without a compiled kernel for the device (no compiled module, a build
+    without CUDA kernels, another device type) the torch ops themselves run
+    (:func:`reference_momentum_source`).
 
     Args:
         exp_avg, grad, out: float32, contiguous, one device, covering every segment.
@@ -502,10 +511,13 @@ def momentum_source(
         check_contiguous(name, t)
     device = check_device(*named, need_cuda_kernels=False)
     _check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
-    if device.type != "cpu" or not native.use_native():
+    if not _has_kernel(device) or not native.use_native():
         reference_momentum_source(exp_avg, grad, denom, out, starts, sizes, beta, alpha)
         return
-    native.momentum_source_cpu((exp_avg, grad, denom, out), starts, sizes, (beta, alpha))
+    if device.type == "cuda":
+        native.momentum_source_cuda((exp_avg, grad, denom, out), starts, sizes, (beta, alpha))
+    else:
+        native.momentum_source_cpu((exp_avg, grad, denom, out), starts, sizes, (beta, alpha))
 
 
 def frozen_adam_update(
@@ -598,11 +610,14 @@ def local_source(
         preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
 
     The decay term is taken where ``param`` is given and ``weight_decay > 0``, the
-    accumulator's where ``acc`` is given. On the CPU the C++ kernel writes torch's floats
-    bit for bit (torch's CPU ``add`` with ``alpha`` and ``addcmul_`` are fused multiply-adds
-    on x86, which the kernel does too): it reads 3-5 buffers and writes one, where the torch
-    ops make five or more sweeps. Elsewhere (CUDA, or no compiled module) the torch ops
-    themselves run (:func:`reference_local_source`).
+    accumulator's where ``acc`` is given. One sweep (reads 3-5 buffers, writes one) where the
+    torch ops make five or more, writing torch's floats bit for bit on the same device: on the
+    CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and ``addcmul_`` are fused
+    multiply-adds on x86, which the kernel does too), on CUDA the CUDA kernel on the current
+    stream (no host synchronisation), with the roundings of torch's CUDA kernels (its
+    ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with ``weight_decay``).
+    Without a compiled kernel for the device the torch ops themselves run
+    (:func:`reference_local_source`).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
@@ -618,10 +633,13 @@ def local_source(
     device = check_device(*named, need_cuda_kernels=False)
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     _check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
-    if device.type != "cpu" or not native.use_native():
+    if not _has_kernel(device) or not native.use_native():
         reference_local_source(tensors, param, acc, out, starts, sizes, hp, preconditioned)
         return
-    native.local_source_cpu(tensors, param, acc, out, (starts, sizes), hp, preconditioned)
+    if device.type == "cuda":
+        native.local_source_cuda(tensors, param, acc, out, (starts, sizes), hp, preconditioned)
+    else:
+        native.local_source_cpu(tensors, param, acc, out, (starts, sizes), hp, preconditioned)
 
 
 def sync_update(
@@ -644,10 +662,13 @@ def sync_update(
         synced += exchanged if preconditioned else exchanged / denom     (add_, addcdiv_)
         p = synced;  acc = 0  (where acc is given)
 
-    On the CPU the C++ kernel makes the one sweep (torch's floats bit for bit, where the torch
-    ops make five or more sweeps); it writes the parameters itself when every one is fp32 and
-    contiguous, else they are copied from ``synced`` after it (cast to their dtype). Elsewhere
-    (CUDA, or no compiled module) the torch ops run (:func:`reference_sync_update`).
+    One sweep where the torch ops make five or more, writing torch's floats bit for bit on the
+    same device: on the CPU the C++ kernel, on CUDA the CUDA kernel on the current stream (no
+    host synchronisation), with the roundings of torch's CUDA kernels (its division by ``-lrs``
+    is a multiplication by the float reciprocal). The kernel writes the parameters itself when
+    every one is fp32 and contiguous, else they are copied from ``synced`` after it (cast to
+    their dtype). Without a compiled kernel for the device the torch ops run
+    (:func:`reference_sync_update`).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
@@ -668,11 +689,15 @@ def sync_update(
     if len(starts) != len(params) or len(lrs) != len(params):
         raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
-    if device.type != "cpu" or not native.use_native():
+    if not _has_kernel(device) or not native.use_native():
         reference_sync_update(tensors, floored, acc, params, starts, lrs, preconditioned)
         return
     direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
-    native.sync_update_cpu(tensors, floored, acc, params, starts, (lrs, preconditioned, direct))
+    hp = (lrs, preconditioned, direct)
+    if device.type == "cuda":
+        native.sync_update_cuda(tensors, floored, acc, params, starts, hp)
+    else:
+        native.sync_update_cpu(tensors, floored, acc, params, starts, hp)
     if direct:
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)

@@ -334,7 +334,7 @@ class ZeroOneAdam(OneBitOptimizer):
         p = self.flat.gather_params(s) if any_weight_decay(self) else None
         segs = [(t, group) for _, group, t in self.flat.segments_in(self.param_groups, s)]
         betas = [group["betas"][0] for _, group in segs]
-        # one sweep (torch's floats bit for bit on the CPU; the torch ops elsewhere)
+        # one sweep (the torch ops' floats bit for bit on the CPU and on CUDA)
         local_source(
             (self.flat.states["exp_avg"], self.flat.grad, d),
             p,
@@ -386,8 +386,8 @@ class ZeroOneAdam(OneBitOptimizer):
         # m = -acc / lrs (acc in momentum units: u * (sqrt(v) + eps) when it was exchanged in
         # parameter units), 0 where v was floored (see _rebuild_momentum_); p = last synced point
         # + acc / (sqrt(v) + eps), computed on the synced copy (bitwise the same on every rank,
-        # unlike p - acc + ...) and copied into p; acc = 0. One sweep (torch's floats bit for bit
-        # on the CPU; the torch ops elsewhere).
+        # unlike p - acc + ...) and copied into p; acc = 0. One sweep (the torch ops' floats bit
+        # for bit on the CPU and on CUDA).
         layout = self.flat.layout
         sync_update(
             (u, denominator(self)[0], m, self.flat.states["synced_params"]),

@@ -6,6 +6,7 @@ the CPU code that the rest of the suite checks, on the same inputs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import traceback
 import warnings
@@ -274,6 +275,230 @@ def test_fused_updates_on_the_second_gpu() -> None:
         assert torch.equal(a, b)
     assert gpu[2].device == torch.device("cuda:1")
     _assert_lamb_stats(gpu[2], cpu[2], T.LAMB_SIZES)
+
+
+# ------------------------------------------------------- exchange sources and 0/1 Adam's sync
+# momentum_source, local_source and sync_update: the CUDA kernels against the torch ops they
+# replace (the reference_* twins) on the same GPU, bit for bit (they round as torch's CUDA
+# kernels do): fresh random inputs with zeros of both signs, segments of 1 to 1_000_003 values
+# around the CUDA chunk (4096 values), an empty one, 3-value gaps that must stay untouched;
+# "big" has more chunks than the grid cap (1024 blocks), so the grid-stride loops wrap.
+SEGMENT_SIZES = {"small": [1, 7, 0, 4096, 4097, 33, 1_000_003], "big": [5_000_003, 1, 4095]}
+
+
+def _segments(sizes: list[int]) -> tuple[list[int], int]:
+    """Starts of ``sizes`` laid out with a 3-value gap before each, and the buffer length."""
+    starts, n = [], 0
+    for size in sizes:
+        starts.append(n + 3)
+        n += size + 3
+    return starts, n + 3
+
+
+def _fresh(n: int, gen: torch.Generator, scale: float = 1.0, device: str = "cuda") -> torch.Tensor:
+    """``n`` random normal floats times ``scale``, with some +0.0 and -0.0."""
+    t = torch.randn(n, generator=gen) * scale
+    t[::97] = 0.0
+    t[1::101] = -0.0
+    return t.to(device)
+
+
+def _positive(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Tensor:
+    """A ``sqrt(v) + eps``-like denominator: positive, 1e-4 to 0.1."""
+    return (torch.rand(n, generator=gen) * 0.1 + 1e-4).to(device)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as bit patterns (NaNs included: the untouched gaps)."""
+    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+
+
+class _NoHostSync:
+    """A block that fails on any host synchronisation (torch's sync debug mode "error")."""
+
+    def __enter__(self) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _source_hp(k: int, gen: torch.Generator) -> tuple[list[float], ...]:
+    """Per segment beta, alpha, lr, weight decay (1.0 on segment 1: addcmul_'s value-1 case;
+    0 on every third from segment 2: no decay term)."""
+    r = torch.rand(k, generator=gen).tolist()
+    beta = [0.8 + 0.19 * a for a in r]
+    alpha = [(1 - b) * (0.5 + a) for b, a in zip(beta, r[::-1], strict=True)]
+    lr = [1e-3 * (1 + a) for a in r]
+    wd = [1.0 if j == 1 else 0.0 if j % 3 == 2 else 0.01 * (1 + a) for j, a in enumerate(r)]
+    return beta, alpha, lr, wd
+
+
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
+def test_momentum_source_cuda_is_the_torch_ops_bitwise(
+    sizes: str, divide: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA kernel writes the floats of ``torch.mul(m, beta).add_(g, alpha=alpha)`` (then
+    ``div_(d)``) on the GPU bit for bit, without a host synchronisation; gaps untouched,
+    inputs unchanged."""
+    seg = SEGMENT_SIZES[sizes]
+    gen = torch.Generator().manual_seed(101 + 2 * divide + len(seg))
+    starts, n = _segments(seg)
+    m, g, d = _fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen)
+    beta, alpha, _, _ = _source_hp(len(seg), gen)
+    args = (m, g, d if divide else None)
+    before = [t.clone() for t in (m, g, d)]
+    want = torch.full_like(m, math.nan)
+    K.reference_momentum_source(*args, want, starts, seg, beta, alpha)
+    monkeypatch.setattr(K.ops, "reference_momentum_source", _refuse)
+    got = torch.full_like(m, math.nan)
+    with _NoHostSync():
+        K.momentum_source(*args, got, starts, seg, beta, alpha)
+    assert _same_bits(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(before, (m, g, d), strict=True))
+
+
+@pytest.mark.parametrize("precond", [False, True])
+@pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
+def test_local_source_cuda_is_the_torch_ops_bitwise(
+    sizes: str, precond: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA kernel writes the floats of 0/1 Adam's torch ops (reference_local_source) on
+    the GPU bit for bit, with and without the decay and the accumulator terms, a weight decay
+    of 1 on one segment (addcmul_'s value-1 case), without a host synchronisation; gaps
+    untouched, inputs unchanged."""
+    seg = SEGMENT_SIZES[sizes]
+    gen = torch.Generator().manual_seed(201 + 2 * precond + len(seg))
+    starts, n = _segments(seg)
+    tensors = (_fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen))
+    p, acc = _fresh(n, gen), _fresh(n, gen, 1e-3)
+    hp = _source_hp(len(seg), gen)
+    before = [t.clone() for t in (*tensors, p, acc)]
+    for decay, with_acc in itertools.product((False, True), repeat=2):
+        args = (tensors, p if decay else None, acc if with_acc else None)
+        want = torch.full_like(p, math.nan)
+        K.reference_local_source(*args, want, starts, seg, hp, precond)
+        got = torch.full_like(p, math.nan)
+        with monkeypatch.context() as mp, _NoHostSync():
+            mp.setattr(K.ops, "reference_local_source", _refuse)
+            K.local_source(*args, got, starts, seg, hp, precond)
+        assert _same_bits(got, want), (decay, with_acc)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
+
+
+def _sync_case(seg: list[int], seed: int, device: str = "cuda"):
+    """Inputs of sync_update: (x, d, m, synced), floored, acc, the parameters, starts and per
+    parameter lrs: 0 on parameter 2 (m = 0), 1e-50 on parameter 1 (-lrs rounds to -0.0)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts, n = _segments(seg)
+    tensors = (
+        _fresh(n, gen, 0.1, device),
+        _positive(n, gen, device),
+        _fresh(n, gen, 1.0, device),
+        _fresh(n, gen, 1.0, device),
+    )
+    floored = (torch.rand(n, generator=gen) < 0.2).to(device)
+    acc = _fresh(n, gen, 1e-3, device)
+    params = [torch.randn(k, generator=gen).to(device) for k in seg]
+    r = torch.rand(len(seg), generator=gen).tolist()
+    lrs = [
+        0.0 if j == 2 else 1e-50 if j == 1 else 1e-3 * (j + 1) * (1 + a) for j, a in enumerate(r)
+    ]
+    return tensors, floored, acc, params, starts, lrs
+
+
+def _sync_run(fn, case, with_floor: bool, with_acc: bool, dtype: torch.dtype, precond: bool):
+    """sync_update (or its twin) on copies of ``case``: (m, synced, acc, params)."""
+    (x, d, m, synced), floored, acc, params, starts, lrs = case
+    m, synced, acc = m.clone(), synced.clone(), acc.clone()
+    ps = [p.to(dtype, copy=True) for p in params]  # (fresh tensors: autograd version 0)
+    fn((x, d, m, synced), floored if with_floor else None, acc if with_acc else None, ps, starts,
+       lrs, precond)  # fmt: skip
+    return m, synced, acc, ps
+
+
+@pytest.mark.parametrize("precond", [False, True])
+@pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
+def test_sync_update_cuda_is_the_torch_ops_bitwise(
+    sizes: str, precond: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA kernel writes the floats of 0/1 Adam's torch ops (reference_sync_update) on the
+    GPU bit for bit: the momentum (torch's division by -lrs, a multiply by the reciprocal; 0
+    where lrs is 0), the synced copy, the cleared accumulator and the parameters (fp32 written
+    by the kernel, bf16 copied after it), with and without the floored mask and the
+    accumulator, without a host synchronisation; gaps untouched, parameters' versions bumped."""
+    seg = SEGMENT_SIZES[sizes]
+    case = _sync_case(seg, 301 + 2 * precond + len(seg))
+    runs = [(f, a, torch.float32) for f, a in itertools.product((False, True), repeat=2)]
+    for with_floor, with_acc, dtype in [*runs, (True, True, torch.bfloat16)]:
+        flags = (with_floor, with_acc, dtype, precond)
+        want = _sync_run(K.reference_sync_update, case, *flags)
+        with monkeypatch.context() as mp, _NoHostSync():
+            mp.setattr(K.ops, "reference_sync_update", _refuse)
+            got = _sync_run(K.sync_update, case, *flags)
+        what = (with_floor, with_acc, dtype)
+        assert all(_same_bits(a, b) for a, b in zip(got[:3], want[:3], strict=True)), what
+        assert all(_same_bits(a, b) for a, b in zip(got[3], want[3], strict=True)), what
+        assert all(p._version > 0 for p in got[3]), what  # written: autograd told
+    m = want[0]
+    lo = case[4][2]
+    assert not m[lo : lo + seg[2]].any()  # lrs 0: m = 0
+
+
+def _three_kernels(device: str, seed: int, fns: dict) -> list[torch.Tensor]:
+    """momentum_source, local_source (decay and accumulator) and sync_update (floored, acc) on
+    the "small" segments on ``device``, through ``fns`` (the kernels or their twins, by
+    name): every output."""
+    seg = SEGMENT_SIZES["small"]
+    gen = torch.Generator().manual_seed(seed)
+    starts, n = _segments(seg)
+    m, g, p, acc = (_fresh(n, gen, 0.1, device) for _ in range(4))
+    d = _positive(n, gen, device)
+    beta, alpha, lr, wd = _source_hp(len(seg), gen)
+    case = _sync_case(seg, seed + 1, device)
+    u1, u2 = torch.full_like(m, math.nan), torch.full_like(m, math.nan)
+    fns["momentum_source"](m, g, d, u1, starts, seg, beta, alpha)
+    fns["local_source"]((m, g, d), p, acc, u2, starts, seg, (beta, alpha, lr, wd), False)
+    synced = _sync_run(fns["sync_update"], case, True, True, torch.float32, False)
+    return [u1, u2, *synced[:3], *synced[3]]
+
+
+_THREE = ("momentum_source", "local_source", "sync_update")
+_KERNELS = {name: getattr(K, name) for name in _THREE}
+_TWINS = {name: getattr(K, f"reference_{name}") for name in _THREE}
+
+
+def test_sources_and_sync_on_a_side_stream_without_host_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Launched on the caller's current stream (a side stream here), with no host
+    synchronisation (the tables travel from pinned memory): the twins' floats."""
+    want = _three_kernels("cuda", 71, _TWINS)
+    for name in _THREE:
+        monkeypatch.setattr(K.ops, f"reference_{name}", _refuse)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), _NoHostSync():
+        got = _three_kernels("cuda", 71, _KERNELS)
+    torch.cuda.current_stream().wait_stream(side)
+    assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_sources_and_sync_on_the_second_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors on cuda:1 while cuda:0 is current (a missing device guard launches on the
+    wrong GPU): the twins' floats on cuda:1."""
+    with torch.cuda.device(1):
+        want = _three_kernels("cuda:1", 81, _TWINS)
+    for name in _THREE:
+        monkeypatch.setattr(K.ops, f"reference_{name}", _refuse)
+    with torch.cuda.device(0):
+        got = _three_kernels("cuda:1", 81, _KERNELS)
+        torch.cuda.synchronize(1)
+    assert all(t.device == torch.device("cuda:1") for t in got)
+    assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True))
 
 
 def _model() -> torch.nn.Module:
