@@ -380,8 +380,8 @@ class PhaseSwitch:
         v = opt.variance
         if v is None:
             return
-        stride = max(1, v.numel() // self.sample)
-        now = v[::stride].detach().clone()
+        now = opt.variance_as_frozen(max(1, v.numel() // self.sample))
+        assert now is not None  # (v exists)
         if self._snapshot is not None and self._snapshot.shape == now.shape:
             change = float((now - self._snapshot).norm() / now.norm().clamp_min(1e-30))
             stable = torch.tensor([1.0 if change < self.threshold else 0.0], device=now.device)

@@ -44,7 +44,7 @@ from lightning_onebit.optim._validation import (
     option_defaults,
     raise_for_options,
 )
-from lightning_onebit.optim._variance import divergence_hint, freeze_variance_
+from lightning_onebit.optim._variance import bias_corrections, divergence_hint, freeze_variance_
 from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
@@ -380,6 +380,39 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def variance(self) -> torch.Tensor | None:
         """The flat second-moment buffer (``None`` before the first step)."""
         return self.flat.states.get("exp_avg_sq")
+
+    def variance_as_frozen(self, stride: int = 1) -> torch.Tensor | None:
+        """A copy of every ``stride``-th coordinate of the flat second moment as :meth:`freeze`
+        would keep it now: divided by its group's bias correction ``1 - beta2**k`` where the
+        optimizer folds that in at the switch (``bias_correction``; a parameter that missed
+        steps is corrected by its group's count here), as stored otherwise.
+
+        The adaptive switch compares two of these: in a young run the stored moment keeps
+        growing as its average fills in (by more than 5% per 50 updates until about 700
+        updates at ``beta2=0.999``, whatever the gradients do), which says nothing about
+        whether the preconditioner the switch would freeze has settled.
+
+        Args:
+            stride: take every ``stride``-th coordinate (``>= 1``).
+
+        Returns:
+            The sample (a new tensor), or ``None`` before the first step.
+
+        Raises:
+            ValueError: ``stride < 1``.
+        """
+        v = self.variance
+        if v is None:
+            return None
+        if stride < 1:
+            raise ValueError(f"stride must be an int >= 1, got {stride!r}")
+        out = v[::stride].clone()
+        if self.bias_correction and not self.phases.switched:
+            for gi, _, s in self.flat.segments(self.param_groups):
+                # the sampled coordinates i * stride in [s.start, s.stop)
+                lo, hi = -(-s.start // stride), -(-s.stop // stride)
+                out[lo:hi].div_(bias_corrections(self, gi)[1])
+        return out
 
     @property
     def comm_stats(self) -> dict[str, int]:

@@ -435,6 +435,42 @@ def test_bias_corrected_warmup_is_torch_adamw(case: str) -> None:
     assert case != "zero_one_adam_fp32_phase_1" or opt.var_interval > 1
 
 
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam, OneBitLamb])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("stride", [1, 3, 64])
+def test_variance_as_frozen_is_what_the_switch_keeps(
+    cls: type[OneBitOptimizer], bias_correction: bool, stride: int
+) -> None:
+    """What the adaptive switch compares, ``variance_as_frozen(stride)``, is the strided sample
+    of the second moment exactly as ``freeze()`` leaves it (bias correction folded in per group,
+    with two groups of different beta2 and step counts), and the moment as stored without bias
+    correction; the optimizer itself is not changed by it."""
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 3), (5,)]]
+    b = [torch.nn.Parameter(torch.randn(s)) for s in [(33,), (4, 4)]]
+    groups = [{"params": a, "betas": (0.9, 0.999)}, {"params": b, "betas": (0.8, 0.95)}]
+    kw = {"compressed_variance_phase": False} if cls is ZeroOneAdam else {}  # (the strategy's)
+    opt = cls(groups, lr=1e-3, bias_correction=bias_correction, **kw)
+    opt.switch_step = 10**6
+    for k in range(7):
+        if k == 3:  # a third group joins later: its correction counts its own updates
+            c = torch.nn.Parameter(torch.randn(9))
+            opt.add_param_group({"params": [c], "betas": (0.85, 0.99)})
+        for p in [q for g in opt.param_groups for q in g["params"]]:
+            p.grad = torch.randn_like(p) * (1 + p.detach().abs())
+        opt.step()
+    stored = opt.variance.clone()
+    sample = opt.variance_as_frozen(stride)
+    assert torch.equal(opt.variance, stored)  # (a copy)
+    assert sample.shape == stored[::stride].shape
+    if not bias_correction:
+        assert torch.equal(sample, stored[::stride])
+    else:
+        assert not torch.equal(sample, stored[::stride])
+    opt.freeze()
+    assert torch.equal(sample, opt.variance[::stride])
+
+
 @pytest.mark.parametrize("case", ["onebit_adam", "zero_one_adam_fp32_phase_1"])
 def test_a_group_added_mid_warmup_is_torch_adamw_from_its_first_step(case: str) -> None:
     """A param group added after step 20 (a fine-tuning callback unfreezing a backbone): torch's
