@@ -24,7 +24,10 @@ Methods (``--config`` key ``method``):
   mismatch" at W = 4. Compression starts after the same warmup as the 1-bit methods.
 * ``onebit_adam`` / ``zero_one_adam`` / ``onebit_lamb``: ``lightning_onebit.optim``
   optimizers without a DDP wrapper (they average warmup gradients themselves and exchange
-  1-bit momentum / gradients afterwards), ``freeze_step`` = the warmup; with ``overlap_mb``
+  1-bit momentum / gradients afterwards), with the options ``OneBitStrategy`` gives the
+  optimizer it builds from a torch Adam for the same run (``bias_correction``,
+  ``rescale_variance``, ...; 0/1 Adam's ``local_step_scaler`` stays DeepSpeed's, which the
+  strategy sets from the run's length), ``freeze_step`` = the warmup; with ``overlap_mb``
   (``--overlap-mb``, default 25) the exchange runs bucket by bucket during backward
   (``optimizer.overlap_with_backward``); ``<method>_sync`` (e.g. ``onebit_adam_sync``) exchanges
   in ``step()`` after backward instead, for comparison; ``<method>_hier`` (e.g.
@@ -253,28 +256,18 @@ def _build_method(
     sync = name.endswith("_sync")
     name = name.removesuffix("_sync") if sync and name[:-5] in ONEBIT_METHODS else name
     if name in ONEBIT_METHODS:
+        from lightning_onebit import OneBitStrategy
         from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
-        # what OneBitStrategy builds from a torch Adam (the pl_ methods): Adam's bias correction
-        kw = {
-            "betas": betas,
-            "average_dtype": cfg.get("average_dtype", "float32"),
-            "bias_correction": True,
-            "hierarchical": hier,
-        }
-        if name == "onebit_adam":
-            opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=warmup, **kw)
-        elif name == "zero_one_adam":
-            opt = ZeroOneAdam(
-                model.parameters(),
-                lr=lr,
-                var_freeze_step=cfg.get("var_freeze_step", warmup),
-                var_update_scaler=cfg.get("var_update_scaler", 16),
-                **kw,
-            )
-        else:
-            lr = cfg.get("lr_lamb", lr)
-            opt = OneBitLamb(model.parameters(), lr=lr, freeze_step=warmup, **kw)
+        # what OneBitStrategy builds from a torch Adam (the pl_ methods, the same options),
+        # averaging the warmup itself (no DDP here) and in one or two levels as asked
+        lr = cfg.get("lr_lamb", lr) if name == "onebit_lamb" else lr
+        options = OneBitStrategy(**_strategy_options(cfg, name)).options
+        kw = options.optimizer_kwargs({"lr": lr, "betas": betas})
+        kw.update(average_warmup_grads=True, hierarchical=hier)
+        cls = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam}.get(name, OneBitLamb)
+        opt = cls(model.parameters(), **kw)
+        opt.switch_step = options.freeze_step
         if cfg.get("overlap_mb") and not sync:  # exchange bucket by bucket during backward
             opt.overlap_with_backward(
                 cfg["overlap_mb"], timeout=timedelta(seconds=cfg.get("timeout", 600))
