@@ -12,8 +12,10 @@ With the job's backend (NCCL on GPUs, gloo on CPUs) every rank measures, at the 
 * the links: ``all_reduce`` of growing sizes inside a node and between nodes (one rank per node),
   fitted as ``time = latency + bytes on the wire / bandwidth``;
 * the compute: forward/backward of the model (``--model module:Class``, a LightningModule
-  with ``example_input_array``) on every rank at once, several in a row as in training (the
-  ranks meet only before and after), or ``--step-ms`` as given;
+  with ``example_input_array``) on every rank at once, several in a row, as the slowest rank's
+  call when the ranks start each call together (as every training step's exchange starts them:
+  with more ranks than free cores, or a straggler, every step waits for the slowest), or
+  ``--step-ms`` as given;
 * at the model's size: the fp32 ``all_reduce`` (DDP), the bf16 one (DDP's bf16 hook, the 1-bit
   strategies' ``average_dtype="bf16"`` warmup), the 1-bit exchange flat and in two levels, each
   overlapped with a backward as the strategies run it (the buckets before the last one during
@@ -55,7 +57,15 @@ from lightning_onebit.comm import (
 )
 from lightning_onebit.optim import OneBitAdam
 
-__all__ = ["LaunchInfo", "ProbeError", "detect_launch", "main", "predict", "probe"]
+__all__ = [
+    "LaunchInfo",
+    "ProbeError",
+    "detect_launch",
+    "expected_slowest",
+    "main",
+    "predict",
+    "probe",
+]
 
 #: A method's 1-bit run must beat DDP by this much for the probe to recommend switching.
 MIN_GAIN = 0.05
@@ -451,20 +461,53 @@ def _overlapped(
     return run
 
 
-def _free_running(fn: Callable[[], None], device: torch.device, steps: int) -> float:
-    """Seconds per call of ``steps`` calls in a row, the ranks meeting only before and after:
-    the compute of a training step, whose ranks meet only in the collectives (with more ranks
-    than free cores, one rank computes while another waits; a call timed in lockstep would
-    charge every step the slowest rank's share of the cores)."""
+def expected_slowest(times: torch.Tensor) -> float:
+    """The expected largest of one value drawn from each row of ``times`` (ranks x samples),
+    each row's uniformly and independently: the compute time of a step whose ranks start
+    together and wait for the slowest, from each rank's own call times. Exact, not sampled:
+    ``P(max <= t)`` is the product over the rows of the fraction of the row ``<= t``.
+
+    Args:
+        times: one row per rank, one column per timed call (seconds; any real dtype).
+
+    Returns:
+        The expectation, in the unit of ``times``.
+    """
+    times = times.to(torch.float64)
+    values = times.flatten().unique(sorted=True)
+    cdf = torch.ones_like(values)
+    for row in times:
+        cdf *= (row[None, :] <= values[:, None]).to(torch.float64).mean(1)
+    pmf = torch.diff(cdf, prepend=cdf.new_zeros(1))
+    return float((values * pmf).sum())
+
+
+def _slowest_of_free_running(fn: Callable[[], None], device: torch.device, steps: int) -> float:
+    """The expected time of the slowest rank's call when every call starts the ranks together,
+    as the exchange of every training step does, from ``steps`` calls run freely in a row
+    (:func:`expected_slowest` of every rank's call times).
+
+    Timed in lockstep (a barrier around each call) the estimate would carry the barriers and
+    whatever else the machine did in those few calls; run freely, each rank times its own calls
+    and the ranks meet only before and after. The expectation charges a rank that is slower on
+    average and the spread of the calls (with more ranks than free cores, or a straggler, some
+    rank lags on every step)."""
     fn()
     _sync(device)
     dist.barrier()
-    t0 = time.perf_counter()
+    own = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         fn()
-    _sync(device)
+        _sync(device)
+        own.append(time.perf_counter() - t0)
     dist.barrier()
-    return _max_over_ranks((time.perf_counter() - t0) / steps)
+    times = torch.tensor(own, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        times = times.cuda()
+    every = [torch.empty_like(times) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, times)
+    return expected_slowest(torch.stack(every).cpu())
 
 
 def _paired(
@@ -650,7 +693,7 @@ def probe(
         model, example = build_model(model_spec, model_kwargs or {}, device)
         n_model = sum(p.numel() for p in model.parameters() if p.requires_grad)
         numel = numel or n_model
-        source = f"{model_spec}: timed on every rank at once, steps in a row"
+        source = f"{model_spec}: timed on every rank at once, the slowest rank's expected time"
     if not numel:
         raise ProbeError("pass --params N or --model module:Class (the model's size)")
     compute = _Compute(device, model, example)
@@ -677,7 +720,7 @@ def probe(
         device,
         repeats,
     )
-    compute_s = _free_running(alone, device, 2 * repeats)
+    compute_s = _slowest_of_free_running(alone, device, 2 * repeats)
     if model is None and step_ms:  # the stand-in is backward only; contention on shared cores
         compute_s = step_ms / 1000 + max(0.0, compute_s - step_ms / 1000 * 2 / 3)
     update_s, kernels_s = _updates(numel, device, repeats)

@@ -19,6 +19,7 @@ from lightning_onebit.probe import (
     ProbeError,
     build_model,
     detect_launch,
+    expected_slowest,
     fit_link,
     main,
     predict,
@@ -167,6 +168,22 @@ def test_the_link_fit_recovers_latency_and_bandwidth() -> None:
     link = fit_link(pts, 2)
     assert link.latency_s == pytest.approx(lat + 4096 / bw)
     assert link.bandwidth_Bps == pytest.approx(bw, rel=1e-6)
+
+
+def test_the_compute_term_is_the_expected_slowest_rank() -> None:
+    """Ranks that start every step together wait for the slowest: the expectation of the
+    largest of one call time per rank, against a brute-force average over every combination."""
+    # equal means, out of phase: the slowest is 0.03 unless both draw 0.01 (1 in 4)
+    alternating = torch.tensor([[0.01, 0.03, 0.01, 0.03], [0.03, 0.01, 0.03, 0.01]])
+    assert expected_slowest(alternating) == pytest.approx(0.025, rel=1e-6)
+    assert expected_slowest(torch.tensor([[1.0, 2.0, 6.0]])) == pytest.approx(3.0)  # one rank
+    assert expected_slowest(torch.tensor([[1.0, 1.0], [2.0, 2.0]])) == 2.0  # a slower rank
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    times = torch.rand(3, 5, generator=gen, dtype=torch.float64)
+    combos = torch.cartesian_prod(*[torch.arange(5)] * 3)  # every draw, one per rank
+    brute = times[torch.arange(3), combos].max(1).values.mean()
+    assert expected_slowest(times) == pytest.approx(float(brute), rel=1e-12)
+    assert expected_slowest(times) > times.mean(1).max()  # the spread costs time
 
 
 def _measured(comm_s: float, exposed: dict[str, float], nodes: int = 1) -> Measured:
