@@ -62,10 +62,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("momentum_source_cpu", [](ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
                                   int nthreads) {
-    onebit::momentum_source_cpu(P<const float>(mm), P<const float>(g), P<const float>(d), P<float>(u), np,
+    onebit::momentum_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), P<float>(u), np,
                                 P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
                                 P<const float>(a), nthreads);
-  }, release(), "u = fma(g, a_j, m * b_j) [/ d] over P segments in one sweep (d may be 0: no division)");
+  }, release(), "u = fma(g, a_j, m * b_j) [/ d] over P segments in one sweep (g: array of per-segment "
+                "gradient pointers, 0: zeros; d may be 0: no division)");
 
   m.def("frozen_adam_update_cpu", [](ptr x, ptr mm, ptr d, ptr params, int64_t np, ptr starts, ptr sizes, ptr nlr,
                                      ptr nlw, bool precond, int nthreads) {
@@ -157,7 +158,7 @@ PYBIND11_MODULE(_C, m) {
   }, release(), "1-bit Adam's compression-phase step, only if *ok (device bool)");
   m.def("momentum_source_cuda", [](int device, ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes,
                                    ptr chunk_start, int64_t nchunks, ptr b, ptr a, ptr stream) {
-    onebit::momentum_source_cuda(device, P<const float>(mm), P<const float>(g), P<const float>(d), P<float>(u), np,
+    onebit::momentum_source_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d), P<float>(u), np,
                                  P<const int64_t>(starts), P<const int64_t>(sizes), P<const int64_t>(chunk_start),
                                  nchunks, P<const float>(b), P<const float>(a), P<void>(stream));
   }, release(), "momentum_source on the given CUDA stream, torch's CUDA roundings (every array in device memory)");

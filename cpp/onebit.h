@@ -100,12 +100,15 @@ void adam_update_cpu(const float* g, float* m, float* v, float* const* params, i
                      const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads);
 
 // The momentum the compressed exchange sends, one sweep: segment j holds the flat values
-// [starts[j], starts[j] + sizes[j]); per value, with j's coefficients b[j] and a[j] (floats):
+// [starts[j], starts[j] + sizes[j]) of m, d and u; its gradient is g[j][0, sizes[j]), storage of
+// its own (a parameter's gradient where autograd left it, or a piece of a flat buffer), or zeros
+// where g[j] is null (read as +0.0: the floats a buffer of zeros gives). Per value, with j's
+// coefficients b[j] and a[j] (floats):
 //   u <- fma(g, a, m * b);  u <- u / d  (only where d is not null)
 // The roundings of torch's `torch.mul(m, b, out=u).add_(g, alpha=a)` and `u.div_(d)` on x86 CPUs
 // (torch's CPU add with alpha is a fused multiply-add, vectorised and scalar alike).
-void momentum_source_cpu(const float* m, const float* g, const float* d, float* u, int64_t P, const int64_t* starts,
-                         const int64_t* sizes, const float* b, const float* a, int nthreads);
+void momentum_source_cpu(const float* m, const float* const* g, const float* d, float* u, int64_t P,
+                         const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int nthreads);
 
 // 1-bit Adam's compression-phase step after the exchange, one sweep (frozen_adam_update_cuda's
 // arithmetic, without a verdict): per value of parameter j (storage params[j], fp32, contiguous),
@@ -220,8 +223,9 @@ void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src,
 // path on the same GPU bit for bit; where that differs from x86 torch, the CPU kernels above
 // round as the CPU does. Chunk table (over segments or parameters) and device-memory arrays as
 // adam_update_cuda; no reductions, no workspace, no verdict.
-// momentum_source_cpu on device pointers: u <- fma(g, a, m * b), then u / d (d may be null).
-void momentum_source_cuda(int device, const float* m, const float* g, const float* d, float* u, int64_t P,
+// momentum_source_cpu on device pointers: u <- fma(g, a, m * b), then u / d (d may be null); g is
+// the table of the segments' gradient pointers (device memory too; a null entry: zeros).
+void momentum_source_cuda(int device, const float* m, const float* const* g, const float* d, float* u, int64_t P,
                           const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                           const float* b, const float* a, void* stream);
 // local_source_cpu on device pointers, except the decay term without precond:

@@ -139,11 +139,12 @@ void adam_block_scalar(const float* g, float* m, float* v, float* p, int64_t lo,
 
 // The exchange source of one segment's values [lo, hi): u = fma(g, a, m * b), then u / d where d is
 // not null. torch's `torch.mul(m, b, out=u).add_(g, alpha=a)` rounds so on x86 (its CPU add with
-// alpha is a fused multiply-add), and `u.div_(d)` is one division.
+// alpha is a fused multiply-add), and `u.div_(d)` is one division. g is indexed like m (its value
+// of flat index i is g[i]); null: every g is +0.0, the same fma as a buffer of zeros.
 void source_block_scalar(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
                          float a) {
   for (int64_t i = lo; i < hi; ++i) {
-    const float v = std::fma(g[i], a, m[i] * b);
+    const float v = std::fma(g ? g[i] : 0.0f, a, m[i] * b);
     u[i] = d ? v / d[i] : v;
   }
 }
@@ -370,7 +371,8 @@ AVX2 void source_block_avx2(const float* m, const float* g, const float* d, floa
   if (lo < head) source_block_scalar(m, g, d, u, lo, head, b, a);
   int64_t i = head;
   for (; i + 8 <= hi; i += 8) {
-    __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
+    const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
+    __m256 v = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
     if (d) v = _mm256_div_ps(v, _mm256_loadu_ps(d + i));
     _mm256_stream_ps(u + i, v);  // (not read back soon: no read for ownership)
   }
@@ -658,8 +660,8 @@ void adam_update_cpu(const float* g, float* m, float* v, float* const* params, i
   }
 }
 
-void momentum_source_cpu(const float* m, const float* g, const float* d, float* u, int64_t P, const int64_t* starts,
-                         const int64_t* sizes, const float* b, const float* a, int nthreads) {
+void momentum_source_cpu(const float* m, const float* const* g, const float* d, float* u, int64_t P,
+                         const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int nthreads) {
   detail::check_segments("momentum_source_cpu", P);
   std::vector<int64_t> owner, lows;
   const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
@@ -670,7 +672,8 @@ void momentum_source_cpu(const float* m, const float* g, const float* d, float* 
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    source(m, g, d, u, lo, hi, b[j], a[j]);
+    const float* gj = g[j] ? g[j] - starts[j] : nullptr;  // gj[i] is the segment's gradient at flat index i
+    source(m, gj, d, u, lo, hi, b[j], a[j]);
   }
 }
 

@@ -572,14 +572,17 @@ frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, flo
 
 // The momentum the exchange sends (kernels.momentum_source): per value i of segment j,
 //   u <- fma(g, a, m * b), then u <- u / d where d is not null
-// (torch.mul(m, b, out=u).add_(g, alpha=a), u.div_(d)).
+// (torch.mul(m, b, out=u).add_(g, alpha=a), u.div_(d)); segment j's gradient is g[j], its value
+// of flat index i at g[j][i - starts[j]] (as a parameter in frozen_adam_kernel), +0.0 where g[j]
+// is null.
 __global__ void __launch_bounds__(kThreads)
-momentum_source_kernel(const float* m, const float* g, const float* d, float* u, int64_t P, const int64_t* starts,
-                       const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* beta,
-                       const float* alpha) {
+momentum_source_kernel(const float* m, const float* const* g, const float* d, float* u, int64_t P,
+                       const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
+                       const float* beta, const float* alpha) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const ParamChunk pc(chunk_start, P, starts, sizes, c);
-    const int64_t lo = pc.lo, hi = pc.hi;
+    const int64_t start = pc.start, lo = pc.lo, hi = pc.hi;
+    const float* const gj = g[pc.j];
     const float b = beta[pc.j], a = alpha[pc.j];
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
       float mr[kUnroll], gr[kUnroll], dr[kUnroll];
@@ -588,7 +591,7 @@ momentum_source_kernel(const float* m, const float* g, const float* d, float* u,
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
         mr[k] = m[i];
-        gr[k] = g[i];
+        gr[k] = gj ? gj[i - start] : 0.0f;
         dr[k] = d ? d[i] : 1.0f;
       }
 #pragma unroll
@@ -898,7 +901,7 @@ void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* 
          ok, x, m, d, params, P, starts, sizes, chunk_start, nchunks, nlr, nlw, precond);
 }
 
-void momentum_source_cuda(int device, const float* m, const float* g, const float* d, float* u, int64_t P,
+void momentum_source_cuda(int device, const float* m, const float* const* g, const float* d, float* u, int64_t P,
                           const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                           const float* b, const float* a, void* stream) {
   detail::check_segments("momentum_source_cuda", P);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -175,6 +176,44 @@ void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool up
     if (!inside[i]) check(m[i] == m0[i] && v[i] == v0[i], "adam gap untouched", i, 0);
 }
 
+// momentum_source_cpu with each segment's gradient in an exact-size buffer of its own (every
+// third one missing: zeros): u must be fma(g, a, m * b) [/ d] bit for bit (the AVX2 path rounds
+// as the scalar one), +0.0 for a missing g included, and the gaps untouched.
+void run_source_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool divide, int nthreads) {
+  const int64_t P = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> starts;
+  int64_t n = 0;
+  for (int64_t s : sizes) starts.push_back(n + 3), n += s + 3;
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  auto m = buf<float>(n), d = buf<float>(n), u = buf<float>(n);
+  for (int64_t i = 0; i < n; ++i) m[i] = i % 5 ? 0.1f * normal(rng) : (i % 2 ? -0.0f : 0.0f), d[i] = uni(rng);
+  for (int64_t i = 0; i < n; ++i) u[i] = 12345.0f;
+  std::vector<std::unique_ptr<float[]>> gs;
+  std::vector<const float*> ptrs;
+  std::vector<float> b(P), a(P);
+  for (int64_t j = 0; j < P; ++j) {
+    gs.push_back(buf<float>(sizes[j]));
+    for (int64_t k = 0; k < sizes[j]; ++k) gs.back()[k] = 1e-3f * normal(rng);
+    ptrs.push_back(j % 3 == 1 ? nullptr : gs.back().get());
+    b[j] = j % 4 == 2 ? -0.9f : 0.9f, a[j] = j % 4 == 3 ? -0.1f : 0.1f * (j + 1);
+  }
+  onebit::momentum_source_cpu(m.get(), ptrs.data(), divide ? d.get() : nullptr, u.get(), P, starts.data(),
+                              sizes.data(), b.data(), a.data(), nthreads);
+  std::vector<bool> inside(static_cast<size_t>(n), false);
+  for (int64_t j = 0; j < P; ++j) {
+    for (int64_t k = 0; k < sizes[j]; ++k) {
+      const int64_t i = starts[j] + k;
+      inside[i] = true;
+      float want = std::fma(ptrs[j] ? ptrs[j][k] : 0.0f, a[j], m[i] * b[j]);
+      if (divide) want = want / d[i];
+      check(std::memcmp(&u[i], &want, sizeof(float)) == 0, "source bits", j, k);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!inside[i]) check(u[i] == 12345.0f, "source gap untouched", i, 0);
+}
+
 }  // namespace
 
 int main() {
@@ -200,6 +239,12 @@ int main() {
   for (bool update_v : {false, true}) {
     for (int nt : {1, 2}) {
       run_adam_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, update_v, nt);
+      ++cases;
+    }
+  }
+  for (bool divide : {false, true}) {
+    for (int nt : {1, 2}) {
+      run_source_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001, 9, 16}, divide, nt);
       ++cases;
     }
   }

@@ -414,27 +414,34 @@ def adam_update_cpu(
     )
 
 
+def _grad_pointers(grads: list[torch.Tensor | None]) -> list[int]:
+    """Each segment's gradient pointer for the source kernels' table (0: zeros)."""
+    return [0 if g is None else g.data_ptr() for g in grads]
+
+
 def momentum_source_cpu(
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
     starts: list[int],
     sizes: list[int],
     coefs: tuple[list[float], list[float]],
 ) -> None:
-    """The compiled ``momentum_source`` on CPU tensors (``tensors``: exp_avg, grad, denom or
-    ``None``, out; ``coefs``: per segment the factors of ``exp_avg`` and of ``grad``)."""
-    exp_avg, grad, denom, out = tensors
+    """The compiled ``momentum_source`` on CPU tensors (``tensors``: exp_avg, the segments'
+    gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
+    ``exp_avg`` and of the gradient)."""
+    exp_avg, grads, denom, out = tensors
     arrays = [
+        torch.tensor(_grad_pointers(grads), dtype=torch.int64),
         torch.tensor(starts, dtype=torch.int64),
         torch.tensor(sizes, dtype=torch.int64),
         *(torch.tensor(c, dtype=torch.float32) for c in coefs),
     ]
     module.momentum_source_cpu(
         exp_avg.data_ptr(),
-        grad.data_ptr(),
+        arrays[0].data_ptr(),
         0 if denom is None else denom.data_ptr(),
         out.data_ptr(),
         len(starts),
-        *(a.data_ptr() for a in arrays),
+        *(a.data_ptr() for a in arrays[1:]),
         nthreads(),
     )
 
@@ -538,29 +545,31 @@ def sync_update_cpu(
 
 
 def momentum_source_cuda(
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
     starts: list[int],
     sizes: list[int],
     coefs: tuple[list[float], list[float]],
 ) -> None:
     """The compiled ``momentum_source`` on CUDA tensors (arguments as
     :func:`momentum_source_cpu`): the kernel on the current stream."""
-    exp_avg, grad, denom, out = tensors
+    exp_avg, grads, denom, out = tensors
     n, device = len(starts), out.device
-    table = segment_table(starts, sizes, device)
-    if table is None:
+    chunk_start = chunk_starts(sizes)
+    if chunk_start[-1] == 0:
         return  # no values
-    meta, nchunks = table
+    meta = on_device(
+        [*_grad_pointers(grads), *starts, *sizes, *chunk_start], torch.int64, device
+    )  # (as param_table: the gradients' pointers first)
     coef = on_device(list(coefs), torch.float32, device)  # beta, alpha, rounded from double
     module.momentum_source_cuda(
         device.index,
         exp_avg.data_ptr(),
-        grad.data_ptr(),
+        meta.data_ptr(),  # the gradients' pointers
         0 if denom is None else denom.data_ptr(),
         out.data_ptr(),
         n,
-        *(meta[k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
-        nchunks,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        chunk_start[-1],
         coef[0].data_ptr(),
         coef[1].data_ptr(),
         stream(device),

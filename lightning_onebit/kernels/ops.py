@@ -474,7 +474,7 @@ def _check_segments(
 
 def momentum_source(
     exp_avg: torch.Tensor,
-    grad: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
     denom: torch.Tensor | None,
     out: torch.Tensor,
     starts: list[int],
@@ -489,6 +489,11 @@ def momentum_source(
         out = beta * exp_avg + alpha * grad         (as torch.mul(m, beta).add_(g, alpha=alpha))
         out = out / denom                           (only where denom is given)
 
+    The gradient is a flat buffer indexed like the others, or one tensor per segment: each
+    parameter's ``.grad`` where autograd left it, so that nothing copies the gradients into a
+    flat buffer first (the kernel reads each segment's from its own pointer; both forms are the
+    same call). A segment given ``None`` reads zeros, with the floats a buffer of zeros gives.
+
     One sweep (reads 2-3 buffers, writes one) where the torch ops make three, writing torch's
     floats for that sequence bit for bit on the same device: on the CPU the C++ kernel (torch's
     CPU ``add`` with ``alpha`` is a fused multiply-add on x86, which the kernel does too), on
@@ -498,12 +503,22 @@ def momentum_source(
     (:func:`reference_momentum_source`).
 
     Args:
-        exp_avg, grad, out: float32, contiguous, one device, covering every segment.
-        denom: like them, or ``None`` (no division).
+        exp_avg, out: float32, contiguous, one device, covering every segment.
+        grad: like them (a flat buffer), or a sequence with one entry per segment: ``None``
+            (zeros) or a float32 contiguous tensor of ``sizes[k]`` values (any shape) on their
+            device.
+        denom: like ``exp_avg``, or ``None`` (no division).
         starts, sizes: each segment's first flat index and number of values.
         beta, alpha: one value per segment (rounded to float32).
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
+            a segment that does not fit or a per-segment gradient of another size; lists of
+            other lengths.
     """
-    named = [("exp_avg", exp_avg), ("grad", grad), ("out", out)]
+    named = [("exp_avg", exp_avg), ("out", out)]
+    if isinstance(grad, torch.Tensor):
+        named.append(("grad", grad))
     if denom is not None:
         named.append(("denom", denom))
     for name, t in named:
@@ -511,13 +526,38 @@ def momentum_source(
         check_contiguous(name, t)
     device = check_device(*named, need_cuda_kernels=False)
     _check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
+    if isinstance(grad, torch.Tensor):
+        grads = [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
+    else:
+        grads = list(grad)
+        _check_segment_grads(grads, sizes, device)
     if not _has_kernel(device) or not native.use_native():
-        reference_momentum_source(exp_avg, grad, denom, out, starts, sizes, beta, alpha)
+        reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
         return
     if device.type == "cuda":
-        native.momentum_source_cuda((exp_avg, grad, denom, out), starts, sizes, (beta, alpha))
+        native.momentum_source_cuda((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
     else:
-        native.momentum_source_cpu((exp_avg, grad, denom, out), starts, sizes, (beta, alpha))
+        native.momentum_source_cpu((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+
+
+def _check_segment_grads(
+    grads: list[torch.Tensor | None], sizes: list[int], device: torch.device
+) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``grads`` has one entry per segment, each
+    ``None`` or a float32 contiguous tensor of its segment's size on ``device``."""
+    if len(grads) != len(sizes):
+        raise ValueError(
+            f"grad must have one tensor (or None) per segment ({len(sizes)}), got {len(grads)}"
+        )
+    for k, (g, n) in enumerate(zip(grads, sizes, strict=True)):
+        if g is None:
+            continue
+        check_tensor(f"grad[{k}]", g, torch.float32)
+        check_contiguous(f"grad[{k}]", g)
+        if g.device != device:
+            raise ValueError(f"grad[{k}] is on {g.device}, the buffers on {device}")
+        if g.numel() != n:
+            raise ValueError(f"grad[{k}] must have its segment's {n} values, got {g.numel()}")
 
 
 def frozen_adam_update(

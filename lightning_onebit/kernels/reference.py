@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -196,7 +197,7 @@ def reference_lamb_frozen_update(
 
 def reference_momentum_source(
     exp_avg: torch.Tensor,
-    grad: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
     denom: torch.Tensor | None,
     out: torch.Tensor,
     starts: list[int],
@@ -204,10 +205,15 @@ def reference_momentum_source(
     beta: list[float],
     alpha: list[float],
 ) -> None:
-    """Pure-torch :func:`momentum_source` (same arguments; bit for bit on x86 CPUs)."""
-    for lo, n, b, a in zip(starts, sizes, beta, alpha, strict=True):
+    """Pure-torch :func:`momentum_source` (same arguments; bit for bit on x86 CPUs): ``grad`` a
+    flat buffer or one tensor (``None``: zeros) per segment."""
+    for k, (lo, n, b, a) in enumerate(zip(starts, sizes, beta, alpha, strict=True)):
         s = slice(lo, lo + n)
-        torch.mul(exp_avg[s], b, out=out[s]).add_(grad[s], alpha=a)
+        if isinstance(grad, torch.Tensor):
+            g = grad[s]
+        else:
+            g = torch.zeros_like(out[s]) if grad[k] is None else grad[k].reshape(-1)
+        torch.mul(exp_avg[s], b, out=out[s]).add_(g, alpha=a)
         if denom is not None:
             out[s].div_(denom[s])
 

@@ -194,7 +194,10 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     @abstractmethod
     def _exchange_source(self, s: slice) -> torch.Tensor:
-        """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
+        """What the next step exchanges, for the flat slice ``s`` (whole parameters), from
+        those parameters' gradients alone: it reads them where autograd left them or gathers
+        them (:meth:`FlatState.grads`, :meth:`FlatState.gather_grads`), so it runs where
+        ``.grad`` may be read (in ``step()``, or the overlap's hook during backward)."""
 
     #: Validate (some) options, and one param group's hyperparameters (subclasses extend).
     _check_options = staticmethod(check_shared_options)
@@ -267,7 +270,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if not self._grads_checked:
             self._grads_checked = check_grads_are_local(self)
         if self.overlap is not None:  # buckets the overlap started
-            self.flat.gathered = self.overlap.collect()
+            self.overlap.collect()
         self.counters.start_step()
         rescale_reduce_if_due(self)  # (a verdict on the device: now that the host knows it)
         counters = snapshot(self, self._host_counters)

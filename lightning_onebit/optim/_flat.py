@@ -94,7 +94,8 @@ class FlatState:
     and ``"param"`` included), :attr:`denominator` (a cache of the algorithms'), :attr:`exchange`;
     :meth:`build`, :meth:`intact`, :meth:`fit_exchange`, :meth:`release_exchange`,
     :meth:`exchange_state`, :meth:`load_exchange_state`; :meth:`segments`,
-    :meth:`segments_in`, :meth:`gather_grads`, :meth:`gather_params`, :meth:`views_of`,
+    :meth:`segments_in`, :meth:`params_in`, :meth:`gather_grads`, :meth:`grads`,
+    :meth:`gather_params`, :meth:`views_of`,
     :meth:`add_to_params_`, :meth:`copy_to_params_`, :meth:`apply_mask_`, :meth:`check_masks`.
 
     Args:
@@ -110,7 +111,8 @@ class FlatState:
         self.grad: torch.Tensor | None = None
         self.param: torch.Tensor | None = None
         self.views: dict[str, list[torch.Tensor]] = {}
-        #: parameters whose gradients are in :attr:`grad` already this step (the overlap's)
+        #: parameters whose gradients are in :attr:`grad` already this step
+        #: (:meth:`gather_grads` adds them; emptied when the step, or the overlap's round, ends)
         self.gathered: set[int] = set()
         #: ``(sqrt(v) + eps, its views, the eps it was made with)`` while ``v`` is frozen;
         #: ``None``: to be computed afresh (dropped at every rebuild)
@@ -343,19 +345,25 @@ class FlatState:
             if lo < hi:
                 yield gi, group, slice(lo, hi)
 
+    def params_in(self, s: slice) -> list[int]:
+        """The parameters (layout indices) that start in the flat slice ``s`` (an exchange's
+        bucket, or the whole buffer: whole parameters)."""
+        return [j for j, o in enumerate(self.layout.offsets) if s.start <= o < s.stop]
+
     def gather_grads(
         self, param_groups: list[Group], only: list[int] | None = None
     ) -> torch.Tensor:
         """Copy the gradients into :attr:`grad` (zeros where ``.grad`` is None): those of the
-        parameters ``only`` (layout indices), or every one not copied yet this step
-        (:attr:`gathered`). One multi-tensor copy (a launch per parameter would cost more than
-        the copy on a GPU), then each group's ``maximize`` and torch Adam's L2 term where set
-        (``decoupled_weight_decay=False``). Raises ``RuntimeError`` on a sparse gradient."""
+        parameters ``only`` (layout indices; default all) not copied yet this step
+        (:attr:`gathered`, to which they are added). One multi-tensor copy (a launch per
+        parameter would cost more than the copy on a GPU), then each group's ``maximize`` and
+        torch Adam's L2 term where set (``decoupled_weight_decay=False``). Raises
+        ``RuntimeError`` on a sparse gradient."""
         params, views = self.layout.params, self.views["grad"]
         of = self.layout.group_of
         dst, src, zero, adjust = [], [], [], []
         for j in range(len(params)) if only is None else only:
-            if only is None and j in self.gathered:
+            if j in self.gathered:
                 continue
             g = params[j].grad
             if g is None:
@@ -381,7 +389,51 @@ class FlatState:
                 view.neg_()
             if not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0:
                 view.add_(params[j], alpha=group["weight_decay"])  # torch Adam's L2 term
+        self.gathered.update(range(len(params)) if only is None else only)
         return self.grad
+
+    def grads(self, param_groups: list[Group], only: list[int]) -> list[torch.Tensor | None]:
+        """The gradients of the parameters ``only`` (layout indices), one per parameter, for
+        the kernels that read each where it lies (:func:`~lightning_onebit.kernels.
+        momentum_source`): on the CPU the parameter's ``.grad`` itself (``None``, zeros, where
+        it has none), so that no copy of the gradients into :attr:`grad` is made; its view of
+        :attr:`grad`, gathered there (:meth:`gather_grads`) unless it is already, where the
+        values must be copied or changed (another dtype or device, a gradient that is not
+        contiguous, a sparse one, which raises there; the group's ``maximize`` or L2 term) and
+        on a GPU, where the copy costs little and torch's ``_foreach_norm`` sums a tensor in an
+        order that depends on its address (``rescale_variance``'s norms of the parameters' own
+        gradients could differ in the last bit from those of the flat buffer's views)."""
+        params, views, of = self.layout.params, self.views["grad"], self.layout.group_of
+        out: list[torch.Tensor | None] = []
+        copy = []
+        for j in only:
+            g = params[j].grad
+            if j in self.gathered or not self._read_in_place(param_groups[of[j]], g):
+                copy.append(j)
+                out.append(views[j])
+            else:
+                out.append(g)
+        if copy:
+            self.gather_grads(param_groups, copy)
+        return out
+
+    def _read_in_place(self, group: Group, g: torch.Tensor | None) -> bool:
+        """Whether :meth:`grads` passes ``g`` (a gradient of ``group``, or ``None``) as it is:
+        the values :meth:`gather_grads` would copy, readable where they lie."""
+        if self.layout.device.type != "cpu":
+            return False
+        if g is None:  # (zeros: gather_grads neither negates nor decays a missing gradient)
+            return True
+        l2 = not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0
+        return (
+            g.layout == torch.strided
+            and g.device == self.layout.device
+            and g.dtype == torch.float32
+            and g.is_contiguous()
+            and not g.is_neg()
+            and not group.get("maximize", False)
+            and not l2
+        )
 
     def gather_params(self, s: slice | None = None) -> torch.Tensor:
         """Copy the parameters (those starting in the flat slice ``s``, default all) into

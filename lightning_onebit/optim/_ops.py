@@ -259,7 +259,10 @@ def variance_scales(opt: OneBitOptimizer) -> torch.Tensor | None:
 
 
 def rescale_variance_(
-    opt: OneBitOptimizer, g: torch.Tensor | None, reduce: bool, ok: torch.Tensor | None = None
+    opt: OneBitOptimizer,
+    grads: list[torch.Tensor | None] | None,
+    reduce: bool,
+    ok: torch.Tensor | None = None,
 ) -> None:
     """``rescale_variance``: keep the frozen variance at least as large as each tensor's
     current gradient scale (call at the end of every step of the frozen phase).
@@ -281,17 +284,21 @@ def rescale_variance_(
     (shrinking gradients keep the frozen, larger variance, as Adam's slow ``beta2 = 0.999``
     average nearly would).
 
-    ``g``: this step's local gradient (flat), or ``None`` for a step that has none to
-    count (a rank's skipped local step: it counts as zeros, so that every rank counts the
-    same steps and reduces on the same one). ``ok``: the step's verdict on the device (see
-    :func:`compressed_average_`): a dropped step adds zeros, and its count is taken back
-    when the host learns of it; the reduce then waits for the next step's start.
+    ``grads``: this step's local gradients, one per parameter of the layout (the views of the
+    flat gradient buffer, or :meth:`FlatState.grads`: the parameters' own, ``None`` for zeros),
+    or ``None`` for a step that has none to count (a rank's skipped local step: it counts as
+    zeros, so that every rank counts the same steps and reduces on the same one). ``ok``: the
+    step's verdict on the device (see :func:`compressed_average_`): a dropped step adds zeros,
+    and its count is taken back when the host learns of it; the reduce then waits for the next
+    step's start.
     """
     if not opt.rescale_variance:
         return
     total = opt.flat.scalars["grad_sq_sum"]
-    if g is not None:  # per-tensor sums of g**2, one fused kernel over the views
-        sq = torch.stack(torch._foreach_norm(opt.flat.views["grad"])).square_()
+    if grads is not None:  # per-tensor sums of g**2, one fused kernel over the tensors
+        none = opt.flat.grad[:0]  # (a missing gradient: the norm of no values, +0.0 as of zeros)
+        sq = torch.stack(torch._foreach_norm([none if g is None else g for g in grads]))
+        sq.square_()
         total.add_(sq if ok is None else torch.where(ok, sq, 0.0))
     opt.grad_sq_steps += 1
     due = reduce and opt.grad_sq_steps >= opt.rescale_interval

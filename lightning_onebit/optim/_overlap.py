@@ -5,12 +5,13 @@ buckets of about ``bucket_cap_mb`` each, from the end of the layout (the last pa
 gradients come first) to its start; bucket ``b`` is exchanged by its own double-buffered
 :class:`~lightning_onebit.comm.CompressedAllreduce` (``comm.BucketedAllreduce``). A
 post-accumulate-grad hook on every parameter notes its gradient as ready; as soon as buckets
-``0..b`` are complete, the hook copies bucket ``b``'s gradients into the flat buffer and hands
-the bucket to a single communication thread, which computes what the algorithm exchanges for
-those values (e.g. the new momentum) and runs the exchange's compression, all_to_all and server
-stage while backward goes on (C++ kernels and collectives release the GIL). The thread never
-reads ``.grad``: a later backward (one whose step never came, or gradient accumulation) writes
-``.grad`` without the GIL while the thread may still be working on the previous one. ``step()`` waits for the thread, starts
+``0..b`` are complete, the hook computes what the algorithm exchanges for bucket ``b``'s values
+(e.g. the new momentum, ``_exchange_source``, which reads the gradients where autograd left
+them or gathers them into the flat buffer) and hands it to a single communication thread, which
+runs the exchange's compression, all_to_all and server stage while backward goes on (C++
+kernels and collectives release the GIL). The thread never reads ``.grad``: a later backward
+(one whose step never came, or gradient accumulation) writes ``.grad`` without the GIL while
+the thread may still be working on the previous one. ``step()`` waits for the thread, starts
 the buckets that were not complete (a parameter without a gradient), and commits all buckets or,
 if any rank had a NaN/Inf anywhere, none.
 
@@ -35,7 +36,8 @@ current device is 0 and its current stream the default one, which orders nothing
 1. Each gradient hook records an event on the current stream of its parameter's device: the
    stream that produced the gradient (autograd runs a node's hooks with its stream current).
    The hook that completes a bucket makes its current stream wait on the bucket's events,
-   copies the bucket's gradients there and records one event after the copy.
+   computes the bucket's exchange source there (or, for an average, copies its gradients into
+   the flat buffer) and records one event after that work.
 2. The communication thread makes the parameters' device current and runs on a stream of its
    own, which first waits on that event; every kernel and collective
    it starts goes on that stream (ProcessGroupNCCL orders its work after the calling thread's
@@ -82,7 +84,7 @@ class OverlapHost(Protocol):
     average_dtype: torch.dtype
     average_warmup_grads: bool
     param_groups: list[dict[str, Any]]
-    #: the flat buffers (the gradients are copied into ``flat.grad``) and the exchange
+    #: the flat buffers (an average's gradients are copied into ``flat.grad``) and the exchange
     flat: FlatState
 
     @property
@@ -96,7 +98,9 @@ class OverlapHost(Protocol):
         ...
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
-        """What the next step exchanges, for the flat slice ``s`` (needs ``grad[s]`` only)."""
+        """What the next step exchanges, for the flat slice ``s`` (a bucket: whole parameters),
+        from those parameters' gradients alone (it reads ``.grad``: called by the hook, on the
+        thread that runs backward, or in ``step()``)."""
         ...
 
 
@@ -221,45 +225,56 @@ class BackwardOverlap:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
                 self._rearm()
             b = self._next
-            events = self._copy_grads(b)
-            self._futures.append(self._pool.submit(self._launch, b, events))
+            events, source = self._read_grads(b)
+            self._futures.append(self._pool.submit(self._launch, b, events, source))
             self._next += 1
 
-    def _copy_grads(self, b: int) -> list[Any]:
-        """Copy bucket ``b``'s gradients into the flat gradient buffer, here, on the thread
-        that runs backward (see the module docstring: the communication thread never reads
-        ``.grad``). Returns what the communication thread must wait for: on CUDA, an event
-        after the copy, which itself follows the streams that produced the gradients."""
-        flat, params = self.opt.flat, self.bucket_params[b]
+    def _read_grads(self, b: int) -> tuple[list[Any], torch.Tensor | None]:
+        """Read bucket ``b``'s gradients, here, on the thread that runs backward (see the
+        module docstring: the communication thread never reads ``.grad``): for an average,
+        copy them into the flat gradient buffer; for an exchange, compute what it sends
+        (``_exchange_source``) and return that. Also returns what the communication thread must
+        wait for: on CUDA, an event after that work, which itself follows the streams that
+        produced the gradients."""
         device = self._device
         with torch.no_grad():
             if device is None or device.type != "cuda":
-                flat.gather_grads(self.opt.param_groups, params)
-                return []
+                return [], self._bucket_input(b)
             stream = torch.cuda.current_stream(device)
             for event in self._events[b]:
                 stream.wait_event(event)
             with torch.cuda.device(device):
-                flat.gather_grads(self.opt.param_groups, params)
+                source = self._bucket_input(b)
             done = torch.cuda.Event()
             done.record(stream)
-        return [done]
+        return [done], source
 
-    def _launch(self, b: int, events: list[Any]) -> tuple[Any, Any]:  # on the communication thread
-        """Start bucket ``b``; return its all_reduce's ``wait`` (or None) and, on CUDA, the event
-        recorded after everything it enqueued."""
+    def _bucket_input(self, b: int) -> torch.Tensor | None:
+        """:meth:`_read_grads`' work on the current stream: the exchange's source for bucket
+        ``b``, or ``None`` after copying its gradients for an average."""
+        if self._mode == "average":
+            self.opt.flat.gather_grads(self.opt.param_groups, self.bucket_params[b])
+            return None
+        return self.opt._exchange_source(slice(*self.bounds[b]))
+
+    def _launch(
+        self, b: int, events: list[Any], source: torch.Tensor | None
+    ) -> tuple[Any, Any]:  # on the communication thread
+        """Start bucket ``b`` (an exchange from ``source``, computed by :meth:`_read_grads`);
+        return its all_reduce's ``wait`` (or None) and, on CUDA, the event recorded after
+        everything it enqueued."""
         s = slice(*self.bounds[b])
         device = self._device
         if device is None or device.type != "cuda":
             with torch.no_grad():
-                return self._start_bucket(b, s), None
+                return self._start_bucket(b, s, source), None
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream = self._stream
         with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():  # (2.)
             for event in events:
                 stream.wait_event(event)
-            work = self._start_bucket(b, s)
+            work = self._start_bucket(b, s, source)
             done = torch.cuda.Event()
             done.record(stream)
         return work, done
@@ -274,10 +289,10 @@ class BackwardOverlap:
             return "average" if opt.average_warmup_grads and opt.world_size > 1 else None
         return "exchange" if opt._overlappable() else None
 
-    def _start_bucket(self, b: int, s: slice) -> Any:
+    def _start_bucket(self, b: int, s: slice, source: torch.Tensor | None) -> Any:
         if self._mode == "average":
             return self._start_all_reduce(self.opt.flat.grad[s])
-        self.opt.flat.exchange.start_bucket(b, self.opt._exchange_source(s))
+        self.opt.flat.exchange.start_bucket(b, source)
         return None
 
     def _start_all_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
@@ -289,8 +304,9 @@ class BackwardOverlap:
 
     # ------------------------------------------------------------------ in step()
 
-    def collect(self) -> set[int]:
-        """Wait for the thread; return the parameters whose gradients the hooks copied."""
+    def collect(self) -> None:
+        """Wait for the thread (re-raising its failure); the hooks' gathered gradients are in
+        ``flat.gathered``."""
         futures, self._futures = self._futures, []
         for f in futures:
             work, done = f.result()  # re-raises a failure of the thread (e.g. a dead peer)
@@ -298,7 +314,6 @@ class BackwardOverlap:
                 torch.cuda.current_stream(self._device).wait_event(done)
             if work is not None:
                 self._works.append(work)
-        return {j for b in range(self._next) for j in self.bucket_params[b]}
 
     def all_reduce(self) -> None:
         """Average the flat gradient buffer over the ranks, bucket by bucket: wait for the
@@ -327,6 +342,7 @@ class BackwardOverlap:
                 wait()
 
     def _reset_round(self) -> None:
+        self.opt.flat.gathered = set()  # (what this round's hooks gathered: forgotten with it)
         self._ready = set()
         self._missing = [len(m) for m in self.bucket_params]
         self._events = [[] for _ in self.bucket_params]

@@ -161,31 +161,29 @@ class OneBitAdam(OneBitOptimizer):
         return self.phase == Phase.COMPRESSION
 
     def _exchange_source(self, s: slice) -> torch.Tensor:
-        """2a for the flat slice ``s``: ``u = beta1 * m + (1 - beta1) * g`` (m itself unchanged),
-        divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``."""
-        m, g, u = self.flat.states["exp_avg"], self.flat.grad, self.flat.work["update"]
+        """2a for the flat slice ``s`` (whole parameters): ``u = beta1 * m + (1 - beta1) * g``
+        (m itself unchanged), divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``; one
+        sweep that reads each gradient where autograd left it (:meth:`FlatState.grads`)."""
+        flat, groups = self.flat, self.param_groups
         d = denominator(self)[0] if self.preconditioned_exchange else None
-        segs = [
-            (t, group["betas"][0]) for _, group, t in self.flat.segments_in(self.param_groups, s)
-        ]
+        idx = flat.params_in(s)
+        beta = [groups[flat.layout.group_of[j]]["betas"][0] for j in idx]
         momentum_source(
-            m,
-            g,
+            flat.states["exp_avg"],
+            flat.grads(groups, idx),
             d,
-            u,
-            [t.start for t, _ in segs],
-            [t.stop - t.start for t, _ in segs],
-            [b for _, b in segs],
-            [1 - b for _, b in segs],
+            flat.work["update"],
+            [flat.layout.offsets[j] for j in idx],
+            [flat.layout.params[j].numel() for j in idx],
+            beta,
+            [1 - b for b in beta],
         )
-        return u[s]
+        return flat.work["update"][s]
 
     def _step(self) -> None:
-        g = self.flat.gather_grads(self.param_groups)
-
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
-            ok = average_(self, g)
+            ok = average_(self, self.flat.gather_grads(self.param_groups))
             # 1b + 3. Adam's moments and update, one fused sweep
             adam_step_(self, ok=ok)
             if self.step_count >= self.freeze_step:
@@ -193,7 +191,8 @@ class OneBitAdam(OneBitOptimizer):
                 self.freeze()
             return
 
-        # 2a. momentum from the local gradient (_exchange_source), and
+        # 2a. momentum from the local gradient (_exchange_source: read where autograd left
+        #     it, not gathered into the flat buffer first), and
         # 2b. its 1-bit average: every rank gets the same m (bucket by bucket, started during
         #     backward with overlap_with_backward(); m changes only if every bucket goes through)
         # (CUDA: the NaN/Inf verdict ok stays on the device, and the update kernel writes m and
@@ -209,4 +208,6 @@ class OneBitAdam(OneBitOptimizer):
         # sweep: m and p)
         frozen_adam_update_(self, ok, x)
         # (rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale)
-        rescale_variance_(self, g, reduce=True, ok=ok)
+        if self.rescale_variance:
+            grads = self.flat.grads(self.param_groups, list(range(len(self.flat.layout.params))))
+            rescale_variance_(self, grads, reduce=True, ok=ok)

@@ -327,20 +327,26 @@ class OneBitLamb(OneBitOptimizer):
     def _exchange_source(self, s: slice) -> torch.Tensor:
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
         (the scaling folded into the coefficients), divided by ``sqrt(v) + eps`` with
-        ``preconditioned_exchange``: one sweep (:func:`~lightning_onebit.kernels.momentum_source`)."""
-        layout, scaling = self.flat.layout, self._scaling_values()
-        starts, sizes, beta, alpha = [], [], [], []
-        for j, o in enumerate(layout.offsets):
-            if s.start <= o < s.stop:
-                beta1, c = self.param_groups[layout.group_of[j]]["betas"][0], scaling[j]
-                starts.append(o)
-                sizes.append(layout.params[j].numel())
-                beta.append(beta1 * c)
-                alpha.append((1 - beta1) * c)
+        ``preconditioned_exchange``: one sweep (:func:`~lightning_onebit.kernels.momentum_source`)
+        that reads each gradient where autograd left it (:meth:`FlatState.grads`)."""
+        flat, scaling = self.flat, self._scaling_values()
+        idx = flat.params_in(s)
+        beta, alpha = [], []
+        for j in idx:
+            beta1, c = self.param_groups[flat.layout.group_of[j]]["betas"][0], scaling[j]
+            beta.append(beta1 * c)
+            alpha.append((1 - beta1) * c)
         d = denominator(self)[0] if self.preconditioned_exchange else None
-        u = self.flat.work["update"]
+        u = flat.work["update"]
         momentum_source(
-            self.flat.states["exp_avg"], self.flat.grad, d, u, starts, sizes, beta, alpha
+            flat.states["exp_avg"],
+            flat.grads(self.param_groups, idx),
+            d,
+            u,
+            [flat.layout.offsets[j] for j in idx],
+            [flat.layout.params[j].numel() for j in idx],
+            beta,
+            alpha,
         )
         return u[s]
 
@@ -375,7 +381,6 @@ class OneBitLamb(OneBitOptimizer):
         return torch.stack(torch._foreach_norm(self.flat.views_of(flat)))
 
     def _step(self) -> None:
-        g = self.flat.gather_grads(self.param_groups)
         m, v = self.flat.states["exp_avg"], self.flat.states["exp_avg_sq"]
         v_fresh, u = self.flat.states["exp_avg_sq_fresh"], self.flat.work["update"]
         lamb_coeff_freeze = self.flat.scalars["lamb_coeff_freeze"]
@@ -385,6 +390,7 @@ class OneBitLamb(OneBitOptimizer):
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients (ok: its verdict, on CUDA on the
             #     device: the moments and the parameters change only where it is true)
+            g = self.flat.gather_grads(self.param_groups)
             ok = average_(self, g)
             # 1b. moments
             self.variance_updates += 1
@@ -422,7 +428,8 @@ class OneBitLamb(OneBitOptimizer):
         # 3a. per-layer scaling (at the freeze; here for checkpoints that predate that)
         if not self.scaling_coeff_ready:
             self._compute_scaling()
-        # 3b. local momentum, scaled (_exchange_source), and
+        # 3b. local momentum, scaled (_exchange_source: each gradient read where autograd left
+        #     it, not gathered into the flat buffer first), and
         # 3c. one compressed exchange for all layers (bucket by bucket with
         #     overlap_with_backward(); x changes only if every bucket goes through), masked (the
         #     mask commutes with the scaling); m still holds the last momentum, for 3d

@@ -323,7 +323,9 @@ class ZeroOneAdam(OneBitOptimizer):
         ``(acc - lr u) * (sqrt(v) + eps) = acc * d - lr * (m_new + weight_decay * p * d)`` with
         ``m_new = beta1 m + (1 - beta1) g`` (into scratch: m and acc change after the exchange).
         With ``preconditioned_exchange`` both are divided by ``d = sqrt(v) + eps``: 1b
-        ``g / d``, 3c ``acc - lr u`` (parameter units)."""
+        ``g / d``, 3c ``acc - lr u`` (parameter units). Reads the flat gradient buffer: the
+        slice's gradients are gathered there first (in the step, already)."""
+        self.flat.gather_grads(self.param_groups, self.flat.params_in(s))
         pre = self.preconditioned_exchange
         d, _ = denominator(self)  # sqrt(v) + eps (phase 1: of the current v)
         if self.phase == Phase.VARIANCE:
@@ -523,7 +525,7 @@ class ZeroOneAdam(OneBitOptimizer):
             torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
         u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
         self.flat.add_to_params_(self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups])
-        rescale_variance_(self, g, reduce=False, ok=ok)
+        rescale_variance_(self, self.flat.views["grad"], reduce=False, ok=ok)
 
     def _step(self) -> None:
         g = self.flat.gather_grads(self.param_groups)
@@ -566,7 +568,7 @@ class ZeroOneAdam(OneBitOptimizer):
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
             # (the local steps' sums with this one)
-            rescale_variance_(self, g, reduce=True, ok=self.verdict.ok)
+            rescale_variance_(self, self.flat.views["grad"], reduce=True, ok=self.verdict.ok)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
@@ -594,7 +596,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 self.flat.add_to_params_(
                     self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups]
                 )
-            rescale_variance_(self, g if local_ok else None, reduce=False)
+            rescale_variance_(self, self.flat.views["grad"] if local_ok else None, reduce=False)
         self._next_local_interval()
 
     def _next_local_interval(self) -> None:

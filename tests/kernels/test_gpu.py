@@ -360,6 +360,40 @@ def test_momentum_source_cuda_is_the_torch_ops_bitwise(
     assert all(torch.equal(a, b) for a, b in zip(before, (m, g, d), strict=True))
 
 
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
+def test_momentum_source_cuda_per_segment_grads_are_the_flat_form_bitwise(
+    sizes: str, divide: bool
+) -> None:
+    """The gradient given per segment (storage of its own, some 2-D, None on every third
+    segment: zeros) gives the floats of the flat buffer holding the same values (zeros where
+    None) bit for bit, and of the torch ops on those tensors; gaps untouched, inputs unchanged."""
+    seg = SEGMENT_SIZES[sizes]
+    gen = torch.Generator().manual_seed(131 + 2 * divide + len(seg))
+    starts, n = _segments(seg)
+    m, g, d = _fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen)
+    beta, alpha, _, _ = _source_hp(len(seg), gen)
+    grads = []
+    for k, (lo, size) in enumerate(zip(starts, seg, strict=True)):
+        if k % 3 == 1:
+            g[lo : lo + size] = 0.0
+            grads.append(None)
+        else:
+            piece = g[lo : lo + size].clone()
+            grads.append(piece.view(-1, 3) if size % 3 == 0 else piece)
+    flat = torch.full_like(m, math.nan)
+    K.momentum_source(m, g, d if divide else None, flat, starts, seg, beta, alpha)
+    want = torch.full_like(m, math.nan)
+    K.reference_momentum_source(m, grads, d if divide else None, want, starts, seg, beta, alpha)
+    before = [None if t is None else t.clone() for t in grads]
+    got = torch.full_like(m, math.nan)
+    with _NoHostSync():
+        K.momentum_source(m, grads, d if divide else None, got, starts, seg, beta, alpha)
+    assert _same_bits(got, flat)
+    assert _same_bits(got, want)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(grads, before, strict=True))
+
+
 @pytest.mark.parametrize("precond", [False, True])
 @pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
 def test_local_source_cuda_is_the_torch_ops_bitwise(

@@ -310,11 +310,14 @@ from lightning_onebit import kernels as K
 assert not K.native.module.cpu_has_simd()
 lamb = {d: T._lamb_run(K.lamb_frozen_update, *T._lamb_case(7, d)) for d in (False, True)}
 source = {d: T.source_run(K.momentum_source, T._source_case(3), d) for d in (False, True)}
+case, grads = T._segment_grads(T._source_case(5), 5)
+source_seg = {d: T.source_run(K.momentum_source, (case[0], grads, *case[2:]), d) for d in (False, True)}
 frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in (False, True)}
 local = {pre: T.local_runs(K.local_source, pre) for pre in (False, True)}
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
-            "source": source, "frozen": frozen, "local": local, "sync": sync}, sys.argv[1])
+            "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
+            "sync": sync}, sys.argv[1])
 """
 
 
@@ -557,7 +560,8 @@ def source_run(fn, case, divide: bool) -> torch.Tensor:
     """momentum_source (or a twin) on ``case`` into a NaN-filled buffer: that buffer."""
     m, g, d, starts, sizes, beta, alpha = case
     out = torch.full_like(m, float("nan"))
-    fn(m.clone(), g.clone(), d.clone() if divide else None, out, starts, sizes, beta, alpha)
+    g = g.clone() if isinstance(g, torch.Tensor) else g  # (per-segment: the caller's, as given)
+    fn(m.clone(), g, d.clone() if divide else None, out, starts, sizes, beta, alpha)
     return out
 
 
@@ -602,6 +606,82 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_momentum_source_portable_path_is_bitwise_too(portable: dict) -> None:
     for divide in (False, True):
         assert _same_bits(portable["source"][divide], _source_by_torch(_source_case(3), divide))
+        case, _ = _segment_grads(_source_case(5), 5)  # (per-segment grads, some None)
+        assert _same_bits(portable["source_seg"][divide], _source_by_torch(case, divide))
+
+
+#: segment layouts of the per-segment gradients: sizes around the 8-value vectors, one large
+#: segment (several blocks of the kernel, two threads), many small ones
+SEGMENT_LAYOUTS = {
+    "awkward": AWKWARD,
+    "large": [3, 200_003],
+    "many": [1 + (7 * k) % 23 for k in range(40)],
+}
+
+
+def _segment_grads(case, seed: int):
+    """A gradient for ``case`` (``_source_case``) as one tensor per segment, each in storage
+    of its own (some 2-D, some None: zeros), and ``case`` with the flat gradient buffer it
+    stands for (zeros where None). ``m`` gets exact +0.0 and -0.0 values, one segment a negative
+    beta and one a negative alpha, so that ``m * beta`` is -0.0 where a gradient is missing."""
+    m, g, d, starts, sizes, beta, alpha = case
+    gen = torch.Generator().manual_seed(seed)
+    m[::5] = 0.0
+    m[2::7] = -0.0
+    beta, alpha = list(beta), list(alpha)
+    beta[0], alpha[-1] = -beta[0], -alpha[-1]
+    flat, grads = torch.zeros_like(g), []
+    for k, (lo, n) in enumerate(zip(starts, sizes, strict=True)):
+        if torch.rand(1, generator=gen).item() < 0.3 or k == 1:
+            grads.append(None)
+            continue
+        piece = torch.randn(n, generator=gen) * 1e-3
+        piece[::11] = -0.0
+        flat[lo : lo + n] = piece
+        grads.append(piece.reshape(n // 3, 3).clone() if n % 3 == 0 else piece.clone())
+    return (m, flat, d, starts, sizes, beta, alpha), grads
+
+
+@pytest.mark.parametrize("layout", list(SEGMENT_LAYOUTS))
+@pytest.mark.parametrize("divide", [False, True])
+def test_momentum_source_per_segment_grads_are_the_flat_form_bitwise(
+    layout: str, divide: bool
+) -> None:
+    """The gradient given per segment (storage of its own, None for zeros) gives the floats of
+    the flat gradient buffer holding the same values (zeros where None) bit for bit, -0.0 and
+    +0.0 included, on 1 and 2 threads; the reference agrees; inputs unchanged, gaps untouched."""
+    sizes = SEGMENT_LAYOUTS[layout]
+    case, grads = _segment_grads(_source_case(7 + divide + len(sizes), sizes), len(sizes))
+    m = case[0]
+    assert any(g is None for g in grads) and any(g is not None for g in grads)
+    want = source_run(K.momentum_source, case, divide)
+    assert _same_bits(want, _source_by_torch(case, divide))
+    before = [None if g is None else g.clone() for g in grads]
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got = source_run(K.momentum_source, (m, grads, *case[2:]), divide)
+            assert _same_bits(got, want), nt
+    finally:
+        torch.set_num_threads(old)
+    got = source_run(K.reference_momentum_source, (m, grads, *case[2:]), divide)
+    assert _same_bits(got, want)
+    for g, g0 in zip(grads, before, strict=True):
+        assert g is g0 is None or _same_bits(g, g0)
+
+
+def test_momentum_source_missing_grads_give_the_bits_of_zeros() -> None:
+    """A missing gradient is +0.0 in the fused multiply-add, not skipped: where
+    ``m * beta`` is -0.0 the result is +0.0 (``-0.0 + 0.0``), as with a buffer of zeros;
+    with a negative alpha it stays -0.0."""
+    m = torch.tensor([-0.0, 0.0, 1.0, -0.0] * 4)
+    for a, want in ((0.1, [0.0, 0.0]), (-0.1, [-0.0, 0.0])):
+        got, flat = torch.full_like(m, float("nan")), torch.full_like(m, float("nan"))
+        K.momentum_source(m, [None], None, got, [0], [16], [0.9], [a])
+        K.momentum_source(m, torch.zeros(16), None, flat, [0], [16], [0.9], [a])
+        assert _same_bits(got[:2], torch.tensor(want)), a
+        assert _same_bits(got, flat), a
 
 
 def test_momentum_source_rejects_bad_input() -> None:
@@ -612,6 +692,15 @@ def test_momentum_source_rejects_bad_input() -> None:
         K.momentum_source(m, m, None, torch.zeros(16), [0], [8], [0.9, 0.8], [0.1])
     with pytest.raises(TypeError):
         K.momentum_source(m, m.double(), None, torch.zeros(16), [0], [8], [0.9], [0.1])
+    out, g8 = torch.zeros(16), torch.zeros(8)
+    with pytest.raises(ValueError, match=r"one tensor \(or None\) per segment"):
+        K.momentum_source(m, [g8, None], None, out, [0], [8], [0.9], [0.1])
+    with pytest.raises(ValueError, match=r"grad\[0\] must have its segment's 8 values, got 7"):
+        K.momentum_source(m, [torch.zeros(7)], None, out, [0], [8], [0.9], [0.1])
+    with pytest.raises(TypeError, match=r"grad\[1\] must have dtype torch.float32"):
+        K.momentum_source(m, [None, g8.double()], None, out, [0, 8], [8, 8], [0.9] * 2, [0.1] * 2)
+    with pytest.raises(ValueError, match=r"grad\[0\] must be contiguous"):
+        K.momentum_source(m, [torch.zeros(4, 2).t()], None, out, [0], [8], [0.9], [0.1])
 
 
 def _frozen_by_torch(case, precond: bool):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from lightning_onebit.optim._ops import denominator
 from tests.helpers.dist import run_distributed
 
 STEPS = 12
@@ -194,12 +195,13 @@ def test_a_backward_without_its_step_is_forgotten() -> None:
         assert torch.equal(a["hist"], b["hist"])
 
 
-def test_backward_copies_the_gradients_before_it_returns() -> None:
-    """The hook that completes a bucket copies its gradients into the flat buffer, not the
-    communication thread: a later backward (a step that never came, gradient accumulation)
-    or ``zero_grad`` replaces ``.grad`` while the thread may still be busy with the previous
-    one, and a read of ``.grad`` racing with that write can crash the process. With the
-    thread held busy, backward returns with every bucket's gradients in the flat buffer."""
+def test_backward_computes_the_exchange_source_before_it_returns() -> None:
+    """The hook that completes a bucket computes what the bucket exchanges from its gradients
+    (read where autograd left them), not the communication thread: a later backward (a step
+    that never came, gradient accumulation) or ``zero_grad`` replaces ``.grad`` while the
+    thread may still be busy with the previous one, and a read of ``.grad`` racing with that
+    write can crash the process. With the thread held busy, backward returns with every
+    bucket's source computed, on backward's own thread."""
     model = _model()
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1)
     opt.overlap_with_backward(0.01)
@@ -208,6 +210,8 @@ def test_backward_copies_the_gradients_before_it_returns() -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+    threads, source = [], opt._exchange_source
+    opt._exchange_source = lambda s: (threads.append(threading.current_thread()), source(s))[1]
     gate = threading.Event()
     opt.overlap._pool.submit(gate.wait)  # the thread is busy until the gate opens
     try:
@@ -215,11 +219,16 @@ def test_backward_copies_the_gradients_before_it_returns() -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         assert opt.overlap._next == len(opt.overlap.bounds)  # every bucket handed over
+        assert threads == [threading.main_thread()] * len(opt.overlap.bounds)
         grads = torch.cat([p.grad.reshape(-1) for p in opt.flat.layout.params])
-        assert torch.equal(opt.flat.grad[: grads.numel()], grads)
+        n, beta1 = grads.numel(), 0.9
+        m, d = opt.flat.states["exp_avg"][:n], denominator(opt)[0][:n]
+        want = torch.mul(m, beta1).add_(grads, alpha=1 - beta1).div_(d)
+        assert torch.equal(opt.flat.work["update"][:n], want)
     finally:
         gate.set()
     opt.step()
+    assert threads == [threading.main_thread()] * len(opt.overlap.bounds)  # none in step()
     assert torch.isfinite(torch.cat([p.reshape(-1) for p in model.parameters()])).all()
 
 

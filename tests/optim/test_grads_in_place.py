@@ -1,0 +1,115 @@
+"""The compression steps of 1-bit Adam and 1-bit LAMB read each gradient where autograd left it
+(``FlatState.grads``) instead of copying every one into the flat gradient buffer first: the
+same parameters and states, bit for bit, as with every gradient gathered, with and without the
+overlap with backward, for parameters whose gradients must still be gathered (``maximize``,
+torch Adam's L2 term, a non-contiguous or bf16 gradient), missing gradients, and
+``rescale_variance`` (its norms read the same gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_onebit.optim import OneBitAdam, OneBitLamb
+from lightning_onebit.optim._flat import FlatState
+
+STEPS = 24  # 2 warmup steps, then compression (rescale_variance reduces every 10)
+FACTORIES = {
+    "onebit_adam": lambda groups: OneBitAdam(
+        groups,
+        lr=1e-2,
+        freeze_step=2,
+        rescale_variance=True,
+        weight_decay=0.01,
+        bias_correction=True,
+    ),
+    "onebit_lamb": lambda groups: OneBitLamb(
+        groups, lr=1e-2, freeze_step=2, weight_decay=0.01, bias_correction=True
+    ),
+}
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(12, 24)
+        self.b = torch.nn.Linear(24, 24)
+        self.c = torch.nn.Linear(24, 5)
+        # a non-contiguous parameter (its gradient too), a bf16 one, one used every other step
+        self.t = torch.nn.Parameter(torch.randn(5, 24).t())
+        self.h = torch.nn.Parameter(torch.randn(24, dtype=torch.bfloat16))
+        self.sometimes = torch.nn.Parameter(torch.randn(24) * 0.1)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        y = torch.tanh(self.a(x)) + self.h.float()
+        if step % 2:
+            y = y + self.sometimes
+        y = torch.tanh(self.b(y))
+        return self.c(y) + y @ self.t
+
+
+def _groups(model: _Model) -> list[dict]:
+    return [
+        {"params": [model.a.weight, model.a.bias, model.t, model.h, model.sometimes]},
+        {"params": [model.b.weight, model.b.bias], "maximize": True},
+        {
+            "params": [model.c.weight, model.c.bias],
+            "decoupled_weight_decay": False,
+            "weight_decay": 0.1,
+        },
+    ]
+
+
+def _train(algo: str, overlap: bool, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Train ``STEPS`` steps; with ``in_place=False`` every gradient is gathered, as before
+    the kernels read them in place. Returns the parameters and states, and which parameters'
+    flat gradient views the compression steps wrote."""
+    with monkeypatch.context() as patch:
+        if not in_place:
+            patch.setattr(FlatState, "_read_in_place", lambda self, group, g: False)
+        model = _Model()
+        opt = FACTORIES[algo](_groups(model))
+        if overlap:
+            opt.overlap_with_backward(0.001)  # several buckets
+        gen = torch.Generator().manual_seed(1)
+        for t in range(1, STEPS + 1):
+            x, y = torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, t), y).backward()
+            opt.step()
+            if t == 2:  # the warmup gathered everything: what the compression steps write
+                opt.flat.grad.fill_(float("nan"))
+        written = [not torch.isnan(v).all().item() for v in opt.flat.views["grad"]]
+        params = [p.detach().clone() for p in model.parameters()]
+        states = {k: v.clone() for k, v in {**opt.flat.states, **opt.flat.scalars}.items()}
+        errors = opt.flat.exchange.state_dict()
+        opt.close()
+    return {"params": params, "states": states, "errors": errors, "written": written}
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        bits = (a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*bits)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("algo", list(FACTORIES))
+def test_gradients_read_in_place_give_the_gathered_steps_bitwise(
+    algo: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = _train(algo, overlap, True, monkeypatch)
+    want = _train(algo, overlap, False, monkeypatch)
+    assert _same(got["params"], want["params"])
+    assert _same(got["states"], want["states"])
+    assert _same(got["errors"], want["errors"])
+    assert all(want["written"])  # (the gather path wrote every view)
+    # read in place: the fp32 contiguous gradients of plain groups (a.weight, a.bias,
+    # sometimes); gathered: the non-contiguous and bf16 ones and the adjusting groups'
+    assert got["written"] == [False, False, True, True, False, True, True, True, True]
