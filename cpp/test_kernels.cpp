@@ -133,12 +133,19 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   }
 }
 
+// Segment starts for `sizes` laid out with a gap of 3 values before each; `n` receives the total.
+std::vector<int64_t> gapped_starts(const std::vector<int64_t>& sizes, int64_t& n) {
+  std::vector<int64_t> starts;
+  n = 0;
+  for (int64_t s : sizes) starts.push_back(n + 3), n += s + 3;
+  return starts;
+}
+
 // Parameters as separate heap buffers with a gap between their flat ranges (untouched values).
 void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool update_v, int nthreads) {
   const int64_t P = static_cast<int64_t>(sizes.size());
-  std::vector<int64_t> starts;
   int64_t n = 0;
-  for (int64_t s : sizes) starts.push_back(n + 3), n += s + 3;
+  const std::vector<int64_t> starts = gapped_starts(sizes, n);
   std::uniform_real_distribution<float> uni(0.1f, 1.0f);
   std::normal_distribution<float> normal;
   auto g = buf<float>(n), m = buf<float>(n), v = buf<float>(n);
@@ -181,9 +188,8 @@ void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool up
 // as the scalar one), +0.0 for a missing g included, and the gaps untouched.
 void run_source_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool divide, int nthreads) {
   const int64_t P = static_cast<int64_t>(sizes.size());
-  std::vector<int64_t> starts;
   int64_t n = 0;
-  for (int64_t s : sizes) starts.push_back(n + 3), n += s + 3;
+  const std::vector<int64_t> starts = gapped_starts(sizes, n);
   std::uniform_real_distribution<float> uni(0.1f, 1.0f);
   std::normal_distribution<float> normal;
   auto m = buf<float>(n), d = buf<float>(n), u = buf<float>(n);
