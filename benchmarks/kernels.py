@@ -79,6 +79,9 @@ def main() -> None:
     bits = torch.empty(w, n // (8 * w), dtype=torch.uint8, device=dev)
     dbits = torch.randint(0, 256, (w, n // (8 * w)), generator=gen, dtype=torch.uint8).to(dev)
     scale = torch.empty(1, device=dev)
+    # the exchange's one-pass form: y into a second buffer, the previous call's update pending
+    y, pbits = torch.empty(n, device=dev), bits.clone().random_(0, 256)
+    pscale = torch.full((1,), 0.01, device=dev)
     dst = torch.empty(n, device=dev)
     copy_s = _median_seconds(lambda: dst.copy_(x), args.repeat, dev)
     copy_bw = 8 * n / copy_s  # bytes moved per second (read + write)
@@ -112,6 +115,33 @@ def main() -> None:
             lambda: K.reference_worker_compress(x, e, bits, scale),
             8 * n,
             12 * n + n // 8,
+        ),
+        (
+            "worker_deferred",
+            lambda: K.worker_compress(
+                x,
+                e,
+                bits,
+                scale,
+                deferred=True,
+                error_out=y,
+                pending=True,
+                prev_bits=pbits,
+                prev_scale=pscale,
+            ),
+            lambda: K.reference_worker_compress(
+                x,
+                e,
+                bits,
+                scale,
+                deferred=True,
+                error_out=y,
+                pending=True,
+                prev_bits=pbits,
+                prev_scale=pscale,
+            ),
+            8 * n + n // 8,
+            12 * n + n // 4,
         ),
         (
             "server_reduce",

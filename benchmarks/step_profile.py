@@ -43,7 +43,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.optim.onebit_lamb:OneBitLamb", "_exchange_source", "exchange source", 12),
     ("lightning_onebit.kernels", "momentum_source", "source kernel", 16),
     ("lightning_onebit.kernels", "local_source", "source kernel", 20),
-    ("lightning_onebit.kernels", "worker_compress", "worker compress", 8),
+    ("lightning_onebit.kernels", "worker_compress", "worker compress", 12),
     ("lightning_onebit.kernels", "worker_update_error", "worker error", 12),
     ("torch.distributed", "all_to_all_single", "all_to_all", None),
     ("lightning_onebit.kernels", "server_reduce", "server reduce", None),

@@ -19,11 +19,13 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "Fused 1-bit compression kernels (see cpp/onebit.h for the wire format).";
   using release = py::call_guard<py::gil_scoped_release>;
 
-  m.def("worker_compress_cpu", [](ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
-                                  int64_t row_stride, ptr scale_out, int nthreads) {
-    return onebit::worker_compress_cpu(P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits),
-                                       W, row_stride, P<float>(scale_out), nthreads);
-  }, release(), "y = x + e; pack sign(y); returns scale = ||y||/sqrt(n) (e is not written)");
+  m.def("worker_compress_cpu", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, ptr bits, int64_t W,
+                                  int64_t row_stride, ptr prev_bits, float prev_scale, bool pending, ptr scale_out,
+                                  int nthreads) {
+    return onebit::worker_compress_cpu(P<const float>(x), nx, P<const float>(e), P<float>(e_out), n,
+                                       P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits), prev_scale,
+                                       pending, P<float>(scale_out), nthreads);
+  }, release(), "y = x + e (e_true with pending); pack sign(y); e_out <- y unless 0; returns ||y||/sqrt(n)");
 
   m.def("worker_update_error_cpu", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, float scale,
                                       int nthreads) {
@@ -101,10 +103,13 @@ PYBIND11_MODULE(_C, m) {
 #ifdef ONEBIT_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("cuda_workspace_bytes", &onebit::cuda_workspace_bytes, "device workspace the CUDA compressions need");
-  m.def("worker_compress_cuda", [](int device, ptr x, int64_t nx, ptr e, int64_t n, ptr bits, int64_t W,
-                                   int64_t row_stride, ptr scale_out, ptr ws, ptr stream) {
-    onebit::worker_compress_cuda(device, P<const float>(x), nx, P<const float>(e), n, P<uint8_t>(bits), W,
-                                 row_stride, P<float>(scale_out), P<void>(ws), P<void>(stream));
+  m.def("worker_compress_cuda", [](int device, ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, ptr bits,
+                                   int64_t W, int64_t row_stride, ptr prev_bits, ptr prev_scale, bool pending,
+                                   ptr scale_out, ptr ws, ptr stream) {
+    onebit::worker_compress_cuda(device, P<const float>(x), nx, P<const float>(e), P<float>(e_out), n,
+                                 P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits),
+                                 P<const float>(prev_scale), pending, P<float>(scale_out), P<void>(ws),
+                                 P<void>(stream));
   }, release(), "worker compress on the given CUDA stream; scale written to device memory");
   m.def("worker_update_error_cuda", [](int device, ptr x, int64_t nx, ptr e, ptr e_out, int64_t n,
                                        ptr scale, ptr stream) {

@@ -46,15 +46,24 @@ inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
 }
 }  // namespace detail
 
-// Worker compression, in two calls so that nothing changes until the caller knows the step
-// goes ahead (every rank's scale is finite):
-// 1. y = x + e (x zero-extended from nx to n values); scale = ||y||_2 / sqrt(n); bits of row j =
-//    packed signs of y[j*m, (j+1)*m) with m = n / W. Reads x and e only. Writes the scale to
-//    *scale_out and returns it. n must be a multiple of 8 * W.
-float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
-                          int64_t W, int64_t row_stride, float* scale_out, int nthreads);
-// 2. e_out <- y - scale * sign(y), y = x + e recomputed bit for bit (x and e unchanged since
-//    step 1). e_out may be e (in place) or another buffer (the exchange's double buffering).
+// Worker compression: y = x + e_true (x zero-extended from nx to n values); scale = ||y||_2 /
+// sqrt(n); bits of row j = packed signs of y[j*m, (j+1)*m) with m = n / W. n must be a multiple of
+// 8 * W. Writes the scale to *scale_out and returns it.
+// The error update y - scale * sign(y) needs the scale, i.e. a second sweep once every value has
+// been read, so it is either deferred or done by a second call:
+// - e_out not null: e_out <- y, and the true error is e_out - scale * sign(bits), which the next
+//   call applies as it reads the buffer (pending = true, prev_bits and prev_scale that call's bits
+//   and scale; rows of prev_bits start at prev_bits + j * row_stride). e_true = e - prev_scale *
+//   sign(prev_bits) with pending, e without. e_out may be e and prev_bits may be bits (in place),
+//   or not (the exchange's double buffering: nothing it holds changes until the step goes ahead).
+// - e_out null: e is not written (e_true = e; no pending), and worker_update_error_cpu applies the
+//   update later, recomputing y, once the caller knows the step goes ahead (every rank's scale is
+//   finite): in place, without a second buffer.
+float worker_compress_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits,
+                          int64_t W, int64_t row_stride, const uint8_t* prev_bits, float prev_scale, bool pending,
+                          float* scale_out, int nthreads);
+// e_out <- y - scale * sign(y), y = x + e recomputed bit for bit (x and e unchanged since a
+// worker_compress_cpu call with a null e_out). e_out may be e (in place) or another buffer.
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
                              float scale, int nthreads);
 
@@ -154,9 +163,11 @@ bool cpu_has_simd();
 // device is 0 on every thread whatever torch has set. `workspace` is device memory of at least
 // cuda_workspace_bytes() bytes, owned by the caller and used by no other call in flight.
 int64_t cuda_workspace_bytes();
-void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, int64_t n,
-                          uint8_t* bits, int64_t W, int64_t row_stride, float* scale_out,
-                          void* workspace, void* stream);
+// prev_scale: device memory (the previous call's scale_out), read only with pending.
+void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
+                          uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
+                          const float* prev_scale, bool pending, float* scale_out, void* workspace,
+                          void* stream);
 // The scale is read from device memory (the scale_out of worker_compress_cuda).
 void worker_update_error_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out,
                               int64_t n, const float* scale, void* stream);

@@ -1,5 +1,6 @@
-// CPU kernels. The worker compression makes two passes over memory (the scale needs the global
-// norm before any error value can be written), the server one; each pass is one streaming sweep over fixed blocks,
+// CPU kernels. The worker compression and the server stage are one pass over memory each: the error
+// update needs the scale, i.e. the global norm, so both write y (c) and leave the update to the
+// next call, which applies it as it reads the buffer. Each pass is one streaming sweep over fixed blocks,
 // parallelised with OpenMP. Per-block work is done by block functions in two flavours:
 // AVX2 (chosen at run time when the CPU has it; the binary stays portable, no -march=native)
 // and portable scalar code (any CPU, also the reference for the AVX2 path).
@@ -27,18 +28,24 @@ inline int threads_for(int64_t n, int nthreads) { return n >= kParallelMin && nt
 // ---------------------------------------------------------------- block functions: scalar
 // Each handles [lo, hi) with lo, hi multiples of 8 and returns the block's sum of squares.
 
-// y = x + e (x read only below nx), out <- packed sign(y). Reads only: e is written by the
-// update pass, once the caller knows the step goes ahead (see worker_update_error_cpu).
-double compress_block_scalar(const float* x, int64_t nx, const float* e, int64_t lo, int64_t hi, uint8_t* out) {
+// y = x + e_true (x read only below nx), out <- packed sign(y), and eo <- y unless eo is null.
+// e_true = e, or with `pending` e - sp * sign(prev): the previous call's deferred error update,
+// prev its packed output for these values. eo may be e and prev may be out (each byte of prev is
+// read before the same byte of out is written).
+double compress_block_scalar(const float* x, int64_t nx, const float* e, float* eo, const uint8_t* prev, bool pending,
+                             float sp, int64_t lo, int64_t hi, uint8_t* out) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = lo; i < hi; i += 8) {
+    const unsigned pb = pending ? prev[(i - lo) / 8] : 0u;
     uint8_t b = 0;
     for (int t = 0; t < 8; ++t) {
-      const float y = (i + t < nx ? x[i + t] : 0.0f) + e[i + t];
+      const float et = !pending ? e[i + t] : ((pb >> t) & 1u) ? e[i + t] - sp : e[i + t] + sp;
+      const float y = (i + t < nx ? x[i + t] : 0.0f) + et;
+      if (eo) eo[i + t] = y;
       acc[t] += static_cast<double>(y) * y;
       b |= static_cast<uint8_t>(y >= 0.0f) << t;
     }
-    *out++ = b;
+    out[(i - lo) / 8] = b;
   }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
@@ -251,19 +258,37 @@ AVX2 inline double hsum(__m256d a0, __m256d a1) {
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-AVX2 double compress_block_avx2(const float* x, int64_t nx, const float* e, int64_t lo, int64_t hi, uint8_t* out) {
+// Values from f to the next 32-byte boundary (0-7; f is 4-byte aligned): the AVX2 blocks that store
+// with _mm256_stream_ps (no read for ownership of a line that is only written) start there.
+inline int64_t aligned_gap(const float* f) {
+  return static_cast<int64_t>((32 - (reinterpret_cast<std::uintptr_t>(f) & 31)) & 31) / 4;
+}
+
+AVX2 double compress_block_avx2(const float* x, int64_t nx, const float* e, float* eo, const uint8_t* prev,
+                                bool pending, float sp, int64_t lo, int64_t hi, uint8_t* out) {
   const int64_t full = std::max(lo, std::min(hi, nx - nx % 8));  // x fully present below this
   if (full < hi) {  // the block holds the end of x: do the tail in scalar code
-    double a = full > lo ? compress_block_avx2(x, nx, e, lo, full, out) : 0.0;
-    return a + compress_block_scalar(x, nx, e, full, hi, out + (full - lo) / 8);
+    double a = full > lo ? compress_block_avx2(x, nx, e, eo, prev, pending, sp, lo, full, out) : 0.0;
+    const uint8_t* prev_tail = pending ? prev + (full - lo) / 8 : nullptr;
+    return a + compress_block_scalar(x, nx, e, eo, prev_tail, pending, sp, full, hi, out + (full - lo) / 8);
   }
-  const __m256 zero = _mm256_setzero_ps();
+  // y is read again only by the next call: streamed stores (no read for ownership) where aligned
+  const bool stream = eo && aligned_gap(eo + lo) == 0;
+  const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = lo; i < hi; i += 8) {
-    const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    __m256 et = _mm256_loadu_ps(e + i);
+    if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(*prev++));
+    const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + i), et);
+    if (stream) {
+      _mm256_stream_ps(eo + i, y);
+    } else if (eo) {
+      _mm256_storeu_ps(eo + i, y);
+    }
     *out++ = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ)));
     accumulate_squares(y, a0, a1);
   }
+  if (stream) _mm_sfence();  // the streamed stores before anything this thread does next
   return hsum(a0, a1);
 }
 
@@ -283,6 +308,7 @@ AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride
                               float* eo, int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out, bool pending,
                               float sp) {
   const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
+  const bool stream = aligned_gap(eo + lo) == 0;  // c is read again only by the next call
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = lo; i < hi; i += 8) {
     __m256 c = zero;
@@ -290,17 +316,27 @@ AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride
     __m256 et = _mm256_loadu_ps(e + i);
     if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(prev[i / 8]));
     c = _mm256_add_ps(c, et);
-    _mm256_storeu_ps(eo + i, c);
+    if (stream) {
+      _mm256_stream_ps(eo + i, c);
+    } else {
+      _mm256_storeu_ps(eo + i, c);
+    }
     out[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(c, zero, _CMP_GE_OQ)));
     accumulate_squares(c, a0, a1);
   }
+  if (stream) _mm_sfence();
   return hsum(a0, a1);
 }
 
 AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, int64_t hi) {
   const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
   int64_t i = lo;
-  for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(out + i, _mm256_blendv_ps(neg, pos, byte_to_mask(*in++)));
+  if (aligned_gap(out + lo) == 0) {  // (the whole output is decoded before it is read)
+    for (; i + 8 <= hi; i += 8) _mm256_stream_ps(out + i, _mm256_blendv_ps(neg, pos, byte_to_mask(*in++)));
+    _mm_sfence();
+  } else {
+    for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(out + i, _mm256_blendv_ps(neg, pos, byte_to_mask(*in++)));
+  }
   if (i < hi) decode_block_scalar(in, s, out, i, hi);
 }
 
@@ -358,11 +394,6 @@ AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t 
   if (i < hi) adam_block_scalar(g, m, v, q + i, i, hi, c, update_v);
 }
 
-// Values from f to the next 32-byte boundary (0-7; f is 4-byte aligned): the AVX2 blocks that store
-// with _mm256_stream_ps (no read for ownership of a line that is only written) start there.
-inline int64_t aligned_gap(const float* f) {
-  return static_cast<int64_t>((32 - (reinterpret_cast<std::uintptr_t>(f) & 31)) & 31) / 4;
-}
 
 AVX2 void source_block_avx2(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
                             float a) {
@@ -472,7 +503,8 @@ AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored
 // ---------------------------------------------------------------- dispatch
 
 struct Impl {
-  double (*compress)(const float*, int64_t, const float*, int64_t, int64_t, uint8_t*);
+  double (*compress)(const float*, int64_t, const float*, float*, const uint8_t*, bool, float, int64_t, int64_t,
+                     uint8_t*);
   double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t,
                    const uint8_t*, uint8_t*, bool, float);
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
@@ -525,8 +557,9 @@ float finish_scale(const std::vector<double>& partial, int64_t n) {
 
 bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
 
-float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits, int64_t W,
-                          int64_t row_stride, float* scale_out, int nthreads) {
+float worker_compress_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits,
+                          int64_t W, int64_t row_stride, const uint8_t* prev_bits, float prev_scale, bool pending,
+                          float* scale_out, int nthreads) {
   detail::check_compress("worker_compress_cpu", nx, n, W);
   const int64_t m = n / W;
   const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
@@ -534,12 +567,14 @@ float worker_compress_cpu(const float* x, int64_t nx, const float* e, int64_t n,
   std::vector<double> partial(static_cast<size_t>(total));
   const int nt = threads_for(n, nthreads);
   const auto compress = impl().compress;
+  const float sp = pending ? prev_scale : 0.0f;
 
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t blk = 0; blk < total; ++blk) {
     const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
     const int64_t hi = std::min(lo + kBlock, (j + 1) * m);
-    partial[blk] = compress(x, nx, e, lo, hi, bits + j * row_stride + (lo - j * m) / 8);
+    const int64_t byte = j * row_stride + (lo - j * m) / 8;
+    partial[blk] = compress(x, nx, e, e_out, pending ? prev_bits + byte : nullptr, pending, sp, lo, hi, bits + byte);
   }
   const float s = finish_scale(partial, n);
   *scale_out = s;

@@ -14,10 +14,11 @@
 // loads are already two float4s per lane, measured no faster that way.)
 //
 // Each compression is two launches on the caller's stream: a fused pass writing the bits and one
-// double partial sum of squares per block into the workspace (the server pass also writes e), and
-// a single-block finalize that adds the partials in a fixed order and writes the scale to device
-// memory. The worker's error update (e <- y - s*sign(y)) is a separate launch that the caller
-// makes once it knows the step goes ahead.
+// double partial sum of squares per block into the workspace (and y, c into the error buffers:
+// the error updates are deferred to the next call, see onebit.h), and a single-block finalize that
+// adds the partials in a fixed order and writes the scale to device memory. Without an output
+// buffer the worker's error update (e <- y - s*sign(y)) is a separate launch that the caller makes
+// once it knows the step goes ahead.
 // The grid depends only on the problem size (capped at kMaxBlocks, independent of the GPU), so
 // the scale is reproducible. No atomics, no host synchronisation, no allocation.
 //
@@ -179,11 +180,18 @@ __device__ __forceinline__ float4 load_x4(const float* x, int64_t nx, int64_t i,
   return v;
 }
 
-// Worker pass 1: y = x + e (x zero beyond nx), bits <- sign(y), partial <- sum y^2. Reads e only.
+// Worker pass: y = x + e_true (x zero beyond nx), bits <- sign(y), partial <- sum y^2, and
+// e_out <- y unless e_out is null. With `pending` (a non-null prev_scale), e_true = e - prev_scale *
+// sign(prev_bits): the previous call's deferred error update; otherwise e_true = e. prev_bits may be
+// bits: a warp reads the words of its segment before it overwrites them, and no other warp touches
+// them; e_out may be e (each thread reads its values first).
 __global__ void __launch_bounds__(kThreads)
-worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg, int64_t spr,
-             uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4, double* partial) {
-  const int lane = threadIdx.x & 31;
+worker_pass1(const float* x, int64_t nx, const float* e, float* e_out, int64_t m, int64_t nseg, int64_t spr,
+             const uint8_t* prev_bits, uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4,
+             bool al4_prev, const float* prev_scale, double* partial) {
+  const bool pending = prev_scale != nullptr;
+  const float sp = pending ? *prev_scale : 0.0f;
+  const int lane = threadIdx.x & 31, sh = 4 * (lane & 7);
   double acc = 0.0;
   // Warp-uniform grid-stride loop: every lane reaches the shuffles in pack_word.
   for (int64_t g = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); g < nseg;
@@ -191,17 +199,31 @@ worker_pass1(const float* x, int64_t nx, const float* e, int64_t m, int64_t nseg
     const int64_t row = g / spr, off = (g - row * spr) * kSeg;
     const int len = int(m - off < kSeg ? m - off : kSeg);
     const int64_t i = row * m + off + 4 * lane;
+    const int64_t word = row * row_stride + off / 8 + 4 * (lane >> 3);  // this lane's word of the bits
+    const int nb = word_bytes(len, lane);
     uint32_t nib = 0;
     if (4 * lane < len) {
       const float4 xv = load_x4(x, nx, i, xvec);
-      const float4 ev = load4(e + i, evec);
-      const float4 y = make_float4(xv.x + ev.x, xv.y + ev.y, xv.z + ev.z, xv.w + ev.w);
+      float4 et = load4(e + i, evec);
+      if (pending) {
+        // plain loads, not __ldg: prev_bits may be bits, which this kernel writes
+        const uint8_t* q = prev_bits + word;
+        uint32_t pw = 0;
+        if (nb == 4 && al4_prev) pw = *reinterpret_cast<const uint32_t*>(q);
+        else for (int b = 0; b < nb; ++b) pw |= uint32_t(q[b]) << (8 * b);
+        pw >>= sh;
+        et.x = (pw & 1u) ? et.x - sp : et.x + sp;
+        et.y = (pw & 2u) ? et.y - sp : et.y + sp;
+        et.z = (pw & 4u) ? et.z - sp : et.z + sp;
+        et.w = (pw & 8u) ? et.w - sp : et.w + sp;
+      }
+      const float4 y = make_float4(xv.x + et.x, xv.y + et.y, xv.z + et.z, xv.w + et.w);
+      if (e_out) store4(e_out + i, y, evec);
       acc += sq4(y);
       nib = nibble(y);
     }
-    const uint32_t word = pack_word(nib, lane);
-    if ((lane & 7) == 0)
-      store_word(bits + row * row_stride + off / 8 + 4 * (lane >> 3), word, word_bytes(len, lane), al4);
+    const uint32_t packed = pack_word(nib, lane);
+    if ((lane & 7) == 0) store_word(bits + word, packed, nb, al4);
   }
   const double total = block_sum(acc);
   if (threadIdx.x == 0) partial[blockIdx.x] = total;
@@ -805,16 +827,20 @@ lamb_finalize(const bool* ok, const int64_t* chunk_start, int64_t L, const doubl
 
 int64_t cuda_workspace_bytes() { return kMaxBlocks * static_cast<int64_t>(sizeof(double)); }
 
-void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, int64_t n, uint8_t* bits,
-                          int64_t W, int64_t row_stride, float* scale_out, void* workspace, void* stream) {
+void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
+                          uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
+                          const float* prev_scale, bool pending, float* scale_out, void* workspace, void* stream) {
   detail::check_compress("worker_compress_cuda", nx, n, W);
   DeviceGuard guard(device);
   const int64_t m = n / W, spr = (m + kSeg - 1) / kSeg, nseg = spr * W;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   const int grid = grid_for(nseg, kWarps);
-  launch("worker_pass1", worker_pass1, grid, kThreads, st, x, nx, e, m, nseg, spr, bits, row_stride,
-         aligned(x, 16), aligned(e, 16), rows_aligned4(bits, W, row_stride), partial);
+  const bool evec = aligned(e, 16) && (e_out == nullptr || aligned(e_out, 16));
+  // prev_scale may be scale_out: finalize_scale overwrites it only after worker_pass1 has run.
+  launch("worker_pass1", worker_pass1, grid, kThreads, st, x, nx, e, e_out, m, nseg, spr,
+         pending ? prev_bits : nullptr, bits, row_stride, aligned(x, 16), evec, rows_aligned4(bits, W, row_stride),
+         pending && rows_aligned4(prev_bits, W, row_stride), pending ? prev_scale : nullptr, partial);
   launch("finalize_scale", finalize_scale, 1, kThreads, st, partial, grid, n, scale_out);
 }
 

@@ -27,6 +27,47 @@ void check(bool ok, const char* what, int64_t a, int64_t b) {
 template <class T>
 std::unique_ptr<T[]> buf(int64_t n) { return std::unique_ptr<T[]>(new T[static_cast<size_t>(n > 0 ? n : 1)]); }
 
+// The deferred form of the worker compression against the two-call form, bit for bit, over two
+// calls: call 1 writes y (e_out) where the two-call form wrote the error e1 = y - s * sign(y);
+// call 2 applies that update as it reads (pending, in place: e_out = e and prev_bits = bits).
+// e0: the error before call 1; e1, bits1, s1: the two-call form's results of call 1 on x.
+void check_deferred(std::mt19937& rng, const float* x, int64_t nx, const float* e0, const float* e1,
+                    const uint8_t* bits1, float s1, int64_t W, int64_t m, int64_t stride, int nthreads) {
+  const int64_t n = W * m, nbytes = (W - 1) * stride + m / 8;
+  std::normal_distribution<float> normal;
+  auto d = buf<float>(n);
+  auto dbits = buf<uint8_t>(nbytes);
+  for (int64_t i = 0; i < nbytes; ++i) dbits[i] = 0xA5;
+  float ds = -1.0f;
+  const float a = onebit::worker_compress_cpu(x, nx, e0, d.get(), n, dbits.get(), W, stride, nullptr, 0.0f, false,
+                                              &ds, nthreads);
+  check(a == s1 && ds == s1, "deferred: scale", W, m);
+  check(std::memcmp(dbits.get(), bits1, nbytes) == 0, "deferred: bits (and padding) as the two-call form", W, m);
+  for (int64_t i = 0; i < n; ++i) check(d[i] == (i < nx ? x[i] : 0.0f) + e0[i], "deferred: e_out = y", W, i);
+  // call 2 on a fresh x2: the two-call form from e1, the deferred one from d in place
+  auto x2 = buf<float>(nx);
+  auto e2 = buf<float>(n);
+  auto bits2 = buf<uint8_t>(nbytes);
+  for (int64_t i = 0; i < nx; ++i) x2[i] = normal(rng);
+  std::memcpy(e2.get(), e1, sizeof(float) * n);
+  std::memcpy(bits2.get(), bits1, nbytes);
+  float s2 = 0.0f;
+  onebit::worker_compress_cpu(x2.get(), nx, e2.get(), nullptr, n, bits2.get(), W, stride, nullptr, 0.0f, false, &s2,
+                              nthreads);
+  onebit::worker_update_error_cpu(x2.get(), nx, e2.get(), e2.get(), n, s2, nthreads);
+  const float b = onebit::worker_compress_cpu(x2.get(), nx, d.get(), d.get(), n, dbits.get(), W, stride,
+                                              dbits.get(), ds, true, &ds, nthreads);
+  check(b == s2 && ds == s2, "pending: scale", W, m);
+  check(std::memcmp(dbits.get(), bits2.get(), nbytes) == 0, "pending: bits", W, m);
+  for (int64_t j = 0; j < W; ++j) {
+    for (int64_t k = 0; k < m; ++k) {
+      const int64_t i = j * m + k;
+      const bool bit = (dbits[j * stride + k / 8] >> (k % 8)) & 1;
+      check((bit ? d[i] - s2 : d[i] + s2) == e2[i], "pending: the true error as the two-call form's", j, k);
+    }
+  }
+}
+
 void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, int nthreads) {
   const int64_t n = W * m, row = m / 8, stride = row + pad;
   std::normal_distribution<float> normal;
@@ -36,11 +77,14 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   for (int64_t i = 0; i < nx; ++i) x[i] = (i % 13 == 0) ? (i % 2 ? -0.0f : 0.0f) : normal(rng);
   for (int64_t i = 0; i < n; ++i) e[i] = 0.1f * normal(rng);
   for (int64_t i = 0; i < n; ++i) y[i] = (i < nx ? x[i] : 0.0f) + e[i];
+  auto e0 = buf<float>(n);  // the error before the call, for the deferred form below
+  std::memcpy(e0.get(), e.get(), sizeof(float) * n);
   // rows of `row` bytes, `pad` bytes apart: the bytes in between must stay untouched
   auto bits = buf<uint8_t>((W - 1) * stride + row);
   for (int64_t i = 0; i < (W - 1) * stride + row; ++i) bits[i] = 0xA5;
   float scale = -1.0f;
-  const float s = onebit::worker_compress_cpu(x.get(), nx, e.get(), n, bits.get(), W, stride, &scale, nthreads);
+  const float s = onebit::worker_compress_cpu(x.get(), nx, e.get(), nullptr, n, bits.get(), W, stride, nullptr, 0.0f,
+                                              false, &scale, nthreads);
   check(s == scale && s >= 0.0f, "scale written", W, m);
   for (int64_t i = 0; i < n; ++i) check(e[i] + (i < nx ? x[i] : 0.0f) == y[i], "compress leaves e alone", W, i);
   onebit::worker_update_error_cpu(x.get(), nx, e.get(), e.get(), n, s, nthreads);
@@ -56,6 +100,7 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
       check(std::fabs(back - y[j * m + k]) <= 1e-6f * (std::fabs(y[j * m + k]) + s), "error feedback", j, k);
     }
   }
+  check_deferred(rng, x.get(), nx, e0.get(), e.get(), bits.get(), s, W, m, stride, nthreads);
   // decompress into an output shorter than W*m (the padding is dropped): exact size allocation
   const int64_t nout = n - (n > 3 ? 3 : 0);
   auto out = buf<float>(nout);

@@ -590,10 +590,10 @@ def _comm_methods(
                 return
             key = (kind, sl.start, n)
             if key not in exchanges:  # one per bucket, built once (collectively, in order)
-                exchanges[key] = (
-                    CompressedAllreduce(n, device=device)
+                exchanges[key] = (  # (double buffered, as the optimizers' exchanges)
+                    CompressedAllreduce(n, device=device, double_buffered=True)
                     if kind == "flat"
-                    else HierarchicalAllreduce(n, nodes, device=device)
+                    else HierarchicalAllreduce(n, nodes, device=device, double_buffered=True)
                 )
             exchanges[key](flat[sl])
 
@@ -631,12 +631,13 @@ def _updates(numel: int, device: torch.device, repeats: int) -> tuple[dict, dict
     upd["adam_warmup"] = _timed(opt.step, device, repeats)
     opt.freeze()
     step = _timed(opt.step, device, repeats)
-    x = CompressedAllreduce(numel, device=device, group=alone)
+    x = CompressedAllreduce(numel, device=device, group=alone, double_buffered=True)
     own = _timed(lambda: x(p.grad), device, repeats)
     upd["frozen_adam"] = max(step - own, 0.0)
 
     n = -(-numel // (8 * w)) * 8 * w
-    err, out = torch.zeros(n, device=device), torch.empty(numel, device=device)
+    err, y = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    out = torch.empty(numel, device=device)
     bits = torch.zeros(w, n // (8 * w), dtype=torch.uint8, device=device)
     scale, scales = torch.zeros(1, device=device), torch.ones(w, device=device)
     g, m, v = p.grad, torch.zeros_like(p), torch.ones_like(p)
@@ -649,7 +650,9 @@ def _updates(numel: int, device: torch.device, repeats: int) -> tuple[dict, dict
             repeats,
         ),
         "worker_compress": _timed(
-            lambda: kernels.worker_compress(g, err, bits, scale), device, repeats
+            lambda: kernels.worker_compress(g, err, bits, scale, deferred=True, error_out=y),
+            device,
+            repeats,
         ),
         "decompress": _timed(lambda: kernels.decompress(bits, scales, out), device, repeats),
     }

@@ -191,27 +191,30 @@ class CompressedAllreduce(Exchange):
         self._record = 4 + -(-row // 4) * 4  # [scale][bits][pad to 4 bytes]: aligned scales
 
         kw = {"device": self.device}
-        # Error state: worker error e_w, server accumulator and the server's last record. The
-        # server kernel defers its error update to its next call (one sweep over the buffer
-        # instead of two): the accumulator holds c, the true error is c - s * sign(c), with s and
-        # sign(c) still in the server record. See kernels.server_reduce. Double buffered: calls
-        # write set 1 - cur and commit flips cur; otherwise calls update set cur in place.
+        # Error state, one set or two: worker error, worker records (the bits and scale sent) and
+        # the worker's scale, server accumulator and server record. Both stages defer their error
+        # update to the next call (one sweep over the buffer instead of two): the buffer holds y
+        # (c), and the true error is y - s * sign(y) with s and sign(y) still in the records; the
+        # next call applies it as it reads (see kernels.worker_compress, kernels.server_reduce).
+        # Double buffered: calls write set 1 - cur and commit flips cur. One set: calls update it
+        # in place, so the worker cannot write before the verdict and updates its error in a
+        # second sweep after it (the server stage runs after the verdict and defers either way).
         self.device_verdict = bool(device_verdict)
         sets = 2 if double_buffered or device_verdict else 1
         self._werr = [
             torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(sets)
         ]
+        self._send = [torch.zeros(w, self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
+        self._wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(sets)]
         self._sacc = [torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)]
         self._srec = [torch.zeros(self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
         self._cur = 0
-        self._server_pending = False
+        self._pending = False  # set cur awaits the deferred updates of the call that wrote it
         self._uncommitted: ExchangeHandle | None = None
-        self._send = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
-        self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else self._send
-        # (W = 1 gathers nothing: its result is the worker's record, see start)
+        # (W = 1 sends and gathers nothing: its result is the worker's record, see start)
+        self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._out = torch.empty(numel, dtype=torch.float32, **kw)
-        self._scale = torch.zeros(1, dtype=torch.float32, **kw)
         # device_verdict: whether each rank's scale was finite, and all of them (last call)
         self._finite_ranks = torch.ones(w, dtype=torch.bool, **kw)
         self._ok = torch.ones(1, dtype=torch.bool, **kw)
@@ -229,7 +232,9 @@ class CompressedAllreduce(Exchange):
 
     @property
     def worker_error(self) -> torch.Tensor:
-        """This rank's worker error buffer (``padded_numel`` values; the live tensor)."""
+        """This rank's worker error buffer (``padded_numel`` values; the live tensor, with any
+        deferred update applied)."""
+        self._settle()
         return self._werr[self._cur]
 
     @property
@@ -301,22 +306,39 @@ class CompressedAllreduce(Exchange):
             )
         w, row = self.world_size, self.chunk_numel // 8
         cur = self._cur
-        nxt = 1 - cur if self.double_buffered else cur
+        deferred = self.double_buffered
+        nxt = 1 - cur if deferred else cur
+        send = self._send[nxt]
+        recv = send if self._recv is None else self._recv
 
-        # 1. worker compression straight into the send records, scale copied into each record;
-        #    the worker error is updated only once every rank's scale is known to be finite
-        kernels.worker_compress(
-            x, self._werr[cur], self._bits(self._send, row), self._scale, update_error=False
-        )
-        self._scales(self._send).copy_(self._scale.expand(w))
+        # 1. worker compression straight into the send records, scale copied into each record.
+        #    Double buffered: y into the next set, its error update deferred (one sweep). One set:
+        #    the error is updated only once every rank's scale is known to be finite.
+        if deferred:
+            kernels.worker_compress(
+                x,
+                self._werr[cur],
+                self._bits(send, row),
+                self._wscale[nxt],
+                deferred=True,
+                error_out=self._werr[nxt],
+                pending=self._pending,
+                prev_bits=self._bits(self._send[cur], row),
+                prev_scale=self._wscale[cur],
+            )
+        else:
+            kernels.worker_compress(
+                x, self._werr[cur], self._bits(send, row), self._wscale[nxt], update_error=False
+            )
+        self._scales(send).copy_(self._wscale[nxt].expand(w))
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
             with self._explained("all_to_all"):
-                dist.all_to_all_single(self._recv.view(-1), self._send.view(-1), group=self.group)
+                dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
         self.calls += 1
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
         # same call, so all stop here together with both error buffers as they were.
-        scales = self._scales(self._recv)
+        scales = self._scales(recv)
         if self.device_verdict:  # no host read: the kernels after the exchange take it
             self._finite_ranks.copy_(torch.isfinite(scales))
             torch.all(self._finite_ranks, dim=0, keepdim=True, out=self._ok)
@@ -329,23 +351,24 @@ class CompressedAllreduce(Exchange):
             return ExchangeHandle(
                 self, None, out, tensor.shape, finite=False, bad_ranks=bad, call=self.calls
             )
-        kernels.worker_update_error(x, self._werr[cur], self._scale, out=self._werr[nxt])
+        if not deferred:
+            kernels.worker_update_error(x, self._werr[cur], self._wscale[cur], out=self._werr[cur])
         if w == 1:
             # 3-4 at W = 1 are the identity: the one chunk's average is s * sign(y) itself and
             # its recompression gives back the same scale and signs with a server error of
             # exactly 0 (the norm of n values +-s is s * sqrt(n), exact in float32 after the
             # double sum), so the worker's record is the result.
-            return self._handle(out, tensor.shape, None, self._send, nxt, commit)
+            return self._handle(out, tensor.shape, None, send, nxt, commit)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
         rec, prev = self._srec[nxt], self._srec[cur]
         kernels.server_reduce(
-            self._bits(self._recv, row),
+            self._bits(recv, row),
             scales,
             self._sacc[cur],
             rec[4 : 4 + row],
             rec.view(torch.float32)[:1],
-            pending=self._server_pending,
+            pending=self._pending,
             error_out=self._sacc[nxt],
             prev_bits=prev[4 : 4 + row],
             prev_scale=prev.view(torch.float32)[:1],
@@ -395,15 +418,17 @@ class CompressedAllreduce(Exchange):
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
         if self.device_verdict:
             ok, cur = handle.ok if ok is None else ok, self._cur
-            if not self._server_pending:
-                # the server error of set cur is final (error_views, a load): with its record's
-                # scale 0 the deferred update below leaves it so where the old set is put back
+            if not self._pending:
+                # the errors of set cur are final (settled, a load): with the scales of their
+                # records 0 the deferred updates leave them so where the old set is put back
+                self._wscale[cur].zero_()
                 self._srec[cur].view(torch.float32)[:1].zero_()
+            state = (self._werr, self._send, self._wscale, self._sacc, self._srec)
             # (W = 1 has no server stage: its buffers never change)
-            for bufs in (self._werr, self._sacc, self._srec)[: 1 if self.world_size == 1 else 3]:
+            for bufs in state[: 3 if self.world_size == 1 else 5]:
                 kernels.restore_unless(ok, bufs[next_set], bufs[cur])
         self._cur = next_set
-        self._server_pending = True
+        self._pending = True
         self._uncommitted = None
 
     def _forget(self, handle: ExchangeHandle) -> None:
@@ -475,24 +500,31 @@ class CompressedAllreduce(Exchange):
     @property
     def server_error(self) -> torch.Tensor:
         """This rank's server error (a copy, with any deferred update applied)."""
-        err = self._sacc[self._cur].clone()
-        if self._server_pending:
-            rec, row = self._srec[self._cur], self.chunk_numel // 8
-            kernels.finish_pending(err, rec[4 : 4 + row], rec.view(torch.float32)[:1])
-        return err
+        self._settle()
+        return self._sacc[self._cur].clone()
+
+    def _settle(self) -> None:
+        """Apply the deferred error updates of the call that wrote set cur (see
+        :meth:`__init__`), so that its buffers hold the errors themselves."""
+        if not self._pending:
+            return
+        # The buffers hold y (c), and the bits sent are sign(y): the update y - s * sign(y) is
+        # worker_update_error's with no x, one native sweep, bit for bit finish_pending's.
+        cur = self._cur
+        if self.double_buffered:  # (one set: the worker updated its error after the verdict)
+            e = self._werr[cur]
+            kernels.worker_update_error(e[:0], e, self._wscale[cur])
+        e = self._sacc[cur]
+        kernels.worker_update_error(e[:0], e, self._srec[cur].view(torch.float32)[:1])
+        self._pending = False
 
     def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Live views of this rank's error buffers over the values ``[lo, hi)`` of the input:
         its worker error there, and its server error where its chunk overlaps them. Applies
-        the server error's deferred update first (see :meth:`__init__`), so that the views
-        hold the errors themselves until the next call. For a caller that keeps values out of
-        an exchange: it puts their errors back after the call."""
-        if self._server_pending:
-            rec, row = self._srec[self._cur], self.chunk_numel // 8
-            kernels.finish_pending(
-                self._sacc[self._cur], rec[4 : 4 + row], rec.view(torch.float32)[:1]
-            )
-            self._server_pending = False
+        the deferred updates first (see :meth:`__init__`), so that the views hold the errors
+        themselves until the next call. For a caller that keeps values out of an exchange: it
+        puts their errors back after the call."""
+        self._settle()
         views = [self.worker_error[lo:hi]]
         c0 = self.rank * self.chunk_numel
         a, b = max(lo, c0), min(hi, c0 + self.chunk_numel)
@@ -502,11 +534,11 @@ class CompressedAllreduce(Exchange):
 
     def reset_error(self) -> None:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
-        self.worker_error.zero_()
+        self._werr[self._cur].zero_()
         self._sacc[self._cur].zero_()
-        for rec in self._srec:  # (scale 0: a pending update from it changes nothing)
-            rec.zero_()
-        self._server_pending = False
+        for t in (*self._wscale, *self._srec):  # (scales 0: a pending update changes nothing)
+            t.zero_()
+        self._pending = False
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error buffers and the geometry they belong to (no process group)."""
@@ -540,9 +572,9 @@ class CompressedAllreduce(Exchange):
                 f"error buffers saved for numel={state_dict.get('numel')}, world_size={state_dict.get('world_size')} "
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
             )
-        self.worker_error.copy_(state_dict["worker_error"])
+        self._werr[self._cur].copy_(state_dict["worker_error"])
         self._sacc[self._cur].copy_(state_dict["server_error"])
-        self._server_pending = False
+        self._pending = False
 
     def __repr__(self) -> str:
         return (

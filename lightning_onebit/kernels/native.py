@@ -134,20 +134,34 @@ def param_table(
 
 
 def worker_compress(
-    x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor | None = None,
+    pending: bool = False,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
 ) -> None:
-    """The compiled ``worker_compress`` (the error update left to :func:`update_error`)."""
+    """The compiled ``worker_compress``: deferred into ``error_out`` when given, else bits and
+    scale only (the update left to :func:`update_error`)."""
     n, w, device = error.numel(), bits.size(0), error.device
+    out = 0 if error_out is None else error_out.data_ptr()
+    prev = prev_bits.data_ptr() if pending and prev_bits is not None else 0
     if device.type == "cuda":
         module.worker_compress_cuda(
             device.index,
             x.data_ptr(),
             x.numel(),
             error.data_ptr(),
+            out,
             n,
             bits.data_ptr(),
             w,
             bits.stride(0),
+            prev,
+            prev_scale.data_ptr() if pending and prev_scale is not None else 0,
+            bool(pending),
             scale.data_ptr(),
             workspace(device).data_ptr(),
             stream(device),
@@ -157,10 +171,14 @@ def worker_compress(
             x.data_ptr(),
             x.numel(),
             error.data_ptr(),
+            out,
             n,
             bits.data_ptr(),
             w,
             bits.stride(0),
+            prev,
+            float(prev_scale) if pending and prev_scale is not None else 0.0,
+            bool(pending),
             scale.data_ptr(),
             nthreads(),
         )

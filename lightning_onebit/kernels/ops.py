@@ -56,45 +56,110 @@ def worker_compress(
     scale: torch.Tensor,
     *,
     update_error: bool = True,
+    deferred: bool = False,
+    error_out: torch.Tensor | None = None,
+    pending: bool = False,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
 ) -> None:
     """Error-compensated 1-bit compression of ``x`` (the worker side of the exchange).
 
     With ``n = error.numel()`` and ``W = bits.size(0)``: ``y = x + error`` (``x`` is read as
     zero beyond its ``x.numel() <= n`` values), ``scale = ||y||_2 / sqrt(n)``, row ``j`` of
-    ``bits`` receives the packed signs of ``y[j*n/W : (j+1)*n/W]``, and
-    ``error <- y - scale * sign(y)``.
+    ``bits`` receives the packed signs of ``y[j*n/W : (j+1)*n/W]``, and the error becomes
+    ``y - scale * sign(y)``. That update needs the scale, i.e. every value read first, so it
+    takes a second sweep over the buffer, or none:
 
-    With ``update_error=False`` the error is left as it was, and :func:`worker_update_error`
-    (same ``x``, ``error``, ``scale``) applies the update later: the exchange first learns
-    whether every rank's scale is finite, so a skipped step changes nothing. Both ways cost the
-    same memory traffic (the update pass recomputes ``y`` instead of storing it).
+    - default: the second sweep runs in this call, ``error`` in place.
+    - ``update_error=False``: ``error`` is left as it was, and :func:`worker_update_error`
+      (same ``x``, ``error``, ``scale``) applies the update later: the exchange first learns
+      whether every rank's scale is finite, so that a skipped step changes nothing.
+    - ``deferred=True``: one sweep. ``error_out`` (default: ``error``) receives ``y``, and the
+      true error is ``error_out - scale * sign(bits)``: pass ``pending=True`` to the next call
+      with this call's ``bits`` and ``scale`` as ``prev_bits``/``prev_scale`` (defaults:
+      ``bits``/``scale``, still holding them when the same buffers are reused) and it applies
+      the update as it reads ``error``; or apply it with :func:`finish_pending`, as
+      :func:`server_reduce`'s. A separate ``error_out`` (and ``bits``) leaves the inputs as
+      they were (double buffering: a call that may still be dropped).
 
     Args:
         x: float32, contiguous, at most ``n`` values (any shape).
         error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
         bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
         scale: float32 with one element; receives the scale (on the tensors' device).
-        update_error: update ``error`` in place now.
+        update_error: update the error in this call (``False``: leave it to
+            :func:`worker_update_error`).
+        deferred: the one-sweep form above.
+        error_out: (``deferred``) float32, contiguous, ``n`` values; default ``error``.
+        pending: (``deferred``) whether ``error`` still awaits the previous call's deferred
+            update.
+        prev_bits: (``pending``) uint8, the shape and row stride of ``bits``; default ``bits``.
+        prev_scale: (``pending``) float32 with one element; default ``scale``.
+
+    Raises:
+        ValueError: on a wrong dtype, device, size or layout, ``error_out``/``pending``
+            without ``deferred``, or ``deferred`` with ``update_error=False``.
     """
+    if not deferred and (pending or error_out is not None):
+        raise ValueError("error_out and pending are the deferred form's: pass deferred=True")
+    if deferred and not update_error:
+        raise ValueError(
+            "deferred=True updates the error (deferred); update_error=False is the two-call form"
+        )
+    error_out = error if error_out is None else error_out
+    prev_bits = bits if prev_bits is None else prev_bits
+    prev_scale = scale if prev_scale is None else prev_scale
     for name, t, dt in (
         ("x", x, torch.float32),
         ("error", error, torch.float32),
+        ("error_out", error_out, torch.float32),
         ("bits", bits, torch.uint8),
+        ("prev_bits", prev_bits, torch.uint8),
     ):
         check_tensor(name, t, dt)
     check_scale("scale", scale)
-    device = check_device(("x", x), ("error", error), ("bits", bits), ("scale", scale))
-    check_contiguous("x", x)
-    check_contiguous("error", error)
+    check_scale("prev_scale", prev_scale)
+    device = check_device(
+        ("x", x),
+        ("error", error),
+        ("error_out", error_out),
+        ("bits", bits),
+        ("prev_bits", prev_bits),
+        ("scale", scale),
+        ("prev_scale", prev_scale),
+    )
+    for name, t in (("x", x), ("error", error), ("error_out", error_out)):
+        check_contiguous(name, t)
     n, w = error.numel(), bits.size(0) if bits.dim() == 2 else 0
     check_rows("bits", bits)
     if n == 0 or n % (8 * w):
         raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
     check_rows("bits", bits, n // (8 * w))
+    if error_out.numel() != n:
+        raise ValueError(f"error_out must have error's {n} values, got {error_out.numel()}")
+    if prev_bits.shape != bits.shape or (w > 1 and prev_bits.stride(0) != bits.stride(0)):
+        raise ValueError(
+            f"prev_bits must have the shape {tuple(bits.shape)} and row stride of bits, got "
+            f"{tuple(prev_bits.shape)} with stride {tuple(prev_bits.stride())}"
+        )
     if x.numel() > n:
         raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
     if not native.use_native():
-        reference_worker_compress(x, error, bits, scale, update_error=update_error)
+        reference_worker_compress(
+            x,
+            error,
+            bits,
+            scale,
+            update_error=update_error,
+            deferred=deferred,
+            error_out=error_out,
+            pending=pending,
+            prev_bits=prev_bits,
+            prev_scale=prev_scale,
+        )
+        return
+    if deferred:
+        native.worker_compress(x, error, bits, scale, error_out, pending, prev_bits, prev_scale)
         return
     native.worker_compress(x, error, bits, scale)
     if update_error:
@@ -104,7 +169,7 @@ def worker_compress(
 def worker_update_error(
     x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> None:
-    """The deferred half of ``worker_compress(..., update_error=False)``:
+    """The second half of ``worker_compress(..., update_error=False)``:
     ``out <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since).
 
     ``out`` defaults to ``error`` (in place); another buffer of the same size keeps ``error`` as

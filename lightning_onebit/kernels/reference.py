@@ -60,7 +60,9 @@ def _sign_times(positive: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def finish_pending(error: torch.Tensor, out_bits: torch.Tensor, out_scale: torch.Tensor) -> None:
-    """Apply a deferred server error update: ``error <- error - out_scale * sign(out_bits)``."""
+    """Apply a deferred error update (:func:`server_reduce`'s, or ``worker_compress(...,
+    deferred=True)``'s): ``error <- error - out_scale * sign(out_bits)`` (``out_bits``: the
+    call's packed signs, rows in order)."""
     error.sub_(_sign_times(_unpack(out_bits.reshape(-1)), out_scale.reshape(())))
 
 
@@ -71,17 +73,28 @@ def reference_worker_compress(
     scale: torch.Tensor,
     *,
     update_error: bool = True,
+    deferred: bool = False,
+    error_out: torch.Tensor | None = None,
+    pending: bool = False,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
 ) -> None:
     """Pure-torch :func:`worker_compress` (same arguments, same results)."""
-    e = error.view(-1)
+    e = error.reshape(-1).clone()
+    if pending:  # (read before bits and scale, which may be prev_bits and prev_scale, change)
+        finish_pending(
+            e, bits if prev_bits is None else prev_bits, scale if prev_scale is None else prev_scale
+        )
     n, w = e.numel(), bits.size(0)
-    y = e.clone()
+    y = e
     y[: x.numel()] += x.reshape(-1)
     s = _scale_of(y)
     bits.copy_(_pack(y.view(w, n // w)))
     scale.view(-1).copy_(s)
-    if update_error:
-        e.copy_(y - _sign_times(y >= 0, s))
+    if deferred:
+        (error if error_out is None else error_out).view(-1).copy_(y)
+    elif update_error:
+        error.view(-1).copy_(y - _sign_times(y >= 0, s))
 
 
 def reference_worker_update_error(

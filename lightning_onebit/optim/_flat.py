@@ -285,8 +285,10 @@ class FlatState:
                 nodes=overlap.nodes() if overlap is not None else nodes,
                 device_verdict=device_verdict,
             )  # fmt: skip
-        elif ex is None:
-            ex = make_exchange(n, layout.device, group, nodes, device_verdict=device_verdict)
+        elif ex is None:  # (double buffered: its worker compression is one sweep, see comm.flat)
+            ex = make_exchange(
+                n, layout.device, group, nodes, double_buffered=True, device_verdict=device_verdict
+            )
         if overlap is not None:
             overlap.install(layout)
         pending, self.pending_exchange = self.pending_exchange, None

@@ -306,15 +306,20 @@ def _double_buffered_worker(rank: int, world: int) -> dict:
         finite.append(h.finite)
         h.commit()
         same.append(torch.equal(h.wait(), plain(x)))
+    # the double-buffered exchange defers the worker's error update, the plain one does not
+    same.append(torch.equal(double.worker_error, plain.worker_error))
+    same.append(torch.equal(double.server_error, plain.server_error))
     return {"finite": finite, "same": same}
 
 
 def test_double_buffered_commit_and_discard() -> None:
-    """commit=False + commit() is bitwise the plain exchange; discard() (finite or not) leaves the
-    error buffers as they were, so the next calls continue as if the dropped one never happened."""
+    """commit=False + commit() is bitwise the plain exchange, error buffers included (the
+    double-buffered one defers the worker's error update to the next call, the plain one
+    updates it after the verdict); discard() (finite or not) leaves the error buffers as they
+    were, so the next calls continue as if the dropped one never happened."""
     for rank, r in enumerate(run_distributed(_double_buffered_worker, 3)):
         assert r["finite"] == [True, True, True, False, True, True], rank
-        assert all(r["same"]) and len(r["same"]) == 5, (rank, r["same"])
+        assert all(r["same"]) and len(r["same"]) == 7, (rank, r["same"])
     with pytest.raises(ValueError, match="double_buffered=True"):
         CompressedAllreduce(8).start(torch.zeros(8), commit=False)
     ex = CompressedAllreduce(8, double_buffered=True)

@@ -87,6 +87,68 @@ def test_deferred_error_update_matches_the_eager_one(n: int, device: str) -> Non
     torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=1e-6 * float(s))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [5, 1023, 10**6 + 3])
+@pytest.mark.parametrize("w", [1, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_one_sweep_worker_compression_is_the_two_call_form(
+    n: int, w: int, in_place: bool, device: str
+) -> None:
+    """deferred=True over four calls (each applying the previous one's update as it reads,
+    pending) sends the bits and scales of the two-call form bit for bit, and its buffer settles
+    to that form's error bit for bit: in place, or double buffered (the inputs untouched)."""
+    gen = torch.Generator().manual_seed(7 * n + w)
+    n_pad = _padded(n, w)
+    rows = n_pad // (8 * w)
+    e_two = _rand(n_pad, gen, device) * 0.3
+    # the deferred state: (error buffer, bits in strided records, scale), one set or two
+    sets = [
+        (e_two.clone(), torch.zeros(w, rows + 6, dtype=torch.uint8, device=device)[:, 4 : 4 + rows],
+         torch.zeros(1, device=device))
+        for _ in range(1 if in_place else 2)
+    ]  # fmt: skip
+    bits_two, s_two = (
+        torch.zeros(w, rows, dtype=torch.uint8, device=device),
+        torch.zeros(1, device=device),
+    )
+    for call in range(4):
+        x = _rand(n, gen, device) * (1 + call)
+        K.worker_compress(x, e_two, bits_two, s_two)
+        cur, nxt = sets[call % len(sets)], sets[(call + 1) % len(sets)]
+        before = [t.clone() for t in cur]
+        K.worker_compress(x, cur[0], nxt[1], nxt[2], deferred=True, error_out=nxt[0],
+                          pending=call > 0, prev_bits=cur[1], prev_scale=cur[2])  # fmt: skip
+        assert torch.equal(nxt[1], bits_two) and torch.equal(nxt[2], s_two), call
+        if not in_place:
+            assert all(torch.equal(a, b) for a, b in zip(before, cur, strict=True)), call
+        settled = nxt[0].clone()
+        K.finish_pending(settled, nxt[1], nxt[2])
+        assert torch.equal(settled, e_two), call
+        ref = [torch.empty_like(t) for t in before]
+        K.reference_worker_compress(x, before[0], ref[1], ref[2], deferred=True, error_out=ref[0],
+                                    pending=call > 0, prev_bits=before[1], prev_scale=before[2])  # fmt: skip
+        assert torch.equal(ref[1], bits_two)
+        torch.testing.assert_close(ref[2], s_two, rtol=1e-6, atol=0)
+        torch.testing.assert_close(ref[0], nxt[0], rtol=1e-6, atol=1e-6 * float(s_two))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pending": True}, "deferred=True"),
+        ({"error_out": torch.zeros(64)}, "deferred=True"),
+        ({"deferred": True, "update_error": False}, "two-call form"),
+        ({"deferred": True, "error_out": torch.zeros(72)}, "error_out must have"),
+        ({"deferred": True, "pending": True, "prev_bits": torch.zeros(2, 4, dtype=torch.uint8)},
+         "prev_bits must have the shape"),
+    ],
+)  # fmt: skip
+def test_the_deferred_form_refuses_mixed_arguments(kwargs: dict, match: str) -> None:
+    x, e, s = torch.zeros(64), torch.zeros(64), torch.zeros(1)
+    with pytest.raises(ValueError, match=match):
+        K.worker_compress(x, e, torch.zeros(1, 8, dtype=torch.uint8), s, **kwargs)
+
+
 def _double_buffered(fn, bits, scales, cur, pending):
     """One server call (``fn``: the kernel or its reference) from state ``cur`` = (error, bits,
     scale) into fresh buffers; returns them."""
@@ -1146,11 +1208,11 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
     bits, scale = torch.zeros(8, dtype=torch.uint8), torch.zeros(1)
     x, e, b, s = buf.data_ptr(), buf.data_ptr(), bits.data_ptr(), scale.data_ptr()
     with pytest.raises(ValueError, match="worker_compress_cpu: need"):
-        native.module.worker_compress_cpu(x, 0, e, 0, b, 1, 8, s, 1)  # n = 0
+        native.module.worker_compress_cpu(x, 0, e, 0, 0, b, 1, 8, 0, 0.0, False, s, 1)  # n = 0
     with pytest.raises(ValueError, match="worker_compress_cpu: need"):
-        native.module.worker_compress_cpu(x, 65, e, 64, b, 1, 8, s, 1)  # nx > n
+        native.module.worker_compress_cpu(x, 65, e, 0, 64, b, 1, 8, 0, 0.0, False, s, 1)  # nx > n
     with pytest.raises(ValueError, match="worker_compress_cpu: need"):
-        native.module.worker_compress_cpu(x, 24, e, 24, b, 2, 8, s, 1)  # n % (8 * W)
+        native.module.worker_compress_cpu(x, 24, e, e, 24, b, 2, 8, b, 0.0, True, s, 1)  # n % (8W)
     with pytest.raises(ValueError, match="worker_update_error_cpu: need"):
         native.module.worker_update_error_cpu(x, 12, e, e, 12, 1.0, 1)
     with pytest.raises(ValueError, match="server_reduce_cpu: need"):
@@ -1168,7 +1230,7 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
     with pytest.raises(ValueError, match="sync_update_cpu: need"):
         native.module.sync_update_cpu(x, x, 0, x, x, 0, 0, -1, 0, 0, 0, True, 1)  # P < 0
     native.module.worker_compress_cpu(
-        x, 64, e, 64, b, 1, 8, s, 1
+        x, 64, e, 0, 64, b, 1, 8, 0, 0.0, False, s, 1
     )  # (and a valid call goes through)
     assert float(scale) == 0.0
 
@@ -1180,7 +1242,7 @@ def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
         pytest.skip("the CUDA kernels are not built")
     C = native.module
     with pytest.raises(ValueError, match="worker_compress_cuda: need"):
-        C.worker_compress_cuda(0, 0, 0, 0, 0, 0, 1, 8, 0, 0, 0)  # n = 0
+        C.worker_compress_cuda(0, 0, 0, 0, 0, 0, 0, 1, 8, 0, 0, False, 0, 0, 0)  # n = 0
     with pytest.raises(ValueError, match="server_reduce_cuda: need"):
         C.server_reduce_cuda(0, 0, 0, 8, 0, 1, 0, 0, 64, 0, 0, 0, 0, False, 0, 0)  # W = 0
     with pytest.raises(ValueError, match="decompress_cuda: need"):

@@ -92,7 +92,7 @@ def _draw_call(draw: st.DrawFn, valid: dict, defects: list) -> tuple[dict, str |
 
 
 def _clone(args: dict) -> dict:
-    return {k: v.clone() for k, v in args.items()}
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 # --------------------------------------------------------------------------- worker_compress
@@ -118,6 +118,18 @@ def worker_calls(draw: st.DrawFn) -> tuple[dict, str | None]:
             lambda a: a.update({"bits": torch.zeros(w, rows + 1, dtype=torch.uint8)}),
         ),
     ]
+    if draw(st.booleans()):  # the one-sweep form, with or without the previous call's update
+        args.update(deferred=True, error_out=torch.full((n,), float("nan")))
+        defects.append(
+            ("error_out of another size", lambda a: a.update({"error_out": torch.zeros(n + 8)}))
+        )
+        if draw(st.booleans()):
+            bits = args["bits"]  # (prev_bits: the same rows and row stride)
+            prev = torch.empty_strided(bits.shape, bits.stride(), dtype=torch.uint8)
+            prev.random_(0, 256, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+            args.update(
+                pending=True, prev_bits=prev, prev_scale=torch.full((1,), draw(st.floats(0, 2)))
+            )
     return _draw_call(draw, args, defects)
 
 
@@ -133,7 +145,8 @@ def test_worker_compress_is_the_reference_or_refused(call: tuple[dict, str | Non
     K.worker_compress(**args)
     K.reference_worker_compress(**ref)
     assert torch.equal(args["bits"], ref["bits"])
-    torch.testing.assert_close(args["error"], ref["error"], rtol=1e-6, atol=1e-6)
+    written = "error_out" if args.get("deferred") else "error"
+    torch.testing.assert_close(args[written], ref[written], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(args["scale"], ref["scale"], rtol=1e-6, atol=0)
 
 
