@@ -208,14 +208,18 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
     cache = opt.flat.denominator
     if cache is None or cache[2] != eps:
         v = opt.flat.states["exp_avg_sq"]
-        d = torch.empty_like(v)
+        # (a stale cache of the same layout is recomputed in place: no fresh full-size buffer)
+        fresh = cache is None or cache[0].shape != v.shape or cache[0].device != v.device
+        d = torch.empty_like(v) if fresh else cache[0]
+        views = opt.flat.layout.views(d) if fresh else cache[1]
         torch.sqrt(v, out=d)
         r = variance_scales(opt)
-        if r is not None:  # sqrt(r_j) on every coordinate of tensor j, in one sweep
-            d.mul_(torch.repeat_interleave(r.sqrt(), opt.flat.layout.sizes, output_size=d.numel()))
+        if r is not None:  # tensor j times sqrt(r_j): a float32 multiply per value, no host read
+            for dj, sj in zip(views, r.sqrt().unbind(), strict=True):
+                dj.mul_(sj)
         for _, group, s in opt.flat.segments(opt.param_groups):
             d[s].add_(group["eps"])
-        cache = opt.flat.denominator = (d, opt.flat.layout.views(d), eps)
+        cache = opt.flat.denominator = (d, views, eps)
     return cache[0], cache[1]
 
 
@@ -338,8 +342,9 @@ def rescale_reduce_(opt: OneBitOptimizer) -> None:
     avg.mul_(keep).add_(mean, alpha=1.0 - keep)
     if opt.grad_sq_updates == opt.rescale_reference_updates:
         opt.flat.scalars["grad_sq_ref"].copy_(avg / opt.grad_sq_weight)
-    if opt.grad_sq_updates >= opt.rescale_reference_updates:
-        opt.flat.denominator = None  # the next step is preconditioned by v * r
+    cache = opt.flat.denominator
+    if opt.grad_sq_updates >= opt.rescale_reference_updates and cache is not None:
+        opt.flat.denominator = (*cache[:2], None)  # the next step is preconditioned by v * r
 
 
 def decoupled_update_(
