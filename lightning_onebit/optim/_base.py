@@ -324,7 +324,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._prepare()
         self._held.release(self)  # (the switch step's: before the state changes meaning)
         self.phases.switch()
-        self.flat.denominator = None  # (v changed until now)
+        self.flat.stale_denominator()  # (v changed until now)
         freeze_variance_(self)
         self._on_freeze()
 

@@ -114,9 +114,10 @@ class FlatState:
         #: parameters whose gradients are in :attr:`grad` already this step
         #: (:meth:`gather_grads` adds them; emptied when the step, or the overlap's round, ends)
         self.gathered: set[int] = set()
-        #: ``(sqrt(v) + eps, its views, the eps it was made with)`` while ``v`` is frozen;
-        #: ``None``: to be computed afresh (dropped at every rebuild)
-        self.denominator: tuple[torch.Tensor, list[torch.Tensor], list[float]] | None = None
+        #: ``(sqrt(v) + eps, its views, the eps it was made with)`` while ``v`` is frozen (eps
+        #: ``None``: out of date, see :meth:`stale_denominator`); ``None``: to be computed
+        #: afresh (dropped at every rebuild)
+        self.denominator: tuple[torch.Tensor, list[torch.Tensor], list[float] | None] | None = None
         self.exchange: CompressedAllreduce | BucketedAllreduce | None = None
         #: a loaded exchange state the next :meth:`fit_exchange` applies (``"reset"``: zeros)
         self.pending_exchange: dict[str, Any] | str | None = None
@@ -205,6 +206,12 @@ class FlatState:
             views[name] = layout.views(buf)
         self.views = views
         self.denominator = None
+
+    def stale_denominator(self) -> None:
+        """Mark :attr:`denominator` out of date (the variance, or its scales, changed): the next
+        use recomputes it, into the same buffer while the layout holds."""
+        if self.denominator is not None:
+            self.denominator = (*self.denominator[:2], None)
 
     def intact(self, param_groups: list[Group], state: dict[Any, dict[str, Any]]) -> bool:
         """Whether the built layout still holds: the same trainable parameters on its device,

@@ -208,7 +208,7 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
     cache = opt.flat.denominator
     if cache is None or cache[2] != eps:
         v = opt.flat.states["exp_avg_sq"]
-        # (a stale cache of the same layout is recomputed in place: no fresh full-size buffer)
+        # (a stale cache of the same layout, FlatState.stale_denominator, is recomputed in place)
         fresh = cache is None or cache[0].shape != v.shape or cache[0].device != v.device
         d = torch.empty_like(v) if fresh else cache[0]
         views = opt.flat.layout.views(d) if fresh else cache[1]
@@ -342,9 +342,8 @@ def rescale_reduce_(opt: OneBitOptimizer) -> None:
     avg.mul_(keep).add_(mean, alpha=1.0 - keep)
     if opt.grad_sq_updates == opt.rescale_reference_updates:
         opt.flat.scalars["grad_sq_ref"].copy_(avg / opt.grad_sq_weight)
-    cache = opt.flat.denominator
-    if opt.grad_sq_updates >= opt.rescale_reference_updates and cache is not None:
-        opt.flat.denominator = (*cache[:2], None)  # the next step is preconditioned by v * r
+    if opt.grad_sq_updates >= opt.rescale_reference_updates:
+        opt.flat.stale_denominator()  # the next step is preconditioned by v * r
 
 
 def decoupled_update_(

@@ -551,7 +551,7 @@ class ZeroOneAdam(OneBitOptimizer):
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
                 floor_variance_(self, ok=ok)
-                self.flat.denominator = None
+                self.flat.stale_denominator()
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
