@@ -82,6 +82,8 @@ def main() -> None:
     # the exchange's one-pass form: y into a second buffer, the previous call's update pending
     y, pbits = torch.empty(n, device=dev), bits.clone().random_(0, 256)
     pscale = torch.full((1,), 0.01, device=dev)
+    deferred = {"deferred": True, "error_out": y, "pending": True}
+    deferred.update(prev_bits=pbits, prev_scale=pscale)
     dst = torch.empty(n, device=dev)
     copy_s = _median_seconds(lambda: dst.copy_(x), args.repeat, dev)
     copy_bw = 8 * n / copy_s  # bytes moved per second (read + write)
@@ -118,28 +120,8 @@ def main() -> None:
         ),
         (
             "worker_deferred",
-            lambda: K.worker_compress(
-                x,
-                e,
-                bits,
-                scale,
-                deferred=True,
-                error_out=y,
-                pending=True,
-                prev_bits=pbits,
-                prev_scale=pscale,
-            ),
-            lambda: K.reference_worker_compress(
-                x,
-                e,
-                bits,
-                scale,
-                deferred=True,
-                error_out=y,
-                pending=True,
-                prev_bits=pbits,
-                prev_scale=pscale,
-            ),
+            lambda: K.worker_compress(x, e, bits, scale, **deferred),
+            lambda: K.reference_worker_compress(x, e, bits, scale, **deferred),
             8 * n + n // 8,
             12 * n + n // 4,
         ),
