@@ -208,10 +208,11 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
     cache = opt.flat.denominator
     if cache is None or cache[2] != eps:
         v = opt.flat.states["exp_avg_sq"]
-        # (a stale cache of the same layout, FlatState.stale_denominator, is recomputed in place)
-        fresh = cache is None or cache[0].shape != v.shape or cache[0].device != v.device
-        d = torch.empty_like(v) if fresh else cache[0]
-        views = opt.flat.layout.views(d) if fresh else cache[1]
+        if cache is None:  # (dropped at every rebuild of the layout)
+            d = torch.empty_like(v)
+            views = opt.flat.layout.views(d)
+        else:  # out of date (FlatState.stale_denominator, another eps): recomputed in place
+            d, views = cache[0], cache[1]
         torch.sqrt(v, out=d)
         r = variance_scales(opt)
         if r is not None:  # tensor j times sqrt(r_j): a float32 multiply per value, no host read
