@@ -456,6 +456,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f" · 1-bit exchange overlapped with backward: {overlap}"
         + (" · denormals flushed" if meta.get("flush_denormal") else "")
         + (
+            f" · LR: linear warmup {meta['lr_warmup']} steps, cosine to 0.1x"
+            if meta.get("lr_schedule") == "cosine"
+            else ""
+        )
+        + (
             f" · 1-bit methods' warmup average in {meta['average_dtype']}"
             if meta.get("average_dtype", "float32") != "float32"
             else ""
@@ -608,6 +613,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lr-lamb", type=float, default=1e-2, help="1-bit LAMB's lr (LAMB takes larger ones)"
     )
     p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="cosine: linear warmup over --lr-warmup steps, then a half cosine to 0.1 x lr at "
+        "the last step (every method, through its optimizer's LR scheduler)",
+    )
+    p.add_argument(
+        "--lr-warmup",
+        type=int,
+        default=None,
+        help="the cosine schedule's linear warmup steps (default 5%% of --steps)",
+    )
+    p.add_argument(
         "--betas",
         default="0.9,0.999",
         help="Adam betas for every method (examples/gpt.py uses 0.9,0.95 for short runs)",
@@ -695,6 +713,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--betas takes two numbers, e.g. 0.9,0.999")
     if args.warmup is None:
         args.warmup = min(max(16, round(0.2 * args.steps)), args.steps - 2)
+    if args.lr_warmup is None:
+        args.lr_warmup = round(0.05 * args.steps) if args.lr_schedule == "cosine" else 0
+    if not 0 <= args.lr_warmup < args.steps:
+        p.error("need 0 <= --lr-warmup < --steps")
     if not 2 <= args.warmup < args.steps:
         p.error("need 2 <= --warmup < --steps (each phase needs a timed step)")
     if args.ranks_per_node < 1 or any(w % args.ranks_per_node for w in args.world_sizes):
@@ -743,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "lr": args.lr,
         "lr_lamb": args.lr_lamb,
+        "lr_schedule": args.lr_schedule,
+        "lr_warmup": args.lr_warmup,
         "betas": args.betas,
         "ranks_per_node": args.ranks_per_node,
         "seed": args.seed,
@@ -773,6 +797,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "val_windows": args.val_windows,
                                 "lr": args.lr,
                                 "lr_lamb": args.lr_lamb,
+                                "lr_schedule": args.lr_schedule,
+                                "lr_warmup": args.lr_warmup,
                                 "betas": args.betas,
                                 "threads": args.threads,
                                 "timeout": max(60, args.timeout / 2),

@@ -318,6 +318,31 @@ def _tx_bytes(ifname: str | None) -> int:
         return 0
 
 
+def _lr_factor(cfg: dict[str, Any]) -> Any:
+    """The LR multiplier per scheduler step of ``cfg["lr_schedule"]``, or None (constant).
+
+    ``cosine``: linear from 1/(``lr_warmup`` + 1) to 1 over the first ``lr_warmup`` steps,
+    then a half cosine down to 0.1 at the last step, as GPT recipes train.
+    """
+    if cfg.get("lr_schedule", "constant") == "constant":
+        return None
+    steps, warm = cfg["steps"], cfg.get("lr_warmup", 0)
+
+    def factor(k: int) -> float:  # k: optimizer steps taken so far
+        if k < warm:
+            return (k + 1) / (warm + 1)
+        done = min(1.0, (k - warm) / max(1, steps - 1 - warm))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
+
+    return factor
+
+
+def _scheduler(opt: torch.optim.Optimizer, cfg: dict[str, Any]) -> Any:
+    """A ``LambdaLR`` on ``opt`` following :func:`_lr_factor`, or None for a constant LR."""
+    factor = _lr_factor(cfg)
+    return None if factor is None else torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
 @torch.no_grad()
 def _evaluate(model: nn.Module, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     was = model.training
@@ -439,6 +464,7 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
         rec = _fit_fabric(cfg, model, batches, rank, world, val, ifname)
     else:
         module, opt, ddp_bytes = _build_method(method, model, cfg, world)
+        sched = _scheduler(opt, cfg)
         rec = _Recorder(cfg, rank, model, val, ifname, ddp_bytes)
         rec.evaluate(0)
         for step, (x, y) in enumerate(batches, start=1):
@@ -448,6 +474,8 @@ def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> di
             loss.backward()
             rec.backward_done()
             opt.step()
+            if sched is not None:
+                sched.step()
             rec.end(step, opt, loss)
     return {
         "rank": rank,
@@ -502,8 +530,12 @@ def _fit_lightning(
         def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
             return self.net(*batch)
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=lr, betas=betas)
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(self.parameters(), lr=lr, betas=betas)
+            sched = _scheduler(opt, cfg)
+            if sched is None:
+                return opt
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     class Timer(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -596,7 +628,9 @@ def _fit_fabric(
     os.environ.update(LOCAL_RANK=str(rank % ll), NODE_RANK=str(rank // ll))
     fabric = L.Fabric(accelerator="cpu", devices=ll, num_nodes=world // ll, strategy=strategy)
     fabric.launch()
-    module, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=lr, betas=betas))
+    adam = torch.optim.Adam(model.parameters(), lr=lr, betas=betas)
+    sched = _scheduler(adam, cfg)  # built before setup, as users do: the strategy re-points it
+    module, opt = fabric.setup(model, adam)
     # (the optimizer the strategy trains with, for its counters and phase)
     inner = getattr(fabric.strategy, "onebit_optimizer", opt.optimizer)
     rec.evaluate(0)
@@ -607,6 +641,8 @@ def _fit_fabric(
         fabric.backward(loss)
         rec.backward_done()
         opt.step()
+        if sched is not None:
+            sched.step()
         rec.end(step, inner, loss)
     return rec
 
