@@ -1,14 +1,18 @@
 """Smoke test of the emulated-cluster benchmark (benchmarks/cluster.py): W = 2 network
 namespaces on a 100 Mbit/s link, a tiny model, a few steps of DDP + Adam and 1-bit Adam, the
 latter in the plain loop, through ``L.Trainer(strategy=OneBitStrategy(...))`` and through
-``L.Fabric(strategy=OneBitFabricStrategy(...))``.
+``L.Fabric(strategy=OneBitFabricStrategy(...))``, all under the cosine LR schedule (the LR
+scheduler the strategies re-point at the optimizer they build).
 
 Needs root and iproute2 (``ip netns add``); skipped with the reason elsewhere.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +20,26 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cluster import SCRIPT, skip_reason
+
+
+def test_the_cosine_schedule_warms_up_linearly_then_decays_to_a_tenth() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "_bench_worker", SCRIPT.with_name("cluster_worker.py")
+    )
+    assert spec and spec.loader
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    assert worker._lr_factor({"steps": 100}) is None  # constant: no scheduler at all
+    f = worker._lr_factor({"steps": 100, "lr_schedule": "cosine", "lr_warmup": 4})
+    # the k-th optimizer step (k = 0, 1, ...) runs at lr * f(k)
+    assert [f(k) for k in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert f(4) == pytest.approx(1.0)
+    assert f(99) == pytest.approx(0.1)  # the last step
+    mid = 4 + (99 - 4) / 2
+    assert f(int(mid)) == pytest.approx(0.55, abs=0.02)
+    falling = [f(k) for k in range(4, 100)]
+    assert all(a >= b for a, b in itertools.pairwise(falling))
+    assert math.isclose(min(falling), 0.1)
 
 
 @pytest.mark.slow
@@ -28,6 +52,7 @@ def test_cluster_smoke(tmp_path: Path) -> None:
         "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
         "--workloads", "finetune", "--methods", "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam",
         "--steps", "8", "--warmup", "4", "--eval-every", "4", "--val-windows", "8",
+        "--lr-schedule", "cosine", "--lr-warmup", "2",
         "--out-dir", str(tmp_path), "--name", "smoke", "--timeout", "120",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
