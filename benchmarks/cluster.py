@@ -44,6 +44,7 @@ Outputs ``benchmarks/results/<name>.{json,md,png}``; the last stdout line is the
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import contextlib
 import json
@@ -437,6 +438,21 @@ def add_targets(rows: list[dict[str, Any]], target: float | None, slack: float) 
 # --------------------------------------------------------------------------- reporting
 
 
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--strategy-option``: the key and the value as a Python literal."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise ValueError(
+            f"--strategy-option {text!r}: expected KEY=VALUE, e.g. rescale_variance=False"
+        )
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise ValueError(
+            f"--strategy-option {text!r}: the value must be a Python literal (False, 0.1, 'bf16')"
+        ) from None
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -455,6 +471,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['steps']} steps, warmup {meta['warmup']} · {meta['threads']} torch thread(s)/rank"
         f" · 1-bit exchange overlapped with backward: {overlap}"
         + (" · denormals flushed" if meta.get("flush_denormal") else "")
+        + "".join(f" · {k}={v!r}" for k, v in meta.get("strategy_options", {}).items())
         + (
             f" · LR: linear warmup {meta['lr_warmup']} steps, cosine to 0.1x"
             if meta.get("lr_schedule") == "cosine"
@@ -661,6 +678,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="1-bit methods: dtype of the warmup's gradient average (optimizer average_dtype)",
     )
     p.add_argument(
+        "--strategy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="1-bit methods: one more OneBitStrategy option (a Python literal, e.g. "
+        "rescale_variance=False), in every front end; repeatable",
+    )
+    p.add_argument(
         "--var-freeze-step",
         type=int,
         default=None,
@@ -713,6 +738,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--betas takes two numbers, e.g. 0.9,0.999")
     if args.warmup is None:
         args.warmup = min(max(16, round(0.2 * args.steps)), args.steps - 2)
+    try:
+        args.strategy_option = dict(_option(o) for o in args.strategy_option)
+    except ValueError as err:
+        p.error(str(err))
     if args.lr_warmup is None:
         args.lr_warmup = round(0.05 * args.steps) if args.lr_schedule == "cosine" else 0
     if not 0 <= args.lr_warmup < args.steps:
@@ -757,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_source": args.model_source,
         "overlap_mb": args.overlap_mb,
         "average_dtype": args.average_dtype,
+        "strategy_options": args.strategy_option,
         "var_freeze_step": args.var_freeze_step,
         "var_update_scaler": args.var_update_scaler,
         "flush_denormal": args.flush_denormal,
@@ -804,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "timeout": max(60, args.timeout / 2),
                                 "overlap_mb": args.overlap_mb,
                                 "average_dtype": args.average_dtype,
+                                "strategy_options": args.strategy_option,
                                 "var_freeze_step": args.var_freeze_step,
                                 "var_update_scaler": args.var_update_scaler,
                                 "flush_denormal": args.flush_denormal,

@@ -589,6 +589,7 @@ def _strategy_options(cfg: dict[str, Any], algorithm: str) -> dict[str, Any]:
         "overlap_bucket_mb": cfg.get("overlap_mb") or None,
         "average_dtype": cfg.get("average_dtype", "float32"),
         "timeout": timedelta(seconds=cfg.get("timeout", 600)),
+        **cfg.get("strategy_options", {}),
     }
 
 
