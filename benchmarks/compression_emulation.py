@@ -1,0 +1,176 @@
+"""1-bit Adam's loss with other compression scales, emulated in one process.
+
+The end-to-end benchmark's model and data (``benchmarks/cluster.py --model small --workloads
+finetune``: W ranks x batch 4, the same seeds, batches and validation windows) trained by W
+virtual ranks in one process: Adam on the averaged gradient for the warmup, then 1-bit Adam's
+compression phase written out in torch (the preconditioned exchange of
+``lightning_onebit.optim.OneBitAdam`` with ``variance_floor=0, rescale_variance=False``):
+
+    u_r = beta1 * m + (1 - beta1) * g_r            (each rank's local gradient g_r)
+    y_r = u_r / d + e_r;  c_r = C(y_r);  e_r = y_r - c_r     (worker compression, its error)
+    z = mean_r c_r + e_s;  x = C(z);  e_s = z - x  (server compression, its error)
+    m = x * d;  p -= lr * x                         (d = sqrt(v / (1 - beta2**t0)) + eps)
+
+``C(y) = s_k * sign(y)`` with ``s_k = ||y_k|| / sqrt(n_k)`` on each segment ``k``: ``--scale
+chunk`` cuts the flat vector into the W chunks the exchange sends (the library's records);
+``tensor`` also at every parameter's boundary; ``block:N`` also every N values. The loss it
+reaches says what a finer scale would buy before any kernel is written.
+
+    python benchmarks/compression_emulation.py --scale tensor --seed 0 --json out.json
+
+One rank's forward/backward after another, 1 thread: ~1.1 s per step of the ``small`` model on
+the development VM (300 steps in ~6 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_WORKER = Path(__file__).resolve().with_name("cluster_worker.py")
+
+
+def _worker() -> Any:
+    spec = importlib.util.spec_from_file_location("_bench_cluster_worker", _WORKER)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def segments(sizes: list[int], world: int, scale: str) -> torch.Tensor:
+    """The segment index of each of the ``sum(sizes)`` flat values (see the module docstring)."""
+    n = sum(sizes)
+    chunk = -(-n // world)
+    cuts = set(range(0, n, chunk)) | {n}
+    if scale == "tensor":
+        offset = 0
+        for size in sizes:
+            cuts.add(offset)
+            offset += size
+    elif scale.startswith("block:"):
+        cuts |= set(range(0, n, int(scale.split(":", 1)[1])))
+    elif scale != "chunk":
+        raise ValueError(f"--scale {scale!r}: chunk, tensor or block:N")
+    ordered = sorted(cuts)
+    seg = torch.empty(n, dtype=torch.long)
+    for k, (a, b) in enumerate(itertools.pairwise(ordered)):
+        seg[a:b] = k
+    return seg
+
+
+def compress(y: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``s_k * sign(y)`` per segment, ``s_k = ||y_k|| / sqrt(n_k)`` (sign(0) = +1)."""
+    sq = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, seg, y.double().square())
+    s = (sq.sqrt() / lengths.sqrt()).float()
+    return torch.where(y >= 0, 1.0, -1.0) * s[seg]
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the emulation; return the validation losses (every ``--eval-every`` steps)."""
+    w = _worker()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    model_cfg = {"n_layer": 4, "n_embd": 256, "n_head": 4, "block": 128}
+    cfg = {
+        "model": model_cfg,
+        "seed": args.seed,
+        "steps": args.steps,
+        "lr_schedule": args.lr_schedule,
+        "lr_warmup": round(0.05 * args.steps) if args.lr_schedule == "cosine" else 0,
+    }
+    model, train_tok, val_tok = w.build(cfg)
+    block = model_cfg["block"]
+    # the cluster benchmark's validation windows and per-rank batches (cluster_worker._train)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + 1)
+    val_off = torch.randint(0, len(val_tok) - block - 1, (32,), generator=gen)
+    val = [w._batch(val_tok, val_off[i : i + 8], block) for i in range(0, 32, 8)]
+    offsets = []
+    for r in range(args.world):
+        gen.manual_seed(args.seed * 1000 + 17 + r)
+        offsets.append(
+            torch.randint(0, len(train_tok) - block - 1, (args.steps, args.batch), generator=gen)
+        )
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    n = sum(sizes)
+    opt = torch.optim.Adam(params, lr=args.lr)
+    factor = w._lr_factor(cfg)
+    sched = None if factor is None else torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    seg = segments(sizes, args.world, args.scale)
+    lengths = torch.bincount(seg).double()
+    worker_err = [torch.zeros(n) for _ in range(args.world)]
+    server_err = torch.zeros(n)
+    d: torch.Tensor | None = None
+    evals = [{"step": 0, "val_loss": w._evaluate(model, val)}]
+    t0 = time.monotonic()
+    for k in range(1, args.steps + 1):
+        grads = []
+        for r in range(args.world):
+            x, y = w._batch(train_tok, offsets[r][k - 1], block)
+            opt.zero_grad(set_to_none=True)
+            model(x, y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        with torch.no_grad():
+            if k <= args.warmup:  # Adam on the average: DDP's step
+                for p, g in zip(params, (sum(grads) / args.world).split(sizes), strict=True):
+                    p.grad = g.view_as(p).clone()
+                opt.step()
+            else:
+                if d is None:  # the variance freezes, bias-corrected
+                    t_freeze = float(opt.state[params[0]]["step"])
+                    v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
+                    d = v.div(1 - 0.999**t_freeze).sqrt_().add_(1e-8)
+                m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
+                acc = torch.zeros(n)
+                for r in range(args.world):
+                    y = (0.9 * m + 0.1 * grads[r]) / d + worker_err[r]
+                    c = compress(y, seg, lengths)
+                    worker_err[r] = y - c
+                    acc += c
+                z = acc / args.world + server_err
+                x = compress(z, seg, lengths)
+                server_err = z - x
+                lr = opt.param_groups[0]["lr"]
+                for p, xv, dv in zip(params, x.split(sizes), d.split(sizes), strict=True):
+                    opt.state[p]["exp_avg"].copy_((xv * dv).view_as(p))
+                    p.add_(xv.view_as(p), alpha=-lr)
+        if sched is not None:
+            sched.step()
+        if k % args.eval_every == 0 or k == args.steps:
+            evals.append({"step": k, "val_loss": w._evaluate(model, val)})
+            print(
+                f"{args.scale} seed {args.seed} step {k}: {evals[-1]['val_loss']:.4f} "
+                f"({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
+    return {"args": vars(args), "segments": len(lengths), "evals": evals}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", default="chunk", help="chunk, tensor or block:N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="per virtual rank")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--json", default=None, help="write the losses here")
+    args = p.parse_args()
+    result = train(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
