@@ -438,8 +438,9 @@ def add_targets(rows: list[dict[str, Any]], target: float | None, slack: float) 
 # --------------------------------------------------------------------------- reporting
 
 
-def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` of ``--strategy-option``: the key and the value as a Python literal."""
+def parse_strategy_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--strategy-option`` (here and in ``user_models.py``): the key and the
+    value as a Python literal."""
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
         raise ValueError(
@@ -739,7 +740,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup is None:
         args.warmup = min(max(16, round(0.2 * args.steps)), args.steps - 2)
     try:
-        args.strategy_option = dict(_option(o) for o in args.strategy_option)
+        args.strategy_option = dict(parse_strategy_option(o) for o in args.strategy_option)
     except ValueError as err:
         p.error(str(err))
     if args.lr_warmup is None:

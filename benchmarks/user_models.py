@@ -4,6 +4,7 @@
     python benchmarks/user_models.py --models conv_bn gpt2 --algos onebit_adam --steps 100
     python benchmarks/user_models.py --json /tmp/zoo.json             # also write the results
     python benchmarks/user_models.py --seeds 0 1 2                    # + every seed's ratios
+    python benchmarks/user_models.py --strategy-option rescale_variance=False  # another option
 
 Every model of ``tests/helpers/user_models.py`` (plain LightningModules whose ``configure_optimizers``
 returns ``torch.optim.Adam``/``AdamW``: a conv net with BatchNorm, an MLP with dead ReLUs,
@@ -51,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `tests.helpers`
 
 from lightning_onebit import OneBitStrategy  # noqa: E402
+from tests.helpers.cluster import cluster_module  # noqa: E402
 from tests.helpers.user_models import MODELS, compare, fit_user_model, ranks_in_sync  # noqa: E402
 
 ALGOS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
@@ -71,15 +73,18 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*litlogger.*")
 
 
-def _strategies(algos: list[str], lamb_lr: float | None = None) -> dict[str, Any]:
+def _strategies(
+    algos: list[str], lamb_lr: float | None = None, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     runs: dict[str, Any] = {"ddp": lambda: "ddp_notebook"}
     lamb = {"lamb_lr": lamb_lr}
+    extra = options or {}
     for a in algos:
-        kw = lamb if a == "onebit_lamb" else {}
+        kw = {**(lamb if a == "onebit_lamb" else {}), **extra}
         runs[a] = lambda a=a, kw=kw: OneBitStrategy(algorithm=a, start_method="fork", **kw)
     if "onebit_lamb" in algos:
         runs[LAMB_BASELINE] = lambda: OneBitStrategy(
-            algorithm="onebit_lamb", freeze_step=10**9, start_method="fork", **lamb
+            algorithm="onebit_lamb", start_method="fork", **{**lamb, **extra, "freeze_step": 10**9}
         )
     return runs
 
@@ -125,10 +130,11 @@ def run_model(
     tmp: Path,
     lamb_lr: float | None = None,
     seed: int = 0,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": name, "seed": seed, "runs": {}}
+    out: dict[str, Any] = {"model": name, "seed": seed, "options": options or {}, "runs": {}}
     records: dict[str, list[dict]] = {}
-    for run, make in _strategies(algos, lamb_lr).items():
+    for run, make in _strategies(algos, lamb_lr, options).items():
         t0 = time.perf_counter()
         entry: dict[str, Any] = {}
         try:
@@ -278,9 +284,22 @@ def main() -> None:
         help="model seeds (initial weights; the data order stays); several add a table of "
         "every seed's ratios",
     )
+    p.add_argument(
+        "--strategy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more OneBitStrategy option for every 1-bit run (a Python literal, e.g. "
+        "rescale_variance=False); repeatable",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--verbose", action="store_true", help="keep Lightning's logs and warnings")
     args = p.parse_args()
+    try:
+        parse = cluster_module().parse_strategy_option
+        options = dict(parse(o) for o in args.strategy_option)
+    except ValueError as err:
+        p.error(str(err))
     if not args.verbose:
         _quiet()
     results = []
@@ -289,7 +308,7 @@ def main() -> None:
         for seed in args.seeds:
             for name in args.models:
                 results.append(
-                    run_model(name, args.algos, args.steps, Path(tmp), args.lamb_lr, seed)
+                    run_model(name, args.algos, args.steps, Path(tmp), args.lamb_lr, seed, options)
                 )
     _log(f"total {time.perf_counter() - t0:.0f} s")
     for seed in args.seeds:
