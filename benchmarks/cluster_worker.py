@@ -318,7 +318,7 @@ def _tx_bytes(ifname: str | None) -> int:
         return 0
 
 
-def _lr_factor(cfg: dict[str, Any]) -> Any:
+def lr_factor(cfg: dict[str, Any]) -> Any:
     """The LR multiplier per scheduler step of ``cfg["lr_schedule"]``, or None (constant).
 
     ``cosine``: linear from 1/(``lr_warmup`` + 1) to 1 over the first ``lr_warmup`` steps,
@@ -338,13 +338,13 @@ def _lr_factor(cfg: dict[str, Any]) -> Any:
 
 
 def _scheduler(opt: torch.optim.Optimizer, cfg: dict[str, Any]) -> Any:
-    """A ``LambdaLR`` on ``opt`` following :func:`_lr_factor`, or None for a constant LR."""
-    factor = _lr_factor(cfg)
+    """A ``LambdaLR`` on ``opt`` following :func:`lr_factor`, or None for a constant LR."""
+    factor = lr_factor(cfg)
     return None if factor is None else torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 @torch.no_grad()
-def _evaluate(model: nn.Module, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: nn.Module, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     was = model.training
     model.eval()
     loss = sum(float(model(x, y)) for x, y in val) / len(val)
@@ -390,7 +390,7 @@ class _Recorder:
     def evaluate(self, step: int) -> None:
         # the model is identical on all ranks except for nocomm and 0/1 Adam's local steps
         if self.rank == 0 and self.cfg["method"] != "nocomm":
-            self.evals.append({"step": step, "val_loss": _evaluate(self.model, self.val)})
+            self.evals.append({"step": step, "val_loss": evaluate(self.model, self.val)})
         dist.barrier()
 
     #: ranks sharing this namespace (one "node"): its interface counts all of them
@@ -443,20 +443,32 @@ class _Recorder:
             self.evaluate(step)
 
 
-def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> dict[str, Any]:
-    method, steps = cfg["method"], cfg["steps"]
-    block, batch = cfg["model"]["block"], cfg["batch"]
-    model, train_tok, val_tok = build(cfg)
-    numel = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(cfg.get("seed", 0) * 1000 + 1)
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def data(
+    cfg: dict[str, Any], train_tok: torch.Tensor, val_tok: torch.Tensor, rank: int
+) -> tuple[Batches, Batches]:
+    """The validation batches (the same on every rank) and rank ``rank``'s ``cfg["steps"]``
+    training batches of ``cfg["batch"]`` windows, all drawn from ``cfg["seed"]``."""
+    block, seed = cfg["model"]["block"], cfg.get("seed", 0)
+    gen = torch.Generator().manual_seed(seed * 1000 + 1)
     vb = cfg.get("val_batch", 8)
     val_off = torch.randint(
         0, len(val_tok) - block - 1, (cfg.get("val_windows", 32),), generator=gen
     )
     val = [_batch(val_tok, val_off[i : i + vb], block) for i in range(0, len(val_off), vb)]
-    gen.manual_seed(cfg.get("seed", 0) * 1000 + 17 + rank)  # each rank its own data stream
-    train_off = torch.randint(0, len(train_tok) - block - 1, (steps, batch), generator=gen)
-    batches = [_batch(train_tok, train_off[k], block) for k in range(steps)]
+    gen.manual_seed(seed * 1000 + 17 + rank)  # each rank its own data stream
+    steps = cfg["steps"]
+    train_off = torch.randint(0, len(train_tok) - block - 1, (steps, cfg["batch"]), generator=gen)
+    return val, [_batch(train_tok, train_off[k], block) for k in range(steps)]
+
+
+def _train(cfg: dict[str, Any], rank: int, world: int, ifname: str | None) -> dict[str, Any]:
+    method = cfg["method"]
+    model, train_tok, val_tok = build(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    val, batches = data(cfg, train_tok, val_tok, rank)
 
     if method.startswith(LIGHTNING_PREFIX):
         rec = _fit_lightning(cfg, model, batches, rank, world, val, ifname)

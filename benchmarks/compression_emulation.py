@@ -25,24 +25,17 @@ the development VM (300 steps in ~6 minutes).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_WORKER = Path(__file__).resolve().with_name("cluster_worker.py")
-
-
-def _worker() -> Any:
-    spec = importlib.util.spec_from_file_location("_bench_cluster_worker", _WORKER)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the cluster benchmark's worker
+import cluster_worker as w
 
 
 def segments(sizes: list[int], world: int, scale: str) -> torch.Tensor:
@@ -75,7 +68,6 @@ def compress(y: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor) -> torch
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the emulation; return the validation losses (every ``--eval-every`` steps)."""
-    w = _worker()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     model_cfg = {"n_layer": 4, "n_embd": 256, "n_head": 4, "block": 128}
@@ -87,34 +79,26 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "lr_warmup": round(0.05 * args.steps) if args.lr_schedule == "cosine" else 0,
     }
     model, train_tok, val_tok = w.build(cfg)
-    block = model_cfg["block"]
-    # the cluster benchmark's validation windows and per-rank batches (cluster_worker._train)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + 1)
-    val_off = torch.randint(0, len(val_tok) - block - 1, (32,), generator=gen)
-    val = [w._batch(val_tok, val_off[i : i + 8], block) for i in range(0, 32, 8)]
-    offsets = []
-    for r in range(args.world):
-        gen.manual_seed(args.seed * 1000 + 17 + r)
-        offsets.append(
-            torch.randint(0, len(train_tok) - block - 1, (args.steps, args.batch), generator=gen)
-        )
+    # the cluster benchmark's validation windows and every rank's batches
+    ranks = [w.data({**cfg, "batch": args.batch}, train_tok, val_tok, r) for r in range(args.world)]
+    val = ranks[0][0]
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
     n = sum(sizes)
     opt = torch.optim.Adam(params, lr=args.lr)
-    factor = w._lr_factor(cfg)
+    factor = w.lr_factor(cfg)
     sched = None if factor is None else torch.optim.lr_scheduler.LambdaLR(opt, factor)
     seg = segments(sizes, args.world, args.scale)
     lengths = torch.bincount(seg).double()
     worker_err = [torch.zeros(n) for _ in range(args.world)]
     server_err = torch.zeros(n)
     d: torch.Tensor | None = None
-    evals = [{"step": 0, "val_loss": w._evaluate(model, val)}]
+    evals = [{"step": 0, "val_loss": w.evaluate(model, val)}]
     t0 = time.monotonic()
     for k in range(1, args.steps + 1):
         grads = []
         for r in range(args.world):
-            x, y = w._batch(train_tok, offsets[r][k - 1], block)
+            x, y = ranks[r][1][k - 1]
             opt.zero_grad(set_to_none=True)
             model(x, y).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
@@ -145,7 +129,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if sched is not None:
             sched.step()
         if k % args.eval_every == 0 or k == args.steps:
-            evals.append({"step": k, "val_loss": w._evaluate(model, val)})
+            evals.append({"step": k, "val_loss": w.evaluate(model, val)})
             print(
                 f"{args.scale} seed {args.seed} step {k}: {evals[-1]['val_loss']:.4f} "
                 f"({time.monotonic() - t0:.0f} s)",

@@ -29,8 +29,8 @@ def test_the_cosine_schedule_warms_up_linearly_then_decays_to_a_tenth() -> None:
     assert spec and spec.loader
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    assert worker._lr_factor({"steps": 100}) is None  # constant: no scheduler at all
-    f = worker._lr_factor({"steps": 100, "lr_schedule": "cosine", "lr_warmup": 4})
+    assert worker.lr_factor({"steps": 100}) is None  # constant: no scheduler at all
+    f = worker.lr_factor({"steps": 100, "lr_schedule": "cosine", "lr_warmup": 4})
     # the k-th optimizer step (k = 0, 1, ...) runs at lr * f(k)
     assert [f(k) for k in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
     assert f(4) == pytest.approx(1.0)
