@@ -14,7 +14,9 @@ compression phase written out in torch (the preconditioned exchange of
 ``C(y) = s_k * sign(y)`` with ``s_k = ||y_k|| / sqrt(n_k)`` on each segment ``k``: ``--scale
 chunk`` cuts the flat vector into the W chunks the exchange sends (the library's records);
 ``tensor`` also at every parameter's boundary; ``block:N`` also every N values. The loss it
-reaches says what a finer scale would buy before any kernel is written.
+reaches says what a finer scale would buy before any kernel is written. ``--rescale`` sizes
+the frozen variance per tensor (:class:`Rescale`): ``fast`` is ``rescale_variance``,
+``adam`` a candidate that follows Adam's own average.
 
     python benchmarks/compression_emulation.py --scale tensor --seed 0 --json out.json
 
@@ -66,6 +68,75 @@ def compress(y: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor) -> torch
     return torch.where(y >= 0, 1.0, -1.0) * s[seg]
 
 
+class Rescale:
+    """``--rescale``: the per-tensor factor ``r_j`` that multiplies the frozen variance.
+
+    ``fast`` is ``rescale_variance`` as the library runs it: ``G_j``, a running mean (0.9 per
+    step, bias-corrected) of the ranks' mean square of tensor ``j``'s local gradients, ``G_ref``
+    its value after the first 10 frozen steps, ``r = max(1, G / G_ref)`` every 10th step.
+    ``adam`` continues what Adam's variance would do, per tensor: ``A_j``, a ``beta2`` average
+    of the mean square, fed the averaged gradients through the warmup and the local ones,
+    divided by ``c_j`` = (their mean square over the first 10 frozen steps) / (the averaged
+    gradients' over the last 10 warmup steps), after it; ``r = A(t) / A(switch)``, both
+    bias-corrected, every 10th step. ``off``: ``r = 1``.
+    """
+
+    def __init__(self, kind: str, sizes: list[int], beta2: float = 0.999) -> None:
+        if kind not in ("off", "fast", "adam"):
+            raise ValueError(f"--rescale {kind!r}: off, fast or adam")
+        self.kind, self.beta2 = kind, beta2
+        self.tensor = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        self.numel = torch.tensor(sizes, dtype=torch.float64)
+        self.r = torch.ones(len(sizes), dtype=torch.float64)
+        self.fast = torch.zeros(len(sizes), dtype=torch.float64)
+        self.adam = torch.zeros(len(sizes), dtype=torch.float64)
+        self.steps = self.frozen = 0
+        self.last_warmup: list[torch.Tensor] = []
+        self.first_frozen: list[torch.Tensor] = []
+        self.at_switch = self.ref = self.c = None
+
+    def _mean_sq(self, g: torch.Tensor) -> torch.Tensor:
+        sums = torch.zeros(len(self.numel), dtype=torch.float64)
+        return sums.index_add_(0, self.tensor, g.double().square()) / self.numel
+
+    def _adam(self, ms: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        self.adam.mul_(self.beta2).add_(ms, alpha=1 - self.beta2)
+        return self.adam / (1 - self.beta2**self.steps)
+
+    def warmup(self, g: torch.Tensor) -> None:
+        """A warmup step's averaged gradient ``g`` (flat)."""
+        ms = self._mean_sq(g)
+        self.at_switch = self._adam(ms)
+        self.last_warmup = [*self.last_warmup, ms][-10:]
+
+    def frozen_step(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """A frozen step's local gradients (one flat tensor per rank); returns ``r`` per value."""
+        ms = sum(self._mean_sq(g) for g in grads) / len(grads)
+        self.frozen += 1
+        if self.kind == "fast":
+            self.fast.mul_(0.9).add_(ms, alpha=0.1)
+            now = self.fast / (1 - 0.9**self.frozen)
+            if self.frozen == 10:
+                self.ref = now
+            if self.frozen >= 10 and self.frozen % 10 == 0:
+                self.r = torch.where(self.ref > 0, now / self.ref, 1.0).clamp_min(1.0)
+        elif self.kind == "adam":
+            if self.c is None:
+                self.first_frozen.append(ms)
+                if self.frozen == 10:
+                    loc = sum(self.first_frozen) / 10
+                    glob = sum(self.last_warmup) / len(self.last_warmup)
+                    self.c = torch.where(glob > 0, loc / glob, 1.0)
+                    for early in self.first_frozen:
+                        now = self._adam(early / self.c)
+            else:
+                now = self._adam(ms / self.c)
+            if self.c is not None and self.frozen % 10 == 0:
+                self.r = torch.where(self.at_switch > 0, now / self.at_switch, 1.0)
+        return self.r.float()[self.tensor]
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the emulation; return the validation losses (every ``--eval-every`` steps)."""
     torch.set_num_threads(1)
@@ -92,7 +163,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     lengths = torch.bincount(seg).double()
     worker_err = [torch.zeros(n) for _ in range(args.world)]
     server_err = torch.zeros(n)
-    d: torch.Tensor | None = None
+    sqrt_v: torch.Tensor | None = None
+    rescale = Rescale(args.rescale, sizes)
     evals = [{"step": 0, "val_loss": w.evaluate(model, val)}]
     t0 = time.monotonic()
     for k in range(1, args.steps + 1):
@@ -104,14 +176,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
         with torch.no_grad():
             if k <= args.warmup:  # Adam on the average: DDP's step
-                for p, g in zip(params, (sum(grads) / args.world).split(sizes), strict=True):
+                average = sum(grads) / args.world
+                rescale.warmup(average)
+                for p, g in zip(params, average.split(sizes), strict=True):
                     p.grad = g.view_as(p).clone()
                 opt.step()
             else:
-                if d is None:  # the variance freezes, bias-corrected
+                if sqrt_v is None:  # the variance freezes, bias-corrected
                     t_freeze = float(opt.state[params[0]]["step"])
                     v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
-                    d = v.div(1 - 0.999**t_freeze).sqrt_().add_(1e-8)
+                    sqrt_v = v.div(1 - 0.999**t_freeze).sqrt_()
+                d = sqrt_v * rescale.frozen_step(grads).sqrt() + 1e-8
                 m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
                 acc = torch.zeros(n)
                 for r in range(args.world):
@@ -131,7 +206,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if k % args.eval_every == 0 or k == args.steps:
             evals.append({"step": k, "val_loss": w.evaluate(model, val)})
             print(
-                f"{args.scale} seed {args.seed} step {k}: {evals[-1]['val_loss']:.4f} "
+                f"{args.scale}/{args.rescale} seed {args.seed} step {k}: {evals[-1]['val_loss']:.4f} "
                 f"({time.monotonic() - t0:.0f} s)",
                 flush=True,
             )
@@ -141,6 +216,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="chunk", help="chunk, tensor or block:N")
+    p.add_argument("--rescale", default="off", help="off, fast (the library's) or adam")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--batch", type=int, default=4, help="per virtual rank")
