@@ -56,6 +56,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -318,7 +319,7 @@ def _tx_bytes(ifname: str | None) -> int:
         return 0
 
 
-def lr_factor(cfg: dict[str, Any]) -> Any:
+def lr_factor(cfg: dict[str, Any]) -> Callable[[int], float] | None:
     """The LR multiplier per scheduler step of ``cfg["lr_schedule"]``, or None (constant).
 
     ``cosine``: linear from 1/(``lr_warmup`` + 1) to 1 over the first ``lr_warmup`` steps,
@@ -337,7 +338,9 @@ def lr_factor(cfg: dict[str, Any]) -> Any:
     return factor
 
 
-def _scheduler(opt: torch.optim.Optimizer, cfg: dict[str, Any]) -> Any:
+def _scheduler(
+    opt: torch.optim.Optimizer, cfg: dict[str, Any]
+) -> torch.optim.lr_scheduler.LambdaLR | None:
     """A ``LambdaLR`` on ``opt`` following :func:`lr_factor`, or None for a constant LR."""
     factor = lr_factor(cfg)
     return None if factor is None else torch.optim.lr_scheduler.LambdaLR(opt, factor)
