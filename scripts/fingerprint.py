@@ -79,7 +79,11 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "deepspeed": {"variance_floor": 0.0, "preconditioned_exchange": False},
     "groups": {"bias_correction": True},  # (and two param groups: see _param_groups)
+    # (1-bit Adam, 0/1 Adam) rescale_variance, all-reduced every RESCALE_INTERVAL steps
+    "rescaled": {"bias_correction": True, "rescale_variance": True},
 }
+#: ``rescale_interval`` in the ``rescaled`` cases: several all-reduces in 8 compression steps
+RESCALE_INTERVAL = 2
 OVERLAP = ("in_step", "overlap")
 #: topology name -> (world size, ranks per node for the two-level exchange or None: flat)
 TOPOLOGIES: dict[str, tuple[int, int | None]] = {"w1": (1, None), "w2": (2, None), "2x2": (4, 2)}
@@ -88,6 +92,8 @@ TOPOLOGIES: dict[str, tuple[int, int | None]] = {"w1": (1, None), "w2": (2, None
 def case_names(topology: str) -> Iterator[str]:
     for algo in ALGORITHMS:
         for options in OPTION_SETS:
+            if options == "rescaled" and algo == "onebit_lamb":
+                continue  # (not an option of 1-bit LAMB)
             for overlap in OVERLAP:
                 yield f"{algo}/{options}/{overlap}/{topology}"
 
@@ -150,6 +156,8 @@ def _run_case(rank: int, name: str, ranks_per_node: int | None) -> tuple[str, st
     if ranks_per_node is not None:
         kw.update(hierarchical=True, ranks_per_node=ranks_per_node)
     opt = ALGORITHMS[algo](_param_groups(model, options), **kw)
+    if options == "rescaled":
+        opt.rescale_interval = RESCALE_INTERVAL
     if overlap == "overlap":
         opt.overlap_with_backward(BUCKET_CAP_MB, timeout=TIMEOUT)
     syncs = []  # 0/1 Adam: whether each step communicated (the others: always)
@@ -161,6 +169,8 @@ def _run_case(rank: int, name: str, ranks_per_node: int | None) -> tuple[str, st
         opt.step()
     if ranks_per_node is not None and opt.node_groups() is None:
         raise RuntimeError(f"{name}: the two-level exchange is not in use")
+    if options == "rescaled" and opt.grad_sq_updates < 2:
+        raise RuntimeError(f"{name}: rescale_variance all-reduced fewer than twice")
     buckets = len(getattr(opt.flat.exchange, "buckets", [None]))
     if overlap == "overlap" and buckets < 3:
         raise RuntimeError(f"{name}: the overlap made {buckets} bucket(s); lower BUCKET_CAP_MB")
