@@ -112,9 +112,9 @@ class OneBitStrategy(DDPStrategy):
             so the 1-bit error is the same size relative to every coordinate's step. ``False``
             exchanges the momentum, as DeepSpeed does.
         rescale_variance: precondition the 1-bit steps by the frozen variance times
-            ``max(1, G / G_ref)`` per tensor (``G``: the running mean square of its gradients,
-            ``G_ref``: at the switch), so they stay Adam-sized where gradients grow after the
-            switch. ``None``: on for 1-bit Adam and for 0/1 Adam with its full-precision phase 1;
+            ``A / A_switch`` per tensor (``A``: its mean of Adam's variance, kept up to date
+            from its gradients' mean square), so they stay Adam-sized as the gradients grow or
+            shrink after the switch. ``None``: on for 1-bit Adam and for 0/1 Adam with its full-precision phase 1;
             ``False``: the variance stays as frozen (DeepSpeed's). Not an option of 1-bit LAMB.
         deepspeed_compatible: ``True``: the optimizer the strategy builds computes what
             DeepSpeed's of the same name computes with the same arguments (``bias_correction``,

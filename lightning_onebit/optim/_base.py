@@ -25,8 +25,8 @@ from lightning_onebit.optim._flat import FlatState
 from lightning_onebit.optim._nograd import HeldParams, params_without_grad
 from lightning_onebit.optim._ops import (
     RESCALE_INTERVAL,
-    RESCALE_REFERENCE_UPDATES,
     init_rescale,
+    rescale_at_switch_,
     rescale_reduce_if_due,
 )
 from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
@@ -72,8 +72,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             (and multiply back), so that the 1-bit error is alike relative to every
             coordinate's step. ``False``: DeepSpeed's.
         rescale_variance: (1-bit Adam, 0/1 Adam) after the switch, precondition each tensor by
-            its frozen variance times ``max(1, G / G_ref)``, ``G`` its gradients' running mean
-            square, ``G_ref`` that at the switch. ``False`` (default): DeepSpeed's.
+            its frozen variance times ``A / A_switch``, ``A`` the tensor's mean of Adam's
+            variance, kept up to date from the gradients' mean square (one float per tensor
+            all-reduced every 10 steps). ``False`` (default): DeepSpeed's.
         hierarchical: ``True``/``"auto"``: the two-level exchange (:meth:`node_groups`).
         ranks_per_node: ranks per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
             the byte counters' ``_inter`` parts use it too.
@@ -110,13 +111,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     _checkpoint_attrs: tuple[str, ...] = ()
     #: Host-side counters a step advances, put back when its verdict turns out non-finite.
     _host_counters: ClassVar[tuple[str, ...]] = (
-        "step_count", "variance_updates", "grad_sq_steps", "_rescale_due",
+        "step_count", "variance_updates", "grad_sq_weight", "grad_sq_steps", "_rescale_due",
     )  # fmt: skip
     #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
     _floor_to_mean: ClassVar[bool] = False
-    #: ``rescale_variance``'s steps between all-reduces, and all-reduces before its reference.
+    #: ``rescale_variance``'s steps between all-reduces.
     rescale_interval: int = RESCALE_INTERVAL
-    rescale_reference_updates: int = RESCALE_REFERENCE_UPDATES
     process_group = Delegated("topology", "The group the optimizer communicates over.")
     hierarchical = Delegated("topology", "The two-level exchange (see :meth:`node_groups`).")
     ranks_per_node = Delegated("topology", "Ranks per node (see :meth:`node_groups`).")
@@ -325,6 +325,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._held.release(self)  # (the switch step's: before the state changes meaning)
         self.phases.switch()
         self.flat.stale_denominator()  # (v changed until now)
+        rescale_at_switch_(self)  # (Adam's variance as it stands: before the fold and floor)
         freeze_variance_(self)
         self._on_freeze()
 

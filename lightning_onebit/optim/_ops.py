@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = [
     "RESCALE_BETA",
     "RESCALE_INTERVAL",
-    "RESCALE_REFERENCE_UPDATES",
     "RESCALE_STATES",
     "adam_direction",
     "adam_step_",
@@ -44,19 +43,20 @@ __all__ = [
     "finite_on_device",
     "frozen_adam_update_",
     "init_rescale",
+    "rescale_at_switch_",
     "rescale_reduce_",
     "rescale_reduce_if_due",
     "rescale_variance_",
+    "rescale_warmup_",
     "variance_scales",
 ]
 
-#: ``rescale_variance``: the running mean square of each tensor's gradients keeps this much of
-#: its last value per step (a horizon of ~10 steps); the ranks all-reduce it every
-#: ``RESCALE_INTERVAL`` steps, and its value after ``RESCALE_REFERENCE_UPDATES`` of them is the
-#: scale the frozen variance stands for
+#: ``rescale_variance``: the warmup's running mean square of the averaged gradients keeps this
+#: much of its last value per update (a horizon of ~10 steps, that of the first all-reduce
+#: after the switch); the ranks all-reduce their local mean squares every ``RESCALE_INTERVAL``
+#: steps
 RESCALE_BETA = 0.9
 RESCALE_INTERVAL = 10
-RESCALE_REFERENCE_UPDATES = 1
 
 
 def decoupled_decay(group: dict[str, Any]) -> float:
@@ -226,41 +226,93 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
 
 # ------------------------------------------------------------------ rescale_variance
 
-#: ``rescale_variance``'s per-tensor states: this rank's sum of ``g**2`` since the last
-#: all-reduce, the ranks' running mean square and its reference value
-RESCALE_STATES = {"grad_sq_sum": 0.0, "grad_sq_avg": 0.0, "grad_sq_ref": 0.0}
+#: ``rescale_variance``'s per-tensor states and their values before anything is measured:
+#: this rank's sum of ``g**2`` since the last all-reduce, the warmup's running mean square of
+#: the averaged gradients, the factor that turns the local gradients' mean square into the
+#: variance's units, and the ratio ``r`` of Adam's variance now to the frozen one
+RESCALE_STATES = {
+    "grad_sq_sum": 0.0,
+    "grad_sq_recent": 0.0,
+    "grad_sq_scale": 0.0,
+    "grad_sq_ratio": 1.0,
+}
 
 
 def init_rescale(opt: OneBitOptimizer) -> None:
     """Give ``opt`` the counters of ``rescale_variance`` (and, where it is on, its per-tensor
-    states and checkpointed counters): ``grad_sq_updates`` (all-reduced updates of the running
-    mean squares), ``grad_sq_steps`` (steps summed into ``grad_sq_sum`` since the last one),
-    ``grad_sq_weight`` (1 - the initial zeros' weight in them, for the bias correction) and
+    states and checkpointed counters): ``grad_sq_weight`` (the warmup's running mean square
+    less its initial zeros' weight, for the bias correction), ``grad_sq_count`` (the gradients
+    Adam's variance would have averaged by now), ``grad_sq_updates`` (all-reduces since the
+    switch), ``grad_sq_steps`` (steps summed into ``grad_sq_sum`` since the last one) and
     ``_rescale_due`` (with device verdicts: a reduce waiting for the next step's start)."""
     if opt.rescale_variance:
         opt._scalar_states = {**opt._scalar_states, **RESCALE_STATES}
         opt._checkpoint_attrs = (
             *opt._checkpoint_attrs,
+            "grad_sq_weight",
+            "grad_sq_count",
             "grad_sq_updates",
             "grad_sq_steps",
-            "grad_sq_weight",
             "_rescale_due",
         )
+    opt.grad_sq_weight = 0.0
+    opt.grad_sq_count = 0
     opt.grad_sq_updates = 0
     opt.grad_sq_steps = 0
     opt._rescale_due = False
-    opt.grad_sq_weight = 0.0
 
 
 def variance_scales(opt: OneBitOptimizer) -> torch.Tensor | None:
-    """``r_j = max(1, G_j / G_ref_j)`` per tensor (``G``: the running mean square of the
-    tensor's local gradients, ``G_ref`` its value at the start of the frozen phase), or
-    ``None`` while nothing rescales (``rescale_variance`` off, or no reference yet)."""
-    if not opt.rescale_variance or opt.grad_sq_updates < opt.rescale_reference_updates:
+    """``r_j`` per tensor, the factor on its frozen variance (see :func:`rescale_variance_`),
+    or ``None`` while nothing rescales (``rescale_variance`` off, or no all-reduce since the
+    switch)."""
+    if not opt.rescale_variance or opt.grad_sq_updates == 0:
         return None
-    avg, ref = opt.flat.scalars["grad_sq_avg"], opt.flat.scalars["grad_sq_ref"]
-    now = avg / opt.grad_sq_weight  # bias-corrected
-    return torch.where(ref > 0, now / ref, 1.0).clamp_min_(1.0)
+    return opt.flat.scalars["grad_sq_ratio"]
+
+
+def _mean_squares(opt: OneBitOptimizer, xs: list[torch.Tensor | None]) -> torch.Tensor:
+    """Per tensor of the layout, the sum of its values squared (one fused kernel; ``None``: a
+    missing gradient, zeros)."""
+    none = opt.flat.grad[:0]  # (the norm of no values: +0.0, as of zeros)
+    sq = torch.stack(torch._foreach_norm([none if x is None else x for x in xs]))
+    return sq.square_()
+
+
+def rescale_warmup_(opt: OneBitOptimizer, ok: torch.Tensor | None = None) -> None:
+    """``rescale_variance`` before the switch: the running mean square (a factor
+    ``RESCALE_BETA`` per update, the horizon of the reference that follows the switch) of the
+    averaged gradients the variance was just updated with (the flat gradient buffer). Call on
+    every step that updates the variance; ``ok``: the step's verdict on the device (nothing
+    changes where it is false; the host takes its weight back when it learns of it)."""
+    if not opt.rescale_variance:
+        return
+    ms = _mean_squares(opt, opt.flat.views["grad"]) / opt.flat.layout.sizes.clamp_min(1)
+    recent = opt.flat.scalars["grad_sq_recent"]
+    new = torch.lerp(recent, ms, 1.0 - RESCALE_BETA)
+    recent.copy_(new if ok is None else torch.where(ok, new, recent))
+    opt.grad_sq_weight = 1.0 - (1.0 - opt.grad_sq_weight) * RESCALE_BETA
+
+
+def rescale_at_switch_(opt: OneBitOptimizer) -> None:
+    """``rescale_variance`` at the switch, before the variance is folded and floored: per
+    tensor, the mean ``A_j`` of Adam's bias-corrected variance, and ``grad_sq_scale`` = the
+    averaged gradients' recent mean square (the warmup's, else ``A_j``) over ``A_j`` (0 where
+    ``A_j`` is 0: that tensor is not rescaled)."""
+    if not opt.rescale_variance:
+        return
+    v = opt.flat.views["exp_avg_sq"]
+    sizes = opt.flat.layout.sizes.clamp_min(1)
+    bc2 = [bias_corrections(opt, gi, j)[1] for j, gi in enumerate(opt.flat.layout.group_of)]
+    mean_v = torch.stack(torch._foreach_norm(v, 1)) / sizes
+    a = mean_v / torch.tensor(bc2, dtype=torch.float64).to(mean_v)
+    recent = opt.flat.scalars["grad_sq_recent"]
+    glob = recent / opt.grad_sq_weight if opt.grad_sq_weight > 0 else a
+    opt.flat.scalars["grad_sq_scale"].copy_(torch.where(a > 0, glob / a, 0.0))
+    opt.flat.scalars["grad_sq_ratio"].fill_(1.0)
+    opt.grad_sq_count = opt.variance_updates
+    opt.grad_sq_updates = opt.grad_sq_steps = 0
+    opt.flat.scalars["grad_sq_sum"].zero_()
 
 
 def rescale_variance_(
@@ -269,25 +321,24 @@ def rescale_variance_(
     reduce: bool,
     ok: torch.Tensor | None = None,
 ) -> None:
-    """``rescale_variance``: keep the frozen variance at least as large as each tensor's
-    current gradient scale (call at the end of every step of the frozen phase).
+    """``rescale_variance``: let the frozen variance follow, per tensor, what Adam's variance
+    would do with the gradients of the frozen phase (call at the end of every step of it).
 
-    The variance froze at the switch, but gradients keep changing: where a tensor's
+    The variance froze at the switch, but the gradients go on changing: where a tensor's
     gradients grow (attention and feed-forward layers of transformers, whose gradient RMS
-    can double in the steps after the warmup), ``m / sqrt(v)`` grows with them, and
-    with it the exchange's scale and every coordinate's 1-bit step, several times Adam's,
-    whose variance follows the gradients. So per tensor ``j`` the ranks track ``G_j``, a
-    running mean (a factor ``RESCALE_BETA`` per step, bias-corrected) of the mean square
-    of their *local* gradients: each rank sums ``g**2`` per tensor, and every
+    can double in the steps after the warmup) ``m / sqrt(v)`` grows with them, and with it
+    every coordinate's 1-bit step; where they shrink, Adam's variance would shrink and its
+    steps stay the same size, while the frozen one's shrink. Adam's variance of tensor ``j``,
+    averaged over the tensor, is ``A_j``: a ``beta2`` average of the averaged gradients' mean
+    square. After the switch only local gradients are seen, whose mean square is larger by
+    their noise; so each rank sums its local ``g**2`` per tensor, and every
     ``rescale_interval`` (10) steps, on a step that communicates anyway (``reduce``: every
     step of 1-bit Adam, 0/1 Adam's sync steps), the ranks all-reduce the sums' means, one
-    float per tensor. Its first value (``rescale_reference_updates`` = 1 reduce: the first
-    10 frozen steps) is the reference ``G_ref_j``, the scale the frozen variance stands for
-    (measured on the same local gradients, so the ranks' own noise cancels in the ratio);
-    from then on tensor ``j`` is preconditioned by ``v * r_j``, ``r_j = max(1, G_j /
-    G_ref_j)``. Only ever larger: a step is never larger than the frozen variance makes it
-    (shrinking gradients keep the frozen, larger variance, as Adam's slow ``beta2 = 0.999``
-    average nearly would).
+    float per tensor. The first of these (the first 10 frozen steps) sets the local to
+    averaged ratio ``c_j`` (that mean over the warmup's recent averaged mean square, see
+    :func:`rescale_warmup_`); each one feeds ``A_j`` the mean divided by ``c_j``, weighted as
+    that many of Adam's ``beta2`` steps, and tensor ``j`` is preconditioned by ``v * r_j``,
+    ``r_j = A_j(now) / A_j(switch)`` (both bias-corrected).
 
     ``grads``: this step's local gradients, one per parameter of the layout (the views of the
     flat gradient buffer, or :meth:`FlatState.grads`: the parameters' own, ``None`` for zeros),
@@ -300,10 +351,8 @@ def rescale_variance_(
     if not opt.rescale_variance:
         return
     total = opt.flat.scalars["grad_sq_sum"]
-    if grads is not None:  # per-tensor sums of g**2, one fused kernel over the tensors
-        none = opt.flat.grad[:0]  # (a missing gradient: the norm of no values, +0.0 as of zeros)
-        sq = torch.stack(torch._foreach_norm([none if g is None else g for g in grads]))
-        sq.square_()
+    if grads is not None:
+        sq = _mean_squares(opt, grads)
         total.add_(sq if ok is None else torch.where(ok, sq, 0.0))
     opt.grad_sq_steps += 1
     due = reduce and opt.grad_sq_steps >= opt.rescale_interval
@@ -324,27 +373,35 @@ def rescale_reduce_if_due(opt: OneBitOptimizer) -> None:
 
 
 def rescale_reduce_(opt: OneBitOptimizer) -> None:
-    """All-reduce the summed mean squares into their running mean (see
+    """All-reduce the summed mean squares and feed them to Adam's variance's mean (see
     :func:`rescale_variance_`)."""
-    total = opt.flat.scalars["grad_sq_sum"]
-    mean = total / (opt.flat.layout.sizes.clamp_min(1) * opt.grad_sq_steps)
+    total, n = opt.flat.scalars["grad_sq_sum"], opt.grad_sq_steps
+    mean = total / (opt.flat.layout.sizes.clamp_min(1) * n)
     w = opt.world_size
     if w > 1:
         dist.all_reduce(mean, group=opt.process_group)
         mean.div_(w)
         sent = fp32_allreduce_bytes(mean.numel(), w)  # (one float per tensor: no ring)
         opt.counters.add(sent, sent if opt.topology.node_size(w) < w else 0)
-    keep = RESCALE_BETA**opt.grad_sq_steps  # the old mean's weight after these steps
     total.zero_()
     opt.grad_sq_steps = 0
+    scale, ratio = opt.flat.scalars["grad_sq_scale"], opt.flat.scalars["grad_sq_ratio"]
+    if opt.grad_sq_updates == 0:  # the first frozen steps: c_j, local over averaged
+        scale.copy_(torch.where(mean > 0, scale / mean, 0.0))
+    fed = torch.where(scale > 0, mean * scale, 1.0)  # A_j's new mean square over A_j(switch)
+    # r = A(now) / A(switch), A bias-corrected: the weights of a beta2 average after k and
+    # k + n updates (per tensor: its group's beta2)
+    beta2 = torch.tensor(
+        [opt.param_groups[gi]["betas"][1] for gi in opt.flat.layout.group_of], dtype=torch.float64
+    )
+    k = opt.grad_sq_count
+    keep = beta2**n
+    before, after = 1.0 - beta2**k, 1.0 - beta2 ** (k + n)
+    old_w, new_w = (keep * before / after).to(ratio), ((1.0 - keep) / after).to(ratio)
+    ratio.mul_(old_w).add_(fed * new_w)
+    opt.grad_sq_count = k + n
     opt.grad_sq_updates += 1
-    opt.grad_sq_weight = 1.0 - (1.0 - opt.grad_sq_weight) * keep
-    avg = opt.flat.scalars["grad_sq_avg"]
-    avg.mul_(keep).add_(mean, alpha=1.0 - keep)
-    if opt.grad_sq_updates == opt.rescale_reference_updates:
-        opt.flat.scalars["grad_sq_ref"].copy_(avg / opt.grad_sq_weight)
-    if opt.grad_sq_updates >= opt.rescale_reference_updates:
-        opt.flat.stale_denominator()  # the next step is preconditioned by v * r
+    opt.flat.stale_denominator()  # the next step is preconditioned by v * r
 
 
 def decoupled_update_(

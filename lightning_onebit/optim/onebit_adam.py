@@ -36,6 +36,7 @@ from lightning_onebit.optim._ops import (
     denominator,
     frozen_adam_update_,
     rescale_variance_,
+    rescale_warmup_,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int
@@ -94,9 +95,9 @@ class OneBitAdam(OneBitOptimizer):
             ``m = result * (sqrt(v) + eps)``; ``variance_floor=0, preconditioned_exchange=False``
             is DeepSpeed's arithmetic.
         rescale_variance: step 2c keeps ``v`` frozen but preconditions each tensor by
-            ``v * max(1, G / G_ref)``, ``G`` the running mean square of its gradients (one float
-            per tensor all-reduced every 10 steps), so growing gradients do not make the 1-bit steps
-            several times Adam's; see
+            ``v * A / A_switch``, ``A`` its mean of Adam's variance kept up to date from its
+            gradients' mean square (one float per tensor all-reduced every 10 steps), so that
+            the 1-bit steps stay Adam's size as the gradients grow or shrink; see
             ``rescale_variance_`` (``optim/_ops.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
@@ -184,6 +185,7 @@ class OneBitAdam(OneBitOptimizer):
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
             ok = average_(self, self.flat.gather_grads(self.param_groups))
+            rescale_warmup_(self, ok)  # (rescale_variance: the averaged gradients' scale)
             # 1b + 3. Adam's moments and update, one fused sweep
             adam_step_(self, ok=ok)
             if self.step_count >= self.freeze_step:

@@ -57,6 +57,7 @@ from lightning_onebit.optim._ops import (
     finite,
     finite_on_device,
     rescale_variance_,
+    rescale_warmup_,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
@@ -149,9 +150,10 @@ class ZeroOneAdam(OneBitOptimizer):
             (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the accumulator in parameter
             units (``acc - lr u``); the variance is floored after every variance step.
             ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
-        rescale_variance: in phase 2 precondition each tensor by ``v * max(1, G / G_ref)``,
-            ``G`` the running mean square of its gradients (this rank's local steps summed, one
-            float per tensor all-reduced on a sync step every 10 steps or more); see
+        rescale_variance: in phase 2 precondition each tensor by ``v * A / A_switch``, ``A``
+            its mean of Adam's variance kept up to date from its gradients' mean square (this
+            rank's local steps summed, one float per tensor all-reduced on a sync step every 10
+            steps or more); see
             ``rescale_variance_`` (``optim/_ops.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
@@ -539,6 +541,7 @@ class ZeroOneAdam(OneBitOptimizer):
             if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
                 ok = average_(self, g)
+                rescale_warmup_(self, ok)  # (rescale_variance: the averaged gradients' scale)
             else:
                 # 1b. 1-bit averaged gradient, momentum only
                 ok = compressed_average_(self, self._exchange_source, out=g)

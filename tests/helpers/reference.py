@@ -257,19 +257,45 @@ def _floor_(v: list[list[torch.Tensor]], floor: float, to_mean: bool = False) ->
 
 
 class SimRescale:
-    """``rescale_variance`` in float64: each rank sums ``g**2`` per tensor over the steps; when a
-    step may reduce and ``interval`` steps have passed, the ranks' mean of their per-tensor
-    mean squares updates the running mean (the old value weighs ``beta**steps``,
-    bias-corrected); its value after ``ref`` reduces is the reference, and from then on tensor
-    ``j``'s variance counts ``max(1, G_j / G_ref_j)`` times (``ref=None``: off)."""
+    """``rescale_variance`` in float64. Before the switch: a running mean square (``beta`` per
+    update, bias-corrected) of the averaged gradients of every variance update. At the switch:
+    ``A_j``, the mean of tensor ``j``'s bias-corrected variance, and ``s_j`` = that running
+    mean square over ``A_j``. After it each rank sums ``g**2`` per tensor; when a step may
+    reduce and ``interval`` steps have passed, the ranks' mean ``M_j`` of their per-tensor mean
+    squares is fed, as ``M_j * s_j / M_ref_j`` (``M_ref``: the first reduce's), to the ratio
+    ``r_j = A_j(now) / A_j(switch)`` of a ``beta2`` average over ``k`` variance updates, ``n``
+    steps more (``on=False``: off)."""
 
     def __init__(
-        self, world: int, ntensors: int, ref: int | None, interval: int = 1, beta: float = 0.9
+        self,
+        world: int,
+        ntensors: int,
+        on: bool,
+        interval: int = 1,
+        beta: float = 0.9,
+        beta2: float = 0.999,
     ) -> None:
-        self.ref_at, self.interval, self.beta = ref, interval, beta
+        self.on, self.interval, self.beta, self.beta2 = on, interval, beta, beta2
         self.tot = [[0.0] * ntensors for _ in range(world)]
         self.steps = 0
-        self.avg, self.weight, self.ref, self.k = [0.0] * ntensors, 0.0, None, 0
+        self.recent, self.weight = [0.0] * ntensors, 0.0
+        self.scale, self.r, self.k, self.updates = [0.0] * ntensors, [1.0] * ntensors, 0, 0
+
+    def warmup(self, gbar: list[torch.Tensor]) -> None:
+        """A variance update with the averaged gradients ``gbar``."""
+        ms = [float((g.double() ** 2).mean()) for g in gbar]
+        self.recent = [
+            self.beta * a + (1 - self.beta) * x for a, x in zip(self.recent, ms, strict=True)
+        ]
+        self.weight = 1 - (1 - self.weight) * self.beta
+
+    def switch(self, v: list[torch.Tensor], bc2: float, k: int) -> None:
+        """At the switch: ``v`` the variance before the bias correction is folded in, ``bc2``
+        that correction, ``k`` the variance updates."""
+        a = [float(x.double().mean()) / bc2 for x in v]
+        glob = [x / self.weight for x in self.recent] if self.weight > 0 else a
+        self.scale = [g / x if x > 0 else 0.0 for g, x in zip(glob, a, strict=True)]
+        self.k = k
 
     def add(self, grads: list[list[torch.Tensor] | None]) -> None:
         """One step: every rank's gradients (``None``: a rank that sat the step out)."""
@@ -283,29 +309,29 @@ class SimRescale:
     def reduce(self, numels: list[int]) -> None:
         if self.steps < self.interval:
             return
-        w = len(self.tot)
+        w, n = len(self.tot), self.steps
         mean = [
-            sum(self.tot[r][j] / (max(n, 1) * self.steps) for r in range(w)) / w
-            for j, n in enumerate(numels)
+            sum(self.tot[r][j] / (max(x, 1) * n) for r in range(w)) / w
+            for j, x in enumerate(numels)
         ]
-        keep = self.beta**self.steps
         self.tot = [[0.0] * len(numels) for _ in range(w)]
         self.steps = 0
-        self.k += 1
-        self.weight = 1 - (1 - self.weight) * keep
-        self.avg = [keep * a + (1 - keep) * x for a, x in zip(self.avg, mean, strict=True)]
-        if self.k == self.ref_at:
-            self.ref = [a / self.weight for a in self.avg]
+        if self.updates == 0:
+            self.scale = [s / m if m > 0 else 0.0 for s, m in zip(self.scale, mean, strict=True)]
+        fed = [m * s if s > 0 else 1.0 for m, s in zip(mean, self.scale, strict=True)]
+        b2, k = self.beta2, self.k
+        before, after = 1 - b2**k, 1 - b2 ** (k + n)
+        self.r = [
+            (b2**n * before * r + (1 - b2**n) * f) / after for r, f in zip(self.r, fed, strict=True)
+        ]
+        self.k += n
+        self.updates += 1
 
     def scaled(self, v: list[torch.Tensor]) -> list[torch.Tensor]:
         """The variance the frozen phase preconditions with."""
-        if self.ref_at is None or self.ref is None:
+        if not self.on or self.updates == 0:
             return v
-        now = [a / self.weight for a in self.avg]
-        return [
-            x * (max(1.0, n / r) if r > 0 else 1.0)
-            for x, n, r in zip(v, now, self.ref, strict=True)
-        ]
+        return [x * r for x, r in zip(v, self.r, strict=True)]
 
 
 def simulate_onebit_adam(
@@ -319,19 +345,19 @@ def simulate_onebit_adam(
     floor: float = 0.0,
     preconditioned: bool = False,
     ranks_per_node: int | None = None,
-    rescale: int | None = None,
+    rescale: bool = False,
 ) -> list[list[torch.Tensor]]:
     """Rank-by-rank 1-bit Adam; returns the flat parameters of every rank after every step.
 
     ``bias_correction``: Adam's in warmup, folded into m and v at the freeze; ``floor``: the
     frozen variance raised to ``floor**2`` times its group's mean; ``preconditioned``: the
-    momentum is exchanged as ``m / (sqrt(v) + eps)``; ``rescale``: ``rescale_variance`` with
-    its reference after that many compression steps (:class:`SimRescale`)."""
+    momentum is exchanged as ``m / (sqrt(v) + eps)``; ``rescale``: ``rescale_variance``
+    (:class:`SimRescale`)."""
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v = zeros(), zeros()
     ex = SimExchange(world, ranks_per_node)
-    rs = SimRescale(world, len(p[0]), rescale, RESCALE_INTERVAL)
+    rs = SimRescale(world, len(p[0]), rescale, RESCALE_INTERVAL, beta2=b2)
     history = []
     for t in range(1, steps + 1):
         grads = _local_grads(world, t, p)
@@ -342,6 +368,8 @@ def simulate_onebit_adam(
                 for j in range(len(gbar)):
                     m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
                     v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
+            if rescale:
+                rs.warmup(gbar)
         else:  # local momentum, compressed average of the momentum, frozen v
             d = [x.sqrt() + eps for x in rs.scaled(v[0])]
             for r in range(world):
@@ -369,10 +397,12 @@ def simulate_onebit_adam(
                 else:
                     u = (m[r][j] / bc1) / ((v[r][j] / bc2).sqrt() + eps)
                 p[r][j] = p[r][j] - lr * (u + hp[j]["weight_decay"] * p[r][j])
-        if t > freeze_step and rescale is not None:
+        if t > freeze_step and rescale:
             rs.add(grads)
             rs.reduce([x.numel() for x in p[0]])
         if t == freeze_step:
+            if rescale:
+                rs.switch(v[0], 1 - b2**t, t)
             for r in range(world):
                 m[r] = [x / bc1 for x in m[r]]
                 v[r] = [x / bc2 for x in v[r]]
@@ -394,7 +424,7 @@ def simulate_zero_one_adam(
     floor: float = 0.0,
     preconditioned: bool = False,
     ranks_per_node: int | None = None,
-    rescale: int | None = None,
+    rescale: bool = False,
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """Rank-by-rank 0/1 Adam; returns the per-step flat parameters and the sync steps.
 
@@ -405,7 +435,7 @@ def simulate_zero_one_adam(
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v, acc = zeros(), zeros(), zeros()
-    rs = SimRescale(world, len(p[0]), rescale, RESCALE_INTERVAL)
+    rs = SimRescale(world, len(p[0]), rescale, RESCALE_INTERVAL, beta2=b2)
     lrs = [[0.0] * len(hp) for _ in range(world)]  # per rank, per parameter (= per group)
     ex = SimExchange(world, ranks_per_node)
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
@@ -422,6 +452,8 @@ def simulate_zero_one_adam(
                     for j in range(len(gbar)):
                         v[r][j] = b2 * v[r][j] + (1 - b2) * gbar[j] ** 2
                         m[r][j] = b1 * m[r][j] + (1 - b1) * gbar[j]
+                if rescale:
+                    rs.warmup(gbar)
             else:  # 1-bit average of the gradient, momentum only
                 d = [x.sqrt() + eps if preconditioned else torch.ones_like(x) for x in v[0]]
                 xs = [
@@ -445,6 +477,8 @@ def simulate_zero_one_adam(
                     var_counter, var_interval = 0, var_interval * 2
             if t == var_freeze_step:
                 ex.reset()
+                if rescale:
+                    rs.switch(v[0], 1 - b2 ** max(k, 1), k)
                 for r in range(world):
                     m[r] = [x / bc1 for x in m[r]]
                     v[r] = [x / bc2 for x in v[r]]
@@ -460,7 +494,7 @@ def simulate_zero_one_adam(
                     u = m[r][j] / (vs[j].sqrt() + eps) + hp[j]["weight_decay"] * p[r][j]
                     p[r][j] = p[r][j] - lr * u
                     acc[r][j] = acc[r][j] - lr * u
-            if rescale is not None:
+            if rescale:
                 rs.add(grads)
             if t % local_interval == 0:
                 denom = [x.sqrt() + eps for x in vs]
@@ -487,7 +521,7 @@ def simulate_zero_one_adam(
                         acc[r][j] = torch.zeros_like(acc[r][j])
                         lrs[r][j] = 0.0
                 synced.append(t)
-                if rescale is not None:
+                if rescale:
                     rs.reduce([x.numel() for x in p[0]])
             local_counter += 1
             if local_counter == local_step_scaler:
@@ -604,18 +638,16 @@ DEEPSPEED = {"deepspeed_compatible": True}
 
 #: what OneBitStrategy builds from a torch Adam/AdamW (a floor high enough to bite here)
 ROBUST = {"bias_correction": True, "variance_floor": 0.5, "preconditioned_exchange": True}
-#: ... and rescale_variance (1-bit Adam, 0/1 Adam), all-reduced every RESCALE_INTERVAL steps,
-#: its reference after RESCALE_REF all-reduces (``rescale_interval`` and
-#: ``rescale_reference_updates``, set to act within these short runs)
+#: ... and rescale_variance (1-bit Adam, 0/1 Adam), all-reduced every RESCALE_INTERVAL steps
+#: (``rescale_interval``, set to act within these short runs)
 RESCALE_INTERVAL = 2
-RESCALE_REF = 3
 
 
 SIM_ROBUST = {"bias_correction": True, "floor": 0.5, "preconditioned": True}
 
 
 def _rescaled(opt):
-    opt.rescale_interval, opt.rescale_reference_updates = RESCALE_INTERVAL, RESCALE_REF
+    opt.rescale_interval = RESCALE_INTERVAL
     return opt
 
 
@@ -630,7 +662,7 @@ def _algo(
         kw.update(hierarchical=True, ranks_per_node=ranks_per_node)
         sim["ranks_per_node"] = ranks_per_node
     if robust and algo != "onebit_lamb":
-        kw["rescale_variance"], sim["rescale"] = True, RESCALE_REF
+        kw["rescale_variance"], sim["rescale"] = True, True
     rescaled = _rescaled
     if algo == "onebit_adam":
         return (

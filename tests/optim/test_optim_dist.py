@@ -128,7 +128,7 @@ def _rank_file_worker(rank: int, world: int) -> dict:
 
     def make(params: list) -> OneBitAdam:
         opt = OneBitAdam(make_groups(params), freeze_step=8, rescale_variance=True)
-        opt.rescale_interval, opt.rescale_reference_updates = 4, 1
+        opt.rescale_interval = 4
         return opt
 
     def run(save_at: int | None, keep_sums: bool = True) -> torch.Tensor:
@@ -169,7 +169,7 @@ def test_rescale_variance_resumes_exactly_from_rank_files() -> None:
     results = run_distributed(_rank_file_worker, 2)
     for res in results:
         assert torch.equal(res["straight"], res["resumed"])
-        assert res["scales"] > 1.5  # the rescaled variance was in use
+        assert res["scales"] > 1.2  # the rescaled variance was in use
     # (rank 1 would resume with rank 0's pending sums without its rank file's: not exact)
     assert not torch.equal(results[1]["straight"], results[1]["without_sums"])
 

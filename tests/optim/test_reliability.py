@@ -269,7 +269,7 @@ def test_a_verdict_kept_on_the_device_drops_the_steps_exactly(algo: str, robust:
         assert said[0] == said[1]  # (what the device's verdict says of the exchange differs)
         assert len(d["warnings"]) == (n - local if rank == 0 else local)
         # (rescale_variance: the device's reduce of step 24 waits for a step 25)
-        rescale = ("grad_sq_updates", "grad_sq_steps", "grad_sq_weight", "_rescale_due")
+        rescale = ("grad_sq_updates", "grad_sq_count", "grad_sq_steps", "_rescale_due")
         assert {k: v for k, v in d["counters"].items() if k not in rescale} == {
             k: v for k, v in h["counters"].items() if k not in rescale
         }

@@ -789,10 +789,12 @@ def test_early_stopping_stops_every_rank_where_ddp_stops(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     "algo, kw",
     [
-        ("onebit_adam", {}),
+        # (rescale_variance off: it measures the averaged gradients' recent scale in the warmup,
+        # which torch's Adam does not keep; resumed at the switch it takes the variance's mean)
+        ("onebit_adam", {"rescale_variance": False}),
         # (0/1 Adam's phase 1 floors the variance at each variance step, which Adam does not:
         # without the floor its phase 1 is Adam, and the resume is exact)
-        ("zero_one_adam", {"variance_floor": 0.0}),
+        ("zero_one_adam", {"variance_floor": 0.0, "rescale_variance": False}),
     ],
 )
 def test_a_ddp_checkpoint_resumes_as_if_the_1bit_strategy_had_run_from_the_start(
