@@ -15,8 +15,8 @@ compression phase written out in torch (the preconditioned exchange of
 chunk`` cuts the flat vector into the W chunks the exchange sends (the library's records);
 ``tensor`` also at every parameter's boundary; ``block:N`` also every N values. The loss it
 reaches says what a finer scale would buy before any kernel is written. ``--rescale`` sizes
-the frozen variance per tensor (:class:`Rescale`): ``fast`` is ``rescale_variance``,
-``adam`` a candidate that follows Adam's own average.
+the frozen variance per tensor (:class:`Rescale`): ``adam`` is ``rescale_variance``'s rule,
+``fast`` one that follows the last ~10 steps' gradient scale upwards only.
 
     python benchmarks/compression_emulation.py --scale tensor --seed 0 --json out.json
 
@@ -71,14 +71,15 @@ def compress(y: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor) -> torch
 class Rescale:
     """``--rescale``: the per-tensor factor ``r_j`` that multiplies the frozen variance.
 
-    ``fast`` is ``rescale_variance`` as the library runs it: ``G_j``, a running mean (0.9 per
-    step, bias-corrected) of the ranks' mean square of tensor ``j``'s local gradients, ``G_ref``
-    its value after the first 10 frozen steps, ``r = max(1, G / G_ref)`` every 10th step.
-    ``adam`` continues what Adam's variance would do, per tensor: ``A_j``, a ``beta2`` average
-    of the mean square, fed the averaged gradients through the warmup and the local ones,
-    divided by ``c_j`` = (their mean square over the first 10 frozen steps) / (the averaged
-    gradients' over the last 10 warmup steps), after it; ``r = A(t) / A(switch)``, both
-    bias-corrected, every 10th step. ``off``: ``r = 1``.
+    ``fast``: ``G_j``, a running mean (0.9 per step, bias-corrected) of the ranks' mean square
+    of tensor ``j``'s local gradients, ``G_ref`` its value after the first 10 frozen steps,
+    ``r = max(1, G / G_ref)`` every 10th step. ``adam`` continues what Adam's variance would
+    do, per tensor: ``A_j``, a ``beta2`` average of the mean square, fed the averaged
+    gradients through the warmup and the local ones, divided by ``c_j`` = (their mean square
+    over the first 10 frozen steps) / (the averaged gradients' over the last 10 warmup steps),
+    after it; ``r = A(t) / A(switch)``, both bias-corrected, every 10th step. It is the rule of
+    ``rescale_variance``, which feeds ``A_j`` ten steps at a time and takes the warmup's recent
+    mean square as a running mean (0.9 per step). ``off``: ``r = 1``.
     """
 
     def __init__(self, kind: str, sizes: list[int], beta2: float = 0.999) -> None:
@@ -216,7 +217,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="chunk", help="chunk, tensor or block:N")
-    p.add_argument("--rescale", default="off", help="off, fast (the library's) or adam")
+    p.add_argument("--rescale", default="off", help="off, fast or adam (rescale_variance's rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--batch", type=int, default=4, help="per virtual rank")
