@@ -390,15 +390,17 @@ def rescale_reduce_(opt: OneBitOptimizer) -> None:
         scale.copy_(torch.where(mean > 0, scale / mean, 0.0))
     fed = torch.where(scale > 0, mean * scale, 1.0)  # A_j's new mean square over A_j(switch)
     # r = A(now) / A(switch), A bias-corrected: the weights of a beta2 average after k and
-    # k + n updates (per tensor: its group's beta2)
-    beta2 = torch.tensor(
-        [opt.param_groups[gi]["betas"][1] for gi in opt.flat.layout.group_of], dtype=torch.float64
-    )
+    # k + n updates, per group (its tensors are consecutive in the layout: slices, and the
+    # weights go to the device as kernel arguments, no copy)
     k = opt.grad_sq_count
-    keep = beta2**n
-    before, after = 1.0 - beta2**k, 1.0 - beta2 ** (k + n)
-    old_w, new_w = (keep * before / after).to(ratio), ((1.0 - keep) / after).to(ratio)
-    ratio.mul_(old_w).add_(fed * new_w)
+    for gi, group in enumerate(opt.param_groups):
+        idx = opt.flat.layout.group_params(gi)
+        if not idx:
+            continue
+        beta2 = group["betas"][1]
+        keep, before, after = beta2**n, 1.0 - beta2**k, 1.0 - beta2 ** (k + n)
+        s = slice(idx[0], idx[-1] + 1)
+        ratio[s].mul_(keep * before / after).add_(fed[s], alpha=(1.0 - keep) / after)
     opt.grad_sq_count = k + n
     opt.grad_sq_updates += 1
     opt.flat.stale_denominator()  # the next step is preconditioned by v * r
