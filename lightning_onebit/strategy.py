@@ -114,8 +114,9 @@ class OneBitStrategy(DDPStrategy):
         rescale_variance: precondition the 1-bit steps by the frozen variance times
             ``A / A_switch`` per tensor (``A``: its mean of Adam's variance, kept up to date
             from its gradients' mean square), so they stay Adam-sized as the gradients grow or
-            shrink after the switch. ``None``: on for 1-bit Adam and for 0/1 Adam with its full-precision phase 1;
-            ``False``: the variance stays as frozen (DeepSpeed's). Not an option of 1-bit LAMB.
+            shrink after the switch. ``None``: on for 1-bit Adam and for 0/1 Adam with
+            its full-precision phase 1; ``False``: the variance stays as frozen (DeepSpeed's).
+            Not an option of 1-bit LAMB.
         deepspeed_compatible: ``True``: the optimizer the strategy builds computes what
             DeepSpeed's of the same name computes with the same arguments (``bias_correction``,
             ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``,

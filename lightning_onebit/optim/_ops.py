@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RESCALE_BETA",
     "RESCALE_INTERVAL",
+    "RESCALE_MIN_BETA2",
     "RESCALE_STATES",
     "adam_direction",
     "adam_step_",
@@ -57,6 +58,9 @@ __all__ = [
 #: steps
 RESCALE_BETA = 0.9
 RESCALE_INTERVAL = 10
+#: ``rescale_variance``: the slowest ``beta2`` its average of each tensor's mean square takes
+#: (a horizon of at least 100 steps, see :func:`rescale_variance_`)
+RESCALE_MIN_BETA2 = 0.99
 
 
 def decoupled_decay(group: dict[str, Any]) -> float:
@@ -340,6 +344,13 @@ def rescale_variance_(
     that many of Adam's ``beta2`` steps, and tensor ``j`` is preconditioned by ``v * r_j``,
     ``r_j = A_j(now) / A_j(switch)`` (both bias-corrected).
 
+    ``A_j`` averages over ``1 / (1 - beta2)`` steps, but never fewer than
+    ``1 / (1 - RESCALE_MIN_BETA2)`` = 100: one factor scales every coordinate of the tensor,
+    and its mean square is carried by its largest coordinates, which spike. Over a short
+    ``beta2`` such as 0.95 the factor would follow a spike up and back down within tens of
+    steps, and as it fades enlarge the steps of every coordinate whose own variance did not
+    move.
+
     ``grads``: this step's local gradients, one per parameter of the layout (the views of the
     flat gradient buffer, or :meth:`FlatState.grads`: the parameters' own, ``None`` for zeros),
     or ``None`` for a step that has none to count (a rank's skipped local step: it counts as
@@ -389,15 +400,15 @@ def rescale_reduce_(opt: OneBitOptimizer) -> None:
     if opt.grad_sq_updates == 0:  # the first frozen steps: c_j, local over averaged
         scale.copy_(torch.where(mean > 0, scale / mean, 0.0))
     fed = torch.where(scale > 0, mean * scale, 1.0)  # A_j's new mean square over A_j(switch)
-    # r = A(now) / A(switch), A bias-corrected: the weights of a beta2 average after k and
-    # k + n updates, per group (its tensors are consecutive in the layout: slices, and the
+    # r = A(now) / A(switch), A bias-corrected: the weights of a beta2 average (at least
+    # RESCALE_MIN_BETA2) after k and k + n updates, per group (its tensors are consecutive in the layout: slices, and the
     # weights go to the device as kernel arguments, no copy)
     k = opt.grad_sq_count
     for gi, group in enumerate(opt.param_groups):
         idx = opt.flat.layout.group_params(gi)
         if not idx:
             continue
-        beta2 = group["betas"][1]
+        beta2 = max(group["betas"][1], RESCALE_MIN_BETA2)
         keep, before, after = beta2**n, 1.0 - beta2**k, 1.0 - beta2 ** (k + n)
         s = slice(idx[0], idx[-1] + 1)
         ratio[s].mul_(keep * before / after).add_(fed[s], alpha=(1.0 - keep) / after)

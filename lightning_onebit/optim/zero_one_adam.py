@@ -150,11 +150,10 @@ class ZeroOneAdam(OneBitOptimizer):
             (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the accumulator in parameter
             units (``acc - lr u``); the variance is floored after every variance step.
             ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
-        rescale_variance: in phase 2 precondition each tensor by ``v * A / A_switch``, ``A``
-            its mean of Adam's variance kept up to date from its gradients' mean square (this
-            rank's local steps summed, one float per tensor all-reduced on a sync step every 10
-            steps or more); see
-            ``rescale_variance_`` (``optim/_ops.py``).
+        rescale_variance: in phase 2 precondition each tensor by ``v * A / A_switch``,
+            ``A`` its mean of Adam's variance kept up to date from its gradients' mean square
+            (this rank's local steps summed, one float per tensor all-reduced on a sync step
+            every 10 steps or more); see ``rescale_variance_`` (``optim/_ops.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.

@@ -21,6 +21,7 @@ import math
 import torch
 
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from lightning_onebit.optim._ops import RESCALE_MIN_BETA2
 
 SHAPES = [(6, 5), (5,), (4,), (3, 4), (7,)]
 
@@ -264,7 +265,7 @@ class SimRescale:
     reduce and ``interval`` steps have passed, the ranks' mean ``M_j`` of their per-tensor mean
     squares is fed, as ``M_j * s_j / M_ref_j`` (``M_ref``: the first reduce's), to the ratio
     ``r_j = A_j(now) / A_j(switch)`` of a ``beta2`` average over ``k`` variance updates, ``n``
-    steps more (``on=False``: off)."""
+    steps more (``beta2`` at least ``RESCALE_MIN_BETA2``; ``on=False``: off)."""
 
     def __init__(
         self,
@@ -275,7 +276,8 @@ class SimRescale:
         beta: float = 0.9,
         beta2: float = 0.999,
     ) -> None:
-        self.on, self.interval, self.beta, self.beta2 = on, interval, beta, beta2
+        self.on, self.interval, self.beta = on, interval, beta
+        self.beta2 = max(beta2, RESCALE_MIN_BETA2)
         self.tot = [[0.0] * ntensors for _ in range(world)]
         self.steps = 0
         self.recent, self.weight = [0.0] * ntensors, 0.0

@@ -82,21 +82,30 @@ def test_checkpoint_round_trip_is_bitwise(algo: str) -> None:
             assert torch.equal(a, b), f"{algo}: differs at step {t} after a restart at {save_at}"
 
 
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
 @pytest.mark.parametrize("algo", ["onebit_adam", "zero_one_adam"])
-def test_rescale_variance_follows_adams_variance(algo: str) -> None:
+def test_rescale_variance_follows_adams_variance(algo: str, beta2: float) -> None:
     """rescale_variance on fresh random gradients whose scale per tensor changes after the
-    switch (x4, x0.5, x1): each tensor's factor r is a float64 replay of the rule, and the
-    frozen variance times r follows, per tensor, the mean of the variance torch's Adam keeps
-    over the same gradients (one rank: the local gradients are the averaged ones); without
-    the rescale the 1-bit steps of the grown tensor grow with its gradients."""
+    switch (x4, x0.5, x1): each tensor's factor r is a float64 replay of the rule (averaged
+    with beta2 0.99 where the optimizer's is shorter) and, at beta2 0.999, follows the mean of
+    the variance torch's Adam keeps over the same gradients (one rank: the local gradients are
+    the averaged ones); without the rescale the 1-bit steps of the grown tensor grow with its
+    gradients."""
     torch.manual_seed(7)
     shapes = [(300,), (20, 10), (50,)]
     growth = [4.0, 0.5, 1.0]
-    freeze, steps, ref_at, b2 = 20, 80, 10, 0.999  # the first reduce: the first 10 frozen steps
+    freeze, steps, ref_at = 20, 80, 10  # the first reduce: the first 10 frozen steps
+    b2 = max(beta2, 0.99)  # the rule's
 
     def run(rescale: bool):
         ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-        kw = dict(rescale_variance=rescale, bias_correction=True, lr=1e-3, variance_floor=0.0)
+        kw = dict(
+            rescale_variance=rescale,
+            bias_correction=True,
+            lr=1e-3,
+            betas=(0.9, beta2),
+            variance_floor=0.0,
+        )
         if algo == "onebit_adam":
             opt = OneBitAdam(ps, freeze_step=freeze, **kw)
         else:  # a variance update every step of phase 1, a sync (and a reduce) every step
@@ -138,10 +147,10 @@ def test_rescale_variance_follows_adams_variance(algo: str) -> None:
     adam = [torch.zeros(s, dtype=torch.float64) for s in shapes]  # torch Adam's v
 
     def adam_mean(t: int) -> list[float]:
-        return [float(v.mean()) / (1 - b2**t) for v in adam]
+        return [float(v.mean()) / (1 - beta2**t) for v in adam]
 
     for t in range(freeze):
-        adam = [b2 * v + (1 - b2) * g for v, g in zip(adam, grads[t], strict=True)]
+        adam = [beta2 * v + (1 - beta2) * g for v, g in zip(adam, grads[t], strict=True)]
     at_switch = adam_mean(freeze)
     scale = [r / weight / a for r, a in zip(recent, at_switch, strict=True)]
     r, k = [1.0] * 3, freeze
@@ -157,12 +166,12 @@ def test_rescale_variance_follows_adams_variance(algo: str) -> None:
         k += 10
     got = variance_scales(opt).tolist()
     assert got == pytest.approx(r, rel=1e-5)
-    # Adam's own variance over the same steps, per tensor
-    for t in range(freeze, steps):
-        adam = [b2 * v + (1 - b2) * g for v, g in zip(adam, grads[t], strict=True)]
-    want = [now / then for now, then in zip(adam_mean(steps), at_switch, strict=True)]
-    assert got == pytest.approx(want, rel=0.1), (got, want)
-    assert got[0] > 2.5 and got[1] < 0.9 and 0.9 < got[2] < 1.1, got
+    assert got[0] > 2.5 and got[1] < 0.9 and 0.85 < got[2] < 1.15, got
+    if beta2 == 0.999:  # Adam's own variance over the same steps, per tensor
+        for t in range(freeze, steps):
+            adam = [beta2 * v + (1 - beta2) * g for v, g in zip(adam, grads[t], strict=True)]
+        want = [now / then for now, then in zip(adam_mean(steps), at_switch, strict=True)]
+        assert got == pytest.approx(want, rel=0.1), (got, want)
     _, plain, _ = run(False)
     switch = sum(m[0] for m in moves[freeze + 2 : freeze + ref_at]) / (ref_at - 2)
     late = sum(m[0] for m in moves[-10:]) / 10
