@@ -62,13 +62,7 @@ def _problems(c: dict[str, Any], loss_limit: float) -> list[str]:
 #: enough that the same code lands on either side of a bar on another CPU (the kernels' SIMD path
 #: and the thread count change the rounding; 1-bit LAMB on ViT measured 2.2x / 14x on one machine
 #: and 1.02x / 9.6x on another), so a pass is reported (XPASS) without failing the suite.
-KNOWN = {
-    ("resnet", "onebit_adam"): "loss 1.2500x DDP's (0.1176 vs 0.0941), 2e-5 past the bar; "
-    "seeds 1/2: 0.96/1.51x. This BatchNorm net's held-out loss moves by +-25% with any change "
-    "of the arithmetic: without rescale_variance 1.00/0.90/1.29x, with its all-reduce every "
-    "step 1.14/0.93/1.13x; on another VM 0.91/1.08/0.92x, and DDP's own loss moves "
-    "0.95-1.30x when every initial weight is nudged by one ulp",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize(
