@@ -275,9 +275,9 @@ def variance_scales(opt: OneBitOptimizer) -> torch.Tensor | None:
     return opt.flat.scalars["grad_sq_ratio"]
 
 
-def _mean_squares(opt: OneBitOptimizer, xs: list[torch.Tensor | None]) -> torch.Tensor:
-    """Per tensor of the layout, the sum of its values squared (one fused kernel; ``None``: a
-    missing gradient, zeros)."""
+def _sums_of_squares(opt: OneBitOptimizer, xs: list[torch.Tensor | None]) -> torch.Tensor:
+    """Per tensor of the layout, the sum of its values squared (one fused kernel over the
+    tensors; ``None``: a missing gradient, zeros)."""
     none = opt.flat.grad[:0]  # (the norm of no values: +0.0, as of zeros)
     sq = torch.stack(torch._foreach_norm([none if x is None else x for x in xs]))
     return sq.square_()
@@ -291,7 +291,7 @@ def rescale_warmup_(opt: OneBitOptimizer, ok: torch.Tensor | None = None) -> Non
     changes where it is false; the host takes its weight back when it learns of it)."""
     if not opt.rescale_variance:
         return
-    ms = _mean_squares(opt, opt.flat.views["grad"]) / opt.flat.layout.sizes.clamp_min(1)
+    ms = _sums_of_squares(opt, opt.flat.views["grad"]) / opt.flat.layout.sizes.clamp_min(1)
     recent = opt.flat.scalars["grad_sq_recent"]
     new = torch.lerp(recent, ms, 1.0 - RESCALE_BETA)
     recent.copy_(new if ok is None else torch.where(ok, new, recent))
@@ -363,7 +363,7 @@ def rescale_variance_(
         return
     total = opt.flat.scalars["grad_sq_sum"]
     if grads is not None:
-        sq = _mean_squares(opt, grads)
+        sq = _sums_of_squares(opt, grads)
         total.add_(sq if ok is None else torch.where(ok, sq, 0.0))
     opt.grad_sq_steps += 1
     due = reduce and opt.grad_sq_steps >= opt.rescale_interval
