@@ -401,8 +401,9 @@ def rescale_reduce_(opt: OneBitOptimizer) -> None:
         scale.copy_(torch.where(mean > 0, scale / mean, 0.0))
     fed = torch.where(scale > 0, mean * scale, 1.0)  # A_j's new mean square over A_j(switch)
     # r = A(now) / A(switch), A bias-corrected: the weights of a beta2 average (at least
-    # RESCALE_MIN_BETA2) after k and k + n updates, per group (its tensors are consecutive in the layout: slices, and the
-    # weights go to the device as kernel arguments, no copy)
+    # RESCALE_MIN_BETA2) after k and k + n updates, per group. A group's tensors are
+    # consecutive in the layout (it is built group by group): a slice, and the weights reach
+    # the device as kernel arguments, with no host-to-device copy.
     k = opt.grad_sq_count
     for gi, group in enumerate(opt.param_groups):
         idx = opt.flat.layout.group_params(gi)
