@@ -62,7 +62,7 @@ class CompressionScheduler(PhaseSwitch, Callback):
         log_stats: log the ``onebit/*`` metrics and print the summary at the end of ``fit``.
         sample: the most variance coordinates kept per snapshot (memory bound for large models).
         progress_bar: show the phase, the bytes ratio and the step speedup on the progress bar
-            (with ``log_stats``).
+            (with ``log_stats``, where the Trainer has a progress bar).
     """
 
     def __init__(
@@ -157,7 +157,9 @@ class CompressionScheduler(PhaseSwitch, Callback):
             stats = self.stats(opt)
             kw: dict[str, Any] = {"on_step": True, "on_epoch": False, "rank_zero_only": True}
             pl_module.log_dict(stats, **kw)
-            if self.progress_bar:  # short names: the rich bar wraps long ones over lines
+            # short names: the rich bar wraps long ones over lines; nothing where no bar shows
+            # them (each logged value costs the step ~0.1 ms of Python)
+            if self.progress_bar and trainer.progress_bar_callback is not None:
                 shown = {short: stats[k] for k, short in PROGRESS_BAR.items() if k in stats}
                 pl_module.log_dict(shown, prog_bar=True, logger=False, **kw)
 

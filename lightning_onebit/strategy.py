@@ -128,7 +128,8 @@ class OneBitStrategy(DDPStrategy):
             (LAMB's trust ratio rarely suits Adam's lr). ``None`` keeps Adam's lr, with a warning.
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).
         comm_stats_on_progress_bar: show the phase, the bytes ratio vs DDP and the step
-            speedup vs the warmup on the progress bar (``1bit``, ``bytes_x``, ``step_x``).
+            speedup vs the warmup on the progress bar (``1bit``, ``bytes_x``, ``step_x``;
+            not logged where the Trainer has no progress bar).
         overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB;
             ``None``: exchange in ``optimizer.step()``. Turned off (with an info message) under
             gradient clipping or the ``16-mixed`` loss scaler (they edit the gradients after

@@ -86,13 +86,13 @@ class WarmupToTarget(sched.LRScheduler):
 def _trainer(strategy: Any, devices: int, max_steps: int, **kw: Any) -> L.Trainer:
     """A quiet CPU Trainer (no logger, progress bar, summary; checkpoints only if asked)."""
     kw.setdefault("enable_checkpointing", False)
+    kw.setdefault("enable_progress_bar", False)
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
         max_steps=max_steps,
         logger=False,
-        enable_progress_bar=False,
         enable_model_summary=False,
         **kw,
     )
@@ -546,17 +546,22 @@ def test_single_process_and_a_mismatched_optimizer_are_said(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with pytest.warns(UserWarning, match="single process .* has nobody to exchange with"):
-        trainer = _fit1(OneBitStrategy(freeze_step=3), steps=8)
+        trainer = _fit1(OneBitStrategy(freeze_step=3), steps=8, enable_progress_bar=True)
     # the phase, the bytes ratio and the step speedup on the progress bar under short names
-    # (the rich bar wraps long ones), unless turned off; the logger gets the long names
+    # (the rich bar wraps long ones), unless turned off or there is no bar; the logger gets
+    # the long names
     bar = trainer.progress_bar_metrics
     assert {"1bit", "bytes_x", "step_x"} <= set(bar) and not [k for k in bar if "/" in k]
     metrics = trainer.callback_metrics
     assert float(bar["step_x"]) == pytest.approx(float(metrics["onebit/step_speedup"]))
     assert float(bar["bytes_x"]) == float(metrics["onebit/ratio_vs_ddp"])
-    trainer = _fit1(OneBitStrategy(comm_stats_on_progress_bar=False))
-    assert not {"1bit", "bytes_x", "step_x"} & set(trainer.progress_bar_metrics)
-    assert "onebit/phase" in trainer.callback_metrics
+    for strategy, kw in (
+        (OneBitStrategy(comm_stats_on_progress_bar=False), {"enable_progress_bar": True}),
+        (OneBitStrategy(), {}),  # (no progress bar)
+    ):
+        trainer = _fit1(strategy, **kw)
+        assert not {"1bit", "bytes_x", "step_x"} & set(trainer.progress_bar_metrics)
+        assert "onebit/phase" in trainer.callback_metrics
     with pytest.warns(
         UserWarning, match=r"returned ZeroOneAdam, but the strategy is 'onebit_lamb'"
     ):
