@@ -484,10 +484,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             else ""
         )
         + (
-            f" · 0/1 Adam: var_freeze_step {meta['var_freeze_step']}, var_update_scaler "
-            f"{meta['var_update_scaler']} (phase-1 steps between variance updates are 1-bit)"
+            f" · 0/1 Adam: var_freeze_step {meta['var_freeze_step']}"
             if meta.get("var_freeze_step", meta["warmup"]) != meta["warmup"]
-            or meta.get("var_update_scaler", 16) != 16
+            else ""
+        )
+        + (
+            f" · 0/1 Adam: var_update_scaler {meta['var_update_scaler']} (the paper's phase 1: "
+            "the steps between variance updates exchange 1-bit gradients)"
+            if meta.get("var_update_scaler")
             else ""
         ),
         "",
@@ -695,9 +699,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--var-update-scaler",
         type=int,
-        default=16,
+        default=None,
         help="0/1 Adam: variance updates (fp32 gradient averages) before their interval doubles; "
-        "the other phase-1 steps exchange 1-bit gradients",
+        "given, the other phase-1 steps exchange 1-bit gradients (the paper's phase 1); default: "
+        "every phase-1 step averages in full precision (the strategy's default)",
     )
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-slack", type=float, default=0.02)
@@ -753,7 +758,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--ranks-per-node must be >= 1 and divide every world size")
     if args.var_freeze_step is None:
         args.var_freeze_step = args.warmup
-    if args.var_freeze_step < 0 or args.var_update_scaler < 1:
+    if args.var_freeze_step < 0 or (args.var_update_scaler or 1) < 1:
         p.error("need --var-freeze-step >= 0 and --var-update-scaler >= 1")
     return args
 

@@ -33,9 +33,11 @@ Methods (``--config`` key ``method``):
   in ``step()`` after backward instead, for comparison; ``<method>_hier`` (e.g.
   ``onebit_adam_hier``) exchanges in two levels (``hierarchical=True``: full precision inside a
   node of ``LOCAL_WORLD_SIZE`` ranks, 1 bit between nodes). ``average_dtype`` (``--average-dtype``)
-  is the dtype of their warmup average. 0/1 Adam's ``var_freeze_step`` /
-  ``var_update_scaler`` (``--var-freeze-step``, default the warmup / ``--var-update-scaler``,
-  default 16) set its variance-update steps; its other phase-1 steps are 1-bit.
+  is the dtype of their warmup average. 0/1 Adam's ``var_freeze_step`` (``--var-freeze-step``,
+  default the warmup) ends its phase 1, which averages every step in full precision (the
+  strategy's default); with ``var_update_scaler`` (``--var-update-scaler``) it is the paper's
+  phase 1: full-precision variance updates, their interval doubling after every
+  ``var_update_scaler`` of them, and 1-bit gradients between them.
 * ``pl_ddp_adam`` / ``pl_onebit_adam`` / ``pl_zero_one_adam`` / ``pl_onebit_lamb``: the same
   through ``L.Trainer``: Lightning's ``DDPStrategy`` + Adam, or ``OneBitStrategy(algorithm=...,
   freeze_step=warmup, overlap_bucket_mb=overlap_mb)`` converting ``configure_optimizers``' Adam.
@@ -600,10 +602,11 @@ def _strategy_options(cfg: dict[str, Any], algorithm: str) -> dict[str, Any]:
     return {
         "algorithm": algorithm,
         "freeze_step": cfg.get("var_freeze_step", cfg["warmup"]) if zero_one else cfg["warmup"],
-        "var_update_scaler": cfg.get("var_update_scaler", 16),
         "overlap_bucket_mb": cfg.get("overlap_mb") or None,
         "average_dtype": cfg.get("average_dtype", "float32"),
         "timeout": timedelta(seconds=cfg.get("timeout", 600)),
+        # (given, it also selects the paper's 1-bit phase 1, as in a DeepSpeed config)
+        **({"var_update_scaler": vus} if (vus := cfg.get("var_update_scaler")) else {}),
         **cfg.get("strategy_options", {}),
     }
 
