@@ -491,7 +491,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         + (
             f" · 0/1 Adam: var_update_scaler {meta['var_update_scaler']} (the paper's phase 1: "
             "the steps between variance updates exchange 1-bit gradients)"
-            if meta.get("var_update_scaler")
+            if meta.get("var_update_scaler") is not None
             else ""
         ),
         "",
@@ -758,7 +758,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--ranks-per-node must be >= 1 and divide every world size")
     if args.var_freeze_step is None:
         args.var_freeze_step = args.warmup
-    if args.var_freeze_step < 0 or (args.var_update_scaler or 1) < 1:
+    if args.var_freeze_step < 0 or (
+        args.var_update_scaler is not None and args.var_update_scaler < 1
+    ):
         p.error("need --var-freeze-step >= 0 and --var-update-scaler >= 1")
     return args
 

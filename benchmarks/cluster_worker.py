@@ -606,7 +606,7 @@ def _strategy_options(cfg: dict[str, Any], algorithm: str) -> dict[str, Any]:
         "average_dtype": cfg.get("average_dtype", "float32"),
         "timeout": timedelta(seconds=cfg.get("timeout", 600)),
         # (given, it also selects the paper's 1-bit phase 1, as in a DeepSpeed config)
-        **({"var_update_scaler": vus} if (vus := cfg.get("var_update_scaler")) else {}),
+        **({"var_update_scaler": vus} if (vus := cfg.get("var_update_scaler")) is not None else {}),
         **cfg.get("strategy_options", {}),
     }
 
