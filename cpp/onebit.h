@@ -230,9 +230,9 @@ void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src,
 // The three one-sweep sources and updates below round as torch's *CUDA* kernels do for the
 // optimizers' op sequences (each op rounded on its own: add_ with alpha a fused multiply-add,
 // addcmul_ fma(value, t1 * t2, self), or fma(t1, t2, self) when value is 1, a division by a
-// Python scalar a multiply by its float reciprocal), so that they write the floats of the torch
-// path on the same GPU bit for bit; where that differs from x86 torch, the CPU kernels above
-// round as the CPU does. Chunk table (over segments or parameters) and device-memory arrays as
+// Python scalar a multiply by its reciprocal taken in double and rounded to float), so that
+// they write the floats of the torch path on the same GPU bit for bit; where that differs from
+// x86 torch, the CPU kernels above round as the CPU does. Chunk table (over segments or parameters) and device-memory arrays as
 // adam_update_cuda; no reductions, no workspace, no verdict.
 // momentum_source_cpu on device pointers: u <- fma(g, a, m * b), then u / d (d may be null); g is
 // the table of the segments' gradient pointers (device memory too; a null entry: zeros).
@@ -245,9 +245,10 @@ void local_source_cuda(int device, const float* m, const float* g, const float* 
                        float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                        int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
                        void* stream);
-// sync_update_cpu on device pointers, except m: (precond ? x * d : x) * inv[j], inv[j] the float
-// reciprocal of -lrs[j] (torch's CUDA division by a Python scalar); +0.0 where inv[j] is +0.0 (no
-// lr since the last sync) or floored[i] is set. params may be null (no parameter written).
+// sync_update_cpu on device pointers, except m: (precond ? x * d : x) * inv[j], inv[j] the
+// reciprocal of -lrs[j] taken in double and rounded to float (torch's CUDA division by a Python
+// scalar); +0.0 where inv[j] is +0.0 (no lr since the last sync) or floored[i] is set. params
+// may be null (no parameter written).
 void sync_update_cuda(int device, const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
                       float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
                       const int64_t* chunk_start, int64_t nchunks, const float* inv, bool precond, void* stream);

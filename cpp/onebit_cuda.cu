@@ -582,8 +582,8 @@ frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, flo
 //   add_(t, alpha=s)               ufunc add `self + alpha * other`, which nvcc
 //                                  (fmad on, as torch builds) contracts          __fmaf_rn(t, s, self)
 //   div_(t)                        DivFunctor a / b (IEEE: no fast math)          __fdiv_rn(a, t)
-//   torch.div(t, s), s a Python    BinaryDivTrueKernel: t * (1 / s), the
-//   float                          reciprocal taken on the host in float         __fmul_rn(t, inv)
+//   torch.div(t, s), s a Python    BinaryDivTrueKernel: t * float(1 / s), the
+//   float                          reciprocal taken on the host in double        __fmul_rn(t, inv)
 //   addcmul_(t1, t2, value=v)      pointwise_op_impl: std::fma(v, t1 * t2, self)  __fmaf_rn(v, __fmul_rn(t1, t2), self)
 //                                  std::fma(t1, t2, self) when v == 1             __fmaf_rn(t1, t2, self)
 //                                  (the torch >= 2.13 this package requires; torch before pointwise_op_impl
@@ -689,8 +689,8 @@ local_source_kernel(const float* m, const float* g, const float* d, const float*
 //   m <- (precond ? x * d : x) * inv[j]     torch.mul(x, d, out=m); torch.div(., -lrs, out=m)
 //   m <- +0.0 where inv[j] is +0.0 (no lr since the last sync: zero_()) or floored[i] (masked_fill_)
 //   synced <- precond ? synced + x : synced + x / d;  p <- synced;  acc <- 0 (unless null)
-// inv[j] is the float reciprocal of float(-lrs[j]), computed by the caller as torch computes it
-// on the host for a division by a Python scalar.
+// inv[j] is float(1.0 / -lrs[j]) (in double, rounded once), computed by the caller as torch
+// computes it on the host for a division by a Python scalar.
 __global__ void __launch_bounds__(kThreads)
 sync_update_kernel(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
                    float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,

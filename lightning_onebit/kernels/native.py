@@ -7,7 +7,6 @@ and CMake alone and one build works with any torch. :mod:`.checks` owns every ch
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 
 import torch
@@ -632,15 +631,11 @@ def local_source_cuda(
 
 
 def _reciprocals(lrs: list[float]) -> list[float]:
-    """Per parameter the float32 reciprocal of float32(-lrs[j]) that torch's CUDA division by the
-    Python scalar ``-lrs[j]`` multiplies by (its ``1.0f / b``, taken on the host), as doubles to
-    round to float32; +0.0 (the kernel's "m = 0") where ``lrs[j] <= 0``. The quotient of two
-    float32 values taken in double and rounded once more to float32 is the float32 quotient."""
-    nl = torch.tensor([-a if a > 0 else 0.0 for a in lrs], dtype=torch.float32).tolist()
-    return [
-        0.0 if not a > 0 else (1.0 / v if v != 0 else math.copysign(math.inf, v))
-        for a, v in zip(lrs, nl, strict=True)
-    ]
+    """Per parameter the reciprocal that torch's CUDA division by the Python scalar ``-lrs[j]``
+    multiplies by: ``1.0 / -lrs[j]`` taken on the host in double and rounded once to float32 (by
+    :func:`on_device`; overflow gives -inf, as torch's cast); +0.0 (the kernel's "m = 0") where
+    ``lrs[j] <= 0``."""
+    return [1.0 / -a if a > 0 else 0.0 for a in lrs]
 
 
 def sync_update_cuda(

@@ -770,9 +770,9 @@ def sync_update(
     One sweep where the torch ops make five or more, writing torch's floats bit for bit on the
     same device: on the CPU the C++ kernel, on CUDA the CUDA kernel on the current stream (no
     host synchronisation), with the roundings of torch's CUDA kernels (its division by ``-lrs``
-    is a multiplication by the float reciprocal). The kernel writes the parameters itself when
-    every one is fp32 and contiguous, else they are copied from ``synced`` after it (cast to
-    their dtype). Without a compiled kernel for the device the torch ops run
+    is a multiplication by the reciprocal, taken in double and rounded to float). The kernel
+    writes the parameters itself when every one is fp32 and contiguous, else they are copied
+    from ``synced`` after it (cast to their dtype). Without a compiled kernel for the device the torch ops run
     (:func:`reference_sync_update`).
 
     Raises:
