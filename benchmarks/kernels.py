@@ -2,11 +2,14 @@
 
     python benchmarks/kernels.py [--n 25000000] [--world 4] [--repeat 15] [--threads T]
     python benchmarks/kernels.py --device cuda      # the CUDA kernels (adam/lamb: torch ops there)
+    python benchmarks/kernels.py --only decompress  # the kernels whose name matches
 
 For each kernel it prints the median time, GB/s of input, and the fraction of the memory-traffic
 floor: the fewest bytes the kernel must read and write, divided by the bandwidth of a plain
 fp32 copy of the same buffer measured in the same run (copy moves 8 bytes per value).
-A ratio of 1.0x means the kernel runs at copy speed for the bytes it cannot avoid.
+A ratio of 1.0x means the kernel runs at copy speed for the bytes it cannot avoid. The last
+row, an fp32 fill (writes only, its floor 4 bytes per value), shows how close to that a kernel
+that mostly writes (decompress) can come on the machine.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -63,6 +67,9 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)"
     )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument(
+        "--only", default=None, help="time only the kernels whose name matches this regex"
+    )
     args = p.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not (torch.cuda.is_available() and K.HAS_CUDA):
@@ -87,6 +94,8 @@ def main() -> None:
     dst = torch.empty(n, device=dev)
     copy_s = _median_seconds(lambda: dst.copy_(x), args.repeat, dev)
     copy_bw = 8 * n / copy_s  # bytes moved per second (read + write)
+    # write-only reference: what a kernel that mostly writes (decompress) can hope for
+    fill_s = _median_seconds(lambda: dst.fill_(1.0), args.repeat, dev)
 
     sbits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8).to(dev)
     sscales = torch.rand(w, generator=gen).to(dev)
@@ -164,6 +173,8 @@ def main() -> None:
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     rows = []
     for name, fused, ref, in_bytes, floor_bytes in cases:
+        if args.only and not re.search(args.only, name):
+            continue
         floor_s = floor_bytes / copy_bw
         t_fused = _median_seconds(fused, args.repeat, dev)
         t_ref = _median_seconds(ref, max(3, args.repeat // 3), dev)
@@ -187,6 +198,10 @@ def main() -> None:
         f"{'1.00x':>7} | {'':>6} |"
     )
     print(
+        f"| {'fp32 fill':<16} | {'torch':<9} | {fill_s * 1e3:8.2f} | {'-':>8} | "
+        f"{fill_s / (4 * n / copy_bw):6.2f}x | {'':>6} |"
+    )
+    print(
         json.dumps(
             {
                 "n": n,
@@ -194,6 +209,7 @@ def main() -> None:
                 "device": str(dev),
                 "threads": torch.get_num_threads(),
                 "copy_ms": copy_s * 1e3,
+                "fill_ms": fill_s * 1e3,
                 "kernels": rows,
             }
         )
