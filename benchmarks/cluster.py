@@ -680,7 +680,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--average-dtype",
         choices=("float32", "bfloat16", "float16"),
         default="float32",
-        help="1-bit methods: dtype of the warmup's gradient average (optimizer average_dtype)",
+        help="1-bit methods: dtype of the warmup's gradient average (optimizer average_dtype); "
+        "float32 for every method unless given, also for the Trainer and Fabric methods, whose "
+        "strategies default to bfloat16",
     )
     p.add_argument(
         "--strategy-option",

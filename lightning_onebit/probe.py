@@ -17,14 +17,14 @@ With the job's backend (NCCL on GPUs, gloo on CPUs) every rank measures, at the 
   with more ranks than free cores, or a straggler, every step waits for the slowest), or
   ``--step-ms`` as given;
 * at the model's size: the fp32 ``all_reduce`` (DDP), the bf16 one (DDP's bf16 hook, the 1-bit
-  strategies' ``average_dtype="bf16"`` warmup), the 1-bit exchange flat and in two levels, each
+  strategies' default warmup average), the 1-bit exchange flat and in two levels, each
   overlapped with a backward as the strategies run it (the buckets before the last one during
   backward, the last after it), and the fused update kernels.
 
 A method's predicted step time is that overlapped run plus its update: compute + the
 communication left exposed + the update. It prints one row per method (step time, bytes per
 step, the end-to-end time of ``--steps`` steps with ``--warmup-fraction`` of them in the
-full-precision warmup) and a recommendation (``OneBitStrategy`` options, or "stay with DDP").
+uncompressed warmup) and a recommendation (``OneBitStrategy`` options, or "stay with DDP").
 """
 
 from __future__ import annotations

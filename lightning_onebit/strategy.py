@@ -57,8 +57,8 @@ class OneBitStrategy(DDPStrategy):
     unmodified: ``configure_optimizers`` may keep returning ``torch.optim.Adam``/``AdamW`` (with
     LR schedulers, any param groups), which the strategy replaces by the 1-bit optimizer; one of
     ours (:mod:`lightning_onebit.optim`) is used as built. DDP's gradient allreduce becomes a
-    hook (on every device) that averages in full precision on warmup steps and sends nothing on
-    compression steps, where the optimizer exchanges its 1-bit momentum. A
+    hook (on every device) that averages uncompressed on warmup steps (in bf16 by default:
+    ``average_dtype``) and sends nothing on compression steps, where the optimizer exchanges its 1-bit momentum. A
     :class:`~lightning_onebit.callbacks.CompressionScheduler` is added when the Trainer has none.
     With ``16-mixed`` the scaler's overflow check is combined across ranks. Every rank writes its
     error buffers to ``<checkpoint>.onebit-rank<R>-of-<W>`` beside a checkpoint and reads them
@@ -93,7 +93,7 @@ class OneBitStrategy(DDPStrategy):
         compressed_variance_phase: 0/1 Adam: whether the steps between phase 1's variance steps
             exchange a 1-bit gradient (the paper's phase 1). ``None``: ``False`` when the
             strategy builds the optimizer (unless ``var_update_scaler`` is given): every step up
-            to ``freeze_step`` averages in full precision, as 1-bit Adam's warmup does.
+            to ``freeze_step`` averages uncompressed, as 1-bit Adam's warmup does.
         max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio
             (:class:`~lightning_onebit.optim.OneBitLamb`).
         min_coeff: 1-bit LAMB: lower clamp of the layer-wise trust ratio.
@@ -134,9 +134,13 @@ class OneBitStrategy(DDPStrategy):
             ``None``: exchange in ``optimizer.step()``. Turned off (with an info message) under
             gradient clipping or the ``16-mixed`` loss scaler (they edit the gradients after
             backward); paused on the backward passes of gradient accumulation.
-        average_dtype: the dtype of the warmup's gradient average: ``"float32"``, or
-            ``"bf16"``/``"fp16"`` for half the bytes on those steps. ``None``: float32, or what
-            an optimizer from ``configure_optimizers`` was given.
+        average_dtype: the dtype of the warmup's gradient average: ``"bf16"``/``"fp16"`` send
+            half the bytes of ``"float32"`` on the warmup's steps, which are DDP's and as slow
+            on a slow network; their rounding (a relative 2**-9 per value for bf16) is far
+            below the gradients' batch noise. ``"float32"``: the warmup is torch's Adam on
+            DDP's average, step for step. ``None``: ``"bf16"`` for an optimizer the strategy
+            builds (``"float32"`` with ``deepspeed_compatible``), else what the optimizer from
+            ``configure_optimizers`` was given.
         hierarchical: on several nodes, full precision inside a node and the 1-bit exchange
             only between nodes (``devices`` times fewer bytes through each node's link).
             ``"auto"``: on with several nodes of several processes; ``True``: the same, with a

@@ -181,7 +181,9 @@ class StrategyOptions:
                 kw.pop("compressed_variance_phase", None)  # (as a DeepSpeed config does)
         kw.update(given)
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
-        kw["average_dtype"] = self.average_dtype or torch.float32
+        kw["average_dtype"] = self.average_dtype or (
+            torch.float32 if self.deepspeed_compatible else torch.bfloat16
+        )
         return kw
 
     def with_deepspeed_config(

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_onebit.comm import fp32_allreduce_bytes
 from tests.helpers.fit import fit_ranks
 from tests.helpers.user_models import bytes_to_ids, stdlib_text
 
@@ -117,6 +118,12 @@ def _per_call(numel: int, world: int) -> int:
     """Bytes one compressed exchange sends per rank: 2 (W - 1) records of scale + bits + pad."""
     row = math.ceil(numel / (8 * world))  # bytes of signs per chunk
     return 2 * (world - 1) * (4 + math.ceil(row / 4) * 4)
+
+
+def warmup_bytes(numel: int, world: int) -> int:
+    """Bytes one warmup step sends per rank with the strategies' default ``average_dtype``
+    (bf16): DDP's ring allreduce of the gradients in 2 bytes a value, half of fp32's."""
+    return fp32_allreduce_bytes(numel, world) // 2
 
 
 def _rescale_bytes(params: dict, world: int, compressed_steps: int) -> int:

@@ -32,6 +32,7 @@ from tests.helpers.char_model import (
     _held_out_loss,
     _per_call,
     _rescale_bytes,
+    warmup_bytes,
 )
 
 # --------------------------------------------------------------------------- registry
@@ -143,6 +144,26 @@ def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> No
         OneBitStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "dtype"),
+    [
+        ({}, torch.bfloat16),
+        ({"average_dtype": "float32"}, torch.float32),
+        ({"average_dtype": "fp16"}, torch.float16),
+        ({"deepspeed_compatible": True}, torch.float32),
+        ({"deepspeed_compatible": True, "average_dtype": "bf16"}, torch.bfloat16),
+    ],
+)
+def test_the_warmup_average_is_bf16_unless_asked_or_deepspeed_compatible(
+    kwargs: dict, dtype: torch.dtype
+) -> None:
+    """The optimizer the strategy builds averages its warmup in bf16 by default, in float32 with
+    DeepSpeed's arithmetic, and in whatever ``average_dtype`` names."""
+    for algorithm in ALGOS:
+        options = OneBitStrategy(algorithm=algorithm, **kwargs).options
+        assert options.optimizer_kwargs({"lr": 1e-3})["average_dtype"] == dtype
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -199,9 +220,9 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
         assert rec["metrics"]["onebit/bytes_total"] == stats["bytes_total"]
         numel = sum(v.numel() for v in rec["params"].values())
         assert stats["fp32_equiv_total"] == steps * fp32_allreduce_bytes(numel, devices)
-        if name != "zero_one_adam":  # warmup: fp32 allreduce; then one 1-bit exchange per step
+        if name != "zero_one_adam":  # warmup: bf16 allreduce; then one 1-bit exchange per step
             per_call = _per_call(numel, devices)
-            expect = switch * fp32_allreduce_bytes(numel, devices) + (steps - switch) * per_call
+            expect = switch * warmup_bytes(numel, devices) + (steps - switch) * per_call
             if name == "onebit_adam":
                 expect += _rescale_bytes(rec["params"], devices, steps - switch)
             assert stats["bytes_total"] == expect
@@ -210,25 +231,27 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
 
 @pytest.mark.slow
 def test_half_precision_warmup_average(tmp_path: Path) -> None:
-    """``average_dtype="bf16"``: DDP's bf16 hook averages the warmup gradients: half the warmup
-    bytes, a (rounded) different trajectory that learns as well."""
+    """By default DDP's bf16 hook averages the warmup gradients: half the warmup bytes of
+    ``average_dtype="float32"`` (DDP's exact average), a (rounded) different trajectory that
+    learns as well."""
     steps, switch = 30, 20
     runs = {
         d: _fit(
-            tmp_path / d,
+            tmp_path / str(d),
             OneBitStrategy(freeze_step=switch, average_dtype=d, start_method="fork"),
             steps=steps,
         )
-        for d in ("float32", "bf16")
+        for d in ("float32", None)
     }
     numel = sum(v.numel() for v in runs["float32"][0]["params"].values())
     for d, records in runs.items():
         _assert_same_on_all_ranks(records)
-        warm = fp32_allreduce_bytes(numel, 2) // (2 if d == "bf16" else 1)
+        warm = fp32_allreduce_bytes(numel, 2) if d == "float32" else warmup_bytes(numel, 2)
         expect = switch * warm + (steps - switch) * _per_call(numel, 2)
         expect += _rescale_bytes(records[0]["params"], 2, steps - switch)
         assert records[0]["comm_stats"]["bytes_total"] == expect
-    fp32, bf16 = runs["float32"][0]["params"], runs["bf16"][0]["params"]
+    assert warmup_bytes(numel, 2) * 2 == fp32_allreduce_bytes(numel, 2)
+    fp32, bf16 = runs["float32"][0]["params"], runs[None][0]["params"]
     assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # the hook did round
     loss32, loss16 = _held_out_loss(fp32), _held_out_loss(bf16)
     assert abs(loss16 - loss32) < 0.02 * loss32, (loss32, loss16)
@@ -467,10 +490,10 @@ def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
     )
     assert records[0]["phase"] == "compression"
     numel = sum(v.numel() for v in records[0]["params"].values())
-    # 0.25 of 16 steps: exactly 4 warmup steps in fp32, then 12 compressed exchanges
-    assert records[0]["comm_stats"]["bytes_total"] == 4 * fp32_allreduce_bytes(
+    # 0.25 of 16 steps: exactly 4 warmup steps (bf16 average), then 12 compressed exchanges
+    assert records[0]["comm_stats"]["bytes_total"] == 4 * warmup_bytes(numel, 2) + 12 * _per_call(
         numel, 2
-    ) + 12 * _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2, 12)
+    ) + _rescale_bytes(records[0]["params"], 2, 12)
     sched = CompressionScheduler(freeze_step=10**6, adaptive=True, threshold=0.5, window=3)
     records = _fit(
         tmp_path / "adaptive",
@@ -526,7 +549,7 @@ def test_zero_one_adam_by_name_takes_local_steps_on_a_short_run(tmp_path: Path) 
     assert onebit_syncs == list(range(1, 41))
     # the same fp32 variance phase / warmup, then one 1-bit exchange per synchronising step
     numel = sum(v.numel() for v in zero_one["params"].values())
-    assert zero_one_sent[:8] == onebit_sent[:8] == [fp32_allreduce_bytes(numel, 2)] * 8
+    assert zero_one_sent[:8] == onebit_sent[:8] == [warmup_bytes(numel, 2)] * 8
     saved = (40 - len(SYNC_STEPS_OF_40)) * _per_call(numel, 2)
     # (a sync step after local steps first agrees on the parameters without a gradient: one
     # byte per parameter tensor)

@@ -806,12 +806,12 @@ def test_a_ddp_checkpoint_resumes_as_if_the_1bit_strategy_had_run_from_the_start
     algo: str, kw: dict, tmp_path: Path
 ) -> None:
     """A run under strategy="ddp" with torch Adam, resumed from its checkpoint under a 1-bit
-    strategy that switches at that very step: the warmup is Adam (bias-corrected), so the
-    result is the 1-bit run's from step 0, to float rounding. Before: the step count restarted
+    strategy that switches at that very step: with DDP's fp32 average the warmup is Adam
+    (bias-corrected), so the result is the 1-bit run's from step 0, to float rounding. Before: the step count restarted
     at 0 (bias corrections 10x and 1000x off, the first resumed steps 0.3x Adam's) and the
     switch came 12 steps late."""
     strategy = lambda: OneBitStrategy(  # noqa: E731
-        algorithm=algo, freeze_step=12, start_method="fork", **kw
+        algorithm=algo, freeze_step=12, average_dtype="float32", start_method="fork", **kw
     )
     ddp = _ddp_checkpoint(tmp_path)
     trace = SaveTrace(tmp_path / "resumed")
@@ -880,12 +880,13 @@ class LambRatios(Callback):
 
 
 def test_a_1bit_checkpoint_resumes_under_ddp(tmp_path: Path) -> None:
-    """Going back: a 1-bit Adam checkpoint taken in its warmup (which is Adam), resumed under
-    strategy="ddp" with torch Adam, continues as a DDP run from step 0 would (torch's Adam
-    needs each parameter's ``step``, which the state dict now carries: before, ``KeyError:
-    'step'``); one taken in the compression phase loads and trains on."""
+    """Going back: a 1-bit Adam checkpoint taken in its warmup (Adam, with DDP's fp32 average),
+    resumed under strategy="ddp" with torch Adam, continues as a DDP run from step 0 would
+    (torch's Adam needs each parameter's ``step``, which the state dict carries); one taken in
+    the compression phase loads and trains on."""
     warm = ModelCheckpoint(dirpath=tmp_path / "warm", every_n_train_steps=12)
-    _fit2(tmp_path / "a", OneBitStrategy(freeze_step=20, start_method="fork"), 12, callbacks=[warm])
+    fp32 = OneBitStrategy(freeze_step=20, average_dtype="float32", start_method="fork")
+    _fit2(tmp_path / "a", fp32, 12, callbacks=[warm])
     (path,) = (tmp_path / "warm").glob("*.ckpt")
     resumed = _fit2(tmp_path / "b", "ddp_notebook", 24, ckpt_path=path)
     whole = _fit2(tmp_path / "c", "ddp_notebook", 24)

@@ -93,6 +93,9 @@ def _fit(
 
 
 def _onebit(algorithm: str = "onebit_adam", freeze_step: int = STEPS + 1, **kw: Any) -> Any:
+    """The strategy with DDP's exact (fp32) warmup average: its warmup is torch's optimizer on
+    DDP's gradients, step for step, which these tests compare with DDP."""
+    kw.setdefault("average_dtype", "float32")
     return OneBitStrategy(algorithm=algorithm, freeze_step=freeze_step, start_method="fork", **kw)
 
 
