@@ -58,8 +58,9 @@ class OneBitStrategy(DDPStrategy):
     LR schedulers, any param groups), which the strategy replaces by the 1-bit optimizer; one of
     ours (:mod:`lightning_onebit.optim`) is used as built. DDP's gradient allreduce becomes a
     hook (on every device) that averages uncompressed on warmup steps (in bf16 by default:
-    ``average_dtype``) and sends nothing on compression steps, where the optimizer exchanges its 1-bit momentum. A
-    :class:`~lightning_onebit.callbacks.CompressionScheduler` is added when the Trainer has none.
+    ``average_dtype``) and sends nothing on compression steps, where the optimizer exchanges its
+    1-bit momentum. A :class:`~lightning_onebit.callbacks.CompressionScheduler` is added when the
+    Trainer has none.
     With ``16-mixed`` the scaler's overflow check is combined across ranks. Every rank writes its
     error buffers to ``<checkpoint>.onebit-rank<R>-of-<W>`` beside a checkpoint and reads them
     back on resume. Gradient clipping clips what ``optimizer.step()`` receives: averaged

@@ -772,8 +772,8 @@ def sync_update(
     host synchronisation), with the roundings of torch's CUDA kernels (its division by ``-lrs``
     is a multiplication by the reciprocal, taken in double and rounded to float). The kernel
     writes the parameters itself when every one is fp32 and contiguous, else they are copied
-    from ``synced`` after it (cast to their dtype). Without a compiled kernel for the device the torch ops run
-    (:func:`reference_sync_update`).
+    from ``synced`` after it (cast to their dtype). Without a compiled kernel for the device
+    the torch ops run (:func:`reference_sync_update`).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,

@@ -250,7 +250,6 @@ def test_half_precision_warmup_average(tmp_path: Path) -> None:
         expect = switch * warm + (steps - switch) * _per_call(numel, 2)
         expect += _rescale_bytes(records[0]["params"], 2, steps - switch)
         assert records[0]["comm_stats"]["bytes_total"] == expect
-    assert warmup_bytes(numel, 2) * 2 == fp32_allreduce_bytes(numel, 2)
     fp32, bf16 = runs["float32"][0]["params"], runs[None][0]["params"]
     assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # the hook did round
     loss32, loss16 = _held_out_loss(fp32), _held_out_loss(bf16)

@@ -807,9 +807,8 @@ def test_a_ddp_checkpoint_resumes_as_if_the_1bit_strategy_had_run_from_the_start
 ) -> None:
     """A run under strategy="ddp" with torch Adam, resumed from its checkpoint under a 1-bit
     strategy that switches at that very step: with DDP's fp32 average the warmup is Adam
-    (bias-corrected), so the result is the 1-bit run's from step 0, to float rounding. Before: the step count restarted
-    at 0 (bias corrections 10x and 1000x off, the first resumed steps 0.3x Adam's) and the
-    switch came 12 steps late."""
+    (bias-corrected), so the result is the 1-bit run's from step 0, to float rounding (the step
+    count continues, and the switch comes at step 12)."""
     strategy = lambda: OneBitStrategy(  # noqa: E731
         algorithm=algo, freeze_step=12, average_dtype="float32", start_method="fork", **kw
     )
