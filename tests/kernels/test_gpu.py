@@ -481,17 +481,25 @@ def test_sync_update_cuda_is_the_torch_ops_bitwise(
     assert not m[lo : lo + seg[2]].any()  # lrs 0: m = 0
 
 
-def _three_kernels(device: str, seed: int, fns: dict) -> list[torch.Tensor]:
-    """momentum_source, local_source (decay and accumulator) and sync_update (floored, acc) on
-    the "small" segments on ``device``, through ``fns`` (the kernels or their twins, by
-    name): every output."""
+def _three_inputs(device: str, seed: int) -> tuple:
+    """Inputs of :func:`_three_kernels` on the "small" segments on ``device`` (made here, not
+    in a block that forbids host synchronisation: a copy from pageable host memory waits)."""
     seg = SEGMENT_SIZES["small"]
     gen = torch.Generator().manual_seed(seed)
-    starts, n = _segments(seg)
-    m, g, p, acc = (_fresh(n, gen, 0.1, device) for _ in range(4))
-    d = _positive(n, gen, device)
-    beta, alpha, lr, wd = _source_hp(len(seg), gen)
-    case = _sync_case(seg, seed + 1, device)
+    _, n = _segments(seg)
+    tensors = [_fresh(n, gen, 0.1, device) for _ in range(4)]
+    tensors.append(_positive(n, gen, device))
+    return tensors, _source_hp(len(seg), gen), _sync_case(seg, seed + 1, device)
+
+
+def _three_kernels(inputs: tuple, fns: dict) -> list[torch.Tensor]:
+    """momentum_source, local_source (decay and accumulator) and sync_update (floored, acc) on
+    copies of ``inputs`` (:func:`_three_inputs`), through ``fns`` (the kernels or their twins,
+    by name): every output."""
+    seg = SEGMENT_SIZES["small"]
+    starts, _ = _segments(seg)
+    tensors, (beta, alpha, lr, wd), case = inputs
+    m, g, p, acc, d = (t.clone() for t in tensors)
     u1, u2 = torch.full_like(m, math.nan), torch.full_like(m, math.nan)
     fns["momentum_source"](m, g, d, u1, starts, seg, beta, alpha)
     fns["local_source"]((m, g, d), p, acc, u2, starts, seg, (beta, alpha, lr, wd), False)
@@ -509,13 +517,14 @@ def test_sources_and_sync_on_a_side_stream_without_host_sync(
 ) -> None:
     """Launched on the caller's current stream (a side stream here), with no host
     synchronisation (the tables travel from pinned memory): the twins' floats."""
-    want = _three_kernels("cuda", 71, _TWINS)
+    inputs = _three_inputs("cuda", 71)
+    want = _three_kernels(inputs, _TWINS)
     for name in _THREE:
         monkeypatch.setattr(K.ops, f"reference_{name}", _refuse)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), _NoHostSync():
-        got = _three_kernels("cuda", 71, _KERNELS)
+        got = _three_kernels(inputs, _KERNELS)
     torch.cuda.current_stream().wait_stream(side)
     assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True))
 
@@ -524,12 +533,13 @@ def test_sources_and_sync_on_a_side_stream_without_host_sync(
 def test_sources_and_sync_on_the_second_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors on cuda:1 while cuda:0 is current (a missing device guard launches on the
     wrong GPU): the twins' floats on cuda:1."""
+    inputs = _three_inputs("cuda:1", 81)
     with torch.cuda.device(1):
-        want = _three_kernels("cuda:1", 81, _TWINS)
+        want = _three_kernels(inputs, _TWINS)
     for name in _THREE:
         monkeypatch.setattr(K.ops, f"reference_{name}", _refuse)
     with torch.cuda.device(0):
-        got = _three_kernels("cuda:1", 81, _KERNELS)
+        got = _three_kernels(inputs, _KERNELS)
         torch.cuda.synchronize(1)
     assert all(t.device == torch.device("cuda:1") for t in got)
     assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True))
@@ -792,9 +802,11 @@ NAN_BATCHES = {
 }
 
 
-def _nan_run(algo: str, overlap: bool, how: str) -> tuple[torch.Tensor, Any]:
+def _nan_run(algo: str, overlap: bool, how: str) -> tuple[torch.Tensor, Any, bool]:
     """16 batches with NAN_BATCHES' losses NaN; ``how``: ``"device"`` (the verdicts on the
-    device), ``"host"`` (read on the host) or ``"skip"`` (those batches never happen)."""
+    device), ``"host"`` (read on the host) or ``"skip"`` (those batches never happen). Returns
+    the parameters, the optimizer and whether its exchange kept the verdicts on the device
+    (read before the overlap is turned off, which releases the exchange)."""
     model = _model().cuda()
     opt = _optimizer(algo, model, "strategy")
     if how == "host":
@@ -816,9 +828,10 @@ def _nan_run(algo: str, overlap: bool, how: str) -> tuple[torch.Tensor, Any]:
                 loss = loss * float("nan")
             loss.backward()
             opt.step()
+    on_device = opt.flat.exchange.device_verdict
     if overlap:
         opt.overlap_with_backward(None)
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt, on_device
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -828,9 +841,9 @@ def test_a_nan_is_dropped_on_the_device(algo: str, overlap: bool) -> None:
     optimizer state, bit for bit, as the host's verdict gives (1-bit Adam: as the run without
     those batches, its host path updating through other ops); the host counts the skipped
     steps once it learns the verdicts (the next step, or the checkpoint)."""
-    bad, opt = _nan_run(algo, overlap, "device")
-    ref, ref_opt = _nan_run(algo, overlap, "skip" if algo == "onebit_adam" else "host")
-    assert opt.flat.exchange.device_verdict and torch.isfinite(bad).all()
+    bad, opt, on_device = _nan_run(algo, overlap, "device")
+    ref, ref_opt, _ = _nan_run(algo, overlap, "skip" if algo == "onebit_adam" else "host")
+    assert on_device and torch.isfinite(bad).all()
     assert torch.equal(bad, ref), float((bad - ref).abs().max())
     state, ref_state = opt.state_dict(), ref_opt.state_dict()
     n = len(NAN_BATCHES[algo])  # (W = 1: 0/1 Adam's local skip is this rank's, counted too)
