@@ -232,8 +232,8 @@ void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src,
 // addcmul_ fma(value, t1 * t2, self), or fma(t1, t2, self) when value is 1, a division by a
 // Python scalar a multiply by its reciprocal taken in double and rounded to float), so that
 // they write the floats of the torch path on the same GPU bit for bit; where that differs from
-// x86 torch, the CPU kernels above round as the CPU does. Chunk table (over segments or parameters) and device-memory arrays as
-// adam_update_cuda; no reductions, no workspace, no verdict.
+// x86 torch, the CPU kernels above round as the CPU does. Chunk table (over segments or
+// parameters) and device-memory arrays as adam_update_cuda; no reductions, no workspace, no verdict.
 // momentum_source_cpu on device pointers: u <- fma(g, a, m * b), then u / d (d may be null); g is
 // the table of the segments' gradient pointers (device memory too; a null entry: zeros).
 void momentum_source_cuda(int device, const float* m, const float* const* g, const float* d, float* u, int64_t P,

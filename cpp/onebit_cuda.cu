@@ -765,21 +765,39 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
     const float sc = scaling[k], b1 = beta1[k], o1 = ob1[k], b2 = beta2[k], o2 = ob2[k], ep = eps[k], w = wd[k];
     float rmax = 0.0f;
     double up2 = 0.0, u2 = 0.0;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-      const float mn = __fdiv_rn(x[i], sc);
-      const float gi = __fdiv_rn(__fsub_rn(mn, __fmul_rn(b1, m[i])), o1);
-      const float vi = __fadd_rn(__fmul_rn(vf[i], b2), __fmul_rn(o2, __fmul_rn(gi, gi)));
-      const float di = d[i];
-      const float up = __fdiv_rn(mn, di);
-      const float uu = p ? __fadd_rn(up, __fmul_rn(w, p[i])) : up;
-      const float ratio = __fdiv_rn(di, __fadd_rn(__fsqrt_rn(vi), ep));
-      rmax = rmax < ratio ? ratio : rmax;  // std::max(rmax, ratio)
-      // float * float is exact in double: the squares are the CPU's, only their order differs
-      up2 = __dadd_rn(up2, __dmul_rn(double(up), double(up)));
-      u2 = __dadd_rn(u2, __dmul_rn(double(uu), double(uu)));
-      m[i] = mn;
-      vf[i] = vi;
-      u[i] = uu;
+    // kUnroll values per thread, all loads first (as in adam_kernel); each thread still
+    // visits its values in increasing i, so its sums fold in the same order as one at a time
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float xr[kUnroll], mr[kUnroll], dr[kUnroll], vr[kUnroll], pr[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        xr[k] = x[i];
+        mr[k] = m[i];
+        dr[k] = d[i];
+        vr[k] = vf[i];
+        pr[k] = p ? p[i] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        const float mn = __fdiv_rn(xr[k], sc);
+        const float gi = __fdiv_rn(__fsub_rn(mn, __fmul_rn(b1, mr[k])), o1);
+        const float vi = __fadd_rn(__fmul_rn(vr[k], b2), __fmul_rn(o2, __fmul_rn(gi, gi)));
+        const float di = dr[k];
+        const float up = __fdiv_rn(mn, di);
+        const float uu = p ? __fadd_rn(up, __fmul_rn(w, pr[k])) : up;
+        const float ratio = __fdiv_rn(di, __fadd_rn(__fsqrt_rn(vi), ep));
+        rmax = rmax < ratio ? ratio : rmax;  // std::max(rmax, ratio)
+        // float * float is exact in double: the squares are the CPU's, only their order differs
+        up2 = __dadd_rn(up2, __dmul_rn(double(up), double(up)));
+        u2 = __dadd_rn(u2, __dmul_rn(double(uu), double(uu)));
+        m[i] = mn;
+        vf[i] = vi;
+        u[i] = uu;
+      }
     }
     double r = rmax;  // exact
     block_stats3(r, up2, u2);
