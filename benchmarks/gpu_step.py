@@ -16,7 +16,9 @@ per exchange: 0/1 Adam, and the other two with ``DEVICE_VERDICT`` off, their tor
 ``verdict=off`` replaces that read by ``True`` (unsafe: what the read itself costs). The
 optimizers are switched to their compression phase after 2 steps (0/1 Adam: its local phase, a
 sync every step; "local steps": its local step interval at 16). ``--profile`` prints, per
-optimizer, the CUDA kernels of 5 steps in ``step()`` by device time (torch's profiler).
+optimizer, the CUDA kernels of 5 steps in ``step()`` by device time (torch's profiler), and the
+device's busy time and number of kernels per step: set next to the wall time per step, what is
+left is the GPU idle.
 """
 
 from __future__ import annotations
@@ -108,7 +110,11 @@ def _profile(args: argparse.Namespace, label: str, make: Callable) -> None:
         opt.step()
     torch.cuda.synchronize()
     prof.__exit__(None, None, None)
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 5 / 1e3  # (us -> ms per step)
+    launches = sum(e.count for e in events if e.self_device_time_total > 0) / 5
     print(f"\n### {label}: CUDA kernels of 5 steps (forward, backward and step)")
+    print(f"device busy {busy:.2f} ms per step in {launches:.0f} kernels and copies")
     print(
         prof.key_averages().table(
             sort_by="device_time_total", row_limit=25, max_name_column_width=60

@@ -3,7 +3,8 @@
 #   1. builds the extension with CUDA (ONEBIT_CUDA=ON: no CUDA kernels is a failure),
 #   2. runs the GPU tests (pytest -m cuda) and the kernel tests on both devices,
 #   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda) and the training
-#      step of each algorithm next to torch's fused AdamW (benchmarks/gpu_step.py),
+#      step of each algorithm next to torch's fused AdamW (benchmarks/gpu_step.py), and profiles
+#      the step of fused AdamW, 1-bit Adam and 1-bit LAMB (device busy time, kernels by time),
 #   4. fits the demo GPT for 40 steps on 1 GPU with each algorithm (and on every GPU, when there
 #      are several),
 # then prints a summary table. Uses the Python that has a CUDA torch (PYTHON, default python3);
@@ -42,7 +43,9 @@ step cuda_built $PY -c "import lightning_onebit.kernels as K; assert K.HAS_CUDA,
 step gpu_tests $PY -m pytest -q -m cuda -rs tests/
 step kernel_tests $PY -m pytest -q -x tests/kernels/test_kernels.py tests/exchange/test_comm.py
 step bench_kernels $PY benchmarks/kernels.py --device cuda --n 100000000 --repeat 20
-step bench_step $PY benchmarks/gpu_step.py
+# the rows the benchmark tables give (STEP_ROWS=.: every row, overlap and verdict variants too)
+step bench_step $PY benchmarks/gpu_step.py --only "${STEP_ROWS:-fused|in step\(\), verdict=device}"
+step profile_step $PY benchmarks/gpu_step.py --profile --only "fused|(1-bit Adam|1-bit LAMB), in step"
 if ! $PY -c "import jsonargparse, docstring_parser, typeshed_client" 2>/dev/null; then
   echo "gpu_check: the fits use LightningCLI, which needs jsonargparse[signatures]" \
     "(pip install 'jsonargparse[signatures]'): skipping them" >&2
@@ -70,4 +73,5 @@ printf '%s\n' "${SUMMARY[@]}"
 grep -E '^\| (worker_compress|worker_deferred|server_reduce|decompress|lamb_update|adam_update|fp32 copy|fp32 fill) ' \
   "$OUT/bench_kernels.log" || true
 grep -E '^\|' "$OUT/bench_step.log" || true
+grep -E '^(###|device busy)' "$OUT/profile_step.log" || true
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAILED
