@@ -77,6 +77,9 @@ METHODS = (
     "zero_one_adam",
     "onebit_lamb",
 )
+#: The floor with one one-value all-reduce per step: what waiting for the slowest rank costs
+#: (not run by default).
+SYNCED_FLOOR = ("nocomm_sync",)
 #: The 1-bit methods with their exchange in step() after backward (not run by default).
 SYNC_METHODS = ("onebit_adam_sync", "zero_one_adam_sync", "onebit_lamb_sync")
 #: The same through ``L.Trainer`` (``OneBitStrategy`` / ``DDPStrategy``; not run by default).
@@ -731,7 +734,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         (
             "method",
             args.methods,
-            METHODS + SYNC_METHODS + HIER_METHODS + LIGHTNING_METHODS + FABRIC_METHODS,
+            METHODS
+            + SYNCED_FLOOR
+            + SYNC_METHODS
+            + HIER_METHODS
+            + LIGHTNING_METHODS
+            + FABRIC_METHODS,
         ),
         ("workload", args.workloads, WORKLOADS),
     ):

@@ -17,6 +17,8 @@ finishes" per step, without a barrier inside the timed region.
 Methods (``--config`` key ``method``):
 
 * ``nocomm``: every rank steps torch Adam on its local gradient, no collective: the floor.
+* ``nocomm_sync``: ``nocomm`` with a one-value all-reduce before each step: the floor with the
+  wait for the slowest rank that every collective brings (not run by default).
 * ``ddp_adam``: DDP (fp32 allreduce, overlapped with backward) + torch Adam.
 * ``ddp_fp16``: DDP with ``default_hooks.fp16_compress_hook`` + torch Adam.
 * ``powersgd_r1`` / ``powersgd_r4``: DDP with ``powerSGD_hook`` (rank 1 / 4) + torch Adam.
@@ -238,6 +240,15 @@ class _HookBytes:
         return 2 * (self.world - 1) * self._bytes // self.world
 
 
+class _SyncedAdam(torch.optim.Adam):
+    """torch Adam whose step first all-reduces one value: every rank waits for the slowest, as
+    with any collective, but nothing else is sent."""
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        dist.all_reduce(torch.zeros(1))
+        return super().step(closure)
+
+
 def _build_method(
     name: str, model: nn.Module, cfg: dict[str, Any], world: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, int] | _HookBytes]:
@@ -246,12 +257,9 @@ def _build_method(
     betas = tuple(cfg.get("betas", (0.9, 0.999)))
     numel = sum(p.numel() for p in model.parameters())
     fp32 = 2 * (world - 1) * 4 * numel // world
-    if name == "nocomm":
-        return (
-            model,
-            torch.optim.Adam(model.parameters(), lr=lr, betas=betas),
-            {"warmup": 0, "compression": 0},
-        )
+    if name in ("nocomm", "nocomm_sync"):
+        cls = torch.optim.Adam if name == "nocomm" else _SyncedAdam
+        return model, cls(model.parameters(), lr=lr, betas=betas), {"warmup": 0, "compression": 0}
     # <1-bit method>_hier: the two-level exchange (nodes of LOCAL_WORLD_SIZE ranks);
     # <1-bit method>_sync: the exchange after backward instead of during it
     hier = name.endswith("_hier") and name[:-5] in ONEBIT_METHODS
@@ -393,8 +401,8 @@ class _Recorder:
         self.evals: list[dict[str, Any]] = []
 
     def evaluate(self, step: int) -> None:
-        # the model is identical on all ranks except for nocomm and 0/1 Adam's local steps
-        if self.rank == 0 and self.cfg["method"] != "nocomm":
+        # the model is identical on all ranks except for the floors and 0/1 Adam's local steps
+        if self.rank == 0 and self.cfg["method"] not in ("nocomm", "nocomm_sync"):
             self.evals.append({"step": step, "val_loss": evaluate(self.model, self.val)})
         dist.barrier()
 
