@@ -50,7 +50,8 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(SCRIPT),
         "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
-        "--workloads", "finetune", "--methods", "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam",
+        "--workloads", "finetune", "--methods",
+        "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam,nocomm_sync",
         "--steps", "8", "--warmup", "4", "--eval-every", "4", "--val-windows", "8",
         "--lr-schedule", "cosine", "--lr-warmup", "2",
         "--out-dir", str(tmp_path), "--name", "smoke", "--timeout", "120",
@@ -72,7 +73,11 @@ def test_cluster_smoke(tmp_path: Path) -> None:
     for ext in ("json", "md", "png"):
         assert (tmp_path / f"smoke.{ext}").is_file()
     rows = {r["method"]: r for r in summary["rows"]}
+    synced = rows.pop("nocomm_sync")
     assert set(rows) == {"ddp_adam", "onebit_adam", "pl_onebit_adam", "fabric_onebit_adam"}
+    # the synchronised floor: no bytes of its own, but its one-value all-reduce on the wire
+    assert "error" not in synced and synced["step_time_compression"] > 0
+    assert synced["bytes_compression"] == 0 and 0 < synced["tx_bytes_compression"] < 4096
     for r in rows.values():
         assert "error" not in r
         assert r["step_time_warmup"] > 0 and r["step_time_compression"] > 0
