@@ -22,8 +22,9 @@ for pair in worker_deferred:worker_pass1 server_reduce:server_pass1 decompress:d
   case_name=${pair%%:*}
   kernel=${pair##*:}
   echo "=== $case_name ($kernel)"
-  # --clock-control none: the clocks the benchmark runs at, not ncu's base clocks
-  "$NCU" --clock-control none --kernel-name "$kernel" --launch-count 1 \
+  # --clock-control none: the clocks the benchmark runs at, not ncu's base clocks; the name as a
+  # regex, so that it matches with or without the namespace (adam_kernel, not frozen_adam_kernel)
+  "$NCU" --clock-control none --kernel-name "regex:(^|:)$kernel$" --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis \
     "$PY" benchmarks/kernels.py --device cuda --n "$N" --repeat 1 --only "^$case_name\$" \
