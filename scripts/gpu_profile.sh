@@ -30,5 +30,5 @@ for pair in worker_deferred:worker_pass1 server_reduce:server_pass1 decompress:d
     "$PY" benchmarks/kernels.py --device cuda --n "$N" --repeat 1 --only "^$case_name\$" \
     >"$OUT/ncu_$case_name.txt" 2>&1
   grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per Thread|Waves Per SM|Block Limit Registers|Stall|One or More Eligible|Issued Warp" \
-    "$OUT/ncu_$case_name.txt" | head -n 20
+    "$OUT/ncu_$case_name.txt" | head -n 30
 done
