@@ -16,9 +16,9 @@ per exchange: 0/1 Adam, and the other two with ``DEVICE_VERDICT`` off, their tor
 ``verdict=off`` replaces that read by ``True`` (unsafe: what the read itself costs). The
 optimizers are switched to their compression phase after 2 steps (0/1 Adam: its local phase, a
 sync every step; "local steps": its local step interval at 16). ``--profile`` prints, per
-optimizer, the CUDA kernels of 5 steps in ``step()`` by device time (torch's profiler), and the
-device's busy time and number of kernels per step: set next to the wall time per step, what is
-left is the GPU idle.
+optimizer, the device time of forward+backward and of ``step()`` (CUDA events: kernels and the
+gaps between them), the device's busy time and number of kernels per step, and the CUDA kernels
+of 5 steps by device time (torch's profiler).
 """
 
 from __future__ import annotations
@@ -90,36 +90,47 @@ def _time(
 
 
 def _profile(args: argparse.Namespace, label: str, make: Callable) -> None:
-    """Print the CUDA kernels of 5 compressed steps of ``make``'s optimizer by device time."""
+    """Print where 5 compressed steps of ``make``'s optimizer spend the device's time: the span
+    from the end of backward to the end of ``step()`` on the device (CUDA events: kernels and
+    the gaps between them), the kernels' busy time per step, and the kernels by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     model = _model(args.width, args.layers)
     opt = make(model.parameters())
     x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), device="cuda")
-    for k in range(10):
-        if k == 5:
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(5)]
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    for k in range(15):  # 5 warmup steps (the switch), 5 timed by events, 5 profiled
+        if k == 10:
             torch.cuda.synchronize()
-            prof = profile(activities=[ProfilerActivity.CUDA])
             prof.__enter__()
+        mark = marks[k - 5] if 5 <= k < 10 else None
+        if mark:
+            mark[0].record()
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", torch.bfloat16):
             logits = model(x[:, :-1])
         torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), x[:, 1:].flatten()
         ).backward()
+        if mark:
+            mark[1].record()
         opt.step()
+        if mark:
+            mark[2].record()
     torch.cuda.synchronize()
     prof.__exit__(None, None, None)
+    fwd_bwd = statistics.median(m[0].elapsed_time(m[1]) for m in marks)
+    in_step = statistics.median(m[1].elapsed_time(m[2]) for m in marks)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 5 / 1e3  # (us -> ms per step)
     launches = sum(e.count for e in events if e.self_device_time_total > 0) / 5
     print(f"\n### {label}: CUDA kernels of 5 steps (forward, backward and step)")
-    print(f"device busy {busy:.2f} ms per step in {launches:.0f} kernels and copies")
     print(
-        prof.key_averages().table(
-            sort_by="device_time_total", row_limit=25, max_name_column_width=60
-        )
+        f"device: forward+backward {fwd_bwd:.2f} ms, step() {in_step:.2f} ms (medians of 5); "
+        f"busy {busy:.2f} ms per step in {launches:.0f} kernels and copies"
     )
+    print(events.table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:

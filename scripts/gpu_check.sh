@@ -4,7 +4,7 @@
 #   2. runs the GPU tests (pytest -m cuda) and the kernel tests on both devices,
 #   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda) and the training
 #      step of each algorithm next to torch's fused AdamW (benchmarks/gpu_step.py), and profiles
-#      the step of fused AdamW, 1-bit Adam and 1-bit LAMB (device busy time, kernels by time),
+#      the step of fused AdamW, 1-bit Adam and 1-bit LAMB (device time in step(), kernels),
 #   4. fits the demo GPT for 40 steps on 1 GPU with each algorithm (and on every GPU, when there
 #      are several),
 # then prints a summary table. Uses the Python that has a CUDA torch (PYTHON, default python3);
@@ -73,5 +73,5 @@ printf '%s\n' "${SUMMARY[@]}"
 grep -E '^\| (worker_compress|worker_deferred|server_reduce|decompress|lamb_update|adam_update|fp32 copy|fp32 fill) ' \
   "$OUT/bench_kernels.log" || true
 grep -E '^\|' "$OUT/bench_step.log" || true
-grep -E '^(###|device busy)' "$OUT/profile_step.log" || true
+grep -E '^(###|device:)' "$OUT/profile_step.log" || true
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAILED
