@@ -73,6 +73,8 @@ from torch import nn
 __all__ = ["GPT", "build", "load_corpus", "main"]
 
 ONEBIT_METHODS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+#: torch Adam on each rank's local gradient: the floor, and the floor that synchronises per step
+FLOOR_METHODS = ("nocomm", "nocomm_sync")
 DDP_METHODS = ("ddp_adam", "ddp_fp16", "powersgd_r1", "powersgd_r4")
 #: ``pl_<method>`` trains through ``L.Trainer`` (see :func:`_fit_lightning`)
 LIGHTNING_PREFIX = "pl_"
@@ -257,7 +259,7 @@ def _build_method(
     betas = tuple(cfg.get("betas", (0.9, 0.999)))
     numel = sum(p.numel() for p in model.parameters())
     fp32 = 2 * (world - 1) * 4 * numel // world
-    if name in ("nocomm", "nocomm_sync"):
+    if name in FLOOR_METHODS:
         cls = torch.optim.Adam if name == "nocomm" else _SyncedAdam
         return model, cls(model.parameters(), lr=lr, betas=betas), {"warmup": 0, "compression": 0}
     # <1-bit method>_hier: the two-level exchange (nodes of LOCAL_WORLD_SIZE ranks);
@@ -402,7 +404,7 @@ class _Recorder:
 
     def evaluate(self, step: int) -> None:
         # the model is identical on all ranks except for the floors and 0/1 Adam's local steps
-        if self.rank == 0 and self.cfg["method"] not in ("nocomm", "nocomm_sync"):
+        if self.rank == 0 and self.cfg["method"] not in FLOOR_METHODS:
             self.evals.append({"step": step, "val_loss": evaluate(self.model, self.val)})
         dist.barrier()
 
