@@ -27,6 +27,17 @@ PYBIND11_MODULE(_C, m) {
                                        pending, P<float>(scale_out), nthreads);
   }, release(), "y = x + e (e_true with pending); pack sign(y); e_out <- y unless 0; returns ||y||/sqrt(n)");
 
+  m.def("momentum_compress_cpu", [](ptr mm, ptr g, ptr d, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
+                                    int64_t base, int64_t nx, ptr e, ptr e_out, int64_t n, ptr bits, int64_t W,
+                                    int64_t row_stride, ptr prev_bits, float prev_scale, bool pending, ptr scale_out,
+                                    int nthreads) {
+    return onebit::momentum_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), np,
+                                         P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
+                                         P<const float>(a), base, nx, P<const float>(e), P<float>(e_out), n,
+                                         P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits), prev_scale,
+                                         pending, P<float>(scale_out), nthreads);
+  }, release(), "worker_compress_cpu of momentum_source_cpu's values of [base, base + nx), computed as read");
+
   m.def("worker_update_error_cpu", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, float scale,
                                       int nthreads) {
     onebit::worker_update_error_cpu(P<const float>(x), nx, P<const float>(e), P<float>(e_out), n, scale,

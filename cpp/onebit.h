@@ -62,6 +62,13 @@ inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
 float worker_compress_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits,
                           int64_t W, int64_t row_stride, const uint8_t* prev_bits, float prev_scale, bool pending,
                           float* scale_out, int nthreads);
+// worker_compress_cpu of the values momentum_source_cpu would write to u[base, base + nx) (its
+// segments tiling that range in order), computed block by block as the compression reads them
+// instead of read from a buffer: the same floats, bits and scale, without u's write and read.
+float momentum_compress_cpu(const float* m, const float* const* g, const float* d, int64_t P, const int64_t* starts,
+                            const int64_t* sizes, const float* b, const float* a, int64_t base, int64_t nx,
+                            const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
+                            const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out, int nthreads);
 // e_out <- y - scale * sign(y), y = x + e recomputed bit for bit (x and e unchanged since a
 // worker_compress_cpu call with a null e_out). e_out may be e (in place) or another buffer.
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n,

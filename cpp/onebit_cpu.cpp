@@ -156,6 +156,21 @@ void source_block_scalar(const float* m, const float* g, const float* d, float* 
   }
 }
 
+// momentum_source's segments as momentum_compress_cpu reads them: segment j holds the flat values
+// [starts[j], ends[j]) (the segments tile the call's range in order), gradient g[j] (its own
+// storage, from 0; null: zeros) and coefficients b[j], a[j]; value i of the call is flat index
+// base + i.
+struct MomentumSegments {
+  const float* m;
+  const float* const* g;
+  const float* d;
+  const int64_t* starts;
+  const int64_t* ends;
+  const float* b;
+  const float* a;
+  int64_t base;
+};
+
 // 1-bit Adam's compression-phase update of one parameter's values [lo, hi) of the flat buffers; its
 // storage p is indexed from 0 at lo. The roundings of the optimizer's torch ops: the decay
 // `p.add_(p, alpha=nlw)` is fma(p, nlw, p) (applied unless nlw is +0.0); precond: `m = x * d`,
@@ -292,6 +307,56 @@ AVX2 double compress_block_avx2(const float* x, int64_t nx, const float* e, floa
   return hsum(a0, a1);
 }
 
+// compress_block_avx2 of momentum_source's values (see MomentumSegments) for a block entirely below
+// the input's end (nx - nx % 8), computed in registers as they are read: the same floats and sum.
+// j: the segment holding the block's first value.
+AVX2 double momentum_compress_block_avx2(const MomentumSegments& s, int64_t j, const float* e, float* eo,
+                                         const uint8_t* prev, bool pending, float sp, int64_t lo, int64_t hi,
+                                         uint8_t* out) {
+  const bool stream = aligned_gap(eo + lo) == 0;  // (as compress_block_avx2)
+  const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  int64_t seg = -1;
+  __m256 bv = zero, av = zero;
+  const float* gj = nullptr;  // gj[f] is segment seg's gradient at flat index f
+  for (int64_t i = lo; i < hi; i += 8) {
+    const int64_t f = s.base + i;
+    while (f >= s.ends[j]) ++j;
+    __m256 x;
+    if (f + 8 <= s.ends[j]) {  // the 8 values in one segment
+      if (j != seg) {
+        seg = j;
+        bv = _mm256_set1_ps(s.b[j]);
+        av = _mm256_set1_ps(s.a[j]);
+        gj = s.g[j] ? s.g[j] - s.starts[j] : nullptr;
+      }
+      const __m256 gi = gj ? _mm256_loadu_ps(gj + f) : zero;
+      x = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(s.m + f), bv));
+      if (s.d) x = _mm256_div_ps(x, _mm256_loadu_ps(s.d + f));
+    } else {  // across a segment boundary: value by value, each with its own segment
+      alignas(32) float t[8];
+      for (int64_t q = f, k = j; q < f + 8; ++q) {
+        while (q >= s.ends[k]) ++k;
+        const float* gk = s.g[k] ? s.g[k] - s.starts[k] : nullptr;
+        source_block_scalar(s.m, gk, s.d, t - f, q, q + 1, s.b[k], s.a[k]);
+      }
+      x = _mm256_load_ps(t);
+    }
+    __m256 et = _mm256_loadu_ps(e + i);
+    if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(*prev++));
+    const __m256 y = _mm256_add_ps(x, et);
+    if (stream) {
+      _mm256_stream_ps(eo + i, y);
+    } else {
+      _mm256_storeu_ps(eo + i, y);
+    }
+    *out++ = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ)));
+    accumulate_squares(y, a0, a1);
+  }
+  if (stream) _mm_sfence();
+  return hsum(a0, a1);
+}
+
 AVX2 void update_block_avx2(const float* x, int64_t nx, const float* e, float* eo, int64_t lo, int64_t hi, float s) {
   const int64_t full = std::max(lo, std::min(hi, nx));  // x present below this (any alignment)
   const __m256 zero = _mm256_setzero_ps(), sv = _mm256_set1_ps(s);
@@ -395,19 +460,26 @@ AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t 
 }
 
 
+// Stream: u is not read back soon (the flat buffer: stores past the cache, no read for ownership);
+// otherwise u is a tile the caller reads at once (plain stores).
+template <bool Stream>
 AVX2 void source_block_avx2(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
                             float a) {
   const __m256 bv = _mm256_set1_ps(b), av = _mm256_set1_ps(a);
-  const int64_t head = std::min(hi, lo + aligned_gap(u + lo));  // u + i 32-byte aligned from here
+  const int64_t head = Stream ? std::min(hi, lo + aligned_gap(u + lo)) : lo;  // u + i 32-byte aligned from here
   if (lo < head) source_block_scalar(m, g, d, u, lo, head, b, a);
   int64_t i = head;
   for (; i + 8 <= hi; i += 8) {
     const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
     __m256 v = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
     if (d) v = _mm256_div_ps(v, _mm256_loadu_ps(d + i));
-    _mm256_stream_ps(u + i, v);  // (not read back soon: no read for ownership)
+    if (Stream) {
+      _mm256_stream_ps(u + i, v);
+    } else {
+      _mm256_storeu_ps(u + i, v);
+    }
   }
-  _mm_sfence();  // the streamed stores before anything this thread does next
+  if (Stream) _mm_sfence();  // the streamed stores before anything this thread does next
   if (i < hi) source_block_scalar(m, g, d, u, i, hi, b, a);
 }
 
@@ -513,6 +585,10 @@ struct Impl {
                double*);
   void (*adam)(const float*, float*, float*, float*, int64_t, int64_t, AdamCoef, bool);
   void (*source)(const float*, const float*, const float*, float*, int64_t, int64_t, float, float);
+  void (*source_tile)(const float*, const float*, const float*, float*, int64_t, int64_t, float, float);
+  // null: no fused form (momentum_compress_cpu fills a tile with source_tile and compresses it)
+  double (*momentum_compress)(const MomentumSegments&, int64_t, const float*, float*, const uint8_t*, bool, float,
+                              int64_t, int64_t, uint8_t*);
   void (*frozen)(const float*, float*, const float*, float*, int64_t, int64_t, float, float, bool);
   void (*local_source)(const float*, const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
                        LocalSourceCoef, bool);
@@ -525,10 +601,10 @@ const Impl& impl() {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
       return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2,
-                  adam_block_avx2, source_block_avx2, frozen_block_avx2, local_source_block_avx2, sync_block_avx2};
+                  adam_block_avx2, source_block_avx2<true>, source_block_avx2<false>, momentum_compress_block_avx2, frozen_block_avx2, local_source_block_avx2, sync_block_avx2};
 #endif
     return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar,
-                lamb_block_scalar, adam_block_scalar, source_block_scalar, frozen_block_scalar, local_source_block_scalar,
+                lamb_block_scalar, adam_block_scalar, source_block_scalar, source_block_scalar, nullptr, frozen_block_scalar, local_source_block_scalar,
                 sync_block_scalar};
   }();
   return chosen;
@@ -553,6 +629,30 @@ float finish_scale(const std::vector<double>& partial, int64_t n) {
   return static_cast<float>(std::sqrt(total) / std::sqrt(static_cast<double>(n)));
 }
 
+// The blocks of one worker compression (a block: at most kBlock values of one row), in parallel:
+// block(lo, hi, prev, out) compresses values [lo, hi) (prev: that block's bytes of prev_bits, null
+// without pending; out: its bytes of bits) and returns their sum of squares.
+template <class Block>
+float compress_blocks(Block block, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
+                      bool pending, float* scale_out, int nthreads) {
+  const int64_t m = n / W;
+  const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
+  const int64_t total = nb * W;
+  std::vector<double> partial(static_cast<size_t>(total));
+  const int nt = threads_for(n, nthreads);
+
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t blk = 0; blk < total; ++blk) {
+    const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
+    const int64_t hi = std::min(lo + kBlock, (j + 1) * m);
+    const int64_t byte = j * row_stride + (lo - j * m) / 8;
+    partial[blk] = block(lo, hi, pending ? prev_bits + byte : nullptr, bits + byte);
+  }
+  const float s = finish_scale(partial, n);
+  *scale_out = s;
+  return s;
+}
+
 }  // namespace
 
 bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
@@ -561,24 +661,49 @@ float worker_compress_cpu(const float* x, int64_t nx, const float* e, float* e_o
                           int64_t W, int64_t row_stride, const uint8_t* prev_bits, float prev_scale, bool pending,
                           float* scale_out, int nthreads) {
   detail::check_compress("worker_compress_cpu", nx, n, W);
-  const int64_t m = n / W;
-  const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
-  const int64_t total = nb * W;
-  std::vector<double> partial(static_cast<size_t>(total));
-  const int nt = threads_for(n, nthreads);
   const auto compress = impl().compress;
   const float sp = pending ? prev_scale : 0.0f;
+  const auto block = [&](int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out) {
+    return compress(x, nx, e, e_out, prev, pending, sp, lo, hi, out);
+  };
+  return compress_blocks(block, n, bits, W, row_stride, prev_bits, pending, scale_out, nthreads);
+}
 
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t blk = 0; blk < total; ++blk) {
-    const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
-    const int64_t hi = std::min(lo + kBlock, (j + 1) * m);
-    const int64_t byte = j * row_stride + (lo - j * m) / 8;
-    partial[blk] = compress(x, nx, e, e_out, pending ? prev_bits + byte : nullptr, pending, sp, lo, hi, bits + byte);
+float momentum_compress_cpu(const float* m, const float* const* g, const float* d, int64_t P, const int64_t* starts,
+                            const int64_t* sizes, const float* b, const float* a, int64_t base, int64_t nx,
+                            const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
+                            const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out,
+                            int nthreads) {
+  detail::check_compress("momentum_compress_cpu", nx, n, W);
+  detail::check_segments("momentum_compress_cpu", P);
+  std::vector<int64_t> ends(static_cast<size_t>(P));
+  int64_t at = base;
+  for (int64_t j = 0; j < P; ++j) {
+    detail::require(starts[j] == at && sizes[j] >= 0, "momentum_compress_cpu",
+                    "segments that tile [base, base + nx) in order");
+    at = ends[j] = starts[j] + sizes[j];
   }
-  const float s = finish_scale(partial, n);
-  *scale_out = s;
-  return s;
+  detail::require(at == base + nx, "momentum_compress_cpu", "segments that tile [base, base + nx) in order");
+  const MomentumSegments segs{m, g, d, starts, ends.data(), b, a, base};
+  const Impl& k = impl();
+  const float sp = pending ? prev_scale : 0.0f;
+  const int64_t whole = nx - nx % 8;  // blocks below this hold only whole groups of 8 input values
+  const auto block = [&](int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out) -> double {
+    // the segment holding flat index base + lo (the first that ends after it)
+    const int64_t j = std::upper_bound(ends.begin(), ends.end(), base + lo) - ends.begin();
+    if (k.momentum_compress && hi <= whole) return k.momentum_compress(segs, j, e, e_out, prev, pending, sp, lo, hi, out);
+    // Otherwise the values below nx into a tile (u[i]: flat index i), segment by segment, then the
+    // compression reads them from there (x[i]: value i): the same floats, never written to u.
+    alignas(32) float tile[kBlock];
+    float* u = tile - (base + lo);
+    for (int64_t q = j; q < P && starts[q] < base + std::min(hi, nx); ++q) {
+      const int64_t s0 = std::max(base + lo, starts[q]), s1 = std::min(base + std::min(hi, nx), ends[q]);
+      const float* gq = g[q] ? g[q] - starts[q] : nullptr;  // gq[f] is the segment's gradient at flat index f
+      if (s0 < s1) k.source_tile(m, gq, d, u, s0, s1, b[q], a[q]);
+    }
+    return k.compress(tile - lo, nx, e, e_out, prev, pending, sp, lo, hi, out);
+  };
+  return compress_blocks(block, n, bits, W, row_stride, prev_bits, pending, scale_out, nthreads);
 }
 
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, float scale,

@@ -228,6 +228,20 @@ void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool up
     if (!inside[i]) check(m[i] == m0[i] && v[i] == v0[i], "adam gap untouched", i, 0);
 }
 
+// One gradient per segment in an exact-size buffer of its own (kept in gs), every third one
+// missing (null: zeros): the source kernels' pointer table.
+std::vector<const float*> segment_grads(std::mt19937& rng, const std::vector<int64_t>& sizes,
+                                        std::vector<std::unique_ptr<float[]>>& gs) {
+  std::normal_distribution<float> normal;
+  std::vector<const float*> ptrs;
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    gs.push_back(buf<float>(sizes[j]));
+    for (int64_t k = 0; k < sizes[j]; ++k) gs.back()[k] = 1e-3f * normal(rng);
+    ptrs.push_back(j % 3 == 1 ? nullptr : gs.back().get());
+  }
+  return ptrs;
+}
+
 // momentum_source_cpu with each segment's gradient in an exact-size buffer of its own (every
 // third one missing: zeros): u must be fma(g, a, m * b) [/ d] bit for bit (the AVX2 path rounds
 // as the scalar one), +0.0 for a missing g included, and the gaps untouched.
@@ -241,12 +255,9 @@ void run_source_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool 
   for (int64_t i = 0; i < n; ++i) m[i] = i % 5 ? 0.1f * normal(rng) : (i % 2 ? -0.0f : 0.0f), d[i] = uni(rng);
   for (int64_t i = 0; i < n; ++i) u[i] = 12345.0f;
   std::vector<std::unique_ptr<float[]>> gs;
-  std::vector<const float*> ptrs;
+  const std::vector<const float*> ptrs = segment_grads(rng, sizes, gs);
   std::vector<float> b(P), a(P);
   for (int64_t j = 0; j < P; ++j) {
-    gs.push_back(buf<float>(sizes[j]));
-    for (int64_t k = 0; k < sizes[j]; ++k) gs.back()[k] = 1e-3f * normal(rng);
-    ptrs.push_back(j % 3 == 1 ? nullptr : gs.back().get());
     b[j] = j % 4 == 2 ? -0.9f : 0.9f, a[j] = j % 4 == 3 ? -0.1f : 0.1f * (j + 1);
   }
   onebit::momentum_source_cpu(m.get(), ptrs.data(), divide ? d.get() : nullptr, u.get(), P, starts.data(),
@@ -263,6 +274,44 @@ void run_source_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool 
   }
   for (int64_t i = 0; i < n; ++i)
     if (!inside[i]) check(u[i] == 12345.0f, "source gap untouched", i, 0);
+}
+
+// momentum_compress_cpu against momentum_source_cpu into u, then worker_compress_cpu of u: the same
+// bits (row padding untouched), scale and y, bit for bit. The segments tile [base, base + nx) (every
+// third gradient missing), every buffer of exact size: m and d end at base + nx, u is not written.
+void run_source_compress_case(std::mt19937& rng, const std::vector<int64_t>& sizes, int64_t W, bool divide,
+                              bool pending, int nthreads) {
+  const int64_t P = static_cast<int64_t>(sizes.size()), base = 3;
+  std::vector<int64_t> starts(P);
+  int64_t nx = 0;
+  for (int64_t j = 0; j < P; ++j) starts[j] = base + nx, nx += sizes[j];
+  const int64_t n = (nx + 8 * W - 1) / (8 * W) * 8 * W, m = n / W, stride = m / 8 + 2, nbytes = (W - 1) * stride + m / 8;
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  auto mm = buf<float>(base + nx), d = buf<float>(base + nx), u = buf<float>(base + nx);
+  for (int64_t i = 0; i < base + nx; ++i) mm[i] = i % 5 ? 0.1f * normal(rng) : (i % 2 ? -0.0f : 0.0f), d[i] = uni(rng);
+  std::vector<std::unique_ptr<float[]>> gs;
+  const std::vector<const float*> ptrs = segment_grads(rng, sizes, gs);
+  std::vector<float> b(P), a(P);
+  for (int64_t j = 0; j < P; ++j) {
+    b[j] = j % 4 == 2 ? -0.9f : 0.9f, a[j] = 0.1f * (j + 1);
+  }
+  auto e = buf<float>(n), y1 = buf<float>(n), y2 = buf<float>(n);
+  auto prev = buf<uint8_t>(nbytes), bits1 = buf<uint8_t>(nbytes), bits2 = buf<uint8_t>(nbytes);
+  for (int64_t i = 0; i < n; ++i) e[i] = normal(rng);
+  for (int64_t i = 0; i < nbytes; ++i) prev[i] = static_cast<uint8_t>(rng()), bits1[i] = bits2[i] = 0x5A;
+  const float* dp = divide ? d.get() : nullptr;
+  float s1 = 0.0f, s2 = 0.0f;
+  onebit::momentum_source_cpu(mm.get(), ptrs.data(), dp, u.get(), P, starts.data(), sizes.data(), b.data(), a.data(),
+                              nthreads);
+  onebit::worker_compress_cpu(u.get() + base, nx, e.get(), y1.get(), n, bits1.get(), W, stride, prev.get(), 0.25f,
+                              pending, &s1, nthreads);
+  onebit::momentum_compress_cpu(mm.get(), ptrs.data(), dp, P, starts.data(), sizes.data(), b.data(), a.data(), base,
+                                nx, e.get(), y2.get(), n, bits2.get(), W, stride, prev.get(), 0.25f, pending, &s2,
+                                nthreads);
+  check(std::memcmp(&s1, &s2, sizeof(float)) == 0, "source compress: scale", W, nx);
+  check(std::memcmp(bits1.get(), bits2.get(), nbytes) == 0, "source compress: bits", W, nx);
+  check(std::memcmp(y1.get(), y2.get(), sizeof(float) * n) == 0, "source compress: y", W, nx);
 }
 
 }  // namespace
@@ -297,6 +346,15 @@ int main() {
     for (int nt : {1, 2}) {
       run_source_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001, 9, 16}, divide, nt);
       ++cases;
+    }
+  }
+  for (int64_t W : {1, 2, 3}) {
+    for (bool pending : {false, true}) {
+      for (int nt : {1, 2}) {
+        run_source_compress_case(rng, {5, 8, 1, 20000, 77, 8190, 70001, 9, 16}, W, W != 2, pending, nt);
+        run_source_compress_case(rng, {3}, W, true, pending, nt);
+        cases += 2;
+      }
     }
   }
   std::printf("%d cases, %d failures\n", cases, failures);

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA
 from lightning_onebit.kernels.ops import (
+    MomentumSource,
     adam_update,
     decompress,
     frozen_adam_update,
@@ -52,6 +53,7 @@ from lightning_onebit.kernels.reference import (
 __all__ = [
     "HAS_CPP",
     "HAS_CUDA",
+    "MomentumSource",
     "adam_update",
     "decompress",
     "finish_pending",

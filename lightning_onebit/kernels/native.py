@@ -26,6 +26,7 @@ __all__ = [
     "local_source_cpu",
     "local_source_cuda",
     "module",
+    "momentum_compress_cpu",
     "momentum_source_cpu",
     "momentum_source_cuda",
     "nthreads",
@@ -436,6 +437,22 @@ def _grad_pointers(grads: list[torch.Tensor | None]) -> list[int]:
     return [0 if g is None else g.data_ptr() for g in grads]
 
 
+def _segment_arrays(
+    grads: list[torch.Tensor | None],
+    starts: list[int],
+    sizes: list[int],
+    coefs: tuple[list[float], ...],
+) -> list[torch.Tensor]:
+    """The CPU source kernels' host arrays: gradient pointers, starts, sizes (int64) and each
+    per-segment coefficient list (float32)."""
+    return [
+        torch.tensor(_grad_pointers(grads), dtype=torch.int64),
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor(sizes, dtype=torch.int64),
+        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
+    ]
+
+
 def momentum_source_cpu(
     tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
     starts: list[int],
@@ -446,12 +463,7 @@ def momentum_source_cpu(
     gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
     ``exp_avg`` and of the gradient)."""
     exp_avg, grads, denom, out = tensors
-    arrays = [
-        torch.tensor(_grad_pointers(grads), dtype=torch.int64),
-        torch.tensor(starts, dtype=torch.int64),
-        torch.tensor(sizes, dtype=torch.int64),
-        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
-    ]
+    arrays = _segment_arrays(grads, starts, sizes, coefs)
     module.momentum_source_cpu(
         exp_avg.data_ptr(),
         arrays[0].data_ptr(),
@@ -459,6 +471,46 @@ def momentum_source_cpu(
         out.data_ptr(),
         len(starts),
         *(a.data_ptr() for a in arrays[1:]),
+        nthreads(),
+    )
+
+
+def momentum_compress_cpu(
+    tensors: tuple[
+        torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, list[int], list[int]
+    ],
+    coefs: tuple[list[float], list[float]],
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor,
+    pending: bool,
+    prev_bits: torch.Tensor,
+    prev_scale: torch.Tensor,
+) -> None:
+    """The compiled deferred ``worker_compress`` of ``momentum_source``'s values (``tensors``:
+    exp_avg, the segments' gradients, denom or ``None``, the segments' starts and sizes, which
+    tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient)."""
+    exp_avg, grads, denom, starts, sizes = tensors
+    arrays = _segment_arrays(grads, starts, sizes, coefs)
+    module.momentum_compress_cpu(
+        exp_avg.data_ptr(),
+        arrays[0].data_ptr(),
+        0 if denom is None else denom.data_ptr(),
+        len(starts),
+        *(a.data_ptr() for a in arrays[1:]),
+        starts[0],
+        sum(sizes),
+        error.data_ptr(),
+        error_out.data_ptr(),
+        error.numel(),
+        bits.data_ptr(),
+        bits.size(0),
+        bits.stride(0),
+        prev_bits.data_ptr() if pending else 0,
+        float(prev_scale) if pending else 0.0,
+        bool(pending),
+        scale.data_ptr(),
         nthreads(),
     )
 

@@ -4,6 +4,7 @@ none applies."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ from lightning_onebit.kernels.reference import (
 )
 
 __all__ = [
+    "MomentumSource",
     "adam_update",
     "decompress",
     "frozen_adam_update",
@@ -50,7 +52,7 @@ __all__ = [
 
 
 def worker_compress(
-    x: torch.Tensor,
+    x: torch.Tensor | MomentumSource,
     error: torch.Tensor,
     bits: torch.Tensor,
     scale: torch.Tensor,
@@ -82,8 +84,12 @@ def worker_compress(
       :func:`server_reduce`'s. A separate ``error_out`` (and ``bits``) leaves the inputs as
       they were (double buffering: a call that may still be dropped).
 
+    ``x`` may be a :class:`MomentumSource`: the deferred form computes its values as it reads
+    them where it can (:attr:`MomentumSource.computed_as_read`), the same floats as from the
+    buffer; otherwise it materializes them first.
+
     Args:
-        x: float32, contiguous, at most ``n`` values (any shape).
+        x: float32, contiguous, at most ``n`` values (any shape); or a :class:`MomentumSource`.
         error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
         bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
         scale: float32 with one element; receives the scale (on the tensors' device).
@@ -106,6 +112,12 @@ def worker_compress(
         raise ValueError(
             "deferred=True updates the error (deferred); update_error=False is the two-call form"
         )
+    source = None
+    if isinstance(x, MomentumSource):
+        if deferred and x.computed_as_read:  # (x: its geometry, for the checks; not read)
+            source, x = x, x.out[x.lo : x.hi]
+        else:
+            x = x.materialize()
     error_out = error if error_out is None else error_out
     prev_bits = bits if prev_bits is None else prev_bits
     prev_scale = scale if prev_scale is None else prev_scale
@@ -157,6 +169,12 @@ def worker_compress(
             prev_bits=prev_bits,
             prev_scale=prev_scale,
         )
+        return
+    if source is not None:
+        args = (source.exp_avg, source.grad, source.denom, source.starts, source.sizes)
+        coefs = (source.beta, source.alpha)
+        native.momentum_compress_cpu(args, coefs, error, bits, scale, error_out, pending, prev_bits,
+                                     prev_scale)  # fmt: skip
         return
     if deferred:
         native.worker_compress(x, error, bits, scale, error_out, pending, prev_bits, prev_scale)
@@ -581,6 +599,21 @@ def momentum_source(
             a segment that does not fit or a per-segment gradient of another size; lists of
             other lengths.
     """
+    grads = _check_momentum_source((exp_avg, grad, denom, out, starts, sizes, beta, alpha))
+    device = exp_avg.device
+    if not _has_kernel(device) or not native.use_native():
+        reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
+        return
+    if device.type == "cuda":
+        native.momentum_source_cuda((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+    else:
+        native.momentum_source_cpu((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+
+
+def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
+    """:func:`momentum_source`'s checks of its arguments ``args``, in order; returns the
+    gradient as one entry per segment."""
+    exp_avg, grad, denom, out, starts, sizes, beta, alpha = args
     named = [("exp_avg", exp_avg), ("out", out)]
     if isinstance(grad, torch.Tensor):
         named.append(("grad", grad))
@@ -592,17 +625,74 @@ def momentum_source(
     device = check_device(*named, need_cuda_kernels=False)
     _check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
     if isinstance(grad, torch.Tensor):
-        grads = [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
-    else:
-        grads = list(grad)
-        _check_segment_grads(grads, sizes, device)
-    if not _has_kernel(device) or not native.use_native():
-        reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
-        return
-    if device.type == "cuda":
-        native.momentum_source_cuda((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
-    else:
-        native.momentum_source_cpu((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+        return [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
+    grads = list(grad)
+    _check_segment_grads(grads, sizes, device)
+    return grads
+
+
+@dataclasses.dataclass(eq=False)
+class MomentumSource:
+    """:func:`momentum_source`'s values, not computed yet: the input of an exchange call
+    (:func:`worker_compress`), for segments that tile the flat range ``[lo, hi)`` in order
+    (an exchange's bucket: whole parameters).
+
+    Where the compiled CPU kernel applies (:attr:`computed_as_read`), :func:`worker_compress`
+    computes each value as it compresses it: the same floats, bits and scale, without writing
+    ``out`` and reading it back (two of the four fp32 sweeps of source and compression).
+    Elsewhere :meth:`materialize` runs :func:`momentum_source` into ``out`` first. The
+    arguments are :func:`momentum_source`'s, checked here; the gradients are read when the
+    values are computed.
+
+    Raises:
+        TypeError, ValueError: as :func:`momentum_source`; segments that do not tile a
+            non-empty range in order.
+    """
+
+    exp_avg: torch.Tensor
+    grad: torch.Tensor | Sequence[torch.Tensor | None]
+    denom: torch.Tensor | None
+    out: torch.Tensor
+    starts: list[int]
+    sizes: list[int]
+    beta: list[float]
+    alpha: list[float]
+
+    def __post_init__(self) -> None:
+        args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
+        self.grad = _check_momentum_source((*args, self.beta, self.alpha))
+        ends = list(itertools.accumulate(self.sizes, initial=self.starts[0] if self.starts else 0))
+        if not self.starts or list(self.starts) != ends[:-1] or ends[-1] == ends[0]:
+            raise ValueError(
+                "a MomentumSource's segments must tile a non-empty flat range in order, got "
+                f"starts {self.starts} and sizes {self.sizes}"
+            )
+        self.lo, self.hi = ends[0], ends[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.exp_avg.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.hi - self.lo])
+
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def computed_as_read(self) -> bool:
+        """Whether :func:`worker_compress` (``deferred=True``) computes the values as it reads
+        them: the compiled module's CPU kernel (CUDA and the pure-torch path materialize)."""
+        return self.device.type == "cpu" and native.use_native()
+
+    def materialize(self) -> torch.Tensor:
+        """Run :func:`momentum_source` into ``out``; return ``out[lo:hi]``."""
+        momentum_source(
+            self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes, self.beta,
+            self.alpha,
+        )  # fmt: skip
+        return self.out[self.lo : self.hi]
 
 
 def _check_segment_grads(

@@ -376,10 +376,12 @@ case, grads = T._segment_grads(T._source_case(5), 5)
 source_seg = {d: T.source_run(K.momentum_source, (case[0], grads, *case[2:]), d) for d in (False, True)}
 frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in (False, True)}
 local = {pre: T.local_runs(K.local_source, pre) for pre in (False, True)}
+m, g, d, st, sz, b, a = T._tiled(T.SOURCE_TILINGS["awkward"], 3)
+compress_source = T._compress_source(K.MomentumSource(m, g, d, m.clone(), st, sz, b, a), 3, True, 3)
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
-            "sync": sync}, sys.argv[1])
+            "sync": sync, "compress_source": compress_source}, sys.argv[1])
 """
 
 
@@ -763,6 +765,123 @@ def test_momentum_source_rejects_bad_input() -> None:
         K.momentum_source(m, [None, g8.double()], None, out, [0, 8], [8, 8], [0.9] * 2, [0.1] * 2)
     with pytest.raises(ValueError, match=r"grad\[0\] must be contiguous"):
         K.momentum_source(m, [torch.zeros(4, 2).t()], None, out, [0], [8], [0.9], [0.1])
+
+
+def _tiled(sizes: list[int], seed: int, base: int = 5):
+    """A momentum source over segments that tile ``[base, base + sum(sizes))`` (an exchange's
+    bucket): m, d, per-segment gradients (some None, -0.0 and +0.0 in m), starts, betas."""
+    gen = torch.Generator().manual_seed(seed)
+    n = base + sum(sizes) + 4
+    m, d = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.1 + 1e-4
+    m[::5], m[2::7] = 0.0, -0.0
+    starts = [base + sum(sizes[:k]) for k in range(len(sizes))]
+    grads = [
+        None if k % 4 == 1 else torch.randn(z, generator=gen) * 1e-3 for k, z in enumerate(sizes)
+    ]
+    beta = [0.8 + 0.19 * a for a in torch.rand(len(sizes), generator=gen).tolist()]
+    beta[0] = -beta[0]  # (m * beta is -0.0 where m is +0.0)
+    alpha = [(1 - abs(b)) * 1.3 for b in beta]
+    return m, grads, d, starts, sizes, beta, alpha
+
+
+def _compress_source(x, w: int, pending: bool, seed: int):
+    """Deferred worker_compress of ``x`` (a tensor or a MomentumSource) with a fresh error,
+    previous bits and scale from ``seed``: (bits, scale, y) after the call."""
+    gen = torch.Generator().manual_seed(seed)
+    nx = x.numel()
+    n = -(-nx // (8 * w)) * 8 * w
+    error, y = torch.randn(n, generator=gen), torch.full((n,), float("nan"))
+    prev = torch.randint(0, 256, (w, n // (8 * w)), generator=gen, dtype=torch.uint8)
+    bits, scale = torch.zeros_like(prev), torch.zeros(1)
+    K.worker_compress(x, error, bits, scale, deferred=True, error_out=y, pending=pending,
+                      prev_bits=prev, prev_scale=torch.tensor([0.03]))  # fmt: skip
+    return bits, scale, y
+
+
+#: tilings of a bucket: segment ends inside and across 8-value groups and 8192-value blocks
+#: (rows of W = 3 cut them elsewhere), a padded tail, many small segments, one large
+SOURCE_TILINGS = {
+    "awkward": [1, 7, 8, 9, 31, 33, 20_003],
+    "blocks": [8190, 5, 8192, 16_389, 3],
+    "many": [1 + (7 * k) % 23 for k in range(40)],
+    "large": [100_001],
+}
+
+
+@pytest.mark.parametrize("tiling", list(SOURCE_TILINGS))
+@pytest.mark.parametrize("divide", [False, True])
+def test_worker_compress_of_a_momentum_source_is_the_buffer_form_bitwise(
+    tiling: str, divide: bool
+) -> None:
+    """A MomentumSource compressed as it is read gives the bits, scale and y of
+    ``momentum_source`` into a buffer then ``worker_compress`` of it, bit for bit (W = 1, 2, 3,
+    with and without a pending update, 1 and 2 threads), without writing ``out``; the
+    gradients unchanged."""
+    m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS[tiling], len(tiling))
+    d = d if divide else None
+    before = [None if g is None else g.clone() for g in grads]
+    lo, hi = starts[0], starts[-1] + sizes[-1]
+    buf = torch.full_like(m, float("nan"))
+    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    old = torch.get_num_threads()
+    try:
+        for nt, w, pending in itertools.product((1, 2), (1, 2, 3), (False, True)):
+            torch.set_num_threads(nt)
+            out = torch.full_like(m, float("nan"))
+            source = K.MomentumSource(m, grads, d, out, starts, sizes, beta, alpha)
+            assert source.computed_as_read and source.numel() == hi - lo
+            got = _compress_source(source, w, pending, seed=w)
+            want = _compress_source(buf[lo:hi], w, pending, seed=w)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (nt, w, pending)
+            assert out.isnan().all(), (nt, w, pending)
+    finally:
+        torch.set_num_threads(old)
+    for g, g0 in zip(grads, before, strict=True):
+        assert g is g0 is None or _same_bits(g, g0)
+
+
+def test_worker_compress_of_a_momentum_source_portable_path_is_bitwise_too(portable: dict) -> None:
+    m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS["awkward"], 3)
+    buf = torch.full_like(m, float("nan"))
+    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    want = _compress_source(buf[starts[0] : starts[-1] + sizes[-1]], 3, True, seed=3)
+    for a, b in zip(portable["compress_source"], want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_momentum_source_elsewhere_is_materialized_first() -> None:
+    """The two-call form (``update_error=False``) reads the values twice: the source is
+    computed into ``out`` first, the same results as from a buffer."""
+    m, grads, d, starts, sizes, beta, alpha = _tiled([3, 29, 12], 4)
+    lo, hi = starts[0], starts[-1] + sizes[-1]
+    buf = torch.zeros_like(m)
+    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    n = 48
+    for x in (
+        buf[lo:hi],
+        K.MomentumSource(m, grads, d, torch.zeros_like(m), starts, sizes, beta, alpha),
+    ):
+        e, bits, scale = torch.ones(n), torch.zeros(2, n // 16, dtype=torch.uint8), torch.zeros(1)
+        K.worker_compress(x, e, bits, scale, update_error=False)
+        if isinstance(x, torch.Tensor):
+            want = (bits, scale)
+        else:
+            assert torch.equal(x.out[lo:hi], buf[lo:hi])
+            assert torch.equal(bits, want[0]) and torch.equal(scale, want[1])
+
+
+def test_momentum_source_rejects_segments_that_do_not_tile_a_range() -> None:
+    m = torch.zeros(32)
+    args = (m, m, None, torch.zeros(32))
+    with pytest.raises(ValueError, match="tile a non-empty flat range in order"):
+        K.MomentumSource(*args, [0, 9], [8, 8], [0.9] * 2, [0.1] * 2)  # (a gap)
+    with pytest.raises(ValueError, match="tile a non-empty flat range in order"):
+        K.MomentumSource(*args, [8, 0], [8, 8], [0.9] * 2, [0.1] * 2)  # (out of order)
+    with pytest.raises(ValueError, match="tile a non-empty flat range in order"):
+        K.MomentumSource(*args, [], [], [], [])
+    with pytest.raises(ValueError, match="does not fit"):
+        K.MomentumSource(*args, [30], [8], [0.9], [0.1])
 
 
 def _frozen_by_torch(case, precond: bool):
