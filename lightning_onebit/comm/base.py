@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from lightning_onebit import kernels
+
 __all__ = [
     "AVERAGE_DTYPES",
     "Exchange",
@@ -100,24 +102,29 @@ def all_finite(scales: torch.Tensor) -> bool:
     return bool(torch.isfinite(scales).all())
 
 
-def check_input(tensor: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+def check_input(
+    tensor: torch.Tensor | kernels.MomentumSource, numel: int, device: torch.device
+) -> torch.Tensor | kernels.MomentumSource:
     """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
-    values on ``device``: what an exchange built for that takes."""
-    if not isinstance(tensor, torch.Tensor):
+    values on ``device``, or a :class:`~lightning_onebit.kernels.MomentumSource` of ``numel``
+    values on ``device`` (as it is): what an exchange built for that takes."""
+    if isinstance(tensor, kernels.MomentumSource):
+        numel_in = tensor.numel()
+    elif not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != torch.float32:
+    elif tensor.dtype != torch.float32:
         raise TypeError(
             f"CompressedAllreduce works on float32 buffers, got {tensor.dtype}; pass tensor.float()"
         )
-    if tensor.numel() != numel:
-        raise ValueError(
-            f"this exchange was built for {numel} values, got a tensor of {tensor.numel()}"
-        )
+    else:
+        numel_in = tensor.numel()
+    if numel_in != numel:
+        raise ValueError(f"this exchange was built for {numel} values, got a tensor of {numel_in}")
     if tensor.device != device:
         raise ValueError(
             f"this exchange's buffers are on {device}, the tensor is on {tensor.device}"
         )
-    return tensor.reshape(-1)
+    return tensor if isinstance(tensor, kernels.MomentumSource) else tensor.reshape(-1)
 
 
 class Handle(Protocol):

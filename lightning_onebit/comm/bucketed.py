@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm.base import Exchange, Handle
 from lightning_onebit.comm.hierarchical import NodeGroups, make_exchange
+from lightning_onebit.kernels import MomentumSource
 
 __all__ = ["BucketedAllreduce"]
 
@@ -84,9 +85,16 @@ class BucketedAllreduce(Exchange):
     def started(self) -> list[bool]:
         return [h is not None for h in self._handles]
 
-    def start_bucket(self, b: int, values: torch.Tensor) -> None:
+    def prepare_bucket(self, b: int, values: torch.Tensor | MomentumSource) -> Any:
+        """The part of bucket ``b``'s call that reads ``values`` (its ``stop - start`` values),
+        now: what :meth:`start_bucket` takes (see :meth:`CompressedAllreduce.prepare
+        <lightning_onebit.comm.CompressedAllreduce.prepare>`)."""
+        return self.buckets[b].prepare(values, commit=False)
+
+    def start_bucket(self, b: int, values: torch.Tensor | MomentumSource | Any) -> None:
         """Start bucket ``b`` (every bucket before it must have been started) from ``values``
-        (its ``stop - start`` values; read now and not needed afterwards)."""
+        (its ``stop - start`` values, read now and not needed afterwards, or what
+        :meth:`prepare_bucket` returned)."""
         if b and self._handles[b - 1] is None:
             raise RuntimeError(f"bucket {b} started before bucket {b - 1}: start them in order")
         self._handles[b] = self.buckets[b].start(values, commit=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,19 @@ from lightning_onebit.comm.base import (
     fp32_allreduce_bytes,
 )
 
-__all__ = ["CompressedAllreduce", "ExchangeHandle"]
+__all__ = ["Compressed", "CompressedAllreduce", "ExchangeHandle"]
+
+
+class Compressed(NamedTuple):
+    """A call's stage 1, done (:meth:`CompressedAllreduce.prepare`): the worker compression
+    into the send records of error-buffer set ``next_set``; :meth:`CompressedAllreduce.start`
+    sends them. ``x``: the input where the call reads it again (one set of error buffers)."""
+
+    exchange: CompressedAllreduce
+    x: torch.Tensor | kernels.MomentumSource
+    shape: torch.Size
+    next_set: int
+    commit: bool
 
 
 class ExchangeHandle(Handle):
@@ -269,13 +281,35 @@ class CompressedAllreduce(Exchange):
 
     # ------------------------------------------------------------------ the exchange
 
+    def prepare(
+        self, values: torch.Tensor | kernels.MomentumSource, *, commit: bool = True
+    ) -> torch.Tensor | Compressed:
+        """The part of a call that reads its input, now; :meth:`start` takes the result.
+
+        A :class:`~lightning_onebit.kernels.MomentumSource` that the compression computes as
+        it reads it (double buffered, on the CPU: reads the gradients) is compressed here,
+        stage 1 of the call; any other is materialized. A tensor is returned as it is. So a
+        thread that must not read the gradients can run :meth:`start` on the result.
+        ``commit`` must be :meth:`start`'s."""
+        if not isinstance(values, kernels.MomentumSource):
+            return values
+        if self.double_buffered and values.computed_as_read:
+            return self._compress(values, commit)
+        return values.materialize()
+
     def start(
-        self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, commit: bool = True
+        self,
+        tensor: torch.Tensor | kernels.MomentumSource | Compressed,
+        out: torch.Tensor | None = None,
+        *,
+        commit: bool = True,
     ) -> ExchangeHandle:
         """Run compression and the server stage now; return with the final all_gather in flight.
 
         Args:
             tensor: float32, ``numel`` values, any shape; not modified (unless it is ``out``).
+                Or a :class:`~lightning_onebit.kernels.MomentumSource` of ``numel`` values, or
+                what :meth:`prepare` returned.
             out: where to write the result (``numel`` float32 values, contiguous; may be
                 ``tensor`` itself). Default: an internal buffer, overwritten by the next call.
             commit: update the error buffers now. ``False`` (needs ``double_buffered=True``)
@@ -286,13 +320,12 @@ class CompressedAllreduce(Exchange):
             NonFiniteError: (``commit=True``) on every rank, when any rank's input has a NaN/Inf;
                 nothing changed.
         """
-        if not commit and not self.double_buffered:
-            raise ValueError("start(commit=False) needs CompressedAllreduce(double_buffered=True)")
-        if self._uncommitted is not None:
-            raise RuntimeError(
-                "the previous start(commit=False) was neither committed nor discarded"
-            )
-        x = check_input(tensor, self.numel, self.device)
+        if isinstance(tensor, Compressed):
+            if tensor.exchange is not self or tensor.commit != commit:
+                raise ValueError("start() takes this exchange's prepare() result, same commit")
+            c = tensor
+        else:
+            c = self._compress(tensor, commit)
         if out is None:
             out = self._out
         elif (
@@ -305,32 +338,9 @@ class CompressedAllreduce(Exchange):
                 f"out must be a contiguous float32 tensor of {self.numel} values on {self.device}"
             )
         w, row = self.world_size, self.chunk_numel // 8
-        cur = self._cur
-        deferred = self.double_buffered
-        nxt = 1 - cur if deferred else cur
+        cur, nxt, x = self._cur, c.next_set, c.x
         send = self._send[nxt]
         recv = send if self._recv is None else self._recv
-
-        # 1. worker compression straight into the send records, scale copied into each record.
-        #    Double buffered: y into the next set, its error update deferred (one sweep). One set:
-        #    the error is updated only once every rank's scale is known to be finite.
-        if deferred:
-            kernels.worker_compress(
-                x,
-                self._werr[cur],
-                self._bits(send, row),
-                self._wscale[nxt],
-                deferred=True,
-                error_out=self._werr[nxt],
-                pending=self._pending,
-                prev_bits=self._bits(self._send[cur], row),
-                prev_scale=self._wscale[cur],
-            )
-        else:
-            kernels.worker_compress(
-                x, self._werr[cur], self._bits(send, row), self._wscale[nxt], update_error=False
-            )
-        self._scales(send).copy_(self._wscale[nxt].expand(w))
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
             with self._explained("all_to_all"):
@@ -349,16 +359,16 @@ class CompressedAllreduce(Exchange):
             if commit:
                 raise self._non_finite(bad, self.calls)
             return ExchangeHandle(
-                self, None, out, tensor.shape, finite=False, bad_ranks=bad, call=self.calls
+                self, None, out, c.shape, finite=False, bad_ranks=bad, call=self.calls
             )
-        if not deferred:
+        if not self.double_buffered:
             kernels.worker_update_error(x, self._werr[cur], self._wscale[cur], out=self._werr[cur])
         if w == 1:
             # 3-4 at W = 1 are the identity: the one chunk's average is s * sign(y) itself and
             # its recompression gives back the same scale and signs with a server error of
             # exactly 0 (the norm of n values +-s is s * sqrt(n), exact in float32 after the
             # double sum), so the worker's record is the result.
-            return self._handle(out, tensor.shape, None, send, nxt, commit)
+            return self._handle(out, c.shape, None, send, nxt, commit)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
         rec, prev = self._srec[nxt], self._srec[cur]
@@ -378,7 +388,45 @@ class CompressedAllreduce(Exchange):
         assert gathered is not None  # (W > 1)
         with self._explained("all_gather"):
             work = all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
-        return self._handle(out, tensor.shape, work, gathered, nxt, commit)
+        return self._handle(out, c.shape, work, gathered, nxt, commit)
+
+    def _compress(self, values: torch.Tensor | kernels.MomentumSource, commit: bool) -> Compressed:
+        """Stage 1 of a call: the worker compression, straight into the send records of the
+        error-buffer set the call writes, its scale copied into each record."""
+        if not commit and not self.double_buffered:
+            raise ValueError("start(commit=False) needs CompressedAllreduce(double_buffered=True)")
+        if self._uncommitted is not None:
+            raise RuntimeError(
+                "the previous start(commit=False) was neither committed nor discarded"
+            )
+        x = check_input(values, self.numel, self.device)
+        w, row = self.world_size, self.chunk_numel // 8
+        cur = self._cur
+        deferred = self.double_buffered
+        nxt = 1 - cur if deferred else cur
+        send = self._send[nxt]
+        # Double buffered: y into the next set, its error update deferred (one sweep). One set:
+        # the error is updated only once every rank's scale is known to be finite (x read again).
+        if deferred:
+            kernels.worker_compress(
+                x,
+                self._werr[cur],
+                self._bits(send, row),
+                self._wscale[nxt],
+                deferred=True,
+                error_out=self._werr[nxt],
+                pending=self._pending,
+                prev_bits=self._bits(self._send[cur], row),
+                prev_scale=self._wscale[cur],
+            )
+        else:
+            if isinstance(x, kernels.MomentumSource):
+                x = x.materialize()
+            kernels.worker_compress(
+                x, self._werr[cur], self._bits(send, row), self._wscale[nxt], update_error=False
+            )
+        self._scales(send).copy_(self._wscale[nxt].expand(w))
+        return Compressed(self, x, values.shape, nxt, commit)
 
     def _handle(
         self,

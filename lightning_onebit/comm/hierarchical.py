@@ -356,8 +356,21 @@ class HierarchicalAllreduce(Exchange):
     def fp32_allreduce_bytes(self) -> int:
         return fp32_allreduce_bytes(self.numel, self.world_size)
 
+    def prepare(
+        self, values: torch.Tensor | kernels.MomentumSource, *, commit: bool = True
+    ) -> torch.Tensor:
+        """The part of a call that reads its input, now (see :meth:`CompressedAllreduce.prepare
+        <lightning_onebit.comm.CompressedAllreduce.prepare>`): a
+        :class:`~lightning_onebit.kernels.MomentumSource` is materialized (the node's
+        full-precision reduce-scatter reads the values first)."""
+        return values.materialize() if isinstance(values, kernels.MomentumSource) else values
+
     def start(
-        self, tensor: torch.Tensor, out: torch.Tensor | None = None, *, commit: bool = True
+        self,
+        tensor: torch.Tensor | kernels.MomentumSource,
+        out: torch.Tensor | None = None,
+        *,
+        commit: bool = True,
     ) -> _Handle:
         """Run the three steps (all of them: the handle is finished); see
         :meth:`CompressedAllreduce.start <lightning_onebit.comm.CompressedAllreduce.start>`."""
@@ -367,7 +380,7 @@ class HierarchicalAllreduce(Exchange):
             raise RuntimeError(
                 "the previous start(commit=False) was neither committed nor discarded"
             )
-        x = check_input(tensor, self.numel, self.device)
+        x = check_input(self.prepare(tensor), self.numel, self.device)
         out = self._out if out is None else out
         if self._padded is not None:
             self._padded[: self.numel].copy_(x)

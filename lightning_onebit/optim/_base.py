@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
+from lightning_onebit.kernels import MomentumSource
 from lightning_onebit.optim._checkpoint import load_rank_state, load_state, rank_state, save_state
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._flat import FlatState
@@ -193,11 +194,13 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         :class:`NonFiniteError` before writing any state to have the step dropped."""
 
     @abstractmethod
-    def _exchange_source(self, s: slice) -> torch.Tensor:
+    def _exchange_source(self, s: slice) -> torch.Tensor | MomentumSource:
         """What the next step exchanges, for the flat slice ``s`` (whole parameters), from
         those parameters' gradients alone: it reads them where autograd left them or gathers
-        them (:meth:`FlatState.grads`, :meth:`FlatState.gather_grads`), so it runs where
-        ``.grad`` may be read (in ``step()``, or the overlap's hook during backward)."""
+        them (:meth:`FlatState.grads`, :meth:`FlatState.gather_grads`), now or, for a
+        :class:`~lightning_onebit.kernels.MomentumSource`, when the exchange computes it, so
+        it runs where ``.grad`` may be read (in ``step()``, or the overlap's hook during
+        backward, which also runs that part of the exchange)."""
 
     #: Validate (some) options, and one param group's hyperparameters (subclasses extend).
     _check_options = staticmethod(check_shared_options)

@@ -5,11 +5,15 @@ buckets of about ``bucket_cap_mb`` each, from the end of the layout (the last pa
 gradients come first) to its start; bucket ``b`` is exchanged by its own double-buffered
 :class:`~lightning_onebit.comm.CompressedAllreduce` (``comm.BucketedAllreduce``). A
 post-accumulate-grad hook on every parameter notes its gradient as ready; as soon as buckets
-``0..b`` are complete, the hook computes what the algorithm exchanges for bucket ``b``'s values
-(e.g. the new momentum, ``_exchange_source``, which reads the gradients where autograd left
-them or gathers them into the flat buffer) and hands it to a single communication thread, which
-runs the exchange's compression, all_to_all and server stage while backward goes on (C++
-kernels and collectives release the GIL). The thread never reads ``.grad``: a later backward
+``0..b`` are complete, the hook runs the part of bucket ``b``'s exchange that reads the
+gradients: what the algorithm exchanges for its values (e.g. the new momentum,
+``_exchange_source``, which reads the gradients where autograd left them or gathers them into
+the flat buffer), and on the CPU, where the compression computes that as it reads it
+(:class:`~lightning_onebit.kernels.MomentumSource`), the compression too
+(``BucketedAllreduce.prepare_bucket``). It hands the rest to a single communication thread,
+which runs the exchange's compression (if not done), all_to_all and server stage while
+backward goes on (C++ kernels and collectives release the GIL). The thread never reads
+``.grad``: a later backward
 (one whose step never came, or gradient accumulation) writes ``.grad`` without the GIL while
 the thread may still be working on the previous one. ``step()`` waits for the thread, starts
 the buckets that were not complete (a parameter without a gradient), and commits all buckets or,
@@ -64,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
+from lightning_onebit.kernels import MomentumSource
 from lightning_onebit.optim._flat import FlatState, Layout
 from lightning_onebit.optim._validation import check_real
 
@@ -97,10 +102,11 @@ class OverlapHost(Protocol):
         """Whether the next step's exchange can start from its gradients alone."""
         ...
 
-    def _exchange_source(self, s: slice) -> torch.Tensor:
+    def _exchange_source(self, s: slice) -> torch.Tensor | MomentumSource:
         """What the next step exchanges, for the flat slice ``s`` (a bucket: whole parameters),
-        from those parameters' gradients alone (it reads ``.grad``: called by the hook, on the
-        thread that runs backward, or in ``step()``)."""
+        from those parameters' gradients alone (it reads ``.grad``, or returns a source that
+        does when computed: called by the hook, on the thread that runs backward, or in
+        ``step()``)."""
         ...
 
 
@@ -229,11 +235,12 @@ class BackwardOverlap:
             self._futures.append(self._pool.submit(self._launch, b, events, source))
             self._next += 1
 
-    def _read_grads(self, b: int) -> tuple[list[Any], torch.Tensor | None]:
+    def _read_grads(self, b: int) -> tuple[list[Any], Any]:
         """Read bucket ``b``'s gradients, here, on the thread that runs backward (see the
         module docstring: the communication thread never reads ``.grad``): for an average,
-        copy them into the flat gradient buffer; for an exchange, compute what it sends
-        (``_exchange_source``) and return that. Also returns what the communication thread must
+        copy them into the flat gradient buffer; for an exchange, run the part of its call that
+        reads them (:meth:`_bucket_input`) and return what the communication thread starts.
+        Also returns what the communication thread must
         wait for: on CUDA, an event after that work, which itself follows the streams that
         produced the gradients."""
         device = self._device
@@ -249,18 +256,22 @@ class BackwardOverlap:
             done.record(stream)
         return [done], source
 
-    def _bucket_input(self, b: int) -> torch.Tensor | None:
-        """:meth:`_read_grads`' work on the current stream: the exchange's source for bucket
-        ``b``, or ``None`` after copying its gradients for an average."""
+    def _bucket_input(self, b: int) -> Any:
+        """:meth:`_read_grads`' work on the current stream: for an exchange, the part of
+        bucket ``b``'s call that reads the gradients (``prepare_bucket``: the source, and on
+        the CPU its compression where the kernel computes it as it reads it) and what the
+        communication thread then starts; ``None`` after copying its gradients for an
+        average."""
         if self._mode == "average":
             self.opt.flat.gather_grads(self.opt.param_groups, self.bucket_params[b])
             return None
-        return self.opt._exchange_source(slice(*self.bounds[b]))
+        source = self.opt._exchange_source(slice(*self.bounds[b]))
+        return self.opt.flat.exchange.prepare_bucket(b, source)
 
     def _launch(
-        self, b: int, events: list[Any], source: torch.Tensor | None
+        self, b: int, events: list[Any], source: Any
     ) -> tuple[Any, Any]:  # on the communication thread
-        """Start bucket ``b`` (an exchange from ``source``, computed by :meth:`_read_grads`);
+        """Start bucket ``b`` (an exchange from ``source``, prepared by :meth:`_read_grads`);
         return its all_reduce's ``wait`` (or None) and, on CUDA, the event recorded after
         everything it enqueued."""
         s = slice(*self.bounds[b])
@@ -289,7 +300,7 @@ class BackwardOverlap:
             return "average" if opt.average_warmup_grads and opt.world_size > 1 else None
         return "exchange" if opt._overlappable() else None
 
-    def _start_bucket(self, b: int, s: slice, source: torch.Tensor | None) -> Any:
+    def _start_bucket(self, b: int, s: slice, source: Any) -> Any:
         if self._mode == "average":
             return self._start_all_reduce(self.opt.flat.grad[s])
         self.opt.flat.exchange.start_bucket(b, source)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import momentum_source
+from lightning_onebit.kernels import MomentumSource
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_step_,
@@ -161,15 +161,16 @@ class OneBitAdam(OneBitOptimizer):
     def _overlappable(self) -> bool:
         return self.phase == Phase.COMPRESSION
 
-    def _exchange_source(self, s: slice) -> torch.Tensor:
+    def _exchange_source(self, s: slice) -> MomentumSource:
         """2a for the flat slice ``s`` (whole parameters): ``u = beta1 * m + (1 - beta1) * g``
-        (m itself unchanged), divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``; one
-        sweep that reads each gradient where autograd left it (:meth:`FlatState.grads`)."""
+        (m itself unchanged), divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``;
+        the exchange computes it as it compresses it where it can (one sweep that reads each
+        gradient where autograd left it, :meth:`FlatState.grads`), else into scratch."""
         flat, groups = self.flat, self.param_groups
         d = denominator(self)[0] if self.preconditioned_exchange else None
         idx = flat.params_in(s)
         beta = [groups[flat.layout.group_of[j]]["betas"][0] for j in idx]
-        momentum_source(
+        return MomentumSource(
             flat.states["exp_avg"],
             flat.grads(groups, idx),
             d,
@@ -179,7 +180,6 @@ class OneBitAdam(OneBitOptimizer):
             beta,
             [1 - b for b in beta],
         )
-        return flat.work["update"][s]
 
     def _step(self) -> None:
         if self.phase == Phase.WARMUP:

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import lamb_frozen_update, momentum_source
+from lightning_onebit.kernels import MomentumSource, lamb_frozen_update
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
@@ -324,11 +324,12 @@ class OneBitLamb(OneBitOptimizer):
     def _overlappable(self) -> bool:
         return self.phase == Phase.COMPRESSION and self.scaling_coeff_ready
 
-    def _exchange_source(self, s: slice) -> torch.Tensor:
+    def _exchange_source(self, s: slice) -> MomentumSource:
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
         (the scaling folded into the coefficients), divided by ``sqrt(v) + eps`` with
-        ``preconditioned_exchange``: one sweep (:func:`~lightning_onebit.kernels.momentum_source`)
-        that reads each gradient where autograd left it (:meth:`FlatState.grads`)."""
+        ``preconditioned_exchange``: computed by the exchange as it compresses it where it can
+        (:class:`~lightning_onebit.kernels.MomentumSource`: one sweep that reads each gradient
+        where autograd left it, :meth:`FlatState.grads`), else into scratch."""
         flat, scaling = self.flat, self._scaling_values()
         idx = flat.params_in(s)
         beta, alpha = [], []
@@ -337,18 +338,16 @@ class OneBitLamb(OneBitOptimizer):
             beta.append(beta1 * c)
             alpha.append((1 - beta1) * c)
         d = denominator(self)[0] if self.preconditioned_exchange else None
-        u = flat.work["update"]
-        momentum_source(
+        return MomentumSource(
             flat.states["exp_avg"],
             flat.grads(self.param_groups, idx),
             d,
-            u,
+            flat.work["update"],
             [flat.layout.offsets[j] for j in idx],
             [flat.layout.params[j].numel() for j in idx],
             beta,
             alpha,
         )
-        return u[s]
 
     def _per_layer_values(self, key: str) -> list[float]:
         """A group hyperparameter, one value per layer (``beta1``/``beta2``: from ``betas``)."""
