@@ -118,6 +118,20 @@ def main() -> None:
     ah = {"lr": [1e-4] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
     ah["weight_decay"] = [0.01] * 10
 
+    # The exchange's source (1-bit Adam's momentum over 10 parameters, gradients of their own),
+    # and that source compressed as it is read (CPU; CUDA materializes it first)
+    sm, sd, su = (torch.randn(n, generator=gen).to(dev) for _ in range(3))
+    sg = [torch.randn(hi - lo_, generator=gen).to(dev) for lo_, hi in itertools.pairwise(lo)]
+    src = (sm, sg, sd, su, lo[:-1], [hi - lo_ for lo_, hi in itertools.pairwise(lo)])
+    coef = ([0.9] * 10, [0.1] * 10)
+
+    def _source_compress(ref: bool) -> None:
+        if ref:
+            K.reference_momentum_source(*src, *coef)
+            K.reference_worker_compress(su, e, bits, scale, **deferred)
+        else:
+            K.worker_compress(K.MomentumSource(*src, *coef), e, bits, scale, **deferred)
+
     # (name, fused call, reference call, input bytes, traffic-floor bytes)
     cases = [
         (
@@ -133,6 +147,20 @@ def main() -> None:
             lambda: K.reference_worker_compress(x, e, bits, scale, **deferred),
             8 * n + n // 8,
             12 * n + n // 4,
+        ),
+        (
+            "momentum_source",
+            lambda: K.momentum_source(*src, *coef),
+            lambda: K.reference_momentum_source(*src, *coef),
+            12 * n,
+            16 * n,  # reads m, g, d; writes u
+        ),
+        (
+            "source_compress",
+            lambda: _source_compress(False),
+            lambda: _source_compress(True),
+            16 * n + n // 8,
+            20 * n + n // 4,  # reads m, g, d, the error, the previous bits; writes y, bits
         ),
         (
             "server_reduce",

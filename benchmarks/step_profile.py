@@ -2,7 +2,8 @@
 inside real multi-process steps over gloo, next to torch Adam's step and a plain copy.
 
     python benchmarks/step_profile.py [--params 19024896] [--world 2] [--steps 12]
-        [--algorithms onebit_adam,zero_one_adam,onebit_lamb] [--pin] [--json FILE]
+        [--algorithms onebit_adam,zero_one_adam,onebit_lamb] [--pin] [--materialize]
+        [--json FILE]
 
 Every rank builds the same synthetic model (``--tensors`` parameters of ``--params`` values in
 all), random local gradients, and an optimizer that switches to its compression phase after the
@@ -13,6 +14,10 @@ only and charged its *exclusive* time: wall (``perf_counter``) and this thread's
 time outside every wrapped stage (Python, bookkeeping, unwrapped torch ops; from the
 steps' means, the stages being means too). Bytes per value: the fp32 traffic a
 stage cannot avoid, so *GB/s* compares with the copy row (a copy moves 8 bytes per value).
+
+``--materialize`` runs 1-bit Adam's and 1-bit LAMB's exchange source as a build without the
+fused compression would (:class:`~lightning_onebit.kernels.MomentumSource` computed into its
+buffer, then compressed from there): the two paths side by side, the same floats.
 
 The numbers are rank 0's (stages: means over the timed steps; steps: medians); *step (slowest rank)* is the median of
 the slowest rank's step wall time.
@@ -44,6 +49,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.kernels", "momentum_source", "source kernel", 16),
     ("lightning_onebit.kernels", "local_source", "source kernel", 20),
     ("lightning_onebit.kernels", "worker_compress", "worker compress", 12),
+    ("lightning_onebit.kernels.native", "momentum_compress_cpu", "source + compress", 20),
     ("lightning_onebit.kernels", "worker_update_error", "worker error", 12),
     ("torch.distributed", "all_to_all_single", "all_to_all", None),
     ("lightning_onebit.kernels", "server_reduce", "server reduce", None),
@@ -146,6 +152,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
         os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.materialize:
+        from lightning_onebit.kernels import MomentumSource
+
+        MomentumSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
     clock = _Clock()
     _instrument(clock)
     out: dict[str, Any] = {}
@@ -206,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--algorithms", default="onebit_adam,zero_one_adam,onebit_lamb")
     p.add_argument("--pin", action="store_true", help="rank r on core r mod #cores")
+    p.add_argument(
+        "--materialize",
+        action="store_true",
+        help="compute the momentum source into its buffer, then compress it (two sweeps)",
+    )
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
@@ -229,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# step profile · {args.world} ranks (gloo) · {n:,} values in {args.tensors} tensors · "
         f"{args.threads} thread(s)/rank · {os.cpu_count()} CPUs · torch {torch.__version__} · "
-        f"{'pinned' if args.pin else 'not pinned'} · {args.steps} compression steps\n"
+        f"{'pinned' if args.pin else 'not pinned'} · {args.steps} compression steps"
+        f"{' · source materialized' if args.materialize else ''}\n"
     )
     print(f"copy of {n:,} fp32 values: {r0['copy'] * 1e3:.1f} ms ({copy_gbs:.1f} GB/s)\n")
     bytes_of = {label: b for _, _, label, b in _STAGES}
