@@ -475,6 +475,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['steps']} steps, warmup {meta['warmup']} · {meta['threads']} torch thread(s)/rank"
         f" · 1-bit exchange overlapped with backward: {overlap}"
         + (" · denormals flushed" if meta.get("flush_denormal") else "")
+        + (" · pinned" if meta.get("pin") else "")
+        + (" · momentum source materialized (two sweeps)" if meta.get("materialize") else "")
         + "".join(f" · {k}={v!r}" for k, v in meta.get("strategy_options", {}).items())
         + (
             f" · LR: linear warmup {meta['lr_warmup']} steps, cosine to 0.1x"
@@ -666,6 +668,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "noise when comparing step times",
     )
     p.add_argument(
+        "--materialize",
+        action="store_true",
+        help="1-bit Adam and 1-bit LAMB: compute the exchange's momentum into its buffer, then "
+        "compress it (two sweeps, as a build without the fused kernel; the same floats)",
+    )
+    p.add_argument(
         "--overlap-mb",
         type=float,
         default=25.0,
@@ -819,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks_per_node": args.ranks_per_node,
         "seed": args.seed,
         "pin": args.pin,
+        "materialize": args.materialize,
         "timing": "per step: max over ranks of end(k) - max over ranks of end(k-1); median/phase",
     }
     rows: list[dict[str, Any]] = []
@@ -859,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "ranks_per_node": args.ranks_per_node,
                                 "seed": args.seed,
                                 "pin": args.pin,
+                                "materialize": args.materialize,
                             }
                             row = {
                                 "workload": wl,

@@ -372,6 +372,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg.get("threads", 1))
     if cfg.get("flush_denormal"):
         torch.set_flush_denormal(True)
+    if cfg.get("materialize"):  # (benchmarks/cluster.py --materialize: the two-sweep path)
+        from lightning_onebit.kernels import MomentumSource
+
+        MomentumSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     dist.init_process_group(

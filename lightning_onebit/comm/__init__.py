@@ -25,7 +25,7 @@ from lightning_onebit.comm.base import (
     start_average,
 )
 from lightning_onebit.comm.bucketed import BucketedAllreduce
-from lightning_onebit.comm.flat import CompressedAllreduce, ExchangeHandle
+from lightning_onebit.comm.flat import Compressed, CompressedAllreduce, ExchangeHandle
 from lightning_onebit.comm.hierarchical import (
     HierarchicalAllreduce,
     NodeGroups,
@@ -41,6 +41,7 @@ NonFiniteError.__module__ = __name__
 __all__ = [
     "AVERAGE_DTYPES",
     "BucketedAllreduce",
+    "Compressed",
     "CompressedAllreduce",
     "Exchange",
     "ExchangeHandle",
