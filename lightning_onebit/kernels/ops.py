@@ -600,9 +600,16 @@ def momentum_source(
             other lengths.
     """
     grads = _check_momentum_source((exp_avg, grad, denom, out, starts, sizes, beta, alpha))
+    _run_momentum_source((exp_avg, grads, denom, out, starts, sizes, beta, alpha))
+
+
+def _run_momentum_source(args: tuple) -> None:
+    """:func:`momentum_source` on checked arguments ``args`` (in its order, the gradient one
+    entry per segment): the compiled kernel of the device, or the torch ops."""
+    exp_avg, grads, denom, out, starts, sizes, beta, alpha = args
     device = exp_avg.device
     if not _has_kernel(device) or not native.use_native():
-        reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
+        reference_momentum_source(*args)
         return
     if device.type == "cuda":
         native.momentum_source_cuda((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
@@ -687,11 +694,10 @@ class MomentumSource:
         return self.device.type == "cpu" and native.use_native()
 
     def materialize(self) -> torch.Tensor:
-        """Run :func:`momentum_source` into ``out``; return ``out[lo:hi]``."""
-        momentum_source(
-            self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes, self.beta,
-            self.alpha,
-        )  # fmt: skip
+        """Run :func:`momentum_source` into ``out`` (arguments checked at construction);
+        return ``out[lo:hi]``."""
+        args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
+        _run_momentum_source((*args, self.beta, self.alpha))
         return self.out[self.lo : self.hi]
 
 
