@@ -90,11 +90,25 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("local_source_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts, ptr sizes,
                                ptr b, ptr a, ptr nw, ptr nlr, bool precond, int nthreads) {
-    onebit::local_source_cpu(P<const float>(mm), P<const float>(g), P<const float>(d), P<const float>(p),
+    onebit::local_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), P<const float>(p),
                              P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                              P<const float>(b), P<const float>(a), P<const float>(nw), P<const float>(nlr), precond,
                              nthreads);
-  }, release(), "0/1 Adam's sync-step exchange source over P segments in one sweep (p, acc may be 0: no term)");
+  }, release(), "0/1 Adam's sync-step exchange source over P segments in one sweep (g: array of per-segment "
+                "gradient pointers, 0: zeros; p, acc may be 0: no term)");
+
+  m.def("local_compress_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes, ptr b,
+                                 ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx, ptr e, ptr e_out,
+                                 int64_t n, ptr bits, int64_t W, int64_t row_stride, ptr prev_bits, float prev_scale,
+                                 bool pending, ptr scale_out, int nthreads) {
+    return onebit::local_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d),
+                                      P<const float>(p), P<const float>(acc), np, P<const int64_t>(starts),
+                                      P<const int64_t>(sizes), P<const float>(b), P<const float>(a),
+                                      P<const float>(nw), P<const float>(nlr), precond, base, nx, P<const float>(e),
+                                      P<float>(e_out), n, P<uint8_t>(bits), W, row_stride,
+                                      P<const uint8_t>(prev_bits), prev_scale, pending, P<float>(scale_out),
+                                      nthreads);
+  }, release(), "worker_compress_cpu of local_source_cpu's values of [base, base + nx), computed as read");
 
   m.def("sync_update_cpu", [](ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc, int64_t np,
                               ptr starts, ptr sizes, ptr nl, bool precond, int nthreads) {

@@ -137,7 +137,9 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
                             bool precond, int nthreads);
 
 // 0/1 Adam's exchange source on a sync step of its local phase, one sweep: segment j holds the
-// flat values [starts[j], starts[j] + sizes[j]); per value, with j's coefficients (floats):
+// flat values [starts[j], starts[j] + sizes[j]) and reads its gradient from g[j] (its own storage,
+// as momentum_source_cpu's; null: zeros); m, d, p, acc and u are flat. Per value, with j's
+// coefficients (floats):
 //   x <- fma(g, a, m * b)
 //   precond: x <- x / d;  x <- fma(p, -nw, x)         (the decay terms only where p is not null
 //   else:    x <- fma(-nw * p, d, x)                   and nw[j] is not +0.0)
@@ -146,9 +148,16 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
 //   u <- x
 // The roundings of the optimizer's torch ops (mul, add_ with alpha, div_, addcmul_, mul_) on x86
 // CPUs: torch's CPU add with alpha and addcmul_ are fused multiply-adds.
-void local_source_cpu(const float* m, const float* g, const float* d, const float* p, const float* acc, float* u,
-                      int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+void local_source_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
+                      float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads);
+// worker_compress_cpu of the values local_source_cpu would write to u[base, base + nx) (its
+// segments tiling that range in order), computed as read (as momentum_compress_cpu).
+float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
+                         int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+                         const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx, const float* e,
+                         float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
+                         const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out, int nthreads);
 
 // 0/1 Adam's update after a sync step's exchange x, one sweep: per value of parameter j (flat
 // values [starts[j], starts[j] + sizes[j]); storage params[j], fp32, contiguous, or no params),

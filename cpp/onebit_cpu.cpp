@@ -171,6 +171,12 @@ struct MomentumSegments {
   int64_t base;
 };
 
+// Segment k's value at flat index q into u[q].
+inline void value1(const MomentumSegments& s, int64_t k, int64_t q, float* u) {
+  const float* gk = s.g[k] ? s.g[k] - s.starts[k] : nullptr;
+  source_block_scalar(s.m, gk, s.d, u, q, q + 1, s.b[k], s.a[k]);
+}
+
 // 1-bit Adam's compression-phase update of one parameter's values [lo, hi) of the flat buffers; its
 // storage p is indexed from 0 at lo. The roundings of the optimizer's torch ops: the decay
 // `p.add_(p, alpha=nlw)` is fma(p, nlw, p) (applied unless nlw is +0.0); precond: `m = x * d`,
@@ -200,7 +206,8 @@ struct LocalSourceCoef {
 };
 
 // 0/1 Adam's sync-step exchange source of one segment's values [lo, hi) (p and acc may be null:
-// no decay term, no accumulator term). The roundings of the optimizer's torch ops on x86 CPUs:
+// no decay term, no accumulator term; g is indexed like m, null: every g is +0.0, as
+// source_block_scalar's). The roundings of the optimizer's torch ops on x86 CPUs:
 //   x = fma(g, a, m * b)                               torch.mul(m, b, out=x).add_(g, alpha=a)
 //   precond: x = x / d;  x = fma(p, w, x)              div_(d); add_(p, alpha=w)
 //   else:    x = fma(w * p, d, x)                      addcmul_(p, d, value=w)
@@ -213,7 +220,7 @@ void local_source_block_scalar(const float* m, const float* g, const float* d, c
   const bool decay = p && (c.nw != 0.0f || std::signbit(c.nw));
   const float w = -c.nw;
   for (int64_t i = lo; i < hi; ++i) {
-    float x = std::fma(g[i], c.a, m[i] * c.b);
+    float x = std::fma(g ? g[i] : 0.0f, c.a, m[i] * c.b);
     if (precond) {
       x = x / d[i];
       if (decay) x = std::fma(p[i], w, x);
@@ -224,6 +231,27 @@ void local_source_block_scalar(const float* m, const float* g, const float* d, c
     if (acc) x = precond ? x + acc[i] : std::fma(acc[i], d[i], x);
     u[i] = x;
   }
+}
+
+// local_source's segments as local_compress_cpu reads them (see MomentumSegments): segment j has
+// gradient g[j] (null: zeros) and coefficients c[j]; m, d, p (null: no decay term) and acc (null:
+// no accumulator term) are flat.
+struct LocalSegments {
+  const float* m;
+  const float* const* g;
+  const float* d;
+  const float* p;
+  const float* acc;
+  const int64_t* starts;
+  const int64_t* ends;
+  const LocalSourceCoef* c;
+  bool precond;
+  int64_t base;
+};
+
+inline void value1(const LocalSegments& s, int64_t k, int64_t q, float* u) {
+  const float* gk = s.g[k] ? s.g[k] - s.starts[k] : nullptr;
+  local_source_block_scalar(s.m, gk, s.d, s.p, s.acc, u, q, q + 1, s.c[k], s.precond);
 }
 
 // 0/1 Adam's update after a sync step's exchange of one parameter's values [lo, hi) (its storage
@@ -307,18 +335,77 @@ AVX2 double compress_block_avx2(const float* x, int64_t nx, const float* e, floa
   return hsum(a0, a1);
 }
 
-// compress_block_avx2 of momentum_source's values (see MomentumSegments) for a block entirely below
-// the input's end (nx - nx % 8), computed in registers as they are read: the same floats and sum.
-// j: the segment holding the block's first value.
-AVX2 double momentum_compress_block_avx2(const MomentumSegments& s, int64_t j, const float* e, float* eo,
-                                         const uint8_t* prev, bool pending, float sp, int64_t lo, int64_t hi,
-                                         uint8_t* out) {
+// local_source's coefficients of one segment in registers (see local_source_block_scalar).
+struct LocalLanes {
+  __m256 b, a, w, lr;
+  bool decay;
+};
+
+AVX2 inline LocalLanes local_lanes(LocalSourceCoef c, bool with_p) {
+  return {_mm256_set1_ps(c.b), _mm256_set1_ps(c.a), _mm256_set1_ps(-c.nw), _mm256_set1_ps(c.nlr),
+          with_p && (c.nw != 0.0f || std::signbit(c.nw))};
+}
+
+// local_source_block_scalar's 8 values at i (g null: zeros), in registers.
+AVX2 inline __m256 local_source8(const float* m, const float* g, const float* d, const float* p, const float* acc,
+                                 int64_t i, const LocalLanes& l, bool precond) {
+  const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
+  __m256 x = _mm256_fmadd_ps(gi, l.a, _mm256_mul_ps(_mm256_loadu_ps(m + i), l.b));
+  if (precond) {
+    x = _mm256_div_ps(x, _mm256_loadu_ps(d + i));
+    if (l.decay) x = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), l.w, x);
+  } else if (l.decay) {
+    x = _mm256_fmadd_ps(_mm256_mul_ps(l.w, _mm256_loadu_ps(p + i)), _mm256_loadu_ps(d + i), x);
+  }
+  x = _mm256_mul_ps(x, l.lr);
+  if (acc) {
+    const __m256 ai = _mm256_loadu_ps(acc + i);
+    x = precond ? _mm256_add_ps(x, ai) : _mm256_fmadd_ps(ai, _mm256_loadu_ps(d + i), x);
+  }
+  return x;
+}
+
+// A source's coefficients of one segment in registers, and its gradient (g[f]: flat index f).
+struct MomentumLanes {
+  __m256 b, a;
+  const float* g;
+};
+
+AVX2 inline MomentumLanes lanes_of(const MomentumSegments& s, int64_t j) {
+  return {_mm256_set1_ps(s.b[j]), _mm256_set1_ps(s.a[j]), s.g[j] ? s.g[j] - s.starts[j] : nullptr};
+}
+
+// source_block_avx2's 8 values at flat index f, all in the segment of l.
+AVX2 inline __m256 values8(const MomentumSegments& s, const MomentumLanes& l, int64_t f) {
+  const __m256 gi = l.g ? _mm256_loadu_ps(l.g + f) : _mm256_setzero_ps();
+  const __m256 x = _mm256_fmadd_ps(gi, l.a, _mm256_mul_ps(_mm256_loadu_ps(s.m + f), l.b));
+  return s.d ? _mm256_div_ps(x, _mm256_loadu_ps(s.d + f)) : x;
+}
+
+struct LocalSegmentLanes {
+  LocalLanes l;
+  const float* g;
+};
+
+AVX2 inline LocalSegmentLanes lanes_of(const LocalSegments& s, int64_t j) {
+  return {local_lanes(s.c[j], s.p != nullptr), s.g[j] ? s.g[j] - s.starts[j] : nullptr};
+}
+
+AVX2 inline __m256 values8(const LocalSegments& s, const LocalSegmentLanes& l, int64_t f) {
+  return local_source8(s.m, l.g, s.d, s.p, s.acc, f, l.l, s.precond);
+}
+
+// compress_block_avx2 of a source's values (MomentumSegments, LocalSegments) for a block entirely
+// below the input's end (nx - nx % 8), computed in registers as they are read: the same floats and
+// sum. j: the segment holding the block's first value.
+template <class Src>
+AVX2 double source_compress_block_avx2(const Src& s, int64_t j, const float* e, float* eo, const uint8_t* prev,
+                                       bool pending, float sp, int64_t lo, int64_t hi, uint8_t* out) {
   const bool stream = aligned_gap(eo + lo) == 0;  // (as compress_block_avx2)
   const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   int64_t seg = -1;
-  __m256 bv = zero, av = zero;
-  const float* gj = nullptr;  // gj[f] is segment seg's gradient at flat index f
+  decltype(lanes_of(s, 0)) lanes{};
   for (int64_t i = lo; i < hi; i += 8) {
     const int64_t f = s.base + i;
     while (f >= s.ends[j]) ++j;
@@ -326,19 +413,14 @@ AVX2 double momentum_compress_block_avx2(const MomentumSegments& s, int64_t j, c
     if (f + 8 <= s.ends[j]) {  // the 8 values in one segment
       if (j != seg) {
         seg = j;
-        bv = _mm256_set1_ps(s.b[j]);
-        av = _mm256_set1_ps(s.a[j]);
-        gj = s.g[j] ? s.g[j] - s.starts[j] : nullptr;
+        lanes = lanes_of(s, j);
       }
-      const __m256 gi = gj ? _mm256_loadu_ps(gj + f) : zero;
-      x = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(s.m + f), bv));
-      if (s.d) x = _mm256_div_ps(x, _mm256_loadu_ps(s.d + f));
+      x = values8(s, lanes, f);
     } else {  // across a segment boundary: value by value, each with its own segment
       alignas(32) float t[8];
       for (int64_t q = f, k = j; q < f + 8; ++q) {
         while (q >= s.ends[k]) ++k;
-        const float* gk = s.g[k] ? s.g[k] - s.starts[k] : nullptr;
-        source_block_scalar(s.m, gk, s.d, t - f, q, q + 1, s.b[k], s.a[k]);
+        value1(s, k, q, t - f);
       }
       x = _mm256_load_ps(t);
     }
@@ -508,30 +590,23 @@ AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, 
   if (i < hi) frozen_block_scalar(x, m, d, q + i, i, hi, nlr, nlw, precond);
 }
 
+// Stream: as source_block_avx2's.
+template <bool Stream>
 AVX2 void local_source_block_avx2(const float* m, const float* g, const float* d, const float* p, const float* acc,
                                   float* u, int64_t lo, int64_t hi, LocalSourceCoef c, bool precond) {
-  const bool decay = p && (c.nw != 0.0f || std::signbit(c.nw));
-  const __m256 bv = _mm256_set1_ps(c.b), av = _mm256_set1_ps(c.a), wv = _mm256_set1_ps(-c.nw),
-               lr = _mm256_set1_ps(c.nlr);
-  const int64_t head = std::min(hi, lo + aligned_gap(u + lo));  // u + i 32-byte aligned from here
+  const LocalLanes l = local_lanes(c, p != nullptr);
+  const int64_t head = Stream ? std::min(hi, lo + aligned_gap(u + lo)) : lo;  // u + i 32-byte aligned from here
   if (lo < head) local_source_block_scalar(m, g, d, p, acc, u, lo, head, c, precond);
   int64_t i = head;
   for (; i + 8 <= hi; i += 8) {
-    __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
-    if (precond) {
-      x = _mm256_div_ps(x, _mm256_loadu_ps(d + i));
-      if (decay) x = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), wv, x);
-    } else if (decay) {
-      x = _mm256_fmadd_ps(_mm256_mul_ps(wv, _mm256_loadu_ps(p + i)), _mm256_loadu_ps(d + i), x);
+    const __m256 x = local_source8(m, g, d, p, acc, i, l, precond);
+    if (Stream) {
+      _mm256_stream_ps(u + i, x);  // (read by the exchange, not at once: no read for ownership)
+    } else {
+      _mm256_storeu_ps(u + i, x);
     }
-    x = _mm256_mul_ps(x, lr);
-    if (acc) {
-      const __m256 ai = _mm256_loadu_ps(acc + i);
-      x = precond ? _mm256_add_ps(x, ai) : _mm256_fmadd_ps(ai, _mm256_loadu_ps(d + i), x);
-    }
-    _mm256_stream_ps(u + i, x);  // (read by the exchange, not at once: no read for ownership)
   }
-  _mm_sfence();  // the streamed stores before anything this thread does next
+  if (Stream) _mm_sfence();  // the streamed stores before anything this thread does next
   if (i < hi) local_source_block_scalar(m, g, d, p, acc, u, i, hi, c, precond);
 }
 
@@ -592,6 +667,11 @@ struct Impl {
   void (*frozen)(const float*, float*, const float*, float*, int64_t, int64_t, float, float, bool);
   void (*local_source)(const float*, const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
                        LocalSourceCoef, bool);
+  void (*local_source_tile)(const float*, const float*, const float*, const float*, const float*, float*, int64_t,
+                            int64_t, LocalSourceCoef, bool);
+  // null: no fused form (as momentum_compress)
+  double (*local_compress)(const LocalSegments&, int64_t, const float*, float*, const uint8_t*, bool, float, int64_t,
+                           int64_t, uint8_t*);
   void (*sync)(const float*, const float*, const uint8_t*, float*, float*, float*, float*, int64_t, int64_t, float,
                bool);
 };
@@ -600,11 +680,34 @@ const Impl& impl() {
   static const Impl chosen = [] {
 #ifdef ONEBIT_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
-      return Impl{compress_block_avx2, reduce_block_avx2, decode_block_avx2, update_block_avx2, lamb_block_avx2,
-                  adam_block_avx2, source_block_avx2<true>, source_block_avx2<false>, momentum_compress_block_avx2, frozen_block_avx2, local_source_block_avx2, sync_block_avx2};
+      return Impl{compress_block_avx2,
+                  reduce_block_avx2,
+                  decode_block_avx2,
+                  update_block_avx2,
+                  lamb_block_avx2,
+                  adam_block_avx2,
+                  source_block_avx2<true>,
+                  source_block_avx2<false>,
+                  source_compress_block_avx2<MomentumSegments>,
+                  frozen_block_avx2,
+                  local_source_block_avx2<true>,
+                  local_source_block_avx2<false>,
+                  source_compress_block_avx2<LocalSegments>,
+                  sync_block_avx2};
 #endif
-    return Impl{compress_block_scalar, reduce_block_scalar, decode_block_scalar, update_block_scalar,
-                lamb_block_scalar, adam_block_scalar, source_block_scalar, source_block_scalar, nullptr, frozen_block_scalar, local_source_block_scalar,
+    return Impl{compress_block_scalar,
+                reduce_block_scalar,
+                decode_block_scalar,
+                update_block_scalar,
+                lamb_block_scalar,
+                adam_block_scalar,
+                source_block_scalar,
+                source_block_scalar,
+                nullptr,
+                frozen_block_scalar,
+                local_source_block_scalar,
+                local_source_block_scalar,
+                nullptr,
                 sync_block_scalar};
   }();
   return chosen;
@@ -653,6 +756,53 @@ float compress_blocks(Block block, int64_t n, uint8_t* bits, int64_t W, int64_t 
   return s;
 }
 
+// The ends of a source's P segments, checked to tile [base, base + nx) in order (what: the caller).
+std::vector<int64_t> tiling_ends(const char* what, int64_t P, const int64_t* starts, const int64_t* sizes,
+                                 int64_t base, int64_t nx) {
+  detail::check_segments(what, P);
+  std::vector<int64_t> ends(static_cast<size_t>(P));
+  int64_t at = base;
+  for (int64_t j = 0; j < P; ++j) {
+    detail::require(starts[j] == at && sizes[j] >= 0, what, "segments that tile [base, base + nx) in order");
+    at = ends[j] = starts[j] + sizes[j];
+  }
+  detail::require(at == base + nx, what, "segments that tile [base, base + nx) in order");
+  return ends;
+}
+
+// worker_compress_cpu of a source's values of flat [s.base, s.base + nx) (Src: MomentumSegments,
+// LocalSegments; its P segments tile that range). fused(s, j, ...) computes a block's values in
+// registers as it compresses them (null: no fused form); the other blocks (all of them without
+// it, the one holding the input's tail with it) get their values into a tile first:
+// tile(q, u, f0, f1) writes segment q's values of flat [f0, f1) to u[f0..f1), and the compression
+// reads them from there. The same floats either way, never written to the source's buffer.
+template <class Src, class Tile>
+float source_compress_cpu(const Src& s, int64_t P, int64_t nx,
+                          double (*fused)(const Src&, int64_t, const float*, float*, const uint8_t*, bool, float,
+                                          int64_t, int64_t, uint8_t*),
+                          Tile tile, const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W,
+                          int64_t row_stride, const uint8_t* prev_bits, float prev_scale, bool pending,
+                          float* scale_out, int nthreads) {
+  const auto compress = impl().compress;
+  const float sp = pending ? prev_scale : 0.0f;
+  const int64_t whole = nx - nx % 8;  // blocks below this hold only whole groups of 8 input values
+  const int64_t base = s.base, *starts = s.starts, *ends = s.ends;
+  const auto block = [&](int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out) -> double {
+    // the segment holding flat index base + lo (the first that ends after it)
+    const int64_t j = std::upper_bound(ends, ends + P, base + lo) - ends;
+    if (fused && hi <= whole) return fused(s, j, e, e_out, prev, pending, sp, lo, hi, out);
+    alignas(32) float buf[kBlock];
+    float* u = buf - (base + lo);  // u[f]: flat index f; buf[i - lo]: value i
+    const int64_t end = base + std::min(hi, nx);
+    for (int64_t q = j; q < P && starts[q] < end; ++q) {
+      const int64_t f0 = std::max(base + lo, starts[q]), f1 = std::min(end, ends[q]);
+      if (f0 < f1) tile(q, u, f0, f1);
+    }
+    return compress(buf - lo, nx, e, e_out, prev, pending, sp, lo, hi, out);
+  };
+  return compress_blocks(block, n, bits, W, row_stride, prev_bits, pending, scale_out, nthreads);
+}
+
 }  // namespace
 
 bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
@@ -675,35 +825,32 @@ float momentum_compress_cpu(const float* m, const float* const* g, const float* 
                             const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out,
                             int nthreads) {
   detail::check_compress("momentum_compress_cpu", nx, n, W);
-  detail::check_segments("momentum_compress_cpu", P);
-  std::vector<int64_t> ends(static_cast<size_t>(P));
-  int64_t at = base;
-  for (int64_t j = 0; j < P; ++j) {
-    detail::require(starts[j] == at && sizes[j] >= 0, "momentum_compress_cpu",
-                    "segments that tile [base, base + nx) in order");
-    at = ends[j] = starts[j] + sizes[j];
-  }
-  detail::require(at == base + nx, "momentum_compress_cpu", "segments that tile [base, base + nx) in order");
+  const auto ends = tiling_ends("momentum_compress_cpu", P, starts, sizes, base, nx);
   const MomentumSegments segs{m, g, d, starts, ends.data(), b, a, base};
-  const Impl& k = impl();
-  const float sp = pending ? prev_scale : 0.0f;
-  const int64_t whole = nx - nx % 8;  // blocks below this hold only whole groups of 8 input values
-  const auto block = [&](int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out) -> double {
-    // the segment holding flat index base + lo (the first that ends after it)
-    const int64_t j = std::upper_bound(ends.begin(), ends.end(), base + lo) - ends.begin();
-    if (k.momentum_compress && hi <= whole) return k.momentum_compress(segs, j, e, e_out, prev, pending, sp, lo, hi, out);
-    // Otherwise the values below nx into a tile (u[i]: flat index i), segment by segment, then the
-    // compression reads them from there (x[i]: value i): the same floats, never written to u.
-    alignas(32) float tile[kBlock];
-    float* u = tile - (base + lo);
-    for (int64_t q = j; q < P && starts[q] < base + std::min(hi, nx); ++q) {
-      const int64_t s0 = std::max(base + lo, starts[q]), s1 = std::min(base + std::min(hi, nx), ends[q]);
-      const float* gq = g[q] ? g[q] - starts[q] : nullptr;  // gq[f] is the segment's gradient at flat index f
-      if (s0 < s1) k.source_tile(m, gq, d, u, s0, s1, b[q], a[q]);
-    }
-    return k.compress(tile - lo, nx, e, e_out, prev, pending, sp, lo, hi, out);
+  const auto source_tile = impl().source_tile;
+  const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
+    source_tile(m, g[q] ? g[q] - starts[q] : nullptr, d, u, f0, f1, b[q], a[q]);
   };
-  return compress_blocks(block, n, bits, W, row_stride, prev_bits, pending, scale_out, nthreads);
+  return source_compress_cpu(segs, P, nx, impl().momentum_compress, tile, e, e_out, n, bits, W, row_stride,
+                             prev_bits, prev_scale, pending, scale_out, nthreads);
+}
+
+float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
+                         int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+                         const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx, const float* e,
+                         float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
+                         const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out, int nthreads) {
+  detail::check_compress("local_compress_cpu", nx, n, W);
+  const auto ends = tiling_ends("local_compress_cpu", P, starts, sizes, base, nx);
+  std::vector<LocalSourceCoef> coef(static_cast<size_t>(P));
+  for (int64_t j = 0; j < P; ++j) coef[j] = {b[j], a[j], nw[j], nlr[j]};
+  const LocalSegments segs{m, g, d, p, acc, starts, ends.data(), coef.data(), precond, base};
+  const auto source_tile = impl().local_source_tile;
+  const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
+    source_tile(m, g[q] ? g[q] - starts[q] : nullptr, d, p, acc, u, f0, f1, coef[q], precond);
+  };
+  return source_compress_cpu(segs, P, nx, impl().local_compress, tile, e, e_out, n, bits, W, row_stride, prev_bits,
+                             prev_scale, pending, scale_out, nthreads);
 }
 
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, float scale,
@@ -854,7 +1001,7 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
   }
 }
 
-void local_source_cpu(const float* m, const float* g, const float* d, const float* p, const float* acc, float* u,
+void local_source_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc, float* u,
                       int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads) {
   detail::check_segments("local_source_cpu", P);
@@ -867,7 +1014,8 @@ void local_source_cpu(const float* m, const float* g, const float* d, const floa
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    source(m, g, d, p, acc, u, lo, hi, LocalSourceCoef{b[j], a[j], nw[j], nlr[j]}, precond);
+    const float* gj = g[j] ? g[j] - starts[j] : nullptr;  // gj[i] is the segment's gradient at flat index i
+    source(m, gj, d, p, acc, u, lo, hi, LocalSourceCoef{b[j], a[j], nw[j], nlr[j]}, precond);
   }
 }
 

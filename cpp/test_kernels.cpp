@@ -314,6 +314,50 @@ void run_source_compress_case(std::mt19937& rng, const std::vector<int64_t>& siz
   check(std::memcmp(y1.get(), y2.get(), sizeof(float) * n) == 0, "source compress: y", W, nx);
 }
 
+// local_compress_cpu against local_source_cpu into u, then worker_compress_cpu of u, as
+// run_source_compress_case (p and acc flat, each present or not; a negative weight decay on every
+// fourth segment, none on every fifth).
+void run_local_compress_case(std::mt19937& rng, const std::vector<int64_t>& sizes, int64_t W, bool precond,
+                             bool with_p, bool with_acc, bool pending, int nthreads) {
+  const int64_t P = static_cast<int64_t>(sizes.size()), base = 5;
+  std::vector<int64_t> starts(P);
+  int64_t nx = 0;
+  for (int64_t j = 0; j < P; ++j) starts[j] = base + nx, nx += sizes[j];
+  const int64_t n = (nx + 8 * W - 1) / (8 * W) * 8 * W, m = n / W, stride = m / 8 + 1, nbytes = (W - 1) * stride + m / 8;
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  auto mm = buf<float>(base + nx), d = buf<float>(base + nx), u = buf<float>(base + nx);
+  auto pp = buf<float>(base + nx), acc = buf<float>(base + nx);
+  for (int64_t i = 0; i < base + nx; ++i) {
+    mm[i] = i % 5 ? 0.1f * normal(rng) : (i % 2 ? -0.0f : 0.0f), d[i] = uni(rng);
+    pp[i] = normal(rng), acc[i] = 0.01f * normal(rng);
+  }
+  std::vector<std::unique_ptr<float[]>> gs;
+  const std::vector<const float*> ptrs = segment_grads(rng, sizes, gs);
+  std::vector<float> b(P), a(P), nw(P), nlr(P);
+  for (int64_t j = 0; j < P; ++j) {
+    b[j] = 0.9f, a[j] = 0.1f * (j + 1), nlr[j] = -1e-3f * (j + 1);
+    nw[j] = j % 5 == 4 ? 0.0f : (j % 4 == 3 ? 0.05f : -0.01f);
+  }
+  auto e = buf<float>(n), y1 = buf<float>(n), y2 = buf<float>(n);
+  auto prev = buf<uint8_t>(nbytes), bits1 = buf<uint8_t>(nbytes), bits2 = buf<uint8_t>(nbytes);
+  for (int64_t i = 0; i < n; ++i) e[i] = normal(rng);
+  for (int64_t i = 0; i < nbytes; ++i) prev[i] = static_cast<uint8_t>(rng()), bits1[i] = bits2[i] = 0x5A;
+  const float* p = with_p ? pp.get() : nullptr;
+  const float* ac = with_acc ? acc.get() : nullptr;
+  float s1 = 0.0f, s2 = 0.0f;
+  onebit::local_source_cpu(mm.get(), ptrs.data(), d.get(), p, ac, u.get(), P, starts.data(), sizes.data(), b.data(),
+                           a.data(), nw.data(), nlr.data(), precond, nthreads);
+  onebit::worker_compress_cpu(u.get() + base, nx, e.get(), y1.get(), n, bits1.get(), W, stride, prev.get(), 0.25f,
+                              pending, &s1, nthreads);
+  onebit::local_compress_cpu(mm.get(), ptrs.data(), d.get(), p, ac, P, starts.data(), sizes.data(), b.data(), a.data(),
+                             nw.data(), nlr.data(), precond, base, nx, e.get(), y2.get(), n, bits2.get(), W, stride,
+                             prev.get(), 0.25f, pending, &s2, nthreads);
+  check(std::memcmp(&s1, &s2, sizeof(float)) == 0, "local compress: scale", W, nx);
+  check(std::memcmp(bits1.get(), bits2.get(), nbytes) == 0, "local compress: bits", W, nx);
+  check(std::memcmp(y1.get(), y2.get(), sizeof(float) * n) == 0, "local compress: y", W, nx);
+}
+
 }  // namespace
 
 int main() {
@@ -355,6 +399,15 @@ int main() {
         run_source_compress_case(rng, {3}, W, true, pending, nt);
         cases += 2;
       }
+    }
+  }
+  for (int64_t W : {1, 2, 3}) {
+    for (int flags = 0; flags < 8; ++flags) {
+      const bool precond = flags & 1, with_p = flags & 2, with_acc = flags & 4;
+      run_local_compress_case(rng, {5, 8, 1, 20000, 77, 8190, 70001, 9, 16}, W, precond, with_p, with_acc,
+                              flags % 3 == 1, 1 + flags % 2);
+      run_local_compress_case(rng, {3}, W, precond, with_p, with_acc, flags % 3 != 1, 2 - flags % 2);
+      cases += 2;
     }
   }
   std::printf("%d cases, %d failures\n", cases, failures);

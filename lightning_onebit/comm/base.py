@@ -103,12 +103,12 @@ def all_finite(scales: torch.Tensor) -> bool:
 
 
 def check_input(
-    tensor: torch.Tensor | kernels.MomentumSource, numel: int, device: torch.device
-) -> torch.Tensor | kernels.MomentumSource:
+    tensor: torch.Tensor | kernels.ExchangeSource, numel: int, device: torch.device
+) -> torch.Tensor | kernels.ExchangeSource:
     """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
-    values on ``device``, or a :class:`~lightning_onebit.kernels.MomentumSource` of ``numel``
+    values on ``device``, or a :class:`~lightning_onebit.kernels.ExchangeSource` of ``numel``
     values on ``device`` (as it is): what an exchange built for that takes."""
-    if isinstance(tensor, kernels.MomentumSource):
+    if isinstance(tensor, kernels.ExchangeSource):
         numel_in = tensor.numel()
     elif not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -124,7 +124,7 @@ def check_input(
         raise ValueError(
             f"this exchange's buffers are on {device}, the tensor is on {tensor.device}"
         )
-    return tensor if isinstance(tensor, kernels.MomentumSource) else tensor.reshape(-1)
+    return tensor if isinstance(tensor, kernels.ExchangeSource) else tensor.reshape(-1)
 
 
 class Handle(Protocol):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning_onebit.comm.base import Exchange, Handle
 from lightning_onebit.comm.flat import Compressed
 from lightning_onebit.comm.hierarchical import NodeGroups, make_exchange
-from lightning_onebit.kernels import MomentumSource
+from lightning_onebit.kernels import ExchangeSource
 
 __all__ = ["BucketedAllreduce"]
 
@@ -87,14 +87,14 @@ class BucketedAllreduce(Exchange):
         return [h is not None for h in self._handles]
 
     def prepare_bucket(
-        self, b: int, values: torch.Tensor | MomentumSource
+        self, b: int, values: torch.Tensor | ExchangeSource
     ) -> torch.Tensor | Compressed:
         """The part of bucket ``b``'s call that reads ``values`` (its ``stop - start`` values),
         now: what :meth:`start_bucket` takes (see :meth:`CompressedAllreduce.prepare
         <lightning_onebit.comm.CompressedAllreduce.prepare>`)."""
         return self.buckets[b].prepare(values, commit=False)
 
-    def start_bucket(self, b: int, values: torch.Tensor | MomentumSource | Compressed) -> None:
+    def start_bucket(self, b: int, values: torch.Tensor | ExchangeSource | Compressed) -> None:
         """Start bucket ``b`` (every bucket before it must have been started) from ``values``
         (its ``stop - start`` values, read now and not needed afterwards, or what
         :meth:`prepare_bucket` returned)."""

@@ -50,7 +50,7 @@ class Compressed(NamedTuple):
     sends them. ``x``: the input where the call reads it again (one set of error buffers)."""
 
     exchange: CompressedAllreduce
-    x: torch.Tensor | kernels.MomentumSource
+    x: torch.Tensor | kernels.ExchangeSource
     shape: torch.Size
     next_set: int
     commit: bool
@@ -282,16 +282,16 @@ class CompressedAllreduce(Exchange):
     # ------------------------------------------------------------------ the exchange
 
     def prepare(
-        self, values: torch.Tensor | kernels.MomentumSource, *, commit: bool = True
+        self, values: torch.Tensor | kernels.ExchangeSource, *, commit: bool = True
     ) -> torch.Tensor | Compressed:
         """The part of a call that reads its input, now; :meth:`start` takes the result.
 
-        A :class:`~lightning_onebit.kernels.MomentumSource` that the compression computes as
+        A :class:`~lightning_onebit.kernels.ExchangeSource` that the compression computes as
         it reads it (double buffered, on the CPU: reads the gradients) is compressed here,
         stage 1 of the call; any other is materialized. A tensor is returned as it is. So a
         thread that must not read the gradients can run :meth:`start` on the result.
         ``commit`` must be :meth:`start`'s."""
-        if not isinstance(values, kernels.MomentumSource):
+        if not isinstance(values, kernels.ExchangeSource):
             return values
         if self.double_buffered and values.computed_as_read:
             return self._compress(values, commit)
@@ -299,7 +299,7 @@ class CompressedAllreduce(Exchange):
 
     def start(
         self,
-        tensor: torch.Tensor | kernels.MomentumSource | Compressed,
+        tensor: torch.Tensor | kernels.ExchangeSource | Compressed,
         out: torch.Tensor | None = None,
         *,
         commit: bool = True,
@@ -308,7 +308,7 @@ class CompressedAllreduce(Exchange):
 
         Args:
             tensor: float32, ``numel`` values, any shape; not modified (unless it is ``out``).
-                Or a :class:`~lightning_onebit.kernels.MomentumSource` of ``numel`` values, or
+                Or a :class:`~lightning_onebit.kernels.ExchangeSource` of ``numel`` values, or
                 what :meth:`prepare` returned.
             out: where to write the result (``numel`` float32 values, contiguous; may be
                 ``tensor`` itself). Default: an internal buffer, overwritten by the next call.
@@ -390,7 +390,7 @@ class CompressedAllreduce(Exchange):
             work = all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
         return self._handle(out, c.shape, work, gathered, nxt, commit)
 
-    def _compress(self, values: torch.Tensor | kernels.MomentumSource, commit: bool) -> Compressed:
+    def _compress(self, values: torch.Tensor | kernels.ExchangeSource, commit: bool) -> Compressed:
         """Stage 1 of a call: the worker compression, straight into the send records of the
         error-buffer set the call writes, its scale copied into each record."""
         if not commit and not self.double_buffered:
@@ -420,7 +420,7 @@ class CompressedAllreduce(Exchange):
                 prev_scale=self._wscale[cur],
             )
         else:
-            if isinstance(x, kernels.MomentumSource):
+            if isinstance(x, kernels.ExchangeSource):
                 x = x.materialize()
             kernels.worker_compress(
                 x, self._werr[cur], self._bits(send, row), self._wscale[nxt], update_error=False

@@ -357,17 +357,17 @@ class HierarchicalAllreduce(Exchange):
         return fp32_allreduce_bytes(self.numel, self.world_size)
 
     def prepare(
-        self, values: torch.Tensor | kernels.MomentumSource, *, commit: bool = True
+        self, values: torch.Tensor | kernels.ExchangeSource, *, commit: bool = True
     ) -> torch.Tensor:
         """The part of a call that reads its input, now (see :meth:`CompressedAllreduce.prepare
         <lightning_onebit.comm.CompressedAllreduce.prepare>`): a
-        :class:`~lightning_onebit.kernels.MomentumSource` is materialized (the node's
+        :class:`~lightning_onebit.kernels.ExchangeSource` is materialized (the node's
         full-precision reduce-scatter reads the values first)."""
-        return values.materialize() if isinstance(values, kernels.MomentumSource) else values
+        return values.materialize() if isinstance(values, kernels.ExchangeSource) else values
 
     def start(
         self,
-        tensor: torch.Tensor | kernels.MomentumSource,
+        tensor: torch.Tensor | kernels.ExchangeSource,
         out: torch.Tensor | None = None,
         *,
         commit: bool = True,

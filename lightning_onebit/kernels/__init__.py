@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA
 from lightning_onebit.kernels.ops import (
+    ExchangeSource,
+    LocalSource,
     MomentumSource,
     adam_update,
     decompress,
@@ -53,6 +55,8 @@ from lightning_onebit.kernels.reference import (
 __all__ = [
     "HAS_CPP",
     "HAS_CUDA",
+    "ExchangeSource",
+    "LocalSource",
     "MomentumSource",
     "adam_update",
     "decompress",

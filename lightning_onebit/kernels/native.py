@@ -23,6 +23,7 @@ __all__ = [
     "frozen_adam_update_cuda",
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
+    "local_compress_cpu",
     "local_source_cpu",
     "local_source_cuda",
     "module",
@@ -475,30 +476,18 @@ def momentum_source_cpu(
     )
 
 
-def momentum_compress_cpu(
-    tensors: tuple[
-        torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, list[int], list[int]
-    ],
-    coefs: tuple[list[float], list[float]],
-    error: torch.Tensor,
-    bits: torch.Tensor,
-    scale: torch.Tensor,
-    error_out: torch.Tensor,
+def _compress_tail(
+    starts: list[int],
+    sizes: list[int],
+    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     pending: bool,
-    prev_bits: torch.Tensor,
-    prev_scale: torch.Tensor,
-) -> None:
-    """The compiled deferred ``worker_compress`` of ``momentum_source``'s values (``tensors``:
-    exp_avg, the segments' gradients, denom or ``None``, the segments' starts and sizes, which
-    tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient)."""
-    exp_avg, grads, denom, starts, sizes = tensors
-    arrays = _segment_arrays(grads, starts, sizes, coefs)
-    module.momentum_compress_cpu(
-        exp_avg.data_ptr(),
-        arrays[0].data_ptr(),
-        0 if denom is None else denom.data_ptr(),
-        len(starts),
-        *(a.data_ptr() for a in arrays[1:]),
+    prev: tuple[torch.Tensor, torch.Tensor],
+) -> list:
+    """The trailing arguments of the compiled source compressions: the flat range's start and
+    length (the segments tile it), then ``worker_compress_cpu``'s from ``compress`` (error,
+    bits, scale, error_out) and ``prev`` (prev_bits, prev_scale)."""
+    (error, bits, scale, error_out), (prev_bits, prev_scale) = compress, prev
+    return [
         starts[0],
         sum(sizes),
         error.data_ptr(),
@@ -512,6 +501,31 @@ def momentum_compress_cpu(
         bool(pending),
         scale.data_ptr(),
         nthreads(),
+    ]
+
+
+def momentum_compress_cpu(
+    tensors: tuple[
+        torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, list[int], list[int]
+    ],
+    coefs: tuple[list[float], list[float]],
+    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    pending: bool,
+    prev: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """The compiled deferred ``worker_compress`` of ``momentum_source``'s values (``tensors``:
+    exp_avg, the segments' gradients, denom or ``None``, the segments' starts and sizes, which
+    tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient;
+    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
+    exp_avg, grads, denom, starts, sizes = tensors
+    arrays = _segment_arrays(grads, starts, sizes, coefs)
+    module.momentum_compress_cpu(
+        exp_avg.data_ptr(),
+        arrays[0].data_ptr(),
+        0 if denom is None else denom.data_ptr(),
+        len(starts),
+        *(a.data_ptr() for a in arrays[1:]),
+        *_compress_tail(starts, sizes, compress, pending, prev),
     )
 
 
@@ -546,8 +560,17 @@ def frozen_adam_update_cpu(
     )
 
 
+def _local_coefs(
+    hp: tuple[list[float], list[float], list[float], list[float]],
+) -> tuple[list[float], ...]:
+    """``local_source``'s per-segment coefficients as its kernels take them: beta, alpha,
+    -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr."""
+    beta, alpha, lr, weight_decay = hp
+    return beta, alpha, [-w if w > 0 else 0.0 for w in weight_decay], [-a for a in lr]
+
+
 def local_source_cpu(
-    tensors: tuple[torch.Tensor, ...],
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
     param: torch.Tensor | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -555,27 +578,51 @@ def local_source_cpu(
     hp: tuple[list[float], list[float], list[float], list[float]],
     preconditioned: bool,
 ) -> None:
-    """The compiled ``local_source`` on CPU tensors (``tensors``: exp_avg, grad, denom;
-    ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr, weight_decay)."""
-    (exp_avg, grad, denom), (starts, sizes), (beta, alpha, lr, weight_decay) = tensors, segments, hp
-    # -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr
-    nw = [-w if w > 0 else 0.0 for w in weight_decay]
-    arrays = [
-        torch.tensor(starts, dtype=torch.int64),
-        torch.tensor(sizes, dtype=torch.int64),
-        *(torch.tensor(c, dtype=torch.float32) for c in (beta, alpha, nw, [-a for a in lr])),
-    ]
+    """The compiled ``local_source`` on CPU tensors (``tensors``: exp_avg, the segments'
+    gradients (``None``: zeros), denom; ``segments``: starts, sizes; ``hp``: per segment beta,
+    alpha, lr, weight_decay)."""
+    (exp_avg, grads, denom), (starts, sizes) = tensors, segments
+    arrays = _segment_arrays(grads, starts, sizes, _local_coefs(hp))
     module.local_source_cpu(
         exp_avg.data_ptr(),
-        grad.data_ptr(),
+        arrays[0].data_ptr(),
         denom.data_ptr(),
         0 if param is None else param.data_ptr(),
         0 if acc is None else acc.data_ptr(),
         out.data_ptr(),
         len(starts),
-        *(a.data_ptr() for a in arrays),
+        *(a.data_ptr() for a in arrays[1:]),
         bool(preconditioned),
         nthreads(),
+    )
+
+
+def local_compress_cpu(
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
+    param: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    segments: tuple[list[int], list[int]],
+    hp: tuple[tuple[list[float], list[float], list[float], list[float]], bool],
+    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    pending: bool,
+    prev: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """The compiled deferred ``worker_compress`` of ``local_source``'s values (``tensors``,
+    ``param``, ``acc`` and ``segments`` as :func:`local_source_cpu`, the segments tiling the
+    input's flat range in order; ``hp``: the coefficients and ``preconditioned``;
+    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
+    (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
+    arrays = _segment_arrays(grads, starts, sizes, _local_coefs(coefs))
+    module.local_compress_cpu(
+        exp_avg.data_ptr(),
+        arrays[0].data_ptr(),
+        denom.data_ptr(),
+        0 if param is None else param.data_ptr(),
+        0 if acc is None else acc.data_ptr(),
+        len(starts),
+        *(a.data_ptr() for a in arrays[1:]),
+        bool(preconditioned),
+        *_compress_tail(starts, sizes, compress, pending, prev),
     )
 
 
@@ -646,7 +693,7 @@ def momentum_source_cuda(
 
 
 def local_source_cuda(
-    tensors: tuple[torch.Tensor, ...],
+    tensors: tuple[torch.Tensor, int, torch.Tensor],
     param: torch.Tensor | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -654,21 +701,20 @@ def local_source_cuda(
     hp: tuple[list[float], list[float], list[float], list[float]],
     preconditioned: bool,
 ) -> None:
-    """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`):
-    the kernel on the current stream."""
-    (exp_avg, grad, denom), (starts, sizes), (beta, alpha, lr, weight_decay) = tensors, segments, hp
+    """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`,
+    but the gradient flat, ``grad``: the address of flat index 0, so that flat index ``f`` is at
+    ``grad + 4 f``): the kernel on the current stream."""
+    (exp_avg, grad, denom), (starts, sizes) = tensors, segments
     n, device = len(starts), out.device
     table = segment_table(starts, sizes, device)
     if table is None:
         return  # no values
     meta, nchunks = table
-    # -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr
-    nw = [-w if w > 0 else 0.0 for w in weight_decay]
-    coef = on_device([beta, alpha, nw, [-a for a in lr]], torch.float32, device)
+    coef = on_device(list(_local_coefs(hp)), torch.float32, device)
     module.local_source_cuda(
         device.index,
         exp_avg.data_ptr(),
-        grad.data_ptr(),
+        grad,
         denom.data_ptr(),
         0 if param is None else param.data_ptr(),
         0 if acc is None else acc.data_ptr(),

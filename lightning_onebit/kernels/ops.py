@@ -36,6 +36,8 @@ from lightning_onebit.kernels.reference import (
 )
 
 __all__ = [
+    "ExchangeSource",
+    "LocalSource",
     "MomentumSource",
     "adam_update",
     "decompress",
@@ -52,7 +54,7 @@ __all__ = [
 
 
 def worker_compress(
-    x: torch.Tensor | MomentumSource,
+    x: torch.Tensor | ExchangeSource,
     error: torch.Tensor,
     bits: torch.Tensor,
     scale: torch.Tensor,
@@ -84,12 +86,14 @@ def worker_compress(
       :func:`server_reduce`'s. A separate ``error_out`` (and ``bits``) leaves the inputs as
       they were (double buffering: a call that may still be dropped).
 
-    ``x`` may be a :class:`MomentumSource`: the deferred form computes its values as it reads
-    them where it can (:attr:`MomentumSource.computed_as_read`), the same floats as from the
-    buffer; otherwise it materializes them first.
+    ``x`` may be an :class:`ExchangeSource` (:class:`MomentumSource`, :class:`LocalSource`):
+    the deferred form computes its values as it reads them where it can
+    (:attr:`ExchangeSource.computed_as_read`), the same floats as from the buffer; otherwise it
+    materializes them first.
 
     Args:
-        x: float32, contiguous, at most ``n`` values (any shape); or a :class:`MomentumSource`.
+        x: float32, contiguous, at most ``n`` values (any shape); or an
+            :class:`ExchangeSource`.
         error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
         bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
         scale: float32 with one element; receives the scale (on the tensors' device).
@@ -113,7 +117,7 @@ def worker_compress(
             "deferred=True updates the error (deferred); update_error=False is the two-call form"
         )
     source = None
-    if isinstance(x, MomentumSource):
+    if isinstance(x, ExchangeSource):
         if deferred and x.computed_as_read:  # (x: its geometry, for the checks; not read)
             source, x = x, x.out[x.lo : x.hi]
         else:
@@ -171,10 +175,7 @@ def worker_compress(
         )
         return
     if source is not None:
-        args = (source.exp_avg, source.grad, source.denom, source.starts, source.sizes)
-        coefs = (source.beta, source.alpha)
-        native.momentum_compress_cpu(args, coefs, error, bits, scale, error_out, pending, prev_bits,
-                                     prev_scale)  # fmt: skip
+        source._compress_as_read((error, bits, scale, error_out), pending, (prev_bits, prev_scale))
         return
     if deferred:
         native.worker_compress(x, error, bits, scale, error_out, pending, prev_bits, prev_scale)
@@ -638,18 +639,73 @@ def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
     return grads
 
 
-@dataclasses.dataclass(eq=False)
-class MomentumSource:
-    """:func:`momentum_source`'s values, not computed yet: the input of an exchange call
-    (:func:`worker_compress`), for segments that tile the flat range ``[lo, hi)`` in order
-    (an exchange's bucket: whole parameters).
+class ExchangeSource:
+    """Values of the flat range ``[lo, hi)`` that a source kernel would write to ``out``, not
+    computed yet: the input of an exchange call (:func:`worker_compress`), for segments that
+    tile the range in order (an exchange's bucket: whole parameters). Subclasses:
+    :class:`MomentumSource`, :class:`LocalSource`.
 
     Where the compiled CPU kernel applies (:attr:`computed_as_read`), :func:`worker_compress`
     computes each value as it compresses it: the same floats, bits and scale, without writing
     ``out`` and reading it back (two of the four fp32 sweeps of source and compression).
-    Elsewhere :meth:`materialize` runs :func:`momentum_source` into ``out`` first. The
-    arguments are :func:`momentum_source`'s, checked here; the gradients are read when the
-    values are computed.
+    Elsewhere :meth:`materialize` runs the source kernel into ``out`` first. The inputs are
+    read when the values are computed.
+    """
+
+    out: torch.Tensor
+    starts: list[int]
+    sizes: list[int]
+    lo: int
+    hi: int
+
+    def _tile(self) -> None:
+        """Set :attr:`lo` and :attr:`hi`; raise ``ValueError`` unless the segments tile a
+        non-empty range in order."""
+        ends = list(itertools.accumulate(self.sizes, initial=self.starts[0] if self.starts else 0))
+        if not self.starts or list(self.starts) != ends[:-1] or ends[-1] == ends[0]:
+            raise ValueError(
+                f"a {type(self).__name__}'s segments must tile a non-empty flat range in order, "
+                f"got starts {self.starts} and sizes {self.sizes}"
+            )
+        self.lo, self.hi = ends[0], ends[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.out.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.hi - self.lo])
+
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def computed_as_read(self) -> bool:
+        """Whether :func:`worker_compress` (``deferred=True``) computes the values as it reads
+        them: the compiled module's CPU kernel (CUDA and the pure-torch path materialize)."""
+        return self.device.type == "cpu" and native.use_native()
+
+    def materialize(self) -> torch.Tensor:
+        """Run the source kernel into ``out`` (arguments checked at construction); return
+        ``out[lo:hi]``."""
+        raise NotImplementedError
+
+    def _compress_as_read(
+        self,
+        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pending: bool,
+        prev: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """The compiled deferred compression of these values (``compress``: error, bits,
+        scale, error_out; ``prev``: prev_bits, prev_scale), checked by :func:`worker_compress`."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(eq=False)
+class MomentumSource(ExchangeSource):
+    """:func:`momentum_source`'s values as an :class:`ExchangeSource`. The arguments are
+    :func:`momentum_source`'s, checked here.
 
     Raises:
         TypeError, ValueError: as :func:`momentum_source`; segments that do not tile a
@@ -668,30 +724,7 @@ class MomentumSource:
     def __post_init__(self) -> None:
         args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
         self.grad = _check_momentum_source((*args, self.beta, self.alpha))
-        ends = list(itertools.accumulate(self.sizes, initial=self.starts[0] if self.starts else 0))
-        if not self.starts or list(self.starts) != ends[:-1] or ends[-1] == ends[0]:
-            raise ValueError(
-                "a MomentumSource's segments must tile a non-empty flat range in order, got "
-                f"starts {self.starts} and sizes {self.sizes}"
-            )
-        self.lo, self.hi = ends[0], ends[-1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.exp_avg.device
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size([self.hi - self.lo])
-
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def computed_as_read(self) -> bool:
-        """Whether :func:`worker_compress` (``deferred=True``) computes the values as it reads
-        them: the compiled module's CPU kernel (CUDA and the pure-torch path materialize)."""
-        return self.device.type == "cpu" and native.use_native()
+        self._tile()
 
     def materialize(self) -> torch.Tensor:
         """Run :func:`momentum_source` into ``out`` (arguments checked at construction);
@@ -699,6 +732,15 @@ class MomentumSource:
         args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
         _run_momentum_source((*args, self.beta, self.alpha))
         return self.out[self.lo : self.hi]
+
+    def _compress_as_read(
+        self,
+        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pending: bool,
+        prev: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        args = (self.exp_avg, self.grad, self.denom, self.starts, self.sizes)
+        native.momentum_compress_cpu(args, (self.beta, self.alpha), compress, pending, prev)
 
 
 def _check_segment_grads(
@@ -789,7 +831,7 @@ def frozen_adam_update(
 
 
 def local_source(
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor],
     param: torch.Tensor | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -810,23 +852,35 @@ def local_source(
         x = -lr * x
         preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
 
-    The decay term is taken where ``param`` is given and ``weight_decay > 0``, the
-    accumulator's where ``acc`` is given. One sweep (reads 3-5 buffers, writes one) where the
-    torch ops make five or more, writing torch's floats bit for bit on the same device: on the
-    CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and ``addcmul_`` are fused
-    multiply-adds on x86, which the kernel does too), on CUDA the CUDA kernel on the current
-    stream (no host synchronisation), with the roundings of torch's CUDA kernels (its
-    ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with ``weight_decay``).
-    Without a compiled kernel for the device the torch ops themselves run
-    (:func:`reference_local_source`).
+    The gradient is a flat buffer or one tensor per segment (``None``: zeros), as
+    :func:`momentum_source`'s. The decay term is taken where ``param`` is given and
+    ``weight_decay > 0``, the accumulator's where ``acc`` is given. One sweep (reads 3-5
+    buffers, writes one) where the torch ops make five or more, writing torch's floats bit for
+    bit on the same device: on the CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and
+    ``addcmul_`` are fused multiply-adds on x86, which the kernel does too), on CUDA the CUDA
+    kernel on the current stream (no host synchronisation), with the roundings of torch's CUDA
+    kernels (its ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with
+    ``weight_decay``); it reads a flat gradient, so per-segment gradients that are not the
+    pieces of one buffer are copied into one first. Without a compiled kernel for the device
+    the torch ops themselves run (:func:`reference_local_source`).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
-            or a segment that does not fit; coefficient lists of other lengths.
+            a segment that does not fit or a per-segment gradient of another size;
+            coefficient lists of other lengths.
     """
-    named = [("exp_avg", tensors[0]), ("grad", tensors[1]), ("denom", tensors[2]), ("out", out)]
-    for name, t in (("param", param), ("acc", acc)):
-        if t is not None:
+    args = (tensors, param, acc, out, starts, sizes, hp, preconditioned)
+    grads = _check_local_source(args)
+    _run_local_source(((tensors[0], grads, tensors[2]), *args[1:]))
+
+
+def _check_local_source(args: tuple) -> list[torch.Tensor | None]:
+    """:func:`local_source`'s checks of its arguments ``args``, in order; returns the gradient
+    as one entry per segment."""
+    (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
+    named = [("exp_avg", exp_avg), ("denom", denom), ("out", out)]
+    for name, t in (("grad", grad), ("param", param), ("acc", acc)):
+        if isinstance(t, torch.Tensor) or (name != "grad" and t is not None):
             named.append((name, t))
     for name, t in named:
         check_tensor(name, t, torch.float32)
@@ -834,13 +888,110 @@ def local_source(
     device = check_device(*named, need_cuda_kernels=False)
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     _check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
+    if isinstance(grad, torch.Tensor):
+        return [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
+    grads = list(grad)
+    _check_segment_grads(grads, sizes, device)
+    return grads
+
+
+def _run_local_source(args: tuple) -> None:
+    """:func:`local_source` on checked arguments ``args`` (in its order, the gradient one entry
+    per segment): the compiled kernel of the device, or the torch ops."""
+    (exp_avg, grads, denom), param, acc, out, starts, sizes, hp, preconditioned = args
+    device = exp_avg.device
     if not _has_kernel(device) or not native.use_native():
-        reference_local_source(tensors, param, acc, out, starts, sizes, hp, preconditioned)
+        reference_local_source(*args)
         return
-    if device.type == "cuda":
-        native.local_source_cuda(tensors, param, acc, out, (starts, sizes), hp, preconditioned)
-    else:
-        native.local_source_cpu(tensors, param, acc, out, (starts, sizes), hp, preconditioned)
+    segments = (starts, sizes)
+    if device.type != "cuda":
+        native.local_source_cpu(args[0], param, acc, out, segments, hp, preconditioned)
+        return
+    flat, base = None, _flat_address(grads, starts, sizes)
+    if base is None:  # not the pieces of one buffer: into one (the same floats)
+        flat = torch.zeros(max(lo + n for lo, n in zip(starts, sizes, strict=True)), device=device)
+        for lo, n, g in zip(starts, sizes, grads, strict=True):
+            if g is not None:
+                flat[lo : lo + n].copy_(g.reshape(-1))
+        base = flat.data_ptr()
+    native.local_source_cuda((exp_avg, base, denom), param, acc, out, segments, hp, preconditioned)
+
+
+def _flat_address(
+    grads: list[torch.Tensor | None], starts: list[int], sizes: list[int]
+) -> int | None:
+    """The address of flat index 0 of the buffer whose pieces the segments' gradients are
+    (segment ``k``'s at flat index ``starts[k]``, each fp32 contiguous; empty segments, which
+    are not read, aside), or ``None`` where they are not (a missing one among them)."""
+    pieces = [(g, lo) for g, lo, n in zip(grads, starts, sizes, strict=True) if n > 0]
+    if any(g is None for g, _ in pieces):
+        return None
+    if not pieces:
+        return 0  # (nothing is read)
+    base = pieces[0][0].data_ptr() - 4 * pieces[0][1]
+    if all(g.data_ptr() - 4 * lo == base for g, lo in pieces):
+        return base
+    return None
+
+
+@dataclasses.dataclass(eq=False)
+class LocalSource(ExchangeSource):
+    """:func:`local_source`'s values as an :class:`ExchangeSource`. The arguments are
+    :func:`local_source`'s, checked here.
+
+    Raises:
+        TypeError, ValueError: as :func:`local_source`; segments that do not tile a non-empty
+            range in order.
+    """
+
+    tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor]
+    param: torch.Tensor | None
+    acc: torch.Tensor | None
+    out: torch.Tensor
+    starts: list[int]
+    sizes: list[int]
+    hp: tuple[list[float], list[float], list[float], list[float]]
+    preconditioned: bool
+
+    def __post_init__(self) -> None:
+        grads = _check_local_source(self._args())
+        self.tensors = (self.tensors[0], grads, self.tensors[2])
+        self._tile()
+
+    def _args(self) -> tuple:
+        return (
+            self.tensors,
+            self.param,
+            self.acc,
+            self.out,
+            self.starts,
+            self.sizes,
+            self.hp,
+            self.preconditioned,
+        )
+
+    def materialize(self) -> torch.Tensor:
+        """Run :func:`local_source` into ``out`` (arguments checked at construction); return
+        ``out[lo:hi]``."""
+        _run_local_source(self._args())
+        return self.out[self.lo : self.hi]
+
+    def _compress_as_read(
+        self,
+        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pending: bool,
+        prev: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        native.local_compress_cpu(
+            self.tensors,
+            self.param,
+            self.acc,
+            (self.starts, self.sizes),
+            (self.hp, self.preconditioned),
+            compress,
+            pending,
+            prev,
+        )
 
 
 def sync_update(

@@ -242,12 +242,18 @@ def reference_local_source(
     preconditioned: bool,
 ) -> None:
     """Pure-torch :func:`~lightning_onebit.kernels.local_source` (same arguments; 0/1 Adam's
-    torch ops, bit for bit on x86 CPUs)."""
+    torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
+    zeros) per segment."""
     (exp_avg, grad, denom), (beta, alpha, lr, weight_decay) = tensors, hp
-    for lo, n, b, a, r, w in zip(starts, sizes, beta, alpha, lr, weight_decay, strict=True):
+    coefs = zip(starts, sizes, beta, alpha, lr, weight_decay, strict=True)
+    for k, (lo, n, b, a, r, w) in enumerate(coefs):
         s = slice(lo, lo + n)
         x = out[s]
-        torch.mul(exp_avg[s], b, out=x).add_(grad[s], alpha=a)
+        if isinstance(grad, torch.Tensor):
+            g = grad[s]
+        else:
+            g = torch.zeros_like(x) if grad[k] is None else grad[k].reshape(-1)
+        torch.mul(exp_avg[s], b, out=x).add_(g, alpha=a)
         if preconditioned:
             x.div_(denom[s])
             if param is not None and w > 0:

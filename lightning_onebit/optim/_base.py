@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
-from lightning_onebit.kernels import MomentumSource
+from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._checkpoint import load_rank_state, load_state, rank_state, save_state
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._flat import FlatState
@@ -194,11 +194,11 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         :class:`NonFiniteError` before writing any state to have the step dropped."""
 
     @abstractmethod
-    def _exchange_source(self, s: slice) -> torch.Tensor | MomentumSource:
+    def _exchange_source(self, s: slice) -> torch.Tensor | ExchangeSource:
         """What the next step exchanges, for the flat slice ``s`` (whole parameters), from
         those parameters' gradients alone: it reads them where autograd left them or gathers
         them (:meth:`FlatState.grads`, :meth:`FlatState.gather_grads`), now or, for a
-        :class:`~lightning_onebit.kernels.MomentumSource`, when the exchange computes it, so
+        :class:`~lightning_onebit.kernels.ExchangeSource`, when the exchange computes it, so
         it runs where ``.grad`` may be read (in ``step()``, or the overlap's hook during
         backward, which also runs that part of the exchange)."""
 

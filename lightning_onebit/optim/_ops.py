@@ -20,7 +20,7 @@ from lightning_onebit.comm import (
     hierarchical_average,
     start_average,
 )
-from lightning_onebit.kernels import MomentumSource, adam_update, frozen_adam_update
+from lightning_onebit.kernels import ExchangeSource, adam_update, frozen_adam_update
 from lightning_onebit.optim._nograd import any_missed_steps
 from lightning_onebit.optim._variance import bias_corrections
 
@@ -147,13 +147,13 @@ def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
 
 def compressed_average_(
     opt: OneBitOptimizer,
-    source: torch.Tensor | Callable[[slice], torch.Tensor | MomentumSource],
+    source: torch.Tensor | Callable[[slice], torch.Tensor | ExchangeSource],
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
 
     ``source`` is the flat input (``out`` defaults to it: in place) or a function computing
-    it (or a :class:`~lightning_onebit.kernels.MomentumSource` of it) for a flat slice, so that with :meth:`overlap_with_backward` only the buckets not
+    it (or a :class:`~lightning_onebit.kernels.ExchangeSource` of it) for a flat slice, so that with :meth:`overlap_with_backward` only the buckets not
     started during backward are computed here. Raises NonFiniteError on every rank, with
     ``out`` and the error buffers untouched, when any rank's input has a NaN/Inf; or, when
     the exchange keeps its verdict on the device (CUDA, see ``DEVICE_VERDICT``), returns it

@@ -9,7 +9,7 @@ post-accumulate-grad hook on every parameter notes its gradient as ready; as soo
 gradients: what the algorithm exchanges for its values (e.g. the new momentum,
 ``_exchange_source``, which reads the gradients where autograd left them or gathers them into
 the flat buffer), and on the CPU, where the compression computes that as it reads it
-(:class:`~lightning_onebit.kernels.MomentumSource`), the compression too
+(:class:`~lightning_onebit.kernels.ExchangeSource`), the compression too
 (``BucketedAllreduce.prepare_bucket``). It hands the rest to a single communication thread,
 which runs the exchange's compression (if not done), all_to_all and server stage while
 backward goes on (C++ kernels and collectives release the GIL). The thread never reads
@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
-from lightning_onebit.kernels import MomentumSource
+from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._flat import FlatState, Layout
 from lightning_onebit.optim._validation import check_real
 
@@ -102,7 +102,7 @@ class OverlapHost(Protocol):
         """Whether the next step's exchange can start from its gradients alone."""
         ...
 
-    def _exchange_source(self, s: slice) -> torch.Tensor | MomentumSource:
+    def _exchange_source(self, s: slice) -> torch.Tensor | ExchangeSource:
         """What the next step exchanges, for the flat slice ``s`` (a bucket: whole parameters),
         from those parameters' gradients alone (it reads ``.grad``, or returns a source that
         does when computed: called by the hook, on the thread that runs backward, or in

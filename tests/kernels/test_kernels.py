@@ -378,10 +378,14 @@ frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in
 local = {pre: T.local_runs(K.local_source, pre) for pre in (False, True)}
 m, g, d, st, sz, b, a = T._tiled(T.SOURCE_TILINGS["awkward"], 3)
 compress_source = T._compress_source(K.MomentumSource(m, g, d, m.clone(), st, sz, b, a), 3, True, 3)
+tensors, p, acc, st, sz, hp = T._local_tiled(T.SOURCE_TILINGS["awkward"], 3)
+local_source = K.LocalSource(tensors, p, acc, p.clone(), st, sz, hp, True)
+compress_local = T._compress_source(local_source, 3, True, 3)
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
-            "sync": sync, "compress_source": compress_source}, sys.argv[1])
+            "sync": sync, "compress_source": compress_source, "compress_local": compress_local},
+           sys.argv[1])
 """
 
 
@@ -785,7 +789,7 @@ def _tiled(sizes: list[int], seed: int, base: int = 5):
 
 
 def _compress_source(x, w: int, pending: bool, seed: int):
-    """Deferred worker_compress of ``x`` (a tensor or a MomentumSource) with a fresh error,
+    """Deferred worker_compress of ``x`` (a tensor or an ExchangeSource) with a fresh error,
     previous bits and scale from ``seed``: (bits, scale, y) after the call."""
     gen = torch.Generator().manual_seed(seed)
     nx = x.numel()
@@ -1018,6 +1022,130 @@ def test_local_source_portable_path_is_bitwise_too(portable: dict) -> None:
     for precond in (False, True):
         want, got = _local_by_torch(precond), portable["local"][precond]
         assert all(_same_bits(got[k], want[k]) for k in want)
+
+
+def _local_tiled(sizes: list[int], seed: int):
+    """A local source over segments that tile a range (``_tiled``'s, some gradients None):
+    (m, per-segment grads, d), flat p and acc, starts, sizes, coefficients (decay 0 on every
+    third segment)."""
+    m, grads, d, starts, sizes, beta, alpha = _tiled(sizes, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    p, acc = torch.randn(m.numel(), generator=gen), torch.randn(m.numel(), generator=gen) * 1e-3
+    lr = [1e-3 * (1 + a) for a in torch.rand(len(sizes), generator=gen).tolist()]
+    wd = [0.0 if k % 3 == 0 else 0.01 * (k + 1) for k in range(len(sizes))]
+    return (m, grads, d), p, acc, starts, sizes, (beta, alpha, lr, wd)
+
+
+def _flat_grad(grads, starts, like: torch.Tensor) -> torch.Tensor:
+    """The flat gradient buffer that per-segment ``grads`` stand for (zeros where None)."""
+    flat = torch.zeros_like(like)
+    for g, lo in zip(grads, starts, strict=True):
+        if g is not None:
+            flat[lo : lo + g.numel()] = g.reshape(-1)
+    return flat
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_local_source_per_segment_grads_are_the_flat_form_bitwise(precond: bool) -> None:
+    """The gradient given per segment (storage of its own, None for zeros) gives the floats of
+    the flat buffer holding the same values bit for bit (the kernel on 1 and 2 threads, the
+    reference), with and without the decay and accumulator terms."""
+    (m, grads, d), p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS["awkward"], 9)
+    assert any(g is None for g in grads)
+    flat = _flat_grad(grads, starts, m)
+    old = torch.get_num_threads()
+    try:
+        for nt, decay, with_acc in itertools.product((1, 2), (False, True), (False, True)):
+            torch.set_num_threads(nt)
+            terms = (p if decay else None, acc if with_acc else None)
+            want, got, ref = (torch.full_like(m, float("nan")) for _ in range(3))
+            K.local_source((m, flat, d), *terms, want, starts, sizes, hp, precond)
+            K.local_source((m, grads, d), *terms, got, starts, sizes, hp, precond)
+            K.reference_local_source((m, grads, d), *terms, ref, starts, sizes, hp, precond)
+            assert _same_bits(got, want) and _same_bits(ref, want), (nt, decay, with_acc)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("tiling", list(SOURCE_TILINGS))
+@pytest.mark.parametrize("precond", [False, True])
+def test_worker_compress_of_a_local_source_is_the_buffer_form_bitwise(
+    tiling: str, precond: bool
+) -> None:
+    """A LocalSource compressed as it is read gives the bits, scale and y of ``local_source``
+    into a buffer then ``worker_compress`` of it, bit for bit (W = 1, 2, 3, with and without a
+    pending update, the decay and accumulator terms, 1 and 2 threads), without writing
+    ``out``; its inputs unchanged."""
+    tensors, p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS[tiling], len(tiling) + 1)
+    m, grads, _ = tensors
+    before = [t.clone() for t in (m, p, acc)] + [g.clone() for g in grads if g is not None]
+    lo, hi = starts[0], starts[-1] + sizes[-1]
+    old = torch.get_num_threads()
+    try:
+        for nt, w, pending, terms in itertools.product(
+            (1, 2), (1, 2, 3), (False, True), ((None, None), (p, acc))
+        ):
+            torch.set_num_threads(nt)
+            buf, out = torch.full_like(m, float("nan")), torch.full_like(m, float("nan"))
+            K.local_source(tensors, *terms, buf, starts, sizes, hp, precond)
+            source = K.LocalSource(tensors, *terms, out, starts, sizes, hp, precond)
+            assert source.computed_as_read and source.numel() == hi - lo
+            got = _compress_source(source, w, pending, seed=w)
+            want = _compress_source(buf[lo:hi], w, pending, seed=w)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (nt, w, pending)
+            assert out.isnan().all(), (nt, w, pending)
+    finally:
+        torch.set_num_threads(old)
+    after = [t for t in (m, p, acc)] + [g for g in grads if g is not None]
+    assert all(_same_bits(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_worker_compress_of_a_local_source_portable_path_is_bitwise_too(portable: dict) -> None:
+    tensors, p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS["awkward"], 3)
+    buf = torch.full_like(p, float("nan"))
+    K.local_source(tensors, p, acc, buf, starts, sizes, hp, True)
+    want = _compress_source(buf[starts[0] : starts[-1] + sizes[-1]], 3, True, seed=3)
+    for a, b in zip(portable["compress_local"], want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_local_source_elsewhere_is_materialized_first() -> None:
+    """The two-call form reads the values twice: a LocalSource is computed into ``out``
+    first, the results of the buffer."""
+    tensors, p, acc, starts, sizes, hp = _local_tiled([3, 29, 12], 4)
+    lo, hi = starts[0], starts[-1] + sizes[-1]
+    buf = torch.zeros_like(p)
+    K.local_source(tensors, p, acc, buf, starts, sizes, hp, False)
+    results = []
+    for x in (
+        buf[lo:hi],
+        K.LocalSource(tensors, p, acc, torch.zeros_like(p), starts, sizes, hp, False),
+    ):
+        e, bits, scale = torch.ones(48), torch.zeros(2, 3, dtype=torch.uint8), torch.zeros(1)
+        K.worker_compress(x, e, bits, scale, update_error=False)
+        results.append((bits, scale))
+    assert torch.equal(x.out[lo:hi], buf[lo:hi])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
+    t, hp = torch.zeros(32), ([0.9] * 2, [0.1] * 2, [1e-3] * 2, [0.0] * 2)
+    with pytest.raises(ValueError, match="LocalSource's segments must tile a non-empty"):
+        K.LocalSource((t, t, t), None, None, t.clone(), [0, 9], [8, 8], hp, True)
+    with pytest.raises(ValueError, match="does not fit"):
+        K.LocalSource((t, t, t), None, None, t.clone(), [30], [8], tuple(c[:1] for c in hp), True)
+    with pytest.raises(ValueError, match=r"grad\[0\] must have its segment's 8 values"):
+        K.LocalSource(
+            (t, [torch.zeros(7)], t),
+            None,
+            None,
+            t.clone(),
+            [0],
+            [8],
+            tuple(c[:1] for c in hp),
+            True,
+        )
 
 
 def test_local_source_rejects_bad_input() -> None:
