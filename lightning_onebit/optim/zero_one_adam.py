@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
-from lightning_onebit.kernels import local_source, sync_update
+from lightning_onebit.kernels import LocalSource, sync_update
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import (
@@ -319,41 +319,42 @@ class ZeroOneAdam(OneBitOptimizer):
             return not self._variance_step(t)  # 1b
         return t % self.local_step_interval == 0  # 3c
 
-    def _exchange_source(self, s: slice) -> torch.Tensor:
-        """What the next step exchanges, for the flat slice ``s``: 1b the gradient itself; 3c
-        ``(acc - lr u) * (sqrt(v) + eps) = acc * d - lr * (m_new + weight_decay * p * d)`` with
-        ``m_new = beta1 m + (1 - beta1) g`` (into scratch: m and acc change after the exchange).
-        With ``preconditioned_exchange`` both are divided by ``d = sqrt(v) + eps``: 1b
-        ``g / d``, 3c ``acc - lr u`` (parameter units). Reads the flat gradient buffer: the
-        slice's gradients are gathered there first (in the step, already)."""
-        self.flat.gather_grads(self.param_groups, self.flat.params_in(s))
+    def _exchange_source(self, s: slice) -> torch.Tensor | LocalSource:
+        """What the next step exchanges, for the flat slice ``s``: 1b the gradient itself
+        (gathered into the flat gradient buffer); 3c ``(acc - lr u) * (sqrt(v) + eps) =
+        acc * d - lr * (m_new + weight_decay * p * d)`` with ``m_new = beta1 m + (1 - beta1) g``
+        (m and acc change after the exchange), a :class:`~lightning_onebit.kernels.LocalSource`
+        that reads each gradient where autograd left it (:meth:`FlatState.grads`) and that the
+        exchange computes as it compresses it where it can. With ``preconditioned_exchange``
+        both are divided by ``d = sqrt(v) + eps``: 1b ``g / d``, 3c ``acc - lr u`` (parameter
+        units)."""
+        flat, groups = self.flat, self.param_groups
         pre = self.preconditioned_exchange
         d, _ = denominator(self)  # sqrt(v) + eps (phase 1: of the current v)
         if self.phase == Phase.VARIANCE:
+            flat.gather_grads(groups, flat.params_in(s))
             if not pre:
-                return self.flat.grad[s]
-            return torch.div(self.flat.grad[s], d[s], out=self.flat.work["update"][s])
-        x = self.flat.work["update"]
-        p = self.flat.gather_params(s) if any_weight_decay(self) else None
-        segs = [(t, group) for _, group, t in self.flat.segments_in(self.param_groups, s)]
-        betas = [group["betas"][0] for _, group in segs]
-        # one sweep (the torch ops' floats bit for bit on the CPU and on CUDA)
-        local_source(
-            (self.flat.states["exp_avg"], self.flat.grad, d),
-            p,
+                return flat.grad[s]
+            return torch.div(flat.grad[s], d[s], out=flat.work["update"][s])
+        idx = flat.params_in(s)
+        of = [groups[flat.layout.group_of[j]] for j in idx]
+        betas = [group["betas"][0] for group in of]
+        hp = (
+            betas,
+            [1 - b for b in betas],
+            [group["lr"] for group in of],
+            [decoupled_decay(group) for group in of],
+        )
+        return LocalSource(
+            (flat.states["exp_avg"], flat.grads(groups, idx), d),
+            flat.gather_params(s) if any_weight_decay(self) else None,
             self._acc if self._local_steps_taken else None,
-            x,
-            [t.start for t, _ in segs],
-            [t.stop - t.start for t, _ in segs],
-            (
-                betas,
-                [1 - b for b in betas],
-                [group["lr"] for _, group in segs],
-                [decoupled_decay(group) for _, group in segs],
-            ),
+            flat.work["update"],
+            [flat.layout.offsets[j] for j in idx],
+            [flat.layout.params[j].numel() for j in idx],
+            hp,
             pre,
         )
-        return x[s]
 
     @property
     def _acc(self) -> torch.Tensor:
@@ -529,12 +530,12 @@ class ZeroOneAdam(OneBitOptimizer):
         rescale_variance_(self, self.flat.views["grad"], reduce=False, ok=ok)
 
     def _step(self) -> None:
-        g = self.flat.gather_grads(self.param_groups)
         m = self.flat.states["exp_avg"]
         acc, u = self.flat.states["momentum_accumulator"], self.flat.work["update"]
         t = self.step_count
 
         if self.phase == Phase.VARIANCE:
+            g = self.flat.gather_grads(self.param_groups)
             variance_step = self._variance_step(t)
             # (ok: on CUDA the step's verdict, on the device: its writes take it)
             if variance_step:
@@ -570,8 +571,13 @@ class ZeroOneAdam(OneBitOptimizer):
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
             # (the local steps' sums with this one)
-            rescale_variance_(self, self.flat.views["grad"], reduce=True, ok=self.verdict.ok)
+            if self.rescale_variance:
+                grads = self.flat.grads(
+                    self.param_groups, list(range(len(self.flat.layout.params)))
+                )
+                rescale_variance_(self, grads, reduce=True, ok=self.verdict.ok)
         else:
+            g = self.flat.gather_grads(self.param_groups)
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
             #     rank derives the same m at the next synchronisation).

@@ -194,7 +194,14 @@ def test_a_backward_without_its_step_is_forgotten() -> None:
         assert torch.equal(a["hist"], b["hist"])
 
 
-def test_backward_reads_the_gradients_for_the_exchange_before_it_returns() -> None:
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [(OneBitAdam, {"freeze_step": 1}), (ZeroOneAdam, {"var_freeze_step": 1})],
+    ids=["onebit_adam", "zero_one_adam"],
+)
+def test_backward_reads_the_gradients_for_the_exchange_before_it_returns(
+    cls: type, kwargs: dict
+) -> None:
     """The hook that completes a bucket runs every part of the bucket's exchange that reads
     its gradients (where autograd left them): the source and, on the CPU, its compression,
     which computes the source as it reads it; not the communication thread: a later backward
@@ -202,11 +209,12 @@ def test_backward_reads_the_gradients_for_the_exchange_before_it_returns() -> No
     the thread may still be busy with the previous one, and a read of ``.grad`` racing with
     that write can crash the process. With the thread held busy, backward returns with every
     bucket's source computed and compressed on backward's own thread: gradients overwritten
-    after it change nothing in the step (the parameters of a twin run, bit for bit)."""
+    after it change nothing in the step (the parameters of a twin run, bit for bit). 0/1 Adam:
+    its sync steps (every step of its local phase at ``local_step_interval`` 1)."""
     from lightning_onebit import kernels
 
     models = [_model(), _model()]
-    opts = [OneBitAdam(m.parameters(), lr=1e-2, freeze_step=1) for m in models]
+    opts = [cls(m.parameters(), lr=1e-2, **kwargs) for m in models]
     for model, opt in zip(models, opts, strict=True):
         opt.overlap_with_backward(0.01)
         for t in (1, 2, 3):  # warmup, then compression steps (the thread exists from step 2)
