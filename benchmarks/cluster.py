@@ -476,7 +476,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f" · 1-bit exchange overlapped with backward: {overlap}"
         + (" · denormals flushed" if meta.get("flush_denormal") else "")
         + (" · pinned" if meta.get("pin") else "")
-        + (" · momentum source materialized (two sweeps)" if meta.get("materialize") else "")
+        + (" · exchange source materialized (two sweeps)" if meta.get("materialize") else "")
         + "".join(f" · {k}={v!r}" for k, v in meta.get("strategy_options", {}).items())
         + (
             f" · LR: linear warmup {meta['lr_warmup']} steps, cosine to 0.1x"
@@ -670,8 +670,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--materialize",
         action="store_true",
-        help="1-bit Adam and 1-bit LAMB: compute the exchange's momentum into its buffer, then "
-        "compress it (two sweeps, as a build without the fused kernel; the same floats)",
+        help="1-bit methods: compute the exchange's source (1-bit Adam's and 1-bit LAMB's "
+        "momentum, 0/1 Adam's sync-step update) into its buffer, then compress it (two sweeps, "
+        "as a build without the fused kernel; the same floats)",
     )
     p.add_argument(
         "--overlap-mb",

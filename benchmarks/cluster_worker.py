@@ -373,9 +373,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("flush_denormal"):
         torch.set_flush_denormal(True)
     if cfg.get("materialize"):  # (benchmarks/cluster.py --materialize: the two-sweep path)
-        from lightning_onebit.kernels import MomentumSource
+        from lightning_onebit.kernels import ExchangeSource
 
-        MomentumSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
+        ExchangeSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     dist.init_process_group(

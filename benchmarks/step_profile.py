@@ -15,9 +15,10 @@ time outside every wrapped stage (Python, bookkeeping, unwrapped torch ops; from
 steps' means, the stages being means too). Bytes per value: the fp32 traffic a
 stage cannot avoid, so *GB/s* compares with the copy row (a copy moves 8 bytes per value).
 
-``--materialize`` runs 1-bit Adam's and 1-bit LAMB's exchange source as a build without the
-fused compression would (:class:`~lightning_onebit.kernels.MomentumSource` computed into its
-buffer, then compressed from there): the two paths side by side, the same floats.
+``--materialize`` runs the exchange source of 1-bit Adam, 1-bit LAMB and 0/1 Adam's sync steps
+as a build without the fused compression would (the
+:class:`~lightning_onebit.kernels.ExchangeSource` computed into its buffer, then compressed from
+there): the two paths side by side, the same floats.
 
 The numbers are rank 0's (stages: means over the timed steps; steps: medians); *step (slowest rank)* is the median of
 the slowest rank's step wall time.
@@ -50,6 +51,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.kernels", "local_source", "source kernel", 20),
     ("lightning_onebit.kernels", "worker_compress", "worker compress", 12),
     ("lightning_onebit.kernels.native", "momentum_compress_cpu", "source + compress", 20),
+    ("lightning_onebit.kernels.native", "local_compress_cpu", "source + compress", 20),
     ("lightning_onebit.kernels", "worker_update_error", "worker error", 12),
     ("torch.distributed", "all_to_all_single", "all_to_all", None),
     ("lightning_onebit.kernels", "server_reduce", "server reduce", None),
@@ -153,9 +155,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if args.materialize:
-        from lightning_onebit.kernels import MomentumSource
+        from lightning_onebit.kernels import ExchangeSource
 
-        MomentumSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
+        ExchangeSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
     clock = _Clock()
     _instrument(clock)
     out: dict[str, Any] = {}
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--materialize",
         action="store_true",
-        help="compute the momentum source into its buffer, then compress it (two sweeps)",
+        help="compute the exchange source into its buffer, then compress it (two sweeps)",
     )
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args(argv)
