@@ -422,6 +422,37 @@ def test_local_source_cuda_is_the_torch_ops_bitwise(
     assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
 
 
+@pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
+def test_local_source_cuda_per_segment_grads_are_the_flat_form_bitwise(sizes: str) -> None:
+    """The gradient given per segment gives the flat buffer's floats on the GPU bit for bit:
+    as views of that buffer (what the optimizer passes: read in place) and as tensors of their
+    own, some None (copied into one buffer first), without a host synchronisation."""
+    seg = SEGMENT_SIZES[sizes]
+    gen = torch.Generator().manual_seed(301 + len(seg))
+    starts, n = _segments(seg)
+    m, g, d = _fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen)
+    p, acc = _fresh(n, gen), _fresh(n, gen, 1e-3)
+    hp = _source_hp(len(seg), gen)
+    own = [
+        None if k % 3 == 1 else g[lo : lo + z].clone()
+        for k, (lo, z) in enumerate(zip(starts, seg, strict=True))
+    ]
+    zeroed = g.clone()
+    for lo, z, t in zip(starts, seg, own, strict=True):
+        if t is None:
+            zeroed[lo : lo + z] = 0.0
+    for precond in (False, True):
+        for grad, flat in (
+            ([g[lo : lo + z] for lo, z in zip(starts, seg, strict=True)], g),
+            (own, zeroed),
+        ):
+            want, got = torch.full_like(p, math.nan), torch.full_like(p, math.nan)
+            K.local_source((m, flat, d), p, acc, want, starts, seg, hp, precond)
+            with _NoHostSync():
+                K.local_source((m, grad, d), p, acc, got, starts, seg, hp, precond)
+            assert _same_bits(got, want), precond
+
+
 def _sync_case(seg: list[int], seed: int, device: str = "cuda"):
     """Inputs of sync_update: (x, d, m, synced), floored, acc, the parameters, starts and per
     parameter lrs: 0 on parameter 2 (m = 0), 1e-50 on parameter 1 (-lrs rounds to -0.0)."""
