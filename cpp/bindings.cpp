@@ -97,6 +97,14 @@ PYBIND11_MODULE(_C, m) {
   }, release(), "0/1 Adam's sync-step exchange source over P segments in one sweep (g: array of per-segment "
                 "gradient pointers, 0: zeros; p, acc may be 0: no term)");
 
+  m.def("local_step_cpu", [](ptr g, ptr mm, ptr d, ptr acc, ptr params, int64_t np, ptr starts, ptr sizes, ptr b,
+                             ptr a, ptr w, ptr nlr, int nthreads) {
+    return onebit::local_step_cpu(P<const float* const>(g), P<float>(mm), P<const float>(d), P<float>(acc),
+                                  P<float* const>(params), np, P<const int64_t>(starts), P<const int64_t>(sizes),
+                                  P<const float>(b), P<const float>(a), P<const float>(w), P<const float>(nlr),
+                                  nthreads);
+  }, release(), "0/1 Adam's local step of P parameters in one sweep if every gradient is finite (returns whether)");
+
   m.def("local_compress_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes, ptr b,
                                  ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx, ptr e, ptr e_out,
                                  int64_t n, ptr bits, int64_t W, int64_t row_stride, ptr prev_bits, float prev_scale,

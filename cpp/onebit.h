@@ -151,6 +151,16 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
 void local_source_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
                       float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads);
+// 0/1 Adam's local step (no exchange) in one sweep, if every gradient value is finite (returns
+// whether it was; nothing is written otherwise): per value of parameter j (flat values [starts[j],
+// starts[j] + sizes[j]) of m, d and acc; gradient g[j] and storage params[j], each its own from 0,
+// fp32, contiguous; g[j] null: zeros), with j's coefficients (floats):
+//   m <- fma(g, a, m * b);  u = m / d;  u = fma(p, w, u)  (only where w is not 0)
+//   acc <- fma(u, nlr, acc);  p <- fma(u, nlr, p)
+// The roundings of the optimizer's torch ops (add_ with alpha, div, _foreach_add_) on x86 CPUs.
+bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc, float* const* params, int64_t P,
+                    const int64_t* starts, const int64_t* sizes, const float* b, const float* a, const float* w,
+                    const float* nlr, int nthreads);
 // worker_compress_cpu of the values local_source_cpu would write to u[base, base + nx) (its
 // segments tiling that range in order), computed as read (as momentum_compress_cpu).
 float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,

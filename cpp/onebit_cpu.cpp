@@ -254,6 +254,39 @@ inline void value1(const LocalSegments& s, int64_t k, int64_t q, float* u) {
   local_source_block_scalar(s.m, gk, s.d, s.p, s.acc, u, q, q + 1, s.c[k], s.precond);
 }
 
+// Whether every value of g[lo, hi) is finite (g null: zeros, finite).
+bool finite_block_scalar(const float* g, int64_t lo, int64_t hi) {
+  if (!g) return true;
+  bool ok = true;
+  for (int64_t i = lo; i < hi; ++i) ok &= std::isfinite(g[i]);
+  return ok;
+}
+
+// One parameter's coefficients of local_step: m's and g's factors, the decay (+0.0: none), -lr.
+struct LocalStepCoef {
+  float b, a, w, nlr;
+};
+
+// 0/1 Adam's local step of one parameter's values [lo, hi) (g, p indexed like m; g null: zeros).
+// The roundings of the optimizer's torch ops on x86 CPUs:
+//   m = fma(g, a, m * b)                 m.mul_(b).add_(g, alpha=a)
+//   u = m / d;  u = fma(p, w, u)         torch.div(m, d, out=u); u.add_(p, alpha=w) (w > 0 only)
+//   acc = fma(u, nlr, acc)               acc.add_(u, alpha=nlr)
+//   p = fma(u, nlr, p)                   torch._foreach_add_(params, u, alpha=nlr)
+void local_step_block_scalar(const float* g, float* m, const float* d, float* acc, float* p, int64_t lo, int64_t hi,
+                             LocalStepCoef c) {
+  const bool decay = c.w != 0.0f;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float mi = std::fma(g ? g[i] : 0.0f, c.a, m[i] * c.b);
+    const float pi = p[i];
+    float u = mi / d[i];
+    if (decay) u = std::fma(pi, c.w, u);
+    m[i] = mi;
+    acc[i] = std::fma(u, c.nlr, acc[i]);
+    p[i] = std::fma(u, c.nlr, pi);
+  }
+}
+
 // 0/1 Adam's update after a sync step's exchange of one parameter's values [lo, hi) (its storage
 // p indexed from 0 at lo; p, floored and acc may be null). The roundings of the torch ops:
 //   precond: m = (x * d) / nl;  synced = synced + x          torch.mul(x, d); torch.div(., nl); add_
@@ -610,6 +643,37 @@ AVX2 void local_source_block_avx2(const float* m, const float* g, const float* d
   if (i < hi) local_source_block_scalar(m, g, d, p, acc, u, i, hi, c, precond);
 }
 
+AVX2 bool finite_block_avx2(const float* g, int64_t lo, int64_t hi) {
+  if (!g) return true;
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    all = _mm256_and_ps(all, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_EQ_OQ));  // x - x: NaN unless finite
+  }
+  return _mm256_movemask_ps(all) == 0xFF && finite_block_scalar(g, i, hi);
+}
+
+AVX2 void local_step_block_avx2(const float* g, float* m, const float* d, float* acc, float* p, int64_t lo, int64_t hi,
+                                LocalStepCoef c) {
+  const bool decay = c.w != 0.0f;
+  const __m256 bv = _mm256_set1_ps(c.b), av = _mm256_set1_ps(c.a), wv = _mm256_set1_ps(c.w),
+               lr = _mm256_set1_ps(c.nlr);
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
+    const __m256 mi = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
+    const __m256 pi = _mm256_loadu_ps(p + i);
+    __m256 u = _mm256_div_ps(mi, _mm256_loadu_ps(d + i));
+    if (decay) u = _mm256_fmadd_ps(pi, wv, u);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(u, lr, _mm256_loadu_ps(acc + i)));
+    _mm256_storeu_ps(p + i, _mm256_fmadd_ps(u, lr, pi));
+  }
+  if (i < hi) local_step_block_scalar(g, m, d, acc, p, i, hi, c);
+}
+
 AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored, float* m, float* synced, float* p,
                           float* acc, int64_t lo, int64_t hi, float nl, bool precond) {
   const bool zero = nl == 0.0f && !std::signbit(nl);
@@ -674,6 +738,8 @@ struct Impl {
                            int64_t, uint8_t*);
   void (*sync)(const float*, const float*, const uint8_t*, float*, float*, float*, float*, int64_t, int64_t, float,
                bool);
+  bool (*finite)(const float*, int64_t, int64_t);
+  void (*local_step)(const float*, float*, const float*, float*, float*, int64_t, int64_t, LocalStepCoef);
 };
 
 const Impl& impl() {
@@ -693,7 +759,9 @@ const Impl& impl() {
                   local_source_block_avx2<true>,
                   local_source_block_avx2<false>,
                   source_compress_block_avx2<LocalSegments>,
-                  sync_block_avx2};
+                  sync_block_avx2,
+                  finite_block_avx2,
+                  local_step_block_avx2};
 #endif
     return Impl{compress_block_scalar,
                 reduce_block_scalar,
@@ -708,7 +776,9 @@ const Impl& impl() {
                 local_source_block_scalar,
                 local_source_block_scalar,
                 nullptr,
-                sync_block_scalar};
+                sync_block_scalar,
+                finite_block_scalar,
+                local_step_block_scalar};
   }();
   return chosen;
 }
@@ -1035,6 +1105,33 @@ void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, flo
     float* p = params ? params[j] + (lo - starts[j]) : nullptr;
     sync(x, d, floored, m, synced, p, acc, lo, hi, nl[j], precond);
   }
+}
+
+bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc, float* const* params, int64_t P,
+                    const int64_t* starts, const int64_t* sizes, const float* b, const float* a, const float* w,
+                    const float* nlr, int nthreads) {
+  detail::check_segments("local_step_cpu", P);
+  std::vector<int64_t> owner, lows;
+  const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  const int64_t nblk = static_cast<int64_t>(lows.size());
+  const int nt = threads_for(n, nthreads);
+  const Impl& k = impl();
+  // g[j], params[j] - starts[j]: indexed by flat index (their own storage, from 0 at starts[j])
+  const auto grad = [&](int64_t j) { return g[j] ? g[j] - starts[j] : nullptr; };
+  std::vector<uint8_t> finite(static_cast<size_t>(nblk));
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t q = 0; q < nblk; ++q) {
+    const int64_t j = owner[q], lo = lows[q], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    finite[q] = k.finite(grad(j), lo, hi);
+  }
+  // a rank with a non-finite gradient sits the step out: nothing is written
+  if (std::find(finite.begin(), finite.end(), 0) != finite.end()) return false;
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t q = 0; q < nblk; ++q) {
+    const int64_t j = owner[q], lo = lows[q], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
+    k.local_step(grad(j), m, d, acc, params[j] - starts[j], lo, hi, LocalStepCoef{b[j], a[j], w[j], nlr[j]});
+  }
+  return true;
 }
 
 }  // namespace onebit

@@ -358,6 +358,61 @@ void run_local_compress_case(std::mt19937& rng, const std::vector<int64_t>& size
   check(std::memcmp(y1.get(), y2.get(), sizeof(float) * n) == 0, "local compress: y", W, nx);
 }
 
+// local_step_cpu against its formula, value by value and bit for bit (parameters of their own,
+// exact-size; every third gradient missing; no decay on every fourth parameter; 1-value gaps in
+// the flat buffers stay untouched); a NaN in the last gradient: nothing written, false returned.
+void run_local_step_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool poison, int nthreads) {
+  const int64_t P = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> starts(P);
+  int64_t n = 0;
+  for (int64_t j = 0; j < P; ++j) starts[j] = n + 1, n += sizes[j] + 1;
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  auto mm = buf<float>(n), d = buf<float>(n), acc = buf<float>(n), m0 = buf<float>(n), acc0 = buf<float>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    m0[i] = mm[i] = i % 5 ? 0.1f * normal(rng) : (i % 2 ? -0.0f : 0.0f), d[i] = uni(rng);
+    acc0[i] = acc[i] = 0.01f * normal(rng);
+  }
+  std::vector<std::unique_ptr<float[]>> gs;
+  std::vector<const float*> ptrs = segment_grads(rng, sizes, gs);
+  std::vector<std::unique_ptr<float[]>> ps, ps0;
+  std::vector<float*> pp(P);
+  std::vector<float> b(P), a(P), w(P), nlr(P);
+  for (int64_t j = 0; j < P; ++j) {
+    ps.push_back(buf<float>(sizes[j])), ps0.push_back(buf<float>(sizes[j]));
+    for (int64_t k = 0; k < sizes[j]; ++k) ps0[j][k] = ps[j][k] = normal(rng);
+    pp[j] = ps[j].get();
+    b[j] = 0.9f, a[j] = 0.1f * (j + 1), w[j] = j % 4 == 3 ? 0.0f : 0.01f * (j + 1), nlr[j] = -1e-3f * (j + 1);
+  }
+  int64_t last = P - 1;
+  while (last >= 0 && (!ptrs[last] || sizes[last] == 0)) --last;
+  if (poison && last >= 0) const_cast<float*>(ptrs[last])[sizes[last] - 1] = std::nanf("");
+  const bool taken = onebit::local_step_cpu(ptrs.data(), mm.get(), d.get(), acc.get(), pp.data(), P, starts.data(),
+                                            sizes.data(), b.data(), a.data(), w.data(), nlr.data(), nthreads);
+  const bool expect = !(poison && last >= 0);
+  check(taken == expect, "local step: taken", P, poison);
+  std::vector<bool> inside(n, false);
+  for (int64_t j = 0; j < P; ++j) {
+    for (int64_t k = 0; k < sizes[j]; ++k) {
+      const int64_t i = starts[j] + k;
+      inside[i] = true;
+      float wm = m0[i], wacc = acc0[i], wp = ps0[j][k];
+      if (expect) {
+        wm = std::fma(ptrs[j] ? ptrs[j][k] : 0.0f, a[j], m0[i] * b[j]);
+        float u = wm / d[i];
+        if (w[j] != 0.0f) u = std::fma(ps0[j][k], w[j], u);
+        wacc = std::fma(u, nlr[j], acc0[i]);
+        wp = std::fma(u, nlr[j], ps0[j][k]);
+      }
+      check(std::memcmp(&mm[i], &wm, sizeof(float)) == 0, "local step: m", j, k);
+      check(std::memcmp(&acc[i], &wacc, sizeof(float)) == 0, "local step: acc", j, k);
+      check(std::memcmp(&ps[j][k], &wp, sizeof(float)) == 0, "local step: p", j, k);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!inside[i]) check(mm[i] == m0[i] && acc[i] == acc0[i], "local step: gap untouched", i, 0);
+}
+
 }  // namespace
 
 int main() {
@@ -407,6 +462,13 @@ int main() {
       run_local_compress_case(rng, {5, 8, 1, 20000, 77, 8190, 70001, 9, 16}, W, precond, with_p, with_acc,
                               flags % 3 == 1, 1 + flags % 2);
       run_local_compress_case(rng, {3}, W, precond, with_p, with_acc, flags % 3 != 1, 2 - flags % 2);
+      cases += 2;
+    }
+  }
+  for (bool poison : {false, true}) {
+    for (int nt : {1, 2}) {
+      run_local_step_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001, 9, 16}, poison, nt);
+      run_local_step_case(rng, {3}, poison, nt);
       cases += 2;
     }
   }

@@ -26,6 +26,7 @@ __all__ = [
     "local_compress_cpu",
     "local_source_cpu",
     "local_source_cuda",
+    "local_step_cpu",
     "module",
     "momentum_compress_cpu",
     "momentum_source_cpu",
@@ -593,6 +594,34 @@ def local_source_cpu(
         len(starts),
         *(a.data_ptr() for a in arrays[1:]),
         bool(preconditioned),
+        nthreads(),
+    )
+
+
+def local_step_cpu(
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor, torch.Tensor],
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+) -> bool:
+    """The compiled ``local_step`` on CPU tensors (``tensors``: exp_avg, the parameters'
+    gradients (``None``: zeros), denom, acc; ``params`` fp32 and contiguous; ``hp``: per
+    parameter beta, alpha, lr, weight_decay); whether it ran (every gradient finite)."""
+    exp_avg, grads, denom, acc = tensors
+    beta, alpha, lr, weight_decay = hp
+    # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
+    coefs = (beta, alpha, [w if w > 0 else 0.0 for w in weight_decay], [-a for a in lr])
+    sizes = [p.numel() for p in params]
+    arrays = _segment_arrays(grads, starts, sizes, coefs)
+    pointers = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64)
+    return module.local_step_cpu(
+        arrays[0].data_ptr(),
+        exp_avg.data_ptr(),
+        denom.data_ptr(),
+        acc.data_ptr(),
+        pointers.data_ptr(),
+        len(params),
+        *(a.data_ptr() for a in arrays[1:]),
         nthreads(),
     )
 

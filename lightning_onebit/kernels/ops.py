@@ -27,6 +27,7 @@ from lightning_onebit.kernels.reference import (
     reference_frozen_adam_update,
     reference_lamb_frozen_update,
     reference_local_source,
+    reference_local_step,
     reference_momentum_source,
     reference_restore_unless,
     reference_server_reduce,
@@ -44,6 +45,7 @@ __all__ = [
     "frozen_adam_update",
     "lamb_frozen_update",
     "local_source",
+    "local_step",
     "momentum_source",
     "restore_unless",
     "server_reduce",
@@ -992,6 +994,67 @@ class LocalSource(ExchangeSource):
             pending,
             prev,
         )
+
+
+def local_step(
+    tensors: tuple[
+        torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor, torch.Tensor
+    ],
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+) -> bool:
+    """0/1 Adam's local step (no exchange) in one sweep, taken only if every gradient value is
+    finite; returns whether it was (nothing changes otherwise: the rank sits the step out).
+    ``tensors``: ``exp_avg``, ``grad``, ``denom`` (``sqrt(v) + eps``) and ``acc`` (the
+    momentum accumulator); parameter ``j`` holds the flat values
+    ``starts[j]:starts[j] + params[j].numel()`` and has the coefficients ``hp`` (``beta``,
+    ``alpha``, ``lr``, ``weight_decay``, one value per parameter). Per value, as the
+    optimizer's torch ops::
+
+        exp_avg = beta * exp_avg + alpha * grad       (mul_(beta).add_(g, alpha=alpha))
+        u = exp_avg / denom + weight_decay * p        (the decay only where weight_decay > 0)
+        acc = acc - lr * u;  p = p - lr * u
+
+    The gradient is a flat buffer or one tensor per parameter (``None``: zeros), as
+    :func:`momentum_source`'s. On the CPU, with fp32 contiguous parameters, the C++ kernel
+    checks the gradients, then makes the one sweep (reads 5 buffers, writes 3, where the torch
+    ops make five sweeps and a copy of the parameters) with the torch ops' floats bit for bit;
+    otherwise the torch ops run (:func:`reference_local_step`).
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device, a
+            parameter that does not fit or a gradient of another size; coefficient lists of
+            other lengths.
+    """
+    exp_avg, grad, denom, acc = tensors
+    named = [("exp_avg", exp_avg), ("denom", denom), ("acc", acc)]
+    if isinstance(grad, torch.Tensor):
+        named.append(("grad", grad))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    sizes = [p.numel() for p in params]
+    names = ("sizes", "beta", "alpha", "lr", "weight_decay")
+    _check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    if isinstance(grad, torch.Tensor):
+        grads = [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
+    else:
+        grads = list(grad)
+        _check_segment_grads(grads, sizes, device)
+    if (
+        device.type != "cpu"
+        or not native.use_native()
+        or not all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
+    ):
+        return reference_local_step((exp_avg, grads, denom, acc), params, starts, hp)
+    if not native.local_step_cpu((exp_avg, grads, denom, acc), params, starts, hp):
+        return False
+    for p in params:  # (written through raw pointers: see adam_update)
+        torch.autograd.graph.increment_version(p)
+    return True
 
 
 def sync_update(

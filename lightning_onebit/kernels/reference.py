@@ -17,6 +17,7 @@ __all__ = [
     "reference_frozen_adam_update",
     "reference_lamb_frozen_update",
     "reference_local_source",
+    "reference_local_step",
     "reference_momentum_source",
     "reference_restore_unless",
     "reference_server_reduce",
@@ -266,6 +267,38 @@ def reference_local_source(
                 x.add_(acc[s])
             else:
                 x.addcmul_(acc[s], denom[s])
+
+
+def reference_local_step(
+    tensors: tuple[
+        torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor, torch.Tensor
+    ],
+    params: list[torch.Tensor],
+    starts: list[int],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+) -> bool:
+    """Pure-torch :func:`~lightning_onebit.kernels.local_step` (same arguments; 0/1 Adam's
+    torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
+    zeros) per parameter."""
+    exp_avg, grad, denom, acc = tensors
+    pieces = []
+    for j, p in enumerate(params):
+        s = slice(starts[j], starts[j] + p.numel())
+        if isinstance(grad, torch.Tensor):
+            pieces.append(grad[s])
+        else:
+            pieces.append(torch.zeros_like(exp_avg[s]) if grad[j] is None else grad[j].reshape(-1))
+    if not all(bool(torch.isfinite(g).all()) for g in pieces):
+        return False
+    for j, (p, g) in enumerate(zip(params, pieces, strict=True)):
+        s, (b, a, lr, w) = slice(starts[j], starts[j] + p.numel()), (c[j] for c in hp)
+        exp_avg[s].mul_(b).add_(g, alpha=a)
+        u = torch.div(exp_avg[s], denom[s])
+        if w > 0:
+            u.add_(p.detach().reshape(-1).to(torch.float32), alpha=w)
+        acc[s].add_(u, alpha=-lr)
+        torch._foreach_add_([p], [u.view_as(p)], alpha=-lr)
+    return True
 
 
 def reference_sync_update(

@@ -381,10 +381,12 @@ compress_source = T._compress_source(K.MomentumSource(m, g, d, m.clone(), st, sz
 tensors, p, acc, st, sz, hp = T._local_tiled(T.SOURCE_TILINGS["awkward"], 3)
 local_source = K.LocalSource(tensors, p, acc, p.clone(), st, sz, hp, True)
 compress_local = T._compress_source(local_source, 3, True, 3)
+local_step = T.step_run(K.local_step, T._step_case(21))
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
-            "sync": sync, "compress_source": compress_source, "compress_local": compress_local},
+            "sync": sync, "compress_source": compress_source, "compress_local": compress_local,
+            "local_step": local_step},
            sys.argv[1])
 """
 
@@ -1146,6 +1148,125 @@ def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
             tuple(c[:1] for c in hp),
             True,
         )
+
+
+def _step_case(seed: int, sizes: list[int] = AWKWARD):
+    """Inputs of local_step: m, per-parameter gradients (some None, one 2-D), d, acc, the
+    parameters (3-value gaps before each in the flat buffers), starts and per parameter
+    (beta, alpha, lr, weight decay; 0 on every third), with exact zeros of both signs in m."""
+    m, g, d, starts, sizes, beta, alpha = _source_case(seed, sizes)
+    gen = torch.Generator().manual_seed(seed + 50)
+    m[::5], m[2::7] = 0.0, -0.0
+    acc = torch.randn(m.numel(), generator=gen) * 1e-3
+    grads = [
+        None if k % 4 == 1 else g[lo : lo + n].clone()
+        for k, (lo, n) in enumerate(zip(starts, sizes, strict=True))
+    ]
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    if len(sizes) > 2 and sizes[2] == 8:
+        grads[2], params[2] = grads[2].view(2, 4), params[2].view(2, 4)
+    lr = [1e-3 * (1 + a) for a in torch.rand(len(sizes), generator=gen).tolist()]
+    wd = [0.0 if k % 3 == 0 else 0.01 * (k + 1) for k in range(len(sizes))]
+    return (m, grads, d, acc), params, starts, (beta, alpha, lr, wd)
+
+
+def _step_by_torch(case):
+    """The optimizer's torch ops of a local step (ZeroOneAdam before its kernel): the
+    gradients and parameters gathered into flat buffers, then m, u, acc and the parameters."""
+    (m, grads, d, acc), params, starts, (beta, alpha, lr, wd) = case
+    m, acc, ps = m.clone(), acc.clone(), [p.clone() for p in params]
+    g, pflat, u = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+    for j, p in enumerate(ps):
+        s = slice(starts[j], starts[j] + p.numel())
+        if grads[j] is not None:
+            g[s] = grads[j].reshape(-1)
+        pflat[s] = p.reshape(-1)
+    for j, p in enumerate(ps):
+        s = slice(starts[j], starts[j] + p.numel())
+        m[s].mul_(beta[j]).add_(g[s], alpha=alpha[j])
+        torch.div(m[s], d[s], out=u[s])
+        if wd[j] > 0:
+            u[s].add_(pflat[s], alpha=wd[j])
+        acc[s].add_(u[s], alpha=-lr[j])
+    for j, p in enumerate(ps):
+        s = slice(starts[j], starts[j] + p.numel())
+        torch._foreach_add_([p], [u[s].view_as(p)], alpha=-lr[j])
+    return m, acc, ps
+
+
+def step_run(fn, case):
+    """local_step (or its twin) on copies of ``case``: (taken, m, acc, params) after it."""
+    (m, grads, d, acc), params, starts, hp = case
+    m, acc, ps = m.clone(), acc.clone(), [p.clone() for p in params]
+    taken = fn((m, grads, d, acc), ps, starts, hp)
+    return taken, m, acc, ps
+
+
+def _same_step(got, want) -> bool:
+    (m, acc, ps), (wm, wacc, wps) = got, want
+    return (
+        _same_bits(m, wm)
+        and _same_bits(acc, wacc)
+        and all(_same_bits(a.reshape(-1), b.reshape(-1)) for a, b in zip(ps, wps, strict=True))
+    )
+
+
+def test_local_step_is_the_torch_ops_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sweep, the optimizer's torch floats bit for bit (m, the accumulator and the
+    parameters) on sizes around the vector width, 1 and 2 threads, with missing gradients
+    (zeros) and a decay on some parameters; the flat-gradient form agrees; the reference too;
+    the gaps untouched."""
+    case = _step_case(21)
+    want = _step_by_torch(case)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            with monkeypatch.context() as mp:
+                mp.setattr(K.ops, "reference_local_step", _refuse)
+                taken, *got = step_run(K.local_step, case)
+            assert taken and _same_step(got, want), nt
+    finally:
+        torch.set_num_threads(old)
+    (m, grads, d, acc), params, starts, hp = case
+    flat = _flat_grad(grads, starts, m)
+    taken, *got = step_run(K.local_step, ((m, flat, d, acc), params, starts, hp))
+    assert taken and _same_step(got, want)
+    taken, *got = step_run(K.reference_local_step, case)
+    assert taken and _same_step(got, want)
+    assert not _same_bits(want[0], m)  # (the step moved m)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the torch ops ran where the kernel should have")
+
+
+@pytest.mark.parametrize("fn", ["local_step", "reference_local_step"])
+def test_local_step_with_a_non_finite_gradient_changes_nothing(fn: str) -> None:
+    """A NaN or Inf anywhere (the last value of the large parameter): nothing is written and
+    the call says so; the rank sits the step out."""
+    for bad in (float("nan"), float("inf")):
+        (m, grads, d, acc), params, starts, hp = _step_case(22)
+        grads[-1][-1] = bad
+        taken, m2, acc2, ps = step_run(getattr(K, fn), ((m, grads, d, acc), params, starts, hp))
+        assert not taken
+        assert _same_step((m2, acc2, ps), (m, acc, params)), bad
+
+
+def test_local_step_of_other_parameters_runs_the_torch_ops() -> None:
+    """Parameters that are not fp32 and contiguous (bf16, a transposed one) take the torch ops:
+    the optimizer's floats as before."""
+    (m, grads, d, acc), params, starts, hp = _step_case(23, [16, 40])
+    params = [params[0].to(torch.bfloat16), params[1].view(5, 8).t()]
+    grads = [grads[0], grads[1] if grads[1] is None else grads[1].view(5, 8).t().contiguous()]
+    case = ((m, grads, d, acc), params, starts, hp)
+    taken, *got = step_run(K.local_step, case)
+    assert taken and _same_step(got, _step_by_torch(case))
+
+
+def test_local_step_portable_path_is_bitwise_too(portable: dict) -> None:
+    taken, *got = portable["local_step"]
+    assert taken and _same_step(got, _step_by_torch(_step_case(21)))
 
 
 def test_local_source_rejects_bad_input() -> None:
