@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NonFiniteError
-from lightning_onebit.kernels import LocalSource, sync_update
+from lightning_onebit.kernels import LocalSource, local_step, sync_update
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import (
@@ -54,7 +54,6 @@ from lightning_onebit.optim._ops import (
     compressed_average_,
     decoupled_decay,
     denominator,
-    finite,
     finite_on_device,
     rescale_variance_,
     rescale_warmup_,
@@ -530,8 +529,7 @@ class ZeroOneAdam(OneBitOptimizer):
         rescale_variance_(self, self.flat.views["grad"], reduce=False, ok=ok)
 
     def _step(self) -> None:
-        m = self.flat.states["exp_avg"]
-        acc, u = self.flat.states["momentum_accumulator"], self.flat.work["update"]
+        m, acc = self.flat.states["exp_avg"], self.flat.states["momentum_accumulator"]
         t = self.step_count
 
         if self.phase == Phase.VARIANCE:
@@ -577,34 +575,33 @@ class ZeroOneAdam(OneBitOptimizer):
                 )
                 rescale_variance_(self, grads, reduce=True, ok=self.verdict.ok)
         else:
-            g = self.flat.gather_grads(self.param_groups)
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
             #     rank derives the same m at the next synchronisation).
             if self.verdict.uses_device(self.flat.layout.device):  # (learnt at the next step)
-                self._local_step_on_verdict_(g)
+                self._local_step_on_verdict_(self.flat.gather_grads(self.param_groups))
                 self._next_local_interval()
                 return
-            local_ok = finite(g)
+            # 3a-b. m = beta1 m + (1 - beta1) g; u = m / (sqrt(v) + eps) + weight_decay * p;
+            #       p -= lr u; acc -= lr u: one sweep, taken only if g is finite (each gradient
+            #       read where autograd left it)
+            layout, groups = self.flat.layout, self.param_groups
+            grads = self.flat.grads(groups, list(range(len(layout.params))))
+            of = [groups[gi] for gi in layout.group_of]
+            betas = [group["betas"][0] for group in of]
+            hp = (
+                betas,
+                [1 - b for b in betas],
+                [group["lr"] for group in of],
+                [decoupled_decay(group) for group in of],
+            )
+            d, _ = denominator(self)
+            local_ok = local_step((m, grads, d, acc), layout.params, layout.offsets, hp)
             if not local_ok:
                 self._skipped_locally()
-            for gi, group, _ in self.flat.segments(self.param_groups):
+            for gi, group, _ in self.flat.segments(groups):
                 self.lrs[gi] += group["lr"]
-            if local_ok:
-                # 3b. u = m / (sqrt(v) + eps) + weight_decay * p; p -= lr u; acc -= lr u
-                d, _ = denominator(self)
-                p = self.flat.gather_params() if any_weight_decay(self) else None
-                for _, group, s in self.flat.segments(self.param_groups):
-                    beta1 = group["betas"][0]
-                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
-                    torch.div(m[s], d[s], out=u[s])
-                    if decoupled_decay(group) > 0:
-                        u[s].add_(p[s], alpha=decoupled_decay(group))
-                    acc[s].add_(u[s], alpha=-group["lr"])
-                self.flat.add_to_params_(
-                    self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups]
-                )
-            rescale_variance_(self, self.flat.views["grad"] if local_ok else None, reduce=False)
+            rescale_variance_(self, grads if local_ok else None, reduce=False)
         self._next_local_interval()
 
     def _next_local_interval(self) -> None:
