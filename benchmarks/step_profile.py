@@ -3,7 +3,7 @@ inside real multi-process steps over gloo, next to torch Adam's step and a plain
 
     python benchmarks/step_profile.py [--params 19024896] [--world 2] [--steps 12]
         [--algorithms onebit_adam,zero_one_adam,onebit_lamb] [--pin] [--materialize]
-        [--json FILE]
+        [--local-interval N] [--json FILE]
 
 Every rank builds the same synthetic model (``--tensors`` parameters of ``--params`` values in
 all), random local gradients, and an optimizer that switches to its compression phase after the
@@ -64,6 +64,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.optim._ops", "rescale_variance_", "rescale variance", None),
     ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_synchronize_", "sync (rest)", None),
     ("lightning_onebit.kernels", "sync_update", "sync kernel", None),
+    ("lightning_onebit.kernels", "local_step", "local step kernel", 32),
 ]
 
 
@@ -167,6 +168,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
         opt = _optimizer(name, params)
+        if name == "zero_one_adam":
+            opt.local_step_interval = args.local_interval
         for _ in range(2):  # the warmup step, the first compression step (buffers built)
             opt.step()
         clock.wall.clear(), clock.cpu.clear(), clock.calls.clear()
@@ -223,6 +226,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="compute the exchange source into its buffer, then compress it (two sweeps)",
     )
+    p.add_argument(
+        "--local-interval",
+        type=int,
+        default=1,
+        help="0/1 Adam's local_step_interval: 1 (default) every timed step is a sync step; "
+        "larger, a sync step every that many steps (e.g. 1000000: local steps only)",
+    )
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
@@ -247,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         f"# step profile · {args.world} ranks (gloo) · {n:,} values in {args.tensors} tensors · "
         f"{args.threads} thread(s)/rank · {os.cpu_count()} CPUs · torch {torch.__version__} · "
         f"{'pinned' if args.pin else 'not pinned'} · {args.steps} compression steps"
-        f"{' · source materialized' if args.materialize else ''}\n"
+        f"{' · source materialized' if args.materialize else ''}"
+        f"{f' · 0/1 Adam local_step_interval {args.local_interval}' if args.local_interval > 1 else ''}\n"
     )
     print(f"copy of {n:,} fp32 values: {r0['copy'] * 1e3:.1f} ms ({copy_gbs:.1f} GB/s)\n")
     bytes_of = {label: b for _, _, label, b in _STAGES}
