@@ -56,13 +56,14 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("lamb_frozen_update_cpu", [](ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L, ptr offsets,
                                      ptr scaling, ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd,
-                                     ptr stats, int nthreads) {
+                                     bool precond, ptr stats, int nthreads) {
     onebit::lamb_frozen_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
                                    P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
                                    P<const float>(scaling), P<const float>(beta1), P<const float>(ob1),
                                    P<const float>(beta2), P<const float>(ob2), P<const float>(eps),
-                                   P<const float>(wd), P<double>(stats), nthreads);
-  }, release(), "1-bit LAMB compression-phase update of L layers in one sweep (p may be 0: no decay)");
+                                   P<const float>(wd), precond, P<double>(stats), nthreads);
+  }, release(), "1-bit LAMB compression-phase update of L layers in one sweep (p may be 0: no decay; precond: "
+                "x * d first)");
 
   m.def("adam_update_cpu", [](ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes, ptr lr,
                               ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, bool update_v,

@@ -97,13 +97,14 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
 // (ob1 = 1 - beta1, ob2 = 1 - beta2, rounded to float from double by the caller):
 //   mn = x / scaling;  g = (mn - beta1 * m) / ob1;  vf <- beta2 * vf + ob2 * g * g;
 //   up = mn / d;  u <- up + wd * p;  m <- mn
-// (x: the exchanged, scaled momentum; d = sqrt(v) + eps of the frozen variance; p may be null when
+// (x: the exchanged, scaled momentum, or with precond that divided by d, scaled back first as x * d
+// rounded; d = sqrt(v) + eps of the frozen variance; p may be null when
 // every wd is 0). stats[3k..3k+2] <- max(d / (sqrt(vf) + eps)), sum(up^2), sum(u^2) over the layer
 // (1, 0, 0 for an empty layer); the sums accumulate in double over fixed blocks, added in order.
 void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u,
                             int64_t L, const int64_t* offsets, const float* scaling, const float* beta1,
                             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
-                            double* stats, int nthreads);
+                            bool precond, double* stats, int nthreads);
 
 // Adam's step without bias correction (1-bit Adam's warmup, 0/1 Adam's variance phase), one sweep.
 // Parameter j holds the flat values [starts[j], starts[j] + sizes[j]) and its own storage params[j]

@@ -98,6 +98,7 @@ void decode_block_scalar(const uint8_t* in, float s, float* out, int64_t lo, int
 // s <- the block's max d / (sqrt(vf) + eps), sum(up^2), sum(u^2). p may be null (no decay).
 struct LambCoef {
   float scaling, beta1, ob1, beta2, ob2, eps, wd;  // ob = 1 - beta, rounded from double by the caller
+  bool precond;                                    // x is x / d: scale it back (x * d) first
 };
 
 void lamb_block_scalar(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t lo,
@@ -106,7 +107,7 @@ void lamb_block_scalar(const float* x, float* m, const float* d, float* vf, cons
   float rmax = 0.0f;
   double up2 = 0.0, u2 = 0.0;
   for (int64_t i = lo; i < hi; ++i) {
-    const float mn = x[i] / c.scaling;
+    const float mn = (c.precond ? x[i] * d[i] : x[i]) / c.scaling;
     const float g = (mn - c.beta1 * m[i]) / ob1;
     const float v = vf[i] * c.beta2 + ob2 * (g * g);
     const float up = mn / d[i];
@@ -529,10 +530,11 @@ AVX2 void lamb_block_avx2(const float* x, float* m, const float* d, float* vf, c
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(), b0 = _mm256_setzero_pd(), bb1 = _mm256_setzero_pd();
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {
-    const __m256 mn = _mm256_div_ps(_mm256_loadu_ps(x + i), sc);
+    const __m256 dd = _mm256_loadu_ps(d + i);
+    const __m256 xi = c.precond ? _mm256_mul_ps(_mm256_loadu_ps(x + i), dd) : _mm256_loadu_ps(x + i);
+    const __m256 mn = _mm256_div_ps(xi, sc);
     const __m256 g = _mm256_div_ps(_mm256_sub_ps(mn, _mm256_mul_ps(b1, _mm256_loadu_ps(m + i))), ob1);
     const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(vf + i), b2), _mm256_mul_ps(ob2, _mm256_mul_ps(g, g)));
-    const __m256 dd = _mm256_loadu_ps(d + i);
     const __m256 up = _mm256_div_ps(mn, dd);
     const __m256 uu = p ? _mm256_add_ps(up, _mm256_mul_ps(wd, _mm256_loadu_ps(p + i))) : up;
     rmax = _mm256_max_ps(rmax, _mm256_div_ps(dd, _mm256_add_ps(_mm256_sqrt_ps(v), eps)));
@@ -979,8 +981,8 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
 
 void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
                             const int64_t* offsets, const float* scaling, const float* beta1, const float* ob1,
-                            const float* beta2, const float* ob2, const float* eps, const float* wd, double* stats,
-                            int nthreads) {
+                            const float* beta2, const float* ob2, const float* eps, const float* wd, bool precond,
+                            double* stats, int nthreads) {
   detail::check_lamb("lamb_frozen_update_cpu", L);
   // Blocks never straddle layers; partials are folded per layer in block order (thread-count independent).
   std::vector<int64_t> first(static_cast<size_t>(L) + 1, 0), lows;
@@ -1000,7 +1002,8 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t k = layer[b], lo = lows[b], hi = std::min(lo + kBlock, offsets[k + 1]);
-    lamb(x, m, d, vf, p, u, lo, hi, LambCoef{scaling[k], beta1[k], ob1[k], beta2[k], ob2[k], eps[k], wd[k]}, &part[3 * b]);
+    const LambCoef c{scaling[k], beta1[k], ob1[k], beta2[k], ob2[k], eps[k], wd[k], precond};
+    lamb(x, m, d, vf, p, u, lo, hi, c, &part[3 * b]);
   }
   for (int64_t k = 0; k < L; ++k) {
     double* s = stats + 3 * k;

@@ -139,8 +139,9 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   }
 }
 
-// 1-bit LAMB update on exact-size buffers: values against a double evaluation, and stats.
-void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool decay, int nthreads) {
+// 1-bit LAMB update on exact-size buffers: values against a double evaluation, and stats (precond:
+// x scaled back by d first, the product rounded to float).
+void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool decay, bool precond, int nthreads) {
   const int64_t L = static_cast<int64_t>(sizes.size());
   std::vector<int64_t> off(1, 0);
   for (int64_t s : sizes) off.push_back(off.back() + s);
@@ -159,11 +160,12 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   auto stats = buf<double>(3 * L);
   onebit::lamb_frozen_update_cpu(x.get(), m.get(), d.get(), vf.get(), decay ? p.get() : nullptr, u.get(), L,
                                  off.data(), sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(),
-                                 wd.data(), stats.get(), nthreads);
+                                 wd.data(), precond, stats.get(), nthreads);
   for (int64_t k = 0; k < L; ++k) {
     double rmax = off[k] == off[k + 1] ? 1.0 : 0.0, up2 = 0, u2 = 0;
     for (int64_t i = off[k]; i < off[k + 1]; ++i) {
-      const double mn = double(x0[i]) / sc[k], g = (mn - double(b1[k]) * m0[i]) / (1.0 - 0.9);
+      const float xs = precond ? x0[i] * d[i] : x0[i];
+      const double mn = double(xs) / sc[k], g = (mn - double(b1[k]) * m0[i]) / (1.0 - 0.9);
       const double v = double(b2[k]) * vf0[i] + (1.0 - 0.999) * g * g;
       const double up = mn / d[i], uu = up + (decay ? double(wd[k]) * p[i] : 0.0);
       rmax = std::fmax(rmax, d[i] / (std::sqrt(v) + eps[k]));
@@ -431,7 +433,7 @@ int main() {
   }
   for (bool decay : {false, true}) {
     for (int nt : {1, 2}) {
-      run_lamb_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, decay, nt);
+      run_lamb_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, decay, nt == 2, nt);
       ++cases;
     }
   }

@@ -229,11 +229,15 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
 
 
 def lamb_frozen_update_cpu(
-    tensors: tuple[torch.Tensor | None, ...], offsets: list[int], coefs: list[list[float]]
+    tensors: tuple[torch.Tensor | None, ...],
+    offsets: list[int],
+    coefs: list[list[float]],
+    preconditioned: bool,
 ) -> torch.Tensor:
     """The compiled ``lamb_frozen_update`` on CPU tensors (``tensors``: exchanged, exp_avg,
     denom, exp_avg_sq_fresh, param or ``None``, update; ``coefs``: per layer scaling, beta1,
-    1 - beta1, beta2, 1 - beta2, eps, weight_decay)."""
+    1 - beta1, beta2, 1 - beta2, eps, weight_decay; ``preconditioned``: exchanged * denom
+    first)."""
     exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
     n_layers = len(offsets) - 1
     stats = torch.empty(n_layers, 3, dtype=torch.float64)
@@ -250,6 +254,7 @@ def lamb_frozen_update_cpu(
         update.data_ptr(),
         n_layers,
         *(a.data_ptr() for a in arrays),
+        bool(preconditioned),
         stats.data_ptr(),
         nthreads(),
     )

@@ -351,6 +351,7 @@ def lamb_frozen_update(
     beta2: list[float],
     eps: list[float],
     weight_decay: list[float],
+    preconditioned: bool = False,
     ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """1-bit LAMB's compression-phase update after the exchange: one sweep over flat buffers.
@@ -360,6 +361,7 @@ def lamb_frozen_update(
     frozen variance, ``v_fresh = exp_avg_sq_fresh``, ``p = param``, ``u = update``)::
 
         m_new = x / scaling                     # the exchanged momentum, unscaled
+                                                # (preconditioned: (x * d) / scaling)
         g = (m_new - beta1 * m) / (1 - beta1)   # gradient reconstructed from two momenta
         v_fresh <- beta2 * v_fresh + (1 - beta2) * g**2
         u_prelim = m_new / d
@@ -381,6 +383,10 @@ def lamb_frozen_update(
         param: like them, or ``None`` when every ``weight_decay`` is 0.
         offsets: ``L + 1`` non-decreasing offsets.
         scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
+        preconditioned: ``x`` was exchanged divided by ``d``: the call scales it back first,
+            ``x * d`` rounded to float32, the floats of ``exchanged.mul_(denom)`` before the
+            call. The CPU kernel does it as it reads ``x`` (``exchanged`` unchanged, one sweep
+            less); elsewhere ``exchanged`` is multiplied in place first.
         ok: ``None``, or a one-element bool tensor on the buffers' device (an exchange's
             verdict, see :class:`~lightning_onebit.comm.CompressedAllreduce`): when it is
             false the call writes ``u = 0`` and statistics ``1, 0, 0`` and leaves ``m`` and
@@ -423,6 +429,10 @@ def lamb_frozen_update(
         stats = torch.zeros(n_layers, 3, dtype=torch.float64, device=device)
         stats[:, 0] = 1.0
         return stats
+    fold = device.type == "cpu" and native.use_native()
+    if preconditioned and not fold:  # (the CPU kernel scales x back as it reads it)
+        n = offsets[-1] if offsets else 0
+        exchanged[:n].mul_(denom[:n])
     if not native.use_native() or (device.type == "cuda" and not native.HAS_CUDA):
         return reference_lamb_frozen_update(
             exchanged,
@@ -440,7 +450,7 @@ def lamb_frozen_update(
     tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update)
     if device.type == "cuda":
         return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
-    return native.lamb_frozen_update_cpu(tensors, offsets, coefs)
+    return native.lamb_frozen_update_cpu(tensors, offsets, coefs, preconditioned)
 
 
 def adam_update(

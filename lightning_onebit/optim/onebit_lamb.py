@@ -438,9 +438,8 @@ class OneBitLamb(OneBitOptimizer):
         ok = compressed_average_(self, self._exchange_source, out=x)
         self.flat.apply_mask_(self.param_groups, x)
         d, _ = denominator(self)  # sqrt(v) + eps, computed once: v is frozen
-        if self.preconditioned_exchange:  # it was exchanged divided by sqrt(v) + eps
-            x.mul_(d)
-        # 3c (unscaling), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
+        # 3c (unscaling; with preconditioned_exchange x was exchanged divided by sqrt(v) + eps:
+        # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
         # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
         # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
         p = self.flat.gather_params() if any_weight_decay(self) else None
@@ -455,6 +454,7 @@ class OneBitLamb(OneBitOptimizer):
             [*self.flat.layout.offsets, self.flat.layout.numel],
             self._scaling_values(),
             *(self._per_layer_values(k) for k in hparams),
+            preconditioned=self.preconditioned_exchange,
             ok=ok,
         ).to(device=scaling.device, dtype=torch.float32)
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()

@@ -338,6 +338,38 @@ def _assert_lamb_close(got, ref) -> None:
 
 
 @pytest.mark.parametrize("decay", [False, True])
+def test_lamb_frozen_update_preconditioned_is_the_product_first_bitwise(
+    decay: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``preconditioned=True``: the floats and statistics of ``exchanged.mul_(denom)`` then the
+    call, bit for bit (1 and 2 threads), with ``exchanged`` left as it was on the CPU (the
+    kernel multiplies as it reads); the pure-torch twin agrees with its own product-first
+    call."""
+    bufs, offsets, hp = _lamb_case(31 + decay, decay)
+    scaled = {**bufs, "exchanged": bufs["exchanged"] * bufs["denom"]}
+    want_b, want_s = _lamb_run(K.lamb_frozen_update, scaled, offsets, hp)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got_b, got_s = _lamb_run(
+                K.lamb_frozen_update, bufs, offsets, {**hp, "preconditioned": True}
+            )
+            for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+                assert _same_bits(got_b[k], want_b[k]), (nt, k)
+            assert torch.equal(got_s, want_s), nt
+            assert torch.equal(got_b["exchanged"], bufs["exchanged"]), nt
+    finally:
+        torch.set_num_threads(old)
+    ref = _lamb_run(K.reference_lamb_frozen_update, scaled, offsets, hp)
+    monkeypatch.setattr(K.ops.native, "use_native", lambda: False)  # (the torch path)
+    got = _lamb_run(K.lamb_frozen_update, bufs, offsets, {**hp, "preconditioned": True})
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        assert _same_bits(got[0][k], ref[0][k]), k
+    assert torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("decay", [False, True])
 def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
     bufs, offsets, hp = _lamb_case(11 + decay, decay)
     got = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
