@@ -921,7 +921,8 @@ def _run_local_source(args: tuple) -> None:
         return
     flat, base = None, _flat_address(grads, starts, sizes)
     if base is None:  # not the pieces of one buffer: into one (the same floats)
-        flat = torch.zeros(max(lo + n for lo, n in zip(starts, sizes, strict=True)), device=device)
+        end = max(lo + n for lo, n in zip(starts, sizes, strict=True))
+        flat = torch.zeros(end, dtype=torch.float32, device=device)
         for lo, n, g in zip(starts, sizes, grads, strict=True):
             if g is not None:
                 flat[lo : lo + n].copy_(g.reshape(-1))
