@@ -336,14 +336,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 return flat.grad[s]
             return torch.div(flat.grad[s], d[s], out=flat.work["update"][s])
         idx = flat.params_in(s)
-        of = [groups[flat.layout.group_of[j]] for j in idx]
-        betas = [group["betas"][0] for group in of]
-        hp = (
-            betas,
-            [1 - b for b in betas],
-            [group["lr"] for group in of],
-            [decoupled_decay(group) for group in of],
-        )
+        hp = self._local_coefficients(idx)
         return LocalSource(
             (flat.states["exp_avg"], flat.grads(groups, idx), d),
             flat.gather_params(s) if any_weight_decay(self) else None,
@@ -353,6 +346,20 @@ class ZeroOneAdam(OneBitOptimizer):
             [flat.layout.params[j].numel() for j in idx],
             hp,
             pre,
+        )
+
+    def _local_coefficients(
+        self, idx: list[int]
+    ) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Per parameter of ``idx`` (layout indices) its group's ``beta1``, ``1 - beta1``,
+        ``lr`` and decoupled weight decay: the coefficients of ``local_source``/``local_step``."""
+        of = [self.param_groups[self.flat.layout.group_of[j]] for j in idx]
+        betas = [group["betas"][0] for group in of]
+        return (
+            betas,
+            [1 - b for b in betas],
+            [group["lr"] for group in of],
+            [decoupled_decay(group) for group in of],
         )
 
     @property
@@ -586,15 +593,8 @@ class ZeroOneAdam(OneBitOptimizer):
             #       p -= lr u; acc -= lr u: one sweep, taken only if g is finite (each gradient
             #       read where autograd left it)
             layout, groups = self.flat.layout, self.param_groups
-            grads = self.flat.grads(groups, list(range(len(layout.params))))
-            of = [groups[gi] for gi in layout.group_of]
-            betas = [group["betas"][0] for group in of]
-            hp = (
-                betas,
-                [1 - b for b in betas],
-                [group["lr"] for group in of],
-                [decoupled_decay(group) for group in of],
-            )
+            idx = list(range(len(layout.params)))
+            grads, hp = self.flat.grads(groups, idx), self._local_coefficients(idx)
             d, _ = denominator(self)
             local_ok = local_step((m, grads, d, acc), layout.params, layout.offsets, hp)
             if not local_ok:
