@@ -5,6 +5,8 @@
         --model small --steps 40
     python benchmarks/cluster.py --world-sizes 4 --ranks-per-node 2 --rates 100mbit,1gbit \
         --methods ddp_adam,onebit_adam,onebit_adam_hier       # 2 nodes x 2 ranks
+    python benchmarks/cluster.py --world-sizes 2 --rates 100mbit --workloads finetune --pin \
+        --methods nocomm,nocomm_sync,onebit_adam --repeats 3  # ratios to the floor, with spread
     python benchmarks/cluster.py --cleanup-stale                 # remove namespaces of dead runs
 
 The cluster (needs root and iproute2; see ../shared/DESIGN.md §5):
@@ -404,6 +406,82 @@ def summarize(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def run_order(methods: list[str], repeats: int) -> list[tuple[int, str]]:
+    """``(repeat, method)`` in the order one cell runs them: repeat k runs ``methods`` rotated
+    left by k, so that the machine's drift within a cell does not always fall on one method."""
+    out = []
+    for rep in range(repeats):
+        k = rep % len(methods)
+        out += [(rep, m) for m in methods[k:] + methods[:k]]
+    return out
+
+
+#: The per-run timings an aggregated row reports as their median over the repeats.
+TIMINGS = (
+    "step_time_warmup",
+    "step_time_compression",
+    "step_time_warmup_mean",
+    "step_time_compression_mean",
+    "after_backward_warmup",
+    "after_backward_compression",
+)
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, W, rate, method) from the runs of every repeat.
+
+    The row is the first successful repeat's (bytes, loss curve) with each of ``TIMINGS``
+    replaced by its median over the successful repeats, and, per repeat in run order, the
+    compression-phase step (``step_time_compression_runs``), its ratio to the same repeat's
+    ``nocomm`` (``x_floor_runs``) and ``nocomm_sync`` (``x_sync_floor_runs``) where those ran,
+    and the final loss (``final_val_loss_runs``: equal in every repeat of a deterministic
+    method). A method that failed in any repeat keeps that repeat's ``error``.
+    """
+    cells: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
+    for r in runs:
+        key = (r["workload"], r["world_size"], r["rate"])
+        cells.setdefault(key, {}).setdefault(r["method"], []).append(r)
+    rows = []
+
+    def step(by_method: dict[str, list[dict[str, Any]]], method: str, rep: int) -> float | None:
+        run = next((r for r in by_method.get(method, []) if r.get("repeat", 0) == rep), None)
+        return None if run is None or run.get("error") else run.get("step_time_compression")
+
+    for by_method in cells.values():
+        for method, reps in by_method.items():
+            ok = [r for r in reps if not r.get("error")]
+            row = dict(ok[0] if ok else reps[0])
+            row.pop("repeat", None)
+            row["repeats"] = len(reps)
+            failed = next((r["error"] for r in reps if r.get("error")), None)
+            if failed:
+                row["error"] = failed
+            for key in TIMINGS:
+                vals = [r[key] for r in ok if r.get(key) is not None]
+                row[key] = _median(vals)
+            row["step_time_compression_runs"] = [
+                step(by_method, method, r.get("repeat", 0)) for r in reps
+            ]
+            row["final_val_loss_runs"] = [r.get("final_val_loss") for r in reps]
+            for ref, field in (("nocomm", "x_floor_runs"), ("nocomm_sync", "x_sync_floor_runs")):
+                if ref not in by_method:
+                    continue
+                ratios = []
+                for r in reps:
+                    rep = r.get("repeat", 0)
+                    c, f = step(by_method, method, rep), step(by_method, ref, rep)
+                    ratios.append(c / f if c and f else None)
+                row[field] = ratios
+            rows.append(row)
+    return rows
+
+
+def _ratio(row: dict[str, Any], field: str) -> tuple[float | None, float | None, float | None]:
+    """Median, min and max of a row's per-repeat ratios ``field`` (``None`` if none)."""
+    vals = [x for x in row.get(field) or [] if x is not None]
+    return (_median(vals), min(vals), max(vals)) if vals else (None, None, None)
+
+
 def _time_to(evals: list[dict[str, Any]], target: float) -> float | None:
     for e in evals:
         if e["val_loss"] is not None and e["val_loss"] <= target:
@@ -465,6 +543,41 @@ def _mb(x: float | None) -> str:
     return "—" if x is None else f"{x / 1e6:.3g}"
 
 
+def _ratio_cell(row: dict[str, Any], field: str) -> str:
+    med, lo, hi = _ratio(row, field)
+    if med is None or lo is None or hi is None:
+        return "—"
+    spread = f" ({lo:.2f}-{hi:.2f})" if len(row.get(field) or []) > 1 else ""
+    return f"{med:.2f}{spread}"
+
+
+def _ratio_matrix(groups: dict[tuple, list[dict[str, Any]]], field: str, title: str) -> list[str]:
+    """A cell x method table of the per-repeat ratios ``field`` (median (min-max)); empty if no
+    row has them."""
+    methods = list(
+        dict.fromkeys(r["method"] for g in groups.values() for r in g if r.get(field) is not None)
+    )
+    methods = [m for m in methods if m not in ("nocomm", *SYNCED_FLOOR)] + [
+        m for m in SYNCED_FLOOR if m in methods and field == "x_floor_runs"
+    ]
+    if not methods:
+        return []
+    lines = [
+        "",
+        f"### {title}",
+        "",
+        "| workload, W, link | " + " | ".join(methods) + " |",
+        "|---|" + "---:|" * len(methods),
+    ]
+    for (wl, w, rate), grp in groups.items():
+        by = {r["method"]: r for r in grp}
+        cells = [_ratio_cell(by[m], field) if m in by else "—" for m in methods]
+        lines.append(
+            f"| {wl} (batch {grp[0]['batch']}), W={w}, {rate} | " + " | ".join(cells) + " |"
+        )
+    return lines
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     overlap = f"{meta['overlap_mb']} MiB buckets" if meta.get("overlap_mb") else "no"
     lines = [
@@ -524,8 +637,17 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "out*: compression phase, MB per node per step that left the node, counter (its "
             "inter-node part) / interface.",
         ]
+    repeats = meta.get("repeats", 1)
+    if repeats > 1:
+        lines += [
+            "",
+            f"Each cell's methods ran {repeats} times, repeat k in the order rotated by k. Step "
+            "times: medians over the repeats; *x floor*: the ratio to the floor within each "
+            "repeat, median (min-max).",
+        ]
+        lines += _ratio_matrix(groups, "x_floor_runs", "x floor (`nocomm`)")
+        lines += _ratio_matrix(groups, "x_sync_floor_runs", "x synchronised floor (`nocomm_sync`)")
     for (wl, w, rate), grp in groups.items():
-        floor = next((r.get("step_time_compression") for r in grp if r["method"] == "nocomm"), None)
         ddp = next((r.get("step_time_compression") for r in grp if r["method"] == "ddp_adam"), None)
         target = grp[0].get("target_loss")
         where = f"W={w} ({w // per_node} nodes x {per_node})" if nodes_col else f"W={w}"
@@ -547,7 +669,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             c = r.get("step_time_compression")
             lines.append(
                 f"| {r['method']} | {_fmt(r.get('step_time_warmup'))} | {_fmt(c)} | "
-                f"{_fmt(c / floor if c and floor else None, '.2f')} | "
+                f"{_ratio_cell(r, 'x_floor_runs')} | "
                 f"{_fmt(ddp / c if c and ddp else None, '.2f')} | "
                 f"{_fmt(r.get('after_backward_compression'))} | "
                 f"{_mb(r.get('bytes_warmup'))} / {_mb(r.get('bytes_compression'))} | "
@@ -718,6 +840,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "given, the other phase-1 steps exchange 1-bit gradients (the paper's phase 1); default: "
         "every phase-1 step averages in full precision (the strategy's default)",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every cell's methods this many times, repeat k in the order rotated by k "
+        "(no method always first or last); the table reports medians over the repeats, and "
+        "each ratio to a floor is taken within a repeat, then its median and range",
+    )
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-slack", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per method run")
@@ -773,6 +903,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need 0 <= --lr-warmup < --steps")
     if not 2 <= args.warmup < args.steps:
         p.error("need 2 <= --warmup < --steps (each phase needs a timed step)")
+    if args.repeats < 1:
+        p.error("need --repeats >= 1")
     if args.ranks_per_node < 1 or any(w % args.ranks_per_node for w in args.world_sizes):
         p.error("--ranks-per-node must be >= 1 and divide every world size")
     if args.var_freeze_step is None:
@@ -829,6 +961,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "pin": args.pin,
         "materialize": args.materialize,
+        "repeats": args.repeats,
         "timing": "per step: max over ranks of end(k) - max over ranks of end(k-1); median/phase",
     }
     rows: list[dict[str, Any]] = []
@@ -842,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
                     cluster.set_rate(rate)
                     for wl in args.workloads:
                         batch = args.batch or WORKLOADS[wl]
-                        for method in args.methods:
+                        for rep, method in run_order(args.methods, args.repeats):
                             port += 1
                             cfg = {
                                 "method": method,
@@ -878,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "method": method,
                                 "batch": batch,
                                 "samples": args.steps * w * batch,
+                                "repeat": rep,
                             }
                             t0 = time.monotonic()
                             try:
@@ -888,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
                                 row["error"] = str(err)
                                 _log(f"{wl} W={w} {rate} {method}: FAILED\n{err}")
                             _log(
-                                f"{wl} W={w} {rate} {method}: warmup "
+                                f"{wl} W={w} {rate} {method} (repeat {rep + 1}): warmup "
                                 f"{_fmt(row.get('step_time_warmup'))} s, compression "
                                 f"{_fmt(row.get('step_time_compression'))} s, loss "
                                 f"{_fmt(row.get('final_val_loss'))} "
@@ -896,10 +1030,14 @@ def main(argv: list[str] | None = None) -> int:
                             )
                             rows.append(row)
     meta["wall_s"] = round(time.monotonic() - t_start, 1)
+    runs, rows = rows, aggregate(rows)
     targets = add_targets(rows, args.target_loss, args.target_slack)
 
     paths = {k: out_dir / f"{name}.{k}" for k in ("json", "md", "png")}
-    paths["json"].write_text(json.dumps({"meta": meta, "targets": targets, "rows": rows}, indent=1))
+    record = {"meta": meta, "targets": targets, "rows": rows}
+    if args.repeats > 1:
+        record["runs"] = runs
+    paths["json"].write_text(json.dumps(record, indent=1))
     table = markdown(rows, meta)
     paths["md"].write_text(table)
     has_png = plot(rows, paths["png"])
@@ -910,7 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_warmup", "bytes_compression",
         "tx_bytes_warmup", "tx_bytes_compression", "bytes_inter_node_compression",
         "tx_bytes_node_compression", "final_val_loss", "target_loss",
-        "time_to_target_s",
+        "time_to_target_s", "repeats", "step_time_compression_runs", "x_floor_runs",
+        "x_sync_floor_runs", "final_val_loss_runs",
     ]  # fmt: skip
     summary = {
         "json": str(paths["json"]),

@@ -13,13 +13,15 @@ import importlib.util
 import itertools
 import json
 import math
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cluster import SCRIPT, skip_reason
+from tests.helpers.cluster import SCRIPT, cluster_module, skip_reason
 
 
 def test_the_cosine_schedule_warms_up_linearly_then_decays_to_a_tenth() -> None:
@@ -107,3 +109,102 @@ def test_cluster_smoke(tmp_path: Path) -> None:
             assert pl[f"bytes_{ph}"] == onebit[f"bytes_{ph}"] - agreement
         loss = onebit["final_val_loss"]
         assert abs(pl["final_val_loss"] - loss) < 0.02 * loss, method
+
+
+def test_repeats_rotate_the_methods_and_take_ratios_within_a_repeat() -> None:
+    cluster = cluster_module()
+    assert cluster.run_order(["a", "b", "c"], 4) == [
+        (0, "a"), (0, "b"), (0, "c"),
+        (1, "b"), (1, "c"), (1, "a"),
+        (2, "c"), (2, "a"), (2, "b"),
+        (3, "a"), (3, "b"), (3, "c"),
+    ]  # fmt: skip
+    rng = random.Random(7)
+    cell = {"workload": "finetune", "world_size": 2, "rate": "100mbit", "batch": 4, "samples": 8}
+    runs, steps = [], {}
+    for rep, method in cluster.run_order(["nocomm", "nocomm_sync", "onebit_adam"], 3):
+        t = rng.uniform(0.5, 1.5)
+        steps[rep, method] = t
+        runs.append(
+            cell
+            | {
+                "method": method,
+                "repeat": rep,
+                "step_time_compression": t,
+                "step_time_warmup": 2 * t,
+                "after_backward_compression": t / 10,
+                "final_val_loss": None if method.startswith("nocomm") else 3.0,
+            }
+        )
+    # a second cell, where one repeat of one method failed
+    other = cell | {"rate": "1gbit"}
+    runs += [
+        other | {"method": "nocomm", "repeat": 0, "step_time_compression": 1.0},
+        other | {"method": "onebit_adam", "repeat": 0, "error": "rank 1 exited with 1"},
+        other | {"method": "onebit_adam", "repeat": 1, "step_time_compression": 1.2},
+        other | {"method": "nocomm", "repeat": 1, "step_time_compression": 0.8},
+    ]
+    rows = {(r["rate"], r["method"]): r for r in cluster.aggregate(runs)}
+    assert len(rows) == 5
+    one = rows["100mbit", "onebit_adam"]
+    assert one["repeats"] == 3 and "repeat" not in one
+    assert one["step_time_compression"] == statistics.median(
+        steps[k, "onebit_adam"] for k in range(3)
+    )
+    assert one["step_time_warmup"] == statistics.median(
+        2 * steps[k, "onebit_adam"] for k in range(3)
+    )
+    assert one["x_floor_runs"] == [steps[k, "onebit_adam"] / steps[k, "nocomm"] for k in range(3)]
+    assert one["x_sync_floor_runs"] == [
+        steps[k, "onebit_adam"] / steps[k, "nocomm_sync"] for k in range(3)
+    ]
+    assert one["final_val_loss_runs"] == [3.0] * 3
+    assert rows["100mbit", "nocomm"]["x_floor_runs"] == [1.0] * 3
+    failed = rows["1gbit", "onebit_adam"]
+    assert failed["error"] == "rank 1 exited with 1"
+    assert failed["step_time_compression"] == 1.2  # the median of the repeat that ran
+    assert failed["x_floor_runs"] == [None, 1.2 / 0.8]
+    assert "x_sync_floor_runs" not in failed  # no synchronised floor in that cell
+
+    meta = {
+        "when": "now", "host": "h", "cpus": 2, "torch": "t", "model": "base", "steps": 27,
+        "warmup": 3, "threads": 1, "repeats": 3,
+    }  # fmt: skip
+    table = cluster.markdown(list(rows.values()), meta)
+    ratios = sorted(one["x_floor_runs"])
+    expect = f"{ratios[1]:.2f} ({ratios[0]:.2f}-{ratios[2]:.2f})"
+    assert "### x floor (`nocomm`)" in table and "### x synchronised floor" in table
+    matrix_row = next(
+        line for line in table.splitlines() if line.startswith("| finetune (batch 4)")
+    )
+    assert expect in matrix_row
+
+
+@pytest.mark.slow
+def test_cluster_repeats(tmp_path: Path) -> None:
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cmd = [
+        sys.executable, str(SCRIPT),
+        "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
+        "--workloads", "finetune", "--methods", "nocomm,onebit_adam", "--repeats", "2",
+        "--steps", "6", "--warmup", "3", "--eval-every", "3", "--val-windows", "4",
+        "--out-dir", str(tmp_path), "--name", "rep", "--timeout", "120",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads((tmp_path / "rep.json").read_text())
+    order = [(r["repeat"], r["method"]) for r in record["runs"]]
+    assert order == [(0, "nocomm"), (0, "onebit_adam"), (1, "onebit_adam"), (1, "nocomm")]
+    rows = {r["method"]: r for r in record["rows"]}
+    runs = {(r["repeat"], r["method"]): r for r in record["runs"]}
+    one = rows["onebit_adam"]
+    assert one["x_floor_runs"] == [
+        runs[k, "onebit_adam"]["step_time_compression"] / runs[k, "nocomm"]["step_time_compression"]
+        for k in range(2)
+    ]
+    # the same seed and data: both repeats train the same model to the same loss
+    a, b = one["final_val_loss_runs"]
+    assert a is not None and a == b
+    assert "### x floor (`nocomm`)" in (tmp_path / "rep.md").read_text()
