@@ -442,12 +442,13 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (r["workload"], r["world_size"], r["rate"])
         cells.setdefault(key, {}).setdefault(r["method"], []).append(r)
     rows = []
-
-    def step(by_method: dict[str, list[dict[str, Any]]], method: str, rep: int) -> float | None:
-        run = next((r for r in by_method.get(method, []) if r.get("repeat", 0) == rep), None)
-        return None if run is None or run.get("error") else run.get("step_time_compression")
-
     for by_method in cells.values():
+        # compression-phase step per (method, repeat); None where that run failed
+        step = {
+            (m, r.get("repeat", 0)): None if r.get("error") else r.get("step_time_compression")
+            for m, reps in by_method.items()
+            for r in reps
+        }
         for method, reps in by_method.items():
             ok = [r for r in reps if not r.get("error")]
             row = dict(ok[0] if ok else reps[0])
@@ -457,29 +458,16 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if failed:
                 row["error"] = failed
             for key in TIMINGS:
-                vals = [r[key] for r in ok if r.get(key) is not None]
-                row[key] = _median(vals)
-            row["step_time_compression_runs"] = [
-                step(by_method, method, r.get("repeat", 0)) for r in reps
-            ]
+                row[key] = _median([r[key] for r in ok if r.get(key) is not None])
+            order = [r.get("repeat", 0) for r in reps]
+            row["step_time_compression_runs"] = [step[method, k] for k in order]
             row["final_val_loss_runs"] = [r.get("final_val_loss") for r in reps]
             for ref, field in (("nocomm", "x_floor_runs"), ("nocomm_sync", "x_sync_floor_runs")):
-                if ref not in by_method:
-                    continue
-                ratios = []
-                for r in reps:
-                    rep = r.get("repeat", 0)
-                    c, f = step(by_method, method, rep), step(by_method, ref, rep)
-                    ratios.append(c / f if c and f else None)
-                row[field] = ratios
+                if ref in by_method:
+                    pairs = [(step[method, k], step.get((ref, k))) for k in order]
+                    row[field] = [c / f if c and f else None for c, f in pairs]
             rows.append(row)
     return rows
-
-
-def _ratio(row: dict[str, Any], field: str) -> tuple[float | None, float | None, float | None]:
-    """Median, min and max of a row's per-repeat ratios ``field`` (``None`` if none)."""
-    vals = [x for x in row.get(field) or [] if x is not None]
-    return (_median(vals), min(vals), max(vals)) if vals else (None, None, None)
 
 
 def _time_to(evals: list[dict[str, Any]], target: float) -> float | None:
@@ -544,11 +532,12 @@ def _mb(x: float | None) -> str:
 
 
 def _ratio_cell(row: dict[str, Any], field: str) -> str:
-    med, lo, hi = _ratio(row, field)
-    if med is None or lo is None or hi is None:
+    """A row's per-repeat ratios ``field``: median, and (min-max) when there are several."""
+    vals = [x for x in row.get(field) or [] if x is not None]
+    if not vals:
         return "—"
-    spread = f" ({lo:.2f}-{hi:.2f})" if len(row.get(field) or []) > 1 else ""
-    return f"{med:.2f}{spread}"
+    spread = f" ({min(vals):.2f}-{max(vals):.2f})" if len(row[field]) > 1 else ""
+    return f"{statistics.median(vals):.2f}{spread}"
 
 
 def _ratio_matrix(groups: dict[tuple, list[dict[str, Any]]], field: str, title: str) -> list[str]:
@@ -1020,7 +1009,9 @@ def main(argv: list[str] | None = None) -> int:
                                 meta["numel"] = row["numel"]
                             except RuntimeError as err:
                                 row["error"] = str(err)
-                                _log(f"{wl} W={w} {rate} {method}: FAILED\n{err}")
+                                _log(
+                                    f"{wl} W={w} {rate} {method} (repeat {rep + 1}): FAILED\n{err}"
+                                )
                             _log(
                                 f"{wl} W={w} {rate} {method} (repeat {rep + 1}): warmup "
                                 f"{_fmt(row.get('step_time_warmup'))} s, compression "

@@ -44,28 +44,35 @@ def test_the_cosine_schedule_warms_up_linearly_then_decays_to_a_tenth() -> None:
     assert math.isclose(min(falling), 0.1)
 
 
-@pytest.mark.slow
-def test_cluster_smoke(tmp_path: Path) -> None:
+def _run_cluster(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """``benchmarks/cluster.py ARGS --out-dir tmp_path`` (skipped where namespaces cannot be
+    made); asserts it succeeded and returns the process and its stdout. On a timeout it gets
+    SIGTERM, whose handler tears the namespaces down (SIGKILL would leave them)."""
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    cmd = [
-        sys.executable, str(SCRIPT),
-        "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
-        "--workloads", "finetune", "--methods",
-        "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam,nocomm_sync",
-        "--steps", "8", "--warmup", "4", "--eval-every", "4", "--val-windows", "8",
-        "--lr-schedule", "cosine", "--lr-warmup", "2",
-        "--out-dir", str(tmp_path), "--name", "smoke", "--timeout", "120",
-    ]  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path), "--timeout", "120"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            proc.terminate()  # its SIGTERM handler tears the namespaces down
+            proc.terminate()
             proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-4000:]
+    return proc, out
+
+
+@pytest.mark.slow
+def test_cluster_smoke(tmp_path: Path) -> None:
+    proc, out = _run_cluster(
+        tmp_path,
+        "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
+        "--workloads", "finetune", "--methods",
+        "ddp_adam,onebit_adam,pl_onebit_adam,fabric_onebit_adam,nocomm_sync",
+        "--steps", "8", "--warmup", "4", "--eval-every", "4", "--val-windows", "8",
+        "--lr-schedule", "cosine", "--lr-warmup", "2", "--name", "smoke",
+    )  # fmt: skip
     summary = json.loads(out.strip().splitlines()[-1])
 
     # the run's namespaces are gone
@@ -182,18 +189,13 @@ def test_repeats_rotate_the_methods_and_take_ratios_within_a_repeat() -> None:
 
 @pytest.mark.slow
 def test_cluster_repeats(tmp_path: Path) -> None:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    cmd = [
-        sys.executable, str(SCRIPT),
+    _run_cluster(
+        tmp_path,
         "--world-sizes", "2", "--rates", "100mbit", "--model", "tiny",
         "--workloads", "finetune", "--methods", "nocomm,onebit_adam", "--repeats", "2",
         "--steps", "6", "--warmup", "3", "--eval-every", "3", "--val-windows", "4",
-        "--out-dir", str(tmp_path), "--name", "rep", "--timeout", "120",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        "--name", "rep",
+    )  # fmt: skip
     record = json.loads((tmp_path / "rep.json").read_text())
     order = [(r["repeat"], r["method"]) for r in record["runs"]]
     assert order == [(0, "nocomm"), (0, "onebit_adam"), (1, "onebit_adam"), (1, "nocomm")]
