@@ -15,6 +15,15 @@ using ptr = std::uintptr_t;
 template <class T>
 T* P(ptr p) { return reinterpret_cast<T*>(p); }
 
+// The SignRuns of n runs from four arrays (lo, hi: int64; bits: pointers; scale: float), or null
+// when n is 0.
+struct Runs {
+  onebit::SignRuns runs;
+  Runs(int64_t n, ptr lo, ptr hi, ptr bits, ptr scale)
+      : runs{n, P<const int64_t>(lo), P<const int64_t>(hi), P<const uint8_t* const>(bits), P<const float>(scale)} {}
+  const onebit::SignRuns* get() const { return runs.n ? &runs : nullptr; }
+};
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Fused 1-bit compression kernels (see cpp/onebit.h for the wire format).";
   using release = py::call_guard<py::gil_scoped_release>;
@@ -56,14 +65,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("lamb_frozen_update_cpu", [](ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L, ptr offsets,
                                      ptr scaling, ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd,
-                                     bool precond, ptr stats, int nthreads) {
+                                     bool precond, ptr stats, int nthreads, int64_t nruns, ptr runs_lo,
+                                     ptr runs_hi, ptr runs_bits, ptr runs_scale) {
+    const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
     onebit::lamb_frozen_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
                                    P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
                                    P<const float>(scaling), P<const float>(beta1), P<const float>(ob1),
                                    P<const float>(beta2), P<const float>(ob2), P<const float>(eps),
-                                   P<const float>(wd), precond, P<double>(stats), nthreads);
+                                   P<const float>(wd), precond, P<double>(stats), nthreads, xs.get());
   }, release(), "1-bit LAMB compression-phase update of L layers in one sweep (p may be 0: no decay; precond: "
-                "x * d first)");
+                "x * d first; nruns > 0: x read from the runs)");
 
   m.def("adam_update_cpu", [](ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes, ptr lr,
                               ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, bool update_v,
@@ -83,11 +94,14 @@ PYBIND11_MODULE(_C, m) {
                 "gradient pointers, 0: zeros; d may be 0: no division)");
 
   m.def("frozen_adam_update_cpu", [](ptr x, ptr mm, ptr d, ptr params, int64_t np, ptr starts, ptr sizes, ptr nlr,
-                                     ptr nlw, bool precond, int nthreads) {
+                                     ptr nlw, bool precond, int nthreads, int64_t nruns, ptr runs_lo, ptr runs_hi,
+                                     ptr runs_bits, ptr runs_scale) {
+    const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
     onebit::frozen_adam_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float* const>(params), np,
                                    P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(nlr),
-                                   P<const float>(nlw), precond, nthreads);
-  }, release(), "1-bit Adam's compression-phase step of P parameters in one sweep (params: array of fp32 pointers)");
+                                   P<const float>(nlw), precond, nthreads, xs.get());
+  }, release(), "1-bit Adam's compression-phase step of P parameters in one sweep (params: array of fp32 pointers; "
+                "nruns > 0: x read from the runs)");
 
   m.def("local_source_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts, ptr sizes,
                                ptr b, ptr a, ptr nw, ptr nlr, bool precond, int nthreads) {

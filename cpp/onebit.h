@@ -46,6 +46,18 @@ inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
 }
 }  // namespace detail
 
+// An exchange's result read where it lies, in place of the decoded buffer x (see decompress_cpu):
+// run k holds the flat values [lo[k], hi[k]), value i being +scale[k] if bit i - lo[k] of bits[k]
+// is set (the wire format's numbering) and -scale[k] if not. Runs are sorted and contiguous
+// (hi[k] == lo[k + 1], each non-empty), and cover every value a call reads.
+struct SignRuns {
+  int64_t n;
+  const int64_t* lo;
+  const int64_t* hi;
+  const uint8_t* const* bits;
+  const float* scale;
+};
+
 // Worker compression: y = x + e_true (x zero-extended from nx to n values); scale = ||y||_2 /
 // sqrt(n); bits of row j = packed signs of y[j*m, (j+1)*m) with m = n / W. n must be a multiple of
 // 8 * W. Writes the scale to *scale_out and returns it.
@@ -101,10 +113,11 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
 // rounded; d = sqrt(v) + eps of the frozen variance; p may be null when
 // every wd is 0). stats[3k..3k+2] <- max(d / (sqrt(vf) + eps)), sum(up^2), sum(u^2) over the layer
 // (1, 0, 0 for an empty layer); the sums accumulate in double over fixed blocks, added in order.
+// xs not null: x is read from those runs (and x is not read), the same floats as from decompress_cpu's x.
 void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u,
                             int64_t L, const int64_t* offsets, const float* scaling, const float* beta1,
                             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
-                            bool precond, double* stats, int nthreads);
+                            bool precond, double* stats, int nthreads, const SignRuns* xs = nullptr);
 
 // Adam's step without bias correction (1-bit Adam's warmup, 0/1 Adam's variance phase), one sweep.
 // Parameter j holds the flat values [starts[j], starts[j] + sizes[j]) and its own storage params[j]
@@ -132,10 +145,11 @@ void momentum_source_cpu(const float* m, const float* const* g, const float* d, 
 //   p <- fma(p, nlw[j], p)  (unless nlw[j] is +0.0);
 //   precond: m <- x * d;  p <- fma(x, nlr[j], p)
 //   else:    m <- x (nothing when m is x);  p <- p + (nlr[j] * x) / d
-// The roundings of the optimizer's torch ops (add_ with alpha, addcdiv_) on x86 CPUs.
+// The roundings of the optimizer's torch ops (add_ with alpha, addcdiv_) on x86 CPUs. xs not null:
+// x is read from those runs (as lamb_frozen_update_cpu's).
 void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* const* params, int64_t P,
                             const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
-                            bool precond, int nthreads);
+                            bool precond, int nthreads, const SignRuns* xs = nullptr);
 
 // 0/1 Adam's exchange source on a sync step of its local phase, one sweep: segment j holds the
 // flat values [starts[j], starts[j] + sizes[j]) and reads its gradient from g[j] (its own storage,

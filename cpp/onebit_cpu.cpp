@@ -509,10 +509,13 @@ AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride
   return hsum(a0, a1);
 }
 
+// Stream: non-temporal stores where out is aligned (decompress: the whole output is decoded before
+// it is read); not for a block decoded into scratch that is read right after (SignRuns).
+template <bool Stream>
 AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, int64_t hi) {
   const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
   int64_t i = lo;
-  if (aligned_gap(out + lo) == 0) {  // (the whole output is decoded before it is read)
+  if (Stream && aligned_gap(out + lo) == 0) {
     for (; i + 8 <= hi; i += 8) _mm256_stream_ps(out + i, _mm256_blendv_ps(neg, pos, byte_to_mask(*in++)));
     _mm_sfence();
   } else {
@@ -721,6 +724,7 @@ struct Impl {
   double (*reduce)(const uint8_t*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t,
                    const uint8_t*, uint8_t*, bool, float);
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
+  void (*decode_kept)(const uint8_t*, float, float*, int64_t, int64_t);  // no streaming stores
   void (*update)(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
   void (*lamb)(const float*, float*, const float*, float*, const float*, float*, int64_t, int64_t, LambCoef,
                double*);
@@ -750,7 +754,8 @@ const Impl& impl() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !std::getenv("ONEBIT_NO_SIMD"))
       return Impl{compress_block_avx2,
                   reduce_block_avx2,
-                  decode_block_avx2,
+                  decode_block_avx2<true>,
+                  decode_block_avx2<false>,
                   update_block_avx2,
                   lamb_block_avx2,
                   adam_block_avx2,
@@ -767,6 +772,7 @@ const Impl& impl() {
 #endif
     return Impl{compress_block_scalar,
                 reduce_block_scalar,
+                decode_block_scalar,
                 decode_block_scalar,
                 update_block_scalar,
                 lamb_block_scalar,
@@ -798,6 +804,28 @@ int64_t segment_blocks(int64_t P, const int64_t* starts, const int64_t* sizes, s
 }
 
 // Sum block partials in a fixed order and turn the sum of squares into the scale.
+// The values [lo, hi) of the runs into buf[0, hi - lo) (every run's bits start on a byte).
+void fill_from_runs(const SignRuns& xs, int64_t lo, int64_t hi, float* buf) {
+  const auto decode = impl().decode_kept;
+  for (int64_t k = std::upper_bound(xs.hi, xs.hi + xs.n, lo) - xs.hi; k < xs.n && xs.lo[k] < hi; ++k) {
+    const int64_t r = xs.lo[k], b = std::min(hi, xs.hi[k]);
+    const uint8_t* bits = xs.bits[k];
+    const float s = xs.scale[k];
+    int64_t a = std::max(lo, r);
+    for (; a < b && (a - r) % 8 != 0; ++a) buf[a - lo] = ((bits[(a - r) / 8] >> ((a - r) % 8)) & 1u) ? s : -s;
+    if (a < b) decode(bits + (a - r) / 8, s, buf, a - lo, b - lo);
+  }
+}
+
+// Whether the runs tile [lo, hi) or more: sorted, contiguous, non-empty.
+bool runs_cover(const SignRuns& xs, int64_t lo, int64_t hi) {
+  if (lo >= hi) return true;
+  if (xs.n <= 0 || xs.lo[0] > lo || xs.hi[xs.n - 1] < hi) return false;
+  for (int64_t k = 0; k < xs.n; ++k)
+    if (xs.hi[k] <= xs.lo[k] || (k && xs.lo[k] != xs.hi[k - 1]) || !xs.bits[k]) return false;
+  return true;
+}
+
 float finish_scale(const std::vector<double>& partial, int64_t n) {
   double total = 0.0;
   for (double p : partial) total += p;
@@ -982,8 +1010,10 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
 void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
                             const int64_t* offsets, const float* scaling, const float* beta1, const float* ob1,
                             const float* beta2, const float* ob2, const float* eps, const float* wd, bool precond,
-                            double* stats, int nthreads) {
+                            double* stats, int nthreads, const SignRuns* xs) {
   detail::check_lamb("lamb_frozen_update_cpu", L);
+  detail::require(!xs || runs_cover(*xs, L ? offsets[0] : 0, L ? offsets[L] : 0), "lamb_frozen_update_cpu",
+                  "runs that tile the layers' values");
   // Blocks never straddle layers; partials are folded per layer in block order (thread-count independent).
   std::vector<int64_t> first(static_cast<size_t>(L) + 1, 0), lows;
   for (int64_t k = 0; k < L; ++k) {
@@ -1003,7 +1033,13 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t k = layer[b], lo = lows[b], hi = std::min(lo + kBlock, offsets[k + 1]);
     const LambCoef c{scaling[k], beta1[k], ob1[k], beta2[k], ob2[k], eps[k], wd[k], precond};
-    lamb(x, m, d, vf, p, u, lo, hi, c, &part[3 * b]);
+    if (xs) {  // the same addresses but x's, indexed from lo: the block's floats do not change
+      alignas(32) float buf[kBlock];
+      fill_from_runs(*xs, lo, hi, buf);
+      lamb(buf, m + lo, d + lo, vf + lo, p ? p + lo : nullptr, u + lo, 0, hi - lo, c, &part[3 * b]);
+    } else {
+      lamb(x, m, d, vf, p, u, lo, hi, c, &part[3 * b]);
+    }
   }
   for (int64_t k = 0; k < L; ++k) {
     double* s = stats + 3 * k;
@@ -1059,10 +1095,15 @@ void momentum_source_cpu(const float* m, const float* const* g, const float* d, 
 
 void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* const* params, int64_t P,
                             const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
-                            bool precond, int nthreads) {
+                            bool precond, int nthreads, const SignRuns* xs) {
   detail::check_segments("frozen_adam_update_cpu", P);
   std::vector<int64_t> owner, lows;
   const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  if (xs) {
+    bool covered = true;
+    for (int64_t j = 0; j < P && covered; ++j) covered = runs_cover(*xs, starts[j], starts[j] + sizes[j]);
+    detail::require(covered, "frozen_adam_update_cpu", "runs that tile every parameter's values");
+  }
   const int64_t nblk = static_cast<int64_t>(lows.size());
   const int nt = threads_for(n, nthreads);
   const auto frozen = impl().frozen;
@@ -1070,7 +1111,14 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    frozen(x, m, d, params[j] + (lo - starts[j]), lo, hi, nlr[j], nlw[j], precond);
+    float* pj = params[j] + (lo - starts[j]);
+    if (xs) {  // as in lamb_frozen_update_cpu
+      alignas(32) float buf[kBlock];
+      fill_from_runs(*xs, lo, hi, buf);
+      frozen(buf, m + lo, d + lo, pj, 0, hi - lo, nlr[j], nlw[j], precond);
+    } else {
+      frozen(x, m, d, pj, lo, hi, nlr[j], nlw[j], precond);
+    }
   }
 }
 

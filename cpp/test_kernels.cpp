@@ -180,6 +180,73 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   }
 }
 
+// 1-bit Adam's and LAMB's updates reading x from SignRuns (runs of random lengths, each run's bits
+// a heap buffer of exactly ceil(len / 8) bytes) against the same calls on the decoded x, bit for bit.
+void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, int nthreads) {
+  const int64_t L = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> off(1, 0);
+  for (int64_t s : sizes) off.push_back(off.back() + s);
+  const int64_t n = off.back();
+  std::vector<int64_t> lo, hi;
+  std::vector<std::unique_ptr<uint8_t[]>> bytes;
+  std::vector<const uint8_t*> bits;
+  std::vector<float> scale;
+  auto x = buf<float>(n);
+  std::uniform_int_distribution<int64_t> len(1, 20000);
+  std::uniform_real_distribution<float> uni(0.1f, 1.0f);
+  std::normal_distribution<float> normal;
+  for (int64_t a = 0; a < n;) {
+    const int64_t b = std::min(n, a + (len(rng) % 3 == 0 ? len(rng) % 9 + 1 : len(rng)));
+    bytes.push_back(buf<uint8_t>((b - a + 7) / 8));
+    for (int64_t q = 0; q < (b - a + 7) / 8; ++q) bytes.back()[q] = static_cast<uint8_t>(rng());
+    lo.push_back(a), hi.push_back(b), bits.push_back(bytes.back().get()), scale.push_back(uni(rng));
+    for (int64_t i = a; i < b; ++i) x[i] = ((bits.back()[(i - a) / 8] >> ((i - a) % 8)) & 1) ? scale.back() : -scale.back();
+    a = b;
+  }
+  const onebit::SignRuns runs{static_cast<int64_t>(lo.size()), lo.data(), hi.data(), bits.data(), scale.data()};
+  auto fill = [&](std::unique_ptr<float[]>& t, float lo_, float hi_) {
+    std::uniform_real_distribution<float> r(lo_, hi_);
+    for (int64_t i = 0; i < n; ++i) t[i] = r(rng);
+  };
+  auto m = buf<float>(n), d = buf<float>(n), vf = buf<float>(n), p = buf<float>(n);
+  fill(m, -1.0f, 1.0f), fill(d, 0.1f, 1.0f), fill(vf, 0.1f, 1.0f), fill(p, -1.0f, 1.0f);
+  std::vector<float> sc(L), b1(L, 0.9f), ob1(L, float(1.0 - 0.9)), b2(L, 0.999f), ob2(L, float(1.0 - 0.999));
+  std::vector<float> eps(L, 1e-6f), wd(L), nlr(L), nlw(L);
+  for (int64_t k = 0; k < L; ++k) sc[k] = 2 * uni(rng), wd[k] = 0.01f * k, nlr[k] = -1e-3f * uni(rng), nlw[k] = nlr[k] * wd[k];
+  for (bool precond : {false, true}) {
+    std::vector<float> m1(m.get(), m.get() + n), m2 = m1, v1(vf.get(), vf.get() + n), v2 = v1, u1(n), u2(n);
+    std::vector<double> s1(3 * L), s2(3 * L);
+    onebit::lamb_frozen_update_cpu(x.get(), m1.data(), d.get(), v1.data(), p.get(), u1.data(), L, off.data(),
+                                   sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(),
+                                   precond, s1.data(), nthreads);
+    onebit::lamb_frozen_update_cpu(nullptr, m2.data(), d.get(), v2.data(), p.get(), u2.data(), L, off.data(),
+                                   sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(),
+                                   precond, s2.data(), nthreads, &runs);
+    for (int64_t i = 0; i < n; ++i) {
+      check(std::memcmp(&m1[i], &m2[i], 4) == 0 && std::memcmp(&v1[i], &v2[i], 4) == 0 &&
+                std::memcmp(&u1[i], &u2[i], 4) == 0, "lamb from runs", precond, i);
+    }
+    check(std::memcmp(s1.data(), s2.data(), 8 * 3 * L) == 0, "lamb stats from runs", precond, 0);
+    // 1-bit Adam: the layers as parameters, each its own exact-size buffer
+    std::vector<std::unique_ptr<float[]>> own1, own2;
+    std::vector<float*> ptr1, ptr2;
+    for (int64_t k = 0; k < L; ++k) {
+      own1.push_back(buf<float>(sizes[k])), own2.push_back(buf<float>(sizes[k]));
+      std::memcpy(own1.back().get(), p.get() + off[k], 4 * sizes[k]);
+      std::memcpy(own2.back().get(), p.get() + off[k], 4 * sizes[k]);
+      ptr1.push_back(own1.back().get()), ptr2.push_back(own2.back().get());
+    }
+    std::vector<float> a1(m.get(), m.get() + n), a2 = a1;
+    onebit::frozen_adam_update_cpu(x.get(), a1.data(), d.get(), ptr1.data(), L, off.data(), sizes.data(), nlr.data(),
+                                   nlw.data(), precond, nthreads);
+    onebit::frozen_adam_update_cpu(nullptr, a2.data(), d.get(), ptr2.data(), L, off.data(), sizes.data(), nlr.data(),
+                                   nlw.data(), precond, nthreads, &runs);
+    check(std::memcmp(a1.data(), a2.data(), 4 * n) == 0, "frozen m from runs", precond, 0);
+    for (int64_t k = 0; k < L; ++k)
+      check(std::memcmp(ptr1[k], ptr2[k], 4 * sizes[k]) == 0, "frozen p from runs", precond, k);
+  }
+}
+
 // Segment starts for `sizes` laid out with a gap of 3 values before each; `n` receives the total.
 std::vector<int64_t> gapped_starts(const std::vector<int64_t>& sizes, int64_t& n) {
   std::vector<int64_t> starts;
@@ -436,6 +503,11 @@ int main() {
       run_lamb_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, decay, nt == 2, nt);
       ++cases;
     }
+  }
+  for (int nt : {1, 2}) {
+    run_sign_runs_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001, 9, 16}, nt);
+    run_sign_runs_case(rng, {3}, nt);
+    cases += 2;
   }
   for (bool update_v : {false, true}) {
     for (int nt : {1, 2}) {

@@ -155,7 +155,10 @@ class Exchange(Protocol):
     flat exchange, the two-level one, and the bucketed one (several of either).
 
     ``finish(values, out)`` runs one call over the whole buffer (``values``: the input, or a
-    function ``(start, stop) -> values`` of a flat range); ``bytes_sent`` is what this rank sent
+    function ``(start, stop) -> values`` of a flat range); with ``decode=False`` an exchange
+    that can (the flat one and buckets of it, on the CPU) leaves ``out`` as it is and returns
+    the result where it lies, as :class:`~lightning_onebit.kernels.SignRuns`, for the update
+    kernels to read (the others decode into ``out`` and return ``None``); ``bytes_sent`` is what this rank sent
     in the last call (``calls``: how many so far) and :meth:`inter_node_bytes` the part of it
     that left the node;
     ``device_verdict`` exchanges keep their NaN/Inf verdict on the device (:attr:`verdict`).
@@ -179,8 +182,12 @@ class Exchange(Protocol):
     def bytes_per_call(self) -> int: ...
 
     def finish(
-        self, values: torch.Tensor | Callable[[int, int], torch.Tensor], out: torch.Tensor
-    ) -> None: ...
+        self,
+        values: torch.Tensor | Callable[[int, int], torch.Tensor],
+        out: torch.Tensor,
+        *,
+        decode: bool = True,
+    ) -> kernels.SignRuns | None: ...
 
     def inter_node_bytes(self, ranks_per_node: int) -> int: ...
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning_onebit.comm.base import Exchange, Handle
 from lightning_onebit.comm.flat import Compressed
 from lightning_onebit.comm.hierarchical import NodeGroups, make_exchange
-from lightning_onebit.kernels import ExchangeSource
+from lightning_onebit.kernels import ExchangeSource, SignRuns
 
 __all__ = ["BucketedAllreduce"]
 
@@ -106,10 +106,14 @@ class BucketedAllreduce(Exchange):
         self,
         source: torch.Tensor | Callable[[int, int], torch.Tensor],
         out: torch.Tensor,
-    ) -> None:
+        *,
+        decode: bool = True,
+    ) -> SignRuns | None:
         """Start the buckets not started yet from ``source`` (the flat input, or a function
         ``(start, stop) -> values`` computing only what is needed), then commit every bucket and
         decode into ``out`` (``numel`` values), or drop all and raise NonFiniteError on every rank.
+        ``decode=False`` with flat buckets on the CPU: ``out`` is left as it is and every
+        bucket's result is returned as one :class:`~lightning_onebit.kernels.SignRuns`.
         """
         for b, (lo, hi) in enumerate(self.bounds):
             if self._handles[b] is None:
@@ -131,8 +135,13 @@ class BucketedAllreduce(Exchange):
             torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
         for h in handles:
             h.commit(ok)
+        if not decode and self.nodes is None and self.device.type == "cpu":
+            return SignRuns(
+                [r for h, (lo, _) in zip(handles, self.bounds, strict=True) for r in h.runs(lo)]
+            )
         for h, (lo, hi) in zip(handles, self.bounds, strict=True):
             h.wait(out[lo:hi])
+        return None
 
     def discard(self) -> None:
         """Drop the buckets started so far (e.g. a backward whose step never came)."""

@@ -106,6 +106,15 @@ class ExchangeHandle(Handle):
             self._result = self._exchange._decode(self._gathered, out).view(self._shape)
         return self._result
 
+    def runs(self, base: int = 0) -> list[tuple[int, int, torch.Tensor, float]]:
+        """The averaged values where they lie, not decoded: one run per server chunk (see
+        :class:`~lightning_onebit.kernels.SignRuns`), at flat offset ``base``. Raises
+        NonFiniteError if not finite."""
+        if not self.finite:
+            raise self.error()
+        self._drain()
+        return self._exchange._runs(self._gathered, base)
+
     def records(self) -> torch.Tensor:
         """The ``W`` records every rank decodes (``[scale][bits][padding]`` per server chunk),
         once the final ``all_gather`` is done: the two-level exchange forwards them."""
@@ -510,12 +519,35 @@ class CompressedAllreduce(Exchange):
         kernels.decompress(self._bits(gathered, row), self._scales(gathered), out.view(-1))
         return out
 
+    def _runs(
+        self, gathered: torch.Tensor, base: int
+    ) -> list[tuple[int, int, torch.Tensor, float]]:
+        # 5. without decoding: each server chunk's bits and scale, the padding dropped
+        c, row = self.chunk_numel, self.chunk_numel // 8
+        bits, scales = self._bits(gathered, row), self._scales(gathered).tolist()
+        return [
+            (base + j * c, base + min((j + 1) * c, self.numel), bits[j], scales[j])
+            for j in range(self.world_size)
+            if j * c < self.numel
+        ]
+
     def finish(
-        self, values: torch.Tensor | Callable[[int, int], torch.Tensor], out: torch.Tensor
-    ) -> None:
+        self,
+        values: torch.Tensor | Callable[[int, int], torch.Tensor],
+        out: torch.Tensor,
+        *,
+        decode: bool = True,
+    ) -> kernels.SignRuns | None:
         """One call over the whole buffer into ``out``: ``values`` is the input, or a function
-        ``(start, stop) -> values`` (called once, for every value)."""
-        self.start(values(0, self.numel) if callable(values) else values, out=out).wait()
+        ``(start, stop) -> values`` (called once, for every value). ``decode=False`` on the
+        CPU: ``out`` is left as it is and the result is returned as
+        :class:`~lightning_onebit.kernels.SignRuns` (read by the update kernels in place of
+        the decoded buffer)."""
+        handle = self.start(values(0, self.numel) if callable(values) else values, out=out)
+        if decode or self.device.type != "cpu":
+            handle.wait()
+            return None
+        return kernels.SignRuns(handle.runs())
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:
         """Of the bytes this rank sent in the last call, those that left its node (nodes of

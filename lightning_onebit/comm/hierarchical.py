@@ -440,10 +440,14 @@ class HierarchicalAllreduce(Exchange):
         return self.start(tensor, out=out).wait()
 
     def finish(
-        self, values: torch.Tensor | Callable[[int, int], torch.Tensor], out: torch.Tensor
+        self,
+        values: torch.Tensor | Callable[[int, int], torch.Tensor],
+        out: torch.Tensor,
+        *,
+        decode: bool = True,
     ) -> None:
         """One call over the whole buffer (see :meth:`CompressedAllreduce.finish
-        <lightning_onebit.comm.CompressedAllreduce.finish>`)."""
+        <lightning_onebit.comm.CompressedAllreduce.finish>`), always decoded into ``out``."""
         self.start(values(0, self.numel) if callable(values) else values, out=out).wait()
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any
 
 import torch
 
@@ -228,16 +229,32 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
         module.decompress_cpu(*args, out.data_ptr(), out.numel(), nthreads())
 
 
+def _runs_arrays(runs: Any) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """A ``SignRuns``' arrays (lo, hi, bits pointers, scales; kept alive by the caller) and the
+    compiled call's trailing arguments: ``nruns, lo, hi, bits, scale`` (all 0 for ``None``)."""
+    if runs is None:
+        return [], (0, 0, 0, 0, 0)
+    lo, hi, bits, scale = zip(*runs.runs, strict=True)
+    arrays = [
+        torch.tensor(lo, dtype=torch.int64),
+        torch.tensor(hi, dtype=torch.int64),
+        torch.tensor([b.data_ptr() for b in bits], dtype=torch.int64),
+        torch.tensor(scale, dtype=torch.float32),
+    ]
+    return arrays, (len(lo), *(a.data_ptr() for a in arrays))
+
+
 def lamb_frozen_update_cpu(
-    tensors: tuple[torch.Tensor | None, ...],
+    tensors: tuple[torch.Tensor | Any | None, ...],
     offsets: list[int],
     coefs: list[list[float]],
     preconditioned: bool,
+    runs: Any = None,
 ) -> torch.Tensor:
     """The compiled ``lamb_frozen_update`` on CPU tensors (``tensors``: exchanged, exp_avg,
     denom, exp_avg_sq_fresh, param or ``None``, update; ``coefs``: per layer scaling, beta1,
     1 - beta1, beta2, 1 - beta2, eps, weight_decay; ``preconditioned``: exchanged * denom
-    first)."""
+    first; ``runs``: the ``SignRuns`` read in place of ``exchanged``, or ``None``)."""
     exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
     n_layers = len(offsets) - 1
     stats = torch.empty(n_layers, 3, dtype=torch.float64)
@@ -245,8 +262,9 @@ def lamb_frozen_update_cpu(
         torch.tensor(offsets, dtype=torch.int64),
         *(torch.tensor(c, dtype=torch.float32) for c in coefs),
     ]
+    kept, runs_args = _runs_arrays(runs)
     module.lamb_frozen_update_cpu(
-        exchanged.data_ptr(),
+        0 if runs is not None else exchanged.data_ptr(),
         exp_avg.data_ptr(),
         denom.data_ptr(),
         exp_avg_sq_fresh.data_ptr(),
@@ -257,7 +275,9 @@ def lamb_frozen_update_cpu(
         bool(preconditioned),
         stats.data_ptr(),
         nthreads(),
+        *runs_args,
     )
+    del kept
     return stats
 
 
@@ -540,9 +560,11 @@ def frozen_adam_update_cpu(
     params: list[torch.Tensor],
     starts: list[int],
     hp: tuple[list[float], list[float], bool],
+    runs: Any = None,
 ) -> None:
     """:func:`frozen_adam_update` on CPU tensors (``tensors``: exchanged, exp_avg, denom;
-    ``hp``: lr, weight_decay, preconditioned), without a verdict."""
+    ``hp``: lr, weight_decay, preconditioned; ``runs``: the ``SignRuns`` read in place of
+    ``exchanged``, or ``None``), without a verdict."""
     (exchanged, exp_avg, denom), (lr, weight_decay, preconditioned) = tensors, hp
     # -lr and -lr * wd in double, then rounded: the alphas the torch path passes; +0.0 (no
     # decay step at all) where weight_decay is not positive, as the torch path skips it
@@ -554,8 +576,9 @@ def frozen_adam_update_cpu(
         torch.tensor([-a for a in lr], dtype=torch.float32),
         torch.tensor(nlw, dtype=torch.float32),
     ]
+    kept, runs_args = _runs_arrays(runs)
     module.frozen_adam_update_cpu(
-        exchanged.data_ptr(),
+        0 if runs is not None else exchanged.data_ptr(),
         exp_avg.data_ptr(),
         denom.data_ptr(),
         arrays[0].data_ptr(),
@@ -563,7 +586,9 @@ def frozen_adam_update_cpu(
         *(a.data_ptr() for a in arrays[1:]),
         bool(preconditioned),
         nthreads(),
+        *runs_args,
     )
+    del kept
 
 
 def _local_coefs(

@@ -40,6 +40,7 @@ __all__ = [
     "ExchangeSource",
     "LocalSource",
     "MomentumSource",
+    "SignRuns",
     "adam_update",
     "decompress",
     "frozen_adam_update",
@@ -338,8 +339,66 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
     return None
 
 
+class SignRuns:
+    """An exchange's result where it lies, in place of the decoded buffer (:func:`decompress`):
+    run ``(lo, hi, bits, scale)`` holds the flat values ``lo:hi``, value ``lo + k`` being
+    ``+scale`` where bit ``k`` of ``bits`` is set and ``-scale`` where not (the wire format's
+    numbering). :func:`frozen_adam_update` and :func:`lamb_frozen_update` read it directly with
+    the compiled CPU kernels, so the values are never written out and read back (8 bytes per
+    value); elsewhere they decode it first (:meth:`decode`), the same floats.
+
+    Args:
+        runs: non-empty runs that tile a flat range (any order), ``bits`` a contiguous uint8 CPU
+            tensor of at least ``ceil((hi - lo) / 8)`` bytes.
+
+    Raises:
+        ValueError: the runs do not tile a range, or a run's bits are too short.
+    """
+
+    def __init__(self, runs: list[tuple[int, int, torch.Tensor, float]]) -> None:
+        self.runs = sorted(runs, key=lambda r: r[0])
+        for k, (lo, hi, bits, _) in enumerate(self.runs):
+            check_tensor("bits", bits, torch.uint8)
+            check_contiguous("bits", bits)
+            if bits.device.type != "cpu":
+                raise ValueError(f"SignRuns are read on the CPU, got bits on {bits.device}")
+            if hi <= lo or (k and lo != self.runs[k - 1][1]) or bits.numel() * 8 < hi - lo:
+                raise ValueError(
+                    "SignRuns must be non-empty runs that tile a flat range, each with its "
+                    f"values' bits; got run {k} = [{lo}, {hi}) with {bits.numel()} bytes after "
+                    f"{self.runs[k - 1][:2] if k else 'none'}"
+                )
+        if not self.runs:
+            raise ValueError("SignRuns needs at least one run")
+        self.lo, self.hi = self.runs[0][0], self.runs[-1][1]
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether the runs hold every value of ``lo:hi`` (an empty range: always)."""
+        return lo >= hi or (self.lo <= lo and hi <= self.hi)
+
+    def decode(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the values into ``out`` (flat float32, indexed like the runs); return it."""
+        for lo, hi, bits, scale in self.runs:
+            decompress(bits.view(1, -1), torch.tensor([scale]), out[lo:hi])
+        return out
+
+    def _decoded(self, like: torch.Tensor) -> torch.Tensor:
+        """The values decoded into a new buffer of ``like``'s size (zeros outside the runs)."""
+        return self.decode(torch.zeros_like(like))
+
+
+def _check_runs(runs: SignRuns, ranges: list[tuple[int, int]], device: torch.device) -> None:
+    if device.type != "cpu":
+        raise ValueError(f"SignRuns are read on the CPU, got buffers on {device}")
+    for lo, hi in ranges:
+        if not runs.covers(lo, hi):
+            raise ValueError(
+                f"the SignRuns hold the values [{runs.lo}, {runs.hi}), the update reads [{lo}, {hi})"
+            )
+
+
 def lamb_frozen_update(
-    exchanged: torch.Tensor,
+    exchanged: torch.Tensor | SignRuns,
     exp_avg: torch.Tensor,
     denom: torch.Tensor,
     exp_avg_sq_fresh: torch.Tensor,
@@ -379,7 +438,8 @@ def lamb_frozen_update(
 
     Args:
         exchanged, exp_avg, denom, exp_avg_sq_fresh, update: float32, contiguous, one device,
-            at least ``offsets[-1]`` values each.
+            at least ``offsets[-1]`` values each; ``exchanged`` may be :class:`SignRuns`
+            holding every layer's values (CPU buffers).
         param: like them, or ``None`` when every ``weight_decay`` is 0.
         offsets: ``L + 1`` non-decreasing offsets.
         scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
@@ -394,13 +454,15 @@ def lamb_frozen_update(
             the kernel reads it on the device (no host synchronisation); elsewhere it is read
             on the host.
     """
+    runs = exchanged if isinstance(exchanged, SignRuns) else None
     named = [
-        ("exchanged", exchanged),
         ("exp_avg", exp_avg),
         ("denom", denom),
         ("exp_avg_sq_fresh", exp_avg_sq_fresh),
         ("update", update),
     ]
+    if runs is None:
+        named.insert(0, ("exchanged", exchanged))
     if param is not None:
         named.append(("param", param))
     for name, t in named:
@@ -423,6 +485,10 @@ def lamb_frozen_update(
         raise ValueError("param is required when a weight_decay is non-zero")
     if ok is not None:
         check_verdict(ok, device)
+    if runs is not None:
+        _check_runs(runs, [(offsets[0], offsets[-1])] if offsets else [], device)
+        if not native.use_native():
+            exchanged = runs._decoded(exp_avg)
     on_gpu = device.type == "cuda" and native.HAS_CUDA and native.use_native()
     if ok is not None and not on_gpu and not bool(ok):  # (a host read: free off the GPU)
         update[: offsets[-1] if offsets else 0].zero_()
@@ -450,7 +516,7 @@ def lamb_frozen_update(
     tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update)
     if device.type == "cuda":
         return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
-    return native.lamb_frozen_update_cpu(tensors, offsets, coefs, preconditioned)
+    return native.lamb_frozen_update_cpu(tensors, offsets, coefs, preconditioned, runs)
 
 
 def adam_update(
@@ -777,7 +843,7 @@ def _check_segment_grads(
 
 def frozen_adam_update(
     ok: torch.Tensor | None,
-    exchanged: torch.Tensor,
+    exchanged: torch.Tensor | SignRuns,
     exp_avg: torch.Tensor,
     denom: torch.Tensor,
     params: list[torch.Tensor],
@@ -807,7 +873,10 @@ def frozen_adam_update(
     bit for bit. Otherwise torch ops compute the step, aside with a verdict (kept with
     ``torch.where``, without a host read).
     """
-    named = [("exchanged", exchanged), ("exp_avg", exp_avg), ("denom", denom)]
+    runs = exchanged if isinstance(exchanged, SignRuns) else None
+    named = [("exp_avg", exp_avg), ("denom", denom)]
+    if runs is None:
+        named.insert(0, ("exchanged", exchanged))
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
@@ -819,6 +888,8 @@ def frozen_adam_update(
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    if runs is not None:
+        _check_runs(runs, [(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if device.type == "cpu" and ok is not None:  # (a host read: free off the GPU)
         if not bool(ok):
             return
@@ -831,12 +902,14 @@ def frozen_adam_update(
     ):
         hp = (lr, weight_decay, preconditioned)
         if device.type == "cpu":
-            native.frozen_adam_update_cpu((exchanged, exp_avg, denom), params, starts, hp)
+            native.frozen_adam_update_cpu((exchanged, exp_avg, denom), params, starts, hp, runs)
         else:
             native.frozen_adam_update_cuda(ok, (exchanged, exp_avg, denom), params, starts, hp)
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)
         return
+    if runs is not None:
+        exchanged = runs._decoded(exp_avg)
     reference_frozen_adam_update(
         ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay, preconditioned
     )

@@ -20,7 +20,13 @@ from lightning_onebit.comm import (
     hierarchical_average,
     start_average,
 )
-from lightning_onebit.kernels import ExchangeSource, adam_update, frozen_adam_update
+from lightning_onebit.kernels import (
+    ExchangeSource,
+    SignRuns,
+    adam_update,
+    frozen_adam_update,
+    native,
+)
 from lightning_onebit.optim._nograd import any_missed_steps
 from lightning_onebit.optim._variance import bias_corrections
 
@@ -36,6 +42,7 @@ __all__ = [
     "adam_step_",
     "any_weight_decay",
     "average_",
+    "compressed_average",
     "compressed_average_",
     "decoupled_decay",
     "decoupled_update_",
@@ -164,13 +171,47 @@ def compressed_average_(
         if callable(source):
             raise TypeError("out is required when source is a function")
         out = source
+    return _exchange(opt, source, out, decode=True)[0]
+
+
+def compressed_average(
+    opt: OneBitOptimizer,
+    source: Callable[[slice], torch.Tensor | ExchangeSource],
+    out: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | SignRuns]:
+    """:func:`compressed_average_` for an update kernel that reads
+    :class:`~lightning_onebit.kernels.SignRuns`: returns ``(ok, x)``, ``x`` the average with
+    each group's ``exp_avg_mask`` applied. On the CPU with the compiled kernels and no mask,
+    ``x`` is the exchange's result where it lies (``out`` is not written: the kernel never
+    writes the decoded values out and reads them back); otherwise ``out``, decoded."""
+    masked = any(g.get("exp_avg_mask") is not None for g in opt.param_groups)
+    direct = out.device.type == "cpu" and native.use_native() and not masked
+    ok, runs = _exchange(opt, source, out, decode=not direct)
+    if runs is not None:
+        return ok, runs
+    opt.flat.apply_mask_(opt.param_groups, out)
+    return ok, out
+
+
+def _exchange(
+    opt: OneBitOptimizer,
+    source: torch.Tensor | Callable[[slice], torch.Tensor | ExchangeSource],
+    out: torch.Tensor,
+    decode: bool,
+) -> tuple[torch.Tensor | None, SignRuns | None]:
+    """The 1-bit average (``finish(..., decode=decode)``), its bytes counted; the verdict
+    and the runs (``None``: decoded into ``out``)."""
     ex = opt.flat.exchange
     try:
-        ex.finish((lambda lo, hi: source(slice(lo, hi))) if callable(source) else source, out)
+        runs = ex.finish(
+            (lambda lo, hi: source(slice(lo, hi))) if callable(source) else source,
+            out,
+            decode=decode,
+        )
     finally:
         ns = opt.topology.node_size(opt.world_size)
         opt.counters.add(ex.bytes_sent, ex.inter_node_bytes(ns))
-    return opt.verdict.take(ex)
+    return opt.verdict.take(ex), runs
 
 
 def adam_direction(opt: OneBitOptimizer, out: torch.Tensor) -> torch.Tensor:
@@ -441,12 +482,15 @@ def decoupled_update_(
             torch._foreach_addcdiv_(params, xs, [denom[j] for j in idx], value=-lr)
 
 
-def frozen_adam_update_(opt: OneBitOptimizer, ok: torch.Tensor | None, x: torch.Tensor) -> None:
+def frozen_adam_update_(
+    opt: OneBitOptimizer, ok: torch.Tensor | None, x: torch.Tensor | SignRuns
+) -> None:
     """1-bit Adam's compression-phase update from the exchanged ``x``, only where the
     verdict ``ok`` (on the device; ``None``: always) is true: ``m = x * d`` and
     ``p -= lr * (x + wd * p)`` with ``preconditioned_exchange``, else ``m = x`` and
     ``p -= lr * (x / d + wd * p)`` (``d = sqrt(v) + eps``, frozen; ``x`` may be ``m``
-    itself); :func:`~lightning_onebit.kernels.frozen_adam_update` (one sweep on the CPU too,
+    itself, or the exchange's :class:`~lightning_onebit.kernels.SignRuns`);
+    :func:`~lightning_onebit.kernels.frozen_adam_update` (one sweep on the CPU too,
     the floats of :func:`decoupled_update_`)."""
     layout, groups = opt.flat.layout, opt.param_groups
     of = layout.group_of

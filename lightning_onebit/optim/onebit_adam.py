@@ -32,7 +32,7 @@ from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_step_,
     average_,
-    compressed_average_,
+    compressed_average,
     denominator,
     frozen_adam_update_,
     rescale_variance_,
@@ -202,10 +202,11 @@ class OneBitAdam(OneBitOptimizer):
         # is None: a non-finite exchange raised, nothing changed.) With preconditioned_exchange
         # the exchange is in the units of the update: x = 1-bit average of m / (sqrt(v) + eps),
         # then m = x * (sqrt(v) + eps) and 3. p -= lr * (x + weight_decay * p).
+        # (x: on the CPU the exchange's result where it lies, which the update reads without
+        # decoding it into a buffer first; elsewhere decoded, into m where it can be)
         m, into_m = self.flat.states["exp_avg"], not self.flat.exchange.device_verdict
         x = m if into_m and not self.preconditioned_exchange else self.flat.work["update"]
-        ok = compressed_average_(self, self._exchange_source, out=x)
-        self.flat.apply_mask_(self.param_groups, x)
+        ok, x = compressed_average(self, self._exchange_source, x)
         # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner (one
         # sweep: m and p)
         frozen_adam_update_(self, ok, x)

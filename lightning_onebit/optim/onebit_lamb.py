@@ -45,7 +45,7 @@ from lightning_onebit.optim._ops import (
     adam_direction,
     any_weight_decay,
     average_,
-    compressed_average_,
+    compressed_average,
     decoupled_decay,
     denominator,
 )
@@ -432,11 +432,10 @@ class OneBitLamb(OneBitOptimizer):
         # 3c. one compressed exchange for all layers (bucket by bucket with
         #     overlap_with_backward(); x changes only if every bucket goes through), masked (the
         #     mask commutes with the scaling); m still holds the last momentum, for 3d
-        x = self.flat.work["exchanged"]
         # (ok: on CUDA the NaN/Inf verdict, on the device; the kernel below writes nothing where
-        # it is false and zeroes u, so that 3g leaves p as it was)
-        ok = compressed_average_(self, self._exchange_source, out=x)
-        self.flat.apply_mask_(self.param_groups, x)
+        # it is false and zeroes u, so that 3g leaves p as it was. x: on the CPU the exchange's
+        # result where it lies, read by the kernel below without being decoded first)
+        ok, x = compressed_average(self, self._exchange_source, self.flat.work["exchanged"])
         d, _ = denominator(self)  # sqrt(v) + eps, computed once: v is frozen
         # 3c (unscaling; with preconditioned_exchange x was exchanged divided by sqrt(v) + eps:
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,

@@ -388,3 +388,35 @@ def test_a_momentum_source_is_exchanged_as_its_values() -> None:
         ex.start(prepared, commit=False)
     with pytest.raises(ValueError, match="built for 8 values"):
         ex.start(MomentumSource(z, [z[:4]], None, z.clone(), [0], [4], [0.9], [0.1]))
+
+
+def _runs_worker(rank: int, world: int) -> dict:
+    """Three calls each of a flat and a bucketed exchange with ``decode=False``, next to twins
+    that decode: the runs' values against the twins' outputs, and whether ``out`` stayed."""
+    from lightning_onebit.comm import BucketedAllreduce
+
+    n, bounds = 10_003, [(6_001, 10_003), (0, 13), (13, 6_001)]
+    pairs = [
+        (CompressedAllreduce(n), CompressedAllreduce(n)),
+        (BucketedAllreduce(bounds), BucketedAllreduce(bounds)),
+    ]
+    same, untouched = [], []
+    for t in range(3):
+        x = _inputs(rank, t, n)
+        for direct, twin in pairs:
+            want, out = torch.empty(n), torch.full((n,), 7.0)
+            assert twin.finish(x, want) is None
+            runs = direct.finish(x, out, decode=False)
+            same.append(torch.equal(runs.decode(torch.empty(n)), want))
+            untouched.append(bool(out.eq(7.0).all()))
+    return {"same": same, "untouched": untouched}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_an_undecoded_result_holds_the_decoded_values(world: int) -> None:
+    """``finish(..., decode=False)`` on the CPU returns SignRuns whose values are what the
+    decoded call writes, bit for bit, call after call, flat and in buckets (exchanged out of
+    layout order), and leaves ``out`` as it was."""
+    for rank, r in enumerate(run_distributed(_runs_worker, world)):
+        assert r["same"] == [True] * 6, rank
+        assert r["untouched"] == [True] * 6, rank

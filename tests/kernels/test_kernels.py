@@ -325,7 +325,7 @@ def _lamb_case(seed: int, decay: bool, sizes: list[int] = LAMB_SIZES):
 
 
 def _lamb_run(fn, bufs, offsets, hp):
-    b = {k: (v.clone() if v is not None else None) for k, v in bufs.items()}
+    b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in bufs.items()}
     stats = fn(*b.values(), offsets, **hp)
     return b, stats
 
@@ -415,10 +415,11 @@ local_source = K.LocalSource(tensors, p, acc, p.clone(), st, sz, hp, True)
 compress_local = T._compress_source(local_source, 3, True, 3)
 local_step = T.step_run(K.local_step, T._step_case(21))
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
+sign_runs = T.sign_runs_pair()
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
             "sync": sync, "compress_source": compress_source, "compress_local": compress_local,
-            "local_step": local_step},
+            "local_step": local_step, "sign_runs": sign_runs},
            sys.argv[1])
 """
 
@@ -1624,7 +1625,19 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
     with pytest.raises(ValueError, match="momentum_source_cpu: need"):
         native.module.momentum_source_cpu(x, x, 0, x, -1, 0, 0, 0, 0, 1)  # P < 0
     with pytest.raises(ValueError, match="frozen_adam_update_cpu: need"):
-        native.module.frozen_adam_update_cpu(x, x, x, 0, -1, 0, 0, 0, 0, True, 1)  # P < 0
+        native.module.frozen_adam_update_cpu(x, x, x, 0, -1, 0, 0, 0, 0, True, 1, 0, 0, 0, 0, 0)
+    # runs that hold [0, 8) of a parameter of 16 values; then runs with a gap
+    ptrs = torch.tensor([buf.data_ptr()], dtype=torch.int64)
+    starts, sizes, lr = torch.tensor([0]), torch.tensor([16]), torch.zeros(1)
+    b_ptrs = torch.tensor([b, b], dtype=torch.int64)
+    for lo, hi in (([0], [8]), ([0, 9], [8, 16])):
+        rl, rh = torch.tensor(lo), torch.tensor(hi)
+        with pytest.raises(ValueError, match="frozen_adam_update_cpu: need runs"):
+            native.module.frozen_adam_update_cpu(
+                0, x, x, ptrs.data_ptr(), 1, starts.data_ptr(), sizes.data_ptr(),
+                lr.data_ptr(), lr.data_ptr(), False, 1,
+                len(lo), rl.data_ptr(), rh.data_ptr(), b_ptrs.data_ptr(), s,
+            )  # fmt: skip
     with pytest.raises(ValueError, match="local_source_cpu: need"):
         native.module.local_source_cpu(x, x, x, 0, 0, x, -1, 0, 0, 0, 0, 0, 0, True, 1)  # P < 0
     with pytest.raises(ValueError, match="sync_update_cpu: need"):
@@ -1802,3 +1815,133 @@ def test_the_gpu_scripts_refuse_clearly_without_a_gpu(tmp_path) -> None:
         timeout=120,
     )
     assert step.returncode != 0 and "needs a CUDA GPU" in step.stderr, step.stderr
+
+
+# --------------------------------------------------------------------------- SignRuns
+
+
+def _sign_runs(n: int, seed: int, lengths: list[int] | None = None) -> K.SignRuns:
+    """Runs tiling [0, n) with random lengths (1 value, sub-byte, byte and block sizes), each
+    run's bits a row of a records-like buffer (4-byte header, as the exchange's), listed out of
+    order; random positive scales."""
+    gen = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths, left = [], n
+        while left:
+            k = min(left, [1, 3, 8, 13, 8192, 9000, 50_000][len(lengths) % 7])
+            lengths.append(k)
+            left -= k
+    runs, lo = [], 0
+    for k in lengths:
+        row = -(-k // 8) + int(torch.randint(0, 3, (1,), generator=gen))
+        rec = torch.randint(0, 256, (4 + row + 5,), dtype=torch.uint8, generator=gen)
+        runs.append((lo, lo + k, rec[4 : 4 + row], 0.1 + float(torch.rand(1, generator=gen))))
+        lo += k
+    assert lo == n
+    return K.SignRuns(runs[1::2] + runs[::2])
+
+
+def test_sign_runs_decode_to_the_wire_format() -> None:
+    runs = _sign_runs(80_000, 1)
+    x = runs.decode(torch.full((80_000,), float("nan")))
+    for lo, hi, bits, scale in runs.runs:
+        b = np.unpackbits(bits.numpy(), bitorder="little")[: hi - lo].astype(bool)
+        want = np.where(b, np.float32(scale), np.float32(-scale))
+        assert np.array_equal(x[lo:hi].numpy(), want)
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_frozen_adam_update_reads_sign_runs_as_the_decoded_buffer(precond: bool) -> None:
+    """The exchange's runs in place of x: m and the parameters bit for bit as from the decoded
+    x, with runs that cross parameters and blocks anywhere, on 1 and 2 threads."""
+    _, m0, d, params, starts, lr, wd = _frozen_case(13, AWKWARD)
+    runs = _sign_runs(m0.numel(), 2)
+    x = runs.decode(torch.zeros_like(m0))
+    want = frozen_run((x, m0, d, params, starts, lr, wd), None, precond)
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got = frozen_run((runs, m0, d, params, starts, lr, wd), None, precond)
+            assert torch.equal(got[0], want[0]), nt
+            assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True)), nt
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize(("decay", "precond"), [(False, False), (True, False), (True, True)])
+def test_lamb_frozen_update_reads_sign_runs_as_the_decoded_buffer(
+    decay: bool, precond: bool
+) -> None:
+    """As for 1-bit Adam: the floats written and the statistics bit for bit, 1 and 2 threads;
+    the layers may start anywhere in the runs (here at value 5 of the buffer)."""
+    bufs, offsets, hp = _lamb_case(17 + decay, decay)
+    offsets = [5 + o for o in offsets]
+    bufs = {k: None if v is None else torch.cat([v, v[:5]]) for k, v in bufs.items()}
+    runs = _sign_runs(offsets[-1], 3)
+    x = runs.decode(torch.zeros(offsets[-1]))
+    want = _lamb_run(
+        K.lamb_frozen_update, {**bufs, "exchanged": x}, offsets, {**hp, "preconditioned": precond}
+    )
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got = _lamb_run(
+                K.lamb_frozen_update,
+                {**bufs, "exchanged": runs},
+                offsets,
+                {**hp, "preconditioned": precond},
+            )
+            assert torch.equal(got[1], want[1]), nt
+            for k in ("exp_avg", "exp_avg_sq_fresh", "update"):  # (update: NaN before 5)
+                torch.testing.assert_close(
+                    got[0][k], want[0][k], rtol=0, atol=0, equal_nan=True, msg=f"{nt} {k}"
+                )
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_sign_runs_must_tile_what_the_update_reads() -> None:
+    _, m0, d, params, starts, lr, wd = _frozen_case(13, AWKWARD)
+    short = _sign_runs(m0.numel() - 1, 2)
+    with pytest.raises(ValueError, match="the update reads"):
+        frozen_run((short, m0, d, params, starts, lr, wd), None, False)
+    bits = torch.zeros(2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="tile a flat range"):
+        K.SignRuns([(0, 8, bits, 1.0), (9, 16, bits, 1.0)])
+    with pytest.raises(ValueError, match="tile a flat range"):
+        K.SignRuns([(0, 24, bits, 1.0)])  # 2 bytes hold 16 values
+    with pytest.raises(ValueError, match="at least one run"):
+        K.SignRuns([])
+
+
+def sign_runs_pair() -> dict:
+    """1-bit Adam's and LAMB's updates from SignRuns and from the decoded buffer (for the
+    portable path's test): {name: (from runs, from decoded)}."""
+    _, m0, d, params, starts, lr, wd = _frozen_case(13, AWKWARD)
+    runs = _sign_runs(m0.numel(), 2)
+    x = runs.decode(torch.zeros_like(m0))
+    out = {
+        "frozen": tuple(
+            frozen_run((src, m0, d, params, starts, lr, wd), None, False) for src in (runs, x)
+        )
+    }
+    bufs, offsets, hp = _lamb_case(19, True)
+    runs = _sign_runs(offsets[-1], 3)
+    x = runs.decode(torch.zeros(offsets[-1]))
+    out["lamb"] = tuple(
+        _lamb_run(K.lamb_frozen_update, {**bufs, "exchanged": src}, offsets, hp)
+        for src in (runs, x)
+    )
+    out["lamb"] = tuple(
+        (b["exp_avg"], b["exp_avg_sq_fresh"], b["update"], s) for b, s in out["lamb"]
+    )
+    return out
+
+
+def test_sign_runs_on_the_portable_path(portable: dict) -> None:
+    (m1, p1), (m2, p2) = portable["sign_runs"]["frozen"]
+    assert torch.equal(m1, m2) and all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
+    got, want = portable["sign_runs"]["lamb"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
