@@ -134,11 +134,14 @@ PYBIND11_MODULE(_C, m) {
   }, release(), "worker_compress_cpu of local_source_cpu's values of [base, base + nx), computed as read");
 
   m.def("sync_update_cpu", [](ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc, int64_t np,
-                              ptr starts, ptr sizes, ptr nl, bool precond, int nthreads) {
+                              ptr starts, ptr sizes, ptr nl, bool precond, int nthreads, int64_t nruns, ptr runs_lo,
+                              ptr runs_hi, ptr runs_bits, ptr runs_scale) {
+    const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
     onebit::sync_update_cpu(P<const float>(x), P<const float>(d), P<const uint8_t>(floored), P<float>(mm),
                             P<float>(synced), P<float* const>(params), P<float>(acc), np, P<const int64_t>(starts),
-                            P<const int64_t>(sizes), P<const float>(nl), precond, nthreads);
-  }, release(), "0/1 Adam's momentum, synced copy and parameters after a sync step's exchange in one sweep");
+                            P<const int64_t>(sizes), P<const float>(nl), precond, nthreads, xs.get());
+  }, release(), "0/1 Adam's momentum, synced copy and parameters after a sync step's exchange in one sweep "
+                "(nruns > 0: x read from the runs)");
 
   m.def("cpu_has_simd", &onebit::cpu_has_simd, "whether the CPU kernels use the AVX2 path");
 

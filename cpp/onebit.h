@@ -189,9 +189,10 @@ float local_compress_cpu(const float* m, const float* const* g, const float* d, 
 //   m <- (precond ? x * d : x) / nl[j]   (+0.0 where nl[j] is +0.0, or floored[i] is set)
 //   synced <- precond ? synced + x : synced + x / d;  p <- synced;  acc <- 0 (unless null)
 // The roundings of the optimizer's torch ops (mul, div by a scalar, add_, addcdiv_) on x86 CPUs.
+// xs not null: x is read from those runs (as lamb_frozen_update_cpu's).
 void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
                      float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
-                     const float* nl, bool precond, int nthreads);
+                     const float* nl, bool precond, int nthreads, const SignRuns* xs = nullptr);
 
 // True when the CPU kernels use the AVX2 path (set ONEBIT_NO_SIMD=1 to force portable code).
 bool cpu_has_simd();

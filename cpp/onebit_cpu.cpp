@@ -826,6 +826,13 @@ bool runs_cover(const SignRuns& xs, int64_t lo, int64_t hi) {
   return true;
 }
 
+// Refuse runs (if any) that do not tile every segment's values.
+void check_runs_cover(const char* what, const SignRuns* xs, int64_t P, const int64_t* starts, const int64_t* sizes) {
+  bool covered = true;
+  for (int64_t j = 0; xs && j < P && covered; ++j) covered = runs_cover(*xs, starts[j], starts[j] + sizes[j]);
+  detail::require(covered, what, "runs that tile every parameter's values");
+}
+
 float finish_scale(const std::vector<double>& partial, int64_t n) {
   double total = 0.0;
   for (double p : partial) total += p;
@@ -1099,11 +1106,7 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
   detail::check_segments("frozen_adam_update_cpu", P);
   std::vector<int64_t> owner, lows;
   const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
-  if (xs) {
-    bool covered = true;
-    for (int64_t j = 0; j < P && covered; ++j) covered = runs_cover(*xs, starts[j], starts[j] + sizes[j]);
-    detail::require(covered, "frozen_adam_update_cpu", "runs that tile every parameter's values");
-  }
+  check_runs_cover("frozen_adam_update_cpu", xs, P, starts, sizes);
   const int64_t nblk = static_cast<int64_t>(lows.size());
   const int nt = threads_for(n, nthreads);
   const auto frozen = impl().frozen;
@@ -1142,10 +1145,11 @@ void local_source_cpu(const float* m, const float* const* g, const float* d, con
 
 void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
                      float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
-                     const float* nl, bool precond, int nthreads) {
+                     const float* nl, bool precond, int nthreads, const SignRuns* xs) {
   detail::check_segments("sync_update_cpu", P);
   std::vector<int64_t> owner, lows;
   const int64_t n = segment_blocks(P, starts, sizes, owner, lows);
+  check_runs_cover("sync_update_cpu", xs, P, starts, sizes);
   const int64_t nblk = static_cast<int64_t>(lows.size());
   const int nt = threads_for(n, nthreads);
   const auto sync = impl().sync;
@@ -1154,7 +1158,14 @@ void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, flo
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
     float* p = params ? params[j] + (lo - starts[j]) : nullptr;
-    sync(x, d, floored, m, synced, p, acc, lo, hi, nl[j], precond);
+    if (xs) {  // as in lamb_frozen_update_cpu
+      alignas(32) float buf[kBlock];
+      fill_from_runs(*xs, lo, hi, buf);
+      sync(buf, d + lo, floored ? floored + lo : nullptr, m + lo, synced + lo, p, acc ? acc + lo : nullptr, 0,
+           hi - lo, nl[j], precond);
+    } else {
+      sync(x, d, floored, m, synced, p, acc, lo, hi, nl[j], precond);
+    }
   }
 }
 

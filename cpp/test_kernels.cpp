@@ -180,7 +180,7 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   }
 }
 
-// 1-bit Adam's and LAMB's updates reading x from SignRuns (runs of random lengths, each run's bits
+// 1-bit Adam's, LAMB's and 0/1 Adam's sync updates reading x from SignRuns (runs of random lengths, each run's bits
 // a heap buffer of exactly ceil(len / 8) bytes) against the same calls on the decoded x, bit for bit.
 void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, int nthreads) {
   const int64_t L = static_cast<int64_t>(sizes.size());
@@ -244,6 +244,17 @@ void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, in
     check(std::memcmp(a1.data(), a2.data(), 4 * n) == 0, "frozen m from runs", precond, 0);
     for (int64_t k = 0; k < L; ++k)
       check(std::memcmp(ptr1[k], ptr2[k], 4 * sizes[k]) == 0, "frozen p from runs", precond, k);
+    // 0/1 Adam's sync (the parameters' buffers again, from where 1-bit Adam left them)
+    std::vector<uint8_t> floored(n);
+    for (int64_t i = 0; i < n; ++i) floored[i] = rng() % 5 == 0;
+    std::vector<float> y1(m.get(), m.get() + n), y2 = y1, z1(p.get(), p.get() + n), z2 = z1, c1(n, 1.0f), c2 = c1;
+    onebit::sync_update_cpu(x.get(), d.get(), floored.data(), y1.data(), z1.data(), ptr1.data(), c1.data(), L,
+                            off.data(), sizes.data(), nlr.data(), precond, nthreads);
+    onebit::sync_update_cpu(nullptr, d.get(), floored.data(), y2.data(), z2.data(), ptr2.data(), c2.data(), L,
+                            off.data(), sizes.data(), nlr.data(), precond, nthreads, &runs);
+    check(y1 == y2 && z1 == z2 && c1 == c2, "sync from runs", precond, 0);
+    for (int64_t k = 0; k < L; ++k)
+      check(std::memcmp(ptr1[k], ptr2[k], 4 * sizes[k]) == 0, "sync p from runs", precond, k);
   }
 }
 

@@ -692,10 +692,12 @@ def sync_update_cpu(
     params: list[torch.Tensor],
     starts: list[int],
     hp: tuple[list[float], bool, bool],
+    runs: Any = None,
 ) -> None:
     """The compiled ``sync_update`` on CPU tensors (``tensors``: exchanged, denom, exp_avg,
     synced; ``hp``: per parameter the lr summed since the last sync, preconditioned, and
-    whether to write the parameters, fp32 and contiguous, too)."""
+    whether to write the parameters, fp32 and contiguous, too; ``runs``: the ``SignRuns``
+    read in place of ``exchanged``, or ``None``)."""
     (exchanged, denom, exp_avg, synced), (lrs, preconditioned, write_params) = tensors, hp
     # -lrs rounded from double, the divisor of the torch path; +0.0: m = 0 (no step taken)
     arrays = [
@@ -704,8 +706,9 @@ def sync_update_cpu(
         torch.tensor([p.numel() for p in params], dtype=torch.int64),
         torch.tensor([-a if a > 0 else 0.0 for a in lrs], dtype=torch.float32),
     ]
+    kept, runs_args = _runs_arrays(runs)
     module.sync_update_cpu(
-        exchanged.data_ptr(),
+        0 if runs is not None else exchanged.data_ptr(),
         denom.data_ptr(),
         0 if floored is None else floored.data_ptr(),
         exp_avg.data_ptr(),
@@ -716,7 +719,9 @@ def sync_update_cpu(
         *(a.data_ptr() for a in arrays[1:]),
         bool(preconditioned),
         nthreads(),
+        *runs_args,
     )
+    del kept
 
 
 def momentum_source_cuda(

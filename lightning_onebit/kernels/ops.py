@@ -1142,7 +1142,7 @@ def local_step(
 
 
 def sync_update(
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tensors: tuple[torch.Tensor | SignRuns, torch.Tensor, torch.Tensor, torch.Tensor],
     floored: torch.Tensor | None,
     acc: torch.Tensor | None,
     params: list[torch.Tensor],
@@ -1151,7 +1151,8 @@ def sync_update(
     preconditioned: bool,
 ) -> None:
     """0/1 Adam's update after a sync step's exchange, one sweep over flat buffers.
-    ``tensors``: ``exchanged`` (the averaged accumulator; read only), ``denom``
+    ``tensors``: ``exchanged`` (the averaged accumulator; read only; or :class:`SignRuns`
+    holding every parameter's values, CPU buffers), ``denom``
     (``sqrt(v) + eps``), ``exp_avg`` and ``synced`` (the synchronised parameters, fp32);
     parameter ``j``'s values start at ``starts[j]``, ``lrs[j]`` is the learning rate summed
     since the last sync. Per value, as the optimizer's torch ops::
@@ -1175,6 +1176,9 @@ def sync_update(
     """
     names = ("exchanged", "denom", "exp_avg", "synced")
     named = list(zip(names, tensors, strict=True))
+    runs = tensors[0] if isinstance(tensors[0], SignRuns) else None
+    if runs is not None:
+        named = named[1:]
     if acc is not None:
         named.append(("acc", acc))
     for name, t in named:
@@ -1188,7 +1192,11 @@ def sync_update(
     if len(starts) != len(params) or len(lrs) != len(params):
         raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    if runs is not None:
+        _check_runs(runs, [(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if not _has_kernel(device) or not native.use_native():
+        if runs is not None:
+            tensors = (runs._decoded(tensors[2]), *tensors[1:])
         reference_sync_update(tensors, floored, acc, params, starts, lrs, preconditioned)
         return
     direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
@@ -1196,7 +1204,7 @@ def sync_update(
     if device.type == "cuda":
         native.sync_update_cuda(tensors, floored, acc, params, starts, hp)
     else:
-        native.sync_update_cpu(tensors, floored, acc, params, starts, hp)
+        native.sync_update_cpu(tensors, floored, acc, params, starts, hp, runs)
     if direct:
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)

@@ -183,9 +183,15 @@ def compressed_average(
     :class:`~lightning_onebit.kernels.SignRuns`: returns ``(ok, x)``, ``x`` the average with
     each group's ``exp_avg_mask`` applied. On the CPU with the compiled kernels and no mask,
     ``x`` is the exchange's result where it lies (``out`` is not written: the kernel never
-    writes the decoded values out and reads them back); otherwise ``out``, decoded."""
+    writes the decoded values out and reads them back); otherwise (also with a verdict kept
+    on the device, whose path reads ``x`` with torch ops) ``out``, decoded."""
     masked = any(g.get("exp_avg_mask") is not None for g in opt.param_groups)
-    direct = out.device.type == "cpu" and native.use_native() and not masked
+    direct = (
+        out.device.type == "cpu"
+        and native.use_native()
+        and not masked
+        and not opt.flat.exchange.device_verdict
+    )
     ok, runs = _exchange(opt, source, out, decode=not direct)
     if runs is not None:
         return ok, runs

@@ -51,6 +51,7 @@ from lightning_onebit.optim._ops import (
     adam_step_,
     any_weight_decay,
     average_,
+    compressed_average,
     compressed_average_,
     decoupled_decay,
     denominator,
@@ -385,13 +386,13 @@ class ZeroOneAdam(OneBitOptimizer):
     def _synchronize_(self, source: Any, this_step: bool) -> None:
         """3c: exchange ``source`` (the accumulated local steps, and this step's when
         ``this_step``), rebuild the momentum from it and move every rank to the same point."""
-        m, acc, u = self.flat.states["exp_avg"], self._acc, self.flat.work["update"]
-        ok = compressed_average_(self, source, out=u)  # u: the averaged acc
+        m, acc = self.flat.states["exp_avg"], self._acc
+        # u: the averaged acc, masked (on the CPU where it lies, read by sync_update as it is)
+        ok, u = compressed_average(self, source, self.flat.work["update"])
         if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
             self._synchronize_on_verdict_(ok, u, this_step)
             return
         taken = self._local_steps_taken  # (acc is consumed by the exchange: zeroed below)
-        self.flat.apply_mask_(self.param_groups, u)
         self._add_this_step_lr(this_step)
         # m = -acc / lrs (acc in momentum units: u * (sqrt(v) + eps) when it was exchanged in
         # parameter units), 0 where v was floored (see _rebuild_momentum_); p = last synced point
@@ -411,13 +412,13 @@ class ZeroOneAdam(OneBitOptimizer):
         self.lrs = [0.0] * len(self.lrs)
 
     def _synchronize_on_verdict_(self, ok: torch.Tensor, u: torch.Tensor, this_step: bool) -> None:
-        """:meth:`_synchronize_` after an exchange whose verdict ``ok`` stayed on the device:
-        the same values computed aside and kept with ``torch.where`` (a dropped step leaves
-        acc, m, the synced copy and the parameters as they were), no host synchronisation."""
+        """:meth:`_synchronize_` after an exchange whose verdict ``ok`` stayed on the device
+        (``u``: its result, masked): the same values computed aside and kept with
+        ``torch.where`` (a dropped step leaves acc, m, the synced copy and the parameters as
+        they were), no host synchronisation."""
         m, acc, synced = self.flat.states["exp_avg"], self._acc, self.flat.states["synced_params"]
         if self._local_steps_taken:
             acc.masked_fill_(ok, 0.0)
-        self.flat.apply_mask_(self.param_groups, u)
         d = denominator(self)[0]
         if self.preconditioned_exchange:  # u = the synced step (parameter units)
             moment = torch.mul(u, d)
