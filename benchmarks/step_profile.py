@@ -3,7 +3,7 @@ inside real multi-process steps over gloo, next to torch Adam's step and a plain
 
     python benchmarks/step_profile.py [--params 19024896] [--world 2] [--steps 12]
         [--algorithms onebit_adam,zero_one_adam,onebit_lamb] [--pin] [--materialize]
-        [--local-interval N] [--json FILE]
+        [--decode] [--local-interval N] [--json FILE]
 
 Every rank builds the same synthetic model (``--tensors`` parameters of ``--params`` values in
 all), random local gradients, and an optimizer that switches to its compression phase after the
@@ -18,7 +18,10 @@ stage cannot avoid, so *GB/s* compares with the copy row (a copy moves 8 bytes p
 ``--materialize`` runs the exchange source of 1-bit Adam, 1-bit LAMB and 0/1 Adam's sync steps
 as a build without the fused compression would (the
 :class:`~lightning_onebit.kernels.ExchangeSource` computed into its buffer, then compressed from
-there): the two paths side by side, the same floats.
+there): the two paths side by side, the same floats. ``--decode`` decodes the exchange's
+result into a buffer before 1-bit Adam's and 1-bit LAMB's update reads it (the path of masked,
+CUDA and two-level runs) instead of the update reading the exchange's records
+(:class:`~lightning_onebit.kernels.SignRuns`): the same floats too.
 
 The numbers are rank 0's (stages: means over the timed steps; steps: medians); *step (slowest rank)* is the median of
 the slowest rank's step wall time.
@@ -56,6 +59,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("torch.distributed", "all_to_all_single", "all_to_all", None),
     ("lightning_onebit.kernels", "server_reduce", "server reduce", None),
     ("lightning_onebit.comm.flat:ExchangeHandle", "wait", "all_gather wait", None),
+    ("lightning_onebit.comm.flat:ExchangeHandle", "runs", "all_gather wait", None),
     ("lightning_onebit.kernels", "decompress", "decompress", 4),
     ("lightning_onebit.kernels", "restore_unless", "restore_unless", None),
     ("lightning_onebit.kernels", "frozen_adam_update", "fused update", 20),
@@ -159,6 +163,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
         from lightning_onebit.kernels import ExchangeSource
 
         ExchangeSource.computed_as_read = property(lambda self: False)  # type: ignore[method-assign]
+    if args.decode:
+        from lightning_onebit.comm import BucketedAllreduce, CompressedAllreduce
+
+        for cls in (CompressedAllreduce, BucketedAllreduce):
+            cls.finish = lambda self, v, out, decode=True, _f=cls.finish: _f(self, v, out)  # type: ignore[method-assign]
     clock = _Clock()
     _instrument(clock)
     out: dict[str, Any] = {}
@@ -227,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         help="compute the exchange source into its buffer, then compress it (two sweeps)",
     )
     p.add_argument(
+        "--decode",
+        action="store_true",
+        help="decode the exchange's result into a buffer before the update reads it",
+    )
+    p.add_argument(
         "--local-interval",
         type=int,
         default=1,
@@ -258,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.threads} thread(s)/rank · {os.cpu_count()} CPUs · torch {torch.__version__} · "
         f"{'pinned' if args.pin else 'not pinned'} · {args.steps} compression steps"
         f"{' · source materialized' if args.materialize else ''}"
+        f"{' · result decoded before the update' if args.decode else ''}"
         f"{f' · 0/1 Adam local_step_interval {args.local_interval}' if args.local_interval > 1 else ''}\n"
     )
     print(f"copy of {n:,} fp32 values: {r0['copy'] * 1e3:.1f} ms ({copy_gbs:.1f} GB/s)\n")
