@@ -370,6 +370,12 @@ def summarize(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         out[f"step_time_{ph}_mean"] = statistics.fmean([times[k] for k in timed]) if timed else None
         # what is left after backward (step(): the exchange's tail, the update), slowest rank
         out[f"after_backward_{ph}"] = _median([after_bwd[k] for k in timed])
+        # CPU time per step, mean over the ranks: the training thread's and the other threads'
+        for key in ("cpu_main", "cpu_other"):
+            if all(key in rr[k] for rr in recs for k in timed):
+                out[f"{key}_{ph}"] = _median(
+                    [statistics.fmean(rr[k][key] for rr in recs) for k in timed]
+                )
         n = len(idx) * world
         out[f"bytes_{ph}"] = sum(rr[k]["bytes"] for rr in recs for k in idx) / n if n else None
         out[f"tx_bytes_{ph}"] = (
@@ -424,6 +430,8 @@ TIMINGS = (
     "step_time_compression_mean",
     "after_backward_warmup",
     "after_backward_compression",
+    "cpu_main_compression",
+    "cpu_other_compression",
 )
 
 
@@ -527,6 +535,10 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.0f}"
+
+
 def _mb(x: float | None) -> str:
     return "—" if x is None else f"{x / 1e6:.3g}"
 
@@ -610,7 +622,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "time to target: training time (evaluations excluded) until the validation loss first "
         "reached the target. *after bwd*: compression phase, median of the slowest rank's time "
         "from the end of backward to the end of `step()` (DDP waits for its allreduce inside "
-        "backward; the 1-bit methods finish their exchange in `step()`).",
+        "backward; the 1-bit methods finish their exchange in `step()`). *CPU ms/step*: a "
+        "rank's CPU time per compression step (mean over the ranks, median over the steps) in "
+        "its training thread and in its other threads (the exchange's, the process group's), "
+        "which share the rank's cores.",
     ]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
@@ -645,9 +660,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"## {wl} (batch {grp[0]['batch']}/rank) · {where} · {rate}",
             "",
             f"| method | warmup s/step | compression s/step | x floor | vs DDP | after bwd | "
+            f"CPU ms/step training / other threads | "
             f"MB/step counter | MB/step tx | {'node out | ' if nodes_col else ''}"
             f"val loss @ {grp[0]['samples']} samples | s to loss ≤ {_fmt(target)} |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
             + ("---:|" if nodes_col else "")
             + "---:|---:|",
         ]
@@ -661,6 +677,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{_ratio_cell(r, 'x_floor_runs')} | "
                 f"{_fmt(ddp / c if c and ddp else None, '.2f')} | "
                 f"{_fmt(r.get('after_backward_compression'))} | "
+                f"{_ms(r.get('cpu_main_compression'))} / {_ms(r.get('cpu_other_compression'))} | "
                 f"{_mb(r.get('bytes_warmup'))} / {_mb(r.get('bytes_compression'))} | "
                 f"{_mb(r.get('tx_bytes_warmup'))} / {_mb(r.get('tx_bytes_compression'))} | "
                 + (
@@ -1036,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     keep = [
         "workload", "world_size", "rate", "method", "batch", "samples", "numel",
         "step_time_warmup", "step_time_compression", "after_backward_compression",
-        "bytes_warmup", "bytes_compression",
+        "cpu_main_compression", "cpu_other_compression", "bytes_warmup", "bytes_compression",
         "tx_bytes_warmup", "tx_bytes_compression", "bytes_inter_node_compression",
         "tx_bytes_node_compression", "final_val_loss", "target_loss",
         "time_to_target_s", "repeats", "step_time_compression_runs", "x_floor_runs",

@@ -420,12 +420,14 @@ class _Recorder:
         hook = isinstance(self.ddp_bytes, _HookBytes)
         self.sent0 = self.ddp_bytes.sent() if hook else 0
         self.t0 = self.tb = time.monotonic()
+        self.cpu0, self.main0 = time.process_time(), time.thread_time()
 
     def backward_done(self) -> None:
         self.tb = time.monotonic()
 
     def end(self, step: int, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
         t1 = time.monotonic()
+        cpu, main = time.process_time() - self.cpu0, time.thread_time() - self.main0
         tx1 = _tx_bytes(self.ifname)
         phase = "warmup" if step <= self.cfg["warmup"] else "compression"
         # bytes this rank sent: the optimizer's own counter, or DDP's ring-allreduce volume
@@ -455,6 +457,10 @@ class _Recorder:
                 # this rank's share of what left the node (the namespace's one interface)
                 "tx_bytes": (tx1 - self.tx0) / ll,
                 "loss": float(loss),
+                # CPU seconds of the step: the training thread's, and the other threads'
+                # (the exchange's thread, the process group's), which share the rank's cores
+                "cpu_main": main,
+                "cpu_other": cpu - main,
             }
         )
         every = self.cfg.get("eval_every", 0)

@@ -91,6 +91,9 @@ def test_cluster_smoke(tmp_path: Path) -> None:
         assert "error" not in r
         assert r["step_time_warmup"] > 0 and r["step_time_compression"] > 0
         assert r["after_backward_compression"] > 0
+        # a thread's CPU time fits in the step's wall time; the other threads' is not negative
+        assert 0 < r["cpu_main_compression"] <= 1.1 * r["step_time_compression"]
+        assert r["cpu_other_compression"] >= 0
         assert r["final_val_loss"] is not None
         # the project's counters agree with the interface's (which add TCP/IP headers)
         for ph in ("warmup", "compression"):
