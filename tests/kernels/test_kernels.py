@@ -1641,7 +1641,7 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
     with pytest.raises(ValueError, match="local_source_cpu: need"):
         native.module.local_source_cpu(x, x, x, 0, 0, x, -1, 0, 0, 0, 0, 0, 0, True, 1)  # P < 0
     with pytest.raises(ValueError, match="sync_update_cpu: need"):
-        native.module.sync_update_cpu(x, x, 0, x, x, 0, 0, -1, 0, 0, 0, True, 1)  # P < 0
+        native.module.sync_update_cpu(x, x, 0, x, x, 0, 0, -1, 0, 0, 0, True, 1, 0, 0, 0, 0, 0)
     native.module.worker_compress_cpu(
         x, 64, e, 0, 64, b, 1, 8, 0, 0.0, False, s, 1
     )  # (and a valid call goes through)
