@@ -343,9 +343,10 @@ class SignRuns:
     """An exchange's result where it lies, in place of the decoded buffer (:func:`decompress`):
     run ``(lo, hi, bits, scale)`` holds the flat values ``lo:hi``, value ``lo + k`` being
     ``+scale`` where bit ``k`` of ``bits`` is set and ``-scale`` where not (the wire format's
-    numbering). :func:`frozen_adam_update` and :func:`lamb_frozen_update` read it directly with
-    the compiled CPU kernels, so the values are never written out and read back (8 bytes per
-    value); elsewhere they decode it first (:meth:`decode`), the same floats.
+    numbering). :func:`frozen_adam_update`, :func:`lamb_frozen_update` and :func:`sync_update`
+    read it directly with the compiled CPU kernels, so the values are never written out and
+    read back (8 bytes per value); elsewhere they decode it first (:meth:`decode`), the same
+    floats. The runs' bits are views of the exchange's records: valid until its next call.
 
     Args:
         runs: non-empty runs that tile a flat range (any order), ``bits`` a contiguous uint8 CPU
