@@ -803,7 +803,6 @@ int64_t segment_blocks(int64_t P, const int64_t* starts, const int64_t* sizes, s
   return n;
 }
 
-// Sum block partials in a fixed order and turn the sum of squares into the scale.
 // The values [lo, hi) of the runs into buf[0, hi - lo) (every run's bits start on a byte).
 void fill_from_runs(const SignRuns& xs, int64_t lo, int64_t hi, float* buf) {
   const auto decode = impl().decode_kept;
@@ -817,22 +816,19 @@ void fill_from_runs(const SignRuns& xs, int64_t lo, int64_t hi, float* buf) {
   }
 }
 
-// Whether the runs tile [lo, hi) or more: sorted, contiguous, non-empty.
-bool runs_cover(const SignRuns& xs, int64_t lo, int64_t hi) {
-  if (lo >= hi) return true;
-  if (xs.n <= 0 || xs.lo[0] > lo || xs.hi[xs.n - 1] < hi) return false;
-  for (int64_t k = 0; k < xs.n; ++k)
-    if (xs.hi[k] <= xs.lo[k] || (k && xs.lo[k] != xs.hi[k - 1]) || !xs.bits[k]) return false;
-  return true;
-}
-
-// Refuse runs (if any) that do not tile every segment's values.
+// Refuse runs (if any) that are not sorted, contiguous and non-empty, or that do not hold every
+// value of the P segments [starts[j], starts[j] + sizes[j]).
 void check_runs_cover(const char* what, const SignRuns* xs, int64_t P, const int64_t* starts, const int64_t* sizes) {
-  bool covered = true;
-  for (int64_t j = 0; xs && j < P && covered; ++j) covered = runs_cover(*xs, starts[j], starts[j] + sizes[j]);
-  detail::require(covered, what, "runs that tile every parameter's values");
+  if (!xs) return;
+  bool ok = xs->n > 0;
+  for (int64_t k = 0; ok && k < xs->n; ++k)
+    ok = xs->hi[k] > xs->lo[k] && (!k || xs->lo[k] == xs->hi[k - 1]) && xs->bits[k];
+  for (int64_t j = 0; ok && j < P; ++j)
+    ok = sizes[j] <= 0 || (xs->lo[0] <= starts[j] && starts[j] + sizes[j] <= xs->hi[xs->n - 1]);
+  detail::require(ok, what, "runs that tile every segment's values");
 }
 
+// Sum block partials in a fixed order and turn the sum of squares into the scale.
 float finish_scale(const std::vector<double>& partial, int64_t n) {
   double total = 0.0;
   for (double p : partial) total += p;
@@ -1019,8 +1015,8 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
                             const float* beta2, const float* ob2, const float* eps, const float* wd, bool precond,
                             double* stats, int nthreads, const SignRuns* xs) {
   detail::check_lamb("lamb_frozen_update_cpu", L);
-  detail::require(!xs || runs_cover(*xs, L ? offsets[0] : 0, L ? offsets[L] : 0), "lamb_frozen_update_cpu",
-                  "runs that tile the layers' values");
+  const int64_t all = L ? offsets[L] - offsets[0] : 0;
+  check_runs_cover("lamb_frozen_update_cpu", xs, L ? 1 : 0, offsets, &all);
   // Blocks never straddle layers; partials are folded per layer in block order (thread-count independent).
   std::vector<int64_t> first(static_cast<size_t>(L) + 1, 0), lows;
   for (int64_t k = 0; k < L; ++k) {

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_onebit.kernels.ops import SignRuns
 
 __all__ = [
     "HAS_CPP",
@@ -229,7 +232,7 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
         module.decompress_cpu(*args, out.data_ptr(), out.numel(), nthreads())
 
 
-def _runs_arrays(runs: Any) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+def _runs_arrays(runs: SignRuns | None) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """A ``SignRuns``' arrays (lo, hi, bits pointers, scales; kept alive by the caller) and the
     compiled call's trailing arguments: ``nruns, lo, hi, bits, scale`` (all 0 for ``None``)."""
     if runs is None:
@@ -245,11 +248,11 @@ def _runs_arrays(runs: Any) -> tuple[list[torch.Tensor], tuple[int, ...]]:
 
 
 def lamb_frozen_update_cpu(
-    tensors: tuple[torch.Tensor | Any | None, ...],
+    tensors: tuple[torch.Tensor | SignRuns | None, ...],
     offsets: list[int],
     coefs: list[list[float]],
     preconditioned: bool,
-    runs: Any = None,
+    runs: SignRuns | None = None,
 ) -> torch.Tensor:
     """The compiled ``lamb_frozen_update`` on CPU tensors (``tensors``: exchanged, exp_avg,
     denom, exp_avg_sq_fresh, param or ``None``, update; ``coefs``: per layer scaling, beta1,
@@ -560,7 +563,7 @@ def frozen_adam_update_cpu(
     params: list[torch.Tensor],
     starts: list[int],
     hp: tuple[list[float], list[float], bool],
-    runs: Any = None,
+    runs: SignRuns | None = None,
 ) -> None:
     """:func:`frozen_adam_update` on CPU tensors (``tensors``: exchanged, exp_avg, denom;
     ``hp``: lr, weight_decay, preconditioned; ``runs``: the ``SignRuns`` read in place of
@@ -692,7 +695,7 @@ def sync_update_cpu(
     params: list[torch.Tensor],
     starts: list[int],
     hp: tuple[list[float], bool, bool],
-    runs: Any = None,
+    runs: SignRuns | None = None,
 ) -> None:
     """The compiled ``sync_update`` on CPU tensors (``tensors``: exchanged, denom, exp_avg,
     synced; ``hp``: per parameter the lr summed since the last sync, preconditioned, and
