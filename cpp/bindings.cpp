@@ -69,7 +69,7 @@ PYBIND11_MODULE(_C, m) {
                                      ptr runs_hi, ptr runs_bits, ptr runs_scale) {
     const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
     onebit::lamb_frozen_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
-                                   P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
+                                   P<const float* const>(p), P<float>(u), L, P<const int64_t>(offsets),
                                    P<const float>(scaling), P<const float>(beta1), P<const float>(ob1),
                                    P<const float>(beta2), P<const float>(ob2), P<const float>(eps),
                                    P<const float>(wd), precond, P<double>(stats), nthreads, xs.get());
@@ -105,12 +105,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("local_source_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts, ptr sizes,
                                ptr b, ptr a, ptr nw, ptr nlr, bool precond, int nthreads) {
-    onebit::local_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), P<const float>(p),
+    onebit::local_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), P<const float* const>(p),
                              P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                              P<const float>(b), P<const float>(a), P<const float>(nw), P<const float>(nlr), precond,
                              nthreads);
   }, release(), "0/1 Adam's sync-step exchange source over P segments in one sweep (g: array of per-segment "
-                "gradient pointers, 0: zeros; p, acc may be 0: no term)");
+                "gradient pointers, 0: zeros; p: the same for the parameters, or 0; acc may be 0: no term)");
 
   m.def("local_step_cpu", [](ptr g, ptr mm, ptr d, ptr acc, ptr params, int64_t np, ptr starts, ptr sizes, ptr b,
                              ptr a, ptr w, ptr nlr, int nthreads) {
@@ -125,7 +125,7 @@ PYBIND11_MODULE(_C, m) {
                                  int64_t n, ptr bits, int64_t W, int64_t row_stride, ptr prev_bits, float prev_scale,
                                  bool pending, ptr scale_out, int nthreads) {
     return onebit::local_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d),
-                                      P<const float>(p), P<const float>(acc), np, P<const int64_t>(starts),
+                                      P<const float* const>(p), P<const float>(acc), np, P<const int64_t>(starts),
                                       P<const int64_t>(sizes), P<const float>(b), P<const float>(a),
                                       P<const float>(nw), P<const float>(nlr), precond, base, nx, P<const float>(e),
                                       P<float>(e_out), n, P<uint8_t>(bits), W, row_stride,

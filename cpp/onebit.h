@@ -110,11 +110,11 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
 //   mn = x / scaling;  g = (mn - beta1 * m) / ob1;  vf <- beta2 * vf + ob2 * g * g;
 //   up = mn / d;  u <- up + wd * p;  m <- mn
 // (x: the exchanged, scaled momentum, or with precond that divided by d, scaled back first as x * d
-// rounded; d = sqrt(v) + eps of the frozen variance; p may be null when
-// every wd is 0). stats[3k..3k+2] <- max(d / (sqrt(vf) + eps)), sum(up^2), sum(u^2) over the layer
+// rounded; d = sqrt(v) + eps of the frozen variance; p[k]: layer k's parameter, its own storage
+// from 0, fp32, contiguous; p or p[k] null: no decay term, as when wd is 0). stats[3k..3k+2] <- max(d / (sqrt(vf) + eps)), sum(up^2), sum(u^2) over the layer
 // (1, 0, 0 for an empty layer); the sums accumulate in double over fixed blocks, added in order.
 // xs not null: x is read from those runs (and x is not read), the same floats as from decompress_cpu's x.
-void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u,
+void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* const* p, float* u,
                             int64_t L, const int64_t* offsets, const float* scaling, const float* beta1,
                             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
                             bool precond, double* stats, int nthreads, const SignRuns* xs = nullptr);
@@ -153,18 +153,18 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
 
 // 0/1 Adam's exchange source on a sync step of its local phase, one sweep: segment j holds the
 // flat values [starts[j], starts[j] + sizes[j]) and reads its gradient from g[j] (its own storage,
-// as momentum_source_cpu's; null: zeros); m, d, p, acc and u are flat. Per value, with j's
-// coefficients (floats):
+// as momentum_source_cpu's; null: zeros) and its parameter from p[j] (the same); m, d, acc and u
+// are flat. Per value, with j's coefficients (floats):
 //   x <- fma(g, a, m * b)
-//   precond: x <- x / d;  x <- fma(p, -nw, x)         (the decay terms only where p is not null
-//   else:    x <- fma(-nw * p, d, x)                   and nw[j] is not +0.0)
+//   precond: x <- x / d;  x <- fma(p, -nw, x)         (the decay terms only where p and p[j] are
+//   else:    x <- fma(-nw * p, d, x)                   not null and nw[j] is not +0.0)
 //   x <- x * nlr
 //   precond: x <- x + acc;  else: x <- fma(acc, d, x)  (only where acc is not null)
 //   u <- x
 // The roundings of the optimizer's torch ops (mul, add_ with alpha, div_, addcmul_, mul_) on x86
 // CPUs: torch's CPU add with alpha and addcmul_ are fused multiply-adds.
-void local_source_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
-                      float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+void local_source_cpu(const float* m, const float* const* g, const float* d, const float* const* p,
+                      const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads);
 // 0/1 Adam's local step (no exchange) in one sweep, if every gradient value is finite (returns
 // whether it was; nothing is written otherwise): per value of parameter j (flat values [starts[j],
@@ -178,7 +178,7 @@ bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc,
                     const float* nlr, int nthreads);
 // worker_compress_cpu of the values local_source_cpu would write to u[base, base + nx) (its
 // segments tiling that range in order), computed as read (as momentum_compress_cpu).
-float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
+float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
                          int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                          const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx, const float* e,
                          float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,

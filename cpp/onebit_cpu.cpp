@@ -157,6 +157,12 @@ void source_block_scalar(const float* m, const float* g, const float* d, float* 
   }
 }
 
+// Segment k's own storage ptrs[k] (from 0 at flat index starts[k]; ptrs or ptrs[k] null: none),
+// rebased so that flat index i is at [i].
+inline const float* rebased(const float* const* ptrs, const int64_t* starts, int64_t k) {
+  return ptrs && ptrs[k] ? ptrs[k] - starts[k] : nullptr;
+}
+
 // momentum_source's segments as momentum_compress_cpu reads them: segment j holds the flat values
 // [starts[j], ends[j]) (the segments tile the call's range in order), gradient g[j] (its own
 // storage, from 0; null: zeros) and coefficients b[j], a[j]; value i of the call is flat index
@@ -174,8 +180,7 @@ struct MomentumSegments {
 
 // Segment k's value at flat index q into u[q].
 inline void value1(const MomentumSegments& s, int64_t k, int64_t q, float* u) {
-  const float* gk = s.g[k] ? s.g[k] - s.starts[k] : nullptr;
-  source_block_scalar(s.m, gk, s.d, u, q, q + 1, s.b[k], s.a[k]);
+  source_block_scalar(s.m, rebased(s.g, s.starts, k), s.d, u, q, q + 1, s.b[k], s.a[k]);
 }
 
 // 1-bit Adam's compression-phase update of one parameter's values [lo, hi) of the flat buffers; its
@@ -235,13 +240,13 @@ void local_source_block_scalar(const float* m, const float* g, const float* d, c
 }
 
 // local_source's segments as local_compress_cpu reads them (see MomentumSegments): segment j has
-// gradient g[j] (null: zeros) and coefficients c[j]; m, d, p (null: no decay term) and acc (null:
-// no accumulator term) are flat.
+// gradient g[j] (null: zeros), parameter p[j] (its own storage from 0, as g[j]; p or p[j] null: no
+// decay term) and coefficients c[j]; m, d and acc (null: no accumulator term) are flat.
 struct LocalSegments {
   const float* m;
   const float* const* g;
   const float* d;
-  const float* p;
+  const float* const* p;
   const float* acc;
   const int64_t* starts;
   const int64_t* ends;
@@ -251,8 +256,8 @@ struct LocalSegments {
 };
 
 inline void value1(const LocalSegments& s, int64_t k, int64_t q, float* u) {
-  const float* gk = s.g[k] ? s.g[k] - s.starts[k] : nullptr;
-  local_source_block_scalar(s.m, gk, s.d, s.p, s.acc, u, q, q + 1, s.c[k], s.precond);
+  local_source_block_scalar(s.m, rebased(s.g, s.starts, k), s.d, rebased(s.p, s.starts, k), s.acc, u, q, q + 1,
+                            s.c[k], s.precond);
 }
 
 // Whether every value of g[lo, hi) is finite (g null: zeros, finite).
@@ -406,7 +411,7 @@ struct MomentumLanes {
 };
 
 AVX2 inline MomentumLanes lanes_of(const MomentumSegments& s, int64_t j) {
-  return {_mm256_set1_ps(s.b[j]), _mm256_set1_ps(s.a[j]), s.g[j] ? s.g[j] - s.starts[j] : nullptr};
+  return {_mm256_set1_ps(s.b[j]), _mm256_set1_ps(s.a[j]), rebased(s.g, s.starts, j)};
 }
 
 // source_block_avx2's 8 values at flat index f, all in the segment of l.
@@ -419,14 +424,16 @@ AVX2 inline __m256 values8(const MomentumSegments& s, const MomentumLanes& l, in
 struct LocalSegmentLanes {
   LocalLanes l;
   const float* g;
+  const float* p;
 };
 
 AVX2 inline LocalSegmentLanes lanes_of(const LocalSegments& s, int64_t j) {
-  return {local_lanes(s.c[j], s.p != nullptr), s.g[j] ? s.g[j] - s.starts[j] : nullptr};
+  const float* p = rebased(s.p, s.starts, j);
+  return {local_lanes(s.c[j], p != nullptr), rebased(s.g, s.starts, j), p};
 }
 
 AVX2 inline __m256 values8(const LocalSegments& s, const LocalSegmentLanes& l, int64_t f) {
-  return local_source8(s.m, l.g, s.d, s.p, s.acc, f, l.l, s.precond);
+  return local_source8(s.m, l.g, s.d, l.p, s.acc, f, l.l, s.precond);
 }
 
 // compress_block_avx2 of a source's values (MomentumSegments, LocalSegments) for a block entirely
@@ -932,13 +939,13 @@ float momentum_compress_cpu(const float* m, const float* const* g, const float* 
   const MomentumSegments segs{m, g, d, starts, ends.data(), b, a, base};
   const auto source_tile = impl().source_tile;
   const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
-    source_tile(m, g[q] ? g[q] - starts[q] : nullptr, d, u, f0, f1, b[q], a[q]);
+    source_tile(m, rebased(g, starts, q), d, u, f0, f1, b[q], a[q]);
   };
   return source_compress_cpu(segs, P, nx, impl().momentum_compress, tile, e, e_out, n, bits, W, row_stride,
                              prev_bits, prev_scale, pending, scale_out, nthreads);
 }
 
-float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc,
+float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
                          int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                          const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx, const float* e,
                          float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
@@ -950,7 +957,7 @@ float local_compress_cpu(const float* m, const float* const* g, const float* d, 
   const LocalSegments segs{m, g, d, p, acc, starts, ends.data(), coef.data(), precond, base};
   const auto source_tile = impl().local_source_tile;
   const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
-    source_tile(m, g[q] ? g[q] - starts[q] : nullptr, d, p, acc, u, f0, f1, coef[q], precond);
+    source_tile(m, rebased(g, starts, q), d, rebased(p, starts, q), acc, u, f0, f1, coef[q], precond);
   };
   return source_compress_cpu(segs, P, nx, impl().local_compress, tile, e, e_out, n, bits, W, row_stride, prev_bits,
                              prev_scale, pending, scale_out, nthreads);
@@ -1010,7 +1017,8 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
   }
 }
 
-void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
+void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* const* p, float* u,
+                            int64_t L,
                             const int64_t* offsets, const float* scaling, const float* beta1, const float* ob1,
                             const float* beta2, const float* ob2, const float* eps, const float* wd, bool precond,
                             double* stats, int nthreads, const SignRuns* xs) {
@@ -1036,12 +1044,13 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t k = layer[b], lo = lows[b], hi = std::min(lo + kBlock, offsets[k + 1]);
     const LambCoef c{scaling[k], beta1[k], ob1[k], beta2[k], ob2[k], eps[k], wd[k], precond};
+    const float* pk = rebased(p, offsets, k);  // pk[i]: the layer's parameter at flat index i
     if (xs) {  // the same addresses but x's, indexed from lo: the block's floats do not change
       alignas(32) float buf[kBlock];
       fill_from_runs(*xs, lo, hi, buf);
-      lamb(buf, m + lo, d + lo, vf + lo, p ? p + lo : nullptr, u + lo, 0, hi - lo, c, &part[3 * b]);
+      lamb(buf, m + lo, d + lo, vf + lo, pk ? pk + lo : nullptr, u + lo, 0, hi - lo, c, &part[3 * b]);
     } else {
-      lamb(x, m, d, vf, p, u, lo, hi, c, &part[3 * b]);
+      lamb(x, m, d, vf, pk, u, lo, hi, c, &part[3 * b]);
     }
   }
   for (int64_t k = 0; k < L; ++k) {
@@ -1091,8 +1100,7 @@ void momentum_source_cpu(const float* m, const float* const* g, const float* d, 
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    const float* gj = g[j] ? g[j] - starts[j] : nullptr;  // gj[i] is the segment's gradient at flat index i
-    source(m, gj, d, u, lo, hi, b[j], a[j]);
+    source(m, rebased(g, starts, j), d, u, lo, hi, b[j], a[j]);
   }
 }
 
@@ -1121,7 +1129,8 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
   }
 }
 
-void local_source_cpu(const float* m, const float* const* g, const float* d, const float* p, const float* acc, float* u,
+void local_source_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
+                      float* u,
                       int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads) {
   detail::check_segments("local_source_cpu", P);
@@ -1134,8 +1143,8 @@ void local_source_cpu(const float* m, const float* const* g, const float* d, con
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    const float* gj = g[j] ? g[j] - starts[j] : nullptr;  // gj[i] is the segment's gradient at flat index i
-    source(m, gj, d, p, acc, u, lo, hi, LocalSourceCoef{b[j], a[j], nw[j], nlr[j]}, precond);
+    source(m, rebased(g, starts, j), d, rebased(p, starts, j), acc, u, lo, hi,
+           LocalSourceCoef{b[j], a[j], nw[j], nlr[j]}, precond);
   }
 }
 
@@ -1175,7 +1184,7 @@ bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc,
   const int nt = threads_for(n, nthreads);
   const Impl& k = impl();
   // g[j], params[j] - starts[j]: indexed by flat index (their own storage, from 0 at starts[j])
-  const auto grad = [&](int64_t j) { return g[j] ? g[j] - starts[j] : nullptr; };
+  const auto grad = [&](int64_t j) { return rebased(g, starts, j); };
   std::vector<uint8_t> finite(static_cast<size_t>(nblk));
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t q = 0; q < nblk; ++q) {

@@ -139,7 +139,22 @@ void run_case(std::mt19937& rng, int64_t W, int64_t m, int64_t nx, int64_t pad, 
   }
 }
 
-// 1-bit LAMB update on exact-size buffers: values against a double evaluation, and stats (precond:
+// Segment k of `flat` ([starts[k], starts[k] + sizes[k])) copied into an exact-size buffer of its own
+// (kept in `own`), one pointer per segment; every `none`-th one (k % none == none - 1) null.
+std::vector<const float*> own_copies(const float* flat, const std::vector<int64_t>& starts,
+                                     const std::vector<int64_t>& sizes, std::vector<std::unique_ptr<float[]>>& own,
+                                     size_t none) {
+  std::vector<const float*> ptrs;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    own.push_back(buf<float>(sizes[k]));
+    std::memcpy(own.back().get(), flat + starts[k], 4 * sizes[k]);
+    ptrs.push_back(k % none == none - 1 ? nullptr : own.back().get());
+  }
+  return ptrs;
+}
+
+// 1-bit LAMB update on exact-size buffers (each layer's parameter its own; with decay, every third
+// layer's missing: no decay term there): values against a double evaluation, and stats (precond:
 // x scaled back by d first, the product rounded to float).
 void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool decay, bool precond, int nthreads) {
   const int64_t L = static_cast<int64_t>(sizes.size());
@@ -158,7 +173,9 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   for (int64_t k = 0; k < L; ++k) sc[k] = 2 * uni(rng), b1[k] = 0.9f, b2[k] = 0.999f, eps[k] = 1e-6f,
                                   wd[k] = decay ? 0.01f * k : 0.0f, ob1[k] = float(1.0 - 0.9), ob2[k] = float(1.0 - 0.999);
   auto stats = buf<double>(3 * L);
-  onebit::lamb_frozen_update_cpu(x.get(), m.get(), d.get(), vf.get(), decay ? p.get() : nullptr, u.get(), L,
+  std::vector<std::unique_ptr<float[]>> own;
+  const std::vector<const float*> ps = own_copies(p.get(), off, sizes, own, 3);
+  onebit::lamb_frozen_update_cpu(x.get(), m.get(), d.get(), vf.get(), decay ? ps.data() : nullptr, u.get(), L,
                                  off.data(), sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(),
                                  wd.data(), precond, stats.get(), nthreads);
   for (int64_t k = 0; k < L; ++k) {
@@ -167,7 +184,7 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
       const float xs = precond ? x0[i] * d[i] : x0[i];
       const double mn = double(xs) / sc[k], g = (mn - double(b1[k]) * m0[i]) / (1.0 - 0.9);
       const double v = double(b2[k]) * vf0[i] + (1.0 - 0.999) * g * g;
-      const double up = mn / d[i], uu = up + (decay ? double(wd[k]) * p[i] : 0.0);
+      const double up = mn / d[i], uu = up + (decay && ps[k] ? double(wd[k]) * p[i] : 0.0);
       rmax = std::fmax(rmax, d[i] / (std::sqrt(v) + eps[k]));
       up2 += up * up, u2 += uu * uu;
       check(std::fabs(m[i] - mn) <= 1e-6 * std::fabs(mn) + 1e-30, "lamb m", k, i);
@@ -213,13 +230,15 @@ void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, in
   std::vector<float> sc(L), b1(L, 0.9f), ob1(L, float(1.0 - 0.9)), b2(L, 0.999f), ob2(L, float(1.0 - 0.999));
   std::vector<float> eps(L, 1e-6f), wd(L), nlr(L), nlw(L);
   for (int64_t k = 0; k < L; ++k) sc[k] = 2 * uni(rng), wd[k] = 0.01f * k, nlr[k] = -1e-3f * uni(rng), nlw[k] = nlr[k] * wd[k];
+  std::vector<std::unique_ptr<float[]>> own;
+  const std::vector<const float*> ps = own_copies(p.get(), off, sizes, own, 4);
   for (bool precond : {false, true}) {
     std::vector<float> m1(m.get(), m.get() + n), m2 = m1, v1(vf.get(), vf.get() + n), v2 = v1, u1(n), u2(n);
     std::vector<double> s1(3 * L), s2(3 * L);
-    onebit::lamb_frozen_update_cpu(x.get(), m1.data(), d.get(), v1.data(), p.get(), u1.data(), L, off.data(),
+    onebit::lamb_frozen_update_cpu(x.get(), m1.data(), d.get(), v1.data(), ps.data(), u1.data(), L, off.data(),
                                    sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(),
                                    precond, s1.data(), nthreads);
-    onebit::lamb_frozen_update_cpu(nullptr, m2.data(), d.get(), v2.data(), p.get(), u2.data(), L, off.data(),
+    onebit::lamb_frozen_update_cpu(nullptr, m2.data(), d.get(), v2.data(), ps.data(), u2.data(), L, off.data(),
                                    sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(),
                                    precond, s2.data(), nthreads, &runs);
     for (int64_t i = 0; i < n; ++i) {
@@ -395,8 +414,9 @@ void run_source_compress_case(std::mt19937& rng, const std::vector<int64_t>& siz
 }
 
 // local_compress_cpu against local_source_cpu into u, then worker_compress_cpu of u, as
-// run_source_compress_case (p and acc flat, each present or not; a negative weight decay on every
-// fourth segment, none on every fifth).
+// run_source_compress_case (p per segment, each its own exact-size buffer, every sixth missing, and
+// acc flat, each present or not; a negative weight decay on every fourth segment, none on every
+// fifth).
 void run_local_compress_case(std::mt19937& rng, const std::vector<int64_t>& sizes, int64_t W, bool precond,
                              bool with_p, bool with_acc, bool pending, int nthreads) {
   const int64_t P = static_cast<int64_t>(sizes.size()), base = 5;
@@ -423,7 +443,9 @@ void run_local_compress_case(std::mt19937& rng, const std::vector<int64_t>& size
   auto prev = buf<uint8_t>(nbytes), bits1 = buf<uint8_t>(nbytes), bits2 = buf<uint8_t>(nbytes);
   for (int64_t i = 0; i < n; ++i) e[i] = normal(rng);
   for (int64_t i = 0; i < nbytes; ++i) prev[i] = static_cast<uint8_t>(rng()), bits1[i] = bits2[i] = 0x5A;
-  const float* p = with_p ? pp.get() : nullptr;
+  std::vector<std::unique_ptr<float[]>> own;
+  const std::vector<const float*> ps = own_copies(pp.get(), starts, sizes, own, 6);
+  const float* const* p = with_p ? ps.data() : nullptr;
   const float* ac = with_acc ? acc.get() : nullptr;
   float s1 = 0.0f, s2 = 0.0f;
   onebit::local_source_cpu(mm.get(), ptrs.data(), d.get(), p, ac, u.get(), P, starts.data(), sizes.data(), b.data(),

@@ -255,7 +255,8 @@ def lamb_frozen_update_cpu(
     runs: SignRuns | None = None,
 ) -> torch.Tensor:
     """The compiled ``lamb_frozen_update`` on CPU tensors (``tensors``: exchanged, exp_avg,
-    denom, exp_avg_sq_fresh, param or ``None``, update; ``coefs``: per layer scaling, beta1,
+    denom, exp_avg_sq_fresh, the layers' parameters (one fp32 contiguous tensor or ``None`` per
+    layer) or ``None``, update; ``coefs``: per layer scaling, beta1,
     1 - beta1, beta2, 1 - beta2, eps, weight_decay; ``preconditioned``: exchanged * denom
     first; ``runs``: the ``SignRuns`` read in place of ``exchanged``, or ``None``)."""
     exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
@@ -266,12 +267,13 @@ def lamb_frozen_update_cpu(
         *(torch.tensor(c, dtype=torch.float32) for c in coefs),
     ]
     kept, runs_args = _runs_arrays(runs)
+    pointers = _pointer_array(param)
     module.lamb_frozen_update_cpu(
         0 if runs is not None else exchanged.data_ptr(),
         exp_avg.data_ptr(),
         denom.data_ptr(),
         exp_avg_sq_fresh.data_ptr(),
-        0 if param is None else param.data_ptr(),
+        _address(pointers),
         update.data_ptr(),
         n_layers,
         *(a.data_ptr() for a in arrays),
@@ -352,12 +354,14 @@ def frozen_adam_update_cuda(
 
 
 def lamb_frozen_update_cuda(
-    tensors: tuple[torch.Tensor | None, ...],
+    tensors: tuple[torch.Tensor | int, ...],
     offsets: list[int],
     coefs: list[list[float]],
     ok: torch.Tensor | None,
 ) -> torch.Tensor:
-    """:func:`lamb_frozen_update` on CUDA tensors: the kernel on the current stream."""
+    """:func:`lamb_frozen_update` on CUDA tensors (``tensors`` as :func:`lamb_frozen_update_cpu`'s
+    but the parameter flat, as the address of flat index 0, or 0 when no layer decays): the
+    kernel on the current stream."""
     exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
     device, n_layers = exchanged.device, len(offsets) - 1
     stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
@@ -375,7 +379,7 @@ def lamb_frozen_update_cuda(
         exp_avg.data_ptr(),
         denom.data_ptr(),
         exp_avg_sq_fresh.data_ptr(),
-        0 if param is None else param.data_ptr(),
+        param,
         update.data_ptr(),
         n_layers,
         meta.data_ptr(),
@@ -462,9 +466,19 @@ def adam_update_cpu(
     )
 
 
-def _grad_pointers(grads: list[torch.Tensor | None]) -> list[int]:
-    """Each segment's gradient pointer for the source kernels' table (0: zeros)."""
-    return [0 if g is None else g.data_ptr() for g in grads]
+def _pointers(tensors: list[torch.Tensor | None]) -> list[int]:
+    """Each segment's pointer for the kernels' tables (0: ``None``)."""
+    return [0 if t is None else t.data_ptr() for t in tensors]
+
+
+def _pointer_array(tensors: list[torch.Tensor | None] | None) -> torch.Tensor | None:
+    """:func:`_pointers` as a host int64 array for the CPU kernels (``None``: no array)."""
+    return None if tensors is None else torch.tensor(_pointers(tensors), dtype=torch.int64)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """``t``'s data pointer, 0 for ``None``."""
+    return 0 if t is None else t.data_ptr()
 
 
 def _segment_arrays(
@@ -476,7 +490,7 @@ def _segment_arrays(
     """The CPU source kernels' host arrays: gradient pointers, starts, sizes (int64) and each
     per-segment coefficient list (float32)."""
     return [
-        torch.tensor(_grad_pointers(grads), dtype=torch.int64),
+        torch.tensor(_pointers(grads), dtype=torch.int64),
         torch.tensor(starts, dtype=torch.int64),
         torch.tensor(sizes, dtype=torch.int64),
         *(torch.tensor(c, dtype=torch.float32) for c in coefs),
@@ -605,7 +619,7 @@ def _local_coefs(
 
 def local_source_cpu(
     tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
-    param: torch.Tensor | None,
+    params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     segments: tuple[list[int], list[int]],
@@ -613,15 +627,17 @@ def local_source_cpu(
     preconditioned: bool,
 ) -> None:
     """The compiled ``local_source`` on CPU tensors (``tensors``: exp_avg, the segments'
-    gradients (``None``: zeros), denom; ``segments``: starts, sizes; ``hp``: per segment beta,
-    alpha, lr, weight_decay)."""
+    gradients (``None``: zeros), denom; ``params``: the segments' parameters (``None``: no
+    decay term) or ``None``; ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr,
+    weight_decay)."""
     (exp_avg, grads, denom), (starts, sizes) = tensors, segments
     arrays = _segment_arrays(grads, starts, sizes, _local_coefs(hp))
+    pointers = _pointer_array(params)
     module.local_source_cpu(
         exp_avg.data_ptr(),
         arrays[0].data_ptr(),
         denom.data_ptr(),
-        0 if param is None else param.data_ptr(),
+        _address(pointers),
         0 if acc is None else acc.data_ptr(),
         out.data_ptr(),
         len(starts),
@@ -661,7 +677,7 @@ def local_step_cpu(
 
 def local_compress_cpu(
     tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
-    param: torch.Tensor | None,
+    params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     segments: tuple[list[int], list[int]],
     hp: tuple[tuple[list[float], list[float], list[float], list[float]], bool],
@@ -670,16 +686,17 @@ def local_compress_cpu(
     prev: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
     """The compiled deferred ``worker_compress`` of ``local_source``'s values (``tensors``,
-    ``param``, ``acc`` and ``segments`` as :func:`local_source_cpu`, the segments tiling the
+    ``params``, ``acc`` and ``segments`` as :func:`local_source_cpu`, the segments tiling the
     input's flat range in order; ``hp``: the coefficients and ``preconditioned``;
     ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
     (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
     arrays = _segment_arrays(grads, starts, sizes, _local_coefs(coefs))
+    pointers = _pointer_array(params)
     module.local_compress_cpu(
         exp_avg.data_ptr(),
         arrays[0].data_ptr(),
         denom.data_ptr(),
-        0 if param is None else param.data_ptr(),
+        _address(pointers),
         0 if acc is None else acc.data_ptr(),
         len(starts),
         *(a.data_ptr() for a in arrays[1:]),
@@ -741,7 +758,7 @@ def momentum_source_cuda(
     if chunk_start[-1] == 0:
         return  # no values
     meta = on_device(
-        [*_grad_pointers(grads), *starts, *sizes, *chunk_start], torch.int64, device
+        [*_pointers(grads), *starts, *sizes, *chunk_start], torch.int64, device
     )  # (as param_table: the gradients' pointers first)
     coef = on_device(list(coefs), torch.float32, device)  # beta, alpha, rounded from double
     module.momentum_source_cuda(
@@ -761,7 +778,7 @@ def momentum_source_cuda(
 
 def local_source_cuda(
     tensors: tuple[torch.Tensor, int, torch.Tensor],
-    param: torch.Tensor | None,
+    param: int,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     segments: tuple[list[int], list[int]],
@@ -769,8 +786,9 @@ def local_source_cuda(
     preconditioned: bool,
 ) -> None:
     """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`,
-    but the gradient flat, ``grad``: the address of flat index 0, so that flat index ``f`` is at
-    ``grad + 4 f``): the kernel on the current stream."""
+    but the gradient and the parameter flat, each as the address of flat index 0, so that flat
+    index ``f`` is at ``grad + 4 f``; ``param`` 0: no decay term): the kernel on the current
+    stream."""
     (exp_avg, grad, denom), (starts, sizes) = tensors, segments
     n, device = len(starts), out.device
     table = segment_table(starts, sizes, device)
@@ -783,7 +801,7 @@ def local_source_cuda(
         exp_avg.data_ptr(),
         grad,
         denom.data_ptr(),
-        0 if param is None else param.data_ptr(),
+        param,
         0 if acc is None else acc.data_ptr(),
         out.data_ptr(),
         n,

@@ -403,7 +403,7 @@ def lamb_frozen_update(
     exp_avg: torch.Tensor,
     denom: torch.Tensor,
     exp_avg_sq_fresh: torch.Tensor,
-    param: torch.Tensor | None,
+    param: torch.Tensor | Sequence[torch.Tensor] | None,
     update: torch.Tensor,
     offsets: list[int],
     scaling: list[float],
@@ -441,7 +441,12 @@ def lamb_frozen_update(
         exchanged, exp_avg, denom, exp_avg_sq_fresh, update: float32, contiguous, one device,
             at least ``offsets[-1]`` values each; ``exchanged`` may be :class:`SignRuns`
             holding every layer's values (CPU buffers).
-        param: like them, or ``None`` when every ``weight_decay`` is 0.
+        param: like them (a flat buffer), or one float32 contiguous tensor per layer of its
+            ``offsets[k + 1] - offsets[k]`` values (any shape) on their device: each layer's
+            parameter where it lies, so that nothing copies the parameters into a flat buffer
+            first (the CPU kernel reads each layer's from its own pointer; the CUDA kernel
+            reads one flat buffer, so tensors that are not the pieces of one are copied into
+            one first); ``None`` when every ``weight_decay`` is 0.
         offsets: ``L + 1`` non-decreasing offsets.
         scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
         preconditioned: ``x`` was exchanged divided by ``d``: the call scales it back first,
@@ -464,7 +469,7 @@ def lamb_frozen_update(
     ]
     if runs is None:
         named.insert(0, ("exchanged", exchanged))
-    if param is not None:
+    if isinstance(param, torch.Tensor):
         named.append(("param", param))
     for name, t in named:
         check_tensor(name, t, torch.float32)
@@ -484,6 +489,8 @@ def lamb_frozen_update(
             raise ValueError(f"{name} must have one value per layer ({n_layers}), got {len(vals)}")
     if param is None and any(w != 0 for w in weight_decay):
         raise ValueError("param is required when a weight_decay is non-zero")
+    starts, sizes = offsets[:-1], [b - a for a, b in itertools.pairwise(offsets)]
+    params = None if param is None else _segment_tensors("param", param, starts, sizes, device)
     if ok is not None:
         check_verdict(ok, device)
     if runs is not None:
@@ -506,7 +513,7 @@ def lamb_frozen_update(
             exp_avg,
             denom,
             exp_avg_sq_fresh,
-            param,
+            params,
             update,
             offsets,
             **hp,
@@ -514,9 +521,12 @@ def lamb_frozen_update(
         )
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
     coefs = [scaling, beta1, ob1, beta2, ob2, eps, weight_decay]
-    tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update)
     if device.type == "cuda":
+        # (a copy, where made, lives until the launch is enqueued, as in _run_local_source)
+        p, _p = (0, None) if params is None else _flat_of(params, starts, sizes, device)
+        tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, p, update)
         return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
+    tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, params, update)
     return native.lamb_frozen_update_cpu(tensors, offsets, coefs, preconditioned, runs)
 
 
@@ -711,11 +721,7 @@ def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
         check_contiguous(name, t)
     device = check_device(*named, need_cuda_kernels=False)
     _check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
-    if isinstance(grad, torch.Tensor):
-        return [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
-    grads = list(grad)
-    _check_segment_grads(grads, sizes, device)
-    return grads
+    return _segment_tensors("grad", grad, starts, sizes, device, missing=True)
 
 
 class ExchangeSource:
@@ -822,24 +828,40 @@ class MomentumSource(ExchangeSource):
         native.momentum_compress_cpu(args, (self.beta, self.alpha), compress, pending, prev)
 
 
-def _check_segment_grads(
-    grads: list[torch.Tensor | None], sizes: list[int], device: torch.device
-) -> None:
-    """Raise ``TypeError``/``ValueError`` unless ``grads`` has one entry per segment, each
-    ``None`` or a float32 contiguous tensor of its segment's size on ``device``."""
-    if len(grads) != len(sizes):
-        raise ValueError(
-            f"grad must have one tensor (or None) per segment ({len(sizes)}), got {len(grads)}"
-        )
-    for k, (g, n) in enumerate(zip(grads, sizes, strict=True)):
-        if g is None:
-            continue
-        check_tensor(f"grad[{k}]", g, torch.float32)
-        check_contiguous(f"grad[{k}]", g)
-        if g.device != device:
-            raise ValueError(f"grad[{k}] is on {g.device}, the buffers on {device}")
-        if g.numel() != n:
-            raise ValueError(f"grad[{k}] must have its segment's {n} values, got {g.numel()}")
+def _segment_tensors(
+    name: str,
+    t: torch.Tensor | Sequence[torch.Tensor | None],
+    starts: list[int],
+    sizes: list[int],
+    device: torch.device,
+    missing: bool = False,
+) -> list[torch.Tensor | None]:
+    """``t`` as one entry per segment: a flat buffer's slices ``starts[k]:starts[k] +
+    sizes[k]`` (the buffer checked by the caller), or the sequence itself, checked here.
+
+    Raises:
+        TypeError, ValueError: unless the sequence has one entry per segment, each a float32
+            contiguous tensor of its segment's size on ``device`` (or, where ``missing``,
+            ``None``).
+    """
+    if isinstance(t, torch.Tensor):
+        return [t[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
+    pieces = list(t)
+    if len(pieces) != len(sizes):
+        what = "one tensor (or None)" if missing else "one tensor"
+        raise ValueError(f"{name} must have {what} per segment ({len(sizes)}), got {len(pieces)}")
+    for k, (x, n) in enumerate(zip(pieces, sizes, strict=True)):
+        if x is None:
+            if missing:
+                continue
+            raise TypeError(f"{name}[{k}] is None: give a tensor for every segment")
+        check_tensor(f"{name}[{k}]", x, torch.float32)
+        check_contiguous(f"{name}[{k}]", x)
+        if x.device != device:
+            raise ValueError(f"{name}[{k}] is on {x.device}, the buffers on {device}")
+        if x.numel() != n:
+            raise ValueError(f"{name}[{k}] must have its segment's {n} values, got {x.numel()}")
+    return pieces
 
 
 def frozen_adam_update(
@@ -918,7 +940,7 @@ def frozen_adam_update(
 
 def local_source(
     tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor],
-    param: torch.Tensor | None,
+    param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     starts: list[int],
@@ -939,34 +961,37 @@ def local_source(
         preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
 
     The gradient is a flat buffer or one tensor per segment (``None``: zeros), as
-    :func:`momentum_source`'s. The decay term is taken where ``param`` is given and
+    :func:`momentum_source`'s; so is ``param`` (one tensor per segment, each parameter where it
+    lies, or ``None``: no decay terms). The decay term is taken where ``param`` is given and
     ``weight_decay > 0``, the accumulator's where ``acc`` is given. One sweep (reads 3-5
     buffers, writes one) where the torch ops make five or more, writing torch's floats bit for
     bit on the same device: on the CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and
     ``addcmul_`` are fused multiply-adds on x86, which the kernel does too), on CUDA the CUDA
     kernel on the current stream (no host synchronisation), with the roundings of torch's CUDA
     kernels (its ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with
-    ``weight_decay``); it reads a flat gradient, so per-segment gradients that are not the
-    pieces of one buffer are copied into one first. Without a compiled kernel for the device
+    ``weight_decay``); it reads a flat gradient and a flat parameter, so per-segment tensors
+    that are not the pieces of one buffer are copied into one first. Without a compiled kernel for the device
     the torch ops themselves run (:func:`reference_local_source`).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
-            a segment that does not fit or a per-segment gradient of another size;
-            coefficient lists of other lengths.
+            a segment that does not fit or a per-segment gradient or parameter of another
+            size; coefficient lists of other lengths.
     """
     args = (tensors, param, acc, out, starts, sizes, hp, preconditioned)
-    grads = _check_local_source(args)
-    _run_local_source(((tensors[0], grads, tensors[2]), *args[1:]))
+    grads, params = _check_local_source(args)
+    _run_local_source(((tensors[0], grads, tensors[2]), params, *args[2:]))
 
 
-def _check_local_source(args: tuple) -> list[torch.Tensor | None]:
+def _check_local_source(
+    args: tuple,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None] | None]:
     """:func:`local_source`'s checks of its arguments ``args``, in order; returns the gradient
-    as one entry per segment."""
+    and the parameter (or ``None``) as one entry per segment."""
     (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
     named = [("exp_avg", exp_avg), ("denom", denom), ("out", out)]
     for name, t in (("grad", grad), ("param", param), ("acc", acc)):
-        if isinstance(t, torch.Tensor) or (name != "grad" and t is not None):
+        if isinstance(t, torch.Tensor) or (name == "acc" and t is not None):
             named.append((name, t))
     for name, t in named:
         check_tensor(name, t, torch.float32)
@@ -974,40 +999,52 @@ def _check_local_source(args: tuple) -> list[torch.Tensor | None]:
     device = check_device(*named, need_cuda_kernels=False)
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     _check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
-    if isinstance(grad, torch.Tensor):
-        return [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
-    grads = list(grad)
-    _check_segment_grads(grads, sizes, device)
-    return grads
+    grads = _segment_tensors("grad", grad, starts, sizes, device, missing=True)
+    params = None if param is None else _segment_tensors("param", param, starts, sizes, device)
+    return grads, params
 
 
 def _run_local_source(args: tuple) -> None:
-    """:func:`local_source` on checked arguments ``args`` (in its order, the gradient one entry
-    per segment): the compiled kernel of the device, or the torch ops."""
-    (exp_avg, grads, denom), param, acc, out, starts, sizes, hp, preconditioned = args
+    """:func:`local_source` on checked arguments ``args`` (in its order, the gradient and the
+    parameter one entry per segment): the compiled kernel of the device, or the torch ops."""
+    (exp_avg, grads, denom), params, acc, out, starts, sizes, hp, preconditioned = args
     device = exp_avg.device
     if not _has_kernel(device) or not native.use_native():
         reference_local_source(*args)
         return
     segments = (starts, sizes)
     if device.type != "cuda":
-        native.local_source_cpu(args[0], param, acc, out, segments, hp, preconditioned)
+        native.local_source_cpu(args[0], params, acc, out, segments, hp, preconditioned)
         return
-    flat, base = None, _flat_address(grads, starts, sizes)
-    if base is None:  # not the pieces of one buffer: into one (the same floats)
-        end = max(lo + n for lo, n in zip(starts, sizes, strict=True))
-        flat = torch.zeros(end, dtype=torch.float32, device=device)
-        for lo, n, g in zip(starts, sizes, grads, strict=True):
-            if g is not None:
-                flat[lo : lo + n].copy_(g.reshape(-1))
-        base = flat.data_ptr()
-    native.local_source_cuda((exp_avg, base, denom), param, acc, out, segments, hp, preconditioned)
+    # the CUDA kernel reads flat buffers (copies, where made, live until the launch is enqueued:
+    # the caching allocator orders their reuse on this stream)
+    grad, _g = _flat_of(grads, starts, sizes, device)
+    param, _p = (0, None) if params is None else _flat_of(params, starts, sizes, device)
+    native.local_source_cuda((exp_avg, grad, denom), param, acc, out, segments, hp, preconditioned)
+
+
+def _flat_of(
+    pieces: list[torch.Tensor | None], starts: list[int], sizes: list[int], device: torch.device
+) -> tuple[int, torch.Tensor | None]:
+    """For a kernel that reads one flat buffer: the address of flat index 0 of a buffer that
+    holds segment ``k``'s values of ``pieces`` at ``starts[k]`` (``None``: zeros), and the
+    buffer where one was made. The pieces' own buffer where they are the pieces of one (nothing
+    copied, ``None``), else a new buffer they are copied into (the same floats)."""
+    base = _flat_address(pieces, starts, sizes)
+    if base is not None:
+        return base, None
+    end = max(lo + n for lo, n in zip(starts, sizes, strict=True))
+    flat = torch.zeros(end, dtype=torch.float32, device=device)
+    for lo, n, x in zip(starts, sizes, pieces, strict=True):
+        if x is not None:
+            flat[lo : lo + n].copy_(x.reshape(-1))
+    return flat.data_ptr(), flat
 
 
 def _flat_address(
     grads: list[torch.Tensor | None], starts: list[int], sizes: list[int]
 ) -> int | None:
-    """The address of flat index 0 of the buffer whose pieces the segments' gradients are
+    """The address of flat index 0 of the buffer whose pieces the segments' tensors are
     (segment ``k``'s at flat index ``starts[k]``, each fp32 contiguous; empty segments, which
     are not read, aside), or ``None`` where they are not (a missing one among them)."""
     pieces = [(g, lo) for g, lo, n in zip(grads, starts, sizes, strict=True) if n > 0]
@@ -1032,7 +1069,7 @@ class LocalSource(ExchangeSource):
     """
 
     tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor]
-    param: torch.Tensor | None
+    param: torch.Tensor | Sequence[torch.Tensor] | None
     acc: torch.Tensor | None
     out: torch.Tensor
     starts: list[int]
@@ -1041,7 +1078,7 @@ class LocalSource(ExchangeSource):
     preconditioned: bool
 
     def __post_init__(self) -> None:
-        grads = _check_local_source(self._args())
+        grads, self.param = _check_local_source(self._args())
         self.tensors = (self.tensors[0], grads, self.tensors[2])
         self._tile()
 
@@ -1124,11 +1161,7 @@ def local_step(
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     _check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
-    if isinstance(grad, torch.Tensor):
-        grads = [grad[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
-    else:
-        grads = list(grad)
-        _check_segment_grads(grads, sizes, device)
+    grads = _segment_tensors("grad", grad, starts, sizes, device, missing=True)
     if (
         device.type != "cpu"
         or not native.use_native()

@@ -170,12 +170,18 @@ def reference_adam_update(
         p.add_(u.view(p.shape).to(p.dtype), alpha=-lr[j])
 
 
+def _piece(t: torch.Tensor | Sequence[torch.Tensor], k: int, s: slice) -> torch.Tensor:
+    """Segment ``k`` (flat slice ``s``) of a flat buffer, or the ``k``-th of per-segment tensors
+    (flattened)."""
+    return t[s] if isinstance(t, torch.Tensor) else t[k].reshape(-1)
+
+
 def reference_lamb_frozen_update(
     exchanged: torch.Tensor,
     exp_avg: torch.Tensor,
     denom: torch.Tensor,
     exp_avg_sq_fresh: torch.Tensor,
-    param: torch.Tensor | None,
+    param: torch.Tensor | Sequence[torch.Tensor] | None,
     update: torch.Tensor,
     offsets: list[int],
     scaling: list[float],
@@ -201,7 +207,7 @@ def reference_lamb_frozen_update(
         torch.div(m_new, d, out=u)
         prelim = u.double().square().sum()
         if weight_decay[k] != 0:
-            u.add_(param[lo:hi], alpha=weight_decay[k])
+            u.add_(_piece(param, k, slice(lo, hi)), alpha=weight_decay[k])
         m.copy_(m_new)
         rows.append(torch.stack([ratio.double(), prelim, u.double().square().sum()]))
     if not rows:
@@ -234,7 +240,7 @@ def reference_momentum_source(
 
 def reference_local_source(
     tensors: tuple[torch.Tensor, ...],
-    param: torch.Tensor | None,
+    param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     starts: list[int],
@@ -244,7 +250,7 @@ def reference_local_source(
 ) -> None:
     """Pure-torch :func:`~lightning_onebit.kernels.local_source` (same arguments; 0/1 Adam's
     torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
-    zeros) per segment."""
+    zeros) per segment, the parameter a flat buffer or one tensor per segment."""
     (exp_avg, grad, denom), (beta, alpha, lr, weight_decay) = tensors, hp
     coefs = zip(starts, sizes, beta, alpha, lr, weight_decay, strict=True)
     for k, (lo, n, b, a, r, w) in enumerate(coefs):
@@ -258,9 +264,9 @@ def reference_local_source(
         if preconditioned:
             x.div_(denom[s])
             if param is not None and w > 0:
-                x.add_(param[s], alpha=w)
+                x.add_(_piece(param, k, s), alpha=w)
         elif param is not None and w > 0:
-            x.addcmul_(param[s], denom[s], value=w)
+            x.addcmul_(_piece(param, k, s), denom[s], value=w)
         x.mul_(-r)
         if acc is not None:
             if preconditioned:

@@ -441,7 +441,9 @@ class OneBitLamb(OneBitOptimizer):
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
         # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
         # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
-        p = self.flat.gather_params() if any_weight_decay(self) else None
+        # (p: each layer's parameter where it lies, read by the kernel for the decay term)
+        layers = list(range(len(self.flat.layout.params)))
+        p = self.flat.params(layers) if any_weight_decay(self) else None
         hparams = ("beta1", "beta2", "eps", "weight_decay")
         stats = lamb_frozen_update(
             x,

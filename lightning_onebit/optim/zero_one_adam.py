@@ -324,8 +324,9 @@ class ZeroOneAdam(OneBitOptimizer):
         (gathered into the flat gradient buffer); 3c ``(acc - lr u) * (sqrt(v) + eps) =
         acc * d - lr * (m_new + weight_decay * p * d)`` with ``m_new = beta1 m + (1 - beta1) g``
         (m and acc change after the exchange), a :class:`~lightning_onebit.kernels.LocalSource`
-        that reads each gradient where autograd left it (:meth:`FlatState.grads`) and that the
-        exchange computes as it compresses it where it can. With ``preconditioned_exchange``
+        that reads each gradient where autograd left it (:meth:`FlatState.grads`) and each
+        parameter where it lies (:meth:`FlatState.params`), and that the exchange computes as
+        it compresses it where it can. With ``preconditioned_exchange``
         both are divided by ``d = sqrt(v) + eps``: 1b ``g / d``, 3c ``acc - lr u`` (parameter
         units)."""
         flat, groups = self.flat, self.param_groups
@@ -340,7 +341,7 @@ class ZeroOneAdam(OneBitOptimizer):
         hp = self._local_coefficients(idx)
         return LocalSource(
             (flat.states["exp_avg"], flat.grads(groups, idx), d),
-            flat.gather_params(s) if any_weight_decay(self) else None,
+            flat.params(idx) if any_weight_decay(self) else None,
             self._acc if self._local_steps_taken else None,
             flat.work["update"],
             [flat.layout.offsets[j] for j in idx],

@@ -396,6 +396,52 @@ def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
     torch.testing.assert_close(stats[4], torch.stack(want), rtol=1e-5, atol=0)
 
 
+def _own_pieces(flat: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    """Each layer's values of ``flat`` (``offsets[k]:offsets[k + 1]``) in storage of its own,
+    shaped 2-D where its size allows (the kernels read any shape)."""
+    pieces = []
+    for lo, hi in itertools.pairwise(offsets):
+        t = flat[lo:hi].clone()
+        pieces.append(t.view(2, -1) if (hi - lo) % 2 == 0 and hi > lo else t)
+    return pieces
+
+
+def _lamb_layers(bufs: dict, offsets: list[int], hp: dict):
+    """``_lamb_case``'s inputs with the parameter as one tensor per layer."""
+    return {**bufs, "param": _own_pieces(bufs["param"], offsets)}, offsets, hp
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_lamb_frozen_update_per_layer_params_are_the_flat_form_bitwise(
+    precond: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each layer's parameter in storage of its own (as the optimizer passes them: no copy into
+    a flat buffer) gives the floats and statistics of the flat buffer holding the same values,
+    bit for bit: the kernel on 1 and 2 threads, and the torch path; the parameters unchanged."""
+    bufs, offsets, hp = _lamb_case(41 + precond, True)
+    hp = {**hp, "preconditioned": precond}
+    layers = _lamb_layers(bufs, offsets, hp)[0]
+    kept = [p.clone() for p in layers["param"]]
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            want_b, want_s = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+            got_b, got_s = _lamb_run(K.lamb_frozen_update, layers, offsets, hp)
+            for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+                assert _same_bits(got_b[k], want_b[k]), (nt, k)
+            assert torch.equal(got_s, want_s), nt
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(layers["param"], kept, strict=True))
+    monkeypatch.setattr(K.ops.native, "use_native", lambda: False)  # (the torch path)
+    want_b, want_s = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
+    got_b, got_s = _lamb_run(K.lamb_frozen_update, layers, offsets, hp)
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        assert _same_bits(got_b[k], want_b[k]), k
+    assert torch.equal(got_s, want_s)
+
+
 #: what the scalar (non-AVX2) kernels compute, in a fresh process whose kernels take that path
 #: (ONEBIT_NO_SIMD is read at import): Adam's update on case 9, 1-bit LAMB's on case 7
 _PORTABLE = """
@@ -403,6 +449,7 @@ import sys, torch, tests.kernels.test_kernels as T
 from lightning_onebit import kernels as K
 assert not K.native.module.cpu_has_simd()
 lamb = {d: T._lamb_run(K.lamb_frozen_update, *T._lamb_case(7, d)) for d in (False, True)}
+lamb_layers = T._lamb_run(K.lamb_frozen_update, *T._lamb_layers(*T._lamb_case(7, True)))
 source = {d: T.source_run(K.momentum_source, T._source_case(3), d) for d in (False, True)}
 case, grads = T._segment_grads(T._source_case(5), 5)
 source_seg = {d: T.source_run(K.momentum_source, (case[0], grads, *case[2:]), d) for d in (False, True)}
@@ -413,10 +460,14 @@ compress_source = T._compress_source(K.MomentumSource(m, g, d, m.clone(), st, sz
 tensors, p, acc, st, sz, hp = T._local_tiled(T.SOURCE_TILINGS["awkward"], 3)
 local_source = K.LocalSource(tensors, p, acc, p.clone(), st, sz, hp, True)
 compress_local = T._compress_source(local_source, 3, True, 3)
+pieces = [p[lo : lo + n].clone() for lo, n in zip(st, sz)]
+local_pieces = K.LocalSource(tensors, pieces, acc, p.clone(), st, sz, hp, True)
+compress_local_pieces = T._compress_source(local_pieces, 3, True, 3)
 local_step = T.step_run(K.local_step, T._step_case(21))
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 sign_runs = T.sign_runs_pair()
 torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
+            "lamb_layers": lamb_layers, "compress_local_pieces": compress_local_pieces,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
             "sync": sync, "compress_source": compress_source, "compress_local": compress_local,
             "local_step": local_step, "sign_runs": sign_runs},
@@ -449,6 +500,10 @@ def test_lamb_frozen_update_portable_path_matches_reference(portable: dict) -> N
     for decay in (False, True):
         ref = _lamb_run(K.reference_lamb_frozen_update, *_lamb_case(7, decay))
         _assert_lamb_close(portable["lamb"][decay], ref)
+    (want_b, want_s), (got_b, got_s) = portable["lamb"][True], portable["lamb_layers"]
+    for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+        assert _same_bits(got_b[k], want_b[k]), k  # (per-layer parameters: the same floats)
+    assert torch.equal(got_s, want_s)
 
 
 def test_lamb_frozen_update_independent_of_thread_count() -> None:
@@ -1080,21 +1135,29 @@ def _flat_grad(grads, starts, like: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+def _param_pieces(p: torch.Tensor, starts: list[int], sizes: list[int]) -> list[torch.Tensor]:
+    """Each segment's values of the flat ``p`` in storage of its own (the parameters where
+    they lie)."""
+    return [p[lo : lo + n].clone() for lo, n in zip(starts, sizes, strict=True)]
+
+
 @pytest.mark.parametrize("precond", [False, True])
-def test_local_source_per_segment_grads_are_the_flat_form_bitwise(precond: bool) -> None:
-    """The gradient given per segment (storage of its own, None for zeros) gives the floats of
-    the flat buffer holding the same values bit for bit (the kernel on 1 and 2 threads, the
-    reference), with and without the decay and accumulator terms."""
+def test_local_source_per_segment_tensors_are_the_flat_form_bitwise(precond: bool) -> None:
+    """The gradient given per segment (storage of its own, None for zeros) and the parameter
+    given per segment give the floats of the flat buffers holding the same values bit for bit
+    (the kernel on 1 and 2 threads, the reference), with and without the decay and
+    accumulator terms."""
     (m, grads, d), p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS["awkward"], 9)
     assert any(g is None for g in grads)
-    flat = _flat_grad(grads, starts, m)
+    flat, pieces = _flat_grad(grads, starts, m), _param_pieces(p, starts, sizes)
     old = torch.get_num_threads()
     try:
         for nt, decay, with_acc in itertools.product((1, 2), (False, True), (False, True)):
             torch.set_num_threads(nt)
-            terms = (p if decay else None, acc if with_acc else None)
+            a = acc if with_acc else None
             want, got, ref = (torch.full_like(m, float("nan")) for _ in range(3))
-            K.local_source((m, flat, d), *terms, want, starts, sizes, hp, precond)
+            K.local_source((m, flat, d), p if decay else None, a, want, starts, sizes, hp, precond)
+            terms = (pieces if decay else None, a)
             K.local_source((m, grads, d), *terms, got, starts, sizes, hp, precond)
             K.reference_local_source((m, grads, d), *terms, ref, starts, sizes, hp, precond)
             assert _same_bits(got, want) and _same_bits(ref, want), (nt, decay, with_acc)
@@ -1115,14 +1178,17 @@ def test_worker_compress_of_a_local_source_is_the_buffer_form_bitwise(
     m, grads, _ = tensors
     before = [t.clone() for t in (m, p, acc)] + [g.clone() for g in grads if g is not None]
     lo, hi = starts[0], starts[-1] + sizes[-1]
+    pieces = _param_pieces(p, starts, sizes)
     old = torch.get_num_threads()
     try:
-        for nt, w, pending, terms in itertools.product(
-            (1, 2), (1, 2, 3), (False, True), ((None, None), (p, acc))
+        for nt, w, pending, param in itertools.product(
+            (1, 2), (1, 2, 3), (False, True), (None, p, pieces)
         ):
             torch.set_num_threads(nt)
+            terms = (None, None) if param is None else (param, acc)
             buf, out = torch.full_like(m, float("nan")), torch.full_like(m, float("nan"))
-            K.local_source(tensors, *terms, buf, starts, sizes, hp, precond)
+            flat_terms = (None, None) if param is None else (p, acc)
+            K.local_source(tensors, *flat_terms, buf, starts, sizes, hp, precond)
             source = K.LocalSource(tensors, *terms, out, starts, sizes, hp, precond)
             assert source.computed_as_read and source.numel() == hi - lo
             got = _compress_source(source, w, pending, seed=w)
@@ -1141,8 +1207,9 @@ def test_worker_compress_of_a_local_source_portable_path_is_bitwise_too(portable
     buf = torch.full_like(p, float("nan"))
     K.local_source(tensors, p, acc, buf, starts, sizes, hp, True)
     want = _compress_source(buf[starts[0] : starts[-1] + sizes[-1]], 3, True, seed=3)
-    for a, b in zip(portable["compress_local"], want, strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for got in (portable["compress_local"], portable["compress_local_pieces"]):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_local_source_elsewhere_is_materialized_first() -> None:
@@ -1310,6 +1377,17 @@ def test_local_source_rejects_bad_input() -> None:
         K.local_source((t, t, t), None, None, t.clone(), [0], [8], (*hp[:3], [0.0, 0.1]), True)
     with pytest.raises(TypeError):
         K.local_source((t, t, t), t.double(), None, t.clone(), [0], [8], hp, True)
+    for pieces, exc, match in (
+        ([t[:8], t[8:]], ValueError, r"param must have one tensor per segment \(1\), got 2"),
+        ([t[:7]], ValueError, r"param\[0\] must have its segment's 8 values, got 7"),
+        ([None], TypeError, r"param\[0\] is None: give a tensor for every segment"),
+        ([t[:8].double()], TypeError, r"param\[0\] must have dtype torch\.float32"),
+        ([torch.zeros(16)[::2]], ValueError, r"param\[0\] must be contiguous"),
+    ):
+        with pytest.raises(exc, match=match):
+            K.local_source((t, t, t), pieces, None, t.clone(), [0], [8], hp, True)
+        with pytest.raises(exc, match=match):
+            K.LocalSource((t, t, t), pieces, None, t.clone(), [0], [8], hp, True)
 
 
 def _sync_case(seed: int):
@@ -1521,6 +1599,16 @@ def test_lamb_frozen_update_rejects_bad_input() -> None:
         K.lamb_frozen_update(*args[:2], args[2].double(), *args[3:], offsets, **hp)
     with pytest.raises(ValueError, match="update must be contiguous"):
         K.lamb_frozen_update(*args[:5], torch.zeros(16)[::2], offsets, **hp)
+    p = args[4]
+    for pieces, exc, match in (
+        ([p[:4]], ValueError, r"param must have one tensor per segment \(2\), got 1"),
+        ([p[:4], p[4:7]], ValueError, r"param\[1\] must have its segment's 4 values, got 3"),
+        ([p[:4], None], TypeError, r"param\[1\] is None: give a tensor for every segment"),
+        ([p[:4], p[4:].half()], TypeError, r"param\[1\] must have dtype torch\.float32"),
+        ([p[:4], torch.zeros(8)[::2]], ValueError, r"param\[1\] must be contiguous"),
+    ):
+        with pytest.raises(exc, match=match):
+            K.lamb_frozen_update(*args[:4], pieces, args[5], offsets, **hp)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -1781,7 +1869,7 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
     for verdict in (None, ok):
         with pytest.raises(RuntimeError, match="onebit: cuda"):
             native.lamb_frozen_update_cuda(
-                (g, m, v + 1, v, p, torch.empty(10)), [0, 10], coefs, verdict
+                (g, m, v + 1, v, p.data_ptr(), torch.empty(10)), [0, 10], coefs, verdict
             )
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))

@@ -3,14 +3,18 @@
 same parameters and states, bit for bit, as with every gradient gathered, with and without the
 overlap with backward, for parameters whose gradients must still be gathered (``maximize``,
 torch Adam's L2 term, a non-contiguous or bf16 gradient), missing gradients, and
-``rescale_variance`` (its norms read the same gradients)."""
+``rescale_variance`` (its norms read the same gradients).
+
+Likewise, the decay terms of 1-bit LAMB's compression steps and of 0/1 Adam's sync steps read
+each parameter where it lies (``FlatState.params``): bit for bit the steps with every parameter
+copied into the flat parameter buffer, which only the non-contiguous and bf16 ones still are."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_onebit.optim import OneBitAdam, OneBitLamb
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from lightning_onebit.optim._flat import FlatState
 
 STEPS = 24  # 2 warmup steps, then compression (rescale_variance reduces every 10)
@@ -113,3 +117,73 @@ def test_gradients_read_in_place_give_the_gathered_steps_bitwise(
     # read in place: the fp32 contiguous gradients of plain groups (a.weight, a.bias,
     # sometimes); gathered: the non-contiguous and bf16 ones and the adjusting groups'
     assert got["written"] == [False, False, True, True, False, True, True, True, True]
+
+
+#: the optimizers whose compression steps read the parameters for their decay terms: 1-bit
+#: LAMB's, and 0/1 Adam's sync steps (its local phase from step 3: syncs every step, then every
+#: 2nd, then every 4th, so that local steps come between them)
+DECAYING = {
+    "onebit_lamb": FACTORIES["onebit_lamb"],
+    "zero_one_adam": lambda groups: ZeroOneAdam(
+        groups,
+        lr=1e-2,
+        var_freeze_step=2,
+        var_update_scaler=1,
+        local_step_scaler=4,
+        local_step_clipper=4,
+        weight_decay=0.01,
+        bias_correction=True,
+    ),
+}
+
+
+def _train_decaying(
+    algo: str, overlap: bool, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> dict:
+    """Train ``STEPS`` steps; with ``in_place=False`` every parameter is copied into the flat
+    parameter buffer for the decay terms, as before the kernels read them where they lie.
+    Returns the parameters and states, and which parameters' flat views the steps after the
+    freeze wrote."""
+    with monkeypatch.context() as patch:
+        if not in_place:
+            patch.setattr(
+                FlatState,
+                "params",
+                lambda self, only: [
+                    self.views["param"][j].copy_(self.layout.params[j]) for j in only
+                ],
+            )
+        model = _Model()
+        opt = DECAYING[algo](_groups(model))
+        if overlap:
+            opt.overlap_with_backward(0.001)  # several buckets
+        gen = torch.Generator().manual_seed(1)
+        for t in range(1, STEPS + 1):
+            x, y = torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, t), y).backward()
+            opt.step()
+            if t == 2:  # the last full-precision step: what the later steps write
+                opt.flat.param.fill_(float("nan"))
+        written = [not torch.isnan(v).all().item() for v in opt.flat.views["param"]]
+        params = [p.detach().clone() for p in model.parameters()]
+        states = {k: v.clone() for k, v in {**opt.flat.states, **opt.flat.scalars}.items()}
+        errors = opt.flat.exchange.state_dict()
+        opt.close()
+    return {"params": params, "states": states, "errors": errors, "written": written}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("algo", list(DECAYING))
+def test_parameters_read_where_they_lie_give_the_gathered_steps_bitwise(
+    algo: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = _train_decaying(algo, overlap, True, monkeypatch)
+    want = _train_decaying(algo, overlap, False, monkeypatch)
+    assert _same(got["params"], want["params"])
+    assert _same(got["states"], want["states"])
+    assert _same(got["errors"], want["errors"])
+    assert all(want["written"])  # (the copying path wrote every view)
+    # read where they lie: the fp32 contiguous parameters; copied: the non-contiguous t and
+    # the bf16 h (layout order: a.weight, a.bias, t, h, sometimes, b.*, c.*)
+    assert got["written"] == [False, False, True, True, False, False, False, False, False]
