@@ -3,7 +3,7 @@ inside real multi-process steps over gloo, next to torch Adam's step and a plain
 
     python benchmarks/step_profile.py [--params 19024896] [--world 2] [--steps 12]
         [--algorithms onebit_adam,zero_one_adam,onebit_lamb] [--pin] [--materialize]
-        [--decode] [--local-interval N] [--json FILE]
+        [--decode] [--local-interval N] [--weight-decay W [--gather-params]] [--json FILE]
 
 Every rank builds the same synthetic model (``--tensors`` parameters of ``--params`` values in
 all), random local gradients, and an optimizer that switches to its compression phase after the
@@ -21,7 +21,10 @@ as a build without the fused compression would (the
 there): the two paths side by side, the same floats. ``--decode`` decodes the exchange's
 result into a buffer before 1-bit Adam's and 1-bit LAMB's update reads it (the path of masked,
 CUDA and two-level runs) instead of the update reading the exchange's records
-(:class:`~lightning_onebit.kernels.SignRuns`): the same floats too.
+(:class:`~lightning_onebit.kernels.SignRuns`): the same floats too. ``--weight-decay`` gives
+every optimizer that decoupled weight decay (torch's: AdamW); ``--gather-params`` then copies
+the parameters into the flat parameter buffer for the decay terms of 1-bit LAMB's update and
+0/1 Adam's sync-step source instead of the kernels reading each where it lies: the same floats.
 
 The numbers are rank 0's (stages: means over the timed steps; steps: medians); *step (slowest rank)* is the median of
 the slowest rank's step wall time.
@@ -47,6 +50,7 @@ import torch.multiprocessing as mp
 #: stages: (where, attribute, label, fp32 bytes per value it must move or None)
 _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.optim._flat:FlatState", "gather_grads", "gather grads", 8),
+    ("lightning_onebit.optim._flat:FlatState", "params", "params for decay", None),
     ("lightning_onebit.optim.onebit_adam:OneBitAdam", "_exchange_source", "exchange source", 16),
     ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_exchange_source", "exchange source", 8),
     ("lightning_onebit.optim.onebit_lamb:OneBitLamb", "_exchange_source", "exchange source", 12),
@@ -139,17 +143,22 @@ def _model(n: int, tensors: int) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in sizes]
 
 
-def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(
+    name: str, params: list[torch.nn.Parameter], weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
     from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
+    wd = {"weight_decay": weight_decay}
     if name == "torch_adam":
+        if weight_decay:
+            return torch.optim.AdamW(params, lr=1e-4, **wd)
         return torch.optim.Adam(params, lr=1e-4)
     if name == "onebit_adam":
-        return OneBitAdam(params, lr=1e-4, freeze_step=1, bias_correction=True)
+        return OneBitAdam(params, lr=1e-4, freeze_step=1, bias_correction=True, **wd)
     if name == "zero_one_adam":
-        return ZeroOneAdam(params, lr=1e-4, var_freeze_step=1, bias_correction=True)
+        return ZeroOneAdam(params, lr=1e-4, var_freeze_step=1, bias_correction=True, **wd)
     if name == "onebit_lamb":
-        return OneBitLamb(params, lr=1e-3, freeze_step=1, bias_correction=True)
+        return OneBitLamb(params, lr=1e-3, freeze_step=1, bias_correction=True, **wd)
     raise ValueError(f"unknown algorithm {name!r}")
 
 
@@ -168,6 +177,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
 
         for cls in (CompressedAllreduce, BucketedAllreduce):
             cls.finish = lambda self, v, out, decode=True, _f=cls.finish: _f(self, v, out)  # type: ignore[method-assign]
+    if args.gather_params:
+        from lightning_onebit.optim._flat import FlatState
+
+        def gathered(self: Any, only: list[int]) -> list[torch.Tensor]:
+            views, params = self.views["param"], self.layout.params
+            return [views[j].copy_(params[j]) for j in only]
+
+        FlatState.params = gathered  # type: ignore[method-assign]
     clock = _Clock()
     _instrument(clock)
     out: dict[str, Any] = {}
@@ -176,7 +193,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
         params = _model(args.params, args.tensors)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-        opt = _optimizer(name, params)
+        opt = _optimizer(name, params, args.weight_decay)
         if name == "zero_one_adam":
             opt.local_step_interval = args.local_interval
         for _ in range(2):  # the warmup step, the first compression step (buffers built)
@@ -247,9 +264,22 @@ def main(argv: list[str] | None = None) -> None:
         help="0/1 Adam's local_step_interval: 1 (default) every timed step is a sync step; "
         "larger, a sync step every that many steps (e.g. 1000000: local steps only)",
     )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="decoupled weight decay for every optimizer (torch's: AdamW)",
+    )
+    p.add_argument(
+        "--gather-params",
+        action="store_true",
+        help="copy the parameters into the flat buffer for the decay terms",
+    )
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args(argv)
     args.algorithms = [a for a in args.algorithms.split(",") if a]
+    if args.gather_params and not args.weight_decay:
+        p.error("--gather-params needs --weight-decay (without decay no parameter is read)")
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -273,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{'pinned' if args.pin else 'not pinned'} · {args.steps} compression steps"
         f"{' · source materialized' if args.materialize else ''}"
         f"{' · result decoded before the update' if args.decode else ''}"
+        f"{f' · weight decay {args.weight_decay}' if args.weight_decay else ''}"
+        f"{' · parameters copied for the decay terms' if args.gather_params else ''}"
         f"{f' · 0/1 Adam local_step_interval {args.local_interval}' if args.local_interval > 1 else ''}\n"
     )
     print(f"copy of {n:,} fp32 values: {r0['copy'] * 1e3:.1f} ms ({copy_gbs:.1f} GB/s)\n")
