@@ -961,17 +961,17 @@ def local_source(
         preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
 
     The gradient is a flat buffer or one tensor per segment (``None``: zeros), as
-    :func:`momentum_source`'s; so is ``param`` (one tensor per segment, each parameter where it
-    lies, or ``None``: no decay terms). The decay term is taken where ``param`` is given and
-    ``weight_decay > 0``, the accumulator's where ``acc`` is given. One sweep (reads 3-5
+    :func:`momentum_source`'s, and so is ``param``, without ``None`` entries (each parameter
+    where it lies; ``param=None``: no decay terms). The decay term is taken where ``param`` is
+    given and ``weight_decay > 0``, the accumulator's where ``acc`` is given. One sweep (reads 3-5
     buffers, writes one) where the torch ops make five or more, writing torch's floats bit for
     bit on the same device: on the CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and
     ``addcmul_`` are fused multiply-adds on x86, which the kernel does too), on CUDA the CUDA
     kernel on the current stream (no host synchronisation), with the roundings of torch's CUDA
     kernels (its ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with
     ``weight_decay``); it reads a flat gradient and a flat parameter, so per-segment tensors
-    that are not the pieces of one buffer are copied into one first. Without a compiled kernel for the device
-    the torch ops themselves run (:func:`reference_local_source`).
+    that are not the pieces of one buffer are copied into one first. Without a compiled kernel
+    for the device the torch ops themselves run (:func:`reference_local_source`).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
