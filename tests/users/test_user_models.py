@@ -91,8 +91,7 @@ KNOWN_LAMB = {
     "the variance and the trust ratio at step 40 of 200 (with an exact fp32 exchange instead of "
     "the 1 bit: 1.21-1.37x; only both live, i.e. LAMB, gets 0.99-1.05x; see docs/tuning.md)",
     "conv_bn": "1.78x the loss of LAMB never frozen on one machine (2 CPUs, AMD EPYC without "
-    "AVX-512; the code of two days agrees), within 1.25x on the machine of the earlier runs: "
-    "the same code lands on either side of the bar",
+    "AVX-512), within 1.25x on another: the same code lands on either side of the bar",
     "vit": "0.92-1.04x the loss of LAMB never frozen over seeds 0-2 here, but q/k_proj.weight "
     "4.9/6.5/11.3x DDP's (and 1.0-2.2x, 9.6-14x on another machine before floored variances "
     "were raised to the mean)",
