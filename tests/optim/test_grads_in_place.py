@@ -65,31 +65,37 @@ def _groups(model: _Model) -> list[dict]:
     ]
 
 
+def _fit(factory, overlap: bool, buffer: str) -> dict:
+    """Train ``STEPS`` steps with ``factory``'s optimizer, the flat buffer ``buffer`` ("grad"
+    or "param") NaN-filled after step 2 (the last that gathers everything). Returns the
+    parameters and states, and which parameters' views of that buffer later steps wrote."""
+    model = _Model()
+    opt = factory(_groups(model))
+    if overlap:
+        opt.overlap_with_backward(0.001)  # several buckets
+    gen = torch.Generator().manual_seed(1)
+    for t in range(1, STEPS + 1):
+        x, y = torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x, t), y).backward()
+        opt.step()
+        if t == 2:
+            getattr(opt.flat, buffer).fill_(float("nan"))
+    written = [not torch.isnan(v).all().item() for v in opt.flat.views[buffer]]
+    params = [p.detach().clone() for p in model.parameters()]
+    states = {k: v.clone() for k, v in {**opt.flat.states, **opt.flat.scalars}.items()}
+    errors = opt.flat.exchange.state_dict()
+    opt.close()
+    return {"params": params, "states": states, "errors": errors, "written": written}
+
+
 def _train(algo: str, overlap: bool, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Train ``STEPS`` steps; with ``in_place=False`` every gradient is gathered, as before
-    the kernels read them in place. Returns the parameters and states, and which parameters'
-    flat gradient views the compression steps wrote."""
+    """:func:`_fit`; with ``in_place=False`` every gradient is gathered, as before the kernels
+    read them in place."""
     with monkeypatch.context() as patch:
         if not in_place:
             patch.setattr(FlatState, "_read_in_place", lambda self, group, g: False)
-        model = _Model()
-        opt = FACTORIES[algo](_groups(model))
-        if overlap:
-            opt.overlap_with_backward(0.001)  # several buckets
-        gen = torch.Generator().manual_seed(1)
-        for t in range(1, STEPS + 1):
-            x, y = torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x, t), y).backward()
-            opt.step()
-            if t == 2:  # the warmup gathered everything: what the compression steps write
-                opt.flat.grad.fill_(float("nan"))
-        written = [not torch.isnan(v).all().item() for v in opt.flat.views["grad"]]
-        params = [p.detach().clone() for p in model.parameters()]
-        states = {k: v.clone() for k, v in {**opt.flat.states, **opt.flat.scalars}.items()}
-        errors = opt.flat.exchange.state_dict()
-        opt.close()
-    return {"params": params, "states": states, "errors": errors, "written": written}
+        return _fit(FACTORIES[algo], overlap, "grad")
 
 
 def _same(a: object, b: object) -> bool:
@@ -140,10 +146,8 @@ DECAYING = {
 def _train_decaying(
     algo: str, overlap: bool, in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> dict:
-    """Train ``STEPS`` steps; with ``in_place=False`` every parameter is copied into the flat
-    parameter buffer for the decay terms, as before the kernels read them where they lie.
-    Returns the parameters and states, and which parameters' flat views the steps after the
-    freeze wrote."""
+    """:func:`_fit`; with ``in_place=False`` every parameter is copied into the flat parameter
+    buffer for the decay terms, as before the kernels read them where they lie."""
     with monkeypatch.context() as patch:
         if not in_place:
             patch.setattr(
@@ -153,24 +157,7 @@ def _train_decaying(
                     self.views["param"][j].copy_(self.layout.params[j]) for j in only
                 ],
             )
-        model = _Model()
-        opt = DECAYING[algo](_groups(model))
-        if overlap:
-            opt.overlap_with_backward(0.001)  # several buckets
-        gen = torch.Generator().manual_seed(1)
-        for t in range(1, STEPS + 1):
-            x, y = torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x, t), y).backward()
-            opt.step()
-            if t == 2:  # the last full-precision step: what the later steps write
-                opt.flat.param.fill_(float("nan"))
-        written = [not torch.isnan(v).all().item() for v in opt.flat.views["param"]]
-        params = [p.detach().clone() for p in model.parameters()]
-        states = {k: v.clone() for k, v in {**opt.flat.states, **opt.flat.scalars}.items()}
-        errors = opt.flat.exchange.state_dict()
-        opt.close()
-    return {"params": params, "states": states, "errors": errors, "written": written}
+        return _fit(DECAYING[algo], overlap, "param")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
