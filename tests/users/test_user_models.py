@@ -90,8 +90,9 @@ KNOWN_LAMB = {
     "dead_relu": "1.23-1.37x the loss of LAMB never frozen over seeds 0-2: the freeze of both "
     "the variance and the trust ratio at step 40 of 200 (with an exact fp32 exchange instead of "
     "the 1 bit: 1.21-1.37x; only both live, i.e. LAMB, gets 0.99-1.05x; see docs/tuning.md)",
-    "conv_bn": "1.78x the loss of LAMB never frozen on one machine (2 CPUs, AMD EPYC without "
-    "AVX-512), within 1.25x on another: the same code lands on either side of the bar",
+    "conv_bn": "LAMB never frozen is chaotic at this lr (its loss 0.038-0.32 over seeds 0-2, 8x; "
+    "1-bit LAMB's 0.067-0.088, below DDP + Adam's): 0.23-1.78x of it; at lamb_lr 3e-3 and "
+    "5e-3 a steady 1.2-3.0x from the switch at 20% (at 80%: 0.77-0.95x; see docs/tuning.md)",
     "vit": "0.92-1.04x the loss of LAMB never frozen over seeds 0-2 here, but q/k_proj.weight "
     "4.9/6.5/11.3x DDP's (and 1.0-2.2x, 9.6-14x on another machine before floored variances "
     "were raised to the mean)",
