@@ -198,7 +198,7 @@ PYBIND11_MODULE(_C, m) {
                                       ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, ptr stats, ptr ws,
                                       ptr stream) {
     onebit::lamb_frozen_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
-                                    P<const float>(p), P<float>(u), L, P<const int64_t>(offsets),
+                                    P<const float* const>(p), P<float>(u), L, P<const int64_t>(offsets),
                                     P<const int64_t>(chunk_start), nchunks, P<const float>(scaling),
                                     P<const float>(beta1), P<const float>(ob1), P<const float>(beta2),
                                     P<const float>(ob2), P<const float>(eps), P<const float>(wd), P<double>(stats),
@@ -221,7 +221,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("local_source_cuda", [](int device, ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts,
                                 ptr sizes, ptr chunk_start, int64_t nchunks, ptr b, ptr a, ptr nw, ptr nlr,
                                 bool precond, ptr stream) {
-    onebit::local_source_cuda(device, P<const float>(mm), P<const float>(g), P<const float>(d), P<const float>(p),
+    onebit::local_source_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d),
+                              P<const float* const>(p),
                               P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                               P<const int64_t>(chunk_start), nchunks, P<const float>(b), P<const float>(a),
                               P<const float>(nw), P<const float>(nlr), precond, P<void>(stream));

@@ -250,8 +250,10 @@ void adam_update_cuda(int device, const bool* ok, const float* g, float* m, floa
 // `workspace`: device memory of at least 3 * max(nchunks, 1) doubles, owned by this call.
 // `ok`: null, or a device bool (an exchange's verdict): when false the call writes u = 0 and stats
 // (1, 0, 0) per layer, and leaves m and vf as they were (a step dropped without a host read).
+// `p`: as on the CPU, a table of L parameter pointers (device memory; null, or a null entry: no
+// decay term), but layer k's pointer is its own storage from 0 (flat index i at p[k][i - offsets[k]]).
 void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf,
-                             const float* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
+                             const float* const* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
                              int64_t nchunks, const float* scaling, const float* beta1, const float* ob1,
                              const float* beta2, const float* ob2, const float* eps, const float* wd,
                              double* stats, void* workspace, void* stream);
@@ -281,10 +283,12 @@ void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src,
 void momentum_source_cuda(int device, const float* m, const float* const* g, const float* d, float* u, int64_t P,
                           const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                           const float* b, const float* a, void* stream);
-// local_source_cpu on device pointers, except the decay term without precond:
-// x <- fma(-nw, p * d, x) (torch's CUDA addcmul_; fma(p, d, x) when -nw is 1).
-void local_source_cuda(int device, const float* m, const float* g, const float* d, const float* p, const float* acc,
-                       float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
+// local_source_cpu on device pointers (g and p tables of the segments' own storage from 0, as
+// momentum_source_cuda's g; a null g entry: zeros; p null, or a null entry: no decay term), except
+// the decay term without precond: x <- fma(-nw, p * d, x) (torch's CUDA addcmul_; fma(p, d, x)
+// when -nw is 1).
+void local_source_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+                       const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                        int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
                        void* stream);
 // sync_update_cpu on device pointers, except m: (precond ? x * d : x) * inv[j], inv[j] the

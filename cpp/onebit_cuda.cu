@@ -630,8 +630,9 @@ momentum_source_kernel(const float* m, const float* const* g, const float* d, fl
 }
 
 // 0/1 Adam's exchange source on a sync step (kernels.local_source): per value i of segment j,
-// with w = -nw[j] (the decay term only where p is not null and nw[j] is not +0.0; the
-// accumulator's only where acc is not null):
+// with w = -nw[j] (the decay term only where p and p[j] are not null and nw[j] is not +0.0; the
+// accumulator's only where acc is not null); g[j] and p[j] are segment j's gradient and
+// parameter, each read at [i - starts[j]] as in momentum_source_kernel (a null g[j]: zeros):
 //   x = fma(g, a, m * b)                          torch.mul(m, b, out=x).add_(g, alpha=a)
 //   precond: x = x / d;  x = fma(p, w, x)         div_(d); add_(p, alpha=w)
 //   else:    x = fma(w, p * d, x)                 addcmul_(p, d, value=w) (fma(p, d, x) if w == 1)
@@ -639,16 +640,18 @@ momentum_source_kernel(const float* m, const float* const* g, const float* d, fl
 //   precond: x = x + acc;  else: x = fma(acc, d, x)    add_(acc); addcmul_(acc, d)
 //   u <- x
 __global__ void __launch_bounds__(kThreads)
-local_source_kernel(const float* m, const float* g, const float* d, const float* p, const float* acc, float* u,
-                    int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
+local_source_kernel(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
+                    float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                     int64_t nchunks, const float* beta, const float* alpha, const float* nw, const float* nlr,
                     bool precond) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const ParamChunk pc(chunk_start, P, starts, sizes, c);
-    const int64_t lo = pc.lo, hi = pc.hi;
+    const int64_t start = pc.start, lo = pc.lo, hi = pc.hi;
+    const float* const gj = g[pc.j];
+    const float* const pj = p ? p[pc.j] : nullptr;
     const float b = beta[pc.j], a = alpha[pc.j], r = nlr[pc.j], nwj = nw[pc.j];
     const float w = -nwj;  // weight_decay as torch's float alpha / value: -float(-wd) == float(wd)
-    const bool decay = p != nullptr && __float_as_uint(nwj) != 0u;  // nw is not +0.0
+    const bool decay = pj != nullptr && __float_as_uint(nwj) != 0u;  // nw is not +0.0
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
       float mr[kUnroll], gr[kUnroll], dr[kUnroll], pr[kUnroll], ar[kUnroll];
 #pragma unroll
@@ -656,9 +659,9 @@ local_source_kernel(const float* m, const float* g, const float* d, const float*
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
         mr[k] = m[i];
-        gr[k] = g[i];
+        gr[k] = gj ? gj[i - start] : 0.0f;
         dr[k] = d[i];
-        pr[k] = decay ? p[i] : 0.0f;
+        pr[k] = decay ? pj[i - start] : 0.0f;
         ar[k] = acc ? acc[i] : 0.0f;
       }
 #pragma unroll
@@ -744,13 +747,14 @@ restore_kernel(const bool* ok, uint8_t* dst, const uint8_t* src, int64_t n) {
 
 // 1-bit LAMB's compression-phase update (lamb_block_scalar): per value i of layer k,
 //   mn = x / scaling;  g = (mn - beta1 * m) / ob1;  vf <- vf * beta2 + ob2 * (g * g);
-//   up = mn / d;  u <- up + wd * p (up when p is null);  m <- mn;
+//   up = mn / d;  u <- up + wd * p (up when p or p[k] is null);  m <- mn;
 // and the chunk's max d / (sqrt(vf) + eps), sum up^2, sum u^2 into partial[3c .. 3c + 2].
+// p[k] is layer k's parameter, its value of flat index i at p[k][i - offsets[k]].
 // With ok (the exchange's verdict, on the device; null: always) false: u <- 0 and nothing else
 // (m, vf unchanged; lamb_finalize writes neutral stats), so p - lr * coeff * u leaves p as it was.
 __global__ void __launch_bounds__(kThreads)
-lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t L,
-            const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks, const float* scaling,
+lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf, const float* const* p, float* u,
+            int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks, const float* scaling,
             const float* beta1, const float* ob1, const float* beta2, const float* ob2, const float* eps,
             const float* wd, double* partial) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform: block_stats3 inside
@@ -763,6 +767,8 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
       continue;
     }
     const float sc = scaling[k], b1 = beta1[k], o1 = ob1[k], b2 = beta2[k], o2 = ob2[k], ep = eps[k], w = wd[k];
+    const float* const pk = p ? p[k] : nullptr;  // (k: the layer; the unrolled loops below shadow it)
+    const int64_t first = offsets[k];
     float rmax = 0.0f;
     double up2 = 0.0, u2 = 0.0;
     // kUnroll values per thread, all loads first (as in adam_kernel); each thread still
@@ -777,7 +783,7 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
         mr[k] = m[i];
         dr[k] = d[i];
         vr[k] = vf[i];
-        pr[k] = p ? p[i] : 0.0f;
+        pr[k] = pk ? pk[i - first] : 0.0f;
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
@@ -788,7 +794,7 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
         const float vi = __fadd_rn(__fmul_rn(vr[k], b2), __fmul_rn(o2, __fmul_rn(gi, gi)));
         const float di = dr[k];
         const float up = __fdiv_rn(mn, di);
-        const float uu = p ? __fadd_rn(up, __fmul_rn(w, pr[k])) : up;
+        const float uu = pk ? __fadd_rn(up, __fmul_rn(w, pr[k])) : up;
         const float ratio = __fdiv_rn(di, __fadd_rn(__fsqrt_rn(vi), ep));
         rmax = rmax < ratio ? ratio : rmax;  // std::max(rmax, ratio)
         // float * float is exact in double: the squares are the CPU's, only their order differs
@@ -916,8 +922,8 @@ void adam_update_cuda(int device, const bool* ok, const float* g, float* m, floa
          params, P, starts, sizes, chunk_start, nchunks, lr, beta1, ob1, beta2, ob2, eps, wd, update_v);
 }
 
-void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf, const float* p,
-                             float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks,
+void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf,
+                             const float* const* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks,
                              const float* scaling, const float* beta1, const float* ob1, const float* beta2,
                              const float* ob2, const float* eps, const float* wd, double* stats, void* workspace,
                              void* stream) {
@@ -956,8 +962,8 @@ void momentum_source_cuda(int device, const float* m, const float* const* g, con
          static_cast<cudaStream_t>(stream), m, g, d, u, P, starts, sizes, chunk_start, nchunks, b, a);
 }
 
-void local_source_cuda(int device, const float* m, const float* g, const float* d, const float* p, const float* acc,
-                       float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
+void local_source_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+                       const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                        int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
                        void* stream) {
   detail::check_segments("local_source_cuda", P);

@@ -39,7 +39,6 @@ __all__ = [
     "on_device",
     "param_table",
     "restore_unless_cuda",
-    "segment_table",
     "server_reduce",
     "stream",
     "sync_update_cpu",
@@ -109,18 +108,6 @@ def workspace(device: torch.device) -> torch.Tensor:
     param groups, threads) each get their own. From torch's caching allocator on the current
     stream, which the call's kernels run on, so it is reused only after they have read it."""
     return torch.empty(module.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
-
-
-def segment_table(
-    starts: list[int], sizes: list[int], device: torch.device
-) -> tuple[torch.Tensor, int] | None:
-    """The CUDA segment sweeps' table on ``device``: the segments' starts, sizes and chunk table
-    (``P`` values each, ``P + 1`` for the chunks), and the number of chunks; ``None`` when the
-    segments hold no values."""
-    chunk_start = chunk_starts(sizes)
-    if chunk_start[-1] == 0:
-        return None
-    return on_device([*starts, *sizes, *chunk_start], torch.int64, device), chunk_start[-1]
 
 
 def param_table(
@@ -354,21 +341,23 @@ def frozen_adam_update_cuda(
 
 
 def lamb_frozen_update_cuda(
-    tensors: tuple[torch.Tensor | int, ...],
+    tensors: tuple[torch.Tensor | list[torch.Tensor | None] | None, ...],
     offsets: list[int],
     coefs: list[list[float]],
     ok: torch.Tensor | None,
 ) -> torch.Tensor:
-    """:func:`lamb_frozen_update` on CUDA tensors (``tensors`` as :func:`lamb_frozen_update_cpu`'s
-    but the parameter flat, as the address of flat index 0, or 0 when no layer decays): the
-    kernel on the current stream."""
+    """:func:`lamb_frozen_update` on CUDA tensors (``tensors`` as :func:`lamb_frozen_update_cpu`'s:
+    the layers' parameters one tensor or ``None`` per layer, or ``None``): the kernel on the
+    current stream."""
     exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
     device, n_layers = exchanged.device, len(offsets) - 1
     stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
     if n_layers == 0:
         return stats
     chunk_start = chunk_starts([b - a for a, b in itertools.pairwise(offsets)])
-    meta = on_device([*offsets, *chunk_start], torch.int64, device)
+    pointers = [] if param is None else _pointers(param)
+    # offsets (L + 1), chunk_start (L + 1), then the parameters' pointers (L, when given)
+    meta = on_device([*offsets, *chunk_start, *pointers], torch.int64, device)
     coef = on_device(coefs, torch.float32, device)
     # the per-chunk partial sums: this call's own, never shared (see workspace)
     work = torch.empty(3 * max(chunk_start[-1], 1), dtype=torch.float64, device=device)
@@ -379,7 +368,7 @@ def lamb_frozen_update_cuda(
         exp_avg.data_ptr(),
         denom.data_ptr(),
         exp_avg_sq_fresh.data_ptr(),
-        param,
+        0 if param is None else meta[2 * (n_layers + 1) :].data_ptr(),
         update.data_ptr(),
         n_layers,
         meta.data_ptr(),
@@ -777,36 +766,37 @@ def momentum_source_cuda(
 
 
 def local_source_cuda(
-    tensors: tuple[torch.Tensor, int, torch.Tensor],
-    param: int,
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
+    params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     segments: tuple[list[int], list[int]],
     hp: tuple[list[float], list[float], list[float], list[float]],
     preconditioned: bool,
 ) -> None:
-    """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`,
-    but the gradient and the parameter flat, each as the address of flat index 0, so that flat
-    index ``f`` is at ``grad + 4 f``; ``param`` 0: no decay term): the kernel on the current
-    stream."""
-    (exp_avg, grad, denom), (starts, sizes) = tensors, segments
+    """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`):
+    the kernel on the current stream."""
+    (exp_avg, grads, denom), (starts, sizes) = tensors, segments
     n, device = len(starts), out.device
-    table = segment_table(starts, sizes, device)
-    if table is None:
+    chunk_start = chunk_starts(sizes)
+    if chunk_start[-1] == 0:
         return  # no values
-    meta, nchunks = table
+    pointers = _pointers(grads) + ([] if params is None else _pointers(params))
+    # (as momentum_source_cuda: the pointers first, the gradients' then the parameters')
+    meta = on_device([*pointers, *starts, *sizes, *chunk_start], torch.int64, device)
     coef = on_device(list(_local_coefs(hp)), torch.float32, device)
+    head = len(pointers)
     module.local_source_cuda(
         device.index,
         exp_avg.data_ptr(),
-        grad,
+        meta.data_ptr(),  # the gradients' pointers
         denom.data_ptr(),
-        param,
+        0 if params is None else meta[n:].data_ptr(),  # the parameters' pointers
         0 if acc is None else acc.data_ptr(),
         out.data_ptr(),
         n,
-        *(meta[k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
-        nchunks,
+        *(meta[head + k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
+        chunk_start[-1],
         *(row.data_ptr() for row in coef),
         bool(preconditioned),
         stream(device),

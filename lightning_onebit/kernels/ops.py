@@ -443,10 +443,9 @@ def lamb_frozen_update(
             holding every layer's values (CPU buffers).
         param: like them (a flat buffer), or one float32 contiguous tensor per layer of its
             ``offsets[k + 1] - offsets[k]`` values (any shape) on their device: each layer's
-            parameter where it lies, so that nothing copies the parameters into a flat buffer
-            first (the CPU kernel reads each layer's from its own pointer; the CUDA kernel
-            reads one flat buffer, so tensors that are not the pieces of one are copied into
-            one first); ``None`` when every ``weight_decay`` is 0.
+            parameter where it lies, read by both kernels from its own pointer, so that
+            nothing copies the parameters into a flat buffer first; ``None`` when every
+            ``weight_decay`` is 0.
         offsets: ``L + 1`` non-decreasing offsets.
         scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
         preconditioned: ``x`` was exchanged divided by ``d``: the call scales it back first,
@@ -521,12 +520,9 @@ def lamb_frozen_update(
         )
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
     coefs = [scaling, beta1, ob1, beta2, ob2, eps, weight_decay]
-    if device.type == "cuda":
-        # (a copy, where made, lives until the launch is enqueued, as in _run_local_source)
-        p, _p = (0, None) if params is None else _flat_of(params, starts, sizes, device)
-        tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, p, update)
-        return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
     tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, params, update)
+    if device.type == "cuda":
+        return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
     return native.lamb_frozen_update_cpu(tensors, offsets, coefs, preconditioned, runs)
 
 
@@ -969,8 +965,8 @@ def local_source(
     ``addcmul_`` are fused multiply-adds on x86, which the kernel does too), on CUDA the CUDA
     kernel on the current stream (no host synchronisation), with the roundings of torch's CUDA
     kernels (its ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with
-    ``weight_decay``); it reads a flat gradient and a flat parameter, so per-segment tensors
-    that are not the pieces of one buffer are copied into one first. Without a compiled kernel
+    ``weight_decay``). Both kernels read each segment's gradient and parameter from its own
+    pointer: nothing is copied into a flat buffer first. Without a compiled kernel
     for the device the torch ops themselves run (:func:`reference_local_source`).
 
     Raises:
@@ -1007,55 +1003,13 @@ def _check_local_source(
 def _run_local_source(args: tuple) -> None:
     """:func:`local_source` on checked arguments ``args`` (in its order, the gradient and the
     parameter one entry per segment): the compiled kernel of the device, or the torch ops."""
-    (exp_avg, grads, denom), params, acc, out, starts, sizes, hp, preconditioned = args
+    (exp_avg, _, _), params, acc, out, starts, sizes, hp, preconditioned = args
     device = exp_avg.device
     if not _has_kernel(device) or not native.use_native():
         reference_local_source(*args)
         return
-    segments = (starts, sizes)
-    if device.type != "cuda":
-        native.local_source_cpu(args[0], params, acc, out, segments, hp, preconditioned)
-        return
-    # the CUDA kernel reads flat buffers (copies, where made, live until the launch is enqueued:
-    # the caching allocator orders their reuse on this stream)
-    grad, _g = _flat_of(grads, starts, sizes, device)
-    param, _p = (0, None) if params is None else _flat_of(params, starts, sizes, device)
-    native.local_source_cuda((exp_avg, grad, denom), param, acc, out, segments, hp, preconditioned)
-
-
-def _flat_of(
-    pieces: list[torch.Tensor | None], starts: list[int], sizes: list[int], device: torch.device
-) -> tuple[int, torch.Tensor | None]:
-    """For a kernel that reads one flat buffer: the address of flat index 0 of a buffer that
-    holds segment ``k``'s values of ``pieces`` at ``starts[k]`` (``None``: zeros), and the
-    buffer where one was made. The pieces' own buffer where they are the pieces of one (nothing
-    copied, ``None``), else a new buffer they are copied into (the same floats)."""
-    base = _flat_address(pieces, starts, sizes)
-    if base is not None:
-        return base, None
-    end = max(lo + n for lo, n in zip(starts, sizes, strict=True))
-    flat = torch.zeros(end, dtype=torch.float32, device=device)
-    for lo, n, x in zip(starts, sizes, pieces, strict=True):
-        if x is not None:
-            flat[lo : lo + n].copy_(x.reshape(-1))
-    return flat.data_ptr(), flat
-
-
-def _flat_address(
-    grads: list[torch.Tensor | None], starts: list[int], sizes: list[int]
-) -> int | None:
-    """The address of flat index 0 of the buffer whose pieces the segments' tensors are
-    (segment ``k``'s at flat index ``starts[k]``, each fp32 contiguous; empty segments, which
-    are not read, aside), or ``None`` where they are not (a missing one among them)."""
-    pieces = [(g, lo) for g, lo, n in zip(grads, starts, sizes, strict=True) if n > 0]
-    if any(g is None for g, _ in pieces):
-        return None
-    if not pieces:
-        return 0  # (nothing is read)
-    base = pieces[0][0].data_ptr() - 4 * pieces[0][1]
-    if all(g.data_ptr() - 4 * lo == base for g, lo in pieces):
-        return base
-    return None
+    run = native.local_source_cuda if device.type == "cuda" else native.local_source_cpu
+    run(args[0], params, acc, out, (starts, sizes), hp, preconditioned)
 
 
 @dataclasses.dataclass(eq=False)

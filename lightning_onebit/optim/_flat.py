@@ -447,15 +447,15 @@ class FlatState:
     def params(self, only: list[int]) -> list[torch.Tensor]:
         """The parameters ``only`` (layout indices), one per parameter, for the kernels that
         read each where it lies (the decay terms of :func:`~lightning_onebit.kernels.
-        lamb_frozen_update` and :func:`~lightning_onebit.kernels.local_source`): on the CPU
-        the parameter itself where it is an fp32 contiguous tensor, so that no copy into
-        :attr:`param` is made; its view of :attr:`param`, copied there, otherwise (another
-        dtype, a non-contiguous parameter) and on a GPU, whose kernels read one flat buffer."""
+        lamb_frozen_update` and :func:`~lightning_onebit.kernels.local_source`): the parameter
+        itself where it is an fp32 contiguous tensor, so that no copy into :attr:`param` is
+        made; its view of :attr:`param`, copied there, otherwise (another dtype, a
+        non-contiguous parameter)."""
         params, views = self.layout.params, self.views["param"]
         out = []
         for j in only:
             p = params[j]
-            if self.layout.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+            if p.dtype == torch.float32 and p.is_contiguous():
                 out.append(p.detach())
             else:
                 out.append(views[j].copy_(p))

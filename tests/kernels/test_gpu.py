@@ -125,7 +125,8 @@ def test_lamb_frozen_update_cuda_equals_cpu(
     sizes: str, decay: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """m, v_fresh and u bit for bit the CPU kernel's; stats as _assert_lamb_stats (empty layers:
-    1, 0, 0)."""
+    1, 0, 0). With decay, each layer's parameter in storage of its own (what the optimizer
+    passes: read where it lies) gives the flat parameter's floats and stats bit for bit."""
     T = _cpu_cases()
     layer_sizes = T.LAMB_SIZES if sizes == "cpu_tests" else BIG_SIZES
     bufs, offsets, hp = T._lamb_case(41 + decay, decay, layer_sizes)
@@ -135,6 +136,15 @@ def test_lamb_frozen_update_cuda_equals_cpu(
     for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
         assert torch.equal(b_gpu[k].cpu(), b_cpu[k]), k
     _assert_lamb_stats(s_gpu, s_cpu, layer_sizes)
+    if decay:
+        layers = T._lamb_layers(_on(bufs, "cuda"), offsets, hp)[0]
+        kept = [p.clone() for p in layers["param"]]
+        with _NoHostSync():
+            b_lay, s_lay = T._lamb_run(K.lamb_frozen_update, layers, offsets, hp)
+        for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
+            assert torch.equal(b_lay[k], b_gpu[k]), k
+        assert torch.equal(s_lay, s_gpu)
+        assert all(torch.equal(a, b) for a, b in zip(layers["param"], kept, strict=True))
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -423,10 +433,10 @@ def test_local_source_cuda_is_the_torch_ops_bitwise(
 
 
 @pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
-def test_local_source_cuda_per_segment_grads_are_the_flat_form_bitwise(sizes: str) -> None:
-    """The gradient given per segment gives the flat buffer's floats on the GPU bit for bit:
-    as views of that buffer (what the optimizer passes: read in place) and as tensors of their
-    own, some None (copied into one buffer first), without a host synchronisation."""
+def test_local_source_cuda_per_segment_tensors_are_the_flat_form_bitwise(sizes: str) -> None:
+    """The gradient and the parameter given per segment give the flat buffers' floats on the GPU
+    bit for bit: as views of those buffers and as tensors of their own (the gradient's some
+    None: zeros), each read where it lies, without a host synchronisation."""
     seg = SEGMENT_SIZES[sizes]
     gen = torch.Generator().manual_seed(301 + len(seg))
     starts, n = _segments(seg)
@@ -441,16 +451,17 @@ def test_local_source_cuda_per_segment_grads_are_the_flat_form_bitwise(sizes: st
     for lo, z, t in zip(starts, seg, own, strict=True):
         if t is None:
             zeroed[lo : lo + z] = 0.0
+    pieces = list(zip(starts, seg, strict=True))
+    params = ([p[lo : lo + z] for lo, z in pieces], [p[lo : lo + z].clone() for lo, z in pieces])
     for precond in (False, True):
-        for grad, flat in (
-            ([g[lo : lo + z] for lo, z in zip(starts, seg, strict=True)], g),
-            (own, zeroed),
-        ):
-            want, got = torch.full_like(p, math.nan), torch.full_like(p, math.nan)
+        for grad, flat in (([g[lo : lo + z] for lo, z in pieces], g), (own, zeroed)):
+            want = torch.full_like(p, math.nan)
             K.local_source((m, flat, d), p, acc, want, starts, seg, hp, precond)
-            with _NoHostSync():
-                K.local_source((m, grad, d), p, acc, got, starts, seg, hp, precond)
-            assert _same_bits(got, want), precond
+            for param in (p, *params):
+                got = torch.full_like(p, math.nan)
+                with _NoHostSync():
+                    K.local_source((m, grad, d), param, acc, got, starts, seg, hp, precond)
+                assert _same_bits(got, want), precond
 
 
 def _sync_case(seg: list[int], seed: int, device: str = "cuda"):

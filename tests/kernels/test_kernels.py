@@ -1231,31 +1231,6 @@ def test_local_source_elsewhere_is_materialized_first() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_flat_of_passes_one_buffer_and_copies_pieces_into_one() -> None:
-    """What the CUDA kernels that read one flat buffer are given (device-independent): the
-    address of the buffer whose pieces the segments' tensors are, nothing copied (empty
-    segments, not read, aside); otherwise a new buffer holding each piece at its start and
-    zeros elsewhere (None: zeros)."""
-    flat = torch.randn(40)
-    starts, sizes = [3, 10, 10, 30], [7, 0, 20, 5]
-    views = [flat[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
-    views[1] = torch.empty(0)  # an empty segment's tensor may lie anywhere
-    address, made = K.ops._flat_of(views, starts, sizes, flat.device)
-    assert address == flat.data_ptr() and made is None
-    for pieces in (
-        [v.clone() for v in views],  # storage of their own
-        [views[0], views[1], None, views[3]],  # a missing one
-        [views[0], views[1], flat[12:32], views[3]],  # a piece at another place
-    ):
-        address, made = K.ops._flat_of(pieces, starts, sizes, flat.device)
-        assert made is not None and address == made.data_ptr() and made.numel() == 35
-        want = torch.zeros(35)
-        for p, lo, n in zip(pieces, starts, sizes, strict=True):
-            if p is not None:
-                want[lo : lo + n] = p
-        assert torch.equal(made, want)
-
-
 def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
     t, hp = torch.zeros(32), ([0.9] * 2, [0.1] * 2, [1e-3] * 2, [0.0] * 2)
     with pytest.raises(ValueError, match="LocalSource's segments must tile a non-empty"):
@@ -1891,11 +1866,17 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
             native.adam_update_cuda(g, m, v, [p], [0], hp, True, verdict)
     coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
     ok = torch.ones(1, dtype=torch.bool)
-    for verdict in (None, ok):
+    for verdict, param in ((None, None), (ok, [p])):
         with pytest.raises(RuntimeError, match="onebit: cuda"):
             native.lamb_frozen_update_cuda(
-                (g, m, v + 1, v, p.data_ptr(), torch.empty(10)), [0, 10], coefs, verdict
+                (g, m, v + 1, v, param, torch.empty(10)), [0, 10], coefs, verdict
             )
+    segments, shp = ([0, 4], [4, 6]), ([0.9] * 2, [0.1] * 2, [1e-3] * 2, [0.1] * 2)
+    for grads, params in (([g[:4], None], None), ([g[:4], g[4:]], [p[:4], p[4:]])):
+        with pytest.raises(RuntimeError, match="onebit: cuda"):
+            native.local_source_cuda((m, grads, v + 1), params, v, m, segments, shp, False)
+        with pytest.raises(RuntimeError, match="onebit: cuda"):
+            native.momentum_source_cuda((m, grads, v + 1, v), *segments, shp[:2])
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
     with pytest.raises(RuntimeError, match="onebit: cuda"):
