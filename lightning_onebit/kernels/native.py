@@ -39,6 +39,7 @@ __all__ = [
     "on_device",
     "param_table",
     "restore_unless_cuda",
+    "segment_table",
     "server_reduce",
     "stream",
     "sync_update_cpu",
@@ -110,20 +111,24 @@ def workspace(device: torch.device) -> torch.Tensor:
     return torch.empty(module.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
 
 
-def param_table(
-    params: list[torch.Tensor], starts: list[int], device: torch.device
+def segment_table(
+    pointers: list[int], starts: list[int], sizes: list[int], device: torch.device
 ) -> tuple[torch.Tensor, int] | None:
-    """The CUDA parameter updates' table on ``device``: the parameters' pointers, starts, sizes
-    and chunk table (``P`` values each, ``P + 1`` for the chunks), and the number of chunks;
-    ``None`` when there are no values to update."""
-    sizes = [p.numel() for p in params]
+    """The CUDA segment sweeps' table on ``device``: ``pointers`` (the segments' tensors, one
+    table or more of ``P`` each), then the segments' starts, sizes (``P`` each) and chunk table
+    (``P + 1``), and the number of chunks; ``None`` when the segments hold no values."""
     chunk_start = chunk_starts(sizes)
     if chunk_start[-1] == 0:
         return None
-    meta = on_device(
-        [*(p.data_ptr() for p in params), *starts, *sizes, *chunk_start], torch.int64, device
-    )
+    meta = on_device([*pointers, *starts, *sizes, *chunk_start], torch.int64, device)
     return meta, chunk_start[-1]
+
+
+def param_table(
+    params: list[torch.Tensor], starts: list[int], device: torch.device
+) -> tuple[torch.Tensor, int] | None:
+    """:func:`segment_table` of the CUDA parameter updates: the parameters' pointers first."""
+    return segment_table(_pointers(params), starts, [p.numel() for p in params], device)
 
 
 def worker_compress(
@@ -743,12 +748,10 @@ def momentum_source_cuda(
     :func:`momentum_source_cpu`): the kernel on the current stream."""
     exp_avg, grads, denom, out = tensors
     n, device = len(starts), out.device
-    chunk_start = chunk_starts(sizes)
-    if chunk_start[-1] == 0:
+    table = segment_table(_pointers(grads), starts, sizes, device)
+    if table is None:
         return  # no values
-    meta = on_device(
-        [*_pointers(grads), *starts, *sizes, *chunk_start], torch.int64, device
-    )  # (as param_table: the gradients' pointers first)
+    meta, nchunks = table
     coef = on_device(list(coefs), torch.float32, device)  # beta, alpha, rounded from double
     module.momentum_source_cuda(
         device.index,
@@ -758,7 +761,7 @@ def momentum_source_cuda(
         out.data_ptr(),
         n,
         *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        chunk_start[-1],
+        nchunks,
         coef[0].data_ptr(),
         coef[1].data_ptr(),
         stream(device),
@@ -778,12 +781,11 @@ def local_source_cuda(
     the kernel on the current stream."""
     (exp_avg, grads, denom), (starts, sizes) = tensors, segments
     n, device = len(starts), out.device
-    chunk_start = chunk_starts(sizes)
-    if chunk_start[-1] == 0:
-        return  # no values
     pointers = _pointers(grads) + ([] if params is None else _pointers(params))
-    # (as momentum_source_cuda: the pointers first, the gradients' then the parameters')
-    meta = on_device([*pointers, *starts, *sizes, *chunk_start], torch.int64, device)
+    table = segment_table(pointers, starts, sizes, device)  # the gradients', the parameters'
+    if table is None:
+        return  # no values
+    meta, nchunks = table
     coef = on_device(list(_local_coefs(hp)), torch.float32, device)
     head = len(pointers)
     module.local_source_cuda(
@@ -796,7 +798,7 @@ def local_source_cuda(
         out.data_ptr(),
         n,
         *(meta[head + k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
-        chunk_start[-1],
+        nchunks,
         *(row.data_ptr() for row in coef),
         bool(preconditioned),
         stream(device),
