@@ -119,7 +119,8 @@ def main() -> None:
     ah["weight_decay"] = [0.01] * 10
 
     # The exchange's source (1-bit Adam's momentum over 10 parameters, gradients of their own),
-    # and that source compressed as it is read (CPU; CUDA materializes it first)
+    # and that source compressed as it is read; the momentum_source and worker_deferred rows
+    # together are the same work with the source written to a buffer and read back
     sm, sd, su = (torch.randn(n, generator=gen).to(dev) for _ in range(3))
     sg = [torch.randn(hi - lo_, generator=gen).to(dev) for lo_, hi in itertools.pairwise(lo)]
     src = (sm, sg, sd, su, lo[:-1], [hi - lo_ for lo_, hi in itertools.pairwise(lo)])

@@ -227,6 +227,29 @@ PYBIND11_MODULE(_C, m) {
                               P<const int64_t>(chunk_start), nchunks, P<const float>(b), P<const float>(a),
                               P<const float>(nw), P<const float>(nlr), precond, P<void>(stream));
   }, release(), "0/1 Adam's sync-step exchange source on the given CUDA stream, torch's CUDA roundings");
+  m.def("momentum_compress_cuda", [](int device, ptr mm, ptr g, ptr d, int64_t np, ptr starts, ptr sizes, ptr b,
+                                     ptr a, int64_t base, int64_t nx, ptr e, ptr e_out, int64_t n, ptr bits, int64_t W,
+                                     int64_t row_stride, ptr prev_bits, ptr prev_scale, bool pending, ptr scale_out,
+                                     ptr ws, ptr stream) {
+    onebit::momentum_compress_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d), np,
+                                   P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
+                                   P<const float>(a), base, nx, P<const float>(e), P<float>(e_out), n,
+                                   P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits),
+                                   P<const float>(prev_scale), pending, P<float>(scale_out), P<void>(ws),
+                                   P<void>(stream));
+  }, release(), "worker_compress_cuda of momentum_source_cuda's values of [base, base + nx), computed as read");
+  m.def("local_compress_cuda", [](int device, ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts,
+                                  ptr sizes, ptr b, ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx,
+                                  ptr e, ptr e_out, int64_t n, ptr bits, int64_t W, int64_t row_stride,
+                                  ptr prev_bits, ptr prev_scale, bool pending, ptr scale_out, ptr ws, ptr stream) {
+    onebit::local_compress_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d),
+                                P<const float* const>(p), P<const float>(acc), np, P<const int64_t>(starts),
+                                P<const int64_t>(sizes), P<const float>(b), P<const float>(a), P<const float>(nw),
+                                P<const float>(nlr), precond, base, nx, P<const float>(e), P<float>(e_out), n,
+                                P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits),
+                                P<const float>(prev_scale), pending, P<float>(scale_out), P<void>(ws),
+                                P<void>(stream));
+  }, release(), "worker_compress_cuda of local_source_cuda's values of [base, base + nx), computed as read");
   m.def("sync_update_cuda", [](int device, ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc,
                                int64_t np, ptr starts, ptr sizes, ptr chunk_start, int64_t nchunks, ptr inv,
                                bool precond, ptr stream) {

@@ -40,6 +40,12 @@ inline void check_decompress(const char* what, int64_t W, int64_t m, int64_t nou
 inline void check_adam(const char* what, int64_t P) { require(P >= 0, what, "P >= 0"); }
 inline void check_lamb(const char* what, int64_t L) { require(L >= 0, what, "L >= 0"); }
 inline void check_segments(const char* what, int64_t P) { require(P >= 0, what, "P >= 0"); }
+// What an entry point can check of segments tiling [base, base + nx) whose starts and sizes lie
+// in device memory (the caller checks the tiling itself).
+inline void check_tiling(const char* what, int64_t P, int64_t base, int64_t nx) {
+  require(P >= 0 && base >= 0 && nx >= 0 && (P > 0 || nx == 0), what,
+          "P >= 0, base >= 0, nx >= 0, and P > 0 unless nx == 0");
+}
 // The CUDA updates' chunk table (see adam_update_cuda): `count` parameters or layers, nchunks chunks.
 inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
   require(nchunks >= 0 && (count > 0 || nchunks == 0), what, "nchunks >= 0, and nchunks == 0 when P (or L) is 0");
@@ -210,6 +216,24 @@ void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e
                           uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
                           const float* prev_scale, bool pending, float* scale_out, void* workspace,
                           void* stream);
+// worker_compress_cuda of the values momentum_source_cuda (local_compress_cuda: local_source_cuda)
+// would write to u[base, base + nx), computed as the worker pass reads them: the same floats,
+// bits and scale as the source kernel into a buffer and worker_compress_cuda of that buffer,
+// without the buffer's write and read. The source's arguments are its kernel's, except that
+// there is no chunk table: each value finds its segment by a binary search of starts. The P
+// segments (starts, sizes: device memory, as the rest of the source's arrays) must tile [base,
+// base + nx) in order, which the caller checks (kernels/ops.py); this call checks only sizes.
+void momentum_compress_cuda(int device, const float* m, const float* const* g, const float* d, int64_t P,
+                            const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int64_t base,
+                            int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W,
+                            int64_t row_stride, const uint8_t* prev_bits, const float* prev_scale, bool pending,
+                            float* scale_out, void* workspace, void* stream);
+void local_compress_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+                         const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+                         const float* a, const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx,
+                         const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
+                         const uint8_t* prev_bits, const float* prev_scale, bool pending, float* scale_out,
+                         void* workspace, void* stream);
 // The scale is read from device memory (the scale_out of worker_compress_cuda).
 void worker_update_error_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out,
                               int64_t n, const float* scale, void* stream);

@@ -28,8 +28,12 @@
 // through per-chunk partials in a per-call workspace and a per-layer finalize, in a fixed order.
 // The exchange sources and 0/1 Adam's sync update (momentum_source_cuda, local_source_cuda,
 // sync_update_cuda) cut their work the same way but round as torch's CUDA kernels do for the
-// optimizers' torch ops, so that they equal the torch path on the same GPU bit for bit.
+// optimizers' torch ops, so that they equal the torch path on the same GPU bit for bit. The
+// worker pass reads its input through an Input type: a buffer, or an exchange source whose
+// values it computes as it reads them, with the source kernels' formulas (momentum_compress_cuda,
+// local_compress_cuda: the source's buffer is neither written nor read).
 #include "onebit.h"
+#include "onebit_tiling.h"
 
 #include <cuda_runtime.h>
 
@@ -180,14 +184,135 @@ __device__ __forceinline__ float4 load_x4(const float* x, int64_t nx, int64_t i,
   return v;
 }
 
-// Worker pass: y = x + e_true (x zero beyond nx), bits <- sign(y), partial <- sum y^2, and
+// ------------------------------------------------------------ what the worker pass reads
+// The exchange sources' values, one formula each, shared by their kernels (momentum_source_kernel,
+// local_source_kernel: into a buffer) and by the worker pass that computes them as it reads them
+// (momentum_compress_cuda, local_compress_cuda). They round as torch's CUDA kernels do; the table of
+// roundings is above momentum_source_kernel.
+
+// momentum_source's value: fma(g, a, m * b), then / d where divide.
+__device__ __forceinline__ float momentum_value(float m, float g, float d, bool divide, float b, float a) {
+  float x = __fmul_rn(m, b);       // torch.mul(m, b)
+  x = __fmaf_rn(g, a, x);          // .add_(g, alpha=a)
+  return divide ? __fdiv_rn(x, d)  // .div_(d)
+                : x;
+}
+
+// One segment's coefficients for local_value; w = -nw (torch's alpha / value: -float(-wd) ==
+// float(wd)); decay: a parameter and nw not +0.0.
+struct LocalCoef {
+  float b, a, w, r;
+  bool decay;
+};
+
+__device__ __forceinline__ LocalCoef local_coef(const float* beta, const float* alpha, const float* nw,
+                                                const float* nlr, bool has_p, int64_t j) {
+  const float nwj = nw[j];
+  return {beta[j], alpha[j], -nwj, nlr[j], has_p && __float_as_uint(nwj) != 0u};
+}
+
+// local_source's value (see local_source_kernel); p is read only where c.decay, acc where has_acc.
+__device__ __forceinline__ float local_value(float m, float g, float d, float p, float acc, bool has_acc,
+                                             const LocalCoef& c, bool precond) {
+  float x = __fmul_rn(m, c.b);  // torch.mul(m, b)
+  x = __fmaf_rn(g, c.a, x);     // .add_(g, alpha=a)
+  if (precond) {
+    x = __fdiv_rn(x, d);                       // .div_(d)
+    if (c.decay) x = __fmaf_rn(p, c.w, x);     // .add_(p, alpha=w)
+  } else if (c.decay) {
+    x = c.w == 1.0f ? __fmaf_rn(p, d, x)       // .addcmul_(p, d, value=w), value 1: fma(t1, t2, self)
+                    : __fmaf_rn(c.w, __fmul_rn(p, d), x);  // else fma(value, t1 * t2, self)
+  }
+  x = __fmul_rn(x, c.r);  // .mul_(-lr)
+  if (has_acc) x = precond ? __fadd_rn(x, acc)   // .add_(acc) (alpha 1: fma(acc, 1, x), one rounding)
+                           : __fmaf_rn(acc, d, x);  // .addcmul_(acc, d) (value 1: fma(acc, d, x))
+  return x;
+}
+
+// The worker pass's input as a buffer: x[i], zero beyond nx (float4 loads where x is 16-byte aligned).
+struct BufferInput {
+  const float* x;
+  bool vec;
+  __device__ float4 load4(int64_t i, int64_t nx) const { return load_x4(x, nx, i, vec); }
+};
+
+// Values i..i+3 of a source over `t` (zero beyond nx): Src::segment(j) loads segment j's
+// pointers and coefficients once per segment met, Src::value(seg, f) computes flat index f of it.
+template <class Src>
+__device__ __forceinline__ float4 source_x4(const Src& src, const Tiling& t, int64_t i, int64_t nx) {
+  float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  typename Src::Segment seg{};
+  int64_t last = -1;
+  t.walk4(i, nx, [&](int k, int64_t j, int64_t f) {
+    if (j != last) {
+      seg = src.segment(j);
+      last = j;
+    }
+    r[k] = src.value(seg, f);
+  });
+  return make_float4(r[0], r[1], r[2], r[3]);
+}
+
+// momentum_source's values over a tiling (momentum_source_kernel's arguments), computed as read.
+struct MomentumInput {
+  Tiling t;
+  const float* m;
+  const float* const* g;
+  const float* d;
+  const float* beta;
+  const float* alpha;
+  struct Segment {
+    const float* g;  // null: zeros
+    int64_t start;
+    float b, a;
+  };
+  __device__ Segment segment(int64_t j) const { return {g[j], t.starts[j], beta[j], alpha[j]}; }
+  __device__ float value(const Segment& s, int64_t f) const {
+    return momentum_value(m[f], s.g ? s.g[f - s.start] : 0.0f, d ? d[f] : 1.0f, d != nullptr, s.b, s.a);
+  }
+  __device__ float4 load4(int64_t i, int64_t nx) const { return source_x4(*this, t, i, nx); }
+};
+
+// local_source's values over a tiling (local_source_kernel's arguments), computed as read.
+struct LocalInput {
+  Tiling t;
+  const float* m;
+  const float* const* g;
+  const float* d;
+  const float* const* p;
+  const float* acc;
+  const float* beta;
+  const float* alpha;
+  const float* nw;
+  const float* nlr;
+  bool precond;
+  struct Segment {
+    const float* g;  // null: zeros
+    const float* p;  // read only where c.decay
+    int64_t start;
+    LocalCoef c;
+  };
+  __device__ Segment segment(int64_t j) const {
+    const float* pj = p ? p[j] : nullptr;
+    return {g[j], pj, t.starts[j], local_coef(beta, alpha, nw, nlr, pj != nullptr, j)};
+  }
+  __device__ float value(const Segment& s, int64_t f) const {
+    const float gi = s.g ? s.g[f - s.start] : 0.0f;
+    const float pi = s.c.decay ? s.p[f - s.start] : 0.0f;
+    return local_value(m[f], gi, d[f], pi, acc ? acc[f] : 0.0f, acc != nullptr, s.c, precond);
+  }
+  __device__ float4 load4(int64_t i, int64_t nx) const { return source_x4(*this, t, i, nx); }
+};
+
+// Worker pass: y = x + e_true (x: an Input, zero beyond nx), bits <- sign(y), partial <- sum y^2, and
 // e_out <- y unless e_out is null. With `pending` (a non-null prev_scale), e_true = e - prev_scale *
 // sign(prev_bits): the previous call's deferred error update; otherwise e_true = e. prev_bits may be
 // bits: a warp reads the words of its segment before it overwrites them, and no other warp touches
 // them; e_out may be e (each thread reads its values first).
+template <class Input>
 __global__ void __launch_bounds__(kThreads)
-worker_pass1(const float* x, int64_t nx, const float* e, float* e_out, int64_t m, int64_t nseg, int64_t spr,
-             const uint8_t* prev_bits, uint8_t* bits, int64_t row_stride, bool xvec, bool evec, bool al4,
+worker_pass1(const Input x, int64_t nx, const float* e, float* e_out, int64_t m, int64_t nseg, int64_t spr,
+             const uint8_t* prev_bits, uint8_t* bits, int64_t row_stride, bool evec, bool al4,
              bool al4_prev, const float* prev_scale, double* partial) {
   const bool pending = prev_scale != nullptr;
   const float sp = pending ? *prev_scale : 0.0f;
@@ -203,7 +328,7 @@ worker_pass1(const float* x, int64_t nx, const float* e, float* e_out, int64_t m
     const int nb = word_bytes(len, lane);
     uint32_t nib = 0;
     if (4 * lane < len) {
-      const float4 xv = load_x4(x, nx, i, xvec);
+      const float4 xv = x.load4(i, nx);
       float4 et = load4(e + i, evec);
       if (pending) {
         // plain loads, not __ldg: prev_bits may be bits, which this kernel writes
@@ -620,10 +745,7 @@ momentum_source_kernel(const float* m, const float* const* g, const float* d, fl
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        float x = __fmul_rn(mr[k], b);   // torch.mul(m, b)
-        x = __fmaf_rn(gr[k], a, x);      // .add_(g, alpha=a)
-        if (d) x = __fdiv_rn(x, dr[k]);  // .div_(d)
-        u[i] = x;
+        u[i] = momentum_value(mr[k], gr[k], dr[k], d != nullptr, b, a);
       }
     }
   }
@@ -649,9 +771,8 @@ local_source_kernel(const float* m, const float* const* g, const float* d, const
     const int64_t start = pc.start, lo = pc.lo, hi = pc.hi;
     const float* const gj = g[pc.j];
     const float* const pj = p ? p[pc.j] : nullptr;
-    const float b = beta[pc.j], a = alpha[pc.j], r = nlr[pc.j], nwj = nw[pc.j];
-    const float w = -nwj;  // weight_decay as torch's float alpha / value: -float(-wd) == float(wd)
-    const bool decay = pj != nullptr && __float_as_uint(nwj) != 0u;  // nw is not +0.0
+    const LocalCoef coef = local_coef(beta, alpha, nw, nlr, pj != nullptr, pc.j);
+    const bool decay = coef.decay;
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
       float mr[kUnroll], gr[kUnroll], dr[kUnroll], pr[kUnroll], ar[kUnroll];
 #pragma unroll
@@ -668,20 +789,7 @@ local_source_kernel(const float* m, const float* const* g, const float* d, const
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        const float di = dr[k];
-        float x = __fmul_rn(mr[k], b);  // torch.mul(m, b)
-        x = __fmaf_rn(gr[k], a, x);     // .add_(g, alpha=a)
-        if (precond) {
-          x = __fdiv_rn(x, di);                      // .div_(d)
-          if (decay) x = __fmaf_rn(pr[k], w, x);     // .add_(p, alpha=w)
-        } else if (decay) {
-          x = w == 1.0f ? __fmaf_rn(pr[k], di, x)    // .addcmul_(p, d, value=w), value 1: fma(t1, t2, self)
-                        : __fmaf_rn(w, __fmul_rn(pr[k], di), x);  // else fma(value, t1 * t2, self)
-        }
-        x = __fmul_rn(x, r);  // .mul_(-lr)
-        if (acc) x = precond ? __fadd_rn(x, ar[k])   // .add_(acc) (alpha 1: fma(acc, 1, x), one rounding)
-                             : __fmaf_rn(ar[k], di, x);  // .addcmul_(acc, d) (value 1: fma(acc, d, x))
-        u[i] = x;
+        u[i] = local_value(mr[k], gr[k], dr[k], pr[k], ar[k], acc != nullptr, coef, precond);
       }
     }
   }
@@ -851,10 +959,14 @@ lamb_finalize(const bool* ok, const int64_t* chunk_start, int64_t L, const doubl
 
 int64_t cuda_workspace_bytes() { return kMaxBlocks * static_cast<int64_t>(sizeof(double)); }
 
-void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
-                          uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
-                          const float* prev_scale, bool pending, float* scale_out, void* workspace, void* stream) {
-  detail::check_compress("worker_compress_cuda", nx, n, W);
+namespace {
+
+// worker_compress_cuda of `x` (an Input of worker_pass1): the worker pass, then the scale.
+template <class Input>
+void compress_input(const char* what, int device, const Input& x, int64_t nx, const float* e, float* e_out,
+                    int64_t n, uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
+                    const float* prev_scale, bool pending, float* scale_out, void* workspace, void* stream) {
+  detail::check_compress(what, nx, n, W);
   DeviceGuard guard(device);
   const int64_t m = n / W, spr = (m + kSeg - 1) / kSeg, nseg = spr * W;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -862,10 +974,42 @@ void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e
   const int grid = grid_for(nseg, kWarps);
   const bool evec = aligned(e, 16) && (e_out == nullptr || aligned(e_out, 16));
   // prev_scale may be scale_out: finalize_scale overwrites it only after worker_pass1 has run.
-  launch("worker_pass1", worker_pass1, grid, kThreads, st, x, nx, e, e_out, m, nseg, spr,
-         pending ? prev_bits : nullptr, bits, row_stride, aligned(x, 16), evec, rows_aligned4(bits, W, row_stride),
+  launch("worker_pass1", worker_pass1<Input>, grid, kThreads, st, x, nx, e, e_out, m, nseg, spr,
+         pending ? prev_bits : nullptr, bits, row_stride, evec, rows_aligned4(bits, W, row_stride),
          pending && rows_aligned4(prev_bits, W, row_stride), pending ? prev_scale : nullptr, partial);
   launch("finalize_scale", finalize_scale, 1, kThreads, st, partial, grid, n, scale_out);
+}
+
+}  // namespace
+
+void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
+                          uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
+                          const float* prev_scale, bool pending, float* scale_out, void* workspace, void* stream) {
+  compress_input("worker_compress_cuda", device, BufferInput{x, aligned(x, 16)}, nx, e, e_out, n, bits, W,
+                 row_stride, prev_bits, prev_scale, pending, scale_out, workspace, stream);
+}
+
+void momentum_compress_cuda(int device, const float* m, const float* const* g, const float* d, int64_t P,
+                            const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int64_t base,
+                            int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W,
+                            int64_t row_stride, const uint8_t* prev_bits, const float* prev_scale, bool pending,
+                            float* scale_out, void* workspace, void* stream) {
+  detail::check_tiling("momentum_compress_cuda", P, base, nx);
+  const MomentumInput x{{starts, sizes, P, base}, m, g, d, b, a};
+  compress_input("momentum_compress_cuda", device, x, nx, e, e_out, n, bits, W, row_stride, prev_bits, prev_scale,
+                 pending, scale_out, workspace, stream);
+}
+
+void local_compress_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+                         const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+                         const float* a, const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx,
+                         const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
+                         const uint8_t* prev_bits, const float* prev_scale, bool pending, float* scale_out,
+                         void* workspace, void* stream) {
+  detail::check_tiling("local_compress_cuda", P, base, nx);
+  const LocalInput x{{starts, sizes, P, base}, m, g, d, p, acc, b, a, nw, nlr, precond};
+  compress_input("local_compress_cuda", device, x, nx, e, e_out, n, bits, W, row_stride, prev_bits, prev_scale,
+                 pending, scale_out, workspace, stream);
 }
 
 void worker_update_error_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n,

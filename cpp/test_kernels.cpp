@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "onebit.h"
+#include "onebit_tiling.h"
 
 namespace {
 
@@ -517,6 +518,34 @@ void run_local_step_case(std::mt19937& rng, const std::vector<int64_t>& sizes, b
 
 }  // namespace
 
+// Tiling::walk4 (the CUDA worker pass's walk over an exchange source's segments) on segments
+// of the given sizes from a random base: every value below nx is visited once, in order, with
+// its own flat index and the segment that holds it; nothing at or beyond nx; starts and sizes
+// are exact-size allocations, so a read past them is reported.
+void run_tiling_case(std::mt19937& rng, const std::vector<int64_t>& sizes) {
+  const int64_t P = static_cast<int64_t>(sizes.size());
+  const int64_t base = static_cast<int64_t>(rng() % 1000);
+  auto starts = buf<int64_t>(P), sz = buf<int64_t>(P);
+  int64_t nx = 0;
+  for (int64_t j = 0; j < P; ++j) {
+    starts[j] = base + nx;
+    sz[j] = sizes[static_cast<size_t>(j)];
+    nx += sz[j];
+  }
+  const onebit::Tiling t{starts.get(), sz.get(), P, base};
+  int64_t next = 0;  // the value the walk must visit next
+  for (int64_t i = 0; i < nx + 8; i += 4) {
+    t.walk4(i, nx, [&](int k, int64_t j, int64_t f) {
+      const int64_t v = i + k;
+      check(v == next && v < nx, "walk4 visits each value below nx once, in order", v, next);
+      check(f == base + v, "walk4 passes the flat index", f, base + v);
+      check(j >= 0 && j < P && starts[j] <= f && f < starts[j] + sz[j], "walk4 finds the segment of f", j, f);
+      next = v + 1;
+    });
+  }
+  check(next == nx, "walk4 visits every value below nx", next, nx);
+}
+
 int main() {
   std::mt19937 rng(1234);
   std::printf("simd path: %s\n", onebit::cpu_has_simd() ? "avx2" : "portable");
@@ -578,6 +607,18 @@ int main() {
       run_local_step_case(rng, {3}, poison, nt);
       cases += 2;
     }
+  }
+  for (const auto& sizes : std::vector<std::vector<int64_t>>{
+           {3}, {1}, {0, 5, 0, 0, 8, 1, 1, 1, 20000, 77, 0, 7}, {1, 1, 1, 1, 1, 1, 1, 1, 1}, {4, 4, 0}, {2, 0, 3}}) {
+    run_tiling_case(rng, sizes);
+    ++cases;
+  }
+  for (int r = 0; r < 20; ++r) {  // random tilings: many short segments, some empty
+    std::vector<int64_t> sizes(1 + rng() % 60);
+    for (auto& z : sizes) z = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % (r % 2 ? 9 : 300));
+    sizes.back() += 1;  // (the range is not empty)
+    run_tiling_case(rng, sizes);
+    ++cases;
   }
   std::printf("%d cases, %d failures\n", cases, failures);
   return failures ? 1 : 0;

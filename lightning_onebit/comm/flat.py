@@ -296,7 +296,7 @@ class CompressedAllreduce(Exchange):
         """The part of a call that reads its input, now; :meth:`start` takes the result.
 
         A :class:`~lightning_onebit.kernels.ExchangeSource` that the compression computes as
-        it reads it (double buffered, on the CPU: reads the gradients) is compressed here,
+        it reads it (double buffered, compiled kernels: reads the gradients) is compressed here,
         stage 1 of the call; any other is materialized. A tensor is returned as it is. So a
         thread that must not read the gradients can run :meth:`start` on the result.
         ``commit`` must be :meth:`start`'s."""

@@ -27,12 +27,12 @@ __all__ = [
     "frozen_adam_update_cuda",
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
-    "local_compress_cpu",
+    "local_compress",
     "local_source_cpu",
     "local_source_cuda",
     "local_step_cpu",
     "module",
-    "momentum_compress_cpu",
+    "momentum_compress",
     "momentum_source_cpu",
     "momentum_source_cuda",
     "nthreads",
@@ -519,12 +519,19 @@ def _compress_tail(
     compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     pending: bool,
     prev: tuple[torch.Tensor, torch.Tensor],
+    cuda: bool = False,
 ) -> list:
     """The trailing arguments of the compiled source compressions: the flat range's start and
     length (the segments tile it), then ``worker_compress_cpu``'s from ``compress`` (error,
-    bits, scale, error_out) and ``prev`` (prev_bits, prev_scale)."""
+    bits, scale, error_out) and ``prev`` (prev_bits, prev_scale); with ``cuda``
+    ``worker_compress_cuda``'s (``prev_scale`` in device memory, the workspace, the stream)."""
     (error, bits, scale, error_out), (prev_bits, prev_scale) = compress, prev
-    return [
+    device = error.device
+    if not pending:
+        prev_scale_arg: int | float = 0 if cuda else 0.0
+    else:
+        prev_scale_arg = prev_scale.data_ptr() if cuda else float(prev_scale)
+    head = [
         starts[0],
         sum(sizes),
         error.data_ptr(),
@@ -534,14 +541,47 @@ def _compress_tail(
         bits.size(0),
         bits.stride(0),
         prev_bits.data_ptr() if pending else 0,
-        float(prev_scale) if pending else 0.0,
+        prev_scale_arg,
         bool(pending),
         scale.data_ptr(),
-        nthreads(),
+    ]
+    if cuda:
+        return [*head, workspace(device).data_ptr(), stream(device)]
+    return [*head, nthreads()]
+
+
+def _source_tables(
+    pointers: list[int],
+    starts: list[int],
+    sizes: list[int],
+    coefs: tuple[list[float], ...],
+    cuda: bool,
+    device: torch.device,
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The source compressions' tables: the addresses of ``pointers`` (one table or more of
+    ``P`` each), the segments' starts and sizes (int64), then of each coefficient list
+    (float32); with the arrays that hold them, for the caller to keep until the call has run.
+    Host arrays on the CPU; on CUDA one int64 and one float32 array in ``device``'s memory
+    (:func:`on_device`)."""
+    ints = [*pointers, *starts, *sizes]
+    if cuda:
+        meta, coef = (
+            on_device(ints, torch.int64, device),
+            on_device(list(coefs), torch.float32, device),
+        )
+        rows = [meta[k : k + len(starts)] for k in range(0, len(ints), len(starts))]
+        return [meta, coef], [r.data_ptr() for r in rows] + [c.data_ptr() for c in coef]
+    arrays = [
+        torch.tensor(ints, dtype=torch.int64),
+        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
+    ]
+    base, step = arrays[0].data_ptr(), 8 * len(starts)
+    return arrays, [base + k * step for k in range(len(ints) // len(starts))] + [
+        a.data_ptr() for a in arrays[1:]
     ]
 
 
-def momentum_compress_cpu(
+def momentum_compress(
     tensors: tuple[
         torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, list[int], list[int]
     ],
@@ -549,21 +589,72 @@ def momentum_compress_cpu(
     compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     pending: bool,
     prev: tuple[torch.Tensor, torch.Tensor],
+    cuda: bool = False,
 ) -> None:
     """The compiled deferred ``worker_compress`` of ``momentum_source``'s values (``tensors``:
     exp_avg, the segments' gradients, denom or ``None``, the segments' starts and sizes, which
     tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient;
-    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
+    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale): the CPU
+    kernel, or with ``cuda`` the CUDA one on the current stream."""
     exp_avg, grads, denom, starts, sizes = tensors
-    arrays = _segment_arrays(grads, starts, sizes, coefs)
-    module.momentum_compress_cpu(
+    device = exp_avg.device
+    kept, (g, st, sz, b, a) = _source_tables(_pointers(grads), starts, sizes, coefs, cuda, device)
+    head = [device.index] if cuda else []
+    run = module.momentum_compress_cuda if cuda else module.momentum_compress_cpu
+    run(
+        *head,
         exp_avg.data_ptr(),
-        arrays[0].data_ptr(),
-        0 if denom is None else denom.data_ptr(),
+        g,
+        _address(denom),
         len(starts),
-        *(a.data_ptr() for a in arrays[1:]),
-        *_compress_tail(starts, sizes, compress, pending, prev),
+        st,
+        sz,
+        b,
+        a,
+        *_compress_tail(starts, sizes, compress, pending, prev, cuda),
     )
+    del kept
+
+
+def local_compress(
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
+    params: list[torch.Tensor | None] | None,
+    acc: torch.Tensor | None,
+    segments: tuple[list[int], list[int]],
+    hp: tuple[tuple[list[float], list[float], list[float], list[float]], bool],
+    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    pending: bool,
+    prev: tuple[torch.Tensor, torch.Tensor],
+    cuda: bool = False,
+) -> None:
+    """The compiled deferred ``worker_compress`` of ``local_source``'s values (``tensors``,
+    ``params``, ``acc`` and ``segments`` as :func:`local_source_cpu`, the segments tiling the
+    input's flat range in order; ``hp``: the coefficients and ``preconditioned``;
+    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale): the CPU
+    kernel, or with ``cuda`` the CUDA one on the current stream."""
+    (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
+    device = exp_avg.device
+    pointers = _pointers(grads) + ([] if params is None else _pointers(params))
+    kept, addresses = _source_tables(pointers, starts, sizes, _local_coefs(coefs), cuda, device)
+    g, p = addresses[0], (0 if params is None else addresses[1])
+    st, sz, *c = addresses[-6:]  # starts, sizes, beta, alpha, -weight_decay, -lr
+    head = [device.index] if cuda else []
+    run = module.local_compress_cuda if cuda else module.local_compress_cpu
+    run(
+        *head,
+        exp_avg.data_ptr(),
+        g,
+        denom.data_ptr(),
+        p,
+        _address(acc),
+        len(starts),
+        st,
+        sz,
+        *c,
+        bool(preconditioned),
+        *_compress_tail(starts, sizes, compress, pending, prev, cuda),
+    )
+    del kept
 
 
 def frozen_adam_update_cpu(
@@ -666,36 +757,6 @@ def local_step_cpu(
         len(params),
         *(a.data_ptr() for a in arrays[1:]),
         nthreads(),
-    )
-
-
-def local_compress_cpu(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
-    params: list[torch.Tensor | None] | None,
-    acc: torch.Tensor | None,
-    segments: tuple[list[int], list[int]],
-    hp: tuple[tuple[list[float], list[float], list[float], list[float]], bool],
-    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    pending: bool,
-    prev: tuple[torch.Tensor, torch.Tensor],
-) -> None:
-    """The compiled deferred ``worker_compress`` of ``local_source``'s values (``tensors``,
-    ``params``, ``acc`` and ``segments`` as :func:`local_source_cpu`, the segments tiling the
-    input's flat range in order; ``hp``: the coefficients and ``preconditioned``;
-    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
-    (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
-    arrays = _segment_arrays(grads, starts, sizes, _local_coefs(coefs))
-    pointers = _pointer_array(params)
-    module.local_compress_cpu(
-        exp_avg.data_ptr(),
-        arrays[0].data_ptr(),
-        denom.data_ptr(),
-        _address(pointers),
-        0 if acc is None else acc.data_ptr(),
-        len(starts),
-        *(a.data_ptr() for a in arrays[1:]),
-        bool(preconditioned),
-        *_compress_tail(starts, sizes, compress, pending, prev),
     )
 
 

@@ -726,7 +726,7 @@ class ExchangeSource:
     tile the range in order (an exchange's bucket: whole parameters). Subclasses:
     :class:`MomentumSource`, :class:`LocalSource`.
 
-    Where the compiled CPU kernel applies (:attr:`computed_as_read`), :func:`worker_compress`
+    Where a compiled kernel applies (:attr:`computed_as_read`), :func:`worker_compress`
     computes each value as it compresses it: the same floats, bits and scale, without writing
     ``out`` and reading it back (two of the four fp32 sweeps of source and compression).
     Elsewhere :meth:`materialize` runs the source kernel into ``out`` first. The inputs are
@@ -764,8 +764,9 @@ class ExchangeSource:
     @property
     def computed_as_read(self) -> bool:
         """Whether :func:`worker_compress` (``deferred=True``) computes the values as it reads
-        them: the compiled module's CPU kernel (CUDA and the pure-torch path materialize)."""
-        return self.device.type == "cpu" and native.use_native()
+        them: the compiled module's kernels, on the CPU and (in a build with CUDA kernels) on
+        CUDA; the pure-torch path materializes."""
+        return _has_kernel(self.device) and native.use_native()
 
     def materialize(self) -> torch.Tensor:
         """Run the source kernel into ``out`` (arguments checked at construction); return
@@ -821,7 +822,8 @@ class MomentumSource(ExchangeSource):
         prev: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         args = (self.exp_avg, self.grad, self.denom, self.starts, self.sizes)
-        native.momentum_compress_cpu(args, (self.beta, self.alpha), compress, pending, prev)
+        cuda = self.device.type == "cuda"
+        native.momentum_compress(args, (self.beta, self.alpha), compress, pending, prev, cuda)
 
 
 def _segment_tensors(
@@ -1060,7 +1062,7 @@ class LocalSource(ExchangeSource):
         pending: bool,
         prev: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
-        native.local_compress_cpu(
+        native.local_compress(
             self.tensors,
             self.param,
             self.acc,
@@ -1069,6 +1071,7 @@ class LocalSource(ExchangeSource):
             compress,
             pending,
             prev,
+            self.device.type == "cuda",
         )
 
 

@@ -8,8 +8,8 @@ post-accumulate-grad hook on every parameter notes its gradient as ready; as soo
 ``0..b`` are complete, the hook runs the part of bucket ``b``'s exchange that reads the
 gradients: what the algorithm exchanges for its values (e.g. the new momentum,
 ``_exchange_source``, which reads the gradients where autograd left them or gathers them into
-the flat buffer), and on the CPU, where the compression computes that as it reads it
-(:class:`~lightning_onebit.kernels.ExchangeSource`), the compression too
+the flat buffer), and where the compression computes that as it reads it
+(:class:`~lightning_onebit.kernels.ExchangeSource`: the compiled kernels), the compression too
 (``BucketedAllreduce.prepare_bucket``). It hands the rest to a single communication thread,
 which runs the exchange's compression (if not done), all_to_all and server stage while
 backward goes on (C++ kernels and collectives release the GIL). The thread never reads
@@ -258,8 +258,8 @@ class BackwardOverlap:
 
     def _bucket_input(self, b: int) -> Any:
         """:meth:`_read_grads`' work on the current stream: for an exchange, the part of
-        bucket ``b``'s call that reads the gradients (``prepare_bucket``: the source, and on
-        the CPU its compression where the kernel computes it as it reads it) and what the
+        bucket ``b``'s call that reads the gradients (``prepare_bucket``: the source, and
+        its compression where the kernel computes it as it reads it) and what the
         communication thread then starts; ``None`` after copying its gradients for an
         average."""
         if self._mode == "average":

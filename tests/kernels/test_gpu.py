@@ -320,7 +320,7 @@ def _positive(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Tenso
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal as bit patterns (NaNs included: the untouched gaps)."""
-    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    as_int = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[a.element_size()]
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
@@ -462,6 +462,112 @@ def test_local_source_cuda_per_segment_tensors_are_the_flat_form_bitwise(sizes: 
                 with _NoHostSync():
                     K.local_source((m, grad, d), param, acc, got, starts, seg, hp, precond)
                 assert _same_bits(got, want), precond
+
+
+#: tilings of an exchange's bucket for the sources computed as read: the CPU tests' (segment
+#: ends inside a lane's four values, inside and across 128-value warp segments and rows),
+#: empty segments, and one past a warp segment per value.
+CUDA_TILINGS = {
+    **_cpu_cases().SOURCE_TILINGS,
+    "empty": [0, 5, 0, 0, 3, 1, 1, 1, 0, 130, 0, 2],
+    "long": [3, 1_000_003, 129],
+}
+
+
+def _compress_on_gpu(x, w: int, pending: bool, seed: int):
+    """Deferred worker_compress of ``x`` (a CUDA tensor or ExchangeSource) with a fresh error
+    and previous bits and scale from ``seed``, without a host synchronisation: (bits, scale,
+    y) after the call."""
+    gen = torch.Generator().manual_seed(seed)
+    nx = x.numel()
+    n = -(-nx // (8 * w)) * 8 * w
+    error, y = torch.randn(n, generator=gen).cuda(), torch.full((n,), math.nan, device="cuda")
+    prev = torch.randint(0, 256, (w, n // (8 * w)), generator=gen, dtype=torch.uint8).cuda()
+    bits, scale, prev_scale = (
+        torch.zeros_like(prev),
+        torch.zeros(1).cuda(),
+        torch.tensor([0.03]).cuda(),
+    )
+    with _NoHostSync():
+        K.worker_compress(x, error, bits, scale, deferred=True, error_out=y, pending=pending,
+                          prev_bits=prev, prev_scale=prev_scale)  # fmt: skip
+    return bits, scale, y
+
+
+def _check_compressed_as_read(
+    make: Any, buf: torch.Tensor, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For W = 1, 2, 3, with and without a pending update: the source ``make(out)`` compressed
+    as it is read gives the bits, scale and y of its values in ``buf`` compressed, bit for
+    bit, without running the source kernel (``native.<kernel>``) or writing ``out``."""
+    for w, pending in itertools.product((1, 2, 3), (False, True)):
+        out = torch.full_like(buf, math.nan)
+        source = make(out)
+        assert source.computed_as_read
+        want = _compress_on_gpu(buf[source.lo : source.hi], w, pending, seed=w)
+        with monkeypatch.context() as mp:
+            mp.setattr(K.native, kernel, _refuse)
+            got = _compress_on_gpu(source, w, pending, seed=w)
+        assert all(_same_bits(a, b) for a, b in zip(got, want, strict=True)), (w, pending)
+        assert out.isnan().all(), (w, pending)
+
+
+@pytest.mark.parametrize("tiling", list(CUDA_TILINGS))
+@pytest.mark.parametrize("divide", [False, True])
+def test_worker_compress_of_a_momentum_source_cuda_is_the_buffer_form_bitwise(
+    tiling: str, divide: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the GPU a MomentumSource is compressed as it is read: the bits, scale and y of
+    ``momentum_source`` into a buffer then ``worker_compress`` of it, bit for bit (W = 1, 2,
+    3, with and without a pending update), without writing ``out`` or running the source
+    kernel; the inputs unchanged."""
+    m, grads, d, starts, sizes, beta, alpha = _cpu_cases()._tiled(CUDA_TILINGS[tiling], len(tiling))
+    m, d = m.cuda(), d.cuda() if divide else None
+    grads = [None if g is None else g.cuda() for g in grads]
+    before = [None if t is None else t.clone() for t in (m, d, *grads)]
+    buf = torch.full_like(m, math.nan)
+    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    _check_compressed_as_read(
+        lambda out: K.MomentumSource(m, grads, d, out, starts, sizes, beta, alpha),
+        buf,
+        "momentum_source_cuda",
+        monkeypatch,
+    )
+    after = (m, d, *grads)
+    assert all(a is b is None or _same_bits(a, b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("tiling", list(CUDA_TILINGS))
+@pytest.mark.parametrize("precond", [False, True])
+def test_worker_compress_of_a_local_source_cuda_is_the_buffer_form_bitwise(
+    tiling: str, precond: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the GPU a LocalSource is compressed as it is read: the bits, scale and y of
+    ``local_source`` into a buffer then ``worker_compress`` of it, bit for bit (W = 1, 2, 3,
+    with and without a pending update; without the decay and accumulator terms, with them on
+    the flat parameter and on parameters of their own), without writing ``out`` or running
+    the source kernel; the inputs unchanged."""
+    T = _cpu_cases()
+    tensors, p, acc, starts, sizes, hp = T._local_tiled(CUDA_TILINGS[tiling], len(tiling) + 1)
+    m, grads, d = tensors
+    tensors = (m.cuda(), [None if g is None else g.cuda() for g in grads], d.cuda())
+    p, acc = p.cuda(), acc.cuda()
+    kept = [t.clone() for t in (tensors[0], tensors[2], p, acc)]
+    for param in (None, p, T._param_pieces(p, starts, sizes)):
+        terms = (None, None) if param is None else (param, acc)
+        buf = torch.full_like(p, math.nan)
+        K.local_source(tensors, *((None, None) if param is None else (p, acc)), buf, starts,
+                       sizes, hp, precond)  # fmt: skip
+        _check_compressed_as_read(
+            lambda out, terms=terms: K.LocalSource(
+                tensors, *terms, out, starts, sizes, hp, precond
+            ),
+            buf,
+            "local_source_cuda",
+            monkeypatch,
+        )
+    after = (tensors[0], tensors[2], p, acc)
+    assert all(_same_bits(a, b) for a, b in zip(after, kept, strict=True))
 
 
 def _sync_case(seg: list[int], seed: int, device: str = "cuda"):

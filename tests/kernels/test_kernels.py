@@ -1877,6 +1877,25 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
             native.local_source_cuda((m, grads, v + 1), params, v, m, segments, shp, False)
         with pytest.raises(RuntimeError, match="onebit: cuda"):
             native.momentum_source_cuda((m, grads, v + 1, v), *segments, shp[:2])
+        bits = torch.zeros(2, 1, dtype=torch.uint8)
+        compress, prev = (torch.zeros(16), bits, torch.zeros(1), torch.zeros(16)), (bits, g[:1])
+        for pending in (False, True):
+            with pytest.raises(RuntimeError, match="onebit: cuda"):
+                native.momentum_compress(
+                    (m, grads, v + 1, *segments), shp[:2], compress, pending, prev, cuda=True
+                )
+            with pytest.raises(RuntimeError, match="onebit: cuda"):
+                native.local_compress(
+                    (m, grads, v + 1),
+                    params,
+                    v,
+                    segments,
+                    (shp, True),
+                    compress,
+                    pending,
+                    prev,
+                    cuda=True,
+                )
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
     with pytest.raises(RuntimeError, match="onebit: cuda"):
