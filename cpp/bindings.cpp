@@ -250,6 +250,12 @@ PYBIND11_MODULE(_C, m) {
                                 P<const float>(prev_scale), pending, P<float>(scale_out), P<void>(ws),
                                 P<void>(stream));
   }, release(), "worker_compress_cuda of local_source_cuda's values of [base, base + nx), computed as read");
+  m.def("layer_step_cuda", [](int device, ptr u, ptr params, int64_t np, ptr starts, ptr sizes, ptr chunk_start,
+                              int64_t nchunks, ptr alpha, ptr stream) {
+    onebit::layer_step_cuda(device, P<const float>(u), P<float* const>(params), np, P<const int64_t>(starts),
+                            P<const int64_t>(sizes), P<const int64_t>(chunk_start), nchunks, P<const float>(alpha),
+                            P<void>(stream));
+  }, release(), "1-bit LAMB's per-layer step p_j += alpha_j * u_j on the given CUDA stream (alpha in device memory)");
   m.def("sync_update_cuda", [](int device, ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc,
                                int64_t np, ptr starts, ptr sizes, ptr chunk_start, int64_t nchunks, ptr inv,
                                bool precond, ptr stream) {

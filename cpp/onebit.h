@@ -315,6 +315,12 @@ void local_source_cuda(int device, const float* m, const float* const* g, const 
                        const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                        int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
                        void* stream);
+// 1-bit LAMB's per-layer step on device pointers: p <- fma(u, alpha[j], p) per value of parameter
+// j (flat values [starts[j], starts[j] + sizes[j]) of u; storage params[j], fp32, contiguous),
+// alpha[j] a float in device memory: torch's CUDA p.addcmul_(u_j, alpha[j]) for every parameter.
+void layer_step_cuda(int device, const float* u, float* const* params, int64_t P, const int64_t* starts,
+                     const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* alpha,
+                     void* stream);
 // sync_update_cpu on device pointers, except m: (precond ? x * d : x) * inv[j], inv[j] the
 // reciprocal of -lrs[j] taken in double and rounded to float (torch's CUDA division by a Python
 // scalar); +0.0 where inv[j] is +0.0 (no lr since the last sync) or floored[i] is set. params

@@ -795,6 +795,36 @@ local_source_kernel(const float* m, const float* const* g, const float* d, const
   }
 }
 
+// 1-bit LAMB's per-layer step (kernels.layer_step): per value i of parameter j,
+//   p <- fma(u, alpha[j], p)                       p.addcmul_(u, alpha[j]) (value 1: fma(t1, t2, self))
+// one launch for all parameters where torch makes one per parameter.
+__global__ void __launch_bounds__(kThreads)
+layer_step_kernel(const float* u, float* const* params, int64_t P, const int64_t* starts, const int64_t* sizes,
+                  const int64_t* chunk_start, int64_t nchunks, const float* alpha) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const ParamChunk pc(chunk_start, P, starts, sizes, c);
+    float* const p = params[pc.j];  // value i of u is p[i - start]
+    const float a = alpha[pc.j];
+    const int64_t start = pc.start, lo = pc.lo, hi = pc.hi;
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
+      float ur[kUnroll], pr[kUnroll];  // all loads first, as in adam_kernel
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        ur[k] = u[i];
+        pr[k] = p[i - start];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = i0 + k * kThreads;
+        if (i >= hi) continue;
+        p[i - start] = __fmaf_rn(ur[k], a, pr[k]);
+      }
+    }
+  }
+}
+
 // 0/1 Adam's update after a sync step's exchange x (kernels.sync_update): per value i of
 // parameter j (storage params[j], or no parameter written when params is null),
 //   m <- (precond ? x * d : x) * inv[j]     torch.mul(x, d, out=m); torch.div(., -lrs, out=m)
@@ -1116,6 +1146,17 @@ void local_source_cuda(int device, const float* m, const float* const* g, const 
   DeviceGuard guard(device);
   launch("local_source_kernel", local_source_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
          m, g, d, p, acc, u, P, starts, sizes, chunk_start, nchunks, b, a, nw, nlr, precond);
+}
+
+void layer_step_cuda(int device, const float* u, float* const* params, int64_t P, const int64_t* starts,
+                     const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* alpha,
+                     void* stream) {
+  detail::check_segments("layer_step_cuda", P);
+  detail::check_chunks("layer_step_cuda", P, nchunks);
+  if (nchunks == 0) return;  // no values
+  DeviceGuard guard(device);
+  launch("layer_step_kernel", layer_step_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
+         u, params, P, starts, sizes, chunk_start, nchunks, alpha);
 }
 
 void sync_update_cuda(int device, const float* x, const float* d, const uint8_t* floored, float* m, float* synced,

@@ -27,6 +27,7 @@ __all__ = [
     "frozen_adam_update_cuda",
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
+    "layer_step_cuda",
     "local_compress",
     "local_source_cpu",
     "local_source_cuda",
@@ -862,6 +863,27 @@ def local_source_cuda(
         nchunks,
         *(row.data_ptr() for row in coef),
         bool(preconditioned),
+        stream(device),
+    )
+
+
+def layer_step_cuda(
+    update: torch.Tensor, params: list[torch.Tensor], starts: list[int], alpha: torch.Tensor
+) -> None:
+    """:func:`layer_step` on CUDA tensors: the kernel on the current stream."""
+    n, device = len(params), update.device
+    table = param_table(params, starts, device)
+    if table is None:
+        return  # no values
+    meta, nchunks = table
+    module.layer_step_cuda(
+        device.index,
+        update.data_ptr(),
+        meta.data_ptr(),  # the parameters' pointers
+        n,
+        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
+        nchunks,
+        alpha.data_ptr(),
         stream(device),
     )
 

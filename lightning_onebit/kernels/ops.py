@@ -26,6 +26,7 @@ from lightning_onebit.kernels.reference import (
     reference_decompress,
     reference_frozen_adam_update,
     reference_lamb_frozen_update,
+    reference_layer_step,
     reference_local_source,
     reference_local_step,
     reference_momentum_source,
@@ -45,6 +46,7 @@ __all__ = [
     "decompress",
     "frozen_adam_update",
     "lamb_frozen_update",
+    "layer_step",
     "local_source",
     "local_step",
     "momentum_source",
@@ -934,6 +936,53 @@ def frozen_adam_update(
     reference_frozen_adam_update(
         ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay, preconditioned
     )
+
+
+def layer_step(
+    update: torch.Tensor, params: list[torch.Tensor], starts: list[int], alpha: torch.Tensor
+) -> None:
+    """``p_j += alpha[j] * u_j`` for every parameter ``j``, ``u_j`` its values
+    ``update[starts[j] : starts[j] + p_j.numel()]``: 1-bit LAMB's per-layer step on a GPU,
+    ``alpha[j] = -lr_j * coeff_j`` computed on the device.
+
+    On CUDA with fp32 contiguous parameters one kernel steps every parameter, where torch
+    launches one per parameter, and writes the floats of ``p.addcmul_(u_j, alpha[j])``
+    (:func:`reference_layer_step`; on CUDA one fused multiply-add per value) bit for bit.
+    Elsewhere those torch ops run.
+
+    Args:
+        update: float32, contiguous.
+        params: the parameters, on ``update``'s device.
+        starts: per parameter, the offset of its values in ``update``.
+        alpha: float32, contiguous, one value per parameter, on ``update``'s device (never read
+            on the host: no synchronisation).
+
+    Raises:
+        TypeError, ValueError: on a wrong dtype, device, size or layout.
+    """
+    check_tensor("update", update, torch.float32)
+    check_tensor("alpha", alpha, torch.float32)
+    check_contiguous("update", update)
+    check_contiguous("alpha", alpha)
+    device = check_device(("update", update), ("alpha", alpha), need_cuda_kernels=False)
+    n = len(params)
+    if len(starts) != n or alpha.numel() != n:
+        raise ValueError(
+            f"starts and alpha must have one value per parameter ({n}), got {len(starts)} and "
+            f"{alpha.numel()}"
+        )
+    check_params_fit(params, starts, update.numel(), device)
+    if (
+        device.type == "cuda"
+        and native.HAS_CUDA
+        and native.use_native()
+        and all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
+    ):
+        native.layer_step_cuda(update, params, starts, alpha)
+        for p in params:  # (written through raw pointers: see adam_update)
+            torch.autograd.graph.increment_version(p)
+        return
+    reference_layer_step(update, params, starts, alpha)
 
 
 def local_source(

@@ -16,6 +16,7 @@ __all__ = [
     "reference_decompress",
     "reference_frozen_adam_update",
     "reference_lamb_frozen_update",
+    "reference_layer_step",
     "reference_local_source",
     "reference_local_step",
     "reference_momentum_source",
@@ -213,6 +214,15 @@ def reference_lamb_frozen_update(
     if not rows:
         return torch.empty(0, 3, dtype=torch.float64, device=update.device)
     return torch.stack(rows)
+
+
+def reference_layer_step(
+    update: torch.Tensor, params: list[torch.Tensor], starts: list[int], alpha: torch.Tensor
+) -> None:
+    """:func:`~lightning_onebit.kernels.layer_step` as torch ops: ``p.addcmul_(u_j, alpha[j])``
+    for every parameter ``j``, ``u_j`` its values of ``update`` in its shape."""
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        p.addcmul_(update[lo : lo + p.numel()].view_as(p), alpha[j])
 
 
 def reference_momentum_source(

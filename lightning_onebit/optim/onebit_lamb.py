@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import MomentumSource, lamb_frozen_update
+from lightning_onebit.kernels import MomentumSource, lamb_frozen_update, layer_step
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
@@ -475,13 +475,14 @@ class OneBitLamb(OneBitOptimizer):
         self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)
 
     def _scale_layers_and_step_(self, u: torch.Tensor, coeff: torch.Tensor) -> None:
-        """``p_k -= lr * coeff_k * u_k`` for every layer ``k`` (one sweep per layer). On the CPU
-        with the coefficients read as Python floats (free there); on a GPU as device values
+        """``p_k -= lr * coeff_k * u_k`` for every layer ``k``. On the CPU with the coefficients
+        read as Python floats (free there), one sweep per layer; on a GPU as device values
         (``-lr_k * coeff_k`` in float32 on the device: no host synchronisation; rounds
-        differently from the CPU's float64 product in the last bit)."""
+        differently from the CPU's float64 product in the last bit), one kernel for all layers
+        (:func:`~lightning_onebit.kernels.layer_step`)."""
         self._coeffs = coeff
-        views = self.flat.views_of(u)
         if u.device.type == "cpu":
+            views = self.flat.views_of(u)
             lrs, of, coeffs = (
                 [group["lr"] for group in self.param_groups],
                 self.flat.layout.group_of,
@@ -491,5 +492,4 @@ class OneBitLamb(OneBitOptimizer):
                 p.add_(views[j], alpha=-lrs[of[j]] * coeffs[j])
             return
         alpha = (coeff * self._per_layer("lr")).neg_()
-        for j, p in enumerate(self.flat.layout.params):
-            p.addcmul_(views[j], alpha[j])
+        layer_step(u, self.flat.layout.params, self.flat.layout.offsets, alpha)

@@ -570,6 +570,36 @@ def test_worker_compress_of_a_local_source_cuda_is_the_buffer_form_bitwise(
     assert all(_same_bits(a, b) for a, b in zip(after, kept, strict=True))
 
 
+@pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
+def test_layer_step_cuda_is_the_torch_ops_bitwise(
+    sizes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One kernel writes the floats of ``p.addcmul_(u_j, alpha[j])`` per parameter bit for bit
+    (parameters of their own, some 2-D; alpha on the device, one value +0.0 and one -1e-30),
+    without a host synchronisation; the update and alpha unchanged. A non-contiguous
+    parameter takes the torch ops, with the same floats."""
+    seg = SEGMENT_SIZES[sizes]
+    gen = torch.Generator().manual_seed(401 + len(seg))
+    starts, n = _segments(seg)
+    u = _fresh(n, gen, 1e-2)
+    alpha = (-torch.rand(len(seg), generator=gen) * 1e-3).cuda()
+    alpha[0], alpha[-1] = 0.0, -1e-30
+    params = [_fresh(z, gen).view(-1, 3) if z and z % 3 == 0 else _fresh(z, gen) for z in seg]
+    want = [p.clone() for p in params]
+    K.reference_layer_step(u, want, starts, alpha)
+    kept = (u.clone(), alpha.clone())
+    with monkeypatch.context() as mp, _NoHostSync():
+        mp.setattr(K.ops, "reference_layer_step", _refuse)
+        K.layer_step(u, params, starts, alpha)
+    assert all(_same_bits(a, b) for a, b in zip(params, want, strict=True))
+    assert _same_bits(u, kept[0]) and _same_bits(alpha, kept[1])
+    odd = [p.t() if p.dim() == 2 else p for p in (q.clone() for q in params)]
+    twin = [p.clone() for p in odd]
+    K.reference_layer_step(u, twin, starts, alpha)
+    K.layer_step(u, odd, starts, alpha)
+    assert all(_same_bits(a, b) for a, b in zip(odd, twin, strict=True))
+
+
 def _sync_case(seg: list[int], seed: int, device: str = "cuda"):
     """Inputs of sync_update: (x, d, m, synced), floored, acc, the parameters, starts and per
     parameter lrs: 0 on parameter 2 (m = 0), 1e-50 on parameter 1 (-lrs rounds to -0.0)."""

@@ -1584,6 +1584,38 @@ def test_adam_update_rejects_bad_input() -> None:
         K.adam_update(args[0], args[1], args[2].double(), params, starts, **hp)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_layer_step_steps_each_parameter_by_its_own_values(seed: int) -> None:
+    """``p_j += alpha[j] * u_j`` per parameter (each its own values of the update), on
+    parameters of any shape: within one rounding of the exact result; the update and alpha
+    unchanged."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes, u = [1, 6, 0, 300], torch.randn(320, generator=gen)
+    starts = [3, 4, 10, 10]
+    params = [torch.randn(z, generator=gen) for z in sizes]
+    params[1] = params[1].view(2, 3)
+    alpha = -torch.rand(4, generator=gen) * 1e-2
+    before, kept = [p.clone() for p in params], (u.clone(), alpha.clone())
+    K.layer_step(u, params, starts, alpha)
+    for p, p0, lo, a in zip(params, before, starts, alpha.tolist(), strict=True):
+        exact = p0.double() + a * u[lo : lo + p0.numel()].view_as(p0).double()
+        assert p.shape == p0.shape
+        assert ((p.double() - exact).abs() <= exact.abs() * 2.0**-23).all()
+    assert torch.equal(u, kept[0]) and torch.equal(alpha, kept[1])
+
+
+def test_layer_step_rejects_bad_input() -> None:
+    u, p = torch.zeros(8), [torch.zeros(4)]
+    with pytest.raises(ValueError, match="one value per parameter"):
+        K.layer_step(u, p, [0], torch.zeros(2))
+    with pytest.raises(ValueError, match="does not fit"):
+        K.layer_step(u, p, [6], torch.zeros(1))
+    with pytest.raises(TypeError, match=r"alpha must have dtype torch\.float32"):
+        K.layer_step(u, p, [0], torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="update must be contiguous"):
+        K.layer_step(torch.zeros(4, 2).t(), p, [0], torch.zeros(1))
+
+
 def test_lamb_frozen_update_rejects_bad_input() -> None:
     bufs, offsets, hp = _lamb_case(1, True, [4, 4])
     args = list(bufs.values())
@@ -1900,6 +1932,8 @@ def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypat
         native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
     with pytest.raises(RuntimeError, match="onebit: cuda"):
         native.restore_unless_cuda(ok, m, g)
+    with pytest.raises(RuntimeError, match="onebit: cuda"):
+        native.layer_step_cuda(g, [p[:4], p[4:]], [0, 4], torch.zeros(2))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
