@@ -70,7 +70,7 @@ echo "$ENV_LINE"
 echo "| check | result | time |"
 echo "|---|---|---:|"
 printf '%s\n' "${SUMMARY[@]}"
-grep -E '^\| (worker_compress|worker_deferred|server_reduce|decompress|lamb_update|adam_update|fp32 copy|fp32 fill) ' \
+grep -E '^\| (worker_compress|worker_deferred|momentum_source|source_compress|server_reduce|decompress|lamb_update|adam_update|fp32 copy|fp32 fill) ' \
   "$OUT/bench_kernels.log" || true
 grep -E '^\|' "$OUT/bench_step.log" || true
 grep -E '^(###|device:)' "$OUT/profile_step.log" || true
