@@ -476,22 +476,6 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _segment_arrays(
-    grads: list[torch.Tensor | None],
-    starts: list[int],
-    sizes: list[int],
-    coefs: tuple[list[float], ...],
-) -> list[torch.Tensor]:
-    """The CPU source kernels' host arrays: gradient pointers, starts, sizes (int64) and each
-    per-segment coefficient list (float32)."""
-    return [
-        torch.tensor(_pointers(grads), dtype=torch.int64),
-        torch.tensor(starts, dtype=torch.int64),
-        torch.tensor(sizes, dtype=torch.int64),
-        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
-    ]
-
-
 def momentum_source_cpu(
     tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
     starts: list[int],
@@ -502,16 +486,11 @@ def momentum_source_cpu(
     gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
     ``exp_avg`` and of the gradient)."""
     exp_avg, grads, denom, out = tensors
-    arrays = _segment_arrays(grads, starts, sizes, coefs)
+    kept, (g, *rest) = _source_tables(_pointers(grads), starts, sizes, coefs, False, out.device)
     module.momentum_source_cpu(
-        exp_avg.data_ptr(),
-        arrays[0].data_ptr(),
-        0 if denom is None else denom.data_ptr(),
-        out.data_ptr(),
-        len(starts),
-        *(a.data_ptr() for a in arrays[1:]),
-        nthreads(),
+        exp_avg.data_ptr(), g, _address(denom), out.data_ptr(), len(starts), *rest, nthreads()
     )
+    del kept
 
 
 def _compress_tail(
@@ -717,20 +696,21 @@ def local_source_cpu(
     decay term) or ``None``; ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr,
     weight_decay)."""
     (exp_avg, grads, denom), (starts, sizes) = tensors, segments
-    arrays = _segment_arrays(grads, starts, sizes, _local_coefs(hp))
-    pointers = _pointer_array(params)
+    pointers = _pointers(grads) + ([] if params is None else _pointers(params))
+    kept, addresses = _source_tables(pointers, starts, sizes, _local_coefs(hp), False, out.device)
     module.local_source_cpu(
         exp_avg.data_ptr(),
-        arrays[0].data_ptr(),
+        addresses[0],
         denom.data_ptr(),
-        _address(pointers),
-        0 if acc is None else acc.data_ptr(),
+        0 if params is None else addresses[1],
+        _address(acc),
         out.data_ptr(),
         len(starts),
-        *(a.data_ptr() for a in arrays[1:]),
+        *addresses[-6:],  # starts, sizes, beta, alpha, -weight_decay, -lr
         bool(preconditioned),
         nthreads(),
     )
+    del kept
 
 
 def local_step_cpu(
@@ -746,19 +726,13 @@ def local_step_cpu(
     beta, alpha, lr, weight_decay = hp
     # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
     coefs = (beta, alpha, [w if w > 0 else 0.0 for w in weight_decay], [-a for a in lr])
-    sizes = [p.numel() for p in params]
-    arrays = _segment_arrays(grads, starts, sizes, coefs)
-    pointers = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64)
-    return module.local_step_cpu(
-        arrays[0].data_ptr(),
-        exp_avg.data_ptr(),
-        denom.data_ptr(),
-        acc.data_ptr(),
-        pointers.data_ptr(),
-        len(params),
-        *(a.data_ptr() for a in arrays[1:]),
-        nthreads(),
+    sizes, pointers = [p.numel() for p in params], _pointers(grads) + _pointers(params)
+    kept, (g, p, *rest) = _source_tables(pointers, starts, sizes, coefs, False, acc.device)
+    ran = module.local_step_cpu(
+        g, exp_avg.data_ptr(), denom.data_ptr(), acc.data_ptr(), p, len(params), *rest, nthreads()
     )
+    del kept
+    return ran
 
 
 def sync_update_cpu(
