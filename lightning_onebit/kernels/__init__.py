@@ -9,7 +9,11 @@ Layers, each importing only the ones before it:
 - :mod:`~lightning_onebit.kernels.reference`: the ``reference_*`` twins, pure torch, the same
   arguments and results; the tests compare every kernel with its twin, and they are the path
   taken when the compiled module is missing (with a warning);
-- :mod:`~lightning_onebit.kernels.ops`: the public functions: check, then dispatch.
+- the public functions, each checking its arguments, then running the compiled kernel (or the
+  twin): :mod:`~lightning_onebit.kernels.sources` (what the exchange sends, computed as the
+  compression reads it), :mod:`~lightning_onebit.kernels.compression` (the exchange's worker,
+  server and decompression kernels) and :mod:`~lightning_onebit.kernels.updates` (the
+  optimizers' fused steps).
 
 Wire format (shared by CPU and CUDA, so ranks on different hardware interoperate): a chunk of
 ``m`` values (``m % 8 == 0``) packs into ``m // 8`` bytes; value ``k`` is bit ``k % 8`` of byte
@@ -20,26 +24,14 @@ rows of a ``(W, m // 8)`` uint8 tensor whose rows may be strided (views into lar
 
 from __future__ import annotations
 
-from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA
-from lightning_onebit.kernels.ops import (
-    ExchangeSource,
-    LocalSource,
-    MomentumSource,
+from lightning_onebit.kernels.compression import (
     SignRuns,
-    adam_update,
     decompress,
-    frozen_adam_update,
-    lamb_frozen_update,
-    layer_step,
-    local_source,
-    local_step,
-    momentum_source,
-    restore_unless,
     server_reduce,
-    sync_update,
     worker_compress,
     worker_update_error,
 )
+from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA
 from lightning_onebit.kernels.reference import (
     finish_pending,
     reference_adam_update,
@@ -55,6 +47,22 @@ from lightning_onebit.kernels.reference import (
     reference_sync_update,
     reference_worker_compress,
     reference_worker_update_error,
+)
+from lightning_onebit.kernels.sources import (
+    ExchangeSource,
+    LocalSource,
+    MomentumSource,
+    local_source,
+    momentum_source,
+)
+from lightning_onebit.kernels.updates import (
+    adam_update,
+    frozen_adam_update,
+    lamb_frozen_update,
+    layer_step,
+    local_step,
+    restore_unless,
+    sync_update,
 )
 
 __all__ = [

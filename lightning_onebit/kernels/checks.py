@@ -4,6 +4,8 @@ pointers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lightning_onebit.kernels import native
@@ -12,9 +14,11 @@ __all__ = [
     "check_contiguous",
     "check_device",
     "check_params_fit",
+    "check_per_segment",
     "check_rows",
     "check_scale",
     "check_scales",
+    "check_segments",
     "check_tensor",
     "check_verdict",
 ]
@@ -105,3 +109,56 @@ def check_params_fit(
                 f"params[{j}] ({p.numel()} values from {lo}) does not fit the flat buffers "
                 f"({n_flat} values)"
             )
+
+
+def check_segments(
+    named: list[tuple[str, torch.Tensor | None]],
+    starts: list[int],
+    per_segment: dict[str, Sequence[float]],
+) -> None:
+    """Raise ``ValueError`` unless every list of ``per_segment`` has one value per segment and
+    each segment ``[starts[k], starts[k] + sizes[k])`` fits every tensor of ``named``."""
+    n = len(starts)
+    for name, vals in per_segment.items():
+        if len(vals) != n:
+            raise ValueError(f"{name} must have one value per segment ({n}), got {len(vals)}")
+    limit = min(t.numel() for _, t in named if t is not None)
+    for lo, size in zip(starts, per_segment["sizes"], strict=True):
+        if lo < 0 or size < 0 or lo + size > limit:
+            raise ValueError(f"segment [{lo}, {lo + size}) does not fit buffers of {limit} values")
+
+
+def check_per_segment(
+    name: str,
+    t: torch.Tensor | Sequence[torch.Tensor | None],
+    starts: list[int],
+    sizes: list[int],
+    device: torch.device,
+    missing: bool = False,
+) -> list[torch.Tensor | None]:
+    """``t`` as one entry per segment: a flat buffer's slices ``starts[k]:starts[k] +
+    sizes[k]`` (the buffer checked by the caller), or the sequence itself, checked here.
+
+    Raises:
+        TypeError, ValueError: unless the sequence has one entry per segment, each a float32
+            contiguous tensor of its segment's size on ``device`` (or, where ``missing``,
+            ``None``).
+    """
+    if isinstance(t, torch.Tensor):
+        return [t[lo : lo + n] for lo, n in zip(starts, sizes, strict=True)]
+    pieces = list(t)
+    if len(pieces) != len(sizes):
+        what = "one tensor (or None)" if missing else "one tensor"
+        raise ValueError(f"{name} must have {what} per segment ({len(sizes)}), got {len(pieces)}")
+    for k, (x, n) in enumerate(zip(pieces, sizes, strict=True)):
+        if x is None:
+            if missing:
+                continue
+            raise TypeError(f"{name}[{k}] is None: give a tensor for every segment")
+        check_tensor(f"{name}[{k}]", x, torch.float32)
+        check_contiguous(f"{name}[{k}]", x)
+        if x.device != device:
+            raise ValueError(f"{name}[{k}] is on {x.device}, the buffers on {device}")
+        if x.numel() != n:
+            raise ValueError(f"{name}[{k}] must have its segment's {n} values, got {x.numel()}")
+    return pieces

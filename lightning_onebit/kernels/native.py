@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_onebit.kernels.ops import SignRuns
+    from lightning_onebit.kernels.compression import SignRuns
 
 __all__ = [
     "HAS_CPP",
@@ -25,6 +25,7 @@ __all__ = [
     "decompress",
     "frozen_adam_update_cpu",
     "frozen_adam_update_cuda",
+    "has_kernel",
     "lamb_frozen_update_cpu",
     "lamb_frozen_update_cuda",
     "layer_step_cuda",
@@ -64,6 +65,12 @@ HAS_CPP: bool = module is not None
 HAS_CUDA: bool = bool(module is not None and module.has_cuda)
 
 _fallback_warned = False
+
+
+def has_kernel(device: torch.device) -> bool:
+    """Whether the compiled module has a kernel for ``device``: the CPU, or CUDA in a build
+    with CUDA kernels."""
+    return device.type == "cpu" or (device.type == "cuda" and HAS_CUDA)
 
 
 def use_native() -> bool:

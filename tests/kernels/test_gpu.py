@@ -78,7 +78,7 @@ def test_adam_update_cuda_equals_cpu_bitwise(
         31 + update_variance, sizes=T.ADAM_SIZES if sizes == "cpu_tests" else BIG_SIZES
     )
     (b_cpu, p_cpu) = T._adam_run(K.adam_update, (bufs, params, starts, hp), update_variance)
-    monkeypatch.setattr(K.ops, "reference_adam_update", _refuse)
+    monkeypatch.setattr(K.updates, "reference_adam_update", _refuse)
     gpu_case = (_on(bufs, "cuda"), [p.cuda() for p in params], starts, hp)
     (b_gpu, p_gpu) = T._adam_run(K.adam_update, gpu_case, update_variance)
     for k in b_cpu:
@@ -131,7 +131,7 @@ def test_lamb_frozen_update_cuda_equals_cpu(
     layer_sizes = T.LAMB_SIZES if sizes == "cpu_tests" else BIG_SIZES
     bufs, offsets, hp = T._lamb_case(41 + decay, decay, layer_sizes)
     b_cpu, s_cpu = T._lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
-    monkeypatch.setattr(K.ops, "reference_lamb_frozen_update", _refuse)
+    monkeypatch.setattr(K.updates, "reference_lamb_frozen_update", _refuse)
     b_gpu, s_gpu = T._lamb_run(K.lamb_frozen_update, _on(bufs, "cuda"), offsets, hp)
     for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
         assert torch.equal(b_gpu[k].cpu(), b_cpu[k]), k
@@ -362,7 +362,7 @@ def test_momentum_source_cuda_is_the_torch_ops_bitwise(
     before = [t.clone() for t in (m, g, d)]
     want = torch.full_like(m, math.nan)
     K.reference_momentum_source(*args, want, starts, seg, beta, alpha)
-    monkeypatch.setattr(K.ops, "reference_momentum_source", _refuse)
+    monkeypatch.setattr(K.sources, "reference_momentum_source", _refuse)
     got = torch.full_like(m, math.nan)
     with _NoHostSync():
         K.momentum_source(*args, got, starts, seg, beta, alpha)
@@ -426,7 +426,7 @@ def test_local_source_cuda_is_the_torch_ops_bitwise(
         K.reference_local_source(*args, want, starts, seg, hp, precond)
         got = torch.full_like(p, math.nan)
         with monkeypatch.context() as mp, _NoHostSync():
-            mp.setattr(K.ops, "reference_local_source", _refuse)
+            mp.setattr(K.sources, "reference_local_source", _refuse)
             K.local_source(*args, got, starts, seg, hp, precond)
         assert _same_bits(got, want), (decay, with_acc)
     assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
@@ -589,7 +589,7 @@ def test_layer_step_cuda_is_the_torch_ops_bitwise(
     K.reference_layer_step(u, want, starts, alpha)
     kept = (u.clone(), alpha.clone())
     with monkeypatch.context() as mp, _NoHostSync():
-        mp.setattr(K.ops, "reference_layer_step", _refuse)
+        mp.setattr(K.updates, "reference_layer_step", _refuse)
         K.layer_step(u, params, starts, alpha)
     assert all(_same_bits(a, b) for a, b in zip(params, want, strict=True))
     assert _same_bits(u, kept[0]) and _same_bits(alpha, kept[1])
@@ -648,7 +648,7 @@ def test_sync_update_cuda_is_the_torch_ops_bitwise(
         flags = (with_floor, with_acc, dtype, precond)
         want = _sync_run(K.reference_sync_update, case, *flags)
         with monkeypatch.context() as mp, _NoHostSync():
-            mp.setattr(K.ops, "reference_sync_update", _refuse)
+            mp.setattr(K.updates, "reference_sync_update", _refuse)
             got = _sync_run(K.sync_update, case, *flags)
         what = (with_floor, with_acc, dtype)
         assert all(_same_bits(a, b) for a, b in zip(got[:3], want[:3], strict=True)), what
@@ -688,6 +688,8 @@ def _three_kernels(inputs: tuple, fns: dict) -> list[torch.Tensor]:
 _THREE = ("momentum_source", "local_source", "sync_update")
 _KERNELS = {name: getattr(K, name) for name in _THREE}
 _TWINS = {name: getattr(K, f"reference_{name}") for name in _THREE}
+#: the module whose public function calls each twin
+_DISPATCHER = {"momentum_source": K.sources, "local_source": K.sources, "sync_update": K.updates}
 
 
 def test_sources_and_sync_on_a_side_stream_without_host_sync(
@@ -698,7 +700,7 @@ def test_sources_and_sync_on_a_side_stream_without_host_sync(
     inputs = _three_inputs("cuda", 71)
     want = _three_kernels(inputs, _TWINS)
     for name in _THREE:
-        monkeypatch.setattr(K.ops, f"reference_{name}", _refuse)
+        monkeypatch.setattr(_DISPATCHER[name], f"reference_{name}", _refuse)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), _NoHostSync():
@@ -715,7 +717,7 @@ def test_sources_and_sync_on_the_second_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     with torch.cuda.device(1):
         want = _three_kernels(inputs, _TWINS)
     for name in _THREE:
-        monkeypatch.setattr(K.ops, f"reference_{name}", _refuse)
+        monkeypatch.setattr(_DISPATCHER[name], f"reference_{name}", _refuse)
     with torch.cuda.device(0):
         got = _three_kernels(inputs, _KERNELS)
         torch.cuda.synchronize(1)

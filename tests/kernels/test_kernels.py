@@ -362,7 +362,7 @@ def test_lamb_frozen_update_preconditioned_is_the_product_first_bitwise(
     finally:
         torch.set_num_threads(old)
     ref = _lamb_run(K.reference_lamb_frozen_update, scaled, offsets, hp)
-    monkeypatch.setattr(K.ops.native, "use_native", lambda: False)  # (the torch path)
+    monkeypatch.setattr(K.native, "use_native", lambda: False)  # (the torch path)
     got = _lamb_run(K.lamb_frozen_update, bufs, offsets, {**hp, "preconditioned": True})
     for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
         assert _same_bits(got[0][k], ref[0][k]), k
@@ -434,7 +434,7 @@ def test_lamb_frozen_update_per_layer_params_are_the_flat_form_bitwise(
     finally:
         torch.set_num_threads(old)
     assert all(torch.equal(a, b) for a, b in zip(layers["param"], kept, strict=True))
-    monkeypatch.setattr(K.ops.native, "use_native", lambda: False)  # (the torch path)
+    monkeypatch.setattr(K.native, "use_native", lambda: False)  # (the torch path)
     want_b, want_s = _lamb_run(K.lamb_frozen_update, bufs, offsets, hp)
     got_b, got_s = _lamb_run(K.lamb_frozen_update, layers, offsets, hp)
     for k in ("exp_avg", "exp_avg_sq_fresh", "update"):
@@ -1323,7 +1323,7 @@ def test_local_step_is_the_torch_ops_bitwise(monkeypatch: pytest.MonkeyPatch) ->
         for nt in (1, 2):
             torch.set_num_threads(nt)
             with monkeypatch.context() as mp:
-                mp.setattr(K.ops, "reference_local_step", _refuse)
+                mp.setattr(K.updates, "reference_local_step", _refuse)
                 taken, *got = step_run(K.local_step, case)
             assert taken and _same_step(got, want), nt
     finally:

@@ -1,0 +1,371 @@
+"""The exchange's kernels: the worker's error-compensated 1-bit compression
+(:func:`worker_compress`), the server's reduction of ``W`` compressed chunks
+(:func:`server_reduce`), decompression (:func:`decompress`), and the exchange's result where it
+lies (:class:`SignRuns`)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_onebit.kernels import native
+from lightning_onebit.kernels.checks import (
+    check_contiguous,
+    check_device,
+    check_rows,
+    check_scale,
+    check_scales,
+    check_tensor,
+)
+from lightning_onebit.kernels.reference import (
+    reference_decompress,
+    reference_server_reduce,
+    reference_worker_compress,
+    reference_worker_update_error,
+)
+from lightning_onebit.kernels.sources import ExchangeSource
+
+__all__ = ["SignRuns", "decompress", "server_reduce", "worker_compress", "worker_update_error"]
+
+
+def worker_compress(
+    x: torch.Tensor | ExchangeSource,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    update_error: bool = True,
+    deferred: bool = False,
+    error_out: torch.Tensor | None = None,
+    pending: bool = False,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
+) -> None:
+    """Error-compensated 1-bit compression of ``x`` (the worker side of the exchange).
+
+    With ``n = error.numel()`` and ``W = bits.size(0)``: ``y = x + error`` (``x`` is read as
+    zero beyond its ``x.numel() <= n`` values), ``scale = ||y||_2 / sqrt(n)``, row ``j`` of
+    ``bits`` receives the packed signs of ``y[j*n/W : (j+1)*n/W]``, and the error becomes
+    ``y - scale * sign(y)``. That update needs the scale, i.e. every value read first, so it
+    takes a second sweep over the buffer, or none:
+
+    - default: the second sweep runs in this call, ``error`` in place.
+    - ``update_error=False``: ``error`` is left as it was, and :func:`worker_update_error`
+      (same ``x``, ``error``, ``scale``) applies the update later: the exchange first learns
+      whether every rank's scale is finite, so that a skipped step changes nothing.
+    - ``deferred=True``: one sweep. ``error_out`` (default: ``error``) receives ``y``, and the
+      true error is ``error_out - scale * sign(bits)``: pass ``pending=True`` to the next call
+      with this call's ``bits`` and ``scale`` as ``prev_bits``/``prev_scale`` (defaults:
+      ``bits``/``scale``, still holding them when the same buffers are reused) and it applies
+      the update as it reads ``error``; or apply it with :func:`finish_pending`, as
+      :func:`server_reduce`'s. A separate ``error_out`` (and ``bits``) leaves the inputs as
+      they were (double buffering: a call that may still be dropped).
+
+    ``x`` may be an :class:`ExchangeSource` (:class:`MomentumSource`, :class:`LocalSource`):
+    the deferred form computes its values as it reads them where it can
+    (:attr:`ExchangeSource.computed_as_read`), the same floats as from the buffer; otherwise it
+    materializes them first.
+
+    Args:
+        x: float32, contiguous, at most ``n`` values (any shape); or an
+            :class:`ExchangeSource`.
+        error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
+        bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
+        scale: float32 with one element; receives the scale (on the tensors' device).
+        update_error: update the error in this call (``False``: leave it to
+            :func:`worker_update_error`).
+        deferred: the one-sweep form above.
+        error_out: (``deferred``) float32, contiguous, ``n`` values; default ``error``.
+        pending: (``deferred``) whether ``error`` still awaits the previous call's deferred
+            update.
+        prev_bits: (``pending``) uint8, the shape and row stride of ``bits``; default ``bits``.
+        prev_scale: (``pending``) float32 with one element; default ``scale``.
+
+    Raises:
+        ValueError: on a wrong dtype, device, size or layout, ``error_out``/``pending``
+            without ``deferred``, or ``deferred`` with ``update_error=False``.
+    """
+    if not deferred and (pending or error_out is not None):
+        raise ValueError("error_out and pending are the deferred form's: pass deferred=True")
+    if deferred and not update_error:
+        raise ValueError(
+            "deferred=True updates the error (deferred); update_error=False is the two-call form"
+        )
+    source = None
+    if isinstance(x, ExchangeSource):
+        if deferred and x.computed_as_read:  # (x: its geometry, for the checks; not read)
+            source, x = x, x.out[x.lo : x.hi]
+        else:
+            x = x.materialize()
+    error_out = error if error_out is None else error_out
+    prev_bits = bits if prev_bits is None else prev_bits
+    prev_scale = scale if prev_scale is None else prev_scale
+    for name, t, dt in (
+        ("x", x, torch.float32),
+        ("error", error, torch.float32),
+        ("error_out", error_out, torch.float32),
+        ("bits", bits, torch.uint8),
+        ("prev_bits", prev_bits, torch.uint8),
+    ):
+        check_tensor(name, t, dt)
+    check_scale("scale", scale)
+    check_scale("prev_scale", prev_scale)
+    device = check_device(
+        ("x", x),
+        ("error", error),
+        ("error_out", error_out),
+        ("bits", bits),
+        ("prev_bits", prev_bits),
+        ("scale", scale),
+        ("prev_scale", prev_scale),
+    )
+    for name, t in (("x", x), ("error", error), ("error_out", error_out)):
+        check_contiguous(name, t)
+    n, w = error.numel(), bits.size(0) if bits.dim() == 2 else 0
+    check_rows("bits", bits)
+    if n == 0 or n % (8 * w):
+        raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
+    check_rows("bits", bits, n // (8 * w))
+    if error_out.numel() != n:
+        raise ValueError(f"error_out must have error's {n} values, got {error_out.numel()}")
+    if prev_bits.shape != bits.shape or (w > 1 and prev_bits.stride(0) != bits.stride(0)):
+        raise ValueError(
+            f"prev_bits must have the shape {tuple(bits.shape)} and row stride of bits, got "
+            f"{tuple(prev_bits.shape)} with stride {tuple(prev_bits.stride())}"
+        )
+    if x.numel() > n:
+        raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if not native.use_native():
+        reference_worker_compress(
+            x,
+            error,
+            bits,
+            scale,
+            update_error=update_error,
+            deferred=deferred,
+            error_out=error_out,
+            pending=pending,
+            prev_bits=prev_bits,
+            prev_scale=prev_scale,
+        )
+        return
+    if source is not None:
+        source.compress_as_read((error, bits, scale, error_out), pending, (prev_bits, prev_scale))
+        return
+    if deferred:
+        native.worker_compress(x, error, bits, scale, error_out, pending, prev_bits, prev_scale)
+        return
+    native.worker_compress(x, error, bits, scale)
+    if update_error:
+        native.update_error(x, error, scale, device)
+
+
+def worker_update_error(
+    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
+    """The second half of ``worker_compress(..., update_error=False)``:
+    ``out <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since).
+
+    ``out`` defaults to ``error`` (in place); another buffer of the same size keeps ``error`` as
+    it was (the exchange's double buffering, for steps that may still be dropped).
+    """
+    check_tensor("x", x, torch.float32)
+    check_tensor("error", error, torch.float32)
+    check_scale("scale", scale)
+    out = error if out is None else out
+    check_tensor("out", out, torch.float32)
+    device = check_device(("x", x), ("error", error), ("scale", scale), ("out", out))
+    check_contiguous("x", x)
+    check_contiguous("error", error)
+    check_contiguous("out", out)
+    n = error.numel()
+    if n == 0 or n % 8:
+        raise ValueError(f"error.numel() must be a positive multiple of 8, got {n}")
+    if out.numel() != n:
+        raise ValueError(f"out must have error's {n} values, got {out.numel()}")
+    if x.numel() > n:
+        raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if not native.use_native():
+        reference_worker_update_error(x, error, scale, out)
+        return
+    native.update_error(x, error, scale, device, out)
+
+
+def server_reduce(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scale: torch.Tensor,
+    pending: bool = False,
+    *,
+    error_out: torch.Tensor | None = None,
+    prev_bits: torch.Tensor | None = None,
+    prev_scale: torch.Tensor | None = None,
+) -> None:
+    """Average ``W`` compressed chunks and recompress with error feedback (the server side).
+
+    ``c = sum_i sign_i * (scales[i] / W)`` (summed over rows in order) ``+ e``;
+    ``out_scale = ||c||_2 / sqrt(m)``; ``out_bits`` receives the packed signs of ``c``.
+
+    The error update ``e <- c - out_scale * sign(c)`` is *deferred* to save a second sweep
+    over the buffer: afterwards ``error_out`` (default: ``error``) holds ``c``, and the true error
+    is ``c - out_scale * sign(out_bits)``. Pass ``pending=True`` on the next call with that
+    call's outputs as ``prev_bits``/``prev_scale`` (default: ``out_bits``/``out_scale``, still
+    holding them when the same buffers are reused) and the kernel applies the deferred update on
+    the fly; or call :func:`finish_pending` to apply it explicitly. Separate output buffers
+    leave the inputs as they were (double buffering: a call that may still be dropped).
+
+    Args:
+        bits: uint8 ``(W, m // 8)``, one compressed chunk per row (rows may be strided).
+        scales: float32 ``(W,)``, the rows' scales (may be strided).
+        error: float32, contiguous, ``m`` values (``m % 8 == 0``).
+        out_bits: uint8, contiguous, ``m // 8`` bytes.
+        out_scale: float32 with one element.
+        pending: whether ``error`` still awaits the previous call's deferred update.
+        error_out: float32, contiguous, ``m`` values; default ``error`` (in place).
+        prev_bits: uint8, contiguous, ``m // 8`` bytes; default ``out_bits``.
+        prev_scale: float32 with one element; default ``out_scale``.
+    """
+    error_out = error if error_out is None else error_out
+    prev_bits = out_bits if prev_bits is None else prev_bits
+    prev_scale = out_scale if prev_scale is None else prev_scale
+    check_tensor("bits", bits, torch.uint8)
+    check_tensor("error", error, torch.float32)
+    check_tensor("error_out", error_out, torch.float32)
+    check_tensor("out_bits", out_bits, torch.uint8)
+    check_tensor("prev_bits", prev_bits, torch.uint8)
+    check_scale("out_scale", out_scale)
+    check_scale("prev_scale", prev_scale)
+    check_rows("bits", bits)
+    w = bits.size(0)
+    check_scales("scales", scales, w)
+    check_device(
+        ("bits", bits),
+        ("scales", scales),
+        ("error", error),
+        ("error_out", error_out),
+        ("out_bits", out_bits),
+        ("prev_bits", prev_bits),
+        ("out_scale", out_scale),
+        ("prev_scale", prev_scale),
+    )
+    for name, t in (
+        ("error", error),
+        ("error_out", error_out),
+        ("out_bits", out_bits),
+        ("prev_bits", prev_bits),
+    ):
+        check_contiguous(name, t)
+    m = error.numel()
+    if m == 0 or m % 8:
+        raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
+    if error_out.numel() != m:
+        raise ValueError(f"error_out must have error's {m} values, got {error_out.numel()}")
+    check_rows("bits", bits, m // 8)
+    for name, t in (("out_bits", out_bits), ("prev_bits", prev_bits)):
+        if t.numel() != m // 8:
+            raise ValueError(f"{name} must hold m // 8 = {m // 8} bytes, got {t.numel()}")
+    if not native.use_native():
+        reference_server_reduce(
+            bits,
+            scales,
+            error,
+            out_bits,
+            out_scale,
+            pending,
+            error_out=error_out,
+            prev_bits=prev_bits,
+            prev_scale=prev_scale,
+        )
+        return
+    native.server_reduce(
+        bits, scales, error, error_out, out_bits, out_scale, pending, prev_bits, prev_scale
+    )
+
+
+def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode ``W`` chunks of ``m`` values: ``out[j*m + k] = scales[j] * sign(bit k of row j)``.
+
+    Args:
+        bits: uint8 ``(W, m // 8)`` (rows may be strided).
+        scales: float32 ``(W,)`` (may be strided).
+        out: float32, contiguous, at most ``W * m`` values; values beyond ``out.numel()``
+            (the padding) are dropped.
+    """
+    check_tensor("bits", bits, torch.uint8)
+    check_tensor("out", out, torch.float32)
+    check_rows("bits", bits)
+    w = bits.size(0)
+    check_scales("scales", scales, w)
+    check_device(("bits", bits), ("scales", scales), ("out", out))
+    check_contiguous("out", out)
+    m = bits.size(1) * 8
+    if out.numel() > w * m:
+        raise ValueError(f"out has {out.numel()} values but bits encode only W * m = {w * m}")
+    if out.numel() == 0:
+        return None
+    if not native.use_native():
+        return reference_decompress(bits, scales, out)
+    native.decompress(bits, scales, out)
+    return None
+
+
+class SignRuns:
+    """An exchange's result where it lies, in place of the decoded buffer (:func:`decompress`):
+    run ``(lo, hi, bits, scale)`` holds the flat values ``lo:hi``, value ``lo + k`` being
+    ``+scale`` where bit ``k`` of ``bits`` is set and ``-scale`` where not (the wire format's
+    numbering). :func:`frozen_adam_update`, :func:`lamb_frozen_update` and :func:`sync_update`
+    read it directly with the compiled CPU kernels, so the values are never written out and
+    read back (8 bytes per value); elsewhere they decode it first (:meth:`decode`), the same
+    floats. The runs' bits are views of the exchange's records: valid until its next call.
+
+    Args:
+        runs: non-empty runs that tile a flat range (any order), ``bits`` a contiguous uint8 CPU
+            tensor of at least ``ceil((hi - lo) / 8)`` bytes.
+
+    Raises:
+        ValueError: the runs do not tile a range, or a run's bits are too short.
+    """
+
+    def __init__(self, runs: list[tuple[int, int, torch.Tensor, float]]) -> None:
+        self.runs = sorted(runs, key=lambda r: r[0])
+        for k, (lo, hi, bits, _) in enumerate(self.runs):
+            check_tensor("bits", bits, torch.uint8)
+            check_contiguous("bits", bits)
+            if bits.device.type != "cpu":
+                raise ValueError(f"SignRuns are read on the CPU, got bits on {bits.device}")
+            if hi <= lo or (k and lo != self.runs[k - 1][1]) or bits.numel() * 8 < hi - lo:
+                raise ValueError(
+                    "SignRuns must be non-empty runs that tile a flat range, each with its "
+                    f"values' bits; got run {k} = [{lo}, {hi}) with {bits.numel()} bytes after "
+                    f"{self.runs[k - 1][:2] if k else 'none'}"
+                )
+        if not self.runs:
+            raise ValueError("SignRuns needs at least one run")
+        self.lo, self.hi = self.runs[0][0], self.runs[-1][1]
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether the runs hold every value of ``lo:hi`` (an empty range: always)."""
+        return lo >= hi or (self.lo <= lo and hi <= self.hi)
+
+    def decode(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the values into ``out`` (flat float32, indexed like the runs); return it."""
+        for lo, hi, bits, scale in self.runs:
+            decompress(bits.view(1, -1), torch.tensor([scale]), out[lo:hi])
+        return out
+
+    def check_covers(self, ranges: list[tuple[int, int]], device: torch.device) -> None:
+        """Raise ``ValueError`` unless the update's buffers are on the CPU and the runs hold
+        every value of each ``(lo, hi)`` of ``ranges``."""
+        if device.type != "cpu":
+            raise ValueError(f"SignRuns are read on the CPU, got buffers on {device}")
+        for lo, hi in ranges:
+            if not self.covers(lo, hi):
+                raise ValueError(
+                    f"the SignRuns hold the values [{self.lo}, {self.hi}), the update reads "
+                    f"[{lo}, {hi})"
+                )
+
+    def decoded(self, like: torch.Tensor) -> torch.Tensor:
+        """The values decoded into a new buffer of ``like``'s size (zeros outside the runs)."""
+        return self.decode(torch.zeros_like(like))

@@ -1,0 +1,348 @@
+"""The exchange's sources: the values 1-bit Adam, 1-bit LAMB and 0/1 Adam send, computed by one
+sweep over flat buffers (:func:`momentum_source`, :func:`local_source`), or described without
+being computed (:class:`ExchangeSource`) so that the compression computes each value as it reads
+it."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from lightning_onebit.kernels import native
+from lightning_onebit.kernels.checks import (
+    check_contiguous,
+    check_device,
+    check_per_segment,
+    check_segments,
+    check_tensor,
+)
+from lightning_onebit.kernels.reference import reference_local_source, reference_momentum_source
+
+__all__ = ["ExchangeSource", "LocalSource", "MomentumSource", "local_source", "momentum_source"]
+
+
+def momentum_source(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+) -> None:
+    """The momentum a compressed exchange sends, one sweep over flat buffers (``exp_avg``
+    itself unchanged). Segment ``k`` holds the values ``starts[k]:starts[k] + sizes[k]``; per
+    value, with its coefficients::
+
+        out = beta * exp_avg + alpha * grad         (as torch.mul(m, beta).add_(g, alpha=alpha))
+        out = out / denom                           (only where denom is given)
+
+    The gradient is a flat buffer indexed like the others, or one tensor per segment: each
+    parameter's ``.grad`` where autograd left it, so that nothing copies the gradients into a
+    flat buffer first (the kernel reads each segment's from its own pointer; both forms are the
+    same call). A segment given ``None`` reads zeros, with the floats a buffer of zeros gives.
+
+    One sweep (reads 2-3 buffers, writes one) where the torch ops make three, writing torch's
+    floats for that sequence bit for bit on the same device: on the CPU the C++ kernel (torch's
+    CPU ``add`` with ``alpha`` is a fused multiply-add on x86, which the kernel does too), on
+    CUDA the CUDA kernel on the current stream (no host synchronisation), with the roundings of
+    torch's CUDA kernels. Without a compiled kernel for the device (no compiled module, a build
+    without CUDA kernels, another device type) the torch ops themselves run
+    (:func:`reference_momentum_source`).
+
+    Args:
+        exp_avg, out: float32, contiguous, one device, covering every segment.
+        grad: like them (a flat buffer), or a sequence with one entry per segment: ``None``
+            (zeros) or a float32 contiguous tensor of ``sizes[k]`` values (any shape) on their
+            device.
+        denom: like ``exp_avg``, or ``None`` (no division).
+        starts, sizes: each segment's first flat index and number of values.
+        beta, alpha: one value per segment (rounded to float32).
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
+            a segment that does not fit or a per-segment gradient of another size; lists of
+            other lengths.
+    """
+    grads = _check_momentum_source((exp_avg, grad, denom, out, starts, sizes, beta, alpha))
+    _run_momentum_source((exp_avg, grads, denom, out, starts, sizes, beta, alpha))
+
+
+def _run_momentum_source(args: tuple) -> None:
+    """:func:`momentum_source` on checked arguments ``args`` (in its order, the gradient one
+    entry per segment): the compiled kernel of the device, or the torch ops."""
+    exp_avg, grads, denom, out, starts, sizes, beta, alpha = args
+    device = exp_avg.device
+    if not native.has_kernel(device) or not native.use_native():
+        reference_momentum_source(*args)
+        return
+    if device.type == "cuda":
+        native.momentum_source_cuda((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+    else:
+        native.momentum_source_cpu((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+
+
+def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
+    """:func:`momentum_source`'s checks of its arguments ``args``, in order; returns the
+    gradient as one entry per segment."""
+    exp_avg, grad, denom, out, starts, sizes, beta, alpha = args
+    named = [("exp_avg", exp_avg), ("out", out)]
+    if isinstance(grad, torch.Tensor):
+        named.append(("grad", grad))
+    if denom is not None:
+        named.append(("denom", denom))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
+    return check_per_segment("grad", grad, starts, sizes, device, missing=True)
+
+
+class ExchangeSource:
+    """Values of the flat range ``[lo, hi)`` that a source kernel would write to ``out``, not
+    computed yet: the input of an exchange call (:func:`worker_compress`), for segments that
+    tile the range in order (an exchange's bucket: whole parameters). Subclasses:
+    :class:`MomentumSource`, :class:`LocalSource`.
+
+    Where a compiled kernel applies (:attr:`computed_as_read`), :func:`worker_compress`
+    computes each value as it compresses it: the same floats, bits and scale, without writing
+    ``out`` and reading it back (two of the four fp32 sweeps of source and compression).
+    Elsewhere :meth:`materialize` runs the source kernel into ``out`` first. The inputs are
+    read when the values are computed.
+    """
+
+    out: torch.Tensor
+    starts: list[int]
+    sizes: list[int]
+    lo: int
+    hi: int
+
+    def _tile(self) -> None:
+        """Set :attr:`lo` and :attr:`hi`; raise ``ValueError`` unless the segments tile a
+        non-empty range in order."""
+        ends = list(itertools.accumulate(self.sizes, initial=self.starts[0] if self.starts else 0))
+        if not self.starts or list(self.starts) != ends[:-1] or ends[-1] == ends[0]:
+            raise ValueError(
+                f"a {type(self).__name__}'s segments must tile a non-empty flat range in order, "
+                f"got starts {self.starts} and sizes {self.sizes}"
+            )
+        self.lo, self.hi = ends[0], ends[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.out.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.hi - self.lo])
+
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def computed_as_read(self) -> bool:
+        """Whether :func:`worker_compress` (``deferred=True``) computes the values as it reads
+        them: the compiled module's kernels, on the CPU and (in a build with CUDA kernels) on
+        CUDA; the pure-torch path materializes."""
+        return native.has_kernel(self.device) and native.use_native()
+
+    def materialize(self) -> torch.Tensor:
+        """Run the source kernel into ``out`` (arguments checked at construction); return
+        ``out[lo:hi]``."""
+        raise NotImplementedError
+
+    def compress_as_read(
+        self,
+        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pending: bool,
+        prev: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """The compiled deferred compression of these values (``compress``: error, bits,
+        scale, error_out; ``prev``: prev_bits, prev_scale), checked by :func:`worker_compress`."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(eq=False)
+class MomentumSource(ExchangeSource):
+    """:func:`momentum_source`'s values as an :class:`ExchangeSource`. The arguments are
+    :func:`momentum_source`'s, checked here.
+
+    Raises:
+        TypeError, ValueError: as :func:`momentum_source`; segments that do not tile a
+            non-empty range in order.
+    """
+
+    exp_avg: torch.Tensor
+    grad: torch.Tensor | Sequence[torch.Tensor | None]
+    denom: torch.Tensor | None
+    out: torch.Tensor
+    starts: list[int]
+    sizes: list[int]
+    beta: list[float]
+    alpha: list[float]
+
+    def __post_init__(self) -> None:
+        args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
+        self.grad = _check_momentum_source((*args, self.beta, self.alpha))
+        self._tile()
+
+    def materialize(self) -> torch.Tensor:
+        """Run :func:`momentum_source` into ``out`` (arguments checked at construction);
+        return ``out[lo:hi]``."""
+        args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
+        _run_momentum_source((*args, self.beta, self.alpha))
+        return self.out[self.lo : self.hi]
+
+    def compress_as_read(
+        self,
+        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pending: bool,
+        prev: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        args = (self.exp_avg, self.grad, self.denom, self.starts, self.sizes)
+        cuda = self.device.type == "cuda"
+        native.momentum_compress(args, (self.beta, self.alpha), compress, pending, prev, cuda)
+
+
+def local_source(
+    tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor],
+    param: torch.Tensor | Sequence[torch.Tensor] | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+    preconditioned: bool,
+) -> None:
+    """0/1 Adam's exchange source on a sync step of its local phase, one sweep over flat
+    buffers (no input changes). ``tensors``: ``exp_avg``, ``grad``, ``denom``
+    (``sqrt(v) + eps``); segment ``k`` holds the values ``starts[k]:starts[k] + sizes[k]``
+    and has the coefficients ``hp`` (``beta``, ``alpha``, ``lr``, ``weight_decay``, one
+    value per segment). Per value, as the optimizer's torch ops::
+
+        x = beta * exp_avg + alpha * grad           (torch.mul(m, beta).add_(g, alpha=alpha))
+        preconditioned: x = x / denom + weight_decay * param
+        otherwise:      x = x + weight_decay * param * denom        (addcmul_)
+        x = -lr * x
+        preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
+
+    The gradient is a flat buffer or one tensor per segment (``None``: zeros), as
+    :func:`momentum_source`'s, and so is ``param``, without ``None`` entries (each parameter
+    where it lies; ``param=None``: no decay terms). The decay term is taken where ``param`` is
+    given and ``weight_decay > 0``, the accumulator's where ``acc`` is given. One sweep (reads 3-5
+    buffers, writes one) where the torch ops make five or more, writing torch's floats bit for
+    bit on the same device: on the CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and
+    ``addcmul_`` are fused multiply-adds on x86, which the kernel does too), on CUDA the CUDA
+    kernel on the current stream (no host synchronisation), with the roundings of torch's CUDA
+    kernels (its ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with
+    ``weight_decay``). Both kernels read each segment's gradient and parameter from its own
+    pointer: nothing is copied into a flat buffer first. Without a compiled kernel
+    for the device the torch ops themselves run (:func:`reference_local_source`).
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
+            a segment that does not fit or a per-segment gradient or parameter of another
+            size; coefficient lists of other lengths.
+    """
+    args = (tensors, param, acc, out, starts, sizes, hp, preconditioned)
+    grads, params = _check_local_source(args)
+    _run_local_source(((tensors[0], grads, tensors[2]), params, *args[2:]))
+
+
+def _check_local_source(
+    args: tuple,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None] | None]:
+    """:func:`local_source`'s checks of its arguments ``args``, in order; returns the gradient
+    and the parameter (or ``None``) as one entry per segment."""
+    (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
+    named = [("exp_avg", exp_avg), ("denom", denom), ("out", out)]
+    for name, t in (("grad", grad), ("param", param), ("acc", acc)):
+        if isinstance(t, torch.Tensor) or (name == "acc" and t is not None):
+            named.append((name, t))
+    for name, t in named:
+        check_tensor(name, t, torch.float32)
+        check_contiguous(name, t)
+    device = check_device(*named, need_cuda_kernels=False)
+    names = ("sizes", "beta", "alpha", "lr", "weight_decay")
+    check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
+    grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
+    params = None if param is None else check_per_segment("param", param, starts, sizes, device)
+    return grads, params
+
+
+def _run_local_source(args: tuple) -> None:
+    """:func:`local_source` on checked arguments ``args`` (in its order, the gradient and the
+    parameter one entry per segment): the compiled kernel of the device, or the torch ops."""
+    (exp_avg, _, _), params, acc, out, starts, sizes, hp, preconditioned = args
+    device = exp_avg.device
+    if not native.has_kernel(device) or not native.use_native():
+        reference_local_source(*args)
+        return
+    run = native.local_source_cuda if device.type == "cuda" else native.local_source_cpu
+    run(args[0], params, acc, out, (starts, sizes), hp, preconditioned)
+
+
+@dataclasses.dataclass(eq=False)
+class LocalSource(ExchangeSource):
+    """:func:`local_source`'s values as an :class:`ExchangeSource`. The arguments are
+    :func:`local_source`'s, checked here.
+
+    Raises:
+        TypeError, ValueError: as :func:`local_source`; segments that do not tile a non-empty
+            range in order.
+    """
+
+    tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor]
+    param: torch.Tensor | Sequence[torch.Tensor] | None
+    acc: torch.Tensor | None
+    out: torch.Tensor
+    starts: list[int]
+    sizes: list[int]
+    hp: tuple[list[float], list[float], list[float], list[float]]
+    preconditioned: bool
+
+    def __post_init__(self) -> None:
+        grads, self.param = _check_local_source(self._args())
+        self.tensors = (self.tensors[0], grads, self.tensors[2])
+        self._tile()
+
+    def _args(self) -> tuple:
+        return (
+            self.tensors,
+            self.param,
+            self.acc,
+            self.out,
+            self.starts,
+            self.sizes,
+            self.hp,
+            self.preconditioned,
+        )
+
+    def materialize(self) -> torch.Tensor:
+        """Run :func:`local_source` into ``out`` (arguments checked at construction); return
+        ``out[lo:hi]``."""
+        _run_local_source(self._args())
+        return self.out[self.lo : self.hi]
+
+    def compress_as_read(
+        self,
+        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pending: bool,
+        prev: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        native.local_compress(
+            self.tensors,
+            self.param,
+            self.acc,
+            (self.starts, self.sizes),
+            (self.hp, self.preconditioned),
+            compress,
+            pending,
+            prev,
+            self.device.type == "cuda",
+        )
