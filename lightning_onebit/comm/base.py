@@ -155,7 +155,8 @@ class Exchange(Protocol):
     flat exchange, the two-level one, and the bucketed one (several of either).
 
     ``finish(values, out)`` runs one call over the whole buffer (``values``: the input, or a
-    function ``(start, stop) -> values`` of a flat range); with ``decode=False`` an exchange
+    function ``(start, stop) -> values`` of a flat range; ``out``: where it decodes, or a
+    function returning it, called only if it decodes); with ``decode=False`` an exchange
     that can (the flat one and buckets of it, on the CPU) leaves ``out`` as it is and returns
     the result where it lies, as :class:`~lightning_onebit.kernels.SignRuns`, for the update
     kernels to read (the others decode into ``out`` and return ``None``); ``bytes_sent`` is what this rank sent
@@ -184,7 +185,7 @@ class Exchange(Protocol):
     def finish(
         self,
         values: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor,
+        out: torch.Tensor | Callable[[], torch.Tensor],
         *,
         decode: bool = True,
     ) -> kernels.SignRuns | None: ...

@@ -105,13 +105,14 @@ class BucketedAllreduce(Exchange):
     def finish(
         self,
         source: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor,
+        out: torch.Tensor | Callable[[], torch.Tensor],
         *,
         decode: bool = True,
     ) -> SignRuns | None:
         """Start the buckets not started yet from ``source`` (the flat input, or a function
         ``(start, stop) -> values`` computing only what is needed), then commit every bucket and
-        decode into ``out`` (``numel`` values), or drop all and raise NonFiniteError on every rank.
+        decode into ``out`` (``numel`` values; a function returning it is called only if the
+        result is decoded), or drop all and raise NonFiniteError on every rank.
         ``decode=False`` with flat buckets on the CPU: ``out`` is left as it is and every
         bucket's result is returned as one :class:`~lightning_onebit.kernels.SignRuns`.
         """
@@ -139,6 +140,7 @@ class BucketedAllreduce(Exchange):
             return SignRuns(
                 [r for h, (lo, _) in zip(handles, self.bounds, strict=True) for r in h.runs(lo)]
             )
+        out = out() if callable(out) else out
         for h, (lo, hi) in zip(handles, self.bounds, strict=True):
             h.wait(out[lo:hi])
         return None

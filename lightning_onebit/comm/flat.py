@@ -103,6 +103,8 @@ class ExchangeHandle(Handle):
         if self._result is None:
             self._drain()
             out = self._out if out is None else out
+            if out is None:
+                out = self._exchange._default_out()
             self._result = self._exchange._decode(self._gathered, out).view(self._shape)
         return self._result
 
@@ -235,7 +237,7 @@ class CompressedAllreduce(Exchange):
         # (W = 1 sends and gathers nothing: its result is the worker's record, see start)
         self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
-        self._out = torch.empty(numel, dtype=torch.float32, **kw)
+        self._out: torch.Tensor | None = None  # (made at the first result decoded without an out)
         # device_verdict: whether each rank's scale was finite, and all of them (last call)
         self._finite_ranks = torch.ones(w, dtype=torch.bool, **kw)
         self._ok = torch.ones(1, dtype=torch.bool, **kw)
@@ -335,9 +337,7 @@ class CompressedAllreduce(Exchange):
             c = tensor
         else:
             c = self._compress(tensor, commit)
-        if out is None:
-            out = self._out
-        elif (
+        if out is not None and (
             out.dtype != torch.float32
             or out.numel() != self.numel
             or out.device != self.device
@@ -531,21 +531,29 @@ class CompressedAllreduce(Exchange):
             if j * c < self.numel
         ]
 
+    def _default_out(self) -> torch.Tensor:
+        """Where a result is decoded when no ``out`` was given (made at its first use)."""
+        if self._out is None:
+            self._out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        return self._out
+
     def finish(
         self,
         values: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor,
+        out: torch.Tensor | Callable[[], torch.Tensor],
         *,
         decode: bool = True,
     ) -> kernels.SignRuns | None:
-        """One call over the whole buffer into ``out``: ``values`` is the input, or a function
+        """One call over the whole buffer into ``out`` (or the buffer a function ``out``
+        returns, called only if the result is decoded): ``values`` is the input, or a function
         ``(start, stop) -> values`` (called once, for every value). ``decode=False`` on the
         CPU: ``out`` is left as it is and the result is returned as
         :class:`~lightning_onebit.kernels.SignRuns` (read by the update kernels in place of
         the decoded buffer)."""
-        handle = self.start(values(0, self.numel) if callable(values) else values, out=out)
+        values = values(0, self.numel) if callable(values) else values
+        handle = self.start(values, out=None if callable(out) else out)
         if decode or self.device.type != "cpu":
-            handle.wait()
+            handle.wait(out() if callable(out) else None)
             return None
         return kernels.SignRuns(handle.runs())
 

@@ -319,7 +319,7 @@ class HierarchicalAllreduce(Exchange):
         record = self.inter.record_bytes
         self._block = torch.zeros(nn, record, dtype=torch.uint8, **kw)  # for a failed shard
         self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, **kw)
-        self._out = torch.empty(numel, dtype=torch.float32, **kw)
+        self._out: torch.Tensor | None = None  # (made at the first call without an out)
         self._uncommitted: _Handle | None = None
         # device_verdict: whether each rank's node was finite, and all of them (last call)
         self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, **kw)
@@ -381,7 +381,10 @@ class HierarchicalAllreduce(Exchange):
                 "the previous start(commit=False) was neither committed nor discarded"
             )
         x = check_input(self.prepare(tensor), self.numel, self.device)
-        out = self._out if out is None else out
+        if out is None:
+            if self._out is None:
+                self._out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            out = self._out
         if self._padded is not None:
             self._padded[: self.numel].copy_(x)
             x = self._padded
@@ -442,13 +445,14 @@ class HierarchicalAllreduce(Exchange):
     def finish(
         self,
         values: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor,
+        out: torch.Tensor | Callable[[], torch.Tensor],
         *,
         decode: bool = True,
     ) -> None:
         """One call over the whole buffer (see :meth:`CompressedAllreduce.finish
         <lightning_onebit.comm.CompressedAllreduce.finish>`), always decoded into ``out``."""
-        self.start(values(0, self.numel) if callable(values) else values, out=out).wait()
+        values = values(0, self.numel) if callable(values) else values
+        self.start(values, out=out() if callable(out) else out).wait()
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:
         """Of the bytes this rank sent in the last call, those that left its node: the

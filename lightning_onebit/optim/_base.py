@@ -331,6 +331,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         rescale_at_switch_(self)  # (Adam's variance as it stands: before the fold and floor)
         freeze_variance_(self)
         self._on_freeze()
+        self.flat.release_scratch()  # (the warmup's: the compression phase makes what it uses)
 
     def catch_up_switch(self) -> bool:
         """Switch now (between steps, on every rank) if the step count is past the switch step:

@@ -4,8 +4,9 @@ group, in one fp32 buffer per state (:class:`Layout`), the buffers and their per
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,7 +93,8 @@ class FlatState:
     parameter), :attr:`work` (scratch), :attr:`grad` and :attr:`param` (fp32 copies of the
     gradients and parameters), :attr:`views` (per-parameter views of each, by name, ``"grad"``
     and ``"param"`` included), :attr:`denominator` (a cache of the algorithms'), :attr:`exchange`;
-    :meth:`build`, :meth:`intact`, :meth:`fit_exchange`, :meth:`release_exchange`,
+    :meth:`build`, :meth:`release_scratch`, :meth:`intact`, :meth:`fit_exchange`,
+    :meth:`release_exchange`,
     :meth:`exchange_state`, :meth:`load_exchange_state`; :meth:`segments`,
     :meth:`segments_in`, :meth:`params_in`, :meth:`gather_grads`, :meth:`grads`,
     :meth:`gather_params`, :meth:`views_of`,
@@ -107,10 +109,14 @@ class FlatState:
         self.layout: Layout | None = None
         self.states: dict[str, torch.Tensor] = {}
         self.scalars: dict[str, torch.Tensor] = {}
-        self.work: dict[str, torch.Tensor] = {}
-        self.grad: torch.Tensor | None = None
-        self.param: torch.Tensor | None = None
-        self.views: dict[str, list[torch.Tensor]] = {}
+        #: the scratch buffers (the work buffers, ``"grad"``, ``"param"``) made so far: each is
+        #: made at its first use and kept until :meth:`release_scratch`
+        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch_names: tuple[str, ...] = ()
+        self._scratch_lock = threading.Lock()  # (first uses may come from backward's hooks)
+        self._scratch_layout: Layout | None = None
+        self.work: Mapping[str, torch.Tensor] = _Work(self, ())
+        self.views: dict[str, list[torch.Tensor]] = _Views(self)
         #: parameters whose gradients are in :attr:`grad` already this step
         #: (:meth:`gather_grads` adds them; emptied when the step, or the overlap's round, ends)
         self.gathered: set[int] = set()
@@ -197,15 +203,48 @@ class FlatState:
                     views[name][j].copy_(old.detach().reshape(views[name][j].shape))
                 pstate[name] = views[name][j]
         self.states, self.scalars = flat, scalars
-        self.grad = torch.zeros(n, dtype=torch.float32, **kw)
-        self.param = torch.zeros(n, dtype=torch.float32, **kw)
-        self.work = {name: torch.zeros(n, dtype=torch.float32, **kw) for name in work_buffers}
-        views["grad"] = layout.views(self.grad)
-        views["param"] = layout.views(self.param)
-        for name, buf in self.work.items():
-            views[name] = layout.views(buf)
-        self.views = views
+        self._scratch, self._scratch_layout = {}, layout
+        self._scratch_names = ("grad", "param", *work_buffers)
+        self.work = _Work(self, work_buffers)
+        self.views = _Views(self, views)
         self.denominator = None
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The gradients' fp32 flat buffer (:meth:`gather_grads`)."""
+        return self.scratch("grad")
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The parameters' fp32 flat buffer (:meth:`gather_params`)."""
+        return self.scratch("param")
+
+    def scratch(self, name: str) -> torch.Tensor:
+        """The scratch buffer ``name`` (a work buffer, ``"grad"`` or ``"param"``), made (zeros,
+        with its views) at its first use since the last :meth:`build` or
+        :meth:`release_scratch`: a phase holds only the buffers it uses."""
+        buf = self._scratch.get(name)
+        if buf is not None:
+            return buf
+        if name not in self._scratch_names:
+            raise KeyError(name)
+        with self._scratch_lock:
+            buf = self._scratch.get(name)
+            if buf is None:
+                layout = self._scratch_layout
+                buf = torch.zeros(layout.numel, dtype=torch.float32, device=layout.device)
+                dict.__setitem__(self.views, name, layout.views(buf))
+                self._scratch[name] = buf
+        return buf
+
+    def release_scratch(self) -> None:
+        """Let go of the scratch buffers (at the switch: the compression phase makes again only
+        those it uses). Their contents never carry over from one step to the next."""
+        with self._scratch_lock:
+            for name in self._scratch:
+                dict.pop(self.views, name, None)
+            self._scratch = {}
+            self.gathered.clear()  # (gathered into the buffer let go)
 
     def stale_denominator(self) -> None:
         """Mark :attr:`denominator` out of date (the variance, or its scales, changed): the next
@@ -412,18 +451,19 @@ class FlatState:
         on a GPU, where the copy costs little and torch's ``_foreach_norm`` sums a tensor in an
         order that depends on its address (``rescale_variance``'s norms of the parameters' own
         gradients could differ in the last bit from those of the flat buffer's views)."""
-        params, views, of = self.layout.params, self.views["grad"], self.layout.group_of
+        params, of = self.layout.params, self.layout.group_of
         out: list[torch.Tensor | None] = []
         copy = []
-        for j in only:
+        for k, j in enumerate(only):
             g = params[j].grad
             if j in self.gathered or not self._read_in_place(param_groups[of[j]], g):
-                copy.append(j)
-                out.append(views[j])
-            else:
-                out.append(g)
-        if copy:
-            self.gather_grads(param_groups, copy)
+                copy.append(k)
+            out.append(g)
+        if copy:  # (only then is the flat buffer made: see scratch)
+            views = self.views["grad"]
+            for k in copy:
+                out[k] = views[only[k]]
+            self.gather_grads(param_groups, [only[k] for k in copy])
         return out
 
     def _read_in_place(self, group: Group, g: torch.Tensor | None) -> bool:
@@ -472,7 +512,7 @@ class FlatState:
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of a flat buffer (the cached ones for a state or work buffer)."""
-        for name, buf in (*self.states.items(), *self.work.items()):
+        for name, buf in (*self.states.items(), *self._scratch.items()):
             if buf is flat:
                 return self.views[name]
         return self.layout.views(flat)
@@ -505,3 +545,35 @@ class FlatState:
             views = views if views is not None else self.layout.views(flat)
             for j in self.layout.group_params(gi):
                 views[j].mul_(mask)
+
+
+class _Work(Mapping[str, torch.Tensor]):
+    """:attr:`FlatState.work`: the algorithm's work buffers by name, each made at its first use
+    (:meth:`FlatState.scratch`)."""
+
+    def __init__(self, flat: FlatState, names: tuple[str, ...]) -> None:
+        self._flat, self._names = flat, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._flat.scratch(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _Views(dict):
+    """:attr:`FlatState.views`: the per-parameter views by buffer name; a scratch buffer's are
+    made with it, at its first use."""
+
+    def __init__(self, flat: FlatState, views: dict[str, list[torch.Tensor]] | None = None) -> None:
+        super().__init__(views or {})
+        self._flat = flat
+
+    def __missing__(self, name: str) -> list[torch.Tensor]:
+        self._flat.scratch(name)
+        return dict.__getitem__(self, name)

@@ -177,24 +177,27 @@ def compressed_average_(
 def compressed_average(
     opt: OneBitOptimizer,
     source: Callable[[slice], torch.Tensor | ExchangeSource],
-    out: torch.Tensor,
+    out: torch.Tensor | str,
 ) -> tuple[torch.Tensor | None, torch.Tensor | SignRuns]:
     """:func:`compressed_average_` for an update kernel that reads
     :class:`~lightning_onebit.kernels.SignRuns`: returns ``(ok, x)``, ``x`` the average with
     each group's ``exp_avg_mask`` applied. On the CPU with the compiled kernels and no mask,
     ``x`` is the exchange's result where it lies (``out`` is not written: the kernel never
     writes the decoded values out and reads them back); otherwise (also with a verdict kept
-    on the device, whose path reads ``x`` with torch ops) ``out``, decoded."""
+    on the device, whose path reads ``x`` with torch ops) ``out``, decoded. ``out`` may name
+    a work buffer (:attr:`FlatState.work`), made only if the result is decoded into it."""
     masked = any(g.get("exp_avg_mask") is not None for g in opt.param_groups)
     direct = (
-        out.device.type == "cpu"
+        opt.flat.layout.device.type == "cpu"
         and native.use_native()
         and not masked
         and not opt.flat.exchange.device_verdict
     )
-    ok, runs = _exchange(opt, source, out, decode=not direct)
+    target = (lambda: opt.flat.work[out]) if isinstance(out, str) else out
+    ok, runs = _exchange(opt, source, target, decode=not direct)
     if runs is not None:
         return ok, runs
+    out = opt.flat.work[out] if isinstance(out, str) else out
     opt.flat.apply_mask_(opt.param_groups, out)
     return ok, out
 
@@ -202,7 +205,7 @@ def compressed_average(
 def _exchange(
     opt: OneBitOptimizer,
     source: torch.Tensor | Callable[[slice], torch.Tensor | ExchangeSource],
-    out: torch.Tensor,
+    out: torch.Tensor | Callable[[], torch.Tensor],
     decode: bool,
 ) -> tuple[torch.Tensor | None, SignRuns | None]:
     """The 1-bit average (``finish(..., decode=decode)``), its bytes counted; the verdict
@@ -325,7 +328,7 @@ def variance_scales(opt: OneBitOptimizer) -> torch.Tensor | None:
 def _sums_of_squares(opt: OneBitOptimizer, xs: list[torch.Tensor | None]) -> torch.Tensor:
     """Per tensor of the layout, the sum of its values squared (one fused kernel over the
     tensors; ``None``: a missing gradient, zeros)."""
-    none = opt.flat.grad[:0]  # (the norm of no values: +0.0, as of zeros)
+    none = opt.flat.states["exp_avg"][:0]  # (the norm of no values: +0.0, as of zeros)
     sq = torch.stack(torch._foreach_norm([none if x is None else x for x in xs]))
     return sq.square_()
 

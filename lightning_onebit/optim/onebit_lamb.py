@@ -435,7 +435,7 @@ class OneBitLamb(OneBitOptimizer):
         # (ok: on CUDA the NaN/Inf verdict, on the device; the kernel below writes nothing where
         # it is false and zeroes u, so that 3g leaves p as it was. x: on the CPU the exchange's
         # result where it lies, read by the kernel below without being decoded first)
-        ok, x = compressed_average(self, self._exchange_source, self.flat.work["exchanged"])
+        ok, x = compressed_average(self, self._exchange_source, "exchanged")
         d, _ = denominator(self)  # sqrt(v) + eps, computed once: v is frozen
         # 3c (unscaling; with preconditioned_exchange x was exchanged divided by sqrt(v) + eps:
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,

@@ -1,0 +1,98 @@
+"""What the optimizers hold between steps: each phase only the buffers it uses.
+
+Counted as ``benchmarks/memory.py`` counts (every storage the optimizer object reaches, the
+parameters and their gradients left out), in fp32 values per parameter value, on one CPU rank
+with the compiled kernels (the exchange's result read where it lies).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_onebit.kernels import native
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+pytestmark = pytest.mark.skipif(not native.HAS_CPP, reason="needs the compiled kernels")
+
+#: the 1-bit records at W = 1: the bits and scale sent and the server's, two sets: n/2 bytes
+RECORDS = 0.125
+
+#: per optimizer: (its factory, the values held in the warmup, in the compression phase)
+CASES = {
+    # warmup: exp_avg, exp_avg_sq, the gradients' flat copy, the exchange's two worker and two
+    # server error buffers; compression: the gradients read where they lie, and instead
+    # sqrt(v) + eps and the update's scratch (the source's buffer where it is materialized)
+    "onebit_adam": (
+        lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2),
+        2 + 1 + 4 + RECORDS,
+        2 + 2 + 4 + RECORDS,
+    ),
+    # and the momentum accumulator, the synced parameters, the variance floor's mask (bool)
+    "zero_one_adam": (
+        lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
+        4 + 1 + 4 + RECORDS,
+        4 + 2 + 4 + RECORDS + 0.25,
+    ),
+    # and the fresh variance; its warmup also copies the parameters (trust ratios) and the
+    # update, the compression phase never decodes the exchange's result into a buffer
+    "onebit_lamb": (
+        lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
+        3 + 3 + 4 + RECORDS,
+        3 + 2 + 4 + RECORDS,
+    ),
+}
+
+
+def _held(root: Any, skip: set[int]) -> int:
+    """Bytes of the storages reachable from ``root`` through containers and the package's
+    objects, each counted once, those in ``skip`` (data pointers) left out."""
+    seen, storages, total = set(), set(skip), 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in storages:
+                storages.add(s.data_ptr())
+                total += s.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("lightning_onebit") or isinstance(
+            obj, torch.optim.Optimizer
+        ):
+            stack.extend(vars(obj).values())
+    return total
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_phase_holds_only_the_buffers_it_uses(name: str) -> None:
+    make, warmup, compression = CASES[name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Tanh(), torch.nn.Linear(96, 96))
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    opt = make(params)
+    held = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(8, 96)).square().mean().backward()
+            opt.step()
+            skip = {p.untyped_storage().data_ptr() for p in params}
+            skip |= {p.grad.untyped_storage().data_ptr() for p in params}
+            held[t] = _held(opt, skip) / (4 * n)
+    assert opt.phase != "warmup"
+    # (the scalars per parameter and the verdict's flags: a few bytes)
+    assert held[1] == pytest.approx(warmup, abs=0.01), held
+    assert held[4] == pytest.approx(compression, abs=0.01), held
+    assert held[3] == held[4]  # (nothing made again at every step)
