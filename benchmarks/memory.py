@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import warnings
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests.helpers.dist import run_distributed
+from tests.helpers.memory import held
 
 OPTIMIZERS = {
     "torch_adam": lambda params: torch.optim.Adam(params, lr=1e-3),
@@ -55,45 +55,6 @@ def _model(n: int) -> torch.nn.Module:
     for _ in range(8):
         layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers[:-1])
-
-
-def _held(root: Any, skip: set[int]) -> dict[str, int]:
-    """Bytes of every storage reachable from ``root`` (not in ``skip``), by the attribute
-    that first reached it."""
-    seen_obj: set[int] = set()
-    seen_storage: set[int] = set(skip)
-    by: dict[str, int] = defaultdict(int)
-    stack: list[tuple[str, Any]] = [("", root)]
-    while stack:
-        path, obj = stack.pop()
-        if id(obj) in seen_obj:
-            continue
-        seen_obj.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            s = obj.untyped_storage()
-            if s.data_ptr() and s.data_ptr() not in seen_storage:
-                seen_storage.add(s.data_ptr())
-                by[".".join(path.split(".")[:3]) or "?"] += s.nbytes()
-            continue
-        if isinstance(obj, dict):
-            items = [
-                (path if isinstance(k, torch.Tensor) else f"{path}.{k}" if path else str(k), v)
-                for k, v in obj.items()
-            ]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            items = [(path, v) for v in obj]
-        elif type(obj).__module__.startswith(("lightning_onebit", "torch.optim")) or isinstance(
-            obj, torch.optim.Optimizer
-        ):
-            fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-            for slot in getattr(type(obj), "__slots__", ()):
-                if hasattr(obj, slot):
-                    fields[slot] = getattr(obj, slot)
-            items = [(f"{path}.{k}" if path else k, v) for k, v in fields.items()]
-        else:
-            continue
-        stack.extend(items)
-    return dict(by)
 
 
 def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
@@ -129,7 +90,7 @@ def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
                             for p in params
                             if p.grad is not None
                         }
-                        by = _held(opt, skip)
+                        by = held(opt, skip)
                         phase = "warmup" if t < WARMUP else "compression"
                         row[phase] = sum(by.values()) / (4 * numel)
                         row[f"{phase}_by"] = {

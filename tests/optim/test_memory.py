@@ -8,13 +8,13 @@ with the compiled kernels (the exchange's result read where it lies).
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import pytest
 import torch
 
 from lightning_onebit.kernels import native
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from tests.helpers import memory
 
 pytestmark = pytest.mark.skipif(not native.HAS_CPP, reason="needs the compiled kernels")
 
@@ -47,32 +47,6 @@ CASES = {
 }
 
 
-def _held(root: Any, skip: set[int]) -> int:
-    """Bytes of the storages reachable from ``root`` through containers and the package's
-    objects, each counted once, those in ``skip`` (data pointers) left out."""
-    seen, storages, total = set(), set(skip), 0
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            s = obj.untyped_storage()
-            if s.data_ptr() and s.data_ptr() not in storages:
-                storages.add(s.data_ptr())
-                total += s.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set)):
-            stack.extend(obj)
-        elif type(obj).__module__.startswith("lightning_onebit") or isinstance(
-            obj, torch.optim.Optimizer
-        ):
-            stack.extend(vars(obj).values())
-    return total
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_phase_holds_only_the_buffers_it_uses(name: str) -> None:
     make, warmup, compression = CASES[name]
@@ -90,7 +64,7 @@ def test_each_phase_holds_only_the_buffers_it_uses(name: str) -> None:
             opt.step()
             skip = {p.untyped_storage().data_ptr() for p in params}
             skip |= {p.grad.untyped_storage().data_ptr() for p in params}
-            held[t] = _held(opt, skip) / (4 * n)
+            held[t] = sum(memory.held(opt, skip).values()) / (4 * n)
     assert opt.phase != "warmup"
     # (the scalars per parameter and the verdict's flags: a few bytes)
     assert held[1] == pytest.approx(warmup, abs=0.01), held
