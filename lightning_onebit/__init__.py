@@ -49,6 +49,7 @@ except ModuleNotFoundError as err:  # the optimizers alone
         raise
     __all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "__version__"]
 else:
+    from lightning_onebit._integration.rank_files import RankFileError
     from lightning_onebit.callbacks import CompressionScheduler
     from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
 
@@ -65,6 +66,7 @@ else:
         "OneBitFabricStrategy",
         "OneBitLamb",
         "OneBitStrategy",
+        "RankFileError",
         "ZeroOneAdam",
         "__version__",
     ]

@@ -368,7 +368,7 @@ class OneBitFabricStrategy(DDPStrategy):
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not restores_opt or opt is None:
             return remainder
-        meta = self._rank_checkpoint.read_step_keyed(path, remainder)
+        meta = self._rank_checkpoint.read_step_keyed(path, remainder, weights_only)
         self._switch.load_state_dict(meta.get("phase_switch") or {})
         # a fraction of max_steps is decided once per run: a resumed run keeps its switch (and
         # 0/1 Adam's local_step_scaler)

@@ -391,7 +391,7 @@ class OneBitStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._rank_checkpoint.forget()
         if "optimizer_states" in checkpoint:  # (weights only: nothing per rank to restore)
-            self._rank_checkpoint.read(checkpoint_path, checkpoint)
+            self._rank_checkpoint.read(checkpoint_path, checkpoint, weights_only)
         return checkpoint
 
     @override

@@ -1,5 +1,6 @@
 """Per-rank checkpoint files: ``<checkpoint>.onebit-rank<R>-of-<W>`` beside a checkpoint, how
-they are found on resume (beside a link's target, where a copy was saved) and written
+they are found on resume (beside a link's target, where a copy was saved), read (with
+``weights_only=True`` and a check of what is in them: nothing in a file can run code) and written
 (atomically)."""
 
 from __future__ import annotations
@@ -7,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from fsspec.core import strip_protocol
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -23,8 +26,10 @@ from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 __all__ = [
     "PATH",
     "RankCheckpoint",
+    "RankFileError",
     "Ranked",
     "find_rank_state",
+    "load_rank_file",
     "rank_file_name",
     "read_rank_state",
     "save_atomically",
@@ -32,6 +37,17 @@ __all__ = [
 ]
 
 PATH = str | os.PathLike[str]  # what Lightning accepts as a checkpoint path
+
+#: the entries of a rank file, as :func:`write_rank_file` writes them
+_RANK_FILE_KEYS = frozenset({"world_size", "rank", "global_step", "optimizer", "model"})
+#: the values found in a rank file besides tensors and containers of them
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class RankFileError(RuntimeError):
+    """A per-rank 1-bit file beside a checkpoint that is refused: it cannot be loaded with
+    ``weights_only=True`` (it would run code, or it is damaged), or it holds something a
+    1-bit strategy does not write. Raised on every rank, before training starts."""
 
 
 def rank_file_name(checkpoint_path: PATH, rank: int, world_size: int) -> str:
@@ -44,6 +60,7 @@ def find_rank_state(
     rank: int,
     world_size: int,
     load: bool = True,
+    weights_only: bool | None = None,
 ) -> tuple[Any, list[str]]:
     """Rank ``rank``'s file for ``checkpoint`` (its content; with ``load=False`` only whether
     there is one), and the paths looked at.
@@ -51,6 +68,10 @@ def find_rank_state(
     Beside the path the user resumes from, else beside the file a symlink points to
     (``ModelCheckpoint(save_last="link")``), else beside the path the checkpoint was saved at
     (a copy). A loaded file counts only if it is from the checkpoint's step.
+
+    Raises:
+        RankFileError: a file found is refused by [load_rank_file][lightning_onebit._integration.rank_files.load_rank_file]
+            (``weights_only``: as there).
     """
     candidates = [os.fspath(checkpoint_path)]
     fs = get_filesystem(candidates[0])
@@ -68,12 +89,83 @@ def find_rank_state(
             continue
         if not load:
             return True, looked
-        with fs.open(rank_file, "rb") as f:
-            state = torch.load(f, weights_only=False)
+        state = load_rank_file(rank_file, weights_only)
         if state.get("global_step") == checkpoint.get("global_step"):
             return state, looked
         looked.append(f"{rank_file} (from step {state.get('global_step')})")
     return None, looked
+
+
+def load_rank_file(rank_file: str, weights_only: bool | None = None) -> dict[str, Any]:
+    """The content of the rank file at ``rank_file``, loaded so that nothing in it can run code.
+
+    Args:
+        rank_file: the file's path (local or fsspec).
+        weights_only: as given to Lightning's checkpoint load: ``None`` or ``True`` load with
+            ``torch.load(weights_only=True)``; ``False`` (the user trusts the file) with a full
+            unpickler. Either way the content must be what
+            [write_rank_file][lightning_onebit._integration.rank_files.write_rank_file] writes:
+            a dict of its five entries holding tensors, numbers, strings, ``None`` and lists,
+            tuples and dicts of them.
+
+    Raises:
+        RankFileError: the file cannot be loaded that way, or holds anything else; the message
+            names the file and what to do.
+    """
+    safe = weights_only is not False
+    try:
+        with get_filesystem(rank_file).open(rank_file, "rb") as f:
+            state = torch.load(f, weights_only=safe)
+    except Exception as err:  # an unpickling refusal, a damaged zip, a foreign format
+        how = "torch.load(weights_only=True)" if safe else "torch.load"
+        raise RankFileError(_refusal(rank_file, f"{how} failed: {_reason(err)}")) from err
+    problem = _not_written_by_us(state)
+    if problem is not None:
+        raise RankFileError(_refusal(rank_file, problem))
+    return state
+
+
+def _reason(err: Exception) -> str:
+    """The line of a failed ``torch.load`` that says what was refused (torch's weights-only error
+    says it after "WeightsUnpickler error:", amid advice to load without ``weights_only`` or
+    to allowlist what it refused)."""
+    text = str(err)
+    found = re.search(
+        r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|Please use|$)", text, re.S
+    )
+    reason = " ".join((found.group(1) if found else text).split())
+    return reason.rstrip(".") or type(err).__name__
+
+
+def _refusal(rank_file: str, why: str) -> str:
+    """The message of a refused rank file: which, why, and the two ways on."""
+    return (
+        f"refused to load the per-rank 1-bit file {rank_file}: {why}. It is not a file as a "
+        "1-bit strategy writes it (changed or replaced since it was saved). Restore it as it "
+        "was saved, or delete it to resume with this rank's 1-bit error buffers reset to zero "
+        "(a warning then names the ranks whose buffers restart)"
+    )
+
+
+def _not_written_by_us(state: Any) -> str | None:
+    """What in a loaded rank file is not what :func:`write_rank_file` writes (``None``: all is)."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a dict"
+    if set(state) != _RANK_FILE_KEYS:
+        return f"its entries are {sorted(map(str, state))}, not {sorted(_RANK_FILE_KEYS)}"
+    todo: list[tuple[str, Any]] = [("", state)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, _PLAIN):
+                    return f"{where or 'it'} has a key of type {type(k).__name__}"
+                todo.append((f"{where}[{k!r}]", v))
+        elif isinstance(value, list | tuple):
+            todo.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        elif not isinstance(value, (torch.Tensor, *_PLAIN)):
+            return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+    return None
 
 
 def _local_phase_note(checkpoint: Mapping[str, Any], every_rank: bool) -> str:
@@ -199,12 +291,21 @@ def _rank_files_note(
 
 
 def read_rank_state(
-    path: PATH, checkpoint: Mapping[str, Any], rank: int, world_size: int
+    path: PATH,
+    checkpoint: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    weights_only: bool | None = None,
 ) -> dict[str, Any] | None:
     """This rank's file for ``checkpoint`` (loaded from ``path``), or ``None`` with a warning:
     rank 0 names every rank whose file is missing (the filesystem is shared in the usual case);
-    another rank warns itself only where it saw a file from another step (what rank 0 cannot see)."""
-    state, looked = find_rank_state(path, checkpoint, rank, world_size)
+    another rank warns itself only where it saw a file from another step (what rank 0 cannot see).
+
+    Raises:
+        RankFileError: this rank's file is refused (see
+            [load_rank_file][lightning_onebit._integration.rank_files.load_rank_file]).
+    """
+    state, looked = find_rank_state(path, checkpoint, rank, world_size, weights_only=weights_only)
     if rank == 0:  # one message for every rank, from rank 0
         note = _rank_files_note(
             path, checkpoint, world_size, found=state is not None, looked=looked
@@ -295,18 +396,49 @@ class RankCheckpoint:
         if fs.exists(rank_file):
             fs.rm(rank_file)
 
-    def read(self, path: PATH, checkpoint: Mapping[str, Any]) -> None:
+    def read(
+        self, path: PATH, checkpoint: Mapping[str, Any], weights_only: bool | None = None
+    ) -> None:
         """Read this rank's file for ``checkpoint`` (loaded from ``path``) into :attr:`pending`
-        (``None``, with a warning, where it is missing)."""
+        (``None``, with a warning, where it is missing). Collective: every rank calls it.
+
+        Args:
+            path: the checkpoint's path.
+            checkpoint: the loaded checkpoint.
+            weights_only: the user's, as Lightning passed it to the checkpoint load (see
+                [load_rank_file][lightning_onebit._integration.rank_files.load_rank_file]).
+
+        Raises:
+            RankFileError: on every rank, naming every refused file, when any rank's file is
+                refused (the ranks agree before any goes on, so that none waits in training for
+                one that stopped).
+        """
         s = self.strategy
         self.strict = True
-        self.pending = read_rank_state(path, checkpoint, s.global_rank, s.world_size)
+        refused: str | None = None
+        try:
+            self.pending = read_rank_state(
+                path, checkpoint, s.global_rank, s.world_size, weights_only
+            )
+        except RankFileError as err:
+            self.pending, refused = None, str(err)
+        everyone = [refused]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, refused)
+        if len(everyone) == 1 and refused is not None:
+            raise RankFileError(refused)
+        refusals = [f"rank {r}: {m}" for r, m in enumerate(everyone) if m is not None]
+        if refusals:
+            raise RankFileError("; ".join(refusals))
 
-    def read_step_keyed(self, path: PATH, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    def read_step_keyed(
+        self, path: PATH, checkpoint: dict[str, Any], weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """:meth:`read` for a checkpoint :meth:`save_step_keyed` wrote; pops and returns its
         ``"onebit"`` entry (``{}`` where it has none)."""
         meta = checkpoint.pop("onebit", None) or {}
-        self.read(path, {"global_step": meta.get("global_step"), "onebit": meta})
+        self.read(path, {"global_step": meta.get("global_step"), "onebit": meta}, weights_only)
         return meta
 
     def forget(self) -> None:
