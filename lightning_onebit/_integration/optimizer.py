@@ -199,13 +199,16 @@ class OptimizerBuilder:
         scaler: bool,
     ) -> None:
         """Set ``opt`` up for a fit: the two-level exchange on ``ranks_per_node`` processes per
-        node (collective: every rank, before the first backward), the overlap with backward
-        (unless ``clipping`` or a loss ``scaler`` edits the gradients after backward), and a
-        warning for a single process."""
-        configure_hierarchy(opt, self.options.hierarchical, ranks_per_node)
+        node, the overlap with backward (unless ``clipping`` or a loss ``scaler`` edits the
+        gradients after backward), every process group they need (collective: every rank,
+        before the first backward, bounded by the strategy's ``timeout``), and a warning for a
+        single process."""
+        opt.hierarchical, opt.ranks_per_node = self.options.hierarchical, ranks_per_node or None
         configure_overlap(
             opt, self.options.overlap_bucket_mb, self.options.timeout, clipping, scaler
         )
+        opt.connect(self.options.timeout)
+        announce_hierarchy(opt)
         if world_size == 1:
             warn_single_process(self.options.algorithm)
 
@@ -228,12 +231,8 @@ def configure_overlap(
     opt.overlap_with_backward(bucket_mb, timeout=timeout)
 
 
-def configure_hierarchy(
-    opt: OneBitOptimizer, hierarchical: bool | str, ranks_per_node: int
-) -> None:
-    """Give ``opt`` the strategy's two-level setting and the launch's layout (``ranks_per_node``
-    processes per node), and build its groups now; one info line when it is on."""
-    opt.hierarchical, opt.ranks_per_node = hierarchical, ranks_per_node or None
+def announce_hierarchy(opt: OneBitOptimizer) -> None:
+    """One info line when ``opt``'s exchange runs in two levels (after its groups were made)."""
     nodes = opt.node_groups()
     if nodes is not None:
         rank_zero_info(

@@ -22,6 +22,7 @@ from lightning_onebit.comm.base import (
     all_finite,
     as_average_dtype,
     fp32_allreduce_bytes,
+    new_group,
     start_average,
 )
 from lightning_onebit.comm.bucketed import BucketedAllreduce
@@ -55,6 +56,7 @@ __all__ = [
     "fp32_allreduce_bytes",
     "hierarchical_average",
     "make_exchange",
+    "new_group",
     "resolve_ranks_per_node",
     "start_average",
 ]

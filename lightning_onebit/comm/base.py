@@ -4,6 +4,7 @@ NaN/Inf error, input checks, the full-precision average and byte formulas."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "as_average_dtype",
     "check_input",
     "fp32_allreduce_bytes",
+    "new_group",
     "start_average",
 ]
 
@@ -32,6 +34,38 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 class NonFiniteError(FloatingPointError):
     """A NaN or Inf reached the compressed exchange: raised on every rank in the same call, before
     anything changed (error buffers as before the call, nothing sent after the scales)."""
+
+
+def new_group(
+    ranks: list[int] | None, backend: str, timeout: timedelta | None, purpose: str
+) -> dist.ProcessGroup:
+    """``dist.new_group(ranks, backend, timeout)``, collective over the default group (every
+    rank calls it, in the same order), with an error that says which group did not connect.
+
+    Args:
+        ranks: the group's global ranks (``None``: every rank).
+        backend: e.g. ``"gloo"``, ``"nccl"``.
+        timeout: how long to wait for the other ranks (and the group's collectives' timeout);
+            ``None``: torch's default.
+        purpose: what the group is for, for the error message.
+
+    Raises:
+        RuntimeError: the group did not connect within ``timeout``; the message names it, the
+            ranks, and the settings to check.
+    """
+    kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    try:
+        return dist.new_group(ranks=ranks, backend=backend, **kw)
+    except RuntimeError as err:  # (torch's DistError and its store/network errors too)
+        who = "every rank" if ranks is None else f"ranks {ranks}"
+        raise RuntimeError(
+            f"could not create {purpose} ({backend} process group of {who}, timeout "
+            f"{timeout or 'torch default'}): {' '.join(str(err).split())[:300]}. Each rank "
+            "creates it while the strategy sets up, after the default group connected: check "
+            "that every rank runs the same strategy and options, and that the ranks reach each "
+            "other on the interface MASTER_ADDR names (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME). "
+            "The strategy's `timeout=` bounds the wait"
+        ) from err
 
 
 def fp32_allreduce_bytes(numel: int, world_size: int) -> int:

@@ -60,6 +60,7 @@ from lightning_onebit.comm.base import (
     all_gather_single,
     check_input,
     fp32_allreduce_bytes,
+    new_group,
 )
 from lightning_onebit.comm.flat import CompressedAllreduce, ExchangeHandle
 
@@ -149,16 +150,14 @@ class NodeGroups:
                     f"but run on hosts {sorted(set(block))}; pass the number of ranks per node "
                     "(devices=... in Lightning, --nproc-per-node in torchrun)"
                 )
-        kw: dict[str, Any] = {"backend": dist.get_backend(group)}
-        if timeout is not None:
-            kw["timeout"] = timeout
+        backend = dist.get_backend(group)
         # every rank creates every group (new_group is collective over the default group)
         for n in range(self.nodes):
-            g = dist.new_group(ranks[n * ll : (n + 1) * ll], **kw)
+            g = new_group(ranks[n * ll : (n + 1) * ll], backend, timeout, f"node {n}'s group")
             if n == self.node_rank:
                 self.intra = g
         for k in range(ll):
-            g = dist.new_group(ranks[k::ll], **kw)
+            g = new_group(ranks[k::ll], backend, timeout, f"the group of local ranks {k}")
             if k == self.local_rank:
                 self.inter = g
         self._open = True

@@ -477,6 +477,24 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         Collective on its first call; cached after it."""
         return self.topology.node_groups()
 
+    def connect(self, timeout: timedelta | None = None) -> None:
+        """Make every process group this optimizer will communicate over, now: the node groups
+        of :meth:`node_groups` and the overlap's own (:meth:`overlap_with_backward`; call this
+        after it). Collective: every rank, in the same order. Without it each group is made at
+        the first step that needs it; the strategies call it at setup, where a rank that cannot
+        connect fails before training instead of inside a step.
+
+        Args:
+            timeout: how long each group waits for the other ranks, and its collectives'
+                timeout (``None``: torch's default).
+
+        Raises:
+            RuntimeError: a group did not connect within ``timeout`` (the message names it).
+        """
+        self.topology.node_groups(timeout)
+        if self.overlap is not None:
+            self.overlap.connect()
+
     def close_node_groups(self) -> None:
         """Destroy the groups of :meth:`node_groups`; the next step builds them again."""
         if self.topology.close():

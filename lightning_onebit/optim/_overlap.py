@@ -67,7 +67,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import NodeGroups, hierarchical_average, start_average
+from lightning_onebit.comm import NodeGroups, hierarchical_average, new_group, start_average
 from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._flat import FlatState, Layout
 from lightning_onebit.optim._validation import check_real
@@ -164,14 +164,23 @@ class BackwardOverlap:
         self._reset_round()
         return bounds
 
+    def connect(self) -> None:
+        """Make the overlap's process groups now (:meth:`group`, :meth:`nodes`): collective,
+        every rank in the same order; the strategies call it at setup, so that no training
+        step creates a group."""
+        self.group()
+        self.nodes()
+
     def group(self) -> Any:
-        """The exchanges' own process group (made once, by every rank at the same step)."""
+        """The exchanges' own process group (made once, by every rank at the same point: at
+        :meth:`connect`, else at the first step)."""
         if not self._group_made:
             pg = self.opt.process_group
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(pg) > 1:
                 ranks = None if pg is None else dist.get_process_group_ranks(pg)
-                kw = {} if self.timeout is None else {"timeout": self.timeout}
-                self._group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg), **kw)
+                self._group = new_group(
+                    ranks, dist.get_backend(pg), self.timeout, "the overlapped exchange's group"
+                )
                 self._rearm()
             self._group_made = True
         return self._group

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -54,15 +55,16 @@ class Topology:
         """Ranks in the process group (1 without an initialised process group)."""
         return dist.get_world_size(self.process_group) if self.distributed() else 1
 
-    def node_groups(self) -> NodeGroups | None:
+    def node_groups(self, timeout: timedelta | None = None) -> NodeGroups | None:
         """The two-level layout, or ``None`` for the flat exchange (see
-        ``OneBitOptimizer.node_groups``). Collective on its first call; cached after it."""
+        ``OneBitOptimizer.node_groups``). Collective on its first call, whose ``timeout`` bounds
+        the groups' creation and collectives; cached after it."""
         if not self._resolved:
             w = self.world_size()
             ll = (
                 resolve_ranks_per_node(self.hierarchical, self.ranks_per_node, w) if w > 1 else None
             )
-            self.nodes = None if ll is None else NodeGroups(self.process_group, ll)
+            self.nodes = None if ll is None else NodeGroups(self.process_group, ll, timeout)
             self._resolved = True
             if self.nodes is not None:  # destroyed with the optimizer, at the latest at exit
                 weakref.finalize(self, self.nodes.close)
