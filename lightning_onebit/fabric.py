@@ -206,7 +206,11 @@ class OneBitFabricStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         n = self.num_processes
         with lifecycle.process_setup(self._start_method, n, self.num_nodes, FABRIC):
-            super().setup_environment()
+            lifecycle.init_default_group_per_attempt(
+                self._get_process_group_backend(), self.global_rank,
+                self.num_nodes * n, self.options.timeout, self.root_device,
+            )  # fmt: skip
+            super().setup_environment()  # (starts the process group unless started above)
         quiet_errors_on_this_rank(self.global_rank)
         sync_scaler_of(self.precision, self.root_device.type)
 

@@ -264,7 +264,11 @@ class OneBitStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         o, n = self.options, self.num_processes
         with lifecycle.process_setup(o.start_method, n, self.num_nodes, TRAINER):
-            super().setup_environment()  # (starts the process group: setup_distributed)
+            lifecycle.init_default_group_per_attempt(
+                self._get_process_group_backend(), self.global_rank,
+                self.num_nodes * n, o.timeout, self.root_device,
+            )  # fmt: skip
+            super().setup_environment()  # (starts the process group unless started above)
         quiet_errors_on_this_rank(self.global_rank)
         # Add the phase-switch callback before Lightning restores callback states from a
         # checkpoint (that happens before ``setup``), so its state is restored too.

@@ -8,11 +8,12 @@ import contextlib
 import os
 import sys
 from collections.abc import Generator
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit._integration.options import REFUSED_DDP_KWARGS
@@ -23,6 +24,7 @@ __all__ = [
     "check_ddp_kwargs",
     "check_no_inherited_group",
     "destroy_single_process_group",
+    "init_default_group_per_attempt",
     "notebook_message",
     "one_thread_per_forked_rank",
     "own_default_group",
@@ -93,6 +95,62 @@ def process_setup(
     check_no_inherited_group(num_nodes * num_processes, front_end)
     with own_default_group():
         yield
+
+
+def init_default_group_per_attempt(
+    backend: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta | None,
+    device: torch.device,
+) -> bool:
+    """Under ``torchrun`` (torchelastic's agent store), start the default process group on the
+    agent's store under a prefix of its own per restart attempt; return whether it did (else
+    Lightning starts the group as usual).
+
+    Why: torchelastic's workers reach the store its agent keeps for the whole job (the static
+    rendezvous keeps one ``TCPStore``, the c10d rendezvous shares its own), and torch's
+    ``env://`` start uses no prefix per attempt. After a restart (``--max-restarts``) a rank can
+    read the address a dead rank of the previous attempt left there: gloo's ``connectFullMesh``
+    is refused, or connects to a reused port and waits forever. The keys of every group made on
+    the default group (``new_group``) share the prefix.
+
+    Args:
+        backend: the default group's backend.
+        rank: this process's global rank.
+        world_size: the number of processes.
+        timeout: how long to wait for the other ranks, and the group's collective timeout
+            (``None``: torch's default).
+        device: the rank's device (bound to the group on CUDA, as Lightning does).
+
+    Raises:
+        RuntimeError: the group did not connect within ``timeout``: the message names the
+            attempt and the settings to check.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return False
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    waits: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    kw = {**waits, "device_id": device} if device.type != "cpu" else waits
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=False, **waits)
+        prefixed = dist.PrefixStore(f"lightning_onebit/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, **kw)
+    except RuntimeError as err:  # (torch's DistError and its store/network errors too)
+        raise RuntimeError(
+            f"rank {rank}: could not start the default {backend} process group of "
+            f"{world_size} ranks (torchrun attempt {attempt}, store {address}:{port}, timeout "
+            f"{timeout or 'torch default'}): {' '.join(str(err).split())[:300]}. Check that "
+            "every rank was started by the same torchrun job and reaches the others on the "
+            "interface MASTER_ADDR names (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); the "
+            "strategy's `timeout=` bounds the wait"
+        ) from err
+    rank_zero_info(
+        f"{'-' * 100}\ndistributed_backend={backend}\nAll distributed processes registered. "
+        f"Starting with {world_size} processes (torchrun attempt {attempt})\n{'-' * 100}\n"
+    )
+    return True
 
 
 @contextlib.contextmanager
