@@ -107,8 +107,10 @@ class OneBitStrategy(DDPStrategy):
             whose uncorrected variance makes 1-bit steps several times larger than Adam's after
             a short warmup. ``None``: ``True``, or ``False`` with ``deepspeed_compatible``.
         variance_floor: no coordinate's ``sqrt(v)`` counts as less than this fraction of its
-            tensor's or group's RMS, so coordinates whose gradient was ~0 through the warmup
-            cannot take ``lr * scale / eps`` steps. ``0`` is DeepSpeed's arithmetic.
+            tensor's or group's RMS (the larger), so coordinates whose variance is too small to
+            precondition (no gradient at all, as a conv bias before BatchNorm, or small ones,
+            as some attention query/key weights) cannot take ``lr * scale / eps`` steps; the
+            switch's message counts them per parameter. ``0`` is DeepSpeed's arithmetic.
         preconditioned_exchange: exchange what the optimizer sends divided by ``sqrt(v) + eps``,
             so the 1-bit error is the same size relative to every coordinate's step. ``False``
             exchanges the momentum, as DeepSpeed does.

@@ -438,10 +438,11 @@ def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:
         total = sum(n for _, n in floored)
         shown = ", ".join(f"{name}: {n}" for name, n in floored[:most])
         more = f", and {len(floored) - most} more parameters" if len(floored) > most else ""
+        f = opt.variance_floor
         msg += (
-            f"; variance floor (variance_floor={opt.variance_floor}) raised {total} coordinates "
-            f"whose gradient was ~0 through the warmup (they cannot be preconditioned by their "
-            f"own variance): {shown}{more}"
+            f"; variance floor (variance_floor={f}) raised {total} coordinates whose variance "
+            f"is too small to precondition (v <= {f**2:.3g} = variance_floor**2 times the larger "
+            f"of the mean v of its tensor and of its param group): {shown}{more}"
         )
     return msg
 

@@ -68,7 +68,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             ``m`` and ``v`` at the switch. ``False`` (default): DeepSpeed's.
         variance_floor: ``f``: where a variance preconditions 1-bit steps, raise it to at least
             ``f**2 * max(mean_k, mean_g)`` (its tensor's and group's mean variance): coordinates
-            with ~0 gradients then cannot take ``lr * scale / eps`` steps. ``0``: DeepSpeed's.
+            whose variance is too small to precondition then cannot take ``lr * scale / eps``
+            steps. ``0``: DeepSpeed's.
         preconditioned_exchange: exchange what the algorithm sends divided by ``sqrt(v) + eps``
             (and multiply back), so that the 1-bit error is alike relative to every
             coordinate's step. ``False``: DeepSpeed's.

@@ -8,6 +8,7 @@ library source (next-character prediction), no downloads.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -599,7 +600,18 @@ def test_conversion_and_switch_are_visible_and_zero_gradient_parameters_stay_put
         "rescale_variance=True" in text
     )
     assert text.count("compression phase (1-bit exchange) from optimizer step 5 on") == 1
-    assert "variance floor (variance_floor=0.01) raised" in text and "unused_bias (4,): 4" in text
+    # what the floor compares, not a claim about the gradients: besides the zero-gradient bias
+    # it catches embedding rows whose gradients are small, not zero
+    floor = re.search(
+        r"variance floor \(variance_floor=0\.01\) raised (\d+) coordinates (.*)", text
+    )
+    assert floor is not None, text
+    assert floor[2].startswith(
+        "whose variance is too small to precondition (v <= 0.0001 = variance_floor**2 times the "
+        "larger of the mean v of its tensor and of its param group): "
+    )
+    assert "unused_bias (4,): 4" in floor[2] and int(floor[1]) >= 4
+    assert "gradient was ~0" not in text
     _assert_same_on_all_ranks(records)
     assert records[0]["params"]["unused_bias"].abs().max() <= 36 * 3e-3  # <= ~lr per step
 
