@@ -5,7 +5,8 @@ Fabric strategy (``lightning_onebit._integration``) wired into the Trainer's hoo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+import inspect
+from collections.abc import Generator, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -40,12 +41,70 @@ from lightning_onebit.optim import OneBitOptimizer
 
 __all__ = ["ALGORITHMS", "OneBitStrategy"]
 
-_ONE_OPTIMIZER = (
-    "OneBitStrategy trains with one optimizer (the 1-bit exchange compresses that optimizer's "
-    "momentum), but configure_optimizers returned several: return one torch.optim.Adam/AdamW "
-    "(or lightning_onebit OneBitAdam / ZeroOneAdam / OneBitLamb) with one param group per "
-    "former optimizer, each with its own lr, betas and weight_decay"
-)
+
+def _one_optimizer_message(strategy: str, found: str) -> str:
+    """Why ``strategy`` refuses what ``found`` describes (several optimizers, manual
+    optimization), and what to do instead: the message Lightning's own checks (which advise
+    manual optimization) must not come before."""
+    return (
+        f"{strategy} trains with one optimizer, with automatic optimization (the strategy "
+        "decides which gradients each step uses, and its 1-bit exchange compresses that "
+        f"optimizer's momentum), but {found}. Return one torch.optim.Adam/AdamW (or "
+        "lightning_onebit OneBitAdam / ZeroOneAdam / OneBitLamb) from configure_optimizers, "
+        "with one param group per former optimizer, each with its own lr, betas and "
+        "weight_decay, and let training_step return the loss (no "
+        "`self.automatic_optimization = False`)"
+    )
+
+
+def _count_optimizers(conf: Any) -> int:
+    """How many optimizers a ``configure_optimizers`` return value holds, in the forms
+    Lightning accepts: an optimizer, a dict, ``([optimizers], [schedulers])``, a list or tuple
+    of optimizers or of dicts."""
+    if isinstance(conf, (list, tuple)):
+        if len(conf) == 2 and isinstance(conf[0], list):  # ([optimizers], [schedulers])
+            return len(conf[0])
+        return sum(isinstance(c, dict) or hasattr(c, "param_groups") for c in conf)
+    return 1
+
+
+@contextlib.contextmanager
+def _one_optimizer_checked(module: pl.LightningModule, strategy: str) -> Iterator[None]:
+    """Around Lightning's call of ``module.configure_optimizers``: raise our message as soon as
+    it returns several optimizers, before Lightning's check of the same advises manual
+    optimization (which the strategy cannot run). The module's own method is back after."""
+    configure = module.configure_optimizers
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        conf = configure(*args, **kwargs)
+        n = _count_optimizers(conf)
+        if n > 1:
+            raise MisconfigurationException(
+                _one_optimizer_message(strategy, f"configure_optimizers returned {n} optimizers")
+            )
+        return conf
+
+    own = module.__dict__.get("configure_optimizers")  # (an instance attribute, rarely)
+    object.__setattr__(module, "configure_optimizers", checked)
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.__dict__["configure_optimizers"]
+        else:
+            object.__setattr__(module, "configure_optimizers", own)
+
+
+def _check_automatic_optimization(module: pl.LightningModule, strategy: str) -> None:
+    """Refuse manual optimization and Lightning 1.x's ``training_step(..., optimizer_idx)``
+    with our message (Lightning's own, for either, advises manual optimization)."""
+    if not module.automatic_optimization:
+        found = "this LightningModule sets `self.automatic_optimization = False`"
+    elif "optimizer_idx" in inspect.signature(module.training_step).parameters:
+        found = "training_step takes `optimizer_idx` (several optimizers)"
+    else:
+        return
+    raise MisconfigurationException(_one_optimizer_message(strategy, found))
 
 
 class OneBitStrategy(DDPStrategy):
@@ -285,6 +344,13 @@ class OneBitStrategy(DDPStrategy):
             trainer.callbacks.append(scheduler)
 
     @override
+    def connect(self, model: pl.LightningModule) -> None:
+        # before the Trainer's configuration checks, whose messages about manual optimization
+        # (gradient clipping, accumulation) would come first
+        _check_automatic_optimization(model, type(self).__name__)
+        super().connect(model)
+
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if IS_INTERACTIVE and self.launcher and not self.launcher.is_interactive_compatible:
@@ -300,12 +366,8 @@ class OneBitStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = trainer.lightning_module
-        if module is not None and not module.automatic_optimization:
-            raise MisconfigurationException(
-                f"{type(self).__name__} supports automatic optimization only (the strategy decides "
-                "which gradients each step uses); remove `self.automatic_optimization = False`"
-            )
         if module is not None:
+            _check_automatic_optimization(module, type(self).__name__)  # (again after its setup)
             check_dense_gradients(module)
         super().setup(trainer)
         # Lightning restored the model before this setup, and wrapping it in DDP just now
@@ -351,15 +413,14 @@ class OneBitStrategy(DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        try:
+        with _one_optimizer_checked(trainer.lightning_module, type(self).__name__):
             super().setup_optimizers(trainer)
-        except (MisconfigurationException, RuntimeError) as err:
-            if "multiple optimizers" not in str(err):
-                raise
-            # Lightning's advice (manual optimization) is what this strategy cannot run
-            raise MisconfigurationException(_ONE_OPTIMIZER) from err
         if len(self.optimizers) != 1:
-            raise MisconfigurationException(_ONE_OPTIMIZER)
+            raise MisconfigurationException(
+                _one_optimizer_message(
+                    type(self).__name__, f"there are {len(self.optimizers)} optimizers"
+                )
+            )
         original = self.optimizers[0]
         if isinstance(original, MockOptimizer):  # (configure_optimizers returned none)
             params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]

@@ -10,7 +10,8 @@ contain)``:
 * ``Trainer.fit`` with one in-process rank: what only setup can see (the optimizer returned by
   ``configure_optimizers``, the model's modules, ``max_steps``); a callback proves that no
   training step ran before the error (or before the warning);
-* ``Trainer.fit`` with two fork-started ranks: a model that differs across ranks.
+* ``Trainer.fit`` with two fork-started ranks: a model that differs across ranks; several
+  optimizers and manual optimization (our message, not Lightning's).
 """
 
 from __future__ import annotations
@@ -539,6 +540,57 @@ def test_model_that_differs_across_ranks_fails_at_setup_on_every_rank(tmp_path: 
     )
     assert "_verify_param_shape_across_processes" not in message
     assert not re.search(r"rank\d\.pt", " ".join(p.name for p in tmp_path.iterdir()))
+
+
+class _ManualTwoOptimizers(_TwoOptimizers):
+    """Lightning's advice for two optimizers followed: manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - refused
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer_kw", "found"),
+    [
+        (_TwoOptimizers, {}, "but configure_optimizers returned 2 optimizers."),
+        # (Lightning refuses gradient clipping under manual optimization, before the strategy's
+        # setup)
+        (
+            _ManualTwoOptimizers,
+            {"gradient_clip_val": 1.0},
+            "but this LightningModule sets `self.automatic_optimization = False`.",
+        ),
+    ],
+    ids=["two optimizers", "manual optimization"],
+)
+def test_one_optimizer_message_comes_before_lightnings(
+    tmp_path: Path, model: Any, trainer_kw: dict, found: str
+) -> None:
+    """Two fork-started ranks: what the user reads (the rank's whole traceback) is our message,
+    and not Lightning's advice to turn to manual optimization, which this strategy refuses."""
+    with pytest.raises(Exception) as err:
+        _fit(tmp_path, OneBitStrategy(start_method="fork"), steps=3, model=model(), **trainer_kw)
+    message = str(err.value)
+    _assert_names(
+        message,
+        [
+            "OneBitStrategy trains with one optimizer, with automatic optimization",
+            found,
+            "one param group per former optimizer",
+            "let training_step return the loss (no `self.automatic_optimization = False`)",
+        ],
+    )
+    assert "only supported with manual optimization" not in message  # Lightning's
+    assert "not supported for manual optimization" not in message  # Lightning's
+    assert message.count("Traceback") == 1  # (no chained exception before ours)
 
 
 @pytest.mark.parametrize(
