@@ -127,9 +127,23 @@ class CLI(LightningCLI):
         parser.add_lightning_class_args(RunSummary, "summary")
 
 
+#: a one-line usage for each subcommand: a bad value in a config is an error of a few lines,
+#: not one after the ~60 lines that list every option of the Trainer (`fit --help` lists them)
+SHORT_USAGE = {
+    name: {"usage": "%(prog)s [-c CONFIG] [--help] [options]"}
+    for name in ("fit", "validate", "test", "predict")
+}
+
+
 def main() -> None:
     torch.set_float32_matmul_precision("high")  # TF32 on GPUs that have it; no-op on CPU
-    CLI(GPT, TextDataModule, seed_everything_default=1234, save_config_kwargs={"overwrite": True})
+    CLI(
+        GPT,
+        TextDataModule,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs=SHORT_USAGE,
+    )
 
 
 if __name__ == "__main__":

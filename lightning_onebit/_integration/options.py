@@ -3,7 +3,11 @@
 Each strategy's ``__init__`` lists them as explicit, typed keyword arguments (LightningCLI reads
 its signature) and passes them on to :class:`StrategyOptions` by name; the checks, the defaults
 the strategies apply when they build the optimizer, and the merge of a DeepSpeed config live
-here.
+here, and so do the types of the numeric options (``NonNegativeInt``, ``PositiveFloat``, ...):
+``int`` and ``float`` as far as Python and type checkers are concerned, and, where jsonargparse
+is installed, its range-checked types, so that LightningCLI refuses a value out of range while
+it parses a config (a short parse error) instead of the constructor raising from inside its
+instantiation (a traceback of 50 lines). The constructors check every value as before.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -27,8 +31,48 @@ __all__ = [
     "CONVERSION_DEFAULTS",
     "OPTIMIZER_OPTIONS",
     "REFUSED_DDP_KWARGS",
+    "AboveZeroToOne",
+    "AtLeastOne",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "OpenUnitInterval",
+    "PositiveFloat",
+    "PositiveInt",
     "StrategyOptions",
+    "ZeroToBelowOne",
 ]
+
+# The numeric options' types (see the module's docstring). Each range is the constructor's own
+# check of that option; where that check has a bound the type cannot know (min_coeff <=
+# max_coeff, overlap_bucket_mb < inf), the constructor still refuses what the type lets through.
+if TYPE_CHECKING:
+    NonNegativeInt = PositiveInt = int
+    NonNegativeFloat = PositiveFloat = OpenUnitInterval = float
+    ZeroToBelowOne = AboveZeroToOne = AtLeastOne = float
+else:
+    try:
+        from jsonargparse.typing import (
+            NonNegativeFloat,
+            NonNegativeInt,
+            OpenUnitInterval,
+            PositiveFloat,
+            PositiveInt,
+            restricted_number_type,
+        )
+    except ImportError:  # (no LightningCLI here)
+        NonNegativeInt = PositiveInt = int
+        NonNegativeFloat = PositiveFloat = OpenUnitInterval = float
+        ZeroToBelowOne = AboveZeroToOne = AtLeastOne = float
+    else:
+        ZeroToBelowOne = restricted_number_type(
+            "ZeroToBelowOne", float, [(">=", 0.0), ("<", 1.0)], docstring="a float in [0, 1)"
+        )
+        AboveZeroToOne = restricted_number_type(
+            "AboveZeroToOne", float, [(">", 0.0), ("<=", 1.0)], docstring="a float in (0, 1]"
+        )
+        AtLeastOne = restricted_number_type(
+            "AtLeastOne", float, (">=", 1.0), docstring="a float >= 1"
+        )
 
 ALGORITHMS: dict[str, type[OneBitOptimizer]] = {
     "onebit_adam": OneBitAdam,
@@ -62,6 +106,16 @@ REFUSED_DDP_KWARGS = (
 )
 
 
+def _builtin(value: Any) -> Any:
+    """``value`` as a plain ``int`` or ``float`` where it is an instance of a subclass of one (a
+    range-checked type of jsonargparse's): what the options hold goes into param groups,
+    checkpoints (loaded with ``weights_only=True``) and messages."""
+    for kind in (float, int):
+        if isinstance(value, kind) and type(value) is not kind and not isinstance(value, bool):
+            return kind(value)
+    return value
+
+
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
@@ -74,33 +128,35 @@ class StrategyOptions:
     normalised (a whole float step count as an int; a dtype)."""
 
     algorithm: Literal["onebit_adam", "zero_one_adam", "onebit_lamb"] = "onebit_adam"
-    freeze_step: int | float | None = None
+    freeze_step: NonNegativeInt | OpenUnitInterval | None = None
     adaptive_freeze: bool = False
-    freeze_threshold: float = 0.05
-    freeze_window: int = 50
-    var_update_scaler: int | None = None
-    local_step_scaler: int | None = None
-    local_step_clipper: int | None = None
+    freeze_threshold: PositiveFloat = 0.05
+    freeze_window: PositiveInt = 50
+    var_update_scaler: PositiveInt | None = None
+    local_step_scaler: PositiveInt | None = None
+    local_step_clipper: PositiveInt | None = None
     compressed_variance_phase: bool | None = None
-    max_coeff: float | None = None
-    min_coeff: float | None = None
-    coeff_beta: float | None = None
-    factor_max: float | None = None
-    factor_min: float | None = None
-    factor_threshold: float | None = None
+    max_coeff: PositiveFloat | None = None
+    min_coeff: PositiveFloat | None = None
+    coeff_beta: ZeroToBelowOne | None = None
+    factor_max: AtLeastOne | None = None
+    factor_min: AboveZeroToOne | None = None
+    factor_threshold: NonNegativeFloat | None = None
     bias_correction: bool | None = None
-    variance_floor: float | None = None
+    variance_floor: ZeroToBelowOne | None = None
     preconditioned_exchange: bool | None = None
     rescale_variance: bool | None = None
     deepspeed_compatible: bool | None = None
-    lamb_lr: float | None = None
-    overlap_bucket_mb: float | None = 25.0
+    lamb_lr: PositiveFloat | None = None
+    overlap_bucket_mb: PositiveFloat | None = 25.0
     average_dtype: str | torch.dtype | None = None
     hierarchical: bool | Literal["auto"] = "auto"
     timeout: timedelta | None = timedelta(minutes=30)
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # (a parsed config's range-checked int or float)
+            object.__setattr__(self, field.name, _builtin(getattr(self, field.name)))
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
                 f"algorithm must be one of {sorted(ALGORITHMS)}, got {self.algorithm!r}"

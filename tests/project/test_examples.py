@@ -262,6 +262,76 @@ def test_cli_help_documents_the_strategy(
     assert "ddp_comm_hook" not in out and "model_averaging_period" not in out
 
 
+def _strategy_config(tmp_path: Path, **init_args: object) -> Path:
+    """``onebit_adam.yaml`` with ``init_args`` in its strategy section, in ``tmp_path``."""
+    import yaml  # (jsonargparse's dependency)
+
+    config = yaml.safe_load((EXAMPLES / "configs" / "onebit_adam.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"].update(init_args)
+    config["trainer"]["default_root_dir"] = str(tmp_path / "runs")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("init_args", "expected"),
+    [
+        ({"algorithm": "onebit_adamm"}, ['Parser key "algorithm"', "Got value: onebit_adamm"]),
+        (
+            {"freeze_step": -3},
+            ['Parser key "freeze_step"', "NonNegativeInt", "OpenUnitInterval", "Given value: -3"],
+        ),
+        (
+            {"variance_floor": 1.5},
+            ['Parser key "variance_floor"', "restriction v>=0.0 and v<1.0", "Given value: 1.5"],
+        ),
+    ],
+    ids=["algorithm", "freeze_step", "variance_floor"],
+)
+def test_cli_refuses_a_bad_strategy_value_while_parsing(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    init_args: dict,
+    expected: list[str],
+) -> None:
+    """A bad value in a config's strategy section is a parse error of a few lines (exit code 2,
+    no traceback): the strategy's arguments are typed with their ranges, which LightningCLI
+    checks before it builds anything, and the script prints a one-line usage."""
+    train = _import_example("train")
+    config = _strategy_config(tmp_path, **init_args)
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "train.py"), "fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as exited:
+        train.main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, err
+    assert "Traceback" not in err
+    assert len(err.splitlines()) <= 20, err
+
+
+def test_cli_hands_the_strategy_plain_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The range-checked types the CLI parses into are subclasses of int and float; the
+    strategy keeps plain ones (they go into param groups and checkpoints)."""
+    train = _import_example("train")
+    config = _strategy_config(tmp_path, freeze_step=12, freeze_window=7, variance_floor=0.02)
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "train.py")])
+    cli = train.CLI(
+        train.GPT,
+        train.TextDataModule,
+        args=["--config", str(config), "--trainer.devices", "2", "--data.max_bytes", "20000"],
+        run=False,
+    )
+    options = cli.trainer.strategy.options
+    assert type(options.freeze_step) is int and options.freeze_step == 12
+    assert type(options.freeze_window) is int and options.freeze_window == 7
+    assert type(options.variance_floor) is float and options.variance_floor == 0.02
+
+
 @pytest.mark.slow
 def test_cli_takes_a_deepspeed_config(tmp_path: Path) -> None:
     ds = EXAMPLES / "configs" / "deepspeed" / "zero_one_adam.json"
