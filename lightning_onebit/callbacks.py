@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_onebit._integration.front_end import TRAINER
 from lightning_onebit._integration.optimizer import OptimizerBuilder, onebit_optimizers
-from lightning_onebit._integration.phase_switch import PhaseSwitch, catch_up
+from lightning_onebit._integration.phase_switch import PhaseSwitch
 from lightning_onebit.optim import OneBitOptimizer
 
 __all__ = ["PROGRESS_BAR", "CompressionScheduler"]
@@ -110,7 +110,9 @@ class CompressionScheduler(PhaseSwitch, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # (the optimizer's state was restored after on_fit_start, before this)
-        catch_up(self._optimizer(trainer))
+        opt = self._optimizer(trainer)
+        self.catch_up(opt)
+        self.announce(opt)
         self._check_backbone_finetuning(trainer)
 
     def _check_backbone_finetuning(self, trainer: pl.Trainer) -> None:

@@ -44,7 +44,7 @@ from lightning_onebit._integration.options import (
     StrategyOptions,
     ZeroToBelowOne,
 )
-from lightning_onebit._integration.phase_switch import PhaseSwitch, catch_up
+from lightning_onebit._integration.phase_switch import PhaseSwitch
 from lightning_onebit._integration.rank_files import PATH, RankCheckpoint
 from lightning_onebit._integration.registry import register_names
 from lightning_onebit._integration.scaler import sync_scaler_of
@@ -301,6 +301,8 @@ class OneBitFabricStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self._optimizer is not None:  # (the first step: once a checkpoint may be loaded)
+            self._switch.announce(self._optimizer)
         out = super().optimizer_step(optimizer, **kwargs)
         if self._optimizer is not None:
             self._switch.after_step(self._optimizer)  # adaptive switch, the switch message
@@ -387,7 +389,7 @@ class OneBitFabricStrategy(DDPStrategy):
         # a fraction of max_steps is decided once per run: a resumed run keeps its switch (and
         # 0/1 Adam's local_step_scaler)
         self._switch.keep_restored(opt)
-        catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
+        self._switch.catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
         self.builder.rescale_restored(opt, schedulers_of(opt))
         if self._module is not None:  # (0/1 Adam between two synchronisations: its own)
             self._rank_checkpoint.restore_model(self._module, strict)

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
-__all__ = ["LOCAL_STEP_FRACTION", "PhaseSwitch", "StepTimes", "catch_up"]
+__all__ = ["LOCAL_STEP_FRACTION", "PhaseSwitch", "StepTimes"]
 
 #: the switch when the strategy built the optimizer and no ``freeze_step`` was given
 _DEFAULT_FRACTION = 0.2
@@ -116,7 +116,8 @@ class StepTimes:
                 ms = f"{1e3 * med:.0f} ms" if med is not None else "—"
                 ab = self.median_after_backward(p)
                 wait = f", {1e3 * ab:.0f} ms after backward" if ab is not None else ""
-                parts.append(f"{name} {ms}/step over {self.count[p]} steps{wait}")
+                n = self.count[p]
+                parts.append(f"{name} {ms}/step over {n} step{'s' * (n != 1)}{wait}")
         sp, w, c = self.speedup(), self.median(0), self.median(1)
         if sp is not None and w is not None and c is not None:
             saved = self.count[1] * (w - c)
@@ -189,6 +190,7 @@ class PhaseSwitch:
         self._snapshot: torch.Tensor | None = None
         self._last_logged_step: tuple[int, int] = (-1, -1)
         self._restored = False  # state loaded from a checkpoint, not yet used by a run
+        self._plan: str | None = None  # the switch to announce (see announce)
         self._local_steps = False  # this run sets 0/1 Adam's local_step_scaler
         self.times = StepTimes()  # this fit's step times (not in the checkpoint)
 
@@ -209,6 +211,7 @@ class PhaseSwitch:
         (:data:`LOCAL_STEP_FRACTION`)."""
         restored, self._restored = self._restored, False
         self.times.reset()
+        self._plan = None
         self._local_steps = local_steps and isinstance(opt, ZeroOneAdam)
         if self._local_steps:
             self._start_local_steps(opt, total, restored, front_end)
@@ -249,9 +252,7 @@ class PhaseSwitch:
         opt.switch_step = step
         self.switch_step = step
         if step < total:
-            rank_zero_info(
-                f"1-bit compression starts after optimizer step {step}{how} ({type(opt).__name__})"
-            )
+            self._plan = how  # (said once the run's state is restored: announce)
 
     def _start_local_steps(
         self, opt: ZeroOneAdam, total: float, restored: bool, front_end: FrontEnd
@@ -287,8 +288,38 @@ class PhaseSwitch:
         length, over what this fit's ``max_steps`` gave."""
         if self.switch_step is not None and opt.phase == opt.PHASES[0]:
             opt.switch_step = self.switch_step
+            if isinstance(self.freeze_step, float) and self._plan is not None:
+                self._plan = (
+                    f" (freeze_step={self.freeze_step} of the run as it started, from the "
+                    "checkpoint)"
+                )
         if self._local_steps and self.local_step_scaler is not None:
             opt.local_step_scaler = self.local_step_scaler
+
+    def catch_up(self, opt: OneBitOptimizer) -> None:
+        """Once a checkpoint's state is in ``opt``, before the first step of a fit: switch now if
+        the restored step count is already past the switch (a checkpoint of torch's Adam, e.g.
+        from ``strategy="ddp"``, whose moments are the warmup's), so that the next backward
+        already gives local gradients. The one line that says so names the first compressed
+        step, as the switch's own line does, and stands for it."""
+        if not opt.catch_up_switch():
+            return
+        self._plan = None  # (the switch it announced is past)
+        self.switched_at = opt.step_count  # the last uncompressed step: the checkpoint's
+        rank_zero_info(_switch_message(opt, resumed=True))
+
+    def announce(self, opt: OneBitOptimizer) -> None:
+        """Say after which optimizer step compression starts, once (Trainer: at the start of
+        training; Fabric: before the first step), after a checkpoint's state is restored: a
+        resumed run keeps its switch (:meth:`keep_restored`) or is past it (:meth:`catch_up`,
+        whose line replaces this one)."""
+        plan, self._plan = self._plan, None
+        if plan is None or opt.phase != opt.PHASES[0]:
+            return
+        rank_zero_info(
+            f"1-bit compression starts after optimizer step {opt.switch_step}{plan} "
+            f"({type(opt).__name__})"
+        )
 
     def switch_when_stable(self, opt: OneBitOptimizer, algorithm: str, strategy: str) -> None:
         """A run of unknown length whose optimizer the strategy built, with no ``freeze_step``:
@@ -416,23 +447,19 @@ class PhaseSwitch:
         self._restored = True
 
 
-def catch_up(opt: OneBitOptimizer) -> None:
-    """Before the first step of a fit: switch now if a restored step count is already past the
-    switch (a checkpoint of torch's Adam, e.g. from ``strategy="ddp"``, whose moments are the
-    warmup's), so that the next backward already gives local gradients."""
-    if opt.catch_up_switch():
-        rank_zero_info(
-            f"{type(opt).__name__}: resumed after optimizer step {opt.step_count}, and the switch "
-            f"was due after step {opt.switch_step}: {opt.PHASES[1]} phase from the next step on"
-        )
-
-
-def _switch_message(opt: OneBitOptimizer, most: int = 8) -> str:
-    """One line for the console at the switch: when, and which coordinates were floored."""
+def _switch_message(opt: OneBitOptimizer, resumed: bool = False, most: int = 8) -> str:
+    """One line for the console at the switch: from which optimizer step on (the one number
+    that names the switch), why then where a resumed fit starts past it (``resumed``), and which
+    coordinates were floored."""
     msg = (
         f"{type(opt).__name__}: {opt.PHASES[1]} phase (1-bit exchange) from optimizer step "
         f"{opt.step_count + 1} on"
     )
+    if resumed:
+        msg += (
+            f", the first step of this fit (its checkpoint's step count has reached "
+            f"{opt.SWITCH_OPTION}={opt.switch_step})"
+        )
     floored = sorted(opt.floored.items(), key=lambda kv: -kv[1])
     if floored:
         total = sum(n for _, n in floored)

@@ -822,6 +822,26 @@ def test_a_ddp_checkpoint_resumes_as_if_the_1bit_strategy_had_run_from_the_start
         _assert_params_close(resumed[r]["params"], whole[r]["params"], atol=1e-6)
 
 
+def test_a_ddp_checkpoint_past_the_switch_names_one_switch_step(tmp_path: Path) -> None:
+    """Resumed past its freeze_step, the run compresses from its first step, and every line that
+    names the switch names that step: one line for the switch, no warmup in the summary."""
+    ddp = _ddp_checkpoint(tmp_path)
+    console = tmp_path / "console.txt"
+    strategy = OneBitStrategy(freeze_step=8, start_method="fork")
+    assert (
+        _fit2(tmp_path / "b", strategy, 24, ckpt_path=ddp, console=console)[0]["step_count"] == 24
+    )
+    lines = console.read_text().splitlines()
+    assert (
+        "OneBitAdam: compression phase (1-bit exchange) from optimizer step 13 on, the first step "
+        "of this fit (its checkpoint's step count has reached freeze_step=8)"
+    ) in lines
+    steps = [int(n) for line in lines for n in re.findall(r"(?:optimizer|after) step (\d+)", line)]
+    assert steps == [13], lines  # (not 'from the next step on', step 14, or 'after step 8')
+    (summary,) = [line for line in lines if line.startswith("lightning-onebit:")]
+    assert "warmup" not in summary and "compression" in summary and "over 12 steps" in summary
+
+
 def _ddp_checkpoint(tmp: Path) -> Path:
     """The checkpoint of 12 steps of the regression under strategy="ddp" with torch Adam."""
     ckpt = ModelCheckpoint(dirpath=tmp / "ddp" / "ckpt", every_n_train_steps=12)
