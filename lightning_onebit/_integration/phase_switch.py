@@ -102,14 +102,19 @@ class StepTimes:
             out["onebit/step_speedup"] = sp
         return out
 
-    def summary(self, sent: float, fp32_equiv: float) -> str:
+    def summary(self, sent: float, fp32_equiv: float, world_size: int = 2) -> str:
         """One line for the end of a run: bytes saved, step time per phase, the time saved vs
         DDP (the compression steps at the warmup's step time: with a half-precision average
-        the warmup is faster than DDP's fp32 steps, so the saving is understated)."""
-        parts = [
-            f"sent {_gb(sent)} per rank where DDP's fp32 allreduce sends {_gb(fp32_equiv)}"
-            + (f" ({fp32_equiv / sent:.1f}x less)" if sent else "")
-        ]
+        the warmup is faster than DDP's fp32 steps, so the saving is understated). With one
+        process (``world_size`` 1) nothing is sent, and the line says so instead of the bytes
+        and the time saved."""
+        if world_size == 1:
+            parts = ["one process: nothing is sent (the exchange runs between 2 or more ranks)"]
+        else:
+            parts = [
+                f"sent {_gb(sent)} per rank where DDP's fp32 allreduce sends {_gb(fp32_equiv)}"
+                + (f" ({fp32_equiv / sent:.1f}x less)" if sent else "")
+            ]
         for p, name in enumerate(self.PHASES):
             med = self.median(p)
             if self.count[p]:
@@ -119,7 +124,9 @@ class StepTimes:
                 n = self.count[p]
                 parts.append(f"{name} {ms}/step over {n} step{'s' * (n != 1)}{wait}")
         sp, w, c = self.speedup(), self.median(0), self.median(1)
-        if sp is not None and w is not None and c is not None:
+        if sp is not None and world_size == 1:
+            parts.append(f"step speedup vs warmup {sp:.2f}x")
+        elif sp is not None and w is not None and c is not None:
             saved = self.count[1] * (w - c)
             parts.append(
                 f"step speedup vs warmup {sp:.2f}x: about {_duration(saved)} "
@@ -376,7 +383,7 @@ class PhaseSwitch:
     def summary(self, opt: OneBitOptimizer) -> str:
         """One line for the end of a run (see :meth:`StepTimes.summary`)."""
         comm = opt.comm_stats
-        return self.times.summary(comm["bytes_total"], comm["fp32_equiv_total"])
+        return self.times.summary(comm["bytes_total"], comm["fp32_equiv_total"], opt.world_size)
 
     def stats(self, opt: OneBitOptimizer) -> dict[str, float]:
         """The ``onebit/*`` counters of the last step (equal on every rank): ``phase`` (0 =
