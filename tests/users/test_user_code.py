@@ -824,6 +824,32 @@ def test_a_ddp_checkpoint_resumes_as_if_the_1bit_strategy_had_run_from_the_start
         _assert_params_close(resumed[r]["params"], whole[r]["params"], atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_ddp_job_switched_to_1bit_adam_follows_a_1bit_run_only_with_an_fp32_warmup(
+    tmp_path: Path,
+) -> None:
+    """What docs/checkpoints.md says (benchmarks/ddp_resume.py measures it): 100 steps after the
+    switch the DDP job resumed as 1-bit Adam is within float rounding of a 1-bit run from step 0
+    whose warmup averaged in fp32, as DDP does; one whose warmup averaged in bf16 (the default)
+    ended its warmup elsewhere."""
+    ddp = _ddp_checkpoint(tmp_path)
+
+    def onebit(average_dtype: str) -> OneBitStrategy:
+        return OneBitStrategy(
+            freeze_step=12,
+            rescale_variance=False,
+            average_dtype=average_dtype,
+            start_method="fork",
+        )
+
+    # (resumed at the switch, the run has no warmup step: its average_dtype does not matter)
+    resumed = _fit2(tmp_path / "resumed", onebit("float32"), 112, ckpt_path=ddp)[0]["params"]
+    fp32 = _fit2(tmp_path / "fp32", onebit("float32"), 112)[0]["params"]
+    bf16 = _fit2(tmp_path / "bf16", onebit("bf16"), 112)[0]["params"]
+    _assert_params_close(resumed, fp32, atol=1e-6)
+    assert max(float((v - bf16[k]).abs().max()) for k, v in resumed.items()) > 1e-4
+
+
 def test_a_ddp_checkpoint_past_the_switch_names_one_switch_step(tmp_path: Path) -> None:
     """Resumed past its freeze_step, the run compresses from its first step, and every line that
     names the switch names that step: one line for the switch, no warmup in the summary."""
