@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -66,44 +66,6 @@ def _one_optimizer_message(strategy: str, found: str) -> str:
         "weight_decay, and let training_step return the loss (no "
         "`self.automatic_optimization = False`)"
     )
-
-
-def _count_optimizers(conf: Any) -> int:
-    """How many optimizers a ``configure_optimizers`` return value holds, in the forms
-    Lightning accepts: an optimizer, a dict, ``([optimizers], [schedulers])``, a list or tuple
-    of optimizers or of dicts."""
-    if isinstance(conf, (list, tuple)):
-        if len(conf) == 2 and isinstance(conf[0], list):  # ([optimizers], [schedulers])
-            return len(conf[0])
-        return sum(isinstance(c, dict) or hasattr(c, "param_groups") for c in conf)
-    return 1
-
-
-@contextlib.contextmanager
-def _one_optimizer_checked(module: pl.LightningModule, strategy: str) -> Iterator[None]:
-    """Around Lightning's call of ``module.configure_optimizers``: raise our message as soon as
-    it returns several optimizers, before Lightning's check of the same advises manual
-    optimization (which the strategy cannot run). The module's own method is back after."""
-    configure = module.configure_optimizers
-
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        conf = configure(*args, **kwargs)
-        n = _count_optimizers(conf)
-        if n > 1:
-            raise MisconfigurationException(
-                _one_optimizer_message(strategy, f"configure_optimizers returned {n} optimizers")
-            )
-        return conf
-
-    own = module.__dict__.get("configure_optimizers")  # (an instance attribute, rarely)
-    object.__setattr__(module, "configure_optimizers", checked)
-    try:
-        yield
-    finally:
-        if own is None:
-            del module.__dict__["configure_optimizers"]
-        else:
-            object.__setattr__(module, "configure_optimizers", own)
 
 
 def _check_automatic_optimization(module: pl.LightningModule, strategy: str) -> None:
@@ -424,8 +386,18 @@ class OneBitStrategy(DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        with _one_optimizer_checked(trainer.lightning_module, type(self).__name__):
+        try:
             super().setup_optimizers(trainer)
+        except (MisconfigurationException, RuntimeError) as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            # ours alone (from None): Lightning's advice, manual optimization, is what this
+            # strategy cannot run
+            raise MisconfigurationException(
+                _one_optimizer_message(
+                    type(self).__name__, "configure_optimizers returned several optimizers"
+                )
+            ) from None
         if len(self.optimizers) != 1:
             raise MisconfigurationException(
                 _one_optimizer_message(

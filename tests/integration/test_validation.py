@@ -560,7 +560,7 @@ class _ManualTwoOptimizers(_TwoOptimizers):
 @pytest.mark.parametrize(
     ("model", "trainer_kw", "found"),
     [
-        (_TwoOptimizers, {}, "but configure_optimizers returned 2 optimizers."),
+        (_TwoOptimizers, {}, "but configure_optimizers returned several optimizers."),
         # (Lightning refuses gradient clipping under manual optimization, before the strategy's
         # setup)
         (
