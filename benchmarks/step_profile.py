@@ -73,6 +73,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_synchronize_", "sync (rest)", None),
     ("lightning_onebit.kernels", "sync_update", "sync kernel", None),
     ("lightning_onebit.kernels", "local_step", "local step kernel", 32),
+    ("lightning_onebit.optim._divergence:DivergenceWatch", "check", "divergence check", None),
 ]
 
 

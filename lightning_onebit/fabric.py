@@ -98,7 +98,8 @@ class OneBitFabricStrategy(DDPStrategy):
     ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
     ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``,
     ``compressed_variance_phase``, ``deepspeed_compatible``, ``lamb_lr``,
-    ``overlap_bucket_mb``, ``average_dtype``, ``hierarchical``, ``timeout``, ``start_method``,
+    ``overlap_bucket_mb``, ``average_dtype``, ``hierarchical``, ``on_divergence``, ``timeout``,
+    ``start_method``,
     ``deepspeed_config`` (see :meth:`from_deepspeed_config`), and ``**kwargs`` for
     ``DistributedDataParallel``), less the Trainer's logging options (read :meth:`comm_stats`
     instead).
@@ -130,6 +131,7 @@ class OneBitFabricStrategy(DDPStrategy):
         overlap_bucket_mb: PositiveFloat | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
         hierarchical: bool | Literal["auto"] = "auto",
+        on_divergence: Literal["warn", "raise"] = "warn",
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         deepspeed_config: str | Path | dict[str, Any] | None = None,
@@ -149,7 +151,8 @@ class OneBitFabricStrategy(DDPStrategy):
             preconditioned_exchange=preconditioned_exchange, rescale_variance=rescale_variance,
             deepspeed_compatible=deepspeed_compatible, lamb_lr=lamb_lr,
             overlap_bucket_mb=overlap_bucket_mb, average_dtype=average_dtype,
-            hierarchical=hierarchical, timeout=timeout, start_method=start_method,
+            hierarchical=hierarchical, on_divergence=on_divergence, timeout=timeout,
+            start_method=start_method,
         ).with_deepspeed_config(deepspeed_config, FABRIC)  # fmt: skip
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self.options = options

@@ -180,7 +180,13 @@ class OneBitStrategy(DDPStrategy):
             only between nodes (``devices`` times fewer bytes through each node's link).
             ``"auto"``: on with several nodes of several processes; ``True``: the same, with a
             warning where it cannot apply; ``False``: every rank compresses its own values.
-        timeout: collective timeout: a dead or stuck rank makes the others fail after this long.
+        on_divergence: what a compression phase whose parameters blow up does (each tensor's
+            RMS against its RMS at the switch, checked every 16 steps on the device: more than
+            10 times, or not finite): ``"warn"`` once, naming the parameter, the step and what
+            to try; ``"raise"``: stop with ``lightning_onebit.optim.DivergenceError`` on every
+            rank.
+        timeout: collective timeout: a dead or stuck rank makes the others fail after this long;
+            also bounds the creation of every process group at setup.
         start_method: how processes start: ``"popen"`` (scripts), ``"fork"`` (notebooks),
             ``"spawn"``, ``"forkserver"``.
         deepspeed_config: a DeepSpeed JSON config (path or dict): see :meth:`from_deepspeed_config`.
@@ -218,6 +224,7 @@ class OneBitStrategy(DDPStrategy):
         overlap_bucket_mb: PositiveFloat | None = 25.0,
         average_dtype: str | torch.dtype | None = None,
         hierarchical: bool | Literal["auto"] = "auto",
+        on_divergence: Literal["warn", "raise"] = "warn",
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         deepspeed_config: str | Path | dict[str, Any] | None = None,
@@ -236,7 +243,8 @@ class OneBitStrategy(DDPStrategy):
             preconditioned_exchange=preconditioned_exchange, rescale_variance=rescale_variance,
             deepspeed_compatible=deepspeed_compatible, lamb_lr=lamb_lr,
             overlap_bucket_mb=overlap_bucket_mb, average_dtype=average_dtype,
-            hierarchical=hierarchical, timeout=timeout, start_method=start_method,
+            hierarchical=hierarchical, on_divergence=on_divergence, timeout=timeout,
+            start_method=start_method,
         ).with_deepspeed_config(deepspeed_config, TRAINER)  # fmt: skip
         super().__init__(
             timeout=timeout, start_method=start_method,

@@ -204,6 +204,7 @@ class OptimizerBuilder:
         before the first backward, bounded by the strategy's ``timeout``), and a warning for a
         single process."""
         opt.hierarchical, opt.ranks_per_node = self.options.hierarchical, ranks_per_node or None
+        opt.on_divergence = self.options.on_divergence
         configure_overlap(
             opt, self.options.overlap_bucket_mb, self.options.timeout, clipping, scaler
         )

@@ -24,7 +24,13 @@ from lightning_onebit._integration import deepspeed
 from lightning_onebit._integration.front_end import FrontEnd
 from lightning_onebit._integration.phase_switch import PhaseSwitch
 from lightning_onebit.comm import as_average_dtype
-from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from lightning_onebit.optim import (
+    DIVERGENCE_ACTIONS,
+    OneBitAdam,
+    OneBitLamb,
+    OneBitOptimizer,
+    ZeroOneAdam,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -151,6 +157,7 @@ class StrategyOptions:
     overlap_bucket_mb: PositiveFloat | None = 25.0
     average_dtype: str | torch.dtype | None = None
     hierarchical: bool | Literal["auto"] = "auto"
+    on_divergence: Literal["warn", "raise"] = "warn"
     timeout: timedelta | None = timedelta(minutes=30)
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
 
@@ -160,6 +167,10 @@ class StrategyOptions:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
                 f"algorithm must be one of {sorted(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        if self.on_divergence not in DIVERGENCE_ACTIONS:
+            raise ValueError(
+                f"on_divergence must be one of {list(DIVERGENCE_ACTIONS)}, got {self.on_divergence!r}"
             )
         if self.timeout is not None and not (
             isinstance(self.timeout, timedelta) and self.timeout > timedelta(0)

@@ -10,9 +10,19 @@ averaging contract.
 """
 
 from lightning_onebit.optim._base import OneBitOptimizer
+from lightning_onebit.optim._divergence import DIVERGENCE_ACTIONS, DivergenceError, DivergenceWatch
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim.onebit_adam import OneBitAdam
 from lightning_onebit.optim.onebit_lamb import OneBitLamb
 from lightning_onebit.optim.zero_one_adam import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "OneBitLamb", "OneBitOptimizer", "Phase", "ZeroOneAdam"]
+__all__ = [
+    "DIVERGENCE_ACTIONS",
+    "DivergenceError",
+    "DivergenceWatch",
+    "OneBitAdam",
+    "OneBitLamb",
+    "OneBitOptimizer",
+    "Phase",
+    "ZeroOneAdam",
+]

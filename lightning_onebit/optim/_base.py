@@ -9,6 +9,7 @@ skips), ``topology`` (``_topology.py``: process and node groups), ``counters`` (
 
 from __future__ import annotations
 
+import warnings
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
@@ -22,6 +23,7 @@ from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._checkpoint import load_rank_state, load_state, rank_state, save_state
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
+from lightning_onebit.optim._divergence import DivergenceError, DivergenceWatch
 from lightning_onebit.optim._flat import FlatState
 from lightning_onebit.optim._nograd import HeldParams, params_without_grad
 from lightning_onebit.optim._ops import (
@@ -105,6 +107,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     DEVICE_VERDICT: ClassVar[bool] = False
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
+    #: What a compression phase whose parameters blow up does (:attr:`divergence`): ``"warn"``
+    #: (once, naming the parameter) or ``"raise"`` (``DivergenceError`` on every rank).
+    on_divergence: str = "warn"  # (one of DIVERGENCE_ACTIONS)
     #: Flat per-parameter states, per-parameter scalar states with their initial values, flat
     #: scratch buffers (not checkpointed), optimizer-wide checkpointed attributes (subclasses).
     _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
@@ -183,6 +188,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.topology = Topology(process_group, hierarchical, ranks_per_node)
         self.flat = FlatState(name)  # built at the first step
         self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
+        #: each tensor's growth in the compression phase (``growth``, ``every``: tunable)
+        self.divergence = DivergenceWatch()
+        self._divergence_named = False  # (warned once)
         self._held = HeldParams()  # this step's parameters without a gradient
         self._grads_checked = False  # (check_grads_are_local: once)
         register(self)  # (closed at interpreter exit)
@@ -221,6 +229,11 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def synchronize(self) -> None:
         """Make the parameters equal on every rank where they may differ (collective)."""
+
+    def _params_agree(self) -> bool:
+        """Whether the step just taken left the parameters bitwise equal on every rank (what
+        the divergence watch reads, so that every rank decides alike)."""
+        return not self.params_differ_across_ranks
 
     def _overlappable(self) -> bool:
         """Whether the next step's exchange can start from its gradients alone."""
@@ -283,6 +296,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._held.hold(self, params_without_grad(self))
         try:
             self._step()
+            if self.phases.switched and self._params_agree():
+                self._watch_divergence()
         except NonFiniteError as err:
             self._held.release(self, count=False)
             restore(self, counters)
@@ -297,6 +312,31 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.counters.end_step(self.flat.layout.numel, w, self.topology.node_size(w))
         return loss
 
+    def _watch_divergence(self) -> None:
+        """After a compression step whose parameters are equal on every rank: the watch's check
+        (every ``divergence.every`` steps), and what ``on_divergence`` says to do."""
+        layout = self.flat.layout
+        found = self.divergence.check(layout.params, self.step_count)
+        if found is None or (self._divergence_named and self.on_divergence == "warn"):
+            return
+        name = layout.name(found.index, self.param_groups, self.param_names)
+        message = (
+            f"{type(self).__name__}: the {self.PHASES[1]} phase is diverging: {name} has "
+            f"{found.ratio:.3g}x its RMS of step {found.since} at step {found.step} (more than "
+            f"divergence.growth={self.divergence.growth:g}x). Try a smaller learning rate (for a "
+            f"converted 1-bit LAMB, the strategy's lamb_lr) or a later switch (a larger "
+            f"{self.SWITCH_OPTION}); resume from a checkpoint from before step {found.since} "
+            "to keep the run"
+        )
+        if self.on_divergence == "raise":
+            raise DivergenceError(message + " (on_divergence='raise')")
+        self._divergence_named = True
+        rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
+        if rank == 0:
+            warnings.warn(
+                message + " (on_divergence='raise' stops the run)", RuntimeWarning, stacklevel=4
+            )
+
     def _prepare(self) -> None:
         """(Re)build the flat buffers and the exchange where needed (:meth:`FlatState.prepare`)."""
         buffers = (self._flat_states, self._scalar_states, self._work_buffers)
@@ -305,6 +345,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self.param_groups, self.state, buffers, self.overlap, self.topology,
             self.verdict.uses_device, joined,
         ):  # fmt: skip
+            self.divergence.reset()  # (its tensors are the layout's)
             self._on_layout()
 
     def _resolve_verdict(self) -> None:
@@ -333,6 +374,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         freeze_variance_(self)
         self._on_freeze()
         self.flat.release_scratch()  # (the warmup's: the compression phase makes what it uses)
+        self.divergence.reset()
 
     def catch_up_switch(self) -> bool:
         """Switch now (between steps, on every rank) if the step count is past the switch step:
@@ -446,6 +488,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"`` (``torch.optim.Adam``'s)
         loads the moments and step counts into the first phase (then :meth:`catch_up_switch`)."""
         load_state(self, state_dict, super().load_state_dict)
+        self.divergence.reset()
 
     def rank_state_dict(self) -> dict[str, Any]:
         """What of this rank's state differs from the others': its error buffers, or the whole

@@ -242,6 +242,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self.var_counter = 0  # variance steps since the last doubling
         self.local_step_interval = 1  # phase 2: sync steps are the multiples of this
         self.local_step_counter = 0  # phase 2 steps since the last doubling
+        self._synced = False  # whether the last step synchronised the ranks
         self.lrs: list[float] = [0.0] * len(self.param_groups)  # per group, since the last sync
         self._floored_mask: torch.Tensor | None = None  # see _rebuild_momentum_
 
@@ -289,6 +290,9 @@ class ZeroOneAdam(OneBitOptimizer):
         2). A local step sends nothing else than, under plain ``torch.distributed``, the ranks'
         agreement on the parameters without a gradient (one byte per parameter tensor)."""
         return self.phase == Phase.VARIANCE or (self.step_count + 1) % self.local_step_interval == 0
+
+    def _params_agree(self) -> bool:
+        return self.phase != Phase.LOCAL or self._synced
 
     def _syncs_local_steps(self) -> bool:
         sync = self.step_count % self.local_step_interval == 0
@@ -572,7 +576,8 @@ class ZeroOneAdam(OneBitOptimizer):
                 self.freeze()  # 2.
             return
 
-        if t % self.local_step_interval == 0:
+        self._synced = t % self.local_step_interval == 0
+        if self._synced:
             # 3a-c. a sync step: its local step goes straight into the exchange
             #       (_exchange_source; started during backward with overlap_with_backward()).
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
