@@ -173,7 +173,7 @@ def test_a_repointed_scheduler_sees_the_new_optimizers_steps() -> None:
 def test_rank_files_on_a_remote_filesystem_round_trip() -> None:
     """The fsspec path of ``save_atomically`` (a transaction) and of the loader (fs.open)."""
     path = "memory://onebit-compat/epoch=0.ckpt"
-    state = {"global_step": 5, "optimizer": {"x": torch.arange(4.0)}}
+    state = _rank_state(5, 1, 2, {"x": torch.arange(4.0)})
     save_atomically(state, rank_file_name(path, 1, 2))
     found, looked = find_rank_state(path, {"global_step": 5}, rank=1, world_size=2)
     assert looked == [] and torch.equal(found["optimizer"]["x"], torch.arange(4.0))
@@ -184,6 +184,18 @@ def test_rank_files_on_a_remote_filesystem_round_trip() -> None:
 @pytest.mark.parametrize("prefix", ["", "file://"])
 def test_rank_files_on_local_paths_round_trip(tmp_path: Any, prefix: str) -> None:
     path = f"{prefix}{tmp_path}/last.ckpt"
-    save_atomically({"global_step": 3}, rank_file_name(path, 0, 1))
+    save_atomically(_rank_state(3, 0, 1, {}), rank_file_name(path, 0, 1))
     assert (tmp_path / "last.ckpt.onebit-rank0-of-1").is_file()
-    assert find_rank_state(path, {"global_step": 3}, rank=0, world_size=1)[0] == {"global_step": 3}
+    found = find_rank_state(path, {"global_step": 3}, rank=0, world_size=1)[0]
+    assert found == _rank_state(3, 0, 1, {})
+
+
+def _rank_state(step: int, rank: int, world_size: int, optimizer: dict) -> dict:
+    """A rank file's content, as ``write_rank_file`` lays it out."""
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "global_step": step,
+        "optimizer": optimizer,
+        "model": None,
+    }
