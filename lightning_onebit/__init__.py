@@ -50,6 +50,8 @@ except ModuleNotFoundError as err:  # the optimizers alone
     __all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "__version__"]
 else:
     from lightning_onebit._integration.rank_files import RankFileError
+
+    RankFileError.__module__ = __name__  # (tracebacks name the public path)
     from lightning_onebit.callbacks import CompressionScheduler
     from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
 
