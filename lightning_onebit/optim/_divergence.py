@@ -16,6 +16,7 @@ every rank takes the same one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import inf
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ class DivergenceWatch:
             None  # per tensor: its RMS, at least 1% of the largest
         )
         self._sqrt_numel: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # (CUDA: the pinned copy of a check's result)
         self.since = 0
         #: the last check's ``(step, device result, CUDA event or None)``, not read yet
         self.pending: tuple[int, torch.Tensor, Any] | None = None
@@ -88,10 +90,14 @@ class DivergenceWatch:
             self.reference, self.since = torch.maximum(rms, 0.01 * rms.max()), step
             return found
         ratio = norms / self._sqrt_numel / self.reference
-        worst = torch.stack([ratio.max(), ratio.argmax().to(ratio.dtype)])
-        worst = torch.where(torch.isfinite(worst[:1]), worst, worst.new_tensor([float("inf"), 0]))
+        # (a NaN anywhere makes the max NaN: it counts as an infinite growth)
+        worst = torch.stack([ratio.max(), ratio.argmax().to(ratio.dtype)]).nan_to_num_(
+            nan=inf, posinf=inf
+        )
         if worst.is_cuda:  # read at the next check, without waiting
-            host = torch.empty(2, dtype=worst.dtype, pin_memory=True)
+            if self._host is None:  # (pinned once: allocating it could wait for the GPU)
+                self._host = torch.empty(2, dtype=worst.dtype, pin_memory=True)
+            host = self._host
             host.copy_(worst, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(worst.device))

@@ -150,3 +150,17 @@ def test_the_strategies_offer_on_divergence() -> None:
         assert cls(on_divergence="raise").options.on_divergence == "raise"
         with pytest.raises(ValueError, match=r"on_divergence must be one of \['warn', 'raise'\]"):
             cls(on_divergence="stop")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_watch_on_cuda_finds_the_growth_one_check_later_without_waiting() -> None:
+    params = [p.cuda() for p in _tensors(2)]
+    watch = DivergenceWatch(growth=10.0, every=1)
+    assert watch.check(params, 1) is None  # the reference
+    params[1].mul_(50.0)
+    assert watch.check(params, 2) is None  # the verdict is on its way to the host
+    assert watch.pending is not None and watch.pending[2] is not None  # (a CUDA event)
+    found = watch.check(params, 3)
+    assert found is not None and found.index == 1 and found.step == 2
+    assert found.ratio == pytest.approx(50.0, rel=1e-4)
