@@ -3,11 +3,12 @@ only the ones before them:
 
 - :mod:`~lightning_onebit.comm.base`: the :class:`Exchange` and :class:`Handle` interfaces every
   exchange implements, the NaN/Inf error, the full-precision average, byte formulas;
+- :mod:`~lightning_onebit.comm.handle`: :class:`ExchangeHandle`, a flat call in flight;
 - :mod:`~lightning_onebit.comm.flat`: :class:`CompressedAllreduce`, the exchange over one group
   (the algorithm and its wire format);
 - :mod:`~lightning_onebit.comm.hierarchical`: :class:`HierarchicalAllreduce`, full precision
-  inside a node and 1 bit between nodes, over :class:`NodeGroups`; :func:`make_exchange` picks
-  one of the two;
+  inside a node and 1 bit between nodes, over :class:`NodeGroups`;
+- :mod:`~lightning_onebit.comm.factory`: :func:`make_exchange`, which picks one of the two;
 - :mod:`~lightning_onebit.comm.bucketed`: :class:`BucketedAllreduce`, one exchange per bucket
   of a flat buffer (started during backward).
 """
@@ -26,13 +27,14 @@ from lightning_onebit.comm.base import (
     start_average,
 )
 from lightning_onebit.comm.bucketed import BucketedAllreduce
-from lightning_onebit.comm.flat import Compressed, CompressedAllreduce, ExchangeHandle
+from lightning_onebit.comm.factory import make_exchange
+from lightning_onebit.comm.flat import CompressedAllreduce
+from lightning_onebit.comm.handle import Compressed, ExchangeHandle
 from lightning_onebit.comm.hierarchical import (
     HierarchicalAllreduce,
     NodeGroups,
     average_bytes,
     hierarchical_average,
-    make_exchange,
     resolve_ranks_per_node,
 )
 

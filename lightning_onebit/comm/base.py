@@ -3,7 +3,8 @@ NaN/Inf error, input checks, the full-precision average and byte formulas."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ __all__ = [
     "all_gather_single",
     "as_average_dtype",
     "check_input",
+    "explained",
     "fp32_allreduce_bytes",
     "new_group",
     "start_average",
@@ -125,6 +127,21 @@ def start_average(
             buf.record_stream(torch.cuda.current_stream(buf.device))
 
     return wait_half
+
+
+@contextlib.contextmanager
+def explained(what: str, rank: int, world_size: int) -> Iterator[None]:
+    """Re-raise the failure of an exchange's collective ``what`` (on ``rank`` of
+    ``world_size``) with what it most likely means and what to check."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"1-bit exchange failed in its {what} (rank {rank} of {world_size}): a "
+            "peer rank died, stopped, or did not reach the same exchange within the process "
+            "group's timeout (OneBitStrategy(timeout=...), init_process_group(timeout=...)). "
+            f"Check the other ranks' logs for the first error. Cause: {e}"
+        ) from e
 
 
 def all_finite(scales: torch.Tensor) -> bool:

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm.base import Exchange, Handle
-from lightning_onebit.comm.flat import Compressed
-from lightning_onebit.comm.hierarchical import NodeGroups, make_exchange
+from lightning_onebit.comm.factory import make_exchange
+from lightning_onebit.comm.handle import Compressed
+from lightning_onebit.comm.hierarchical import NodeGroups
 from lightning_onebit.kernels import ExchangeSource, SignRuns
 
 __all__ = ["BucketedAllreduce"]

@@ -22,10 +22,9 @@ the fp32 buffer (``8 * n * (W - 1) / W`` bytes).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,121 +32,16 @@ import torch.distributed as dist
 from lightning_onebit import kernels
 from lightning_onebit.comm.base import (
     Exchange,
-    Handle,
     NonFiniteError,
     all_finite,
     all_gather_single,
     check_input,
+    explained,
     fp32_allreduce_bytes,
 )
+from lightning_onebit.comm.handle import Compressed, ExchangeHandle
 
-__all__ = ["Compressed", "CompressedAllreduce", "ExchangeHandle"]
-
-
-class Compressed(NamedTuple):
-    """A call's stage 1, done (:meth:`CompressedAllreduce.prepare`): the worker compression
-    into the send records of error-buffer set ``next_set``; :meth:`CompressedAllreduce.start`
-    sends them. ``x``: the input where the call reads it again (one set of error buffers)."""
-
-    exchange: CompressedAllreduce
-    x: torch.Tensor | kernels.ExchangeSource
-    shape: torch.Size
-    next_set: int
-    commit: bool
-
-
-class ExchangeHandle(Handle):
-    """An exchange in flight: stage 1 is done, the final ``all_gather`` may still be running.
-
-    ``wait()`` finishes it and returns the averaged tensor; ``get_future()`` gives a
-    ``torch.futures.Future`` for use in DDP communication hooks. A handle from
-    ``start(..., commit=False)`` also has ``finite`` (whether every rank's input was finite) and
-    ``commit()`` / ``discard()``: the exchange's error buffers advance only on ``commit()``.
-    """
-
-    def __init__(
-        self,
-        exchange: CompressedAllreduce,
-        work: Any,
-        out: torch.Tensor,
-        shape: torch.Size,
-        *,
-        gathered: torch.Tensor | None = None,
-        next_set: int = 0,
-        finite: bool = True,
-        bad_ranks: list[int] | None = None,
-        call: int = 0,
-        ok: torch.Tensor | None = None,
-    ) -> None:
-        self._exchange = exchange
-        self._work = work
-        self._out = out
-        self._shape = shape
-        self._result: torch.Tensor | None = None
-        self.finite = finite
-        self.bad_ranks = bad_ranks or []
-        self._call = call
-        self._gathered = gathered  # the records to decode
-        self._next = next_set  # the error-buffer set this call wrote
-        self.ok = ok  # device_verdict: the verdict on the device (finite is then always True)
-
-    def error(self) -> NonFiniteError:
-        """The error of a call with non-finite input (``finite`` is False)."""
-        return self._exchange._non_finite(self.bad_ranks, self._call)
-
-    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The averaged tensor (identical on every rank), decoded into ``out`` if given (else
-        where ``start`` was told). Raises NonFiniteError if not finite."""
-        if not self.finite:
-            raise self.error()
-        if self._result is None:
-            self._drain()
-            out = self._out if out is None else out
-            if out is None:
-                out = self._exchange._default_out()
-            self._result = self._exchange._decode(self._gathered, out).view(self._shape)
-        return self._result
-
-    def runs(self, base: int = 0) -> list[tuple[int, int, torch.Tensor, float]]:
-        """The averaged values where they lie, not decoded: one run per server chunk (see
-        :class:`~lightning_onebit.kernels.SignRuns`), at flat offset ``base``. Raises
-        NonFiniteError if not finite."""
-        if not self.finite:
-            raise self.error()
-        self._drain()
-        return self._exchange._runs(self._gathered, base)
-
-    def records(self) -> torch.Tensor:
-        """The ``W`` records every rank decodes (``[scale][bits][padding]`` per server chunk),
-        once the final ``all_gather`` is done: the two-level exchange forwards them."""
-        self._drain()
-        return self._gathered
-
-    def _drain(self) -> None:
-        if self._work is not None:
-            work, self._work = self._work, None
-            with self._exchange._explained("all_gather"):
-                work.wait()
-
-    def commit(self, ok: torch.Tensor | None = None) -> None:
-        """Make this call's error-buffer updates the exchange's state (``commit=False`` calls).
-        With ``device_verdict``, only where ``ok`` (default: this call's verdict; e.g. the
-        verdict of every bucket of a step) is true, on the device."""
-        if not self.finite:
-            raise self.error()
-        self._exchange._commit(self, self._next, ok)
-
-    def discard(self) -> None:
-        """Drop this call: its all_gather is drained, the error buffers stay as before it."""
-        self._drain()
-        self._exchange._forget(self)
-
-    def get_future(self) -> torch.futures.Future:
-        if self._work is None:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(self.wait())
-            return fut
-        return self._work.get_future().then(lambda _: self.wait())
+__all__ = ["CompressedAllreduce"]
 
 
 class CompressedAllreduce(Exchange):
@@ -352,7 +246,7 @@ class CompressedAllreduce(Exchange):
         recv = send if self._recv is None else self._recv
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
-            with self._explained("all_to_all"):
+            with explained("all_to_all", self.rank, self.world_size):
                 dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
         self.calls += 1
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
@@ -366,7 +260,7 @@ class CompressedAllreduce(Exchange):
             self.total_bytes_sent += self.bytes_sent
             bad = [i for i, v in enumerate(scales.tolist()) if not math.isfinite(v)]
             if commit:
-                raise self._non_finite(bad, self.calls)
+                raise self.non_finite_error(bad, self.calls)
             return ExchangeHandle(
                 self, None, out, c.shape, finite=False, bad_ranks=bad, call=self.calls
             )
@@ -395,7 +289,7 @@ class CompressedAllreduce(Exchange):
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
         gathered = self._gathered
         assert gathered is not None  # (W > 1)
-        with self._explained("all_gather"):
+        with explained("all_gather", self.rank, self.world_size):
             work = all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
         return self._handle(out, c.shape, work, gathered, nxt, commit)
 
@@ -461,15 +355,16 @@ class CompressedAllreduce(Exchange):
             ok=self._ok if self.device_verdict else None,
         )
         if commit:
-            self._commit(handle, nxt)
+            self.commit_call(handle, nxt)
         else:
             self._uncommitted = handle
         return handle
 
-    def _commit(
+    def commit_call(
         self, handle: ExchangeHandle, next_set: int, ok: torch.Tensor | None = None
     ) -> None:
-        """Make ``handle``'s call (which wrote error-buffer set ``next_set``) the state; with
+        """(Called by :meth:`ExchangeHandle.commit
+        <lightning_onebit.comm.ExchangeHandle.commit>`.) Make ``handle``'s call (which wrote error-buffer set ``next_set``) the state; with
         ``device_verdict`` put the old set back into it where the verdict ``ok`` is false."""
         if self._uncommitted is not handle and self._uncommitted is not None:
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
@@ -488,41 +383,40 @@ class CompressedAllreduce(Exchange):
         self._pending = True
         self._uncommitted = None
 
-    def _forget(self, handle: ExchangeHandle) -> None:
-        """``handle``'s call was discarded: the error buffers stay as before it."""
+    def forget_call(self, handle: ExchangeHandle) -> None:
+        """(Called by :meth:`ExchangeHandle.discard
+        <lightning_onebit.comm.ExchangeHandle.discard>`.) ``handle``'s call was discarded: the error buffers stay as before it."""
         if self._uncommitted is handle:
             self._uncommitted = None
 
-    def _non_finite(self, bad: list[int], call: int) -> NonFiniteError:
+    def non_finite_error(self, bad: list[int], call: int) -> NonFiniteError:
+        """The error of call ``call``, whose input was not finite on the ranks ``bad``."""
         return NonFiniteError(
             f"non-finite values (NaN/Inf) entered the 1-bit exchange on rank(s) {bad} of "
             f"{self.world_size} (call {call}); every rank stops in this call with its "
             "error buffers unchanged (the 1-bit optimizers skip the step on every rank)"
         )
 
-    @contextlib.contextmanager
-    def _explained(self, what: str) -> Iterator[None]:
-        """Re-raise a collective's failure with what it most likely means."""
-        try:
-            yield
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"1-bit exchange failed in its {what} (rank {self.rank} of {self.world_size}): a "
-                "peer rank died, stopped, or did not reach the same exchange within the process "
-                "group's timeout (OneBitStrategy(timeout=...), init_process_group(timeout=...)). "
-                f"Check the other ranks' logs for the first error. Cause: {e}"
-            ) from e
-
-    def _decode(self, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        # 5. decode all W server chunks, dropping the padding
+    def decode(self, records: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 5: decode the ``W`` gathered ``records`` (every server's chunk) into ``out``
+        (``numel`` values; ``None``: an internal buffer the next decode overwrites), dropping
+        the padding. Returns ``out``."""
+        if out is None:
+            if self._out is None:  # (made at its first use)
+                self._out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            out = self._out
+        gathered = records
         row = self.chunk_numel // 8
         kernels.decompress(self._bits(gathered, row), self._scales(gathered), out.view(-1))
         return out
 
-    def _runs(
-        self, gathered: torch.Tensor, base: int
+    def sign_runs(
+        self, records: torch.Tensor, base: int = 0
     ) -> list[tuple[int, int, torch.Tensor, float]]:
-        # 5. without decoding: each server chunk's bits and scale, the padding dropped
+        """Step 5 without decoding: each server chunk of the gathered ``records`` as
+        ``(start, stop, bits, scale)`` at flat offset ``base``, the padding dropped (see
+        :class:`~lightning_onebit.kernels.SignRuns`)."""
+        gathered = records
         c, row = self.chunk_numel, self.chunk_numel // 8
         bits, scales = self._bits(gathered, row), self._scales(gathered).tolist()
         return [
@@ -530,12 +424,6 @@ class CompressedAllreduce(Exchange):
             for j in range(self.world_size)
             if j * c < self.numel
         ]
-
-    def _default_out(self) -> torch.Tensor:
-        """Where a result is decoded when no ``out`` was given (made at its first use)."""
-        if self._out is None:
-            self._out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        return self._out
 
     def finish(
         self,

@@ -62,14 +62,14 @@ from lightning_onebit.comm.base import (
     fp32_allreduce_bytes,
     new_group,
 )
-from lightning_onebit.comm.flat import CompressedAllreduce, ExchangeHandle
+from lightning_onebit.comm.flat import CompressedAllreduce
+from lightning_onebit.comm.handle import ExchangeHandle
 
 __all__ = [
     "HierarchicalAllreduce",
     "NodeGroups",
     "average_bytes",
     "hierarchical_average",
-    "make_exchange",
     "resolve_ranks_per_node",
 ]
 
@@ -237,25 +237,25 @@ class _Handle(Handle):
         self._result: torch.Tensor | None = None
 
     def error(self) -> NonFiniteError:
-        return self._owner._non_finite(self.bad_nodes)
+        return self._owner.non_finite_error(self.bad_nodes)
 
     def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
         if not self.finite:
             raise self.error()
         if self._result is None:
             out = self._out if out is None else out
-            self._result = self._owner._decode(out).view(self._shape)
+            self._result = self._owner.decode(out).view(self._shape)
         return self._result
 
     def commit(self, ok: torch.Tensor | None = None) -> None:
         if not self.finite:
             raise self.error()
         self._inner.commit(self.ok if ok is None else ok)
-        self._owner._uncommitted = None
+        self._owner.forget_call(self)
 
     def discard(self) -> None:
         self._inner.discard()
-        self._owner._uncommitted = None
+        self._owner.forget_call(self)
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
@@ -458,7 +458,8 @@ class HierarchicalAllreduce(Exchange):
         inter-node exchange's (``ranks_per_node`` is this exchange's own)."""
         return self.bytes_sent_inter
 
-    def _decode(self, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, out: torch.Tensor) -> torch.Tensor:
+        """Decode the last call's gathered records into ``out`` (``numel`` values)."""
         row = self.inter.chunk_numel // 8
         kernels.decompress(
             self._gathered[:, 4 : 4 + row],
@@ -467,7 +468,13 @@ class HierarchicalAllreduce(Exchange):
         )
         return out
 
-    def _non_finite(self, bad: list[int]) -> NonFiniteError:
+    def forget_call(self, handle: Handle) -> None:
+        """(Called by the handle's ``commit``/``discard``.) ``handle``'s call is over: none
+        is left uncommitted."""
+        self._uncommitted = None
+
+    def non_finite_error(self, bad: list[int]) -> NonFiniteError:
+        """The error of the last call, whose input was not finite on the nodes ``bad``."""
         ll = self.nodes.local_size
         ranks = ", ".join(f"{i * ll}-{i * ll + ll - 1}" for i in bad)
         return NonFiniteError(
@@ -536,30 +543,3 @@ class HierarchicalAllreduce(Exchange):
             f"{type(self).__name__}(numel={self.numel}, nodes={self.nodes.nodes}, "
             f"ranks_per_node={self.nodes.local_size}, device={self.device})"
         )
-
-
-def make_exchange(
-    numel: int,
-    device: torch.device | str,
-    group: dist.ProcessGroup | None,
-    nodes: NodeGroups | None,
-    *,
-    double_buffered: bool = False,
-    device_verdict: bool = False,
-) -> CompressedAllreduce | HierarchicalAllreduce:
-    """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given."""
-    if nodes is None:
-        return CompressedAllreduce(
-            numel,
-            device=device,
-            group=group,
-            double_buffered=double_buffered,
-            device_verdict=device_verdict,
-        )
-    return HierarchicalAllreduce(
-        numel,
-        nodes,
-        device=device,
-        double_buffered=double_buffered,
-        device_verdict=device_verdict,
-    )
