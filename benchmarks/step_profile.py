@@ -69,7 +69,7 @@ _STAGES: list[tuple[str, str, str, float | None]] = [
     ("lightning_onebit.kernels", "frozen_adam_update", "fused update", 20),
     ("lightning_onebit.kernels", "lamb_frozen_update", "fused update", None),
     ("lightning_onebit.optim._ops", "decoupled_update_", "update (torch)", 20),
-    ("lightning_onebit.optim._ops", "rescale_variance_", "rescale variance", None),
+    ("lightning_onebit.optim._rescale:VarianceRescale", "accumulate_", "rescale variance", None),
     ("lightning_onebit.optim.zero_one_adam:ZeroOneAdam", "_synchronize_", "sync (rest)", None),
     ("lightning_onebit.kernels", "sync_update", "sync kernel", None),
     ("lightning_onebit.kernels", "local_step", "local step kernel", 32),

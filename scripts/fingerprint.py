@@ -169,7 +169,7 @@ def _run_case(rank: int, name: str, ranks_per_node: int | None) -> tuple[str, st
         opt.step()
     if ranks_per_node is not None and opt.node_groups() is None:
         raise RuntimeError(f"{name}: the two-level exchange is not in use")
-    if options == "rescaled" and opt.grad_sq_updates < 2:
+    if options == "rescaled" and opt.rescale.updates < 2:
         raise RuntimeError(f"{name}: rescale_variance all-reduced fewer than twice")
     buckets = len(getattr(opt.flat.exchange, "buckets", [None]))
     if overlap == "overlap" and buckets < 3:

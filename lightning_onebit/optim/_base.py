@@ -26,14 +26,9 @@ from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._divergence import DivergenceError, DivergenceWatch
 from lightning_onebit.optim._flat import FlatState
 from lightning_onebit.optim._nograd import HeldParams, params_without_grad
-from lightning_onebit.optim._ops import (
-    RESCALE_INTERVAL,
-    init_rescale,
-    rescale_at_switch_,
-    rescale_reduce_if_due,
-)
 from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
 from lightning_onebit.optim._phase import Phase, Phases
+from lightning_onebit.optim._rescale import VarianceRescale
 from lightning_onebit.optim._topology import Delegated, Topology, register
 from lightning_onebit.optim._validation import (
     check_common_args,
@@ -118,12 +113,13 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     _checkpoint_attrs: tuple[str, ...] = ()
     #: Host-side counters a step advances, put back when its verdict turns out non-finite.
     _host_counters: ClassVar[tuple[str, ...]] = (
-        "step_count", "variance_updates", "grad_sq_weight", "grad_sq_steps", "_rescale_due",
+        "step_count", "variance_updates", "rescale",
     )  # fmt: skip
     #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
     _floor_to_mean: ClassVar[bool] = False
-    #: ``rescale_variance``'s steps between all-reduces.
-    rescale_interval: int = RESCALE_INTERVAL
+    rescale_interval = Delegated(
+        "rescale", "``rescale_variance``'s steps between all-reduces.", attr="interval"
+    )
     process_group = Delegated("topology", "The group the optimizer communicates over.")
     hierarchical = Delegated("topology", "The two-level exchange (see :meth:`node_groups`).")
     ranks_per_node = Delegated("topology", "Ranks per node (see :meth:`node_groups`).")
@@ -166,7 +162,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.variance_floor = float(shared["variance_floor"])
         self.preconditioned_exchange = bool(shared["preconditioned_exchange"])
         self.rescale_variance = bool(shared["rescale_variance"])
-        init_rescale(self)  # its counters (and, where on, its states)
         self.average_warmup_grads, self.average_dtype = bool(average_warmup_grads), average_dtype
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
@@ -184,8 +179,10 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.phases = Phases(self.PHASES)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
         self.counters = CommCounters()  # bytes sent (:attr:`comm_stats`)
+        self.topology = Topology(process_group, hierarchical, ranks_per_node)  # (not saved)
+        #: ``rescale_variance``'s counters and blocks
+        self.rescale = VarianceRescale(self.rescale_variance, self.topology, self.counters)
         # composed, not checkpointed
-        self.topology = Topology(process_group, hierarchical, ranks_per_node)
         self.flat = FlatState(name)  # built at the first step
         self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
         #: each tensor's growth in the compression phase (``growth``, ``every``: tunable)
@@ -289,7 +286,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if self.overlap is not None:  # buckets the overlap started
             self.overlap.collect()
         self.counters.start_step()
-        rescale_reduce_if_due(self)  # (a verdict on the device: now that the host knows it)
+        if self.rescale.due and self.verdict.uses_device(self.flat.layout.device):
+            self.rescale.reduce_(self.flat, self.param_groups)  # (the host knows the verdict)
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
         self.verdict.begin()
@@ -339,7 +337,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def _prepare(self) -> None:
         """(Re)build the flat buffers and the exchange where needed (:meth:`FlatState.prepare`)."""
-        buffers = (self._flat_states, self._scalar_states, self._work_buffers)
+        scalars = {**self._scalar_states, **self.rescale.states}
+        buffers = (self._flat_states, scalars, self._work_buffers)
         flat, joined = self.flat, partial(check_joined, self)
         if flat.prepare(
             self.param_groups, self.state, buffers, self.overlap, self.topology,
@@ -370,7 +369,11 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._held.release(self)  # (the switch step's: before the state changes meaning)
         self.phases.switch()
         self.flat.stale_denominator()  # (v changed until now)
-        rescale_at_switch_(self)  # (Adam's variance as it stands: before the fold and floor)
+        if self.rescale.enabled:  # (Adam's variance as it stands: before the fold and floor)
+            bc2 = [
+                bias_corrections(self, gi, j)[1] for j, gi in enumerate(self.flat.layout.group_of)
+            ]
+            self.rescale.at_switch_(self.flat, bc2, self.variance_updates)
         freeze_variance_(self)
         self._on_freeze()
         self.flat.release_scratch()  # (the warmup's: the compression phase makes what it uses)

@@ -26,6 +26,7 @@ def global_state(opt: OneBitOptimizer) -> dict[str, Any]:
         "skipped_steps": opt.skipped_steps,
         "comm_stats": dict(opt.comm_stats),
         **{k: copy.deepcopy(getattr(opt, k)) for k in opt._checkpoint_attrs},
+        **opt.rescale.state_dict(),
         "exchange": opt.flat.exchange_state(),
     }
 
@@ -101,7 +102,7 @@ def load_state(
     state_dict["param_groups"] = saved_groups
 
     # take our per-parameter tensors out before torch's loader casts them
-    ours = (*opt._flat_states, *opt._scalar_states)
+    ours = (*opt._flat_states, *opt._scalar_states, *opt.rescale.states)
     id_map = {
         idx: p
         for saved, group in zip(saved_groups, opt.param_groups, strict=True)
@@ -150,5 +151,6 @@ def load_state(
     for k in opt._checkpoint_attrs:
         if k in extra:
             setattr(opt, k, copy.deepcopy(extra[k]))
+    opt.rescale.load_state_dict(extra)
     opt.flat.load_exchange_state(extra.get("exchange"))
     opt.flat.invalidate()  # adopt the loaded tensors at the next step

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_onebit.comm import (
     NonFiniteError,
@@ -34,10 +33,6 @@ if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
 
 __all__ = [
-    "RESCALE_BETA",
-    "RESCALE_INTERVAL",
-    "RESCALE_MIN_BETA2",
-    "RESCALE_STATES",
     "adam_direction",
     "adam_step_",
     "any_weight_decay",
@@ -50,24 +45,7 @@ __all__ = [
     "finite",
     "finite_on_device",
     "frozen_adam_update_",
-    "init_rescale",
-    "rescale_at_switch_",
-    "rescale_reduce_",
-    "rescale_reduce_if_due",
-    "rescale_variance_",
-    "rescale_warmup_",
-    "variance_scales",
 ]
-
-#: ``rescale_variance``: the warmup's running mean square of the averaged gradients keeps this
-#: much of its last value per update (a horizon of ~10 steps, that of the first all-reduce
-#: after the switch); the ranks all-reduce their local mean squares every ``RESCALE_INTERVAL``
-#: steps
-RESCALE_BETA = 0.9
-RESCALE_INTERVAL = 10
-#: ``rescale_variance``: the slowest ``beta2`` its average of each tensor's mean square takes
-#: (a horizon of at least 100 steps, see :func:`rescale_variance_`)
-RESCALE_MIN_BETA2 = 0.99
 
 
 def decoupled_decay(group: dict[str, Any]) -> float:
@@ -257,7 +235,7 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
     """``sqrt(exp_avg_sq) + eps`` (and its per-parameter views), computed once while the
     variance stays frozen: two sweeps fewer per step. Dropped when the layout or the state
     is rebuilt (``_prepare``, ``load_state_dict``), eps changes, or ``rescale_variance``
-    moved a tensor's scale (then ``sqrt(v * r_j) + eps``, see :func:`rescale_variance_`)."""
+    moved a tensor's scale (then ``sqrt(v * r_j) + eps``, see ``VarianceRescale``)."""
     eps = [group["eps"] for group in opt.param_groups]
     cache = opt.flat.denominator
     if cache is None or cache[2] != eps:
@@ -268,7 +246,7 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
         else:  # out of date (FlatState.stale_denominator, another eps): recomputed in place
             d, views = cache[0], cache[1]
         torch.sqrt(v, out=d)
-        r = variance_scales(opt)
+        r = opt.rescale.scales(opt.flat)
         if r is not None:  # tensor j times sqrt(r_j): a float32 multiply per value, no host read
             for dj, sj in zip(views, r.sqrt().unbind(), strict=True):
                 dj.mul_(sj)
@@ -276,196 +254,6 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
             d[s].add_(group["eps"])
         cache = opt.flat.denominator = (d, views, eps)
     return cache[0], cache[1]
-
-
-# ------------------------------------------------------------------ rescale_variance
-
-#: ``rescale_variance``'s per-tensor states and their values before anything is measured:
-#: this rank's sum of ``g**2`` since the last all-reduce, the warmup's running mean square of
-#: the averaged gradients, the factor that turns the local gradients' mean square into the
-#: variance's units, and the ratio ``r`` of Adam's variance now to the frozen one
-RESCALE_STATES = {
-    "grad_sq_sum": 0.0,
-    "grad_sq_recent": 0.0,
-    "grad_sq_scale": 0.0,
-    "grad_sq_ratio": 1.0,
-}
-
-
-def init_rescale(opt: OneBitOptimizer) -> None:
-    """Give ``opt`` the counters of ``rescale_variance`` (and, where it is on, its per-tensor
-    states and checkpointed counters): ``grad_sq_weight`` (the warmup's running mean square
-    less its initial zeros' weight, for the bias correction), ``grad_sq_count`` (the gradients
-    Adam's variance would have averaged by now), ``grad_sq_updates`` (all-reduces since the
-    switch), ``grad_sq_steps`` (steps summed into ``grad_sq_sum`` since the last one) and
-    ``_rescale_due`` (with device verdicts: a reduce waiting for the next step's start)."""
-    if opt.rescale_variance:
-        opt._scalar_states = {**opt._scalar_states, **RESCALE_STATES}
-        opt._checkpoint_attrs = (
-            *opt._checkpoint_attrs,
-            "grad_sq_weight",
-            "grad_sq_count",
-            "grad_sq_updates",
-            "grad_sq_steps",
-            "_rescale_due",
-        )
-    opt.grad_sq_weight = 0.0
-    opt.grad_sq_count = 0
-    opt.grad_sq_updates = 0
-    opt.grad_sq_steps = 0
-    opt._rescale_due = False
-
-
-def variance_scales(opt: OneBitOptimizer) -> torch.Tensor | None:
-    """``r_j`` per tensor, the factor on its frozen variance (see :func:`rescale_variance_`),
-    or ``None`` while nothing rescales (``rescale_variance`` off, or no all-reduce since the
-    switch)."""
-    if not opt.rescale_variance or opt.grad_sq_updates == 0:
-        return None
-    return opt.flat.scalars["grad_sq_ratio"]
-
-
-def _sums_of_squares(opt: OneBitOptimizer, xs: list[torch.Tensor | None]) -> torch.Tensor:
-    """Per tensor of the layout, the sum of its values squared (one fused kernel over the
-    tensors; ``None``: a missing gradient, zeros)."""
-    none = opt.flat.states["exp_avg"][:0]  # (the norm of no values: +0.0, as of zeros)
-    sq = torch.stack(torch._foreach_norm([none if x is None else x for x in xs]))
-    return sq.square_()
-
-
-def rescale_warmup_(opt: OneBitOptimizer, ok: torch.Tensor | None = None) -> None:
-    """``rescale_variance`` before the switch: the running mean square (a factor
-    ``RESCALE_BETA`` per update, the horizon of the reference that follows the switch) of the
-    averaged gradients the variance was just updated with (the flat gradient buffer). Call on
-    every step that updates the variance; ``ok``: the step's verdict on the device (nothing
-    changes where it is false; the host takes its weight back when it learns of it)."""
-    if not opt.rescale_variance:
-        return
-    ms = _sums_of_squares(opt, opt.flat.views["grad"]) / opt.flat.layout.sizes.clamp_min(1)
-    recent = opt.flat.scalars["grad_sq_recent"]
-    new = torch.lerp(recent, ms, 1.0 - RESCALE_BETA)
-    recent.copy_(new if ok is None else torch.where(ok, new, recent))
-    opt.grad_sq_weight = 1.0 - (1.0 - opt.grad_sq_weight) * RESCALE_BETA
-
-
-def rescale_at_switch_(opt: OneBitOptimizer) -> None:
-    """``rescale_variance`` at the switch, before the variance is folded and floored: per
-    tensor, the mean ``A_j`` of Adam's bias-corrected variance, and ``grad_sq_scale`` = the
-    averaged gradients' recent mean square (the warmup's, else ``A_j``) over ``A_j`` (0 where
-    ``A_j`` is 0: that tensor is not rescaled)."""
-    if not opt.rescale_variance:
-        return
-    v = opt.flat.views["exp_avg_sq"]
-    sizes = opt.flat.layout.sizes.clamp_min(1)
-    bc2 = [bias_corrections(opt, gi, j)[1] for j, gi in enumerate(opt.flat.layout.group_of)]
-    mean_v = torch.stack(torch._foreach_norm(v, 1)) / sizes
-    a = mean_v / torch.tensor(bc2, dtype=torch.float64).to(mean_v)
-    recent = opt.flat.scalars["grad_sq_recent"]
-    glob = recent / opt.grad_sq_weight if opt.grad_sq_weight > 0 else a
-    opt.flat.scalars["grad_sq_scale"].copy_(torch.where(a > 0, glob / a, 0.0))
-    opt.flat.scalars["grad_sq_ratio"].fill_(1.0)
-    opt.grad_sq_count = opt.variance_updates
-    opt.grad_sq_updates = opt.grad_sq_steps = 0
-    opt.flat.scalars["grad_sq_sum"].zero_()
-
-
-def rescale_variance_(
-    opt: OneBitOptimizer,
-    grads: list[torch.Tensor | None] | None,
-    reduce: bool,
-    ok: torch.Tensor | None = None,
-) -> None:
-    """``rescale_variance``: let the frozen variance follow, per tensor, what Adam's variance
-    would do with the gradients of the frozen phase (call at the end of every step of it).
-
-    The variance froze at the switch, but the gradients go on changing: where a tensor's
-    gradients grow (attention and feed-forward layers of transformers, whose gradient RMS
-    can double in the steps after the warmup) ``m / sqrt(v)`` grows with them, and with it
-    every coordinate's 1-bit step; where they shrink, Adam's variance would shrink and its
-    steps stay the same size, while the frozen one's shrink. Adam's variance of tensor ``j``,
-    averaged over the tensor, is ``A_j``: a ``beta2`` average of the averaged gradients' mean
-    square. After the switch only local gradients are seen, whose mean square is larger by
-    their noise; so each rank sums its local ``g**2`` per tensor, and every
-    ``rescale_interval`` (10) steps, on a step that communicates anyway (``reduce``: every
-    step of 1-bit Adam, 0/1 Adam's sync steps), the ranks all-reduce the sums' means, one
-    float per tensor. The first of these (the first 10 frozen steps) sets the local to
-    averaged ratio ``c_j`` (that mean over the warmup's recent averaged mean square, see
-    :func:`rescale_warmup_`); each one feeds ``A_j`` the mean divided by ``c_j``, weighted as
-    that many of Adam's ``beta2`` steps, and tensor ``j`` is preconditioned by ``v * r_j``,
-    ``r_j = A_j(now) / A_j(switch)`` (both bias-corrected).
-
-    ``A_j`` averages over ``1 / (1 - beta2)`` steps, but never fewer than
-    ``1 / (1 - RESCALE_MIN_BETA2)`` = 100: one factor scales every coordinate of the tensor,
-    and its mean square is carried by its largest coordinates, which spike. Over a short
-    ``beta2`` such as 0.95 the factor would follow a spike up and back down within tens of
-    steps, and as it fades enlarge the steps of every coordinate whose own variance did not
-    move.
-
-    ``grads``: this step's local gradients, one per parameter of the layout (the views of the
-    flat gradient buffer, or :meth:`FlatState.grads`: the parameters' own, ``None`` for zeros),
-    or ``None`` for a step that has none to count (a rank's skipped local step: it counts as
-    zeros, so that every rank counts the same steps and reduces on the same one). ``ok``: the
-    step's verdict on the device (see :func:`compressed_average_`): a dropped step adds zeros,
-    and its count is taken back when the host learns of it; the reduce then waits for the next
-    step's start.
-    """
-    if not opt.rescale_variance:
-        return
-    total = opt.flat.scalars["grad_sq_sum"]
-    if grads is not None:
-        sq = _sums_of_squares(opt, grads)
-        total.add_(sq if ok is None else torch.where(ok, sq, 0.0))
-    opt.grad_sq_steps += 1
-    due = reduce and opt.grad_sq_steps >= opt.rescale_interval
-    if ok is not None:  # (a dropped step's count is taken back when the host learns it)
-        opt._rescale_due = due  # the reduce is at the next step's start
-    elif due:
-        rescale_reduce_(opt)
-
-
-def rescale_reduce_if_due(opt: OneBitOptimizer) -> None:
-    """``rescale_variance`` with the verdict on the device: the reduce that
-    :func:`rescale_variance_` leaves to the start of the next step, when the host knows
-    whether the step that made it due counted (the same values, one step later on the
-    wire). Called at the start of every step."""
-    if opt._rescale_due and opt.verdict.uses_device(opt.flat.layout.device):
-        opt._rescale_due = False
-        rescale_reduce_(opt)
-
-
-def rescale_reduce_(opt: OneBitOptimizer) -> None:
-    """All-reduce the summed mean squares and feed them to Adam's variance's mean (see
-    :func:`rescale_variance_`)."""
-    total, n = opt.flat.scalars["grad_sq_sum"], opt.grad_sq_steps
-    mean = total / (opt.flat.layout.sizes.clamp_min(1) * n)
-    w = opt.world_size
-    if w > 1:
-        dist.all_reduce(mean, group=opt.process_group)
-        mean.div_(w)
-        sent = fp32_allreduce_bytes(mean.numel(), w)  # (one float per tensor: no ring)
-        opt.counters.add(sent, sent if opt.topology.node_size(w) < w else 0)
-    total.zero_()
-    opt.grad_sq_steps = 0
-    scale, ratio = opt.flat.scalars["grad_sq_scale"], opt.flat.scalars["grad_sq_ratio"]
-    if opt.grad_sq_updates == 0:  # the first frozen steps: c_j, local over averaged
-        scale.copy_(torch.where(mean > 0, scale / mean, 0.0))
-    fed = torch.where(scale > 0, mean * scale, 1.0)  # A_j's new mean square over A_j(switch)
-    # r = A(now) / A(switch), A bias-corrected: the weights of a beta2 average (at least
-    # RESCALE_MIN_BETA2) after k and k + n updates, per group. A group's tensors are
-    # consecutive in the layout (it is built group by group): a slice, and the weights reach
-    # the device as kernel arguments, with no host-to-device copy.
-    k = opt.grad_sq_count
-    for gi, group in enumerate(opt.param_groups):
-        idx = opt.flat.layout.group_params(gi)
-        if not idx:
-            continue
-        beta2 = max(group["betas"][1], RESCALE_MIN_BETA2)
-        keep, before, after = beta2**n, 1.0 - beta2**k, 1.0 - beta2 ** (k + n)
-        s = slice(idx[0], idx[-1] + 1)
-        ratio[s].mul_(keep * before / after).add_(fed[s], alpha=(1.0 - keep) / after)
-    opt.grad_sq_count = k + n
-    opt.grad_sq_updates += 1
-    opt.flat.stale_denominator()  # the next step is preconditioned by v * r
 
 
 def decoupled_update_(

@@ -95,14 +95,15 @@ class Topology:
 
 class Delegated:
     """An attribute of an object that lives in one of its composed objects: ``x = Delegated(
-    "topology")`` in a class body reads and writes ``self.topology.x``."""
+    "topology")`` in a class body reads and writes ``self.topology.x`` (``attr``: another name
+    there)."""
 
-    def __init__(self, owner: str, doc: str = "") -> None:
-        self.owner = owner
+    def __init__(self, owner: str, doc: str = "", attr: str | None = None) -> None:
+        self.owner, self.attr = owner, attr
         self.__doc__ = doc
 
     def __set_name__(self, cls: type, name: str) -> None:
-        self.name = name
+        self.name = self.attr or name
 
     def __get__(self, obj: Any, cls: type | None = None) -> Any:
         return self if obj is None else getattr(getattr(obj, self.owner), self.name)

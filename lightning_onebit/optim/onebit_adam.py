@@ -35,8 +35,6 @@ from lightning_onebit.optim._ops import (
     compressed_average,
     denominator,
     frozen_adam_update_,
-    rescale_variance_,
-    rescale_warmup_,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int
@@ -98,7 +96,7 @@ class OneBitAdam(OneBitOptimizer):
             ``v * A / A_switch``, ``A`` its mean of Adam's variance kept up to date from its
             gradients' mean square (one float per tensor all-reduced every 10 steps), so that
             the 1-bit steps stay Adam's size as the gradients grow or shrink; see
-            ``rescale_variance_`` (``optim/_ops.py``).
+            ``VarianceRescale`` (``optim/_rescale.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
@@ -185,7 +183,7 @@ class OneBitAdam(OneBitOptimizer):
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
             ok = average_(self, self.flat.gather_grads(self.param_groups))
-            rescale_warmup_(self, ok)  # (rescale_variance: the averaged gradients' scale)
+            self.rescale.warmup_(self.flat, ok)  # (rescale_variance: the gradients' scale)
             # 1b + 3. Adam's moments and update, one fused sweep
             adam_step_(self, ok=ok)
             if self.step_count >= self.freeze_step:
@@ -213,4 +211,4 @@ class OneBitAdam(OneBitOptimizer):
         # (rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale)
         if self.rescale_variance:
             grads = self.flat.grads(self.param_groups, list(range(len(self.flat.layout.params))))
-            rescale_variance_(self, grads, reduce=True, ok=ok)
+            self.rescale.accumulate_(self.flat, self.param_groups, grads, reduce=True, ok=ok)

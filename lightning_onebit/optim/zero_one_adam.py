@@ -56,8 +56,6 @@ from lightning_onebit.optim._ops import (
     decoupled_decay,
     denominator,
     finite_on_device,
-    rescale_variance_,
-    rescale_warmup_,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
@@ -153,7 +151,7 @@ class ZeroOneAdam(OneBitOptimizer):
         rescale_variance: in phase 2 precondition each tensor by ``v * A / A_switch``,
             ``A`` its mean of Adam's variance kept up to date from its gradients' mean square
             (this rank's local steps summed, one float per tensor all-reduced on a sync step
-            every 10 steps or more); see ``rescale_variance_`` (``optim/_ops.py``).
+            every 10 steps or more); see ``VarianceRescale`` (``optim/_rescale.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
             :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
@@ -539,7 +537,7 @@ class ZeroOneAdam(OneBitOptimizer):
             torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
         u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
         self.flat.add_to_params_(self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups])
-        rescale_variance_(self, self.flat.views["grad"], reduce=False, ok=ok)
+        self.rescale.accumulate_(self.flat, self.param_groups, self.flat.views["grad"], False, ok)
 
     def _step(self) -> None:
         m, acc = self.flat.states["exp_avg"], self.flat.states["momentum_accumulator"]
@@ -552,7 +550,7 @@ class ZeroOneAdam(OneBitOptimizer):
             if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
                 ok = average_(self, g)
-                rescale_warmup_(self, ok)  # (rescale_variance: the averaged gradients' scale)
+                self.rescale.warmup_(self.flat, ok)  # (rescale_variance: the gradients' scale)
             else:
                 # 1b. 1-bit averaged gradient, momentum only
                 ok = compressed_average_(self, self._exchange_source, out=g)
@@ -587,7 +585,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 grads = self.flat.grads(
                     self.param_groups, list(range(len(self.flat.layout.params)))
                 )
-                rescale_variance_(self, grads, reduce=True, ok=self.verdict.ok)
+                self.rescale.accumulate_(self.flat, self.param_groups, grads, True, self.verdict.ok)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
@@ -608,7 +606,9 @@ class ZeroOneAdam(OneBitOptimizer):
                 self._skipped_locally()
             for gi, group, _ in self.flat.segments(groups):
                 self.lrs[gi] += group["lr"]
-            rescale_variance_(self, grads if local_ok else None, reduce=False)
+            self.rescale.accumulate_(
+                self.flat, self.param_groups, grads if local_ok else None, reduce=False
+            )
         self._next_local_interval()
 
     def _next_local_interval(self) -> None:

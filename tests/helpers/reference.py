@@ -21,7 +21,7 @@ import math
 import torch
 
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-from lightning_onebit.optim._ops import RESCALE_MIN_BETA2
+from lightning_onebit.optim._rescale import RESCALE_MIN_BETA2
 
 SHAPES = [(6, 5), (5,), (4,), (3, 4), (7,)]
 

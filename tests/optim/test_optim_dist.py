@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import fp32_allreduce_bytes
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-from lightning_onebit.optim._ops import variance_scales
 from tests.helpers.dist import run_distributed
 from tests.helpers.reference import (
     CKPT_CASES,
@@ -156,7 +155,7 @@ def _rank_file_worker(rank: int, world: int) -> dict:
                 opt = make(params)
                 opt.load_state_dict(main[0])
                 opt.load_rank_state_dict(mine)
-        scales.append(float(variance_scales(opt).max()))
+        scales.append(float(opt.rescale.scales(opt.flat).max()))
         return torch.stack(hist)
 
     scales: list[float] = []

@@ -196,6 +196,15 @@ VERDICT_NAN = {
     "zero_one_adam": [8, 11, 16, 18, 25, 26],
 }
 BATCHES = 28
+#: the state dict's entries every algorithm has (the rest are its own counters)
+_BASE_ENTRIES = {
+    "step_count",
+    "variance_updates",
+    "phase",
+    "skipped_steps",
+    "comm_stats",
+    "exchange",
+}
 
 
 def _device_verdict_worker(
@@ -227,7 +236,7 @@ def _device_verdict_worker(
         "params": flat_trainable(params),
         "m": opt.flat.states["exp_avg"].clone(),
         "state": {k: v.clone() for k, v in opt.flat.states.items()},
-        "counters": {k: state["onebit"].get(k) for k in opt._checkpoint_attrs},
+        "counters": {k: v for k, v in state["onebit"].items() if k not in _BASE_ENTRIES},
         "errors": opt.flat.exchange.state_dict(),
         "device_verdict": opt.flat.exchange.device_verdict,
         "skipped": opt.skipped_steps,
