@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
-from lightning_onebit.optim._checkpoint import load_rank_state, load_state, rank_state, save_state
+from lightning_onebit.optim._checkpoint import CheckpointLayout
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._divergence import DivergenceError, DivergenceWatch
 from lightning_onebit.optim._flat import FlatState
@@ -116,7 +116,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         "step_count", "variance_updates", "rescale",
     )  # fmt: skip
     #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
-    _floor_to_mean: ClassVar[bool] = False
+    FLOOR_TO_MEAN: ClassVar[bool] = False
     rescale_interval = Delegated(
         "rescale", "``rescale_variance``'s steps between all-reduces.", attr="interval"
     )
@@ -182,6 +182,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.topology = Topology(process_group, hierarchical, ranks_per_node)  # (not saved)
         #: ``rescale_variance``'s counters and blocks
         self.rescale = VarianceRescale(self.rescale_variance, self.topology, self.counters)
+        scalars = (*self._scalar_states, *self.rescale.states)
+        self.checkpoint = CheckpointLayout((*self._flat_states, *scalars), self._checkpoint_attrs)
         # composed, not checkpointed
         self.flat = FlatState(name)  # built at the first step
         self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
@@ -291,7 +293,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
         self.verdict.begin()
-        self._held.hold(self, params_without_grad(self))
+        unsynced = self._unsynced if self._syncs_local_steps() else None
+        self._held.hold(self, params_without_grad(self), unsynced)
         try:
             self._step()
             if self.phases.switched and self._params_agree():
@@ -339,7 +342,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """(Re)build the flat buffers and the exchange where needed (:meth:`FlatState.prepare`)."""
         scalars = {**self._scalar_states, **self.rescale.states}
         buffers = (self._flat_states, scalars, self._work_buffers)
-        flat, joined = self.flat, partial(check_joined, self)
+        flat, joined = self.flat, partial(check_joined, self, self._joins_allowed())
         if flat.prepare(
             self.param_groups, self.state, buffers, self.overlap, self.topology,
             self.verdict.uses_device, joined,
@@ -484,23 +487,24 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         error buffers (:meth:`rank_state_dict`). Each parameter's state has torch Adam's
         ``step`` too, so that ``torch.optim.Adam``/``AdamW`` can load it."""
         self._resolve_verdict()  # (the counts must be final)
-        return save_state(self, super().state_dict())
+        return self.checkpoint.save(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (states in fp32; each group keeps its current
         ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"`` (``torch.optim.Adam``'s)
         loads the moments and step counts into the first phase (then :meth:`catch_up_switch`)."""
-        load_state(self, state_dict, super().load_state_dict)
+        if self.checkpoint.load(self, state_dict, super().load_state_dict):
+            self._on_foreign_load()
         self.divergence.reset()
 
     def rank_state_dict(self) -> dict[str, Any]:
         """What of this rank's state differs from the others': its error buffers, or the whole
         :meth:`state_dict` where :attr:`params_differ_across_ranks`."""
-        return rank_state(self)
+        return self.checkpoint.rank_state(self)
 
     def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
-        load_rank_state(self, state_dict)
+        self.checkpoint.load_rank_state(self, state_dict)
 
     def overlap_with_backward(
         self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
@@ -510,7 +514,9 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         ``.grad`` as backward leaves it (no clipping or unscaling); set ``overlap_paused`` around
         backward passes not followed by ``step()``. Call it on every rank between steps (new
         buckets restart the error buffers). ``timeout``: the new group's (``None``: torch's)."""
-        self.overlap = replace_overlap(self.overlap, self, bucket_cap_mb, timeout)
+        self.overlap = replace_overlap(
+            self.overlap, self, bucket_cap_mb, timeout, self._exchange_source, self._overlappable
+        )
 
     @property
     def overlaps_backward(self) -> bool:

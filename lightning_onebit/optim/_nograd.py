@@ -13,7 +13,7 @@ them, so that its latency overlaps theirs; its bytes count in ``comm_stats``. (D
 saves what its own parameters without a gradient hold, and puts back those no rank had a
 gradient for; a parameter some rank used is averaged with the others' zeros, as DDP averages
 it. On 0/1 Adam's sync steps after local steps a parameter also counts as used where some rank
-has local steps of it to synchronise (``opt._unsynced``; then every parameter is agreed on,
+has local steps of it to synchronise (``HeldParams.hold``'s ``unsynced``; then every parameter is agreed on,
 DDP's too): its accumulated steps are exchanged, and the ranks end the sync step together.
 
 The steps a kept-out parameter misses are counted (its bias correction counts its own steps, as
@@ -45,13 +45,13 @@ def params_without_grad(opt: OneBitOptimizer) -> list[int]:
     return [j for j, p in enumerate(opt.flat.layout.params) if p.grad is None]
 
 
-def _asked_params(opt: OneBitOptimizer) -> list[int]:
+def _asked_params(opt: OneBitOptimizer, syncs_local_steps: bool) -> list[int]:
     """The parameters (layout indices) whose use on the other ranks this step must know: all
     of them where the step synchronises local steps (0/1 Adam's, which may have moved a
     parameter without a gradient now); else, where ``W > 1``, those whose gradients DDP did
     not produce (all of them under plain ``torch.distributed``)."""
     params = opt.flat.layout.params
-    if opt._syncs_local_steps():
+    if syncs_local_steps:
         return list(range(len(params)))
     if opt.world_size == 1:
         return []
@@ -80,21 +80,27 @@ def _count(opt: OneBitOptimizer, missed: list[tuple[torch.Tensor, int]]) -> None
 
 class _Agreement:
     """Which parameters some rank has a gradient (or earlier local steps) for: this rank's
-    flags, all-reduced (``MAX``) over the ranks where ``W > 1``, in flight."""
+    flags, all-reduced (``MAX``) over the ranks where ``W > 1``, in flight (``unsynced``: see
+    :meth:`HeldParams.hold`)."""
 
-    def __init__(self, opt: OneBitOptimizer, ask: list[int]) -> None:
+    def __init__(
+        self,
+        opt: OneBitOptimizer,
+        ask: list[int],
+        unsynced: Callable[[list[int]], torch.Tensor] | None,
+    ) -> None:
         params, device = opt.flat.layout.params, opt.flat.layout.device
         used = [int(params[j].grad is not None) for j in ask]
         if device.type == "cuda":  # (from pinned memory: no host synchronisation)
             self.flags = on_device(used, torch.uint8, device)
         else:
             self.flags = torch.tensor(used, dtype=torch.uint8)
-        if opt._syncs_local_steps():
+        if unsynced is not None:
             # without a gradient here, a parameter with local steps to synchronise counts as
             # used (read from the accumulator only where it decides: on the device)
             missing = [i for i, u in enumerate(used) if not u]
             if missing:
-                moved = opt._unsynced([ask[i] for i in missing]).to(torch.uint8)
+                moved = unsynced([ask[i] for i in missing]).to(torch.uint8)
                 self.flags[torch.tensor(missing, device=self.flags.device)] = moved
         self.wait: Callable[[], Any] = lambda: None
         w = opt.world_size
@@ -133,16 +139,25 @@ class HeldParams:
         #: turns out to have gone through: ``(parameter, variance updates)`` each
         self.uncounted: list[tuple[torch.Tensor, int]] | None = None
 
-    def hold(self, opt: OneBitOptimizer, idx: list[int]) -> None:
+    def hold(
+        self,
+        opt: OneBitOptimizer,
+        idx: list[int],
+        unsynced: Callable[[list[int]], torch.Tensor] | None = None,
+    ) -> None:
         """Keep out of this step those of the parameters ``idx`` (without a gradient on this
         rank) that no rank has a gradient for: where this rank cannot know which, the ranks'
         agreement starts here (see the module docstring) and :meth:`release` takes it. Their
         values, their state and their part of the exchange's error buffers are saved now and
         put back by :meth:`release`. Their exchanged values are sent (1 bit cannot send a zero)
-        and dropped; their error buffers then do not remember them."""
-        ask = _asked_params(opt)
+        and dropped; their error buffers then do not remember them.
+
+        ``unsynced``: on a step that synchronises local steps (0/1 Adam's), per parameter of
+        a list of layout indices, whether this rank has local steps of it to synchronise (a
+        bool tensor on its device); ``None`` on other steps."""
+        ask = _asked_params(opt, unsynced is not None)
         if ask:
-            self.agreement = _Agreement(opt, ask)
+            self.agreement = _Agreement(opt, ask, unsynced)
         if not idx:
             return
         flat = opt.flat

@@ -98,25 +98,34 @@ class OverlapHost(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def _overlappable(self) -> bool:
-        """Whether the next step's exchange can start from its gradients alone."""
-        ...
 
-    def _exchange_source(self, s: slice) -> torch.Tensor | ExchangeSource:
-        """What the next step exchanges, for the flat slice ``s`` (a bucket: whole parameters),
-        from those parameters' gradients alone (it reads ``.grad``, or returns a source that
-        does when computed: called by the hook, on the thread that runs backward, or in
-        ``step()``)."""
-        ...
+#: What the next step exchanges, for a flat slice (a bucket: whole parameters), from those
+#: parameters' gradients alone: it reads ``.grad``, or returns a source that does when
+#: computed (called by the hook, on the thread that runs backward, or in ``step()``).
+SourceOf = Callable[[slice], "torch.Tensor | ExchangeSource"]
 
 
 class BackwardOverlap:
-    """The bucket plan, the gradient hooks and the communication thread of one optimizer."""
+    """The bucket plan, the gradient hooks and the communication thread of one optimizer.
+
+    Args:
+        optimizer: the optimizer whose step the buckets start.
+        bucket_cap_bytes: the buckets' size.
+        timeout: the overlap's own process group's timeout (``None``: torch's).
+        source: the optimizer's exchange input for a bucket.
+        overlappable: whether the next step's exchange can start from its gradients alone.
+    """
 
     def __init__(
-        self, optimizer: OverlapHost, bucket_cap_bytes: int, timeout: timedelta | None
+        self,
+        optimizer: OverlapHost,
+        bucket_cap_bytes: int,
+        timeout: timedelta | None,
+        source: SourceOf,
+        overlappable: Callable[[], bool],
     ) -> None:
         self.opt = optimizer
+        self.source, self.overlappable = source, overlappable
         self.cap = bucket_cap_bytes
         self.timeout = timeout
         self.bounds: list[tuple[int, int]] = []
@@ -274,7 +283,7 @@ class BackwardOverlap:
         if self._mode == "average":
             self.opt.flat.gather_grads(self.opt.param_groups, self.bucket_params[b])
             return None
-        source = self.opt._exchange_source(slice(*self.bounds[b]))
+        source = self.source(slice(*self.bounds[b]))
         return self.opt.flat.exchange.prepare_bucket(b, source)
 
     def _launch(
@@ -307,7 +316,7 @@ class BackwardOverlap:
             return None
         if opt.expects_averaged_grads:
             return "average" if opt.average_warmup_grads and opt.world_size > 1 else None
-        return "exchange" if opt._overlappable() else None
+        return "exchange" if self.overlappable() else None
 
     def _start_bucket(self, b: int, s: slice, source: Any) -> Any:
         if self._mode == "average":
@@ -404,11 +413,14 @@ def replace_overlap(
     host: OverlapHost,
     bucket_cap_mb: float | None,
     timeout: timedelta | None,
+    source: SourceOf,
+    overlappable: Callable[[], bool],
 ) -> BackwardOverlap | None:
     """The overlap ``host`` has after ``overlap_with_backward(bucket_cap_mb, timeout=timeout)``
     (``None``: off): ``current`` if it has these settings, else a new one (or none), the current
     one closed and the exchange built on its groups let go; the layout is then rebuilt (new
-    buckets and hooks) at the next step. Raises ``ValueError`` unless ``bucket_cap_mb > 0``."""
+    buckets and hooks) at the next step (``source``, ``overlappable``: see
+    :class:`BackwardOverlap`). Raises ``ValueError`` unless ``bucket_cap_mb > 0``."""
     cap = None
     if bucket_cap_mb is not None:
         check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
@@ -418,4 +430,4 @@ def replace_overlap(
             return current
         current.close()
     host.flat.invalidate()
-    return None if cap is None else BackwardOverlap(host, cap, timeout)
+    return None if cap is None else BackwardOverlap(host, cap, timeout, source, overlappable)

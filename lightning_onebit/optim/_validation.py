@@ -248,12 +248,15 @@ def check_grads_are_local(opt: OneBitOptimizer) -> bool:
     return True
 
 
-def check_joined(opt: OneBitOptimizer, layout: Layout, trained: frozenset[int]) -> None:
+def check_joined(
+    opt: OneBitOptimizer, joins_allowed: bool, layout: Layout, trained: frozenset[int]
+) -> None:
     """Refuse parameters of the new ``layout`` that became trainable (``add_param_group``,
     ``requires_grad`` turned on) after the variance froze, before the step changes anything:
     they have no variance, and a 1-bit step divides by it (their first steps would be
-    ``lr * scale / eps``). ``trained``: the ``id`` s of the last layout's parameters."""
-    if not trained or opt._joins_allowed():
+    ``lr * scale / eps``). ``joins_allowed``: whether parameters may join now (the variance is
+    still measured); ``trained``: the ``id`` s of the last layout's parameters."""
+    if not trained or joins_allowed:
         return
     joined = [j for j, p in enumerate(layout.params) if id(p) not in trained]
     if not joined:

@@ -85,7 +85,7 @@ def floor_variance_(
     coordinate only ever takes smaller steps than without the floor. ``variance_floor=0``
     is DeepSpeed's arithmetic.
 
-    With ``_floor_to_mean`` (1-bit LAMB) a caught coordinate is raised to
+    With ``FLOOR_TO_MEAN`` (1-bit LAMB) a caught coordinate is raised to
     ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
     ``ok``: the step's verdict on the device; where it is false nothing changes.
     """
@@ -110,7 +110,7 @@ def floor_variance_(
                 floor = torch.where(ok, floor, -math.inf).reshape(())
             if report:
                 counts.append((views[j] <= floor).sum())
-            if opt._floor_to_mean:
+            if opt.FLOOR_TO_MEAN:
                 views[j].masked_fill_(views[j] <= floor, mean.float())
             else:
                 torch.clamp_min_(views[j], floor)

@@ -136,7 +136,7 @@ class OneBitLamb(OneBitOptimizer):
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
-    _floor_to_mean = True  # see variance_floor above
+    FLOOR_TO_MEAN = True  # see variance_floor above
     _flat_states = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
     _scalar_states: ClassVar[dict[str, float]] = {
         "lamb_coeff_freeze": 0.0,

@@ -224,13 +224,13 @@ def test_backward_reads_the_gradients_for_the_exchange_before_it_returns(
             opt.step()
     model, opt = models[0], opts[0]
     sources, compressions = [], []
-    source, compress = opt._exchange_source, kernels.worker_compress
+    source, compress = opt.overlap.source, kernels.worker_compress
 
     def watched(*args, **kwargs):
         compressions.append(threading.current_thread())
         return compress(*args, **kwargs)
 
-    opt._exchange_source = lambda s: (sources.append(threading.current_thread()), source(s))[1]
+    opt.overlap.source = lambda s: (sources.append(threading.current_thread()), source(s))[1]
     kernels.worker_compress = watched
     gate = threading.Event()
     opt.overlap._pool.submit(gate.wait)  # the thread is busy until the gate opens
