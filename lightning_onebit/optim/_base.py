@@ -9,7 +9,6 @@ skips), ``topology`` (``_topology.py``: process and node groups), ``counters`` (
 
 from __future__ import annotations
 
-import warnings
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
 from datetime import timedelta
@@ -23,7 +22,7 @@ from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._checkpoint import CheckpointLayout
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
-from lightning_onebit.optim._divergence import DivergenceError, DivergenceWatch
+from lightning_onebit.optim._divergence import DivergenceWatch
 from lightning_onebit.optim._flat import FlatState
 from lightning_onebit.optim._nograd import HeldParams, params_without_grad
 from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
@@ -42,7 +41,12 @@ from lightning_onebit.optim._validation import (
     option_defaults,
     raise_for_options,
 )
-from lightning_onebit.optim._variance import bias_corrections, divergence_hint, freeze_variance_
+from lightning_onebit.optim._variance import (
+    bias_corrections,
+    divergence_hint,
+    freeze_variance_,
+    variance_sample,
+)
 from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
@@ -189,7 +193,6 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
         #: each tensor's growth in the compression phase (``growth``, ``every``: tunable)
         self.divergence = DivergenceWatch()
-        self._divergence_named = False  # (warned once)
         self._held = HeldParams()  # this step's parameters without a gradient
         self._grads_checked = False  # (check_grads_are_local: once)
         register(self)  # (closed at interpreter exit)
@@ -318,25 +321,11 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         (every ``divergence.every`` steps), and what ``on_divergence`` says to do."""
         layout = self.flat.layout
         found = self.divergence.check(layout.params, self.step_count)
-        if found is None or (self._divergence_named and self.on_divergence == "warn"):
-            return
-        name = layout.name(found.index, self.param_groups, self.param_names)
-        message = (
-            f"{type(self).__name__}: the {self.PHASES[1]} phase is diverging: {name} has "
-            f"{found.ratio:.3g}x its RMS of step {found.since} at step {found.step} (more than "
-            f"divergence.growth={self.divergence.growth:g}x). Try a smaller learning rate (for a "
-            f"converted 1-bit LAMB, the strategy's lamb_lr) or a later switch (a larger "
-            f"{self.SWITCH_OPTION}); resume from a checkpoint from before step {found.since} "
-            "to keep the run"
-        )
-        if self.on_divergence == "raise":
-            raise DivergenceError(message + " (on_divergence='raise')")
-        self._divergence_named = True
-        rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
-        if rank == 0:
-            warnings.warn(
-                message + " (on_divergence='raise' stops the run)", RuntimeWarning, stacklevel=4
-            )
+        if found is not None:
+            name = layout.name(found.index, self.param_groups, self.param_names)
+            who = f"{type(self).__name__}: the {self.PHASES[1]} phase"
+            rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
+            self.divergence.respond(found, name, who, self.on_divergence, rank, self.SWITCH_OPTION)
 
     def _prepare(self) -> None:
         """(Re)build the flat buffers and the exchange where needed (:meth:`FlatState.prepare`)."""
@@ -440,14 +429,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def variance_as_frozen(self, stride: int = 1) -> torch.Tensor | None:
         """A copy of every ``stride``-th coordinate of the flat second moment as :meth:`freeze`
-        would keep it now: divided by its group's bias correction ``1 - beta2**k`` where the
-        optimizer folds that in at the switch (``bias_correction``; a parameter that missed
-        steps is corrected by its group's count here), as stored otherwise.
-
-        The adaptive switch compares two of these: in a young run the stored moment keeps
-        growing as its average fills in (by more than 5% per 50 updates until about 700
-        updates at ``beta2=0.999``, whatever the gradients do), which says nothing about
-        whether the preconditioner the switch would freeze has settled.
+        would keep it now (bias-corrected where it folds the correction in at the switch); the
+        adaptive switch compares two of these (see ``variance_sample`` in ``optim/_variance.py``).
 
         Args:
             stride: take every ``stride``-th coordinate (``>= 1``).
@@ -458,18 +441,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         Raises:
             ValueError: ``stride < 1``.
         """
-        v = self.variance
-        if v is None:
-            return None
-        if stride < 1:
-            raise ValueError(f"stride must be an int >= 1, got {stride!r}")
-        out = v[::stride].clone()
-        if self.bias_correction and not self.phases.switched:
-            for gi, _, s in self.flat.segments(self.param_groups):
-                # the sampled coordinates i * stride in [s.start, s.stop)
-                lo, hi = -(-s.start // stride), -(-s.stop // stride)
-                out[lo:hi].div_(bias_corrections(self, gi)[1])
-        return out
+        return variance_sample(self, stride)
 
     @property
     def comm_stats(self) -> dict[str, int]:

@@ -15,6 +15,7 @@ every rank takes the same one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from math import inf
 from typing import Any
@@ -50,8 +51,8 @@ class DivergenceWatch:
     steps.
 
     Interface: :meth:`check` (after a compression step whose parameters are equal on every
-    rank), :meth:`reset` (a new layout or phase); the host reads each check's verdict at the next
-    one (on the CPU at once).
+    rank), :meth:`respond` (what a finding does), :meth:`reset` (a new layout or phase); the
+    host reads each check's verdict at the next one (on the CPU at once).
 
     Args:
         growth: a tensor whose RMS grows beyond ``growth`` times its RMS at the reference step
@@ -63,6 +64,7 @@ class DivergenceWatch:
     def __init__(self, growth: float = 10.0, every: int = 16) -> None:
         self.growth = growth
         self.every = every
+        self.named = False  # a warning was given (once per run)
         self.reset()
 
     def reset(self) -> None:
@@ -105,6 +107,39 @@ class DivergenceWatch:
             return found
         self.pending = (step, worst, None)
         return found or self._read_pending()
+
+    def respond(
+        self, found: Growth, name: str, who: str, action: str, rank: int, hint: str
+    ) -> None:
+        """What ``on_divergence`` (``action``) does with a finding: ``"raise"``
+        ``DivergenceError`` on every rank; ``"warn"`` once, on
+        rank 0.
+
+        Args:
+            found: what ``check`` found.
+            name: the name of the parameter that grew most.
+            who: the optimizer and its phase, as the message begins (``"OneBitAdam: the
+                compression phase"``).
+            action: one of ``DIVERGENCE_ACTIONS``.
+            rank: this rank (only rank 0 warns).
+            hint: the switch's option, for the advice (``freeze_step``).
+        """
+        if self.named and action == "warn":
+            return
+        message = (
+            f"{who} is diverging: {name} has {found.ratio:.3g}x its RMS of step {found.since} "
+            f"at step {found.step} (more than divergence.growth={self.growth:g}x). Try a smaller "
+            "learning rate (for a converted 1-bit LAMB, the strategy's lamb_lr) or a later "
+            f"switch (a larger {hint}); resume from a checkpoint from before step "
+            f"{found.since} to keep the run"
+        )
+        if action == "raise":
+            raise DivergenceError(message + " (on_divergence='raise')")
+        self.named = True
+        if rank == 0:
+            warnings.warn(
+                message + " (on_divergence='raise' stops the run)", RuntimeWarning, stacklevel=5
+            )
 
     def _read_pending(self) -> Growth | None:
         if self.pending is None:

@@ -23,6 +23,7 @@ __all__ = [
     "floor_variance_",
     "fold_bias_correction_",
     "freeze_variance_",
+    "variance_sample",
     "warn_if_variance_is_young",
 ]
 
@@ -196,3 +197,28 @@ def divergence_hint(opt: OneBitOptimizer) -> str:
             )
     hints.append("lower the learning rate or check the data")
     return "; ".join(hints)
+
+
+def variance_sample(opt: OneBitOptimizer, stride: int) -> torch.Tensor | None:
+    """``OneBitOptimizer.variance_as_frozen``: a copy of every ``stride``-th coordinate of the
+    flat second moment as the switch would keep it now: divided by its group's bias correction
+    ``1 - beta2**k`` where the optimizer folds that in at the switch (``bias_correction``; a
+    parameter that missed steps is corrected by its group's count here), as stored otherwise.
+
+    The adaptive switch compares two of these: in a young run the stored moment keeps growing
+    as its average fills in (by more than 5% per 50 updates until about 700 updates at
+    ``beta2=0.999``, whatever the gradients do), which says nothing about whether the
+    preconditioner the switch would freeze has settled.
+    """
+    v = opt.variance
+    if v is None:
+        return None
+    if stride < 1:
+        raise ValueError(f"stride must be an int >= 1, got {stride!r}")
+    out = v[::stride].clone()
+    if opt.bias_correction and not opt.phases.switched:
+        for gi, _, s in opt.flat.segments(opt.param_groups):
+            # the sampled coordinates i * stride in [s.start, s.stop)
+            lo, hi = -(-s.start // stride), -(-s.stop // stride)
+            out[lo:hi].div_(bias_corrections(opt, gi)[1])
+    return out
