@@ -1,10 +1,17 @@
 """The base class of the three 1-bit optimizers: its contract and the step's outline.
 
 A subclass defines ``_step`` (one step on the flat buffers, read like its paper's Algorithm 1)
-and the rest of "what subclasses define" below (``docs/contributing.md``). Composed parts:
-``flat`` (``_flat.py``: layout, buffers, exchange), ``verdict`` (``_verdict.py``: NaN/Inf verdict,
-skips), ``topology`` (``_topology.py``: process and node groups), ``counters`` (``_counters.py``),
-``phases`` (``_phase.py``), ``overlap`` (``_overlap.py``); ``docs/how-it-works.md`` maps the rest.
+and ``_exchange_source``, and may override the rest of its extension points (the same table is in
+``docs/contributing.md``): the class attributes ``PHASES``, ``OPTIONS``, ``DEEPSPEED_ARITHMETIC``,
+``SWITCH_OPTION``, ``DEVICE_VERDICT``, ``FLOOR_TO_MEAN``, ``_flat_states``, ``_scalar_states``,
+``_work_buffers``, ``_checkpoint_attrs``, ``_host_counters``; the checks ``_check_options`` and
+``_check_hparams``; and the methods and properties under "what subclasses define" below.
+
+Composed parts: ``flat`` (``_flat.py``: layout, buffers, exchange), ``verdict`` (``_verdict.py``:
+NaN/Inf verdict, skips), ``topology`` (``_topology.py``: process and node groups), ``counters``
+(``_counters.py``), ``phases`` (``_phase.py``), ``overlap`` (``_overlap.py``), ``rescale``
+(``_rescale.py``), ``checkpoint`` (``_checkpoint.py``), ``divergence`` (``_divergence.py``); the
+base passes its extension points to them as arguments. ``docs/how-it-works.md`` maps the rest.
 """
 
 from __future__ import annotations
