@@ -3,13 +3,14 @@
 Importing the package registers the Trainer strategy names ``onebit_adam``, ``zero_one_adam``,
 ``onebit_lamb``, their fork-started notebook variants (``onebit_adam_notebook``, ...) and
 ``*_find_unused_parameters_true`` variants in ``lightning.pytorch``'s registry (the Trainer's
-:class:`OneBitStrategy`) and in ``lightning.fabric``'s (Fabric's :class:`OneBitFabricStrategy`). The separate
+[`OneBitStrategy`][lightning_onebit.strategy.OneBitStrategy]) and in ``lightning.fabric``'s
+(Fabric's [`OneBitFabricStrategy`][lightning_onebit.fabric.OneBitFabricStrategy]). The separate
 ``pytorch_lightning`` package (if already imported) gets the same names, each raising an error
 that says to use ``lightning``.
 
-The optimizers (:mod:`lightning_onebit.optim`) and the compressed allreduce
-(:mod:`lightning_onebit.comm`) need only torch: without Lightning installed the package imports
-them and leaves the strategy and the callback out.
+The optimizers (``lightning_onebit.optim``) and the compressed allreduce
+([`lightning_onebit.comm`][lightning_onebit.comm]) need only torch: without Lightning installed the
+package imports them and leaves the strategy and the callback out.
 """
 
 import sys

@@ -50,7 +50,8 @@ class CompressionScheduler(PhaseSwitch, Callback):
     (``ratio_vs_ddp``) and ``step_x`` (``step_speedup``). At the end of ``fit`` one line says
     the bytes saved, the step time per phase and the time saved vs DDP.
 
-    :class:`~lightning_onebit.OneBitStrategy` adds one automatically when the Trainer has none.
+    [`OneBitStrategy`][lightning_onebit.strategy.OneBitStrategy] adds one automatically when the
+    Trainer has none.
 
     Args:
         freeze_step: an int (optimizer steps of warmup), a float in (0, 1) (fraction of the run's

@@ -36,7 +36,7 @@ __all__ = ["Measured", "probe"]
 
 @dataclass
 class Measured:
-    """What every rank measured (the slowest rank's medians), the inputs of :func:`predict`."""
+    """What every rank measured (the slowest rank's medians), the inputs of ``predict``."""
 
     world_size: int
     ranks_per_node: int

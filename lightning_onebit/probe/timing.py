@@ -154,7 +154,7 @@ def expected_slowest(times: torch.Tensor) -> float:
 def slowest_of_free_running(fn: Callable[[], None], device: torch.device, steps: int) -> float:
     """The expected time of the slowest rank's call when every call starts the ranks together,
     as the exchange of every training step does, from ``steps`` calls run freely in a row
-    (:func:`expected_slowest` of every rank's call times).
+    (``expected_slowest`` of every rank's call times).
 
     Timed in lockstep (a barrier around each call) the estimate would carry the barriers and
     whatever else the machine did in those few calls; run freely, each rank times its own calls
