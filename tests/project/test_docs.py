@@ -10,6 +10,8 @@ asks for. An HTML comment on the line before a block says how to treat it:
   ``<!-- docs-test: with-setup -->`` run with it prepended (a model defined once per page).
 
 The same script on two pages (the README repeats the guides' first examples) runs once.
+
+The package's docstrings are written for mkdocstrings: no Sphinx role (``:class:`...```) in them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ PAGES = ("README.md", "docs/getting-started.md", "docs/fabric.md")
 _BLOCK = re.compile(
     r"^(?:<!-- docs-test: (?P<mark>[a-z-]+) -->\n)?```python\n(?P<code>.*?)^```", re.M | re.S
 )
+# a Sphinx role, which mkdocstrings shows as written
+_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|attr|mod|data|exc|obj|const):`")
 # what the strategies print when compression starts (phase_switch.py)
 _SWITCHED = re.compile(r"phase \(1-bit exchange\) from optimizer step \d+")
 
@@ -80,6 +84,17 @@ def test_readme_shows_the_command_ci_runs() -> None:
     ci = (ROOT / ".ci/run").read_text()
     assert "bash scripts/test.sh" in ci
     assert "bash scripts/test.sh" in (ROOT / "README.md").read_text()
+
+
+def test_the_package_has_no_sphinx_roles() -> None:
+    # cross-references are [`Name`][lightning_onebit.module.Name], other names ``name``
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "lightning_onebit").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _ROLE.search(line)
+    ]
+    assert not found, f"{len(found)} Sphinx roles (mkdocstrings renders them raw): {found[:10]}"
 
 
 @pytest.mark.slow
