@@ -774,12 +774,11 @@ def test_optimizer_on_gpu_matches_cpu(algo: str) -> None:
     compression-phase steps) may round differently on the GPU (FMA, reduction order).
 
     A rounding difference is amplified where a compressed value is near 0: its sign bit flips
-    and the coordinate moves by +-lr * scale / d instead (error feedback takes it back later).
-    Measured on an H200 (2026-11-26): 22 of 12704 values (1-bit Adam), 15 (0/1 Adam) off by up to
-    6.4 lr, every other value within 1e-4; 1-bit LAMB all within 1e-4. Two CPU runs whose initial
-    parameters differ by one ulp differ as much (1-bit Adam: 22 values, 6.3 lr). So: at most 1%
-    of the values may differ, by at most 20 lr; a missing stream wait or a wrong device would
-    corrupt whole buckets."""
+    and the coordinate moves by +-lr * scale / d instead (error feedback takes it back later);
+    two CPU runs whose initial parameters differ by one ulp differ as much. So: at most 1% of the
+    values may differ, by at most 20 lr; a missing stream wait or a wrong device would corrupt
+    whole buckets (the runs the bounds come from:
+    benchmarks/results/gpu-test-bounds-2026-11-26.md)."""
     cpu = _train("cpu", algo, paused=False)
     gpu = _train("cuda", algo, paused=False)
     gpu_in_step = _train("cuda", algo, paused=True)
@@ -837,12 +836,8 @@ def test_two_ranks_on_one_gpu_over_gloo() -> None:
     That distance is measured, not assumed: 1-bit training amplifies rounding (a sign flips
     where a compressed value is near 0; at W = 2 the server's re-compression flips more), so the
     bound is the distance between two CPU runs whose initial parameters differ by one float32
-    ulp. Measured (2026-11-26, 16 steps, 12 compressed): GPU vs CPU on an H200, 1-bit Adam
-    57.5% of values off by > 1e-4 relative, max 0.052, median 2.5e-5; 0/1 Adam 63.7%, 0.044,
-    3.2e-5; 1-bit LAMB 0.3%, 0.0015, 0. The nudged CPU run vs the CPU run: 59.5%, 0.049, 2.6e-5;
-    77.2%, 0.049, 5.8e-5; 0.7%, 0.00085, 5e-8 (L2 norms of the difference 0.33, 0.39, 0.0026,
-    against 4.6, 4.6, 0.34 travelled). So: the GPU's L2 distance to the CPU run at most 4 times
-    the nudged run's (the factor is headroom, not measured on the GPU)."""
+    ulp: the GPU's L2 distance to the CPU run is at most 4 times the nudged run's (headroom; the
+    runs the bound comes from: benchmarks/results/gpu-test-bounds-2026-11-26.md)."""
     from tests.helpers.dist import run_distributed
 
     ranks = run_distributed(_two_ranks_on_one_gpu, 2, start_method="spawn")
@@ -936,9 +931,7 @@ def test_no_host_synchronisation_in_a_step(algo: str, options: str, overlap: boo
     variance steps, 1-bit steps, 0/1 Adam's sync and local steps, with and without the overlap,
     DeepSpeed's options and the strategy's (rescale_variance's all-reduces included): no host
     synchronisation, from either thread; then 4 more steps under
-    ``torch.cuda.set_sync_debug_mode("error")``. Measured before (H200, 2026-11-26): every
-    algorithm read the NaN/Inf verdict once per exchange (per bucket with the overlap) and
-    every fp32 step once, 1-bit LAMB also its scaling, trust ratios and hyperparameters."""
+    ``torch.cuda.set_sync_debug_mode("error")``."""
     model = _model().cuda()
     opt = _optimizer(algo, model, options)
     if overlap:

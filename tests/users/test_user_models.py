@@ -60,8 +60,8 @@ def _problems(c: dict[str, Any], loss_limit: float) -> list[str]:
 
 #: (model, algorithm) pairs that do not meet the bar yet. Not strict: these runs are chaotic
 #: enough that the same code lands on either side of a bar on another CPU (the kernels' SIMD path
-#: and the thread count change the rounding; 1-bit LAMB on ViT measured 2.2x / 14x on one machine
-#: and 1.02x / 9.6x on another), so a pass is reported (XPASS) without failing the suite.
+#: and the thread count change the rounding; benchmarks/results/user-models-cpus-2026-11-25.md),
+#: so a pass is reported (XPASS) without failing the suite.
 KNOWN: dict[tuple[str, str], str] = {}
 
 
