@@ -32,6 +32,7 @@ FIRST_BUCKET_BYTES = 2**20
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -54,6 +55,7 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int
 
 
 def max_over_ranks(x: float) -> float:
+    """The largest of every rank's ``x``, on every rank (a collective: every rank calls it)."""
     t = torch.tensor([x], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
@@ -76,6 +78,7 @@ class Link:
     points: list[tuple[int, float]] = field(default_factory=list)
 
     def time(self, wire_bytes: float, calls: int = 1) -> float:
+        """Predicted seconds of ``calls`` calls sending ``wire_bytes`` in all."""
         return calls * self.latency_s + wire_bytes / self.bandwidth_Bps
 
 

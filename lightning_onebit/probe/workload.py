@@ -126,6 +126,7 @@ class Compute:
             self._a = torch.tanh(self._a @ self._a)
 
     def forward(self) -> torch.Tensor | None:
+        """The model's forward to a scalar to call backward on (``None``: the stand-in)."""
         if self.model is None:
             return None
         self.model.zero_grad(set_to_none=True)
@@ -133,12 +134,14 @@ class Compute:
         return _scalar(self.model(*args, **kwargs))
 
     def backward(self, loss: torch.Tensor | None) -> None:
+        """Backward from ``loss``, or the stand-in's calibrated matmul loop."""
         if loss is not None:
             loss.backward()
         elif self.iters:
             self._mm(self.iters)
 
     def step(self) -> None:
+        """One forward and backward."""
         self.backward(self.forward())
 
 
