@@ -4,7 +4,7 @@ NaN/Inf error, input checks, the full-precision average and byte formulas."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -205,14 +205,15 @@ class Exchange(Protocol):
     """An error-compensated 1-bit average of a fp32 buffer of fixed size over the ranks: the
     flat exchange, the two-level one, and the bucketed one (several of either).
 
-    ``finish(values, out)`` runs one call over the whole buffer (``values``: the input, or a
-    function ``(start, stop) -> values`` of a flat range; ``out``: where it decodes, or a
-    function returning it, called only if it decodes); with ``decode=False`` an exchange
-    that can (the flat one and buckets of it, on the CPU) leaves ``out`` as it is and returns
-    the result where it lies, as :class:`~lightning_onebit.kernels.SignRuns`, for the update
-    kernels to read (the others decode into ``out`` and return ``None``); ``bytes_sent`` is what this rank sent
-    in the last call (``calls``: how many so far) and :meth:`inter_node_bytes` the part of it
-    that left the node;
+    ``finish(sources, out)`` runs one call over the whole buffer: ``sources`` holds one input
+    (a tensor or a [kernels.ExchangeSource][lightning_onebit.kernels.ExchangeSource]) per
+    flat range of :meth:`pending` (those no earlier ``start`` covered), and ``out`` is where
+    the result is decoded; ``out=None`` on an exchange that :attr:`returns_runs` (the flat one
+    and buckets of it, on the CPU) returns the result where it lies, as
+    [kernels.SignRuns][lightning_onebit.kernels.SignRuns], for the update kernels to read.
+    The exchange calls nothing of its caller's. ``bytes_sent`` is what this rank sent in the
+    last call (``calls``: how many so far) and :meth:`inter_node_bytes` the part of it that
+    left the node;
     ``device_verdict`` exchanges keep their NaN/Inf verdict on the device (:attr:`verdict`).
     ``bounds`` are the buckets (``None``: one exchange). The error buffers are per rank:
     ``state_dict``/``load_state_dict``/``reset_error``, and ``error_views`` for a caller that
@@ -233,12 +234,15 @@ class Exchange(Protocol):
     @property
     def bytes_per_call(self) -> int: ...
 
+    @property
+    def returns_runs(self) -> bool: ...
+
+    def pending(self) -> list[tuple[int, int]]: ...
+
     def finish(
         self,
-        values: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor | Callable[[], torch.Tensor],
-        *,
-        decode: bool = True,
+        sources: Sequence[torch.Tensor | kernels.ExchangeSource],
+        out: torch.Tensor | None,
     ) -> kernels.SignRuns | None: ...
 
     def inter_node_bytes(self, ranks_per_node: int) -> int: ...

@@ -3,7 +3,7 @@ backward is still producing the rest (see :class:`BucketedAllreduce`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -103,24 +103,28 @@ class BucketedAllreduce(Exchange):
             raise RuntimeError(f"bucket {b} started before bucket {b - 1}: start them in order")
         self._handles[b] = self.buckets[b].start(values, commit=False)
 
+    @property
+    def returns_runs(self) -> bool:
+        """Whether :meth:`finish` can return its result undecoded (flat buckets on the CPU)."""
+        return self.nodes is None and self.device.type == "cpu"
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The buckets not started yet, whose inputs :meth:`finish` takes, in order."""
+        return [bounds for bounds, h in zip(self.bounds, self._handles, strict=True) if h is None]
+
     def finish(
-        self,
-        source: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor | Callable[[], torch.Tensor],
-        *,
-        decode: bool = True,
+        self, sources: Sequence[torch.Tensor | ExchangeSource], out: torch.Tensor | None
     ) -> SignRuns | None:
-        """Start the buckets not started yet from ``source`` (the flat input, or a function
-        ``(start, stop) -> values`` computing only what is needed), then commit every bucket and
-        decode into ``out`` (``numel`` values; a function returning it is called only if the
-        result is decoded), or drop all and raise NonFiniteError on every rank.
-        ``decode=False`` with flat buckets on the CPU: ``out`` is left as it is and every
-        bucket's result is returned as one :class:`~lightning_onebit.kernels.SignRuns`.
+        """Start the buckets not started yet (:meth:`pending`), one from each of ``sources``,
+        then commit every bucket and decode into ``out`` (``numel`` values), or drop all and
+        raise NonFiniteError on every rank. ``out=None`` (:attr:`returns_runs`): every
+        bucket's result is returned as one [kernels.SignRuns][lightning_onebit.kernels.SignRuns].
         """
-        for b, (lo, hi) in enumerate(self.bounds):
-            if self._handles[b] is None:
-                values = source(lo, hi) if callable(source) else source[lo:hi]
-                self.start_bucket(b, values)
+        todo = [b for b, h in enumerate(self._handles) if h is None]
+        if len(sources) != len(todo):
+            raise ValueError(f"finish() takes {len(todo)} inputs (pending()), got {len(sources)}")
+        for b, values in zip(todo, sources, strict=True):
+            self.start_bucket(b, values)
         handles, self._handles = self._handles, [None] * len(self.buckets)
         self.bytes_sent = sum(ex.bytes_sent for ex in self.buckets)
         self.calls += 1
@@ -137,11 +141,12 @@ class BucketedAllreduce(Exchange):
             torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
         for h in handles:
             h.commit(ok)
-        if not decode and self.nodes is None and self.device.type == "cpu":
+        if out is None:
+            if not self.returns_runs:
+                raise ValueError("finish(out=None) needs flat buckets on the CPU")
             return SignRuns(
                 [r for h, (lo, _) in zip(handles, self.bounds, strict=True) for r in h.runs(lo)]
             )
-        out = out() if callable(out) else out
         for h, (lo, hi) in zip(handles, self.bounds, strict=True):
             h.wait(out[lo:hi])
         return None
@@ -157,7 +162,8 @@ class BucketedAllreduce(Exchange):
         """All buckets at once: the compressed average of ``tensor`` into ``out`` (default: in
         place)."""
         out = tensor if out is None else out
-        self.finish(tensor.reshape(-1), out.view(-1))
+        x = tensor.reshape(-1)
+        self.finish([x[lo:hi] for lo, hi in self.pending()], out.view(-1))
         return out
 
     # ------------------------------------------------------------------ state

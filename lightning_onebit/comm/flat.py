@@ -23,7 +23,7 @@ the fp32 buffer (``8 * n * (W - 1) / W`` bytes).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -425,24 +425,29 @@ class CompressedAllreduce(Exchange):
             if j * c < self.numel
         ]
 
+    @property
+    def returns_runs(self) -> bool:
+        """Whether :meth:`finish` can return its result undecoded (on the CPU)."""
+        return self.device.type == "cpu"
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The flat ranges :meth:`finish` takes an input for: the whole buffer."""
+        return [(0, self.numel)]
+
     def finish(
-        self,
-        values: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor | Callable[[], torch.Tensor],
-        *,
-        decode: bool = True,
+        self, sources: Sequence[torch.Tensor | kernels.ExchangeSource], out: torch.Tensor | None
     ) -> kernels.SignRuns | None:
-        """One call over the whole buffer into ``out`` (or the buffer a function ``out``
-        returns, called only if the result is decoded): ``values`` is the input, or a function
-        ``(start, stop) -> values`` (called once, for every value). ``decode=False`` on the
-        CPU: ``out`` is left as it is and the result is returned as
-        :class:`~lightning_onebit.kernels.SignRuns` (read by the update kernels in place of
-        the decoded buffer)."""
-        values = values(0, self.numel) if callable(values) else values
-        handle = self.start(values, out=None if callable(out) else out)
-        if decode or self.device.type != "cpu":
-            handle.wait(out() if callable(out) else None)
+        """One call over the whole buffer from ``sources`` (one input: :meth:`pending`), decoded
+        into ``out``; ``out=None`` (:attr:`returns_runs`) returns the result as
+        [kernels.SignRuns][lightning_onebit.kernels.SignRuns], read by the update kernels in
+        place of a decoded buffer."""
+        (values,) = sources
+        handle = self.start(values, out=out)
+        if out is not None:
+            handle.wait()
             return None
+        if not self.returns_runs:
+            raise ValueError(f"finish(out=None) needs the exchange on the CPU, not {self.device}")
         return kernels.SignRuns(handle.runs())
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:

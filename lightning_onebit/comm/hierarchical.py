@@ -44,7 +44,7 @@ import contextlib
 import os
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -441,17 +441,22 @@ class HierarchicalAllreduce(Exchange):
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.start(tensor, out=out).wait()
 
+    #: :meth:`finish` always decodes.
+    returns_runs = False
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The flat ranges :meth:`finish` takes an input for: the whole buffer."""
+        return [(0, self.numel)]
+
     def finish(
-        self,
-        values: torch.Tensor | Callable[[int, int], torch.Tensor],
-        out: torch.Tensor | Callable[[], torch.Tensor],
-        *,
-        decode: bool = True,
+        self, sources: Sequence[torch.Tensor | kernels.ExchangeSource], out: torch.Tensor | None
     ) -> None:
-        """One call over the whole buffer (see :meth:`CompressedAllreduce.finish
-        <lightning_onebit.comm.CompressedAllreduce.finish>`), always decoded into ``out``."""
-        values = values(0, self.numel) if callable(values) else values
-        self.start(values, out=out() if callable(out) else out).wait()
+        """One call over the whole buffer from ``sources`` (one input: :meth:`pending`),
+        decoded into ``out`` (see ``CompressedAllreduce.finish``; ``None`` is refused)."""
+        if out is None:
+            raise ValueError("the hierarchical exchange always decodes: give finish() an out")
+        (values,) = sources
+        self.start(values, out=out).wait()
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:
         """Of the bytes this rank sent in the last call, those that left its node: the

@@ -122,6 +122,12 @@ def finite(flat: torch.Tensor) -> bool:
     return bool(finite_on_device(flat))
 
 
+def reads_sign_runs(device: torch.device) -> bool:
+    """Whether the update kernels read an exchange's result undecoded on ``device`` (the
+    compiled CPU kernels take [kernels.SignRuns][lightning_onebit.kernels.SignRuns])."""
+    return device.type == "cpu" and native.use_native()
+
+
 def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
     """:func:`finite` as a one-element bool tensor on ``flat``'s device (no host read)."""
     if flat.numel() == 0:
@@ -130,71 +136,68 @@ def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
     return (torch.isfinite(lo) & torch.isfinite(hi)).reshape(1)
 
 
+#: What an algorithm exchanges, for a flat slice (whole parameters), from the gradients alone:
+#: its ``_exchange_source``.
+SourceOf = Callable[[slice], "torch.Tensor | ExchangeSource"]
+
+
 def compressed_average_(
-    opt: OneBitOptimizer,
-    source: torch.Tensor | Callable[[slice], torch.Tensor | ExchangeSource],
-    out: torch.Tensor | None = None,
+    opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
 
-    ``source`` is the flat input (``out`` defaults to it: in place) or a function computing
-    it (or a :class:`~lightning_onebit.kernels.ExchangeSource` of it) for a flat slice, so that with :meth:`overlap_with_backward` only the buckets not
-    started during backward are computed here. Raises NonFiniteError on every rank, with
-    ``out`` and the error buffers untouched, when any rank's input has a NaN/Inf; or, when
-    the exchange keeps its verdict on the device (CUDA, see ``DEVICE_VERDICT``), returns it
-    (a bool tensor): where it is false the error buffers are untouched and ``out`` is
-    undefined, and the caller's update kernels must take it. ``None`` otherwise.
+    ``source_of`` is the flat input (``out`` defaults to it: in place) or a function giving it
+    (or a [kernels.ExchangeSource][lightning_onebit.kernels.ExchangeSource] of it) for a flat
+    slice: called here for each range the exchange still needs (with
+    ``overlap_with_backward``, the buckets not started during backward). Raises
+    NonFiniteError on every rank, with ``out`` and the error buffers untouched, when any
+    rank's input has a NaN/Inf; or, when the exchange keeps its verdict on the device (CUDA,
+    see ``DEVICE_VERDICT``), returns it (a bool tensor): where it is false the error buffers
+    are untouched and ``out`` is undefined, and the caller's update kernels must take it.
+    ``None`` otherwise.
     """
     if out is None:
-        if callable(source):
-            raise TypeError("out is required when source is a function")
-        out = source
-    return _exchange(opt, source, out, decode=True)[0]
+        if callable(source_of):
+            raise TypeError("out is required when source_of is a function")
+        out = source_of
+    return _exchange(opt, source_of, out)[0]
 
 
 def compressed_average(
-    opt: OneBitOptimizer,
-    source: Callable[[slice], torch.Tensor | ExchangeSource],
-    out: torch.Tensor | str,
+    opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | str
 ) -> tuple[torch.Tensor | None, torch.Tensor | SignRuns]:
-    """:func:`compressed_average_` for an update kernel that reads
-    :class:`~lightning_onebit.kernels.SignRuns`: returns ``(ok, x)``, ``x`` the average with
-    each group's ``exp_avg_mask`` applied. On the CPU with the compiled kernels and no mask,
-    ``x`` is the exchange's result where it lies (``out`` is not written: the kernel never
-    writes the decoded values out and reads them back); otherwise (also with a verdict kept
-    on the device, whose path reads ``x`` with torch ops) ``out``, decoded. ``out`` may name
-    a work buffer (:attr:`FlatState.work`), made only if the result is decoded into it."""
+    """``compressed_average_`` for an update kernel that reads
+    [kernels.SignRuns][lightning_onebit.kernels.SignRuns]: returns ``(ok, x)``, ``x`` the
+    average with each group's ``exp_avg_mask`` applied. Where the update kernels read the
+    exchange's result where it lies (``kernels.reads_sign_runs``: the CPU with the compiled
+    kernels, no mask, no verdict on the device) ``x`` is that (``out`` is not written: the
+    kernel never writes the decoded values out and reads them back); otherwise ``out``,
+    decoded. ``out`` may name a work buffer (``FlatState.work``), made only if the result is
+    decoded into it."""
+    ex = opt.flat.exchange
     masked = any(g.get("exp_avg_mask") is not None for g in opt.param_groups)
-    direct = (
-        opt.flat.layout.device.type == "cpu"
-        and native.use_native()
-        and not masked
-        and not opt.flat.exchange.device_verdict
-    )
-    target = (lambda: opt.flat.work[out]) if isinstance(out, str) else out
-    ok, runs = _exchange(opt, source, target, decode=not direct)
-    if runs is not None:
-        return ok, runs
+    if ex.returns_runs and not masked and not ex.device_verdict and reads_sign_runs(ex.device):
+        return _exchange(opt, source_of, None)
     out = opt.flat.work[out] if isinstance(out, str) else out
+    ok, _ = _exchange(opt, source_of, out)
     opt.flat.apply_mask_(opt.param_groups, out)
     return ok, out
 
 
 def _exchange(
-    opt: OneBitOptimizer,
-    source: torch.Tensor | Callable[[slice], torch.Tensor | ExchangeSource],
-    out: torch.Tensor | Callable[[], torch.Tensor],
-    decode: bool,
+    opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, SignRuns | None]:
-    """The 1-bit average (``finish(..., decode=decode)``), its bytes counted; the verdict
-    and the runs (``None``: decoded into ``out``)."""
+    """The 1-bit average into ``out`` (``None``: its runs, undecoded), its bytes counted: the
+    verdict and the runs. The inputs are computed here, one per range the exchange still
+    needs: the exchange calls nothing of the optimizer's."""
     ex = opt.flat.exchange
+    ranges = [slice(lo, hi) for lo, hi in ex.pending()]
+    if callable(source_of):
+        sources = [source_of(s) for s in ranges]
+    else:
+        sources = [source_of.reshape(-1)[s] for s in ranges]
     try:
-        runs = ex.finish(
-            (lambda lo, hi: source(slice(lo, hi))) if callable(source) else source,
-            out,
-            decode=decode,
-        )
+        runs = ex.finish(sources, out)
     finally:
         ns = opt.topology.node_size(opt.world_size)
         opt.counters.add(ex.bytes_sent, ex.inter_node_bytes(ns))

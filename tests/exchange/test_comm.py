@@ -391,7 +391,7 @@ def test_a_momentum_source_is_exchanged_as_its_values() -> None:
 
 
 def _runs_worker(rank: int, world: int) -> dict:
-    """Three calls each of a flat and a bucketed exchange with ``decode=False``, next to twins
+    """Three calls each of a flat and a bucketed exchange with ``out=None`` (undecoded), next to twins
     that decode: the runs' values against the twins' outputs, and whether ``out`` stayed."""
     from lightning_onebit.comm import BucketedAllreduce
 
@@ -405,8 +405,8 @@ def _runs_worker(rank: int, world: int) -> dict:
         x = _inputs(rank, t, n)
         for direct, twin in pairs:
             want, out = torch.empty(n), torch.full((n,), 7.0)
-            assert twin.finish(x, want) is None
-            runs = direct.finish(x, out, decode=False)
+            assert twin.finish([x[lo:hi] for lo, hi in twin.pending()], want) is None
+            runs = direct.finish([x[lo:hi] for lo, hi in direct.pending()], None)
             same.append(torch.equal(runs.decode(torch.empty(n)), want))
             untouched.append(bool(out.eq(7.0).all()))
     return {"same": same, "untouched": untouched}
@@ -414,7 +414,7 @@ def _runs_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_an_undecoded_result_holds_the_decoded_values(world: int) -> None:
-    """``finish(..., decode=False)`` on the CPU returns SignRuns whose values are what the
+    """``finish(sources, None)`` on the CPU returns SignRuns whose values are what the
     decoded call writes, bit for bit, call after call, flat and in buckets (exchanged out of
     layout order), and leaves ``out`` as it was."""
     for rank, r in enumerate(run_distributed(_runs_worker, world)):
