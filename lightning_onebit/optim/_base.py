@@ -287,12 +287,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         Args:
             closure: optional callable that re-evaluates the model and returns the loss.
         """
-        self._resolve_verdict()  # the last step's, if on the device (may raise: diverged)
+        self._apply_last_step()  # the last step's, if on the device (may raise: diverged)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._prepare()
+        self._rebuild_if_stale()
         if not self._grads_checked:
             self._grads_checked = check_grads_are_local(self)
         if self.overlap is not None:  # buckets the overlap started
@@ -302,7 +302,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self.rescale.reduce_(self.flat, self.param_groups)  # (the host knows the verdict)
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
-        self.verdict.begin()
+        self.verdict.start_step()
         unsynced = self._unsynced if self._syncs_local_steps() else None
         self._held.hold(self, params_without_grad(self), unsynced)
         try:
@@ -318,7 +318,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             self.flat.gathered = set()
             if self.overlap is not None:
                 self.overlap.end_step()
-        self.verdict.end(self.step_count, counters)
+        self.verdict.end_step(self.step_count, counters)
         w = self.world_size
         self.counters.end_step(self.flat.layout.numel, w, self.topology.node_size(w))
         return loss
@@ -334,28 +334,30 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
             self.divergence.respond(found, name, who, self.on_divergence, rank, self.SWITCH_OPTION)
 
-    def _prepare(self) -> None:
-        """(Re)build the flat buffers and the exchange where needed (:meth:`FlatState.prepare`)."""
+    def _rebuild_if_stale(self) -> None:
+        """(Re)build the flat buffers and the exchange where needed (``FlatState.rebuild_if_stale``)."""
         scalars = {**self._scalar_states, **self.rescale.states}
         buffers = (self._flat_states, scalars, self._work_buffers)
         flat, joined = self.flat, partial(check_joined, self, self._joins_allowed())
-        if flat.prepare(
+        if flat.rebuild_if_stale(
             self.param_groups, self.state, buffers, self.overlap, self.topology,
             self.verdict.uses_device, joined,
         ):  # fmt: skip
             self.divergence.reset()  # (its tensors are the layout's)
             self._on_layout()
 
-    def _resolve_verdict(self) -> None:
-        """The host's half of the last step's device verdict (:meth:`StepVerdict.settle`)."""
-        kept = self.verdict.settle(partial(restore, self), self._skipped, self._skipped_locally)
-        self._held.settle(self, kept)  # (its held parameters' missed step counts if it did)
+    def _apply_last_step(self) -> None:
+        """The host's half of the last step's device verdict (:meth:`StepVerdict.apply_last_step`)."""
+        kept = self.verdict.apply_last_step(
+            partial(restore, self), self._skipped, self._skipped_locally
+        )
+        self._held.count_missed(self, kept)  # (its held parameters' missed step counts if it did)
 
     def _skipped(self, err: NonFiniteError) -> None:
         """Drop the step on every rank, as if its batch had not been there (``StepVerdict``)."""
         rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
         limit, hint = self.max_consecutive_skips, partial(divergence_hint, self)
-        self.verdict.drop(err, step=self.step_count, limit=limit, rank=rank, hint=hint)
+        self.verdict.drop_step(err, step=self.step_count, limit=limit, rank=rank, hint=hint)
 
     @torch.no_grad()
     def freeze(self) -> None:
@@ -363,8 +365,8 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         two steps; a no-op once switched): fold the bias corrections, floor the variance."""
         if self.phases.switched:
             return
-        self._resolve_verdict()  # (the last step's counts are final)
-        self._prepare()
+        self._apply_last_step()  # (the last step's counts are final)
+        self._rebuild_if_stale()
         self._held.release(self)  # (the switch step's: before the state changes meaning)
         self.phases.switch()
         self.flat.stale_denominator()  # (v changed until now)
@@ -381,7 +383,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def catch_up_switch(self) -> bool:
         """Switch now (between steps, on every rank) if the step count is past the switch step:
         after loading torch Adam's state, or moving the switch. Returns whether it switched."""
-        self._resolve_verdict()
+        self._apply_last_step()
         due = not self.phases.switched and self.step_count >= self.switch_step
         if due and self._ready_to_switch():
             self.freeze()
@@ -465,7 +467,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """torch's optimizer state plus ``"onebit"``: step count, phase, counters, this rank's
         error buffers (:meth:`rank_state_dict`). Each parameter's state has torch Adam's
         ``step`` too, so that ``torch.optim.Adam``/``AdamW`` can load it."""
-        self._resolve_verdict()  # (the counts must be final)
+        self._apply_last_step()  # (the counts must be final)
         return self.checkpoint.save(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

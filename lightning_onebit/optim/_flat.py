@@ -87,7 +87,7 @@ class FlatState:
     """The flat fp32 buffers of one optimizer, their per-parameter views, and the exchange over
     them: built at the first step, rebuilt when the trainable parameters change.
 
-    Interface: :meth:`prepare` (at every step), :attr:`layout` (``None`` until built, and after
+    Interface: :meth:`rebuild_if_stale` (at every step), :attr:`layout` (``None`` until built, and after
     :meth:`invalidate`), :attr:`trained` (the last layout's parameters),
     :attr:`states` (flat per-parameter states, e.g. ``exp_avg``), :attr:`scalars` (one value per
     parameter), :attr:`work` (scratch), :attr:`grad` and :attr:`param` (fp32 copies of the
@@ -136,7 +136,7 @@ class FlatState:
 
     # ------------------------------------------------------------------ building
 
-    def prepare(
+    def rebuild_if_stale(
         self,
         param_groups: list[Group],
         state: dict[Any, dict[str, Any]],

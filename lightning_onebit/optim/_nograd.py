@@ -19,7 +19,7 @@ DDP's too): its accumulated steps are exchanged, and the ranks end the sync step
 The steps a kept-out parameter misses are counted (its bias correction counts its own steps, as
 torch's Adam's): at once where the step's verdict is known on the host; a step whose verdict
 stays on the device (CUDA) is counted when the host learns that it went through, and not at all
-if it was dropped (:meth:`HeldParams.settle`).
+if it was dropped (:meth:`HeldParams.count_missed`).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class HeldParams:
     """The parameters a step keeps out of it and what they held before it.
 
     Interface: :meth:`hold` (before the step), :meth:`release` (after it, or at the phase
-    switch, before the state changes meaning), :meth:`settle` (when the host learns the verdict
+    switch, before the state changes meaning), :meth:`count_missed` (when the host learns the verdict
     of a step whose verdict stayed on the device).
     """
 
@@ -176,7 +176,7 @@ class HeldParams:
         """Put back what :meth:`hold` saved of the parameters no rank had a gradient for (the
         others took part in the step with zeros); with ``count``, the step counts as one they
         missed (their bias correction counts their own steps, as torch's Adam's), once its
-        verdict is known on the host (:meth:`settle`)."""
+        verdict is known on the host (:meth:`count_missed`)."""
         agreement, self.agreement = self.agreement, None
         held, self.saved = self.saved, None
         if held is None:
@@ -206,9 +206,9 @@ class HeldParams:
         else:
             _count(opt, missed)
 
-    def settle(self, opt: OneBitOptimizer, kept: bool | None) -> None:
+    def count_missed(self, opt: OneBitOptimizer, kept: bool | None) -> None:
         """The host learnt the verdict of the last step (see
-        :meth:`~lightning_onebit.optim._verdict.StepVerdict.settle`): ``kept`` (it went
+        :meth:`~lightning_onebit.optim._verdict.StepVerdict.apply_last_step`): ``kept`` (it went
         through) counts the steps its held parameters missed; ``False`` (dropped) or ``None``
         (no verdict was waiting: a loaded state replaced that step's) forgets them."""
         missed, self.uncounted = self.uncounted, None

@@ -83,7 +83,7 @@ def average_(opt: OneBitOptimizer, flat: torch.Tensor) -> torch.Tensor | None:
         opt.counters.add_ring(sent, w, opt.topology.node_size(w))
     if opt.verdict.uses_device(opt.flat.layout.device):  # averaged: the same verdict on every rank
         ok = finite_on_device(flat)
-        return opt.verdict.keep(ok, ok, "average")
+        return opt.verdict.hold_on_device(ok, ok, "average")
     if not finite(flat):
         raise NonFiniteError(
             f"the averaged gradient has non-finite values (NaN/Inf) at step {opt.step_count}"
@@ -201,7 +201,7 @@ def _exchange(
     finally:
         ns = opt.topology.node_size(opt.world_size)
         opt.counters.add(ex.bytes_sent, ex.inter_node_bytes(ns))
-    return opt.verdict.take(ex), runs
+    return opt.verdict.from_exchange(ex), runs
 
 
 def adam_direction(opt: OneBitOptimizer, out: torch.Tensor) -> torch.Tensor:
@@ -237,7 +237,7 @@ def adam_direction(opt: OneBitOptimizer, out: torch.Tensor) -> torch.Tensor:
 def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``sqrt(exp_avg_sq) + eps`` (and its per-parameter views), computed once while the
     variance stays frozen: two sweeps fewer per step. Dropped when the layout or the state
-    is rebuilt (``_prepare``, ``load_state_dict``), eps changes, or ``rescale_variance``
+    is rebuilt (``_rebuild_if_stale``, ``load_state_dict``), eps changes, or ``rescale_variance``
     moved a tensor's scale (then ``sqrt(v * r_j) + eps``, see ``VarianceRescale``)."""
     eps = [group["eps"] for group in opt.param_groups]
     cache = opt.flat.denominator

@@ -5,7 +5,7 @@ was written, so the step is dropped on every rank as if its batch had not been t
 ``max_consecutive_skips`` dropped steps in a row mean the run diverged and raise
 :class:`~lightning_onebit.comm.NonFiniteError`. On CUDA the verdict stays on the device (a host
 read would wait for the GPU and the exchange's ``all_to_all``): the step's writes take it, and
-the host reads a copy of it at the start of the next step (:meth:`StepVerdict.resolve`).
+the host reads a copy of it at the start of the next step (:meth:`StepVerdict.read_last_step`).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class StepVerdict:
     """The verdict of the step in flight and the count of dropped steps of one optimizer.
 
     Interface: :meth:`uses_device` (where verdicts stay on the device); in a step,
-    :meth:`begin`, :meth:`keep` / :meth:`take` (a verdict on the device), :meth:`now` (read it
-    at once), :attr:`on_device` (not read yet), :meth:`end`; between steps :meth:`resolve` /
-    :meth:`settle` (the last step's, on the host); :meth:`drop` and :meth:`count_drop` (the
+    :meth:`start_step`, :meth:`hold_on_device` / :meth:`from_exchange` (a verdict on the device), :meth:`read_on_host` (read it
+    at once), :attr:`on_device` (not read yet), :meth:`end_step`; between steps :meth:`read_last_step` /
+    :meth:`apply_last_step` (the last step's, on the host); :meth:`drop_step` and :meth:`count_drop` (the
     skip policy); ``skipped_steps`` (checkpointed).
 
     Args:
@@ -72,8 +72,8 @@ class StepVerdict:
         self.consecutive = 0  # ... in a row
         #: this step's ``(ok, finite per rank, what it judged)`` on the device
         self.current: tuple[torch.Tensor, torch.Tensor, str] | None = None
-        self.read = False  # ... read on the host already (:meth:`now`)
-        #: the last step's: ``(step, host copy, CUDA event, kind, counters)`` (see :meth:`end`)
+        self.read = False  # ... read on the host already (:meth:`read_on_host`)
+        #: the last step's: ``(step, host copy, CUDA event, kind, counters)`` (see :meth:`end_step`)
         self.pending: tuple[Any, ...] | None = None
         self._skipped_before = 0  # skipped_steps when the step began
 
@@ -84,25 +84,25 @@ class StepVerdict:
 
     # ------------------------------------------------------------------ in a step
 
-    def begin(self) -> None:
+    def start_step(self) -> None:
         """A step starts: no verdict yet."""
         self.current = None
         self._skipped_before = self.skipped_steps
         self.read = False
 
-    def keep(self, ok: torch.Tensor, finite: torch.Tensor, kind: str) -> torch.Tensor:
+    def hold_on_device(self, ok: torch.Tensor, finite: torch.Tensor, kind: str) -> torch.Tensor:
         """Keep this step's verdict ``ok`` (and ``finite`` per rank) on the device; return
         ``ok``."""
         self.current = (ok, finite, kind)
         return ok
 
-    def take(self, exchange: Any) -> torch.Tensor | None:
+    def from_exchange(self, exchange: Any) -> torch.Tensor | None:
         """After a compressed exchange: its verdict on the device (the step's update kernels
         take it), or ``None`` when the exchange read it on the host (and raised)."""
         if not exchange.device_verdict:
             return None
         ok, finite = exchange.verdict
-        return self.keep(ok, finite, "exchange")
+        return self.hold_on_device(ok, finite, "exchange")
 
     @property
     def ok(self) -> torch.Tensor | None:
@@ -112,10 +112,10 @@ class StepVerdict:
     @property
     def on_device(self) -> bool:
         """Whether this step's verdict is on the device only: the host learns it at the next
-        :meth:`settle`."""
+        :meth:`apply_last_step`."""
         return self.current is not None and not self.read
 
-    def now(self, step: int) -> None:
+    def read_on_host(self, step: int) -> None:
         """Read this step's device verdict on the host now (a host synchronisation, for the
         steps that change the phase: once per run) and raise :class:`NonFiniteError` if it was
         false, as the host's own verdict does; the step wrote nothing."""
@@ -127,9 +127,9 @@ class StepVerdict:
             raise NonFiniteError(verdict_message(finite.tolist(), kind, step))
         self.read = True
 
-    def end(self, step: int, counters: dict[str, Any]) -> None:
+    def end_step(self, step: int, counters: dict[str, Any]) -> None:
         """End of step ``step``: a verdict still on the device is copied to the host without
-        waiting (pinned memory, an event after the copy) for :meth:`resolve`; a step that
+        waiting (pinned memory, an event after the copy) for :meth:`read_last_step`; a step that
         counted ends the run of dropped steps."""
         if self.current is None:
             if self.skipped_steps == self._skipped_before:
@@ -148,7 +148,7 @@ class StepVerdict:
 
     # ------------------------------------------------------------------ between steps
 
-    def resolve(self) -> Dropped | None:
+    def read_last_step(self) -> Dropped | None:
         """The host's half of the last step, if its verdict stayed on the device: ``None`` if it
         was finite (or there was none), else what to drop. The copy has arrived by the next
         step (the event waits only if the GPU is still on that step's exchange)."""
@@ -164,22 +164,22 @@ class StepVerdict:
             return None
         return Dropped(kind, verdict_message(finite, kind, step), counters)
 
-    def settle(
+    def apply_last_step(
         self,
         restore: Callable[[dict[str, Any]], None],
         drop: Callable[[NonFiniteError], None],
         drop_local: Callable[[], None],
     ) -> bool | None:
-        """The host's half of a step whose verdict stayed on the device (:meth:`resolve`), at
+        """The host's half of a step whose verdict stayed on the device (:meth:`read_last_step`), at
         the start of the next step and before a checkpoint: if it was non-finite, the step
         (which wrote nothing) gets its host counters put back (``restore``) and is dropped
-        (``drop``, as :meth:`drop` does); a ``"local"`` one (0/1 Adam's local step, skipped by
+        (``drop``, as :meth:`drop_step` does); a ``"local"`` one (0/1 Adam's local step, skipped by
         its own rank only) goes to ``drop_local``. Returns whether that step counts: ``True``
         (finite, or sat out by one rank), ``False`` (dropped), ``None`` (no verdict was
         waiting)."""
         if self.pending is None:
             return None
-        dropped = self.resolve()
+        dropped = self.read_last_step()
         if dropped is None:
             return True
         if dropped.kind == "local":
@@ -195,7 +195,7 @@ class StepVerdict:
         self.consecutive += 1
         return self.consecutive >= limit
 
-    def drop(
+    def drop_step(
         self,
         err: NonFiniteError,
         *,

@@ -187,7 +187,9 @@ class OneBitAdam(OneBitOptimizer):
             # 1b + 3. Adam's moments and update, one fused sweep
             adam_step_(self, ok=ok)
             if self.step_count >= self.freeze_step:
-                self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
+                self.verdict.read_on_host(
+                    self.step_count
+                )  # (the switch needs it: read on the host, once)
                 self.freeze()
             return
 

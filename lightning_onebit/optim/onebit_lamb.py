@@ -420,7 +420,9 @@ class OneBitLamb(OneBitOptimizer):
             # 1e. update
             self._scale_layers_and_step_(u, coeff)
             if self.step_count >= self.freeze_step:
-                self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
+                self.verdict.read_on_host(
+                    self.step_count
+                )  # (the switch needs it: read on the host, once)
                 self.freeze()  # 2.
             return
 

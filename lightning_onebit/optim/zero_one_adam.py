@@ -505,15 +505,15 @@ class ZeroOneAdam(OneBitOptimizer):
             source = torch.mul(acc, denominator(self)[0], out=x)
         self.counters.start_step()
         counters = snapshot(self, self._host_counters)
-        self.verdict.begin()
+        self.verdict.start_step()
         try:
             self._synchronize_(source, this_step=False)
-            self.verdict.now(self.step_count)  # (not a step: said now, a host read)
+            self.verdict.read_on_host(self.step_count)  # (not a step: said now, a host read)
         except NonFiniteError:
             restore(self, counters)
             raise
         finally:
-            self.verdict.begin()
+            self.verdict.start_step()
         self.counters.end_between_steps()
 
     def _local_step_on_verdict_(self, g: torch.Tensor) -> None:
@@ -521,7 +521,7 @@ class ZeroOneAdam(OneBitOptimizer):
         values computed aside and kept where it is true (else this rank sits the step out, as
         on the host: its lr still counts)."""
         finite = finite_on_device(g)
-        ok = self.verdict.keep(finite, finite, "local")
+        ok = self.verdict.hold_on_device(finite, finite, "local")
         m, acc, u = self.flat.states["exp_avg"], self._acc, self.flat.work["update"]
         for gi, group, _ in self.flat.segments(self.param_groups):
             self.lrs[gi] += group["lr"]
@@ -570,7 +570,9 @@ class ZeroOneAdam(OneBitOptimizer):
                     self.var_counter = 0
                     self.var_interval *= 2
             if t >= self.var_freeze_step:
-                self.verdict.now(self.step_count)  # (the switch needs it: read on the host, once)
+                self.verdict.read_on_host(
+                    self.step_count
+                )  # (the switch needs it: read on the host, once)
                 self.freeze()  # 2.
             return
 

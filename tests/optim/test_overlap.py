@@ -273,7 +273,7 @@ def test_first_bucket_is_small_like_ddps() -> None:
     params = [torch.nn.Parameter(torch.zeros(100_000)) for _ in range(10)]
     opt = OneBitAdam(params)
     opt.overlap_with_backward(25.0)
-    opt._prepare()
+    opt._rebuild_if_stale()
     sizes = [hi - lo for lo, hi in opt.overlap.bounds]
     assert sizes == [300_000, 700_000], sizes
     assert opt.overlap.bounds[0][1] == 1_000_000  # exchanged first: the end of the layout
