@@ -7,9 +7,15 @@ name, instead of somewhere in a training run. Checked on torch 2.13.0 with Light
 optimizers are built on (a documented, stable family despite the underscore).
 
 Done with public APIs instead, so not listed: writing and reading rank files
-(``torch.save``/``torch.load`` through ``fsspec``), local paths (``fsspec.core.strip_protocol``), the unused-parameters message (our own), the
-precision plugin (``Strategy.precision_plugin``'s setter), the start method and timeout (kept by
-``OneBitStrategy`` itself).
+(``torch.save``/``torch.load`` through ``fsspec``), local paths (``fsspec.core.strip_protocol``),
+the unused-parameters message (our own), the precision plugin (``Strategy.precision_plugin``'s
+setter), the start method and timeout (kept by the strategies' options), DDP's device ids
+(``None`` on CPU, else the root device's index, as both ``DDPStrategy``s compute them), a
+``LightningOptimizer``'s optimizer (its ``optimizer`` property).
+
+Lightning's private hooks are overridden here too (`LauncherCheck`,
+`TrainerDDPHooks`), each routed to a public method of the strategy, so that no other
+module names them.
 """
 
 from __future__ import annotations
@@ -36,32 +42,96 @@ __all__ = [
     "FABRIC_DDP_PRIVATE",
     "IS_INTERACTIVE",
     "DDPBackwardSyncControl",
+    "LauncherCheck",
     "MockOptimizer",
+    "TrainerDDPHooks",
+    "ddp_kwargs",
     "mark_step_for_lr_schedulers",
+    "process_group_backend",
     "scaler_found_inf",
+    "set_backward_sync_control",
+    "stateful_state",
+    "tensor_version",
 ]
 
 # --------------------------------------------------------------------------- Lightning
 
-#: DDPStrategy's private hooks that OneBitStrategy overrides (2.6.0-2.6.6):
-#: ``_setup_model`` wraps the model in DDP (ours: on the current stream, with our comm hook
-#: registered on every device); ``_register_ddp_hooks`` registers DDP's comm hook, on CUDA only
-#: (ours does nothing: the hook is registered); ``_configure_launcher`` builds the launcher (our
-#: interactive-session message must come before Lightning's check in ``Trainer``). If Lightning
-#: renames one, our override would silently never run: the test checks that Lightning still
-#: calls each.
+#: DDPStrategy's private hooks that OneBitStrategy overrides (2.6.0-2.6.6), in
+#: `TrainerDDPHooks` and `LauncherCheck`: ``_setup_model`` wraps the model in DDP
+#: (ours: on the current stream, with our comm hook registered on every device);
+#: ``_register_ddp_hooks`` registers DDP's comm hook, on CUDA only (ours does nothing: the hook is
+#: registered); ``_configure_launcher`` builds the launcher (our interactive-session message must
+#: come before Lightning's check in ``Trainer``). If Lightning renames one, our override would
+#: silently never run: the test checks that Lightning still calls each.
 DDP_HOOKS_OVERRIDDEN = ("_setup_model", "_register_ddp_hooks", "_configure_launcher")
 
 #: Fabric DDPStrategy's private members that OneBitFabricStrategy overrides or uses (2.6.0-2.6.6):
-#: ``_configure_launcher`` (our interactive-session message), ``_backward_sync_control`` (what
-#: ``fabric.no_backward_sync`` calls), ``_convert_stateful_objects_in_state`` (the state dicts
-#: of ``fabric.save``'s objects, before we add the per-rank files), ``_start_method``.
+#: ``_configure_launcher`` (`LauncherCheck`), ``_backward_sync_control`` (what
+#: ``fabric.no_backward_sync`` calls: `set_backward_sync_control`),
+#: ``_convert_stateful_objects_in_state`` (`stateful_state`), ``_ddp_kwargs``
+#: (`ddp_kwargs`), ``_get_process_group_backend`` (`process_group_backend`).
 FABRIC_DDP_PRIVATE = (
     "_configure_launcher",
     "_backward_sync_control",
     "_convert_stateful_objects_in_state",
-    "_start_method",
+    "_ddp_kwargs",
+    "_get_process_group_backend",
 )
+
+
+class LauncherCheck:
+    """Lightning's ``_configure_launcher`` (the Trainer's and Fabric's ``DDPStrategy``), then the
+    strategy's public ``check_launcher()``: our message about an interactive session must come
+    before Lightning's own check, which suggests ``'ddp_notebook'`` (plain DDP). Placed before
+    ``DDPStrategy`` in a strategy's bases."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        self.check_launcher()  # type: ignore[attr-defined]
+
+
+class TrainerDDPHooks:
+    """The Trainer ``DDPStrategy``'s private model hooks, routed to the strategy's public
+    ``wrap_module(model)``: DDP built on the current stream (``DDPStrategy`` builds it on a side
+    stream) with our comm hook registered on every device (``DDPStrategy`` registers one on CUDA
+    only). Placed before ``DDPStrategy`` in a strategy's bases."""
+
+    def _setup_model(self, model: torch.nn.Module) -> Any:
+        return self.wrap_module(model)  # type: ignore[attr-defined]
+
+    def _register_ddp_hooks(self) -> None:
+        pass  # (ours is registered by wrap_module)
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a ``DDPStrategy`` (the Trainer's or Fabric's) passes on to
+    ``DistributedDataParallel``: what the user gave it beyond its own arguments. No public
+    accessor exists. (2.6.0-2.6.6: ``_ddp_kwargs``)"""
+    return strategy._ddp_kwargs
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend a ``DDPStrategy`` (the Trainer's or Fabric's) will start its default process
+    group with (the one given, else the device's default). The public ``process_group_backend``
+    is ``None`` until the group starts, and we start it ourselves under torchrun.
+    (2.6.0-2.6.6: ``_get_process_group_backend``)"""
+    return strategy._get_process_group_backend()
+
+
+def stateful_state(
+    strategy: Any, state: dict[str, Any], filter: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What Fabric's ``DDPStrategy.save_checkpoint`` writes for ``state``: each module,
+    optimizer and stateful object replaced by its state dict (``filter`` applied), the rest as
+    given. No public function does it. (2.6.0-2.6.6: ``_convert_stateful_objects_in_state``)"""
+    return strategy._convert_stateful_objects_in_state(state, filter=filter or {})
+
+
+def set_backward_sync_control(strategy: Any, control: DDPBackwardSyncControl) -> None:
+    """Make ``control`` what ``fabric.no_backward_sync`` of Fabric's ``strategy`` uses.
+    (2.6.0-2.6.6: ``_backward_sync_control``)"""
+    strategy._backward_sync_control = control
+
 
 # --------------------------------------------------------------------------- torch
 
@@ -90,3 +160,10 @@ def mark_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
 
     wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapped  # type: ignore[method-assign]
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter, which every in-place change increments (autograd's
+    check of saved tensors): what tells a cached copy of the tensor from a stale one without
+    reading the tensor. No public accessor exists. (torch 2.13: ``Tensor._version``)"""
+    return tensor._version

@@ -20,8 +20,13 @@ from lightning_onebit._compat import (
     FABRIC_DDP_PRIVATE,
     IS_INTERACTIVE,
     MockOptimizer,
+    ddp_kwargs,
     mark_step_for_lr_schedulers,
+    process_group_backend,
     scaler_found_inf,
+    set_backward_sync_control,
+    stateful_state,
+    tensor_version,
 )
 from lightning_onebit._integration.rank_files import (
     find_rank_state,
@@ -117,6 +122,60 @@ def test_lightning_still_calls_the_ddp_hooks_we_override() -> None:
         warnings.simplefilter("ignore")  # devices=1, few batches
         trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
     assert set(_Recording.calls) == set(DDP_HOOKS_OVERRIDDEN), _Recording.calls
+
+
+def test_both_ddp_strategies_keep_ddps_kwargs_and_their_backend() -> None:
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    cpu = [torch.device("cpu")] * 2
+    for cls in (DDPStrategy, FabricDDPStrategy):
+        plain = cls(parallel_devices=cpu, find_unused_parameters=True, bucket_cap_mb=5)
+        assert ddp_kwargs(plain) == {"find_unused_parameters": True, "bucket_cap_mb": 5}, cls
+        assert process_group_backend(plain) == "gloo", cls  # (before any group starts)
+        assert plain.process_group_backend is None, cls  # (why the public one does not do)
+        chosen = cls(parallel_devices=cpu, process_group_backend="mpi")
+        assert process_group_backend(chosen) == "mpi", cls
+
+
+def test_fabric_saves_a_stateful_objects_state_dict() -> None:
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    module = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(module.parameters())
+    state = {"model": module, "optimizer": opt, "step": 3}
+    converted = stateful_state(FabricDDPStrategy(), state, None)
+    assert converted["step"] == 3 and set(converted) == {"model", "optimizer", "step"}
+    assert converted["model"].keys() == module.state_dict().keys()
+    assert converted["optimizer"] == opt.state_dict()
+    only_bias = {"model": lambda key, _: key == "bias"}
+    assert list(stateful_state(FabricDDPStrategy(), state, only_bias)["model"]) == ["bias"]
+
+
+def test_fabric_no_backward_sync_uses_the_control_set() -> None:
+    import inspect
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    from lightning_onebit._compat import DDPBackwardSyncControl
+
+    strategy = FabricDDPStrategy()
+    control = DDPBackwardSyncControl()
+    set_backward_sync_control(strategy, control)
+    assert strategy._backward_sync_control is control
+    # (what fabric.no_backward_sync asks; running it needs launched processes)
+    assert "_strategy._backward_sync_control" in inspect.getsource(L.Fabric.no_backward_sync)
+
+
+def test_a_tensors_version_counts_its_in_place_changes() -> None:
+    t = torch.zeros(3)
+    before = tensor_version(t)
+    t.add_(1.0)
+    t[0] = 2.0
+    assert tensor_version(t) == before + 2
+    assert tensor_version(t + 1) == 0  # (a new tensor)
+    view = t[1:]
+    view.mul_(2.0)  # (a view shares its base's counter)
+    assert tensor_version(t) == before + 3
 
 
 def test_scaler_found_inf_is_what_step_reads() -> None:
