@@ -1,53 +1,36 @@
 """``OneBitFabricStrategy``: the 1-bit strategies for Lightning Fabric (custom training loops).
 
-What it does is the Trainer strategy's (:class:`~lightning_onebit.OneBitStrategy`), from the same
-shared pieces (``lightning_onebit._integration``); this module wires them into Fabric's
-``DDPStrategy``. Where a Fabric loop differs from the Trainer (clipping, gradient accumulation,
+What it does is the Trainer strategy's ([OneBitStrategy][lightning_onebit.OneBitStrategy]),
+from the same shared pieces (``lightning_onebit._integration``, ``OneBitStrategyBase`` first in
+its bases); this module wires them into Fabric's ``DDPStrategy``. Where a Fabric loop differs from the Trainer (clipping, gradient accumulation,
 the phase switch after each ``optimizer.step()``): see the class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_onebit._compat import IS_INTERACTIVE
+from lightning_onebit._compat import set_backward_sync_control, stateful_state
 from lightning_onebit._integration import lifecycle
 from lightning_onebit._integration.checks import check_dense_gradients
 from lightning_onebit._integration.convert import schedulers_of
-from lightning_onebit._integration.errors import quiet_errors_on_this_rank
 from lightning_onebit._integration.front_end import FABRIC
-from lightning_onebit._integration.hook import HookState, wrap_in_ddp
 from lightning_onebit._integration.optimizer import (
-    OptimizerBuilder,
     PausingBackwardSyncControl,
     stop_overlap_for_clipping,
 )
-from lightning_onebit._integration.options import (
-    AboveZeroToOne,
-    AtLeastOne,
-    NonNegativeFloat,
-    NonNegativeInt,
-    OpenUnitInterval,
-    PositiveFloat,
-    PositiveInt,
-    StrategyOptions,
-    ZeroToBelowOne,
-)
 from lightning_onebit._integration.phase_switch import PhaseSwitch
-from lightning_onebit._integration.rank_files import PATH, RankCheckpoint
-from lightning_onebit._integration.registry import register_names
+from lightning_onebit._integration.rank_files import PATH
 from lightning_onebit._integration.scaler import sync_scaler_of
+from lightning_onebit._integration.strategy_base import OneBitStrategyBase, takes_options
 from lightning_onebit.optim import OneBitOptimizer
 
 __all__ = ["OneBitFabricStrategy"]
@@ -59,7 +42,8 @@ _ONE_OPTIMIZER = (
 )
 
 
-class OneBitFabricStrategy(DDPStrategy):
+@takes_options
+class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB in a Fabric loop.
 
     Use a registered name (``L.Fabric(strategy="onebit_adam")``, after ``import lightning_onebit``;
@@ -81,8 +65,10 @@ class OneBitFabricStrategy(DDPStrategy):
     the 1-bit error buffers restart from zero, with a ``RuntimeWarning``: pass
     ``overlap_bucket_mb=None`` to avoid that). ``fabric.no_backward_sync(model)`` pauses the
     overlap as well as DDP's allreduce. The phase switch runs after every ``optimizer.step()``;
-    read the counters with :meth:`comm_stats`. ``fabric.save``/``fabric.load`` write and read the
-    per-rank files beside the checkpoint.
+    read the counters with `comm_stats`. ``fabric.save``/``fabric.load`` write and read the
+    per-rank files beside the checkpoint. The options are
+    [OneBitStrategy][lightning_onebit.OneBitStrategy]'s, with the same types, defaults, checks and
+    meaning, less the Trainer's logging options (read `comm_stats` instead), plus ``max_steps``.
 
     Args:
         max_steps: the run's optimizer steps: what a fractional ``freeze_step`` (and its default,
@@ -92,145 +78,34 @@ class OneBitFabricStrategy(DDPStrategy):
             variance has stabilised (``adaptive_freeze``, turned on for you: the run's length is
             unknown), at the latest after the algorithm's own ``freeze_step``; a fractional
             ``freeze_step`` raises; 0/1 Adam keeps DeepSpeed's ``local_step_scaler`` of 32768.
-
-    The other arguments are :class:`~lightning_onebit.OneBitStrategy`'s, with the same types,
-    defaults, checks and meaning (``algorithm``, ``freeze_step``, ``adaptive_freeze``,
-    ``freeze_threshold``, ``freeze_window``, the algorithms' options, ``bias_correction``,
-    ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``,
-    ``compressed_variance_phase``, ``deepspeed_compatible``, ``lamb_lr``,
-    ``overlap_bucket_mb``, ``average_dtype``, ``hierarchical``, ``on_divergence``, ``timeout``,
-    ``start_method``,
-    ``deepspeed_config`` (see :meth:`from_deepspeed_config`), and ``**kwargs`` for
-    ``DistributedDataParallel``), less the Trainer's logging options (read :meth:`comm_stats`
-    instead).
     """
 
-    def __init__(
-        self,
-        algorithm: Literal["onebit_adam", "zero_one_adam", "onebit_lamb"] = "onebit_adam",
-        freeze_step: NonNegativeInt | OpenUnitInterval | None = None,
-        adaptive_freeze: bool = False,
-        freeze_threshold: PositiveFloat = 0.05,
-        freeze_window: PositiveInt = 50,
-        var_update_scaler: PositiveInt | None = None,
-        local_step_scaler: PositiveInt | None = None,
-        local_step_clipper: PositiveInt | None = None,
-        compressed_variance_phase: bool | None = None,
-        max_coeff: PositiveFloat | None = None,
-        min_coeff: PositiveFloat | None = None,
-        coeff_beta: ZeroToBelowOne | None = None,
-        factor_max: AtLeastOne | None = None,
-        factor_min: AboveZeroToOne | None = None,
-        factor_threshold: NonNegativeFloat | None = None,
-        bias_correction: bool | None = None,
-        variance_floor: ZeroToBelowOne | None = None,
-        preconditioned_exchange: bool | None = None,
-        rescale_variance: bool | None = None,
-        deepspeed_compatible: bool | None = None,
-        lamb_lr: PositiveFloat | None = None,
-        overlap_bucket_mb: PositiveFloat | None = 25.0,
-        average_dtype: str | torch.dtype | None = None,
-        hierarchical: bool | Literal["auto"] = "auto",
-        on_divergence: Literal["warn", "raise"] = "warn",
-        timeout: timedelta | None = timedelta(minutes=30),
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        deepspeed_config: str | Path | dict[str, Any] | None = None,
-        max_steps: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        lifecycle.check_ddp_kwargs(kwargs)
-        options, hparams, note = StrategyOptions(
-            algorithm=algorithm, freeze_step=freeze_step, adaptive_freeze=adaptive_freeze,
-            freeze_threshold=freeze_threshold, freeze_window=freeze_window,
-            var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-            local_step_clipper=local_step_clipper,
-            compressed_variance_phase=compressed_variance_phase, max_coeff=max_coeff,
-            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-            factor_min=factor_min, factor_threshold=factor_threshold,
-            bias_correction=bias_correction, variance_floor=variance_floor,
-            preconditioned_exchange=preconditioned_exchange, rescale_variance=rescale_variance,
-            deepspeed_compatible=deepspeed_compatible, lamb_lr=lamb_lr,
-            overlap_bucket_mb=overlap_bucket_mb, average_dtype=average_dtype,
-            hierarchical=hierarchical, on_divergence=on_divergence, timeout=timeout,
-            start_method=start_method,
-        ).with_deepspeed_config(deepspeed_config, FABRIC)  # fmt: skip
-        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
-        self.options = options
-        self.builder = OptimizerBuilder(options, type(self).__name__, ValueError, hparams)
+    front_end = FABRIC
+    user_error = ValueError
+    launcher_error = RuntimeError
+
+    def __init__(self, *args: Any, max_steps: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         if max_steps is not None and not (
             isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0
         ):
             raise ValueError(f"max_steps must be an int > 0 or None, got {max_steps!r}")
         self.max_steps = max_steps
-        o = options
+        o = self.options
         self._switch = PhaseSwitch(
             o.freeze_step, o.adaptive_freeze, o.freeze_threshold, o.freeze_window
         )
-        self._backward_sync_control = PausingBackwardSyncControl(self._onebit_optimizers)
-        self._hook_state: HookState | None = None
-        self._rank_checkpoint = RankCheckpoint(self)
+        set_backward_sync_control(self, PausingBackwardSyncControl(self._onebit_optimizers))
         self._module: Module | None = None  # the user's module (inside DDP)
         self._optimizer: OneBitOptimizer | None = None
-        if note:
-            rank_zero_warn(note, category=UserWarning)
-
-    @classmethod
-    def from_deepspeed_config(
-        cls, config: str | Path | dict[str, Any], **overrides: Any
-    ) -> OneBitFabricStrategy:
-        """The strategy a DeepSpeed JSON config of ``OneBitAdam``/``ZeroOneAdam``/``OneBitLamb``
-        describes (a path or a dict), as :meth:`OneBitStrategy.from_deepspeed_config
-        <lightning_onebit.OneBitStrategy.from_deepspeed_config>`: the config's type picks the
-        algorithm and its params the options; ``fabric.setup`` still takes your
-        ``torch.optim.Adam``/``AdamW``, whose ``lr``/``betas``/... win over the config's (a
-        warning names those that differ); it computes with DeepSpeed's arithmetic
-        (``deepspeed_compatible=True``, unless given as ``False``). ``overrides``: further
-        arguments, which win."""
-        return cls(deepspeed_config=config, **overrides)
-
-    @property
-    def algorithm(self) -> str:
-        """``"onebit_adam"``, ``"zero_one_adam"`` or ``"onebit_lamb"``."""
-        return self.options.algorithm
-
-    # ------------------------------------------------------------------ registry, precision
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(cls, strategy_registry)
 
     # (precision='64-true' refused when Fabric is built)
     precision = lifecycle.refusing_float64(DDPStrategy.precision, DoublePrecision)
 
-    # ------------------------------------------------------------------ processes
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if (
-            IS_INTERACTIVE
-            and self.launcher is not None
-            and not self.launcher.is_interactive_compatible
-        ):
-            raise RuntimeError(lifecycle.notebook_message(self.algorithm, type(self).__name__))
-
     @override
     def setup_environment(self) -> None:
-        n = self.num_processes
-        with lifecycle.process_setup(self._start_method, n, self.num_nodes, FABRIC):
-            lifecycle.init_default_group_per_attempt(
-                self._get_process_group_backend(), self.global_rank,
-                self.num_nodes * n, self.options.timeout, self.root_device,
-            )  # fmt: skip
-            super().setup_environment()  # (starts the process group unless started above)
-        quiet_errors_on_this_rank(self.global_rank)
+        super().setup_environment()
         sync_scaler_of(self.precision, self.root_device.type)
-
-    @override
-    def teardown(self) -> None:
-        with lifecycle.teardown_steps([self._optimizer], self._hook_state):
-            super().teardown()
 
     # ------------------------------------------------------------------ setup
 
@@ -246,10 +121,7 @@ class OneBitFabricStrategy(DDPStrategy):
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         check_dense_gradients(module)
-        # on the current stream, not on a side stream as Fabric's DDPStrategy does (see build_ddp)
-        ddp, self._hook_state = wrap_in_ddp(
-            module, self._determine_ddp_device_ids(), self._ddp_kwargs
-        )
+        ddp = self.wrap_module(module)
         self._module = module
         self.builder.attach(self._optimizer, module, self._hook_state)
         return ddp
@@ -281,17 +153,9 @@ class OneBitFabricStrategy(DDPStrategy):
         self.builder.prepare(new, self.num_processes, self.world_size, False, scaler)
         return new
 
+    @override
     def _onebit_optimizers(self) -> list[OneBitOptimizer]:
         return [self._optimizer] if self._optimizer is not None else []
-
-    @property
-    def onebit_optimizer(self) -> OneBitOptimizer:
-        """The 1-bit optimizer being trained with (after ``fabric.setup``)."""
-        if self._optimizer is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no optimizer yet (it exists after fabric.setup)"
-            )
-        return self._optimizer
 
     # ------------------------------------------------------------------ the loop
 
@@ -314,7 +178,7 @@ class OneBitFabricStrategy(DDPStrategy):
     def comm_stats(self) -> dict[str, float]:
         """Phase and bytes after the last ``optimizer.step()``, for your own logging
         (``fabric.log_dict(fabric.strategy.comm_stats())``): the Trainer strategy's
-        ``onebit/*`` metrics (see :class:`~lightning_onebit.CompressionScheduler`), equal on
+        ``onebit/*`` metrics (see [CompressionScheduler][lightning_onebit.CompressionScheduler]), equal on
         every rank: ``onebit/phase`` (0 = warmup / variance phase, 1 = compression),
         ``onebit/ratio_vs_ddp``, ``onebit/bytes_step``, ``onebit/bytes_total``,
         ``onebit/skipped_steps``, and once measured ``onebit/step_ms_warmup``,
@@ -369,7 +233,7 @@ class OneBitFabricStrategy(DDPStrategy):
         opt = self._optimizer
         if opt is None or not any(v is opt for v in state.values()):
             return super().save_checkpoint(path, state, storage_options, filter)
-        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        converted = stateful_state(self, state, filter)
         states = [converted[k] for k, v in state.items() if v is opt and k in converted]
         extra = {"phase_switch": self._switch.state_dict()}
         self._rank_checkpoint.save_step_keyed(opt, self._module, converted, states, path, extra)

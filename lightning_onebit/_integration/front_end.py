@@ -22,6 +22,7 @@ class FrontEnd:
         scheduler: where an LR scheduler goes.
         run_length: how to give the run a step limit (a fractional ``freeze_step`` needs it).
         start: what starts the processes.
+        setup: after what the strategy's optimizer exists.
     """
 
     name: str
@@ -32,6 +33,7 @@ class FrontEnd:
     scheduler: str
     run_length: str
     start: str
+    setup: str
 
 
 TRAINER = FrontEnd(
@@ -43,6 +45,7 @@ TRAINER = FrontEnd(
     scheduler="an LR scheduler returned by configure_optimizers",
     run_length="set Trainer(max_steps=...) or max_epochs",
     start="Trainer.fit",
+    setup="Trainer setup",
 )
 
 FABRIC = FrontEnd(
@@ -54,4 +57,5 @@ FABRIC = FrontEnd(
     scheduler="a torch LR scheduler on the optimizer you pass to fabric.setup",
     run_length="pass the strategy's max_steps=...",
     start="fabric.launch",
+    setup="fabric.setup",
 )

@@ -154,7 +154,9 @@ def init_default_group_per_attempt(
 
 
 @contextlib.contextmanager
-def teardown_steps(optimizers: list[Any], hook_state: Any = None) -> Generator[None, None, None]:
+def teardown_steps(
+    optimizers: list[OneBitOptimizer], hook_state: Any = None
+) -> Generator[None, None, None]:
     """Around a strategy's ``teardown``: before it, the overlaps and the hook's thread stop
     (:func:`stop_overlaps`); after it, a single-process group is destroyed
     (:func:`destroy_single_process_group`)."""
@@ -181,16 +183,14 @@ def one_thread_per_forked_rank(start_method: str, num_processes: int) -> None:
         torch.set_num_threads(1)
 
 
-def stop_overlaps(optimizers: list[Any], hook_state: Any = None) -> None:
+def stop_overlaps(optimizers: list[OneBitOptimizer], hook_state: Any = None) -> None:
     """At teardown: stop the overlap (its thread, hooks and process groups), destroy the
     two-level exchange's groups, stop the DDP hook's thread: nothing the strategy or the
     optimizer started outlives the fit."""
     for opt in optimizers:
-        opt = getattr(opt, "_optimizer", opt)  # (LightningOptimizer)
-        if isinstance(opt, OneBitOptimizer):
-            if opt.overlaps_backward:
-                opt.overlap_with_backward(None)
-            opt.close()
+        if opt.overlaps_backward:
+            opt.overlap_with_backward(None)
+        opt.close()
     if hook_state is not None:
         hook_state.close()
 

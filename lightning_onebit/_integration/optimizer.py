@@ -267,8 +267,8 @@ def overlap_blocker(clipping: bool, scaler: bool) -> str | None:
 
 def onebit_optimizers(optimizers: list[Any]) -> list[OneBitOptimizer]:
     """The 1-bit optimizers among a strategy's ``optimizers`` (a Trainer's
-    ``LightningOptimizer`` unwrapped)."""
-    found = [getattr(o, "_optimizer", o) for o in optimizers]
+    ``LightningOptimizer`` unwrapped: its public ``optimizer``; a torch optimizer has none)."""
+    found = [getattr(o, "optimizer", o) for o in optimizers]
     return [o for o in found if isinstance(o, OneBitOptimizer)]
 
 

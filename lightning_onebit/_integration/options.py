@@ -1,13 +1,24 @@
-"""The options of both 1-bit strategies, held and validated in one place.
+"""The options of both 1-bit strategies, declared, held and validated in one place.
 
-Each strategy's ``__init__`` lists them as explicit, typed keyword arguments (LightningCLI reads
-its signature) and passes them on to :class:`StrategyOptions` by name; the checks, the defaults
-the strategies apply when they build the optimizer, and the merge of a DeepSpeed config live
-here, and so do the types of the numeric options (``NonNegativeInt``, ``PositiveFloat``, ...):
+``StrategyOptions`` declares every option
+once: its fields give the name, type and default, its docstring's ``Args`` the meaning. Both
+strategies' ``__init__`` signatures and the ``Args`` of their docstrings are made from it when
+the classes are defined (``strategy_base.takes_options``), so ``inspect.signature``, ``help()``,
+IPython's completion, the API reference and LightningCLI (jsonargparse: typed options, ranges,
+help text, ``--print_config``) all read every option with its type and default. Why not
+``**kwargs: Unpack[TypedDict]``, which jsonargparse also reads: a TypedDict holds no defaults
+(``--help`` and ``--print_config`` would show none, ``inspect.signature`` only ``**kwargs``), and
+the strategies' ``**kwargs`` also takes DDP's own options. What only static analysis sees (a
+type checker, an editor without a running interpreter) is ``*args, **kwargs`` plus each
+strategy's own options.
+
+The types of the numeric options (``NonNegativeInt``, ``PositiveFloat``, ...) live here too:
 ``int`` and ``float`` as far as Python and type checkers are concerned, and, where jsonargparse
 is installed, its range-checked types, so that LightningCLI refuses a value out of range while
 it parses a config (a short parse error) instead of the constructor raising from inside its
-instantiation (a traceback of 50 lines). The constructors check every value as before.
+instantiation (a traceback of 50 lines). The constructors check every value as before. The
+checks, the defaults the strategies apply when they build the optimizer, and the merge of a
+DeepSpeed config live here as well.
 """
 
 from __future__ import annotations
@@ -128,10 +139,102 @@ def _positive(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class StrategyOptions:
-    """The options of :class:`~lightning_onebit.OneBitStrategy` and
-    :class:`~lightning_onebit.OneBitFabricStrategy` (documented there), validated at
-    construction, before any process starts. ``freeze_step`` and ``average_dtype`` are kept
-    normalised (a whole float step count as an int; a dtype)."""
+    """The options of [OneBitStrategy][lightning_onebit.OneBitStrategy] and
+    [OneBitFabricStrategy][lightning_onebit.OneBitFabricStrategy], validated at construction,
+    before any process starts. ``freeze_step`` and ``average_dtype`` are kept normalised (a whole
+    float step count as an int; a dtype). These fields, with their types and defaults, and the
+    entries below are the one declaration of the options: both strategies' signatures and
+    docstrings are made from them (see the module's docstring).
+
+    Args:
+        algorithm: ``"onebit_adam"``, ``"zero_one_adam"`` or ``"onebit_lamb"``.
+        freeze_step: when compression starts: an int is the number of warmup optimizer steps, a
+            float in (0, 1) a fraction of the run (``Trainer.estimated_stepping_batches``;
+            Fabric: the strategy's ``max_steps``). ``None`` keeps the ``freeze_step`` /
+            ``var_freeze_step`` of an optimizer of ours from ``configure_optimizers`` (Fabric:
+            given to ``fabric.setup``), and means 0.2 when the strategy builds the optimizer (the
+            1-bit Adam paper and DeepSpeed's tutorials use 15–25%). 0/1 Adam: ``var_freeze_step``.
+        adaptive_freeze: switch earlier, once the variance's relative change over
+            ``freeze_window`` steps falls below ``freeze_threshold`` (identically on every
+            rank); ``freeze_step`` stays the latest switch.
+        freeze_threshold: relative change of the variance that counts as stable (adaptive only).
+        freeze_window: steps between two variance snapshots (adaptive only).
+        var_update_scaler: 0/1 Adam: variance updates between doublings of the variance interval.
+            ``None`` here and for every algorithm option below (they apply to the optimizer the
+            strategy builds; one from ``configure_optimizers`` keeps its own): the optimizer's
+            default (``lightning_onebit.optim.ZeroOneAdam``, ...).
+        local_step_scaler: 0/1 Adam: steps between doublings of the local-step interval.
+            ``None``, when the strategy builds the optimizer: 0.4 of the run (decided once per
+            run, like a fractional ``freeze_step``): after a switch at 0.2 the interval is 1 step
+            until 0.6 of the run and 2 steps after, 25% fewer synchronisations than 1-bit
+            Adam's after the switch. DeepSpeed's 32768 (the optimizer's default) with
+            ``deepspeed_compatible`` or a DeepSpeed config, for an optimizer from
+            ``configure_optimizers``, and where the run's length is unknown (an info line says
+            so).
+        local_step_clipper: 0/1 Adam: the largest local-step interval.
+        compressed_variance_phase: 0/1 Adam: whether the steps between phase 1's variance steps
+            exchange a 1-bit gradient (the paper's phase 1). ``None``: ``False`` when the
+            strategy builds the optimizer (unless ``var_update_scaler`` is given): every step up
+            to ``freeze_step`` averages uncompressed, as 1-bit Adam's warmup does.
+        max_coeff: 1-bit LAMB: upper clamp of the layer-wise trust ratio
+            (``lightning_onebit.optim.OneBitLamb``).
+        min_coeff: 1-bit LAMB: lower clamp of the layer-wise trust ratio.
+        coeff_beta: 1-bit LAMB: moving-average factor of the trust ratio in warmup.
+        factor_max: 1-bit LAMB: upper clamp of the fresh-variance correction factor.
+        factor_min: 1-bit LAMB: lower clamp of the fresh-variance correction factor.
+        factor_threshold: 1-bit LAMB: largest relative change of the factor per step.
+        bias_correction: torch Adam's bias correction in the optimizer the strategy builds (the
+            warmup is then that optimizer, step for step). ``False`` is DeepSpeed's arithmetic,
+            whose uncorrected variance makes 1-bit steps several times larger than Adam's after
+            a short warmup. ``None``: ``True``, or ``False`` with ``deepspeed_compatible``.
+        variance_floor: no coordinate's ``sqrt(v)`` counts as less than this fraction of its
+            tensor's or group's RMS (the larger), so coordinates whose variance is too small to
+            precondition (no gradient at all, as a conv bias before BatchNorm, or small ones,
+            as some attention query/key weights) cannot take ``lr * scale / eps`` steps; the
+            switch's message counts them per parameter. ``0`` is DeepSpeed's arithmetic.
+        preconditioned_exchange: exchange what the optimizer sends divided by ``sqrt(v) + eps``,
+            so the 1-bit error is the same size relative to every coordinate's step. ``False``
+            exchanges the momentum, as DeepSpeed does.
+        rescale_variance: precondition the 1-bit steps by the frozen variance times
+            ``A / A_switch`` per tensor (``A``: its mean of Adam's variance, kept up to date
+            from its gradients' mean square), so they stay Adam-sized as the gradients grow or
+            shrink after the switch. ``None``: on for 1-bit Adam and for 0/1 Adam with
+            its full-precision phase 1; ``False``: the variance stays as frozen (DeepSpeed's).
+            Not an option of 1-bit LAMB.
+        deepspeed_compatible: ``True``: the optimizer the strategy builds computes what
+            DeepSpeed's of the same name computes with the same arguments (``bias_correction``,
+            ``variance_floor``, ``preconditioned_exchange``, ``rescale_variance``,
+            ``compressed_variance_phase`` take DeepSpeed's values; giving one of them another
+            value raises ``ValueError``). ``None``: ``True`` with a ``deepspeed_config``, else
+            ``False``.
+        lamb_lr: 1-bit LAMB's learning rate when converting a torch Adam/AdamW: every learning
+            rate in the groups and in torch's LR schedulers is multiplied by ``lamb_lr / lr``
+            (LAMB's trust ratio rarely suits Adam's lr). ``None`` keeps Adam's lr, with a warning.
+        overlap_bucket_mb: overlap the 1-bit exchange with backward, in buckets of this many MiB;
+            ``None``: exchange in ``optimizer.step()``. Turned off (with an info message) under
+            gradient clipping or the ``16-mixed`` loss scaler (they edit the gradients after
+            backward); paused on the backward passes of gradient accumulation.
+        average_dtype: the dtype of the warmup's gradient average: ``"bf16"``/``"fp16"`` send
+            half the bytes of ``"float32"`` on the warmup's steps, which are DDP's and as slow
+            on a slow network; their rounding (a relative 2**-9 per value for bf16) is far
+            below the gradients' batch noise. ``"float32"``: the warmup is torch's Adam on
+            DDP's average, step for step. ``None``: ``"bf16"`` for an optimizer the strategy
+            builds (``"float32"`` with ``deepspeed_compatible``), else what the optimizer from
+            ``configure_optimizers`` was given.
+        hierarchical: on several nodes, full precision inside a node and the 1-bit exchange
+            only between nodes (``devices`` times fewer bytes through each node's link).
+            ``"auto"``: on with several nodes of several processes; ``True``: the same, with a
+            warning where it cannot apply; ``False``: every rank compresses its own values.
+        on_divergence: what a compression phase whose parameters blow up does (each tensor's
+            RMS against its RMS at the switch, checked every 16 steps on the device: more than
+            10 times, or not finite): ``"warn"`` once, naming the parameter, the step and what
+            to try; ``"raise"``: stop with ``lightning_onebit.optim.DivergenceError`` on every
+            rank.
+        timeout: collective timeout: a dead or stuck rank makes the others fail after this long;
+            also bounds the creation of every process group at setup.
+        start_method: how processes start: ``"popen"`` (scripts), ``"fork"`` (notebooks),
+            ``"spawn"``, ``"forkserver"``.
+    """
 
     algorithm: Literal["onebit_adam", "zero_one_adam", "onebit_lamb"] = "onebit_adam"
     freeze_step: NonNegativeInt | OpenUnitInterval | None = None
