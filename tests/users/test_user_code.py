@@ -573,9 +573,9 @@ def test_single_process_and_a_mismatched_optimizer_are_said(
 def test_interactive_sessions_are_sent_to_our_notebook_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import lightning_onebit.strategy as strategy_module
+    import lightning_onebit._integration.strategy_base as strategy_base
 
-    monkeypatch.setattr(strategy_module, "IS_INTERACTIVE", True)
+    monkeypatch.setattr(strategy_base, "IS_INTERACTIVE", True)
     with pytest.raises(Exception, match="use strategy='zero_one_adam_notebook'") as err:
         L.Trainer(strategy="zero_one_adam", accelerator="cpu", devices=2)
     assert "ddp_notebook" not in str(err.value)
