@@ -39,6 +39,7 @@ __all__ = ["OneBitStrategyBase", "takes_options"]
 
 _Strategy = TypeVar("_Strategy", bound=type)
 
+_OPTION_TYPES = typing.get_type_hints(StrategyOptions)
 #: the arguments both strategies take before their own: the options, then the DeepSpeed config
 _SHARED = (
     *(
@@ -46,7 +47,7 @@ _SHARED = (
             f.name,
             inspect.Parameter.POSITIONAL_OR_KEYWORD,
             default=f.default,
-            annotation=typing.get_type_hints(StrategyOptions)[f.name],
+            annotation=_OPTION_TYPES[f.name],
         )
         for f in dataclasses.fields(StrategyOptions)
     ),
@@ -112,9 +113,9 @@ class OneBitStrategyBase(LauncherCheck):
         ``False``). ``cuda_aware``, ``comm_backend_name`` and the other keys with no effect here
         are named in one warning; unknown optimizer parameters raise. ``overrides`` are further
         arguments of the strategy (``start_method="fork"``, ...); one the config also sets wins
-        over the config (and is named in the warning). The same as
-        ``OneBitStrategy(deepspeed_config=config, ...)`` (LightningCLI:
-        ``init_args: {deepspeed_config: ds_config.json}``).
+        over the config (and is named in the warning). The same as the constructor's
+        ``deepspeed_config=config`` (LightningCLI: ``init_args: {deepspeed_config:
+        ds_config.json}``).
         """
         return cls(deepspeed_config=config, **overrides)
 
