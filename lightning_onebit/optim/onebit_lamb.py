@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_onebit._compat import tensor_version
 from lightning_onebit.kernels import MomentumSource, lamb_frozen_update, layer_step
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
@@ -290,8 +291,8 @@ class OneBitLamb(OneBitOptimizer):
         write (``copy_`` at the freeze or on load) advances."""
         t = self.flat.scalars["scaling_coeff"]
         cache = self._scaling_cache
-        if cache is None or cache[0] is not t or cache[1] != t._version:
-            cache = self._scaling_cache = (t, t._version, t.tolist())
+        if cache is None or cache[0] is not t or cache[1] != tensor_version(t):
+            cache = self._scaling_cache = (t, tensor_version(t), t.tolist())
         return cache[2]
 
     def _on_foreign_load(self) -> None:
