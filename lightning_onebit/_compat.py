@@ -51,7 +51,6 @@ __all__ = [
     "scaler_found_inf",
     "set_backward_sync_control",
     "stateful_state",
-    "tensor_version",
 ]
 
 # --------------------------------------------------------------------------- Lightning
@@ -160,10 +159,3 @@ def mark_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
 
     wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapped  # type: ignore[method-assign]
-
-
-def tensor_version(tensor: torch.Tensor) -> int:
-    """``tensor``'s version counter, which every in-place change increments (autograd's
-    check of saved tensors): what tells a cached copy of the tensor from a stale one without
-    reading the tensor. No public accessor exists. (torch 2.13: ``Tensor._version``)"""
-    return tensor._version

@@ -18,28 +18,28 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable
-from datetime import timedelta
 from functools import partial
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import NodeGroups, NonFiniteError, as_average_dtype
+from lightning_onebit.comm import NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
-from lightning_onebit.optim._checkpoint import CheckpointLayout
+from lightning_onebit.optim._checkpoint import Checkpointed, CheckpointLayout
+from lightning_onebit.optim._connections import Connections
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._divergence import DivergenceWatch
 from lightning_onebit.optim._flat import FlatState
 from lightning_onebit.optim._nograd import HeldParams, params_without_grad
-from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
+from lightning_onebit.optim._overlap import BackwardOverlap
 from lightning_onebit.optim._phase import Phase, Phases
 from lightning_onebit.optim._rescale import VarianceRescale
 from lightning_onebit.optim._topology import Delegated, Topology, register
 from lightning_onebit.optim._validation import (
+    add_checked_group,
     check_common_args,
     check_grads_are_local,
-    check_group,
     check_hparams,
     check_int,
     check_joined,
@@ -62,7 +62,7 @@ __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 VARIANCE_FLOOR = 0.01
 
 
-class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
+class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclass=ABCMeta):
     """Base class of the 1-bit optimizers (see the module docstring).
 
     Args (shared by every subclass; their docstrings add what is particular to them):
@@ -123,17 +123,12 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     _work_buffers: tuple[str, ...] = ("update",)
     _checkpoint_attrs: tuple[str, ...] = ()
     #: Host-side counters a step advances, put back when its verdict turns out non-finite.
-    _host_counters: ClassVar[tuple[str, ...]] = (
-        "step_count", "variance_updates", "rescale",
-    )  # fmt: skip
+    _host_counters: ClassVar[tuple[str, ...]] = ("step_count", "variance_updates", "rescale")
     #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
     FLOOR_TO_MEAN: ClassVar[bool] = False
     rescale_interval = Delegated(
         "rescale", "``rescale_variance``'s steps between all-reduces.", attr="interval"
     )
-    process_group = Delegated("topology", "The group the optimizer communicates over.")
-    hierarchical = Delegated("topology", "The two-level exchange (see :meth:`node_groups`).")
-    ranks_per_node = Delegated("topology", "Ranks per node (see :meth:`node_groups`).")
 
     def __init__(
         self,
@@ -418,18 +413,7 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         raise_for_options(cls, options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        gi = len(self.param_groups) - 1
-        try:
-            check_group(type(self).__name__, self.param_groups[gi], gi, self._check_hparams)
-        except ValueError:
-            self.param_groups.pop()  # a refused group must not stay in the optimizer
-            raise
-        # where its bias correction counts from (torch's __init__ adds the first groups: at 0)
-        if getattr(self, "step_count", 0) > 0:
-            self.param_groups[-1].setdefault("joined_at", (self.step_count, self.variance_updates))
-        if hasattr(self, "flat"):
-            self.flat.invalidate()
+        add_checked_group(self, param_group, super().add_param_group, self._check_hparams)
 
     @property
     def variance(self) -> torch.Tensor | None:
@@ -462,87 +446,3 @@ class OneBitOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def skipped_steps(self) -> int:
         """Steps dropped on every rank (or, 0/1 Adam's local steps, on one) for NaN/Inf."""
         return self.verdict.skipped_steps
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"onebit"``: step count, phase, counters, this rank's
-        error buffers (:meth:`rank_state_dict`). Each parameter's state has torch Adam's
-        ``step`` too, so that ``torch.optim.Adam``/``AdamW`` can load it."""
-        self._apply_last_step()  # (the counts must be final)
-        return self.checkpoint.save(self, super().state_dict())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (states in fp32; each group keeps its current
-        ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"`` (``torch.optim.Adam``'s)
-        loads the moments and step counts into the first phase (then :meth:`catch_up_switch`)."""
-        if self.checkpoint.load(self, state_dict, super().load_state_dict):
-            self._on_foreign_load()
-        self.divergence.reset()
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        """What of this rank's state differs from the others': its error buffers, or the whole
-        :meth:`state_dict` where :attr:`params_differ_across_ranks`."""
-        return self.checkpoint.rank_state(self)
-
-    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
-        self.checkpoint.load_rank_state(self, state_dict)
-
-    def overlap_with_backward(
-        self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
-    ) -> None:
-        """Start the step's communication during backward, in buckets of about ``bucket_cap_mb``
-        MiB (``None``: off), on a thread and process group of its own (``_overlap.py``). It sees
-        ``.grad`` as backward leaves it (no clipping or unscaling); set ``overlap_paused`` around
-        backward passes not followed by ``step()``. Call it on every rank between steps (new
-        buckets restart the error buffers). ``timeout``: the new group's (``None``: torch's)."""
-        self.overlap = replace_overlap(
-            self.overlap, self, bucket_cap_mb, timeout, self._exchange_source, self._overlappable
-        )
-
-    @property
-    def overlaps_backward(self) -> bool:
-        """Whether the exchange is started during backward (see :meth:`overlap_with_backward`)."""
-        return self.overlap is not None
-
-    def node_groups(self) -> NodeGroups | None:
-        """The two-level layout the exchange runs on (``hierarchical`` on several nodes of several
-        ranks each: full precision inside a node, 1 bit between them), or ``None``: the flat one
-        (``True`` on one node or one rank per node warns; ``"auto"`` decides silently).
-        Collective on its first call; cached after it."""
-        return self.topology.node_groups()
-
-    def connect(self, timeout: timedelta | None = None) -> None:
-        """Make every process group this optimizer will communicate over, now: the node groups
-        of :meth:`node_groups` and the overlap's own (:meth:`overlap_with_backward`; call this
-        after it). Collective: every rank, in the same order. Without it each group is made at
-        the first step that needs it; the strategies call it at setup, where a rank that cannot
-        connect fails before training instead of inside a step.
-
-        Args:
-            timeout: how long each group waits for the other ranks, and its collectives'
-                timeout (``None``: torch's default).
-
-        Raises:
-            RuntimeError: a group did not connect within ``timeout`` (the message names it).
-        """
-        self.topology.node_groups(timeout)
-        if self.overlap is not None:
-            self.overlap.connect()
-
-    def close_node_groups(self) -> None:
-        """Destroy the groups of :meth:`node_groups`; the next step builds them again."""
-        if self.topology.close():
-            self.flat.release_exchange()
-
-    def close(self) -> None:
-        """Stop the overlap's thread, hooks and groups, the node groups and the exchange on them
-        (its error buffers are kept) until the next ``step()``; also at interpreter exit."""
-        if self.overlap is not None:
-            self.overlap.close()
-        self.close_node_groups()
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in ``process_group`` (1 without an initialised process group)."""
-        ex = self.flat.exchange
-        return self.topology.world_size() if ex is None else ex.world_size

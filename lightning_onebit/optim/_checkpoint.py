@@ -14,7 +14,7 @@ import torch
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
 
-__all__ = ["CheckpointLayout"]
+__all__ = ["CheckpointLayout", "Checkpointed"]
 
 
 class CheckpointLayout:
@@ -170,3 +170,34 @@ class CheckpointLayout:
         opt.flat.load_exchange_state(extra.get("exchange"))
         opt.flat.invalidate()  # adopt the loaded tensors at the next step
         return foreign
+
+
+class Checkpointed:
+    """The checkpoint methods of ``OneBitOptimizer`` (a base before ``torch.optim.Optimizer``,
+    whose ``state_dict``/``load_state_dict`` they extend), over its ``checkpoint`` layout."""
+
+    checkpoint: CheckpointLayout
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus ``"onebit"``: step count, phase, counters, this rank's
+        error buffers (:meth:`rank_state_dict`). Each parameter's state has torch Adam's
+        ``step`` too, so that ``torch.optim.Adam``/``AdamW`` can load it."""
+        self._apply_last_step()  # (the counts must be final)
+        return self.checkpoint.save(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (states in fp32; each group keeps its current
+        ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"`` (``torch.optim.Adam``'s)
+        loads the moments and step counts into the first phase (then :meth:`catch_up_switch`)."""
+        if self.checkpoint.load(self, state_dict, super().load_state_dict):
+            self._on_foreign_load()
+        self.divergence.reset()
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """What of this rank's state differs from the others': its error buffers, or the whole
+        :meth:`state_dict` where :attr:`params_differ_across_ranks`."""
+        return self.checkpoint.rank_state(self)
+
+    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
+        self.checkpoint.load_rank_state(self, state_dict)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HONOURED_FLAGS",
     "REFUSED_FLAGS",
+    "add_checked_group",
     "check_betas",
     "check_common_args",
     "check_grads_are_local",
@@ -84,6 +85,29 @@ REFUSED_FLAGS = {
 
 #: torch Adam/AdamW per-group flags the 1-bit optimizers honour per group
 HONOURED_FLAGS = ("maximize", "decoupled_weight_decay")
+
+
+def add_checked_group(
+    opt: OneBitOptimizer,
+    group: dict[str, Any],
+    add: Callable[[dict[str, Any]], None],
+    check: Callable[[dict[str, Any]], None],
+) -> None:
+    """``opt.add_param_group(group)``: torch's ``add`` (which fills in the defaults), then the
+    group checked (:func:`check_group` with ``check``, its hyperparameters' check) and taken
+    out again if refused; a group added mid-run notes where its bias correction counts from."""
+    add(group)
+    gi = len(opt.param_groups) - 1
+    try:
+        check_group(type(opt).__name__, opt.param_groups[gi], gi, check)
+    except ValueError:
+        opt.param_groups.pop()  # a refused group must not stay in the optimizer
+        raise
+    # where its bias correction counts from (torch's __init__ adds the first groups: at 0)
+    if getattr(opt, "step_count", 0) > 0:
+        opt.param_groups[-1].setdefault("joined_at", (opt.step_count, opt.variance_updates))
+    if hasattr(opt, "flat"):
+        opt.flat.invalidate()
 
 
 def check_group_flags(name: str, gi: int, group: dict[str, Any]) -> None:

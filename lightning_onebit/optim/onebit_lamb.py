@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit._compat import tensor_version
 from lightning_onebit.kernels import MomentumSource, lamb_frozen_update, layer_step
 from lightning_onebit.kernels.native import on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
@@ -221,7 +220,7 @@ class OneBitLamb(OneBitOptimizer):
         # device copies of per-layer hyperparameters and a host copy of scaling_coeff, kept
         # while their values stay the same: no host synchronisation inside a step on CUDA
         self._per_layer_cache: dict[str, tuple[list[float], Any, torch.Tensor]] = {}
-        self._scaling_cache: tuple[torch.Tensor, int, list[float]] | None = None
+        self._scaling_cache: tuple[torch.Tensor, list[float]] | None = None
 
     OPTIONS = (
         *OneBitOptimizer.OPTIONS,
@@ -287,13 +286,13 @@ class OneBitLamb(OneBitOptimizer):
     def _scaling_values(self) -> list[float]:
         """``scaling_coeff`` as Python floats (they scale the exchanged momentum layer by layer):
         read from the device once per value it takes (at the freeze or a checkpoint load), not
-        on every step. The cache key is the tensor and its version counter, which every in-place
-        write (``copy_`` at the freeze or on load) advances."""
+        on every step. The cache holds the tensor: a load builds new buffers, and the freeze,
+        which writes it in place, drops the cache."""
         t = self.flat.scalars["scaling_coeff"]
         cache = self._scaling_cache
-        if cache is None or cache[0] is not t or cache[1] != tensor_version(t):
-            cache = self._scaling_cache = (t, tensor_version(t), t.tolist())
-        return cache[2]
+        if cache is None or cache[0] is not t:
+            cache = self._scaling_cache = (t, t.tolist())
+        return cache[1]
 
     def _on_foreign_load(self) -> None:
         self._seed_coeffs = True
@@ -318,7 +317,8 @@ class OneBitLamb(OneBitOptimizer):
         scaling = self.flat.scalars["scaling_coeff"]
         scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
         self.scaling_coeff_ready = True
-        self._scaling_values()  # (read now, in the switch step, not in the first 1-bit step)
+        self._scaling_cache = None  # written in place: read it again now, in the switch step
+        self._scaling_values()
 
     DEVICE_VERDICT = True
 
