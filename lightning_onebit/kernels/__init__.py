@@ -25,7 +25,7 @@ rows of a ``(W, m // 8)`` uint8 tensor whose rows may be strided (views into lar
 from __future__ import annotations
 
 from lightning_onebit.kernels.compression import (
-    SignRuns,
+    decode_runs,
     decompress,
     server_reduce,
     worker_compress,
@@ -48,6 +48,7 @@ from lightning_onebit.kernels.reference import (
     reference_worker_compress,
     reference_worker_update_error,
 )
+from lightning_onebit.kernels.runs import SignRuns
 from lightning_onebit.kernels.sources import (
     ExchangeSource,
     LocalSource,
@@ -73,6 +74,7 @@ __all__ = [
     "MomentumSource",
     "SignRuns",
     "adam_update",
+    "decode_runs",
     "decompress",
     "finish_pending",
     "frozen_adam_update",

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_onebit.kernels import native
-
 __all__ = [
     "check_contiguous",
     "check_device",
@@ -59,7 +57,9 @@ def check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> N
         )
 
 
-def check_device(*named: tuple[str, torch.Tensor], need_cuda_kernels: bool = True) -> torch.device:
+def check_device(*named: tuple[str, torch.Tensor], cuda_kernels: bool = True) -> torch.device:
+    """The one device of the ``(name, tensor)`` pairs ``named``: the CPU or CUDA, and CUDA only
+    where ``cuda_kernels`` (the build has the CUDA kernels the call needs)."""
     device = named[0][1].device
     for name, t in named[1:]:
         if t.device != device:
@@ -68,7 +68,7 @@ def check_device(*named: tuple[str, torch.Tensor], need_cuda_kernels: bool = Tru
             )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"only cpu and cuda tensors are supported, got device {device}")
-    if device.type == "cuda" and not native.HAS_CUDA and need_cuda_kernels:
+    if device.type == "cuda" and not cuda_kernels:
         raise RuntimeError(
             "lightning_onebit was built without CUDA kernels; reinstall with a CUDA compiler on PATH "
             "(ONEBIT_CUDA=ON pip install lightning-onebit) or keep the buffers on the CPU"

@@ -1,7 +1,7 @@
 """The exchange's kernels: the worker's error-compensated 1-bit compression
 (:func:`worker_compress`), the server's reduction of ``W`` compressed chunks
-(:func:`server_reduce`), decompression (:func:`decompress`), and the exchange's result where it
-lies (:class:`SignRuns`)."""
+(:func:`server_reduce`), decompression (:func:`decompress`), and the decoding of the exchange's
+result where it lies (`decode_runs`)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from lightning_onebit.kernels.reference import (
     reference_worker_compress,
     reference_worker_update_error,
 )
+from lightning_onebit.kernels.runs import SignRuns
 from lightning_onebit.kernels.sources import ExchangeSource
 
-__all__ = ["SignRuns", "decompress", "server_reduce", "worker_compress", "worker_update_error"]
+__all__ = ["decode_runs", "decompress", "server_reduce", "worker_compress", "worker_update_error"]
 
 
 def worker_compress(
@@ -117,6 +118,7 @@ def worker_compress(
         ("prev_bits", prev_bits),
         ("scale", scale),
         ("prev_scale", prev_scale),
+        cuda_kernels=native.HAS_CUDA,
     )
     for name, t in (("x", x), ("error", error), ("error_out", error_out)):
         check_contiguous(name, t)
@@ -173,7 +175,9 @@ def worker_update_error(
     check_scale("scale", scale)
     out = error if out is None else out
     check_tensor("out", out, torch.float32)
-    device = check_device(("x", x), ("error", error), ("scale", scale), ("out", out))
+    device = check_device(
+        ("x", x), ("error", error), ("scale", scale), ("out", out), cuda_kernels=native.HAS_CUDA
+    )
     check_contiguous("x", x)
     check_contiguous("error", error)
     check_contiguous("out", out)
@@ -248,6 +252,7 @@ def server_reduce(
         ("prev_bits", prev_bits),
         ("out_scale", out_scale),
         ("prev_scale", prev_scale),
+        cuda_kernels=native.HAS_CUDA,
     )
     for name, t in (
         ("error", error),
@@ -297,7 +302,7 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
     check_rows("bits", bits)
     w = bits.size(0)
     check_scales("scales", scales, w)
-    check_device(("bits", bits), ("scales", scales), ("out", out))
+    check_device(("bits", bits), ("scales", scales), ("out", out), cuda_kernels=native.HAS_CUDA)
     check_contiguous("out", out)
     m = bits.size(1) * 8
     if out.numel() > w * m:
@@ -310,62 +315,18 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
     return None
 
 
-class SignRuns:
-    """An exchange's result where it lies, in place of the decoded buffer (:func:`decompress`):
-    run ``(lo, hi, bits, scale)`` holds the flat values ``lo:hi``, value ``lo + k`` being
-    ``+scale`` where bit ``k`` of ``bits`` is set and ``-scale`` where not (the wire format's
-    numbering). :func:`frozen_adam_update`, :func:`lamb_frozen_update` and :func:`sync_update`
-    read it directly with the compiled CPU kernels, so the values are never written out and
-    read back (8 bytes per value); elsewhere they decode it first (:meth:`decode`), the same
-    floats. The runs' bits are views of the exchange's records: valid until its next call.
+def decode_runs(runs: SignRuns, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode an exchange's result where it lies into a buffer: `decompress` of each run.
 
     Args:
-        runs: non-empty runs that tile a flat range (any order), ``bits`` a contiguous uint8 CPU
-            tensor of at least ``ceil((hi - lo) / 8)`` bytes.
+        runs: the [SignRuns][lightning_onebit.kernels.SignRuns] to decode.
+        out: flat float32, indexed like the runs, at least ``runs.hi`` values; ``None``: a new
+            buffer of zeros of ``runs.hi`` values.
 
-    Raises:
-        ValueError: the runs do not tile a range, or a run's bits are too short.
+    Returns:
+        ``out``, the runs' values written (the values outside them unchanged).
     """
-
-    def __init__(self, runs: list[tuple[int, int, torch.Tensor, float]]) -> None:
-        self.runs = sorted(runs, key=lambda r: r[0])
-        for k, (lo, hi, bits, _) in enumerate(self.runs):
-            check_tensor("bits", bits, torch.uint8)
-            check_contiguous("bits", bits)
-            if bits.device.type != "cpu":
-                raise ValueError(f"SignRuns are read on the CPU, got bits on {bits.device}")
-            if hi <= lo or (k and lo != self.runs[k - 1][1]) or bits.numel() * 8 < hi - lo:
-                raise ValueError(
-                    "SignRuns must be non-empty runs that tile a flat range, each with its "
-                    f"values' bits; got run {k} = [{lo}, {hi}) with {bits.numel()} bytes after "
-                    f"{self.runs[k - 1][:2] if k else 'none'}"
-                )
-        if not self.runs:
-            raise ValueError("SignRuns needs at least one run")
-        self.lo, self.hi = self.runs[0][0], self.runs[-1][1]
-
-    def covers(self, lo: int, hi: int) -> bool:
-        """Whether the runs hold every value of ``lo:hi`` (an empty range: always)."""
-        return lo >= hi or (self.lo <= lo and hi <= self.hi)
-
-    def decode(self, out: torch.Tensor) -> torch.Tensor:
-        """Write the values into ``out`` (flat float32, indexed like the runs); return it."""
-        for lo, hi, bits, scale in self.runs:
-            decompress(bits.view(1, -1), torch.tensor([scale]), out[lo:hi])
-        return out
-
-    def check_covers(self, ranges: list[tuple[int, int]], device: torch.device) -> None:
-        """Raise ``ValueError`` unless the update's buffers are on the CPU and the runs hold
-        every value of each ``(lo, hi)`` of ``ranges``."""
-        if device.type != "cpu":
-            raise ValueError(f"SignRuns are read on the CPU, got buffers on {device}")
-        for lo, hi in ranges:
-            if not self.covers(lo, hi):
-                raise ValueError(
-                    f"the SignRuns hold the values [{self.lo}, {self.hi}), the update reads "
-                    f"[{lo}, {hi})"
-                )
-
-    def decoded(self, like: torch.Tensor) -> torch.Tensor:
-        """The values decoded into a new buffer of ``like``'s size (zeros outside the runs)."""
-        return self.decode(torch.zeros_like(like))
+    out = torch.zeros(runs.hi) if out is None else out
+    for lo, hi, bits, scale in runs.runs:
+        decompress(bits.view(1, -1), torch.tensor([scale]), out[lo:hi])
+    return out

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_onebit.kernels.compression import SignRuns
+    from lightning_onebit.kernels.runs import SignRuns
 
 __all__ = [
     "HAS_CPP",

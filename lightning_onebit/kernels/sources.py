@@ -98,7 +98,7 @@ def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
-    device = check_device(*named, need_cuda_kernels=False)
+    device = check_device(*named)
     check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
     return check_per_segment("grad", grad, starts, sizes, device, missing=True)
 
@@ -267,7 +267,7 @@ def _check_local_source(
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
-    device = check_device(*named, need_cuda_kernels=False)
+    device = check_device(*named)
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)

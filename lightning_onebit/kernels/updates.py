@@ -20,7 +20,7 @@ from lightning_onebit.kernels.checks import (
     check_tensor,
     check_verdict,
 )
-from lightning_onebit.kernels.compression import SignRuns
+from lightning_onebit.kernels.compression import decode_runs
 from lightning_onebit.kernels.reference import (
     reference_adam_update,
     reference_frozen_adam_update,
@@ -30,6 +30,7 @@ from lightning_onebit.kernels.reference import (
     reference_restore_unless,
     reference_sync_update,
 )
+from lightning_onebit.kernels.runs import SignRuns
 
 __all__ = [
     "adam_update",
@@ -173,7 +174,7 @@ def frozen_adam_update(
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
-    device = check_device(*named, need_cuda_kernels=False)
+    device = check_device(*named)
     if ok is not None:
         check_verdict(ok, device)
     n = len(params)
@@ -202,7 +203,7 @@ def frozen_adam_update(
             torch.autograd.graph.increment_version(p)
         return
     if runs is not None:
-        exchanged = runs.decoded(exp_avg)
+        exchanged = decode_runs(runs, torch.zeros_like(exp_avg))
     reference_frozen_adam_update(
         ok, exchanged, exp_avg, denom, params, starts, lr, weight_decay, preconditioned
     )
@@ -283,7 +284,7 @@ def lamb_frozen_update(
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
-    device = check_device(*named, need_cuda_kernels=False)
+    device = check_device(*named)
     n_layers = len(offsets) - 1
     if n_layers < 0 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError("offsets must be L + 1 non-decreasing values")
@@ -305,7 +306,7 @@ def lamb_frozen_update(
     if runs is not None:
         runs.check_covers([(offsets[0], offsets[-1])] if offsets else [], device)
         if not native.use_native():
-            exchanged = runs.decoded(exp_avg)
+            exchanged = decode_runs(runs, torch.zeros_like(exp_avg))
     on_gpu = device.type == "cuda" and native.HAS_CUDA and native.use_native()
     if ok is not None and not on_gpu and not bool(ok):  # (a host read: free off the GPU)
         update[: offsets[-1] if offsets else 0].zero_()
@@ -362,7 +363,7 @@ def layer_step(
     check_tensor("alpha", alpha, torch.float32)
     check_contiguous("update", update)
     check_contiguous("alpha", alpha)
-    device = check_device(("update", update), ("alpha", alpha), need_cuda_kernels=False)
+    device = check_device(("update", update), ("alpha", alpha))
     n = len(params)
     if len(starts) != n or alpha.numel() != n:
         raise ValueError(
@@ -421,7 +422,7 @@ def local_step(
     for name, t in named:
         check_tensor(name, t, torch.float32)
         check_contiguous(name, t)
-    device = check_device(*named, need_cuda_kernels=False)
+    device = check_device(*named)
     sizes = [p.numel() for p in params]
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
@@ -487,7 +488,7 @@ def sync_update(
         check_tensor("floored", floored, torch.bool)
         check_contiguous("floored", floored)
         named.append(("floored", floored))
-    device = check_device(*named, need_cuda_kernels=False)
+    device = check_device(*named)
     if len(starts) != len(params) or len(lrs) != len(params):
         raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
@@ -495,7 +496,7 @@ def sync_update(
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if not native.has_kernel(device) or not native.use_native():
         if runs is not None:
-            tensors = (runs.decoded(tensors[2]), *tensors[1:])
+            tensors = (decode_runs(runs, torch.zeros_like(tensors[2])), *tensors[1:])
         reference_sync_update(tensors, floored, acc, params, starts, lrs, preconditioned)
         return
     direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in params)

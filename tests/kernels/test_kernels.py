@@ -1990,7 +1990,7 @@ def _sign_runs(n: int, seed: int, lengths: list[int] | None = None) -> K.SignRun
 
 def test_sign_runs_decode_to_the_wire_format() -> None:
     runs = _sign_runs(80_000, 1)
-    x = runs.decode(torch.full((80_000,), float("nan")))
+    x = K.decode_runs(runs, torch.full((80_000,), float("nan")))
     for lo, hi, bits, scale in runs.runs:
         b = np.unpackbits(bits.numpy(), bitorder="little")[: hi - lo].astype(bool)
         want = np.where(b, np.float32(scale), np.float32(-scale))
@@ -2003,7 +2003,7 @@ def test_frozen_adam_update_reads_sign_runs_as_the_decoded_buffer(precond: bool)
     x, with runs that cross parameters and blocks anywhere, on 1 and 2 threads."""
     _, m0, d, params, starts, lr, wd = _frozen_case(13, AWKWARD)
     runs = _sign_runs(m0.numel(), 2)
-    x = runs.decode(torch.zeros_like(m0))
+    x = K.decode_runs(runs, torch.zeros_like(m0))
     want = frozen_run((x, m0, d, params, starts, lr, wd), None, precond)
     old = torch.get_num_threads()
     try:
@@ -2026,7 +2026,7 @@ def test_lamb_frozen_update_reads_sign_runs_as_the_decoded_buffer(
     offsets = [5 + o for o in offsets]
     bufs = {k: None if v is None else torch.cat([v, v[:5]]) for k, v in bufs.items()}
     runs = _sign_runs(offsets[-1], 3)
-    x = runs.decode(torch.zeros(offsets[-1]))
+    x = K.decode_runs(runs, torch.zeros(offsets[-1]))
     want = _lamb_run(
         K.lamb_frozen_update, {**bufs, "exchanged": x}, offsets, {**hp, "preconditioned": precond}
     )
@@ -2068,7 +2068,7 @@ def sign_runs_pair() -> dict:
     portable path's test): {name: (from runs, from decoded)}."""
     _, m0, d, params, starts, lr, wd = _frozen_case(13, AWKWARD)
     runs = _sign_runs(m0.numel(), 2)
-    x = runs.decode(torch.zeros_like(m0))
+    x = K.decode_runs(runs, torch.zeros_like(m0))
     out = {
         "frozen": tuple(
             frozen_run((src, m0, d, params, starts, lr, wd), None, False) for src in (runs, x)
@@ -2076,7 +2076,7 @@ def sign_runs_pair() -> dict:
     }
     bufs, offsets, hp = _lamb_case(19, True)
     runs = _sign_runs(offsets[-1], 3)
-    x = runs.decode(torch.zeros(offsets[-1]))
+    x = K.decode_runs(runs, torch.zeros(offsets[-1]))
     out["lamb"] = tuple(
         _lamb_run(K.lamb_frozen_update, {**bufs, "exchanged": src}, offsets, hp)
         for src in (runs, x)
