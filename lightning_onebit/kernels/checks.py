@@ -57,16 +57,19 @@ def check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> N
         )
 
 
-def check_device(*named: tuple[str, torch.Tensor], cuda_kernels: bool = True) -> torch.device:
-    """The one device of the ``(name, tensor)`` pairs ``named``: the CPU or CUDA, and CUDA only
-    where ``cuda_kernels`` (the build has the CUDA kernels the call needs)."""
+def check_device(
+    *named: tuple[str, torch.Tensor], cuda_kernels: bool = True, other_types: bool = False
+) -> torch.device:
+    """The one device of the ``(name, tensor)`` pairs ``named``: the CPU or CUDA (any type
+    where ``other_types``), and CUDA only where ``cuda_kernels`` (the build has the CUDA kernels
+    the call needs)."""
     device = named[0][1].device
     for name, t in named[1:]:
         if t.device != device:
             raise ValueError(
                 f"all tensors must be on one device: {named[0][0]} is on {device}, {name} on {t.device}"
             )
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") and not other_types:
         raise ValueError(f"only cpu and cuda tensors are supported, got device {device}")
     if device.type == "cuda" and not cuda_kernels:
         raise RuntimeError(

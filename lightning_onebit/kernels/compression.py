@@ -8,14 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_onebit.kernels import native
-from lightning_onebit.kernels.checks import (
-    check_contiguous,
-    check_device,
-    check_rows,
-    check_scale,
-    check_scales,
-    check_tensor,
-)
+from lightning_onebit.kernels.checks import check_rows
 from lightning_onebit.kernels.reference import (
     reference_decompress,
     reference_server_reduce,
@@ -100,30 +93,9 @@ def worker_compress(
     error_out = error if error_out is None else error_out
     prev_bits = bits if prev_bits is None else prev_bits
     prev_scale = scale if prev_scale is None else prev_scale
-    for name, t, dt in (
-        ("x", x, torch.float32),
-        ("error", error, torch.float32),
-        ("error_out", error_out, torch.float32),
-        ("bits", bits, torch.uint8),
-        ("prev_bits", prev_bits, torch.uint8),
-    ):
-        check_tensor(name, t, dt)
-    check_scale("scale", scale)
-    check_scale("prev_scale", prev_scale)
-    device = check_device(
-        ("x", x),
-        ("error", error),
-        ("error_out", error_out),
-        ("bits", bits),
-        ("prev_bits", prev_bits),
-        ("scale", scale),
-        ("prev_scale", prev_scale),
-        cuda_kernels=native.HAS_CUDA,
-    )
-    for name, t in (("x", x), ("error", error), ("error_out", error_out)):
-        check_contiguous(name, t)
-    n, w = error.numel(), bits.size(0) if bits.dim() == 2 else 0
-    check_rows("bits", bits)
+    device = native.check("worker_compress", x=x, error=error, error_out=error_out, bits=bits,
+                          prev_bits=prev_bits, scale=scale, prev_scale=prev_scale)  # fmt: skip
+    n, w = error.numel(), bits.size(0)
     if n == 0 or n % (8 * w):
         raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
     check_rows("bits", bits, n // (8 * w))
@@ -153,12 +125,13 @@ def worker_compress(
     if source is not None:
         source.compress_as_read((error, bits, scale, error_out), pending, (prev_bits, prev_scale))
         return
-    if deferred:
-        native.worker_compress(x, error, bits, scale, error_out, pending, prev_bits, prev_scale)
-        return
-    native.worker_compress(x, error, bits, scale)
-    if update_error:
-        native.update_error(x, error, scale, device)
+    if not deferred:  # (the error updated by a second sweep, or left)
+        error_out, pending = None, False
+    prev_bits, prev_scale = (prev_bits, prev_scale) if pending else (None, None)
+    native.launch("worker_compress", device, x=x, error=error, error_out=error_out, bits=bits,
+                  prev_bits=prev_bits, prev_scale=prev_scale, pending=pending, scale=scale)  # fmt: skip
+    if update_error and error_out is None:
+        native.launch("worker_update_error", device, x=x, error=error, out=error, scale=scale)
 
 
 def worker_update_error(
@@ -170,17 +143,8 @@ def worker_update_error(
     ``out`` defaults to ``error`` (in place); another buffer of the same size keeps ``error`` as
     it was (the exchange's double buffering, for steps that may still be dropped).
     """
-    check_tensor("x", x, torch.float32)
-    check_tensor("error", error, torch.float32)
-    check_scale("scale", scale)
     out = error if out is None else out
-    check_tensor("out", out, torch.float32)
-    device = check_device(
-        ("x", x), ("error", error), ("scale", scale), ("out", out), cuda_kernels=native.HAS_CUDA
-    )
-    check_contiguous("x", x)
-    check_contiguous("error", error)
-    check_contiguous("out", out)
+    device = native.check("worker_update_error", x=x, error=error, scale=scale, out=out)
     n = error.numel()
     if n == 0 or n % 8:
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {n}")
@@ -191,7 +155,7 @@ def worker_update_error(
     if not native.use_native():
         reference_worker_update_error(x, error, scale, out)
         return
-    native.update_error(x, error, scale, device, out)
+    native.launch("worker_update_error", device, x=x, error=error, out=out, scale=scale)
 
 
 def server_reduce(
@@ -233,34 +197,9 @@ def server_reduce(
     error_out = error if error_out is None else error_out
     prev_bits = out_bits if prev_bits is None else prev_bits
     prev_scale = out_scale if prev_scale is None else prev_scale
-    check_tensor("bits", bits, torch.uint8)
-    check_tensor("error", error, torch.float32)
-    check_tensor("error_out", error_out, torch.float32)
-    check_tensor("out_bits", out_bits, torch.uint8)
-    check_tensor("prev_bits", prev_bits, torch.uint8)
-    check_scale("out_scale", out_scale)
-    check_scale("prev_scale", prev_scale)
-    check_rows("bits", bits)
-    w = bits.size(0)
-    check_scales("scales", scales, w)
-    check_device(
-        ("bits", bits),
-        ("scales", scales),
-        ("error", error),
-        ("error_out", error_out),
-        ("out_bits", out_bits),
-        ("prev_bits", prev_bits),
-        ("out_scale", out_scale),
-        ("prev_scale", prev_scale),
-        cuda_kernels=native.HAS_CUDA,
-    )
-    for name, t in (
-        ("error", error),
-        ("error_out", error_out),
-        ("out_bits", out_bits),
-        ("prev_bits", prev_bits),
-    ):
-        check_contiguous(name, t)
+    device = native.check("server_reduce", bits=bits, scales=scales, error=error,
+                          error_out=error_out, out_bits=out_bits, prev_bits=prev_bits,
+                          out_scale=out_scale, prev_scale=prev_scale)  # fmt: skip
     m = error.numel()
     if m == 0 or m % 8:
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
@@ -283,9 +222,9 @@ def server_reduce(
             prev_scale=prev_scale,
         )
         return
-    native.server_reduce(
-        bits, scales, error, error_out, out_bits, out_scale, pending, prev_bits, prev_scale
-    )
+    native.launch("server_reduce", device, bits=bits, scales=scales, error=error,
+                  error_out=error_out, prev_bits=prev_bits, prev_scale=prev_scale if pending else None,
+                  out_bits=out_bits, out_scale=out_scale, pending=bool(pending))  # fmt: skip
 
 
 def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -297,21 +236,15 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
         out: float32, contiguous, at most ``W * m`` values; values beyond ``out.numel()``
             (the padding) are dropped.
     """
-    check_tensor("bits", bits, torch.uint8)
-    check_tensor("out", out, torch.float32)
-    check_rows("bits", bits)
-    w = bits.size(0)
-    check_scales("scales", scales, w)
-    check_device(("bits", bits), ("scales", scales), ("out", out), cuda_kernels=native.HAS_CUDA)
-    check_contiguous("out", out)
-    m = bits.size(1) * 8
+    device = native.check("decompress", bits=bits, scales=scales, out=out)
+    w, m = bits.size(0), bits.size(1) * 8
     if out.numel() > w * m:
         raise ValueError(f"out has {out.numel()} values but bits encode only W * m = {w * m}")
     if out.numel() == 0:
         return None
     if not native.use_native():
         return reference_decompress(bits, scales, out)
-    native.decompress(bits, scales, out)
+    native.launch("decompress", device, bits=bits, scales=scales, m=m, out=out)
     return None
 
 

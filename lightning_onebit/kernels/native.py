@@ -1,54 +1,54 @@
-"""The compiled kernels (``lightning_onebit._C``) and the marshalling of checked tensors into
-their raw-pointer calls, on the CPU and on CUDA (the device's current stream).
+"""The compiled kernels (``lightning_onebit._C``): one table that declares each op, one check of
+its tensors and one launcher that turns checked tensors into its raw-pointer call, on the CPU or
+on CUDA (the device's current stream).
 
 Why raw pointers: the extension needs no torch headers, so it builds in seconds with pybind11
-and CMake alone and one build works with any torch. :mod:`.checks` owns every check."""
+and CMake alone and one build works with any torch. Every pointer is taken here, by `launch`,
+from tensors that `check` has checked (dtype, layout, contiguity, device) with the op's
+declaration in `OPS`; the public functions check the sizes that relate them."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_onebit.kernels.runs import SignRuns
+from lightning_onebit.kernels.checks import (
+    check_contiguous,
+    check_device,
+    check_rows,
+    check_scale,
+    check_scales,
+    check_tensor,
+    check_verdict,
+)
+from lightning_onebit.kernels.runs import SignRuns
 
 __all__ = [
     "HAS_CPP",
     "HAS_CUDA",
     "IMPORT_ERROR",
-    "adam_update_cpu",
-    "adam_update_cuda",
+    "OPS",
+    "Op",
+    "Table",
+    "check",
     "chunk_starts",
-    "decompress",
-    "frozen_adam_update_cpu",
-    "frozen_adam_update_cuda",
     "has_kernel",
-    "lamb_frozen_update_cpu",
-    "lamb_frozen_update_cuda",
-    "layer_step_cuda",
+    "launch",
     "local_compress",
-    "local_source_cpu",
-    "local_source_cuda",
-    "local_step_cpu",
+    "local_source",
     "module",
     "momentum_compress",
-    "momentum_source_cpu",
-    "momentum_source_cuda",
+    "momentum_source",
     "nthreads",
     "on_device",
     "param_table",
-    "restore_unless_cuda",
-    "segment_table",
-    "server_reduce",
     "stream",
-    "sync_update_cpu",
-    "sync_update_cuda",
-    "update_error",
     "use_native",
-    "worker_compress",
     "workspace",
 ]
 
@@ -74,6 +74,8 @@ def has_kernel(device: torch.device) -> bool:
 
 
 def use_native() -> bool:
+    """Whether the compiled module imported; warns once when it did not (the pure-torch twins
+    then run, the same results, several times slower)."""
     global _fallback_warned
     if HAS_CPP:
         return True
@@ -89,10 +91,12 @@ def use_native() -> bool:
 
 
 def nthreads() -> int:
+    """The CPU kernels' thread count: torch's intra-op threads."""
     return max(1, torch.get_num_threads())
 
 
 def stream(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream, which every CUDA call runs on."""
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -112,131 +116,316 @@ def chunk_starts(sizes: list[int]) -> list[int]:
     return list(itertools.accumulate((-(-s // chunk) for s in sizes), initial=0))
 
 
-def workspace(device: torch.device) -> torch.Tensor:
-    """Scratch for one CUDA call's partial sums, never shared: two exchanges in flight (buckets,
-    param groups, threads) each get their own. From torch's caching allocator on the current
-    stream, which the call's kernels run on, so it is reused only after they have read it."""
-    return torch.empty(module.cuda_workspace_bytes(), dtype=torch.uint8, device=device)
+def workspace(device: torch.device, nbytes: int | None = None) -> torch.Tensor:
+    """Scratch for one CUDA call (default: the compressions' ``module.cuda_workspace_bytes()``),
+    never shared: two exchanges in flight (buckets, param groups, threads) each get their own.
+    From torch's caching allocator on the current stream, which the call's kernels run on, so it
+    is reused only after they have read it."""
+    nbytes = module.cuda_workspace_bytes() if nbytes is None else nbytes
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def segment_table(
-    pointers: list[int], starts: list[int], sizes: list[int], device: torch.device
-) -> tuple[torch.Tensor, int] | None:
-    """The CUDA segment sweeps' table on ``device``: ``pointers`` (the segments' tensors, one
-    table or more of ``P`` each), then the segments' starts, sizes (``P`` each) and chunk table
-    (``P + 1``), and the number of chunks; ``None`` when the segments hold no values."""
-    chunk_start = chunk_starts(sizes)
-    if chunk_start[-1] == 0:
-        return None
-    meta = on_device([*pointers, *starts, *sizes, *chunk_start], torch.int64, device)
-    return meta, chunk_start[-1]
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One compiled op: entries ``<name>_cpu`` and ``<name>_cuda`` of the module.
+
+    ``cpu`` and ``cuda`` name the entries' arguments in order (``None``: no such entry), leaving
+    out what `launch` adds itself: on CUDA the device index first and the current stream last,
+    on the CPU the thread count last (then, where ``runs``, the
+    [SignRuns][lightning_onebit.kernels.SignRuns]' arrays). A name is a value given to
+    `launch`: a tensor is its pointer, ``None`` the pointer 0, a `SignRuns` the pointer 0 with
+    its arrays after the thread count, anything else itself; ``#t`` is ``t.numel()``,
+    ``t.rows`` ``t.size(0)``, ``t.stride`` ``t.stride(0)``, ``t.bytes`` its size in bytes,
+    ``t:f`` a one-element tensor read on the host (0.0 for ``None``); ``ws`` is a compression
+    workspace, ``partials`` three float64 per chunk, and a `Table`'s rows, ``np`` (its
+    segments), ``chunk_start`` and ``nchunks`` (CUDA) come from the call's table.
+
+    ``tensors`` declares the tensors `check` checks, ``name:kind``, in the order of its
+    messages: ``f32`` float32 and contiguous (``f32s`` or a per-segment sequence, ``f32r`` or
+    `SignRuns`, both checked with their segments), ``u8`` uint8, ``u8c`` uint8 and contiguous,
+    ``rows`` uint8 rows (``check_rows``), ``scale`` one float32, ``scales`` one float32 per row
+    of the rows before it, ``bool`` bool and contiguous, ``any`` contiguous, ``ok`` a verdict.
+    ``cuda_kernels``: CUDA tensors need the build's CUDA kernels (others fall back to torch);
+    ``any_device``: tensors on other devices are accepted (the torch path takes them);
+    ``skip_empty``: a CUDA call with no chunks has nothing to do and is not made.
+    """
+
+    cpu: str | None
+    cuda: str | None
+    tensors: str = ""
+    runs: bool = False
+    cuda_kernels: bool = False
+    any_device: bool = False
+    skip_empty: bool = False
+
+
+_COMPRESS = "error error_out #error bits bits.rows bits.stride prev_bits prev_scale{} pending scale"
+_COMPRESS_CPU, _COMPRESS_CUDA = _COMPRESS.format(":f"), _COMPRESS.format("") + " ws"
+_MOMENTUM = "exp_avg grads denom np starts sizes beta alpha base nx "
+_LOCAL = "exp_avg grads denom params acc np starts sizes beta alpha nwd nlr precond base nx "
+_CHUNKS = "starts sizes chunk_start nchunks"
+_ROWS = "bits bits.rows bits.stride scales scales.stride"
+_ADAM = "lr beta1 ob1 beta2 ob2 eps wd update_variance"
+_LAMB = "scaling beta1 ob1 beta2 ob2 eps wd"
+
+#: every compiled op, by name
+OPS: dict[str, Op] = {
+    "worker_compress": Op(
+        cpu="x #x " + _COMPRESS_CPU,
+        cuda="x #x " + _COMPRESS_CUDA,
+        tensors="x:f32 error:f32 error_out:f32 bits:rows prev_bits:u8 scale:scale prev_scale:scale",
+        cuda_kernels=True,
+    ),
+    "worker_update_error": Op(
+        cpu="x #x error out #error scale:f",
+        cuda="x #x error out #error scale",
+        tensors="x:f32 error:f32 scale:scale out:f32",
+        cuda_kernels=True,
+    ),
+    "server_reduce": Op(
+        cpu=f"{_ROWS} error error_out #error prev_bits prev_scale:f out_bits out_scale pending",
+        cuda=f"{_ROWS} error error_out #error prev_bits prev_scale out_bits out_scale pending ws",
+        tensors="bits:rows scales:scales error:f32 error_out:f32 out_bits:u8c prev_bits:u8c "
+        "out_scale:scale prev_scale:scale",
+        cuda_kernels=True,
+    ),
+    "decompress": Op(
+        cpu=f"{_ROWS} m out #out",
+        cuda=f"{_ROWS} m out #out",
+        tensors="bits:rows scales:scales out:f32",
+        cuda_kernels=True,
+    ),
+    # (their tensors are checked as their sources' and worker_compress's)
+    "momentum_compress": Op(cpu=_MOMENTUM + _COMPRESS_CPU, cuda=_MOMENTUM + _COMPRESS_CUDA),
+    "local_compress": Op(cpu=_LOCAL + _COMPRESS_CPU, cuda=_LOCAL + _COMPRESS_CUDA),
+    "momentum_source": Op(
+        cpu="exp_avg grads denom out np starts sizes beta alpha",
+        cuda=f"exp_avg grads denom out np {_CHUNKS} beta alpha",
+        tensors="exp_avg:f32 out:f32 grad:f32s denom:f32",
+        skip_empty=True,
+    ),
+    "local_source": Op(
+        cpu="exp_avg grads denom params acc out np starts sizes beta alpha nwd nlr precond",
+        cuda=f"exp_avg grads denom params acc out np {_CHUNKS} beta alpha nwd nlr precond",
+        tensors="exp_avg:f32 denom:f32 out:f32 grad:f32s param:f32s acc:f32",
+        skip_empty=True,
+    ),
+    "adam_update": Op(
+        cpu=f"grad exp_avg exp_avg_sq params np starts sizes {_ADAM}",
+        cuda=f"ok grad exp_avg exp_avg_sq params np {_CHUNKS} {_ADAM}",
+        tensors="grad:f32 exp_avg:f32 exp_avg_sq:f32 ok:ok",
+        any_device=True,
+        skip_empty=True,
+    ),
+    "frozen_adam_update": Op(
+        cpu="exchanged exp_avg denom params np starts sizes nlr nlw precond",
+        cuda=f"ok exchanged exp_avg denom params np {_CHUNKS} nlr nlw precond",
+        tensors="exchanged:f32r exp_avg:f32 denom:f32 ok:ok",
+        runs=True,
+        skip_empty=True,
+    ),
+    "lamb_frozen_update": Op(
+        cpu=f"exchanged exp_avg denom exp_avg_sq_fresh params update np offsets {_LAMB} precond "
+        "stats",
+        cuda="ok exchanged exp_avg denom exp_avg_sq_fresh params update np offsets chunk_start "
+        f"nchunks {_LAMB} stats partials",
+        tensors="exchanged:f32r exp_avg:f32 denom:f32 exp_avg_sq_fresh:f32 update:f32 "
+        "param:f32s ok:ok",
+        runs=True,
+    ),
+    "local_step": Op(
+        cpu="grads exp_avg denom acc params np starts sizes beta alpha wd nlr",
+        cuda=None,
+        tensors="exp_avg:f32 denom:f32 acc:f32 grad:f32s",
+    ),
+    "sync_update": Op(
+        cpu="exchanged denom floored exp_avg synced params acc np starts sizes nl precond",
+        cuda=f"exchanged denom floored exp_avg synced params acc np {_CHUNKS} inv precond",
+        tensors="exchanged:f32r denom:f32 exp_avg:f32 synced:f32 acc:f32 floored:bool",
+        runs=True,
+        skip_empty=True,
+    ),
+    "layer_step": Op(
+        cpu=None, cuda=f"update params np {_CHUNKS} alpha", tensors="update:f32 alpha:f32"
+    ),
+    "restore_unless": Op(
+        cpu=None, cuda="ok dst src dst.bytes", tensors="dst:any src:any ok:ok", any_device=True
+    ),
+}
+
+_F32, _U8 = torch.float32, torch.uint8
+_DTYPES = {"f32": _F32, "f32s": _F32, "f32r": _F32, "u8": _U8, "u8c": _U8, "rows": _U8}
+_CONTIGUOUS = ("f32", "f32s", "f32r", "u8c", "bool", "any")
+
+
+def check(name: str, **tensors: object) -> torch.device:
+    """Check the tensors of a call of op ``name`` as `OPS` declares them; return their device.
+
+    Args:
+        name: the op.
+        tensors: its declared tensors, by name (``None``: not given, not checked).
+
+    Returns:
+        The device of every tensor given.
+
+    Raises:
+        TypeError, ValueError: a tensor of another type, dtype or layout, not contiguous, or
+            on another device (the message says what to pass instead).
+        RuntimeError: CUDA tensors for an op that needs CUDA kernels the build lacks.
+    """
+    op, named, verdicts, w = OPS[name], [], [], 0
+    for arg, kind in (item.split(":") for item in op.tensors.split()):
+        t = tensors.pop(arg, None)
+        if t is None or (kind == "f32s" and isinstance(t, (list, tuple))):
+            continue
+        if kind == "f32r" and isinstance(t, SignRuns):
+            continue
+        if kind == "ok":
+            verdicts.append(t)
+            continue
+        if kind == "scale":
+            check_scale(arg, t)
+        elif kind == "scales":
+            check_scales(arg, t, w)
+        elif kind != "any":
+            check_tensor(arg, t, _DTYPES.get(kind, torch.bool))
+        if kind == "rows":
+            check_rows(arg, t)
+            w = t.size(0)
+        elif kind in _CONTIGUOUS:
+            check_contiguous(arg, t)
+        named.append((arg, t))
+    if tensors:
+        raise TypeError(f"{name} declares no tensors {sorted(tensors)}")
+    cuda_kernels = HAS_CUDA or not op.cuda_kernels
+    device = check_device(*named, cuda_kernels=cuda_kernels, other_types=op.any_device)
+    for ok in verdicts:
+        check_verdict(ok, device)
+    return device
+
+
+@dataclasses.dataclass
+class Table:
+    """A call's per-segment arrays: host arrays for the CPU kernels, for the CUDA ones one
+    int64 and one float32 array in the device's memory (`on_device`), the chunk table
+    (`chunk_starts`) added.
+
+    Args:
+        sizes: each segment's (parameter's, layer's) number of values.
+        ints: int64 rows by name: pointers (a tensor: its own; ``None``: 0), starts, sizes,
+            offsets; a row ``None`` is the address 0 (no such array).
+        coefs: float32 rows by name (each Python float rounded once).
+    """
+
+    sizes: list[int]
+    ints: dict[str, Sequence[Any] | None]
+    coefs: dict[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+
+    def addresses(
+        self, device: torch.device, skip_empty: bool, kept: list[torch.Tensor]
+    ) -> dict[str, int] | None:
+        """The rows' addresses, ``np`` and on CUDA ``chunk_start`` and ``nchunks``, the arrays
+        appended to ``kept`` (alive until the call has run); ``None`` when ``skip_empty`` and a
+        CUDA call would have no chunks."""
+        cuda, ints, offset = device.type == "cuda", [], {}
+        for key, row in self.ints.items():
+            if row is not None:
+                offset[key] = len(ints)
+                ints += [v.data_ptr() if isinstance(v, torch.Tensor) else v or 0 for v in row]
+        out = {"np": len(self.sizes), **{key: 0 for key, row in self.ints.items() if row is None}}
+        if cuda:
+            chunk_start = chunk_starts(self.sizes)
+            if skip_empty and chunk_start[-1] == 0:
+                return None
+            offset["chunk_start"], out["nchunks"] = len(ints), chunk_start[-1]
+            ints += chunk_start
+        coefs = [c for row in self.coefs.values() for c in row]
+        meta, coef = (
+            (on_device(ints, torch.int64, device), on_device(coefs, torch.float32, device))
+            if cuda
+            else (torch.tensor(ints, dtype=torch.int64), torch.tensor(coefs, dtype=torch.float32))
+        )
+        kept += [meta, coef]
+        out.update({key: meta.data_ptr() + 8 * k for key, k in offset.items()})
+        starts = itertools.accumulate((len(r) for r in self.coefs.values()), initial=0)
+        # (one start more than rows: the total)
+        out.update(
+            {key: coef.data_ptr() + 4 * k for key, k in zip(self.coefs, starts, strict=False)}
+        )
+        return out
 
 
 def param_table(
-    params: list[torch.Tensor], starts: list[int], device: torch.device
-) -> tuple[torch.Tensor, int] | None:
-    """:func:`segment_table` of the CUDA parameter updates: the parameters' pointers first."""
-    return segment_table(_pointers(params), starts, [p.numel() for p in params], device)
+    params: list[torch.Tensor],
+    starts: list[int],
+    coefs: dict[str, Sequence[float]],
+    pointers: bool = True,
+) -> Table:
+    """The `Table` of an update of ``params`` (their pointers unless not ``pointers``, then
+    address 0), their values at ``starts`` of the flat buffers, with ``coefs``."""
+    sizes = [p.numel() for p in params]
+    ints = {"params": params if pointers else None, "starts": starts, "sizes": sizes}
+    return Table(sizes, ints, coefs)
 
 
-def worker_compress(
-    x: torch.Tensor,
-    error: torch.Tensor,
-    bits: torch.Tensor,
-    scale: torch.Tensor,
-    error_out: torch.Tensor | None = None,
-    pending: bool = False,
-    prev_bits: torch.Tensor | None = None,
-    prev_scale: torch.Tensor | None = None,
-) -> None:
-    """The compiled ``worker_compress``: deferred into ``error_out`` when given, else bits and
-    scale only (the update left to :func:`update_error`)."""
-    n, w, device = error.numel(), bits.size(0), error.device
-    out = 0 if error_out is None else error_out.data_ptr()
-    prev = prev_bits.data_ptr() if pending and prev_bits is not None else 0
-    if device.type == "cuda":
-        module.worker_compress_cuda(
-            device.index,
-            x.data_ptr(),
-            x.numel(),
-            error.data_ptr(),
-            out,
-            n,
-            bits.data_ptr(),
-            w,
-            bits.stride(0),
-            prev,
-            prev_scale.data_ptr() if pending and prev_scale is not None else 0,
-            bool(pending),
-            scale.data_ptr(),
-            workspace(device).data_ptr(),
-            stream(device),
-        )
-    else:
-        module.worker_compress_cpu(
-            x.data_ptr(),
-            x.numel(),
-            error.data_ptr(),
-            out,
-            n,
-            bits.data_ptr(),
-            w,
-            bits.stride(0),
-            prev,
-            float(prev_scale) if pending and prev_scale is not None else 0.0,
-            bool(pending),
-            scale.data_ptr(),
-            nthreads(),
-        )
+def launch(name: str, device: torch.device, table: Table | None = None, **values: Any) -> Any:
+    """Call op ``name`` on ``device``: its CPU entry with the thread count, or its CUDA entry
+    with the device index (the entry's device guard) and the device's current stream.
+
+    Args:
+        name: the op (`OPS`).
+        device: the device of its tensors.
+        table: its per-segment arrays, if it takes any.
+        values: the arguments its entry names, tensors checked by `check` (and per-segment
+            tensors and sizes by the public function that calls).
+
+    Returns:
+        What the entry returns; ``None`` for a CUDA call with nothing to do.
+    """
+    op, cuda = OPS[name], device.type == "cuda"
+    kept: list[torch.Tensor] = []  # every array the call reads, alive until it returns
+    if table is not None:
+        rows = table.addresses(device, op.skip_empty, kept)
+        if rows is None:
+            return None  # no values to update
+        values.update(rows)
+    args = [_arg(token, values, device, kept) for token in (op.cuda if cuda else op.cpu).split()]
+    entry = getattr(module, f"{name}_{device.type}")
+    if cuda:
+        return entry(device.index, *args, stream(device))
+    if not op.runs:
+        return entry(*args, nthreads())
+    runs = next((v for v in values.values() if isinstance(v, SignRuns)), None)
+    return entry(*args, nthreads(), *_runs_args(runs, kept))
 
 
-def server_reduce(
-    bits: torch.Tensor,
-    scales: torch.Tensor,
-    error: torch.Tensor,
-    error_out: torch.Tensor,
-    out_bits: torch.Tensor,
-    out_scale: torch.Tensor,
-    pending: bool,
-    prev_bits: torch.Tensor,
-    prev_scale: torch.Tensor,
-) -> None:
-    """The compiled ``server_reduce``."""
-    w, m, device = bits.size(0), error.numel(), error.device
-    head = (bits.data_ptr(), w, bits.stride(0), scales.data_ptr(), scales.stride(0))
-    bufs = (error.data_ptr(), error_out.data_ptr(), m, prev_bits.data_ptr())
-    tail = (out_bits.data_ptr(), out_scale.data_ptr(), bool(pending))
-    if device.type == "cuda":
-        module.server_reduce_cuda(
-            device.index,
-            *head,
-            *bufs,
-            prev_scale.data_ptr(),
-            *tail,
-            workspace(device).data_ptr(),
-            stream(device),
-        )
-    else:
-        module.server_reduce_cpu(
-            *head, *bufs, float(prev_scale) if pending else 0.0, *tail, nthreads()
-        )
+def _arg(token: str, values: dict[str, Any], device: torch.device, kept: list[torch.Tensor]) -> Any:
+    """The entry's argument that ``token`` names (see `Op`), from ``values``; scratch it makes
+    appended to ``kept``."""
+    if token in ("ws", "partials"):
+        kept.append(workspace(device, None if token == "ws" else 24 * max(values["nchunks"], 1)))
+        return kept[-1].data_ptr()
+    if token.startswith("#"):
+        return values[token[1:]].numel()
+    if token.endswith(":f"):
+        v = values[token[:-2]]
+        return 0.0 if v is None else float(v)
+    key, _, attr = token.partition(".")
+    v = values[key]
+    if attr == "bytes":
+        return v.numel() * v.element_size()
+    if attr:
+        return v.size(0) if attr == "rows" else v.stride(0)
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr()
+    return 0 if v is None or isinstance(v, SignRuns) else v
 
 
-def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """The compiled ``decompress``."""
-    w, m, device = bits.size(0), bits.size(1) * 8, out.device
-    args = (bits.data_ptr(), w, bits.stride(0), scales.data_ptr(), scales.stride(0), m)
-    if device.type == "cuda":
-        module.decompress_cuda(device.index, *args, out.data_ptr(), out.numel(), stream(device))
-    else:
-        module.decompress_cpu(*args, out.data_ptr(), out.numel(), nthreads())
-
-
-def _runs_arrays(runs: SignRuns | None) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-    """A ``SignRuns``' arrays (lo, hi, bits pointers, scales; kept alive by the caller) and the
-    compiled call's trailing arguments: ``nruns, lo, hi, bits, scale`` (all 0 for ``None``)."""
+def _runs_args(runs: SignRuns | None, kept: list[torch.Tensor]) -> tuple[int, ...]:
+    """The CPU entries' trailing arguments for ``runs`` (``nruns, lo, hi, bits, scale``: host
+    arrays appended to ``kept``; all 0 for ``None``)."""
     if runs is None:
-        return [], (0, 0, 0, 0, 0)
+        return (0, 0, 0, 0, 0)
     lo, hi, bits, scale = zip(*runs.runs, strict=True)
     arrays = [
         torch.tensor(lo, dtype=torch.int64),
@@ -244,328 +433,85 @@ def _runs_arrays(runs: SignRuns | None) -> tuple[list[torch.Tensor], tuple[int, 
         torch.tensor([b.data_ptr() for b in bits], dtype=torch.int64),
         torch.tensor(scale, dtype=torch.float32),
     ]
-    return arrays, (len(lo), *(a.data_ptr() for a in arrays))
+    kept += arrays
+    return (len(lo), *(a.data_ptr() for a in arrays))
 
 
-def lamb_frozen_update_cpu(
-    tensors: tuple[torch.Tensor | SignRuns | None, ...],
-    offsets: list[int],
-    coefs: list[list[float]],
-    preconditioned: bool,
-    runs: SignRuns | None = None,
-) -> torch.Tensor:
-    """The compiled ``lamb_frozen_update`` on CPU tensors (``tensors``: exchanged, exp_avg,
-    denom, exp_avg_sq_fresh, the layers' parameters (one fp32 contiguous tensor or ``None`` per
-    layer) or ``None``, update; ``coefs``: per layer scaling, beta1,
-    1 - beta1, beta2, 1 - beta2, eps, weight_decay; ``preconditioned``: exchanged * denom
-    first; ``runs``: the ``SignRuns`` read in place of ``exchanged``, or ``None``)."""
-    exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
-    n_layers = len(offsets) - 1
-    stats = torch.empty(n_layers, 3, dtype=torch.float64)
-    arrays = [
-        torch.tensor(offsets, dtype=torch.int64),
-        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
-    ]
-    kept, runs_args = _runs_arrays(runs)
-    pointers = _pointer_array(param)
-    module.lamb_frozen_update_cpu(
-        0 if runs is not None else exchanged.data_ptr(),
-        exp_avg.data_ptr(),
-        denom.data_ptr(),
-        exp_avg_sq_fresh.data_ptr(),
-        _address(pointers),
-        update.data_ptr(),
-        n_layers,
-        *(a.data_ptr() for a in arrays),
-        bool(preconditioned),
-        stats.data_ptr(),
-        nthreads(),
-        *runs_args,
-    )
-    del kept
-    return stats
+def _local_coefs(
+    hp: tuple[list[float], list[float], list[float], list[float]],
+) -> dict[str, list[float]]:
+    """``local_source``'s per-segment coefficients as its kernels take them: beta, alpha,
+    -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr."""
+    beta, alpha, lr, weight_decay = hp
+    nwd = [-w if w > 0 else 0.0 for w in weight_decay]
+    return {"beta": beta, "alpha": alpha, "nwd": nwd, "nlr": [-a for a in lr]}
 
 
-def update_error(
-    x: torch.Tensor,
-    error: torch.Tensor,
-    scale: torch.Tensor,
-    device: torch.device,
-    out: torch.Tensor | None = None,
-) -> None:
-    n, out = error.numel(), error if out is None else out
-    if device.type == "cuda":
-        module.worker_update_error_cuda(
-            device.index,
-            x.data_ptr(),
-            x.numel(),
-            error.data_ptr(),
-            out.data_ptr(),
-            n,
-            scale.data_ptr(),
-            stream(device),
-        )
-    else:
-        module.worker_update_error_cpu(
-            x.data_ptr(), x.numel(), error.data_ptr(), out.data_ptr(), n, float(scale), nthreads()
-        )
-
-
-def restore_unless_cuda(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
-    nbytes = dst.numel() * dst.element_size()
-    module.restore_unless_cuda(
-        dst.device.index, ok.data_ptr(), dst.data_ptr(), src.data_ptr(), nbytes, stream(dst.device)
-    )
-
-
-def frozen_adam_update_cuda(
-    ok: torch.Tensor,
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: tuple[list[float], list[float], bool],
-) -> None:
-    """:func:`frozen_adam_update` on CUDA tensors (``tensors``: exchanged, exp_avg, denom;
-    ``hp``: lr, weight_decay, preconditioned): the kernel on the current stream."""
-    (exchanged, exp_avg, denom), (lr, weight_decay, preconditioned) = tensors, hp
-    n, device = len(params), exchanged.device
-    table = param_table(params, starts, device)
-    if table is None:
-        return  # no values to update
-    meta, nchunks = table
-    # -lr and -lr * wd in double, then rounded: the alphas the torch path passes
-    nlw = [-a * w for a, w in zip(lr, weight_decay, strict=True)]
-    coef = on_device([[-a for a in lr], nlw], torch.float32, device)
-    module.frozen_adam_update_cuda(
-        device.index,
-        ok.data_ptr(),
-        exchanged.data_ptr(),
-        exp_avg.data_ptr(),
-        denom.data_ptr(),
-        meta.data_ptr(),  # the parameters' pointers
-        n,
-        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        nchunks,
-        coef[0].data_ptr(),
-        coef[1].data_ptr(),
-        bool(preconditioned),
-        stream(device),
-    )
-
-
-def lamb_frozen_update_cuda(
-    tensors: tuple[torch.Tensor | list[torch.Tensor | None] | None, ...],
-    offsets: list[int],
-    coefs: list[list[float]],
-    ok: torch.Tensor | None,
-) -> torch.Tensor:
-    """:func:`lamb_frozen_update` on CUDA tensors (``tensors`` as :func:`lamb_frozen_update_cpu`'s:
-    the layers' parameters one tensor or ``None`` per layer, or ``None``): the kernel on the
-    current stream."""
-    exchanged, exp_avg, denom, exp_avg_sq_fresh, param, update = tensors
-    device, n_layers = exchanged.device, len(offsets) - 1
-    stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
-    if n_layers == 0:
-        return stats
-    chunk_start = chunk_starts([b - a for a, b in itertools.pairwise(offsets)])
-    pointers = [] if param is None else _pointers(param)
-    # offsets (L + 1), chunk_start (L + 1), then the parameters' pointers (L, when given)
-    meta = on_device([*offsets, *chunk_start, *pointers], torch.int64, device)
-    coef = on_device(coefs, torch.float32, device)
-    # the per-chunk partial sums: this call's own, never shared (see workspace)
-    work = torch.empty(3 * max(chunk_start[-1], 1), dtype=torch.float64, device=device)
-    module.lamb_frozen_update_cuda(
-        device.index,
-        0 if ok is None else ok.data_ptr(),
-        exchanged.data_ptr(),
-        exp_avg.data_ptr(),
-        denom.data_ptr(),
-        exp_avg_sq_fresh.data_ptr(),
-        0 if param is None else meta[2 * (n_layers + 1) :].data_ptr(),
-        update.data_ptr(),
-        n_layers,
-        meta.data_ptr(),
-        meta[n_layers + 1 :].data_ptr(),
-        chunk_start[-1],
-        *(row.data_ptr() for row in coef),
-        stats.data_ptr(),
-        work.data_ptr(),
-        stream(device),
-    )
-    return stats
-
-
-def adam_update_cuda(
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: dict[str, list[float]],
-    update_variance: bool,
-    ok: torch.Tensor | None = None,
-) -> None:
-    n, device = len(params), grad.device
-    table = param_table(params, starts, device)
-    if table is None:
-        return  # no values to update
-    meta, nchunks = table
-    b1, b2 = hp["beta1"], hp["beta2"]
-    # 1 - beta in double, then rounded, as for the CPU kernel
-    rows = [hp["lr"], b1, [1 - b for b in b1], b2, [1 - b for b in b2], hp["eps"]]
-    coef = on_device([*rows, hp["weight_decay"]], torch.float32, device)
-    module.adam_update_cuda(
-        device.index,
-        0 if ok is None else ok.data_ptr(),
-        grad.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        meta.data_ptr(),  # the parameters' pointers
-        n,
-        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        nchunks,
-        *(row.data_ptr() for row in coef),
-        update_variance,
-        stream(device),
-    )
-
-
-def adam_update_cpu(
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: dict[str, list[float]],
-    update_variance: bool,
-) -> None:
-    n, lr, beta1, beta2 = len(params), hp["lr"], hp["beta1"], hp["beta2"]
-    eps, weight_decay = hp["eps"], hp["weight_decay"]
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    # 1 - beta in double, then rounded: 1 - float32(0.999) is 1.3e-5 (relative) off 0.001
-    arrays = [
-        i64([p.data_ptr() for p in params]),
-        i64(starts),
-        i64([p.numel() for p in params]),
-        f32(lr),
-        f32(beta1),
-        f32([1 - b for b in beta1]),
-        f32(beta2),
-        f32([1 - b for b in beta2]),
-        f32(eps),
-        f32(weight_decay),
-    ]
-    module.adam_update_cpu(
-        grad.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        arrays[0].data_ptr(),
-        n,
-        *(a.data_ptr() for a in arrays[1:]),
-        update_variance,
-        nthreads(),
-    )
-
-
-def _pointers(tensors: list[torch.Tensor | None]) -> list[int]:
-    """Each segment's pointer for the kernels' tables (0: ``None``)."""
-    return [0 if t is None else t.data_ptr() for t in tensors]
-
-
-def _pointer_array(tensors: list[torch.Tensor | None] | None) -> torch.Tensor | None:
-    """:func:`_pointers` as a host int64 array for the CPU kernels (``None``: no array)."""
-    return None if tensors is None else torch.tensor(_pointers(tensors), dtype=torch.int64)
-
-
-def _address(t: torch.Tensor | None) -> int:
-    """``t``'s data pointer, 0 for ``None``."""
-    return 0 if t is None else t.data_ptr()
-
-
-def momentum_source_cpu(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
-    starts: list[int],
-    sizes: list[int],
-    coefs: tuple[list[float], list[float]],
-) -> None:
-    """The compiled ``momentum_source`` on CPU tensors (``tensors``: exp_avg, the segments'
-    gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
-    ``exp_avg`` and of the gradient)."""
-    exp_avg, grads, denom, out = tensors
-    kept, (g, *rest) = _source_tables(_pointers(grads), starts, sizes, coefs, False, out.device)
-    module.momentum_source_cpu(
-        exp_avg.data_ptr(), g, _address(denom), out.data_ptr(), len(starts), *rest, nthreads()
-    )
-    del kept
-
-
-def _compress_tail(
+def _compressed(
     starts: list[int],
     sizes: list[int],
     compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     pending: bool,
     prev: tuple[torch.Tensor, torch.Tensor],
-    cuda: bool = False,
-) -> list:
-    """The trailing arguments of the compiled source compressions: the flat range's start and
-    length (the segments tile it), then ``worker_compress_cpu``'s from ``compress`` (error,
-    bits, scale, error_out) and ``prev`` (prev_bits, prev_scale); with ``cuda``
-    ``worker_compress_cuda``'s (``prev_scale`` in device memory, the workspace, the stream)."""
+) -> dict[str, Any]:
+    """The source compressions' deferred ``worker_compress`` arguments: the flat range the
+    segments tile, ``compress`` (error, bits, scale, error_out) and, if ``pending``, ``prev``
+    (prev_bits, prev_scale)."""
     (error, bits, scale, error_out), (prev_bits, prev_scale) = compress, prev
-    device = error.device
-    if not pending:
-        prev_scale_arg: int | float = 0 if cuda else 0.0
-    else:
-        prev_scale_arg = prev_scale.data_ptr() if cuda else float(prev_scale)
-    head = [
-        starts[0],
-        sum(sizes),
-        error.data_ptr(),
-        error_out.data_ptr(),
-        error.numel(),
-        bits.data_ptr(),
-        bits.size(0),
-        bits.stride(0),
-        prev_bits.data_ptr() if pending else 0,
-        prev_scale_arg,
-        bool(pending),
-        scale.data_ptr(),
-    ]
-    if cuda:
-        return [*head, workspace(device).data_ptr(), stream(device)]
-    return [*head, nthreads()]
+    prev_bits, prev_scale = (prev_bits, prev_scale) if pending else (None, None)
+    return {
+        "base": starts[0],
+        "nx": sum(sizes),
+        "error": error,
+        "error_out": error_out,
+        "bits": bits,
+        "prev_bits": prev_bits,
+        "prev_scale": prev_scale,
+        "pending": bool(pending),
+        "scale": scale,
+    }
 
 
-def _source_tables(
-    pointers: list[int],
+def momentum_source(
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
     starts: list[int],
     sizes: list[int],
-    coefs: tuple[list[float], ...],
-    cuda: bool,
-    device: torch.device,
-) -> tuple[list[torch.Tensor], list[int]]:
-    """The source compressions' tables: the addresses of ``pointers`` (one table or more of
-    ``P`` each), the segments' starts and sizes (int64), then of each coefficient list
-    (float32); with the arrays that hold them, for the caller to keep until the call has run.
-    Host arrays on the CPU; on CUDA one int64 and one float32 array in ``device``'s memory
-    (:func:`on_device`)."""
-    ints = [*pointers, *starts, *sizes]
-    if cuda:
-        meta, coef = (
-            on_device(ints, torch.int64, device),
-            on_device(list(coefs), torch.float32, device),
-        )
-        rows = [meta[k : k + len(starts)] for k in range(0, len(ints), len(starts))]
-        return [meta, coef], [r.data_ptr() for r in rows] + [c.data_ptr() for c in coef]
-    arrays = [
-        torch.tensor(ints, dtype=torch.int64),
-        *(torch.tensor(c, dtype=torch.float32) for c in coefs),
-    ]
-    base, step = arrays[0].data_ptr(), 8 * len(starts)
-    return arrays, [base + k * step for k in range(len(ints) // len(starts))] + [
-        a.data_ptr() for a in arrays[1:]
-    ]
+    coefs: tuple[list[float], list[float]],
+) -> None:
+    """The compiled ``momentum_source`` on checked tensors (``tensors``: exp_avg, the segments'
+    gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
+    ``exp_avg`` and of the gradient)."""
+    exp_avg, grads, denom, out = tensors
+    ints = {"grads": grads, "starts": starts, "sizes": sizes}
+    table = Table(sizes, ints, {"beta": coefs[0], "alpha": coefs[1]})
+    launch("momentum_source", out.device, table, exp_avg=exp_avg, denom=denom, out=out)
+
+
+def local_source(
+    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
+    params: list[torch.Tensor | None] | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    segments: tuple[list[int], list[int]],
+    hp: tuple[list[float], list[float], list[float], list[float]],
+    preconditioned: bool,
+) -> None:
+    """The compiled ``local_source`` on checked tensors (``tensors``: exp_avg, the segments'
+    gradients (``None``: zeros), denom; ``params``: the segments' parameters or ``None`` (no
+    decay term); ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr,
+    weight_decay)."""
+    (exp_avg, grads, denom), (starts, sizes) = tensors, segments
+    ints = {"grads": grads, "params": params, "starts": starts, "sizes": sizes}
+    launch(
+        "local_source",
+        out.device,
+        Table(sizes, ints, _local_coefs(hp)),
+        exp_avg=exp_avg,
+        denom=denom,
+        acc=acc,
+        out=out,
+        precond=bool(preconditioned),
+    )
 
 
 def momentum_compress(
@@ -576,31 +522,22 @@ def momentum_compress(
     compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     pending: bool,
     prev: tuple[torch.Tensor, torch.Tensor],
-    cuda: bool = False,
 ) -> None:
-    """The compiled deferred ``worker_compress`` of ``momentum_source``'s values (``tensors``:
+    """The compiled deferred ``worker_compress`` of `momentum_source`'s values (``tensors``:
     exp_avg, the segments' gradients, denom or ``None``, the segments' starts and sizes, which
     tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient;
-    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale): the CPU
-    kernel, or with ``cuda`` the CUDA one on the current stream."""
+    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
     exp_avg, grads, denom, starts, sizes = tensors
-    device = exp_avg.device
-    kept, (g, st, sz, b, a) = _source_tables(_pointers(grads), starts, sizes, coefs, cuda, device)
-    head = [device.index] if cuda else []
-    run = module.momentum_compress_cuda if cuda else module.momentum_compress_cpu
-    run(
-        *head,
-        exp_avg.data_ptr(),
-        g,
-        _address(denom),
-        len(starts),
-        st,
-        sz,
-        b,
-        a,
-        *_compress_tail(starts, sizes, compress, pending, prev, cuda),
+    ints = {"grads": grads, "starts": starts, "sizes": sizes}
+    table = Table(sizes, ints, {"beta": coefs[0], "alpha": coefs[1]})
+    launch(
+        "momentum_compress",
+        exp_avg.device,
+        table,
+        exp_avg=exp_avg,
+        denom=denom,
+        **_compressed(starts, sizes, compress, pending, prev),
     )
-    del kept
 
 
 def local_compress(
@@ -612,301 +549,20 @@ def local_compress(
     compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     pending: bool,
     prev: tuple[torch.Tensor, torch.Tensor],
-    cuda: bool = False,
 ) -> None:
-    """The compiled deferred ``worker_compress`` of ``local_source``'s values (``tensors``,
-    ``params``, ``acc`` and ``segments`` as :func:`local_source_cpu`, the segments tiling the
-    input's flat range in order; ``hp``: the coefficients and ``preconditioned``;
-    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale): the CPU
-    kernel, or with ``cuda`` the CUDA one on the current stream."""
+    """The compiled deferred ``worker_compress`` of `local_source`'s values (``tensors``,
+    ``params``, ``acc`` and ``segments`` as `local_source`'s, the segments tiling the input's
+    flat range in order; ``hp``: the coefficients and ``preconditioned``; ``compress``: error,
+    bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
     (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
-    device = exp_avg.device
-    pointers = _pointers(grads) + ([] if params is None else _pointers(params))
-    kept, addresses = _source_tables(pointers, starts, sizes, _local_coefs(coefs), cuda, device)
-    g, p = addresses[0], (0 if params is None else addresses[1])
-    st, sz, *c = addresses[-6:]  # starts, sizes, beta, alpha, -weight_decay, -lr
-    head = [device.index] if cuda else []
-    run = module.local_compress_cuda if cuda else module.local_compress_cpu
-    run(
-        *head,
-        exp_avg.data_ptr(),
-        g,
-        denom.data_ptr(),
-        p,
-        _address(acc),
-        len(starts),
-        st,
-        sz,
-        *c,
-        bool(preconditioned),
-        *_compress_tail(starts, sizes, compress, pending, prev, cuda),
-    )
-    del kept
-
-
-def frozen_adam_update_cpu(
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: tuple[list[float], list[float], bool],
-    runs: SignRuns | None = None,
-) -> None:
-    """:func:`frozen_adam_update` on CPU tensors (``tensors``: exchanged, exp_avg, denom;
-    ``hp``: lr, weight_decay, preconditioned; ``runs``: the ``SignRuns`` read in place of
-    ``exchanged``, or ``None``), without a verdict."""
-    (exchanged, exp_avg, denom), (lr, weight_decay, preconditioned) = tensors, hp
-    # -lr and -lr * wd in double, then rounded: the alphas the torch path passes; +0.0 (no
-    # decay step at all) where weight_decay is not positive, as the torch path skips it
-    nlw = [-a * w if w > 0 else 0.0 for a, w in zip(lr, weight_decay, strict=True)]
-    arrays = [
-        torch.tensor([p.data_ptr() for p in params], dtype=torch.int64),
-        torch.tensor(starts, dtype=torch.int64),
-        torch.tensor([p.numel() for p in params], dtype=torch.int64),
-        torch.tensor([-a for a in lr], dtype=torch.float32),
-        torch.tensor(nlw, dtype=torch.float32),
-    ]
-    kept, runs_args = _runs_arrays(runs)
-    module.frozen_adam_update_cpu(
-        0 if runs is not None else exchanged.data_ptr(),
-        exp_avg.data_ptr(),
-        denom.data_ptr(),
-        arrays[0].data_ptr(),
-        len(params),
-        *(a.data_ptr() for a in arrays[1:]),
-        bool(preconditioned),
-        nthreads(),
-        *runs_args,
-    )
-    del kept
-
-
-def _local_coefs(
-    hp: tuple[list[float], list[float], list[float], list[float]],
-) -> tuple[list[float], ...]:
-    """``local_source``'s per-segment coefficients as its kernels take them: beta, alpha,
-    -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr."""
-    beta, alpha, lr, weight_decay = hp
-    return beta, alpha, [-w if w > 0 else 0.0 for w in weight_decay], [-a for a in lr]
-
-
-def local_source_cpu(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
-    params: list[torch.Tensor | None] | None,
-    acc: torch.Tensor | None,
-    out: torch.Tensor,
-    segments: tuple[list[int], list[int]],
-    hp: tuple[list[float], list[float], list[float], list[float]],
-    preconditioned: bool,
-) -> None:
-    """The compiled ``local_source`` on CPU tensors (``tensors``: exp_avg, the segments'
-    gradients (``None``: zeros), denom; ``params``: the segments' parameters (``None``: no
-    decay term) or ``None``; ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr,
-    weight_decay)."""
-    (exp_avg, grads, denom), (starts, sizes) = tensors, segments
-    pointers = _pointers(grads) + ([] if params is None else _pointers(params))
-    kept, addresses = _source_tables(pointers, starts, sizes, _local_coefs(hp), False, out.device)
-    module.local_source_cpu(
-        exp_avg.data_ptr(),
-        addresses[0],
-        denom.data_ptr(),
-        0 if params is None else addresses[1],
-        _address(acc),
-        out.data_ptr(),
-        len(starts),
-        *addresses[-6:],  # starts, sizes, beta, alpha, -weight_decay, -lr
-        bool(preconditioned),
-        nthreads(),
-    )
-    del kept
-
-
-def local_step_cpu(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor, torch.Tensor],
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: tuple[list[float], list[float], list[float], list[float]],
-) -> bool:
-    """The compiled ``local_step`` on CPU tensors (``tensors``: exp_avg, the parameters'
-    gradients (``None``: zeros), denom, acc; ``params`` fp32 and contiguous; ``hp``: per
-    parameter beta, alpha, lr, weight_decay); whether it ran (every gradient finite)."""
-    exp_avg, grads, denom, acc = tensors
-    beta, alpha, lr, weight_decay = hp
-    # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
-    coefs = (beta, alpha, [w if w > 0 else 0.0 for w in weight_decay], [-a for a in lr])
-    sizes, pointers = [p.numel() for p in params], _pointers(grads) + _pointers(params)
-    kept, (g, p, *rest) = _source_tables(pointers, starts, sizes, coefs, False, acc.device)
-    ran = module.local_step_cpu(
-        g, exp_avg.data_ptr(), denom.data_ptr(), acc.data_ptr(), p, len(params), *rest, nthreads()
-    )
-    del kept
-    return ran
-
-
-def sync_update_cpu(
-    tensors: tuple[torch.Tensor, ...],
-    floored: torch.Tensor | None,
-    acc: torch.Tensor | None,
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: tuple[list[float], bool, bool],
-    runs: SignRuns | None = None,
-) -> None:
-    """The compiled ``sync_update`` on CPU tensors (``tensors``: exchanged, denom, exp_avg,
-    synced; ``hp``: per parameter the lr summed since the last sync, preconditioned, and
-    whether to write the parameters, fp32 and contiguous, too; ``runs``: the ``SignRuns``
-    read in place of ``exchanged``, or ``None``)."""
-    (exchanged, denom, exp_avg, synced), (lrs, preconditioned, write_params) = tensors, hp
-    # -lrs rounded from double, the divisor of the torch path; +0.0: m = 0 (no step taken)
-    arrays = [
-        torch.tensor([p.data_ptr() for p in params], dtype=torch.int64),
-        torch.tensor(starts, dtype=torch.int64),
-        torch.tensor([p.numel() for p in params], dtype=torch.int64),
-        torch.tensor([-a if a > 0 else 0.0 for a in lrs], dtype=torch.float32),
-    ]
-    kept, runs_args = _runs_arrays(runs)
-    module.sync_update_cpu(
-        0 if runs is not None else exchanged.data_ptr(),
-        denom.data_ptr(),
-        0 if floored is None else floored.data_ptr(),
-        exp_avg.data_ptr(),
-        synced.data_ptr(),
-        arrays[0].data_ptr() if write_params else 0,
-        0 if acc is None else acc.data_ptr(),
-        len(params),
-        *(a.data_ptr() for a in arrays[1:]),
-        bool(preconditioned),
-        nthreads(),
-        *runs_args,
-    )
-    del kept
-
-
-def momentum_source_cuda(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
-    starts: list[int],
-    sizes: list[int],
-    coefs: tuple[list[float], list[float]],
-) -> None:
-    """The compiled ``momentum_source`` on CUDA tensors (arguments as
-    :func:`momentum_source_cpu`): the kernel on the current stream."""
-    exp_avg, grads, denom, out = tensors
-    n, device = len(starts), out.device
-    table = segment_table(_pointers(grads), starts, sizes, device)
-    if table is None:
-        return  # no values
-    meta, nchunks = table
-    coef = on_device(list(coefs), torch.float32, device)  # beta, alpha, rounded from double
-    module.momentum_source_cuda(
-        device.index,
-        exp_avg.data_ptr(),
-        meta.data_ptr(),  # the gradients' pointers
-        0 if denom is None else denom.data_ptr(),
-        out.data_ptr(),
-        n,
-        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        nchunks,
-        coef[0].data_ptr(),
-        coef[1].data_ptr(),
-        stream(device),
-    )
-
-
-def local_source_cuda(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
-    params: list[torch.Tensor | None] | None,
-    acc: torch.Tensor | None,
-    out: torch.Tensor,
-    segments: tuple[list[int], list[int]],
-    hp: tuple[list[float], list[float], list[float], list[float]],
-    preconditioned: bool,
-) -> None:
-    """The compiled ``local_source`` on CUDA tensors (arguments as :func:`local_source_cpu`):
-    the kernel on the current stream."""
-    (exp_avg, grads, denom), (starts, sizes) = tensors, segments
-    n, device = len(starts), out.device
-    pointers = _pointers(grads) + ([] if params is None else _pointers(params))
-    table = segment_table(pointers, starts, sizes, device)  # the gradients', the parameters'
-    if table is None:
-        return  # no values
-    meta, nchunks = table
-    coef = on_device(list(_local_coefs(hp)), torch.float32, device)
-    head = len(pointers)
-    module.local_source_cuda(
-        device.index,
-        exp_avg.data_ptr(),
-        meta.data_ptr(),  # the gradients' pointers
-        denom.data_ptr(),
-        0 if params is None else meta[n:].data_ptr(),  # the parameters' pointers
-        0 if acc is None else acc.data_ptr(),
-        out.data_ptr(),
-        n,
-        *(meta[head + k * n :].data_ptr() for k in range(3)),  # starts, sizes, chunk_start
-        nchunks,
-        *(row.data_ptr() for row in coef),
-        bool(preconditioned),
-        stream(device),
-    )
-
-
-def layer_step_cuda(
-    update: torch.Tensor, params: list[torch.Tensor], starts: list[int], alpha: torch.Tensor
-) -> None:
-    """:func:`layer_step` on CUDA tensors: the kernel on the current stream."""
-    n, device = len(params), update.device
-    table = param_table(params, starts, device)
-    if table is None:
-        return  # no values
-    meta, nchunks = table
-    module.layer_step_cuda(
-        device.index,
-        update.data_ptr(),
-        meta.data_ptr(),  # the parameters' pointers
-        n,
-        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        nchunks,
-        alpha.data_ptr(),
-        stream(device),
-    )
-
-
-def _reciprocals(lrs: list[float]) -> list[float]:
-    """Per parameter the reciprocal that torch's CUDA division by the Python scalar ``-lrs[j]``
-    multiplies by: ``1.0 / -lrs[j]`` taken on the host in double and rounded once to float32 (by
-    :func:`on_device`; overflow gives -inf, as torch's cast); +0.0 (the kernel's "m = 0") where
-    ``lrs[j] <= 0``."""
-    return [1.0 / -a if a > 0 else 0.0 for a in lrs]
-
-
-def sync_update_cuda(
-    tensors: tuple[torch.Tensor, ...],
-    floored: torch.Tensor | None,
-    acc: torch.Tensor | None,
-    params: list[torch.Tensor],
-    starts: list[int],
-    hp: tuple[list[float], bool, bool],
-) -> None:
-    """The compiled ``sync_update`` on CUDA tensors (arguments as :func:`sync_update_cpu`):
-    the kernel on the current stream."""
-    (exchanged, denom, exp_avg, synced), (lrs, preconditioned, write_params) = tensors, hp
-    n, device = len(params), exchanged.device
-    table = param_table(params, starts, device)
-    if table is None:
-        return  # no values
-    meta, nchunks = table
-    inv = on_device(_reciprocals(lrs), torch.float32, device)
-    module.sync_update_cuda(
-        device.index,
-        exchanged.data_ptr(),
-        denom.data_ptr(),
-        0 if floored is None else floored.data_ptr(),
-        exp_avg.data_ptr(),
-        synced.data_ptr(),
-        meta.data_ptr() if write_params else 0,  # the parameters' pointers
-        0 if acc is None else acc.data_ptr(),
-        n,
-        *(meta[k * n :].data_ptr() for k in range(1, 4)),  # starts, sizes, chunk_start
-        nchunks,
-        inv.data_ptr(),
-        bool(preconditioned),
-        stream(device),
+    ints = {"grads": grads, "params": params, "starts": starts, "sizes": sizes}
+    launch(
+        "local_compress",
+        exp_avg.device,
+        Table(sizes, ints, _local_coefs(coefs)),
+        exp_avg=exp_avg,
+        denom=denom,
+        acc=acc,
+        precond=bool(preconditioned),
+        **_compressed(starts, sizes, compress, pending, prev),
     )

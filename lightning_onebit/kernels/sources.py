@@ -12,13 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_onebit.kernels import native
-from lightning_onebit.kernels.checks import (
-    check_contiguous,
-    check_device,
-    check_per_segment,
-    check_segments,
-    check_tensor,
-)
+from lightning_onebit.kernels.checks import check_per_segment, check_segments
 from lightning_onebit.kernels.reference import reference_local_source, reference_momentum_source
 
 __all__ = ["ExchangeSource", "LocalSource", "MomentumSource", "local_source", "momentum_source"]
@@ -80,25 +74,16 @@ def _run_momentum_source(args: tuple) -> None:
     if not native.has_kernel(device) or not native.use_native():
         reference_momentum_source(*args)
         return
-    if device.type == "cuda":
-        native.momentum_source_cuda((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
-    else:
-        native.momentum_source_cpu((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+    native.momentum_source((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
 
 
 def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
     """:func:`momentum_source`'s checks of its arguments ``args``, in order; returns the
     gradient as one entry per segment."""
     exp_avg, grad, denom, out, starts, sizes, beta, alpha = args
-    named = [("exp_avg", exp_avg), ("out", out)]
-    if isinstance(grad, torch.Tensor):
-        named.append(("grad", grad))
-    if denom is not None:
-        named.append(("denom", denom))
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    device = check_device(*named)
+    device = native.check("momentum_source", exp_avg=exp_avg, out=out, grad=grad, denom=denom)
+    named = [(k, t) for k, t in (("exp_avg", exp_avg), ("out", out), ("grad", grad), ("denom", denom))
+             if isinstance(t, torch.Tensor)]  # fmt: skip
     check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
     return check_per_segment("grad", grad, starts, sizes, device, missing=True)
 
@@ -205,8 +190,7 @@ class MomentumSource(ExchangeSource):
         prev: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         args = (self.exp_avg, self.grad, self.denom, self.starts, self.sizes)
-        cuda = self.device.type == "cuda"
-        native.momentum_compress(args, (self.beta, self.alpha), compress, pending, prev, cuda)
+        native.momentum_compress(args, (self.beta, self.alpha), compress, pending, prev)
 
 
 def local_source(
@@ -260,14 +244,11 @@ def _check_local_source(
     """:func:`local_source`'s checks of its arguments ``args``, in order; returns the gradient
     and the parameter (or ``None``) as one entry per segment."""
     (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
-    named = [("exp_avg", exp_avg), ("denom", denom), ("out", out)]
-    for name, t in (("grad", grad), ("param", param), ("acc", acc)):
-        if isinstance(t, torch.Tensor) or (name == "acc" and t is not None):
-            named.append((name, t))
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    device = check_device(*named)
+    device = native.check("local_source", exp_avg=exp_avg, denom=denom, out=out, grad=grad,
+                          param=param, acc=acc)  # fmt: skip
+    named = [("exp_avg", exp_avg), ("denom", denom), ("out", out), ("grad", grad), ("param", param),
+             ("acc", acc)]  # fmt: skip
+    named = [(k, t) for k, t in named if isinstance(t, torch.Tensor)]
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
@@ -283,8 +264,7 @@ def _run_local_source(args: tuple) -> None:
     if not native.has_kernel(device) or not native.use_native():
         reference_local_source(*args)
         return
-    run = native.local_source_cuda if device.type == "cuda" else native.local_source_cpu
-    run(args[0], params, acc, out, (starts, sizes), hp, preconditioned)
+    native.local_source(args[0], params, acc, out, (starts, sizes), hp, preconditioned)
 
 
 @dataclasses.dataclass(eq=False)
@@ -344,5 +324,4 @@ class LocalSource(ExchangeSource):
             compress,
             pending,
             prev,
-            self.device.type == "cuda",
         )

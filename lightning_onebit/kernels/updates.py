@@ -11,15 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_onebit.kernels import native
-from lightning_onebit.kernels.checks import (
-    check_contiguous,
-    check_device,
-    check_params_fit,
-    check_per_segment,
-    check_segments,
-    check_tensor,
-    check_verdict,
-)
+from lightning_onebit.kernels.checks import check_params_fit, check_per_segment, check_segments
 from lightning_onebit.kernels.compression import decode_runs
 from lightning_onebit.kernels.reference import (
     reference_adam_update,
@@ -85,27 +77,17 @@ def adam_update(
             with ``torch.where`` (no host synchronisation either); on the CPU it is read on
             the host.
     """
-    named = [("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    device = grad.device
-    for name, t in named[1:]:
-        if t.device != device:
-            raise ValueError(
-                f"all tensors must be on one device: grad is on {device}, {name} on {t.device}"
-            )
+    device = native.check("adam_update", grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, ok=ok)
     n = len(params)
     hp = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     for name, vals in (("starts", starts), *hp.items()):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
-    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
-    fast = (device.type == "cpu" or (device.type == "cuda" and native.HAS_CUDA)) and all(
+    check_params_fit(params, starts, min(grad.numel(), exp_avg.numel(), exp_avg_sq.numel()), device)
+    fast = native.has_kernel(device) and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
     if ok is not None:
-        check_verdict(ok, device)
         if device.type != "cuda":  # (a host read: free off the GPU)
             if not bool(ok):
                 return
@@ -124,10 +106,12 @@ def adam_update(
         reference_adam_update(grad, exp_avg, exp_avg_sq, params, starts, **hp,
                               update_variance=update_variance)  # fmt: skip
         return
-    if device.type == "cuda":
-        native.adam_update_cuda(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance, ok)
-    else:
-        native.adam_update_cpu(grad, exp_avg, exp_avg_sq, params, starts, hp, update_variance)
+    # 1 - beta in double, then rounded: 1 - float32(0.999) is 1.3e-5 (relative) off 0.001
+    ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]
+    coefs = {"lr": lr, "beta1": beta1, "ob1": ob1, "beta2": beta2, "ob2": ob2, "eps": eps}
+    table = native.param_table(params, starts, {**coefs, "wd": weight_decay})
+    native.launch("adam_update", device, table, ok=ok, grad=grad, exp_avg=exp_avg,
+                  exp_avg_sq=exp_avg_sq, update_variance=update_variance)  # fmt: skip
     # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
     # saved a parameter then fails loudly in backward instead of using the new values).
     # One tensor per call: torch < 2.4 takes no list.
@@ -168,20 +152,14 @@ def frozen_adam_update(
     ``torch.where``, without a host read).
     """
     runs = exchanged if isinstance(exchanged, SignRuns) else None
-    named = [("exp_avg", exp_avg), ("denom", denom)]
-    if runs is None:
-        named.insert(0, ("exchanged", exchanged))
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    device = check_device(*named)
-    if ok is not None:
-        check_verdict(ok, device)
+    named = [t for t in (exchanged, exp_avg, denom) if isinstance(t, torch.Tensor)]
+    args = {"exchanged": exchanged, "exp_avg": exp_avg, "denom": denom}
+    device = native.check("frozen_adam_update", **args, ok=ok)
     n = len(params)
     for name, vals in (("starts", starts), ("lr", lr), ("weight_decay", weight_decay)):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
-    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    check_params_fit(params, starts, min(t.numel() for t in named), device)
     if runs is not None:
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if device.type == "cpu" and ok is not None:  # (a host read: free off the GPU)
@@ -194,11 +172,12 @@ def frozen_adam_update(
         and native.use_native()
         and all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
     ):
-        hp = (lr, weight_decay, preconditioned)
-        if device.type == "cpu":
-            native.frozen_adam_update_cpu((exchanged, exp_avg, denom), params, starts, hp, runs)
-        else:
-            native.frozen_adam_update_cuda(ok, (exchanged, exp_avg, denom), params, starts, hp)
+        # -lr and -lr * wd in double, then rounded: the alphas the torch path passes; on the
+        # CPU +0.0 (no decay step at all) where weight_decay is not positive, as it skips it
+        cuda = device.type == "cuda"
+        nlw = [-a * w if w > 0 or cuda else 0.0 for a, w in zip(lr, weight_decay, strict=True)]
+        table = native.param_table(params, starts, {"nlr": [-a for a in lr], "nlw": nlw})
+        native.launch("frozen_adam_update", device, table, ok=ok, **args, precond=preconditioned)
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)
         return
@@ -271,20 +250,10 @@ def lamb_frozen_update(
             on the host.
     """
     runs = exchanged if isinstance(exchanged, SignRuns) else None
-    named = [
-        ("exp_avg", exp_avg),
-        ("denom", denom),
-        ("exp_avg_sq_fresh", exp_avg_sq_fresh),
-        ("update", update),
-    ]
-    if runs is None:
-        named.insert(0, ("exchanged", exchanged))
-    if isinstance(param, torch.Tensor):
-        named.append(("param", param))
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    device = check_device(*named)
+    named = [("exchanged", exchanged), ("exp_avg", exp_avg), ("denom", denom),
+             ("exp_avg_sq_fresh", exp_avg_sq_fresh), ("update", update), ("param", param)]  # fmt: skip
+    device = native.check("lamb_frozen_update", **dict(named), ok=ok)
+    named = [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
     n_layers = len(offsets) - 1
     if n_layers < 0 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError("offsets must be L + 1 non-decreasing values")
@@ -301,8 +270,6 @@ def lamb_frozen_update(
         raise ValueError("param is required when a weight_decay is non-zero")
     starts, sizes = offsets[:-1], [b - a for a, b in itertools.pairwise(offsets)]
     params = None if param is None else check_per_segment("param", param, starts, sizes, device)
-    if ok is not None:
-        check_verdict(ok, device)
     if runs is not None:
         runs.check_covers([(offsets[0], offsets[-1])] if offsets else [], device)
         if not native.use_native():
@@ -330,11 +297,15 @@ def lamb_frozen_update(
             weight_decay=weight_decay,
         )
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
-    coefs = [scaling, beta1, ob1, beta2, ob2, eps, weight_decay]
-    tensors = (exchanged, exp_avg, denom, exp_avg_sq_fresh, params, update)
-    if device.type == "cuda":
-        return native.lamb_frozen_update_cuda(tensors, offsets, coefs, ok)
-    return native.lamb_frozen_update_cpu(tensors, offsets, coefs, preconditioned, runs)
+    coefs = {"scaling": scaling, "beta1": beta1, "ob1": ob1, "beta2": beta2, "ob2": ob2}
+    table = native.Table(sizes, {"offsets": offsets, "params": params},
+                         {**coefs, "eps": eps, "wd": weight_decay})  # fmt: skip
+    stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
+    if n_layers:
+        native.launch("lamb_frozen_update", device, table, ok=ok, exchanged=exchanged,
+                      exp_avg=exp_avg, denom=denom, exp_avg_sq_fresh=exp_avg_sq_fresh,
+                      update=update, precond=preconditioned, stats=stats)  # fmt: skip
+    return stats
 
 
 def layer_step(
@@ -359,11 +330,7 @@ def layer_step(
     Raises:
         TypeError, ValueError: on a wrong dtype, device, size or layout.
     """
-    check_tensor("update", update, torch.float32)
-    check_tensor("alpha", alpha, torch.float32)
-    check_contiguous("update", update)
-    check_contiguous("alpha", alpha)
-    device = check_device(("update", update), ("alpha", alpha))
+    device = native.check("layer_step", update=update, alpha=alpha)
     n = len(params)
     if len(starts) != n or alpha.numel() != n:
         raise ValueError(
@@ -377,7 +344,8 @@ def layer_step(
         and native.use_native()
         and all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
     ):
-        native.layer_step_cuda(update, params, starts, alpha)
+        table = native.param_table(params, starts, {})
+        native.launch("layer_step", device, table, update=update, alpha=alpha)
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)
         return
@@ -416,13 +384,9 @@ def local_step(
             other lengths.
     """
     exp_avg, grad, denom, acc = tensors
-    named = [("exp_avg", exp_avg), ("denom", denom), ("acc", acc)]
-    if isinstance(grad, torch.Tensor):
-        named.append(("grad", grad))
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    device = check_device(*named)
+    device = native.check("local_step", exp_avg=exp_avg, denom=denom, acc=acc, grad=grad)
+    named = [("exp_avg", exp_avg), ("denom", denom), ("acc", acc), ("grad", grad)]
+    named = [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
     sizes = [p.numel() for p in params]
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
@@ -434,7 +398,14 @@ def local_step(
         or not all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
     ):
         return reference_local_step((exp_avg, grads, denom, acc), params, starts, hp)
-    if not native.local_step_cpu((exp_avg, grads, denom, acc), params, starts, hp):
+    beta, alpha, lr, weight_decay = hp
+    # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
+    wd = [w if w > 0 else 0.0 for w in weight_decay]
+    ints = {"grads": grads, "params": params, "starts": starts, "sizes": sizes}
+    coefs = {"beta": beta, "alpha": alpha, "wd": wd, "nlr": [-a for a in lr]}
+    table = native.Table(sizes, ints, coefs)
+    ran = native.launch("local_step", device, table, exp_avg=exp_avg, denom=denom, acc=acc)
+    if not ran:
         return False
     for p in params:  # (written through raw pointers: see adam_update)
         torch.autograd.graph.increment_version(p)
@@ -475,23 +446,13 @@ def sync_update(
             or a parameter that does not fit; ``lrs`` of another length.
     """
     names = ("exchanged", "denom", "exp_avg", "synced")
-    named = list(zip(names, tensors, strict=True))
+    args = dict(zip(names, tensors, strict=True))
     runs = tensors[0] if isinstance(tensors[0], SignRuns) else None
-    if runs is not None:
-        named = named[1:]
-    if acc is not None:
-        named.append(("acc", acc))
-    for name, t in named:
-        check_tensor(name, t, torch.float32)
-        check_contiguous(name, t)
-    if floored is not None:
-        check_tensor("floored", floored, torch.bool)
-        check_contiguous("floored", floored)
-        named.append(("floored", floored))
-    device = check_device(*named)
+    device = native.check("sync_update", **args, acc=acc, floored=floored)
+    named = [t for t in (*tensors, acc, floored) if isinstance(t, torch.Tensor)]
     if len(starts) != len(params) or len(lrs) != len(params):
         raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
-    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    check_params_fit(params, starts, min(t.numel() for t in named), device)
     if runs is not None:
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if not native.has_kernel(device) or not native.use_native():
@@ -500,11 +461,16 @@ def sync_update(
         reference_sync_update(tensors, floored, acc, params, starts, lrs, preconditioned)
         return
     direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
-    hp = (lrs, preconditioned, direct)
+    # m's divisor -lrs rounded from double (the CPU's torch path), or on CUDA the reciprocal its
+    # division multiplies by, 1.0 / -lrs taken in double and rounded once (overflow: -inf, as
+    # torch's cast); +0.0 (the kernels' "m = 0", no step taken) where lrs <= 0
     if device.type == "cuda":
-        native.sync_update_cuda(tensors, floored, acc, params, starts, hp)
+        coefs = {"inv": [1.0 / -a if a > 0 else 0.0 for a in lrs]}
     else:
-        native.sync_update_cpu(tensors, floored, acc, params, starts, hp, runs)
+        coefs = {"nl": [-a if a > 0 else 0.0 for a in lrs]}
+    table = native.param_table(params, starts, coefs, pointers=direct)
+    native.launch("sync_update", device, table, **args, acc=acc, floored=floored,
+                  precond=preconditioned)  # fmt: skip
     if direct:
         for p in params:  # (written through raw pointers: see adam_update)
             torch.autograd.graph.increment_version(p)
@@ -523,10 +489,8 @@ def restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> No
     elsewhere ``ok`` is read on the host."""
     if dst.dtype != src.dtype or dst.numel() != src.numel() or dst.device != src.device:
         raise ValueError("dst and src must have the same dtype, size and device")
-    check_contiguous("dst", dst)
-    check_contiguous("src", src)
-    check_verdict(ok, dst.device)
-    if dst.device.type == "cuda" and native.HAS_CUDA:
-        native.restore_unless_cuda(ok, dst, src)
+    device = native.check("restore_unless", dst=dst, src=src, ok=ok)
+    if device.type == "cuda" and native.HAS_CUDA:
+        native.launch("restore_unless", device, ok=ok, dst=dst, src=src)
     else:
         reference_restore_unless(ok, dst, src)

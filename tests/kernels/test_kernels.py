@@ -1869,71 +1869,64 @@ def test_cuda_matches_cpu_bitwise(w: int, seed: int) -> None:
         )
 
 
+def test_the_op_table_declares_every_entry_point() -> None:
+    """native.OPS names each compiled entry point once: every ``<op>_cpu`` and ``<op>_cuda``
+    of the module is an op's, and every op's entries exist."""
+    if native.module is None:
+        pytest.skip("the C++ extension is not built")
+    for device in ("cpu", "cuda"):
+        declared = {f"{k}_{device}" for k, op in native.OPS.items() if getattr(op, device)}
+        built = {k for k in dir(native.module) if k.endswith(f"_{device}") and k != "has_cuda"}
+        assert declared == built or (device == "cuda" and not K.HAS_CUDA and not built), device
+
+
 @pytest.mark.skipif(not getattr(native.module, "has_cuda", False), reason="built without CUDA")
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="needs a machine without a GPU (with one, the device guard passes and the kernels would "
     "be launched on host pointers); tests/kernels/test_gpu.py calls the bindings for real there",
 )
-def test_the_cuda_updates_call_their_bindings_with_the_right_arguments(monkeypatch) -> None:
-    """Without a GPU the CUDA entry points can still be reached: the call must get past
-    pybind's argument check and fail only in the device guard (a wrong argument list is a
-    TypeError before any CUDA call). The pointers are those of CPU tensors, never read."""
-    real = native.module
-
-    class AnyDevice:  # CPU tensors have no device index
-        def __getattr__(self, name: str):
-            f = getattr(real, name)
-            return (
-                (lambda dev, *a: f(0 if dev is None else dev, *a)) if name.endswith("_cuda") else f
-            )
-
-    monkeypatch.setattr(native, "module", AnyDevice())
+def test_every_cuda_op_calls_its_binding_with_the_right_arguments(monkeypatch) -> None:
+    """Without a GPU the CUDA entry points can still be reached: for every op of the table,
+    the launcher's argument list must get past pybind's argument check and the entry's size
+    checks and fail only in the device guard (a wrong argument list is a TypeError before any
+    CUDA call). The pointers are those of CPU tensors, never read."""
     monkeypatch.setattr(native, "on_device", lambda v, dtype, device: torch.tensor(v, dtype=dtype))
     monkeypatch.setattr(native, "stream", lambda device: 0)
+    monkeypatch.setattr(native, "workspace", lambda device, n=None: torch.empty(n or 64))
     g, m, v, p = torch.randn(10), torch.zeros(10), torch.zeros(10), torch.randn(10)
-    hp = {"lr": [1e-3], "beta1": [0.9], "beta2": [0.999], "eps": [1e-8], "weight_decay": [0.1]}
-    for verdict in (None, torch.ones(1, dtype=torch.bool)):
-        with pytest.raises(RuntimeError, match="onebit: cuda"):
-            native.adam_update_cuda(g, m, v, [p], [0], hp, True, verdict)
-    coefs = [[1.0], [0.9], [0.1], [0.999], [0.001], [1e-8], [0.1]]
-    ok = torch.ones(1, dtype=torch.bool)
-    for verdict, param in ((None, None), (ok, [p])):
-        with pytest.raises(RuntimeError, match="onebit: cuda"):
-            native.lamb_frozen_update_cuda(
-                (g, m, v + 1, v, param, torch.empty(10)), [0, 10], coefs, verdict
-            )
-    segments, shp = ([0, 4], [4, 6]), ([0.9] * 2, [0.1] * 2, [1e-3] * 2, [0.1] * 2)
-    for grads, params in (([g[:4], None], None), ([g[:4], g[4:]], [p[:4], p[4:]])):
-        with pytest.raises(RuntimeError, match="onebit: cuda"):
-            native.local_source_cuda((m, grads, v + 1), params, v, m, segments, shp, False)
-        with pytest.raises(RuntimeError, match="onebit: cuda"):
-            native.momentum_source_cuda((m, grads, v + 1, v), *segments, shp[:2])
-        bits = torch.zeros(2, 1, dtype=torch.uint8)
-        compress, prev = (torch.zeros(16), bits, torch.zeros(1), torch.zeros(16)), (bits, g[:1])
-        for pending in (False, True):
+    bits, e, s = torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(16), torch.zeros(1)
+    rows = {"grads": [g[:4], None], "params": [p[:4], p[4:]], "starts": [0, 4], "sizes": [4, 6]}
+    coefs = [
+        "beta",
+        "alpha",
+        "nwd",
+        "nlr",
+        "lr",
+        "beta1",
+        "ob1",
+        "beta2",
+        "ob2",
+        "eps",
+        "wd",
+        "nlw",
+        "inv",
+        "scaling",
+    ]
+    table = native.Table([4, 6], {**rows, "offsets": [0, 4, 10]}, {c: [0.1, 0.2] for c in coefs})
+    values = dict(
+        x=g, error=e, error_out=e, bits=bits, prev_bits=bits, prev_scale=s, pending=True, scale=s,
+        out=torch.zeros(16), scales=torch.ones(2), m=8, out_bits=bits[0], out_scale=s,
+        exp_avg=m, denom=v, acc=v, precond=True, base=0, nx=10, ok=torch.ones(1, dtype=torch.bool),
+        grad=g, exp_avg_sq=v, update_variance=True, exchanged=g, exp_avg_sq_fresh=v, update=m,
+        stats=torch.zeros(2, 3, dtype=torch.float64), floored=None, synced=m,
+        alpha=torch.zeros(2), dst=m, src=g,
+    )  # fmt: skip
+    cuda = torch.device("cuda", 0)
+    for name, op in native.OPS.items():
+        if op.cuda is not None:
             with pytest.raises(RuntimeError, match="onebit: cuda"):
-                native.momentum_compress(
-                    (m, grads, v + 1, *segments), shp[:2], compress, pending, prev, cuda=True
-                )
-            with pytest.raises(RuntimeError, match="onebit: cuda"):
-                native.local_compress(
-                    (m, grads, v + 1),
-                    params,
-                    v,
-                    segments,
-                    (shp, True),
-                    compress,
-                    pending,
-                    prev,
-                    cuda=True,
-                )
-    with pytest.raises(RuntimeError, match="onebit: cuda"):
-        native.frozen_adam_update_cuda(ok, (g, m, v + 1), [p], [0], ([1e-3], [0.1], True))
-    with pytest.raises(RuntimeError, match="onebit: cuda"):
-        native.restore_unless_cuda(ok, m, g)
-    with pytest.raises(RuntimeError, match="onebit: cuda"):
-        native.layer_step_cuda(g, [p[:4], p[4:]], [0, 4], torch.zeros(2))
+                native.launch(name, cuda, table if "np" in op.cuda else None, **values)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
