@@ -2,18 +2,24 @@
 
 Layers, each importing only the ones before it:
 
-- :mod:`~lightning_onebit.kernels.native`: the compiled module and the marshalling of tensors
-  into its raw-pointer calls (CPU, and CUDA on the current stream);
-- :mod:`~lightning_onebit.kernels.checks`: argument checks (dtype, device, sizes, contiguity),
-  each raising a ``TypeError``/``ValueError`` that says what to pass instead;
-- :mod:`~lightning_onebit.kernels.reference`: the ``reference_*`` twins, pure torch, the same
-  arguments and results; the tests compare every kernel with its twin, and they are the path
-  taken when the compiled module is missing (with a warning);
+- `checks`: argument checks (dtype, device, sizes, contiguity), each raising a
+  ``TypeError``/``ValueError`` that says what to pass instead; and `runs`:
+  [SignRuns][lightning_onebit.kernels.SignRuns], an exchange's result where it lies;
+- `native`: the compiled module, its ops declared in one table (``native.OPS``: each entry's
+  arguments and the tensors to check), one check of a call's tensors and one launcher that takes
+  their pointers and adds the device and its current stream (CUDA) or the thread count (CPU);
+- `reference`: the ``reference_*`` twins, pure torch, the same arguments and results; the tests
+  compare every kernel with its twin, and they are the path taken when the compiled module is
+  missing (with a warning);
 - the public functions, each checking its arguments, then running the compiled kernel (or the
-  twin): :mod:`~lightning_onebit.kernels.sources` (what the exchange sends, computed as the
-  compression reads it), :mod:`~lightning_onebit.kernels.compression` (the exchange's worker,
-  server and decompression kernels) and :mod:`~lightning_onebit.kernels.updates` (the
+  twin): `sources` (what the exchange sends, computed as the compression reads it),
+  `compression` (the exchange's worker, server and decompression kernels) and `updates` (the
   optimizers' fused steps).
+
+The optimizers and the exchanges take what they need from this package's names alone, among
+them [on_device][lightning_onebit.kernels.on_device] (a small host array in device memory
+without a host synchronisation) and [use_native][lightning_onebit.kernels.use_native] (whether
+the compiled module runs).
 
 Wire format (shared by CPU and CUDA, so ranks on different hardware interoperate): a chunk of
 ``m`` values (``m % 8 == 0``) packs into ``m // 8`` bytes; value ``k`` is bit ``k % 8`` of byte
@@ -31,7 +37,7 @@ from lightning_onebit.kernels.compression import (
     worker_compress,
     worker_update_error,
 )
-from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA
+from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA, on_device, use_native
 from lightning_onebit.kernels.reference import (
     finish_pending,
     reference_adam_update,
@@ -83,6 +89,7 @@ __all__ = [
     "local_source",
     "local_step",
     "momentum_source",
+    "on_device",
     "reference_adam_update",
     "reference_decompress",
     "reference_frozen_adam_update",
@@ -99,6 +106,7 @@ __all__ = [
     "restore_unless",
     "server_reduce",
     "sync_update",
+    "use_native",
     "worker_compress",
     "worker_update_error",
 ]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels.native import on_device
+from lightning_onebit.kernels import on_device
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer

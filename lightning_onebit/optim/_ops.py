@@ -24,7 +24,7 @@ from lightning_onebit.kernels import (
     SignRuns,
     adam_update,
     frozen_adam_update,
-    native,
+    use_native,
 )
 from lightning_onebit.optim._nograd import any_missed_steps
 from lightning_onebit.optim._variance import bias_corrections
@@ -125,7 +125,7 @@ def finite(flat: torch.Tensor) -> bool:
 def reads_sign_runs(device: torch.device) -> bool:
     """Whether the update kernels read an exchange's result undecoded on ``device`` (the
     compiled CPU kernels take [kernels.SignRuns][lightning_onebit.kernels.SignRuns])."""
-    return device.type == "cpu" and native.use_native()
+    return device.type == "cpu" and use_native()
 
 
 def finite_on_device(flat: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.kernels import MomentumSource, lamb_frozen_update, layer_step
-from lightning_onebit.kernels.native import on_device
+from lightning_onebit.kernels import MomentumSource, lamb_frozen_update, layer_step, on_device
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_direction,
