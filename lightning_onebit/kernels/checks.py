@@ -13,6 +13,7 @@ __all__ = [
     "check_device",
     "check_params_fit",
     "check_per_segment",
+    "check_row_bytes",
     "check_rows",
     "check_scale",
     "check_scales",
@@ -39,14 +40,12 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> None:
+def check_rows(name: str, bits: torch.Tensor) -> None:
     """A (W, m/8) uint8 tensor whose rows are contiguous and do not overlap."""
     if bits.dim() != 2:
         raise ValueError(f"{name} must be 2-D (W, m // 8), got shape {tuple(bits.shape)}")
     if bits.size(0) < 1 or bits.size(1) < 1:
         raise ValueError(f"{name} must have at least one row and one byte, got {tuple(bits.shape)}")
-    if row_bytes is not None and bits.size(1) != row_bytes:
-        raise ValueError(f"{name} rows must hold {row_bytes} bytes, got {bits.size(1)}")
     if bits.stride(1) != 1 and bits.size(1) > 1:
         raise ValueError(
             f"{name} rows must be contiguous (stride(1) == 1), got strides {bits.stride()}"
@@ -55,6 +54,12 @@ def check_rows(name: str, bits: torch.Tensor, row_bytes: int | None = None) -> N
         raise ValueError(
             f"{name} rows overlap: stride(0)={bits.stride(0)} < row length {bits.size(1)}"
         )
+
+
+def check_row_bytes(name: str, bits: torch.Tensor, row_bytes: int) -> None:
+    """Rows (``check_rows``) of ``row_bytes`` bytes each."""
+    if bits.size(1) != row_bytes:
+        raise ValueError(f"{name} rows must hold {row_bytes} bytes, got {bits.size(1)}")
 
 
 def check_device(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_onebit.kernels import native
-from lightning_onebit.kernels.checks import check_rows
+from lightning_onebit.kernels.checks import check_row_bytes
 from lightning_onebit.kernels.reference import (
     reference_decompress,
     reference_server_reduce,
@@ -98,7 +98,7 @@ def worker_compress(
     n, w = error.numel(), bits.size(0)
     if n == 0 or n % (8 * w):
         raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
-    check_rows("bits", bits, n // (8 * w))
+    check_row_bytes("bits", bits, n // (8 * w))
     if error_out.numel() != n:
         raise ValueError(f"error_out must have error's {n} values, got {error_out.numel()}")
     if prev_bits.shape != bits.shape or (w > 1 and prev_bits.stride(0) != bits.stride(0)):
@@ -205,7 +205,7 @@ def server_reduce(
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
     if error_out.numel() != m:
         raise ValueError(f"error_out must have error's {m} values, got {error_out.numel()}")
-    check_rows("bits", bits, m // 8)
+    check_row_bytes("bits", bits, m // 8)
     for name, t in (("out_bits", out_bits), ("prev_bits", prev_bits)):
         if t.numel() != m // 8:
             raise ValueError(f"{name} must hold m // 8 = {m // 8} bytes, got {t.numel()}")

@@ -276,8 +276,8 @@ def check(name: str, **tensors: object) -> torch.device:
     op, named, verdicts, w = OPS[name], [], [], 0
     for arg, kind in (item.split(":") for item in op.tensors.split()):
         t = tensors.pop(arg, None)
-        if t is None or (kind == "f32s" and isinstance(t, (list, tuple))):
-            continue
+        if t is None or (kind == "f32s" and not isinstance(t, torch.Tensor)):
+            continue  # (per-segment tensors: checked with their segments)
         if kind == "f32r" and isinstance(t, SignRuns):
             continue
         if kind == "ok":
@@ -339,20 +339,27 @@ class Table:
                 return None
             offset["chunk_start"], out["nchunks"] = len(ints), chunk_start[-1]
             ints += chunk_start
-        coefs = [c for row in self.coefs.values() for c in row]
-        meta, coef = (
-            (on_device(ints, torch.int64, device), on_device(coefs, torch.float32, device))
-            if cuda
-            else (torch.tensor(ints, dtype=torch.int64), torch.tensor(coefs, dtype=torch.float32))
-        )
-        kept += [meta, coef]
+        meta = _array(ints, torch.int64, device)
+        kept.append(meta)
         out.update({key: meta.data_ptr() + 8 * k for key, k in offset.items()})
-        starts = itertools.accumulate((len(r) for r in self.coefs.values()), initial=0)
-        # (one start more than rows: the total)
-        out.update(
-            {key: coef.data_ptr() + 4 * k for key, k in zip(self.coefs, starts, strict=False)}
-        )
+        if self.coefs:
+            coef = _array([c for row in self.coefs.values() for c in row], torch.float32, device)
+            kept.append(coef)
+            starts = itertools.accumulate((len(r) for r in self.coefs.values()), initial=0)
+            # (one start more than rows: the total)
+            out.update(
+                {k: coef.data_ptr() + 4 * j for k, j in zip(self.coefs, starts, strict=False)}
+            )
         return out
+
+
+def _array(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a host array for the CPU kernels, or in CUDA memory (`on_device`)."""
+    return (
+        on_device(values, dtype, device)
+        if device.type == "cuda"
+        else torch.tensor(values, dtype=dtype)
+    )
 
 
 def param_table(
