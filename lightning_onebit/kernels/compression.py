@@ -93,8 +93,8 @@ def worker_compress(
     error_out = error if error_out is None else error_out
     prev_bits = bits if prev_bits is None else prev_bits
     prev_scale = scale if prev_scale is None else prev_scale
-    device = native.check("worker_compress", x=x, error=error, error_out=error_out, bits=bits,
-                          prev_bits=prev_bits, scale=scale, prev_scale=prev_scale)  # fmt: skip
+    device, _ = native.check("worker_compress", x=x, error=error, error_out=error_out, bits=bits,
+                             prev_bits=prev_bits, scale=scale, prev_scale=prev_scale)  # fmt: skip
     n, w = error.numel(), bits.size(0)
     if n == 0 or n % (8 * w):
         raise ValueError(f"error.numel() must be a positive multiple of 8 * W = {8 * w}, got {n}")
@@ -144,7 +144,7 @@ def worker_update_error(
     it was (the exchange's double buffering, for steps that may still be dropped).
     """
     out = error if out is None else out
-    device = native.check("worker_update_error", x=x, error=error, scale=scale, out=out)
+    device, _ = native.check("worker_update_error", x=x, error=error, scale=scale, out=out)
     n = error.numel()
     if n == 0 or n % 8:
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {n}")
@@ -197,9 +197,9 @@ def server_reduce(
     error_out = error if error_out is None else error_out
     prev_bits = out_bits if prev_bits is None else prev_bits
     prev_scale = out_scale if prev_scale is None else prev_scale
-    device = native.check("server_reduce", bits=bits, scales=scales, error=error,
-                          error_out=error_out, out_bits=out_bits, prev_bits=prev_bits,
-                          out_scale=out_scale, prev_scale=prev_scale)  # fmt: skip
+    device, _ = native.check("server_reduce", bits=bits, scales=scales, error=error,
+                             error_out=error_out, out_bits=out_bits, prev_bits=prev_bits,
+                             out_scale=out_scale, prev_scale=prev_scale)  # fmt: skip
     m = error.numel()
     if m == 0 or m % 8:
         raise ValueError(f"error.numel() must be a positive multiple of 8, got {m}")
@@ -236,7 +236,7 @@ def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> N
         out: float32, contiguous, at most ``W * m`` values; values beyond ``out.numel()``
             (the padding) are dropped.
     """
-    device = native.check("decompress", bits=bits, scales=scales, out=out)
+    device, _ = native.check("decompress", bits=bits, scales=scales, out=out)
     w, m = bits.size(0), bits.size(1) * 8
     if out.numel() > w * m:
         raise ValueError(f"out has {out.numel()} values but bits encode only W * m = {w * m}")

@@ -258,15 +258,16 @@ _DTYPES = {"f32": _F32, "f32s": _F32, "f32r": _F32, "u8": _U8, "u8c": _U8, "rows
 _CONTIGUOUS = ("f32", "f32s", "f32r", "u8c", "bool", "any")
 
 
-def check(name: str, **tensors: object) -> torch.device:
-    """Check the tensors of a call of op ``name`` as `OPS` declares them; return their device.
+def check(name: str, **tensors: object) -> tuple[torch.device, list[tuple[str, torch.Tensor]]]:
+    """Check the tensors of a call of op ``name`` as `OPS` declares them.
 
     Args:
         name: the op.
         tensors: its declared tensors, by name (``None``: not given, not checked).
 
     Returns:
-        The device of every tensor given.
+        The device of every tensor given, and the ``(name, tensor)`` pairs checked here (not
+        the per-segment sequences, `SignRuns` or verdicts), for the checks of their sizes.
 
     Raises:
         TypeError, ValueError: a tensor of another type, dtype or layout, not contiguous, or
@@ -301,7 +302,7 @@ def check(name: str, **tensors: object) -> torch.device:
     device = check_device(*named, cuda_kernels=cuda_kernels, other_types=op.any_device)
     for ok in verdicts:
         check_verdict(ok, device)
-    return device
+    return device, named
 
 
 @dataclasses.dataclass

@@ -81,9 +81,8 @@ def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
     """:func:`momentum_source`'s checks of its arguments ``args``, in order; returns the
     gradient as one entry per segment."""
     exp_avg, grad, denom, out, starts, sizes, beta, alpha = args
-    device = native.check("momentum_source", exp_avg=exp_avg, out=out, grad=grad, denom=denom)
-    named = [(k, t) for k, t in (("exp_avg", exp_avg), ("out", out), ("grad", grad), ("denom", denom))
-             if isinstance(t, torch.Tensor)]  # fmt: skip
+    device, named = native.check("momentum_source", exp_avg=exp_avg, out=out, grad=grad,
+                                 denom=denom)  # fmt: skip
     check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
     return check_per_segment("grad", grad, starts, sizes, device, missing=True)
 
@@ -244,11 +243,8 @@ def _check_local_source(
     """:func:`local_source`'s checks of its arguments ``args``, in order; returns the gradient
     and the parameter (or ``None``) as one entry per segment."""
     (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
-    device = native.check("local_source", exp_avg=exp_avg, denom=denom, out=out, grad=grad,
-                          param=param, acc=acc)  # fmt: skip
-    named = [("exp_avg", exp_avg), ("denom", denom), ("out", out), ("grad", grad), ("param", param),
-             ("acc", acc)]  # fmt: skip
-    named = [(k, t) for k, t in named if isinstance(t, torch.Tensor)]
+    device, named = native.check("local_source", exp_avg=exp_avg, denom=denom, out=out,
+                                 grad=grad, param=param, acc=acc)  # fmt: skip
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)

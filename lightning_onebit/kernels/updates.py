@@ -77,13 +77,14 @@ def adam_update(
             with ``torch.where`` (no host synchronisation either); on the CPU it is read on
             the host.
     """
-    device = native.check("adam_update", grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, ok=ok)
+    args = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    device, named = native.check("adam_update", **args, ok=ok)
     n = len(params)
     hp = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     for name, vals in (("starts", starts), *hp.items()):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
-    check_params_fit(params, starts, min(grad.numel(), exp_avg.numel(), exp_avg_sq.numel()), device)
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     fast = native.has_kernel(device) and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
@@ -110,8 +111,7 @@ def adam_update(
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]
     coefs = {"lr": lr, "beta1": beta1, "ob1": ob1, "beta2": beta2, "ob2": ob2, "eps": eps}
     table = native.param_table(params, starts, {**coefs, "wd": weight_decay})
-    native.launch("adam_update", device, table, ok=ok, grad=grad, exp_avg=exp_avg,
-                  exp_avg_sq=exp_avg_sq, update_variance=update_variance)  # fmt: skip
+    native.launch("adam_update", device, table, ok=ok, **args, update_variance=update_variance)
     # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
     # saved a parameter then fails loudly in backward instead of using the new values).
     # One tensor per call: torch < 2.4 takes no list.
@@ -152,14 +152,13 @@ def frozen_adam_update(
     ``torch.where``, without a host read).
     """
     runs = exchanged if isinstance(exchanged, SignRuns) else None
-    named = [t for t in (exchanged, exp_avg, denom) if isinstance(t, torch.Tensor)]
     args = {"exchanged": exchanged, "exp_avg": exp_avg, "denom": denom}
-    device = native.check("frozen_adam_update", **args, ok=ok)
+    device, named = native.check("frozen_adam_update", **args, ok=ok)
     n = len(params)
     for name, vals in (("starts", starts), ("lr", lr), ("weight_decay", weight_decay)):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
-    check_params_fit(params, starts, min(t.numel() for t in named), device)
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     if runs is not None:
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if device.type == "cpu" and ok is not None:  # (a host read: free off the GPU)
@@ -250,10 +249,9 @@ def lamb_frozen_update(
             on the host.
     """
     runs = exchanged if isinstance(exchanged, SignRuns) else None
-    named = [("exchanged", exchanged), ("exp_avg", exp_avg), ("denom", denom),
-             ("exp_avg_sq_fresh", exp_avg_sq_fresh), ("update", update), ("param", param)]  # fmt: skip
-    device = native.check("lamb_frozen_update", **dict(named), ok=ok)
-    named = [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
+    device, named = native.check("lamb_frozen_update", exchanged=exchanged, exp_avg=exp_avg,
+                                 denom=denom, exp_avg_sq_fresh=exp_avg_sq_fresh, update=update,
+                                 param=param, ok=ok)  # fmt: skip
     n_layers = len(offsets) - 1
     if n_layers < 0 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError("offsets must be L + 1 non-decreasing values")
@@ -330,7 +328,7 @@ def layer_step(
     Raises:
         TypeError, ValueError: on a wrong dtype, device, size or layout.
     """
-    device = native.check("layer_step", update=update, alpha=alpha)
+    device, _ = native.check("layer_step", update=update, alpha=alpha)
     n = len(params)
     if len(starts) != n or alpha.numel() != n:
         raise ValueError(
@@ -384,9 +382,7 @@ def local_step(
             other lengths.
     """
     exp_avg, grad, denom, acc = tensors
-    device = native.check("local_step", exp_avg=exp_avg, denom=denom, acc=acc, grad=grad)
-    named = [("exp_avg", exp_avg), ("denom", denom), ("acc", acc), ("grad", grad)]
-    named = [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
+    device, named = native.check("local_step", exp_avg=exp_avg, denom=denom, acc=acc, grad=grad)
     sizes = [p.numel() for p in params]
     names = ("sizes", "beta", "alpha", "lr", "weight_decay")
     check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
@@ -448,11 +444,10 @@ def sync_update(
     names = ("exchanged", "denom", "exp_avg", "synced")
     args = dict(zip(names, tensors, strict=True))
     runs = tensors[0] if isinstance(tensors[0], SignRuns) else None
-    device = native.check("sync_update", **args, acc=acc, floored=floored)
-    named = [t for t in (*tensors, acc, floored) if isinstance(t, torch.Tensor)]
+    device, named = native.check("sync_update", **args, acc=acc, floored=floored)
     if len(starts) != len(params) or len(lrs) != len(params):
         raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
-    check_params_fit(params, starts, min(t.numel() for t in named), device)
+    check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     if runs is not None:
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if not native.has_kernel(device) or not native.use_native():
@@ -489,7 +484,7 @@ def restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> No
     elsewhere ``ok`` is read on the host."""
     if dst.dtype != src.dtype or dst.numel() != src.numel() or dst.device != src.device:
         raise ValueError("dst and src must have the same dtype, size and device")
-    device = native.check("restore_unless", dst=dst, src=src, ok=ok)
+    device, _ = native.check("restore_unless", dst=dst, src=src, ok=ok)
     if device.type == "cuda" and native.HAS_CUDA:
         native.launch("restore_unless", device, ok=ok, dst=dst, src=src)
     else:
