@@ -47,6 +47,7 @@ __all__ = [
     "nthreads",
     "on_device",
     "param_table",
+    "segment_table",
     "stream",
     "use_native",
     "workspace",
@@ -157,6 +158,30 @@ class Op:
     cuda_kernels: bool = False
     any_device: bool = False
     skip_empty: bool = False
+    #: ``cpu`` and ``cuda`` parsed once: per argument ``(what, name)`` (see `_parse`)
+    cpu_args: tuple[tuple[str, str], ...] = dataclasses.field(init=False)
+    cuda_args: tuple[tuple[str, str], ...] = dataclasses.field(init=False)
+    #: ``tensors`` parsed once: ``(name, kind)`` pairs
+    kinds: tuple[tuple[str, str], ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cpu_args", tuple(map(_parse, (self.cpu or "").split())))
+        object.__setattr__(self, "cuda_args", tuple(map(_parse, (self.cuda or "").split())))
+        kinds = tuple(tuple(item.split(":")) for item in self.tensors.split())
+        object.__setattr__(self, "kinds", kinds)
+
+
+def _parse(token: str) -> tuple[str, str]:
+    """An `Op` argument's token as ``(what, name)``: ``what`` is ``value``, ``#``, ``f``,
+    ``rows``, ``stride``, ``bytes`` or ``scratch``."""
+    if token in ("ws", "partials"):
+        return "scratch", token
+    if token.startswith("#"):
+        return "#", token[1:]
+    if token.endswith(":f"):
+        return "f", token[:-2]
+    key, _, attr = token.partition(".")
+    return attr or "value", key
 
 
 _COMPRESS = "error error_out #error bits bits.rows bits.stride prev_bits prev_scale{} pending scale"
@@ -275,7 +300,7 @@ def check(name: str, **tensors: object) -> tuple[torch.device, list[tuple[str, t
         RuntimeError: CUDA tensors for an op that needs CUDA kernels the build lacks.
     """
     op, named, verdicts, w = OPS[name], [], [], 0
-    for arg, kind in (item.split(":") for item in op.tensors.split()):
+    for arg, kind in op.kinds:
         t = tensors.pop(arg, None)
         if t is None or (kind == "f32s" and not isinstance(t, torch.Tensor)):
             continue  # (per-segment tensors: checked with their segments)
@@ -313,14 +338,16 @@ class Table:
 
     Args:
         sizes: each segment's (parameter's, layer's) number of values.
-        ints: int64 rows by name: pointers (a tensor: its own; ``None``: 0), starts, sizes,
-            offsets; a row ``None`` is the address 0 (no such array).
+        pointers: int64 rows of pointers by name, one per segment (a tensor: its own;
+            ``None``: 0); a row ``None`` is the address 0 (no such array).
+        ints: int64 rows by name (starts, sizes, offsets).
         coefs: float32 rows by name (each Python float rounded once).
     """
 
     sizes: list[int]
-    ints: dict[str, Sequence[Any] | None]
-    coefs: dict[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+    pointers: dict[str, Sequence[torch.Tensor | None] | None]
+    ints: dict[str, Sequence[int]]
+    coefs: dict[str, Sequence[float]]
 
     def addresses(
         self, device: torch.device, skip_empty: bool, kept: list[torch.Tensor]
@@ -328,12 +355,16 @@ class Table:
         """The rows' addresses, ``np`` and on CUDA ``chunk_start`` and ``nchunks``, the arrays
         appended to ``kept`` (alive until the call has run); ``None`` when ``skip_empty`` and a
         CUDA call would have no chunks."""
-        cuda, ints, offset = device.type == "cuda", [], {}
-        for key, row in self.ints.items():
-            if row is not None:
+        cuda, ints, offset, out = device.type == "cuda", [], {}, {"np": len(self.sizes)}
+        for key, row in self.pointers.items():
+            if row is None:
+                out[key] = 0
+            else:
                 offset[key] = len(ints)
-                ints += [v.data_ptr() if isinstance(v, torch.Tensor) else v or 0 for v in row]
-        out = {"np": len(self.sizes), **{key: 0 for key, row in self.ints.items() if row is None}}
+                ints += [0 if t is None else t.data_ptr() for t in row]
+        for key, row in self.ints.items():
+            offset[key] = len(ints)
+            ints += row
         if cuda:
             chunk_start = chunk_starts(self.sizes)
             if skip_empty and chunk_start[-1] == 0:
@@ -363,17 +394,27 @@ def _array(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
     )
 
 
+def segment_table(
+    starts: list[int],
+    sizes: list[int],
+    pointers: dict[str, Sequence[torch.Tensor | None] | None],
+    coefs: dict[str, Sequence[float]],
+) -> Table:
+    """The `Table` of segments ``starts[k]:starts[k] + sizes[k]`` of the flat buffers (rows
+    ``starts`` and ``sizes``), with ``pointers`` and ``coefs``."""
+    return Table(sizes, pointers, {"starts": starts, "sizes": sizes}, coefs)
+
+
 def param_table(
     params: list[torch.Tensor],
     starts: list[int],
     coefs: dict[str, Sequence[float]],
     pointers: bool = True,
 ) -> Table:
-    """The `Table` of an update of ``params`` (their pointers unless not ``pointers``, then
-    address 0), their values at ``starts`` of the flat buffers, with ``coefs``."""
+    """The `segment_table` of an update of ``params`` at ``starts`` of the flat buffers: row
+    ``params`` their pointers (unless not ``pointers``, then the address 0), with ``coefs``."""
     sizes = [p.numel() for p in params]
-    ints = {"params": params if pointers else None, "starts": starts, "sizes": sizes}
-    return Table(sizes, ints, coefs)
+    return segment_table(starts, sizes, {"params": params if pointers else None}, coefs)
 
 
 def launch(name: str, device: torch.device, table: Table | None = None, **values: Any) -> Any:
@@ -397,7 +438,7 @@ def launch(name: str, device: torch.device, table: Table | None = None, **values
         if rows is None:
             return None  # no values to update
         values.update(rows)
-    args = [_arg(token, values, device, kept) for token in (op.cuda if cuda else op.cpu).split()]
+    args = [_arg(*arg, values, device, kept) for arg in (op.cuda_args if cuda else op.cpu_args)]
     entry = getattr(module, f"{name}_{device.type}")
     if cuda:
         return entry(device.index, *args, stream(device))
@@ -407,26 +448,27 @@ def launch(name: str, device: torch.device, table: Table | None = None, **values
     return entry(*args, nthreads(), *_runs_args(runs, kept))
 
 
-def _arg(token: str, values: dict[str, Any], device: torch.device, kept: list[torch.Tensor]) -> Any:
-    """The entry's argument that ``token`` names (see `Op`), from ``values``; scratch it makes
+def _arg(
+    what: str, key: str, values: dict[str, Any], device: torch.device, kept: list[torch.Tensor]
+) -> Any:
+    """The entry's argument ``(what, key)`` (`_parse`), from ``values``; scratch it makes
     appended to ``kept``."""
-    if token in ("ws", "partials"):
-        kept.append(workspace(device, None if token == "ws" else 24 * max(values["nchunks"], 1)))
+    if what == "value":
+        v = values[key]
+        if isinstance(v, torch.Tensor):
+            return v.data_ptr()
+        return 0 if v is None or isinstance(v, SignRuns) else v
+    if what == "scratch":
+        kept.append(workspace(device, None if key == "ws" else 24 * max(values["nchunks"], 1)))
         return kept[-1].data_ptr()
-    if token.startswith("#"):
-        return values[token[1:]].numel()
-    if token.endswith(":f"):
-        v = values[token[:-2]]
-        return 0.0 if v is None else float(v)
-    key, _, attr = token.partition(".")
     v = values[key]
-    if attr == "bytes":
+    if what == "f":
+        return 0.0 if v is None else float(v)
+    if what == "#":
+        return v.numel()
+    if what == "bytes":
         return v.numel() * v.element_size()
-    if attr:
-        return v.size(0) if attr == "rows" else v.stride(0)
-    if isinstance(v, torch.Tensor):
-        return v.data_ptr()
-    return 0 if v is None or isinstance(v, SignRuns) else v
+    return v.size(0) if what == "rows" else v.stride(0)
 
 
 def _runs_args(runs: SignRuns | None, kept: list[torch.Tensor]) -> tuple[int, ...]:
@@ -467,17 +509,8 @@ def _compressed(
     (prev_bits, prev_scale)."""
     (error, bits, scale, error_out), (prev_bits, prev_scale) = compress, prev
     prev_bits, prev_scale = (prev_bits, prev_scale) if pending else (None, None)
-    return {
-        "base": starts[0],
-        "nx": sum(sizes),
-        "error": error,
-        "error_out": error_out,
-        "bits": bits,
-        "prev_bits": prev_bits,
-        "prev_scale": prev_scale,
-        "pending": bool(pending),
-        "scale": scale,
-    }
+    return dict(base=starts[0], nx=sum(sizes), error=error, error_out=error_out, bits=bits,
+                prev_bits=prev_bits, prev_scale=prev_scale, pending=bool(pending), scale=scale)  # fmt: skip
 
 
 def momentum_source(
@@ -490,8 +523,7 @@ def momentum_source(
     gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
     ``exp_avg`` and of the gradient)."""
     exp_avg, grads, denom, out = tensors
-    ints = {"grads": grads, "starts": starts, "sizes": sizes}
-    table = Table(sizes, ints, {"beta": coefs[0], "alpha": coefs[1]})
+    table = segment_table(starts, sizes, {"grads": grads}, {"beta": coefs[0], "alpha": coefs[1]})
     launch("momentum_source", out.device, table, exp_avg=exp_avg, denom=denom, out=out)
 
 
@@ -509,17 +541,9 @@ def local_source(
     decay term); ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr,
     weight_decay)."""
     (exp_avg, grads, denom), (starts, sizes) = tensors, segments
-    ints = {"grads": grads, "params": params, "starts": starts, "sizes": sizes}
-    launch(
-        "local_source",
-        out.device,
-        Table(sizes, ints, _local_coefs(hp)),
-        exp_avg=exp_avg,
-        denom=denom,
-        acc=acc,
-        out=out,
-        precond=bool(preconditioned),
-    )
+    table = segment_table(starts, sizes, {"grads": grads, "params": params}, _local_coefs(hp))
+    launch("local_source", out.device, table, exp_avg=exp_avg, denom=denom, acc=acc, out=out,
+           precond=bool(preconditioned))  # fmt: skip
 
 
 def momentum_compress(
@@ -536,16 +560,9 @@ def momentum_compress(
     tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient;
     ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
     exp_avg, grads, denom, starts, sizes = tensors
-    ints = {"grads": grads, "starts": starts, "sizes": sizes}
-    table = Table(sizes, ints, {"beta": coefs[0], "alpha": coefs[1]})
-    launch(
-        "momentum_compress",
-        exp_avg.device,
-        table,
-        exp_avg=exp_avg,
-        denom=denom,
-        **_compressed(starts, sizes, compress, pending, prev),
-    )
+    table = segment_table(starts, sizes, {"grads": grads}, {"beta": coefs[0], "alpha": coefs[1]})
+    launch("momentum_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom,
+           **_compressed(starts, sizes, compress, pending, prev))  # fmt: skip
 
 
 def local_compress(
@@ -563,14 +580,6 @@ def local_compress(
     flat range in order; ``hp``: the coefficients and ``preconditioned``; ``compress``: error,
     bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
     (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
-    ints = {"grads": grads, "params": params, "starts": starts, "sizes": sizes}
-    launch(
-        "local_compress",
-        exp_avg.device,
-        Table(sizes, ints, _local_coefs(coefs)),
-        exp_avg=exp_avg,
-        denom=denom,
-        acc=acc,
-        precond=bool(preconditioned),
-        **_compressed(starts, sizes, compress, pending, prev),
-    )
+    table = segment_table(starts, sizes, {"grads": grads, "params": params}, _local_coefs(coefs))
+    launch("local_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom, acc=acc,
+           precond=bool(preconditioned), **_compressed(starts, sizes, compress, pending, prev))  # fmt: skip

@@ -296,7 +296,7 @@ def lamb_frozen_update(
         )
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
     coefs = {"scaling": scaling, "beta1": beta1, "ob1": ob1, "beta2": beta2, "ob2": ob2}
-    table = native.Table(sizes, {"offsets": offsets, "params": params},
+    table = native.Table(sizes, {"params": params}, {"offsets": offsets},
                          {**coefs, "eps": eps, "wd": weight_decay})  # fmt: skip
     stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
     if n_layers:
@@ -397,9 +397,8 @@ def local_step(
     beta, alpha, lr, weight_decay = hp
     # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
     wd = [w if w > 0 else 0.0 for w in weight_decay]
-    ints = {"grads": grads, "params": params, "starts": starts, "sizes": sizes}
     coefs = {"beta": beta, "alpha": alpha, "wd": wd, "nlr": [-a for a in lr]}
-    table = native.Table(sizes, ints, coefs)
+    table = native.segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
     ran = native.launch("local_step", device, table, exp_avg=exp_avg, denom=denom, acc=acc)
     if not ran:
         return False

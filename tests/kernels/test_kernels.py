@@ -1896,7 +1896,8 @@ def test_every_cuda_op_calls_its_binding_with_the_right_arguments(monkeypatch) -
     monkeypatch.setattr(native, "workspace", lambda device, n=None: torch.empty(n or 64))
     g, m, v, p = torch.randn(10), torch.zeros(10), torch.zeros(10), torch.randn(10)
     bits, e, s = torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(16), torch.zeros(1)
-    rows = {"grads": [g[:4], None], "params": [p[:4], p[4:]], "starts": [0, 4], "sizes": [4, 6]}
+    pointers = {"grads": [g[:4], None], "params": [p[:4], p[4:]]}
+    ints = {"starts": [0, 4], "sizes": [4, 6], "offsets": [0, 4, 10]}
     coefs = [
         "beta",
         "alpha",
@@ -1913,7 +1914,7 @@ def test_every_cuda_op_calls_its_binding_with_the_right_arguments(monkeypatch) -
         "inv",
         "scaling",
     ]
-    table = native.Table([4, 6], {**rows, "offsets": [0, 4, 10]}, {c: [0.1, 0.2] for c in coefs})
+    table = native.Table([4, 6], pointers, ints, {c: [0.1, 0.2] for c in coefs})
     values = dict(
         x=g, error=e, error_out=e, bits=bits, prev_bits=bits, prev_scale=s, pending=True, scale=s,
         out=torch.zeros(16), scales=torch.ones(2), m=8, out_bits=bits[0], out_scale=s,
