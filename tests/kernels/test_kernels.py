@@ -1880,6 +1880,16 @@ def test_the_op_table_declares_every_entry_point() -> None:
         assert declared == built or (device == "cuda" and not K.HAS_CUDA and not built), device
 
 
+def test_the_op_table_checks_only_what_it_declares() -> None:
+    """Every tensor kind of the table is one `native.check` knows, and a tensor the op does not
+    declare is refused (a misspelt name would otherwise go unchecked)."""
+    known = {"f32", "f32s", "f32r", "u8", "u8c", "rows", "scale", "scales", "bool", "any", "ok"}
+    for name, op in native.OPS.items():
+        assert {kind for _, kind in op.kinds} <= known, name
+    with pytest.raises(TypeError, match="declares no tensors"):
+        native.check("decompress", bits=torch.zeros(1, 1, dtype=torch.uint8), outt=torch.zeros(8))
+
+
 @pytest.mark.skipif(not getattr(native.module, "has_cuda", False), reason="built without CUDA")
 @pytest.mark.skipif(
     torch.cuda.is_available(),
