@@ -1,7 +1,7 @@
 """What the Trainer strategy ([OneBitStrategy][lightning_onebit.OneBitStrategy]) and the Fabric
 strategy ([OneBitFabricStrategy][lightning_onebit.OneBitFabricStrategy]) share: one implementation of each piece, which
 the two strategies wire into Lightning's ``DDPStrategy`` of their own kind. Internal: the public
-names are re-exported from :mod:`lightning_onebit`.
+names are re-exported from ``lightning_onebit``.
 
 Nothing here imports ``lightning.pytorch``, and messages name the strategy class the user built
 (passed in), never one of the two by itself, and what to do in the user's front end

@@ -100,7 +100,7 @@ def repoint_schedulers(
     lr_scale: float,
     error: type[Exception],
 ) -> None:
-    """Make every LR scheduler built for ``old`` drive ``new`` (see :func:`_repoint_scheduler`);
+    """Make every LR scheduler built for ``old`` drive ``new`` (see ``_repoint_scheduler``);
     warn about learning rates that ``lr_scale`` could not reach. ``error``: raised for a
     scheduler that does not drive ``old``."""
     for scheduler in schedulers:

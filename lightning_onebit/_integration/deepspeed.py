@@ -5,7 +5,7 @@ JSON config: ``{"type": "OneBitAdam" | "ZeroOneAdam" | "OneBitLamb", "params": {
 parameter of those optimizers maps to an option here, is refused by name, or has no meaning
 here (said once, with what to do instead). The rest of a DeepSpeed config belongs to the
 Trainer or the Fabric loop, the DataLoader or the model; the keys with a training effect are
-named with their equivalent in the user's front end (:class:`~front_end.FrontEnd`), since the
+named with their equivalent in the user's front end (``FrontEnd``), since the
 strategy does not apply them.
 """
 
@@ -57,7 +57,7 @@ _NO_MEANING = {
 }
 
 #: top-level DeepSpeed keys with a training effect that the strategies do not apply, and where
-#: they go instead (``{...}``: a field of the user's :class:`~front_end.FrontEnd`)
+#: they go instead (``{...}``: a field of the user's ``FrontEnd``)
 _ELSEWHERE = {
     "train_batch_size": "{batch_size}",
     "train_micro_batch_size_per_gpu": "your DataLoader's batch_size",

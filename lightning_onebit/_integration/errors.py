@@ -16,9 +16,10 @@ __all__ = ["name_unused_parameters", "quiet_errors_on_this_rank"]
 def quiet_errors_on_this_rank(rank: int) -> None:
     """On ranks > 0 of a script-launched run (torchrun, Lightning's popen launcher, SLURM), print
     one line instead of a traceback for an uncaught error that every rank raises in the same
-    step (a diverged run's :class:`~lightning_onebit.comm.NonFiniteError`): rank 0 prints the
-    traceback, so the log holds one traceback instead of one per rank. The exit code stays 1.
-    Fork- and spawn-started ranks hand their error to the parent process, which shows one."""
+    step (a diverged run's [`NonFiniteError`][lightning_onebit.comm.base.NonFiniteError]): rank 0
+    prints the traceback, so the log holds one traceback instead of one per rank. The exit code
+    stays 1. Fork- and spawn-started ranks hand their error to the parent process, which shows
+    one."""
     if rank == 0 or getattr(sys.excepthook, "_onebit_rank", None) is not None:
         return
     previous = sys.excepthook

@@ -48,7 +48,7 @@ def _ddp_averaged(ddp: DistributedDataParallel) -> frozenset[int]:
 
 class HookState:
     """What the communication hook needs: the group, and the optimizer that says which kind of
-    gradients its next step wants (set once the optimizer exists, by :meth:`attach`)."""
+    gradients its next step wants (set once the optimizer exists, by ``attach``)."""
 
     def __init__(
         self, process_group: dist.ProcessGroup | None, ddp: DistributedDataParallel
@@ -85,11 +85,12 @@ class HookState:
     def average_in_two_levels(
         self, nodes: NodeGroups, dtype: torch.dtype, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
-        """The bucket's average over the optimizer's :class:`NodeGroups`, on a thread of its own
-        (as DDP's allreduce, it runs while backward goes on). Buckets come in the same order on
-        every rank (DDP's), and one thread keeps that order for the groups' collectives. On CUDA
-        the thread waits for the stream that produced the gradients, works on a stream of its
-        own, and the future hands the result back through CUDA events."""
+        """The bucket's average over the optimizer's
+        [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups], on a thread of its own (as
+        DDP's allreduce, it runs while backward goes on). Buckets come in the same order on every
+        rank (DDP's), and one thread keeps that order for the groups' collectives. On CUDA the
+        thread waits for the stream that produced the gradients, works on a stream of its own, and
+        the future hands the result back through CUDA events."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="onebit-average")
         buf = bucket.buffer()
@@ -157,9 +158,9 @@ onebit_comm_hook.__annotations__ = {
 def wrap_in_ddp(
     module: torch.nn.Module, device_ids: list[int] | None, kwargs: dict[str, Any]
 ) -> tuple[DistributedDataParallel, HookState]:
-    """``module`` in DDP (:func:`build_ddp`) with :func:`onebit_comm_hook` registered, on every
+    """``module`` in DDP (``build_ddp``) with ``onebit_comm_hook`` registered, on every
     device (Lightning's Trainer ``DDPStrategy`` registers a hook on CUDA only, Fabric's none:
-    DDP's allreduce on every step otherwise), and the hook's state (:meth:`HookState.attach`
+    DDP's allreduce on every step otherwise), and the hook's state (``HookState.attach``
     the optimizer to it). First checks that every rank has the same parameters: DDP's own check
     names neither the parameter nor what to do."""
     check_same_model_on_every_rank(

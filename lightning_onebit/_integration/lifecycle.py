@@ -90,7 +90,7 @@ def process_setup(
 ) -> Generator[None, None, None]:
     """Around a strategy's ``setup_environment``, which starts the process group: one thread per
     fork-started rank, no group inherited from an earlier run (``front_end`` names what starts
-    the run), and a default group created inside destroyed at exit (:func:`own_default_group`)."""
+    the run), and a default group created inside destroyed at exit (``own_default_group``)."""
     one_thread_per_forked_rank(start_method, num_processes)
     check_no_inherited_group(num_nodes * num_processes, front_end)
     with own_default_group():
@@ -158,8 +158,8 @@ def teardown_steps(
     optimizers: list[OneBitOptimizer], hook_state: Any = None
 ) -> Generator[None, None, None]:
     """Around a strategy's ``teardown``: before it, the overlaps and the hook's thread stop
-    (:func:`stop_overlaps`); after it, a single-process group is destroyed
-    (:func:`destroy_single_process_group`)."""
+    (``stop_overlaps``); after it, a single-process group is destroyed
+    (``destroy_single_process_group``)."""
     stop_overlaps(optimizers, hook_state)
     yield
     destroy_single_process_group()

@@ -81,7 +81,7 @@ class OptimizerBuilder:
         self, original: torch.optim.Optimizer, given: str, expected: str, instead: str = ""
     ) -> OneBitOptimizer:
         """The 1-bit optimizer to train with: ``original`` itself if it is one, else built from a
-        torch Adam/AdamW (the caller re-points the LR schedulers: :meth:`repoint`).
+        torch Adam/AdamW (the caller re-points the LR schedulers: ``repoint``).
         ``given``/``expected`` say where the optimizer came from in messages ("configure_optimizers
         returned" / "configure_optimizers must return"); ``instead``: what to do to build it from
         a DeepSpeed config's hyperparameters instead, said where they differ from its own."""
@@ -157,7 +157,7 @@ class OptimizerBuilder:
     ) -> OneBitOptimizer:
         """Where the user gave no optimizer (``given`` says where, e.g. "configure_optimizers
         returned"): the chosen algorithm's optimizer over ``params`` from the DeepSpeed config's
-        hyperparameters (:meth:`from_hparams`). Without a config: an error saying to give one
+        hyperparameters (``from_hparams``). Without a config: an error saying to give one
         (``expected``: how, e.g. "return")."""
         if self.hparams is None:
             raise self.error(
@@ -168,7 +168,7 @@ class OptimizerBuilder:
         return self.from_hparams(params, "DeepSpeed config")
 
     def from_hparams(self, params: list[torch.nn.Parameter], where: str) -> OneBitOptimizer:
-        """The chosen algorithm's optimizer over ``params`` (one group) with :attr:`hparams`
+        """The chosen algorithm's optimizer over ``params`` (one group) with ``hparams``
         (``where`` names them in the message, e.g. "DeepSpeed config")."""
         cls = ALGORITHMS[self.options.algorithm]
         new = cls(params, **self.options.optimizer_kwargs(dict(self.hparams or {})))

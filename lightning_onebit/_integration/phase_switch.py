@@ -1,9 +1,10 @@
 """``PhaseSwitch``: when compression starts, identically on every rank, and the counters to log.
 
 One implementation for both integrations: the Trainer's
-:class:`~lightning_onebit.callbacks.CompressionScheduler` (a callback around it) and the Fabric
-strategy (:class:`~lightning_onebit.fabric.OneBitFabricStrategy`, which calls it after every
-optimizer step). It needs only torch and Lightning Fabric's rank-zero utilities.
+[`CompressionScheduler`][lightning_onebit.callbacks.CompressionScheduler] (a callback around it) and
+the Fabric strategy ([`OneBitFabricStrategy`][lightning_onebit.fabric.OneBitFabricStrategy], which
+calls it after every optimizer step). It needs only torch and Lightning Fabric's rank-zero
+utilities.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ class PhaseSwitch:
         (``inf``: unknown) and set it on ``opt``; ``converted``: the strategy built ``opt``;
         ``front_end``: the user's (the Trainer or Fabric), named in messages; ``local_steps``:
         also set 0/1 Adam's ``local_step_scaler`` from the run's length
-        (:data:`LOCAL_STEP_FRACTION`)."""
+        (``LOCAL_STEP_FRACTION``)."""
         restored, self._restored = self._restored, False
         self.times.reset()
         self._plan = None
@@ -264,7 +265,7 @@ class PhaseSwitch:
     def _start_local_steps(
         self, opt: ZeroOneAdam, total: float, restored: bool, front_end: FrontEnd
     ) -> None:
-        """Set ``opt.local_step_scaler`` to :data:`LOCAL_STEP_FRACTION` of the run's ``total``
+        """Set ``opt.local_step_scaler`` to ``LOCAL_STEP_FRACTION`` of the run's ``total``
         optimizer steps, decided once per run as a fractional switch is: a resumed fit keeps the
         checkpoint's (its interval counters count towards it). A run of unknown length keeps the
         optimizer's own (DeepSpeed's 32768), with an info line."""
@@ -289,7 +290,7 @@ class PhaseSwitch:
         self.local_step_scaler = opt.local_step_scaler
 
     def keep_restored(self, opt: OneBitOptimizer) -> None:
-        """After :meth:`start`, once a checkpoint's state has been loaded into this switch and
+        """After ``start``, once a checkpoint's state has been loaded into this switch and
         into ``opt`` (Fabric loads after setup): what the run decided when it started, the
         switch step of a fractional ``freeze_step`` and a ``local_step_scaler`` from the run's
         length, over what this fit's ``max_steps`` gave."""
@@ -318,7 +319,7 @@ class PhaseSwitch:
     def announce(self, opt: OneBitOptimizer) -> None:
         """Say after which optimizer step compression starts, once (Trainer: at the start of
         training; Fabric: before the first step), after a checkpoint's state is restored: a
-        resumed run keeps its switch (:meth:`keep_restored`) or is past it (:meth:`catch_up`,
+        resumed run keeps its switch (``keep_restored``) or is past it (``catch_up``,
         whose line replaces this one)."""
         plan, self._plan = self._plan, None
         if plan is None or opt.phase != opt.PHASES[0]:
@@ -381,7 +382,7 @@ class PhaseSwitch:
         )
 
     def summary(self, opt: OneBitOptimizer) -> str:
-        """One line for the end of a run (see :meth:`StepTimes.summary`)."""
+        """One line for the end of a run (see ``StepTimes.summary``)."""
         comm = opt.comm_stats
         return self.times.summary(comm["bytes_total"], comm["fp32_equiv_total"], opt.world_size)
 

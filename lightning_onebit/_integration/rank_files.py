@@ -38,7 +38,7 @@ __all__ = [
 
 PATH = str | os.PathLike[str]  # what Lightning accepts as a checkpoint path
 
-#: the entries of a rank file, as :func:`write_rank_file` writes them
+#: the entries of a rank file, as ``write_rank_file`` writes them
 _RANK_FILE_KEYS = frozenset({"world_size", "rank", "global_step", "optimizer", "model"})
 #: the values found in a rank file besides tensors and containers of them
 _PLAIN = (bool, int, float, str, type(None))
@@ -148,7 +148,7 @@ def _refusal(rank_file: str, why: str) -> str:
 
 
 def _not_written_by_us(state: Any) -> str | None:
-    """What in a loaded rank file is not what :func:`write_rank_file` writes (``None``: all is)."""
+    """What in a loaded rank file is not what ``write_rank_file`` writes (``None``: all is)."""
     if not isinstance(state, dict):
         return f"it holds a {type(state).__name__}, not a dict"
     if set(state) != _RANK_FILE_KEYS:
@@ -323,7 +323,7 @@ def read_rank_state(
 
 
 class Ranked(Protocol):
-    """What :class:`RankCheckpoint` reads of its strategy (both Lightning ``DDPStrategy`` kinds
+    """What ``RankCheckpoint`` reads of its strategy (both Lightning ``DDPStrategy`` kinds
     have it)."""
 
     @property
@@ -335,7 +335,7 @@ class Ranked(Protocol):
 
 class RankCheckpoint:
     """This rank's 1-bit state around a strategy's checkpoints: written beside each checkpoint
-    (:func:`write_rank_file`), read back on resume (:func:`read_rank_state`) and restored into
+    (``write_rank_file``), read back on resume (``read_rank_state``) and restored into
     the optimizer and the model after Lightning restored theirs. Lightning writes a checkpoint
     on rank 0 only; the error buffers (and, between two synchronisations of 0/1 Adam, the
     parameters) differ across ranks.
@@ -344,8 +344,8 @@ class RankCheckpoint:
         strategy: the strategy whose rank and world size name the files.
 
     Attributes:
-        pending: the state read by :meth:`read`, until :meth:`restore_optimizer` used it.
-        strict: the ``strict`` of the last model restore (used again by :meth:`restore_model`).
+        pending: the state read by ``read``, until ``restore_optimizer`` used it.
+        strict: the ``strict`` of the last model restore (used again by ``restore_model``).
     """
 
     def __init__(self, strategy: Ranked) -> None:
@@ -378,7 +378,7 @@ class RankCheckpoint:
         path: PATH,
         extra: dict[str, Any],
     ) -> None:
-        """:meth:`save` for a checkpoint with no global step (Fabric's): the optimizer's steps
+        """``save`` for a checkpoint with no global step (Fabric's): the optimizer's steps
         and skipped steps tie the rank file to it. ``optimizer_states``: the optimizer's entries
         in ``checkpoint`` (their error buffers are dropped); ``extra`` goes into the
         checkpoint's ``"onebit"`` entry."""
@@ -399,7 +399,7 @@ class RankCheckpoint:
     def read(
         self, path: PATH, checkpoint: Mapping[str, Any], weights_only: bool | None = None
     ) -> None:
-        """Read this rank's file for ``checkpoint`` (loaded from ``path``) into :attr:`pending`
+        """Read this rank's file for ``checkpoint`` (loaded from ``path``) into ``pending``
         (``None``, with a warning, where it is missing). Collective: every rank calls it.
 
         Args:
@@ -435,14 +435,14 @@ class RankCheckpoint:
     def read_step_keyed(
         self, path: PATH, checkpoint: dict[str, Any], weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """:meth:`read` for a checkpoint :meth:`save_step_keyed` wrote; pops and returns its
+        """``read`` for a checkpoint ``save_step_keyed`` wrote; pops and returns its
         ``"onebit"`` entry (``{}`` where it has none)."""
         meta = checkpoint.pop("onebit", None) or {}
         self.read(path, {"global_step": meta.get("global_step"), "onebit": meta}, weights_only)
         return meta
 
     def forget(self) -> None:
-        """Drop what :meth:`read` read (a checkpoint with nothing per rank to restore)."""
+        """Drop what ``read`` read (a checkpoint with nothing per rank to restore)."""
         self.pending = None
 
     def restore_model(self, module: torch.nn.Module, strict: bool | None = None) -> None:
@@ -456,7 +456,7 @@ class RankCheckpoint:
 
     def restore_optimizer(self, opt: OneBitOptimizer) -> None:
         """This rank's error buffers into ``opt`` (after Lightning restored its shared state);
-        then :attr:`pending` is used up."""
+        then ``pending`` is used up."""
         if self.pending is not None:
             opt.load_rank_state_dict(self.pending["optimizer"])
         self.pending = None

@@ -30,7 +30,7 @@ class RankSyncedGradScaler(torch.amp.GradScaler):
 
 
 def synced_scaler(scaler: torch.amp.GradScaler, device: str) -> RankSyncedGradScaler:
-    """``scaler`` as a :class:`RankSyncedGradScaler` on ``device`` ("cuda", "cpu"): the same
+    """``scaler`` as a ``RankSyncedGradScaler`` on ``device`` ("cuda", "cpu"): the same
     current scale, growth and backoff settings and growth tracker (its ``state_dict``)."""
     synced = RankSyncedGradScaler(device=device, enabled=scaler.is_enabled())
     synced.load_state_dict(scaler.state_dict())
@@ -39,7 +39,7 @@ def synced_scaler(scaler: torch.amp.GradScaler, device: str) -> RankSyncedGradSc
 
 def sync_scaler_of(plugin: object, device: str) -> bool:
     """Give a precision ``plugin`` with a loss scaler (``16-mixed``, the Trainer's or Fabric's)
-    a :func:`synced_scaler` on ``device``: local gradients can overflow on one rank only, and
+    a ``synced_scaler`` on ``device``: local gradients can overflow on one rank only, and
     every rank must skip the same step. Returns whether the plugin has a scaler."""
     scaler = getattr(plugin, "scaler", None)
     if not isinstance(scaler, torch.amp.GradScaler):

@@ -1,15 +1,22 @@
 """The error-compensated 1-bit exchanges over ``torch.distributed``, in layers that each import
 only the ones before them:
 
-- :mod:`~lightning_onebit.comm.base`: the :class:`Exchange` and :class:`Handle` interfaces every
+- [`base`][lightning_onebit.comm.base]: the [`Exchange`][lightning_onebit.comm.base.Exchange] and
+[`Handle`][lightning_onebit.comm.base.Handle] interfaces every
   exchange implements, the NaN/Inf error, the full-precision average, byte formulas;
-- :mod:`~lightning_onebit.comm.handle`: :class:`ExchangeHandle`, a flat call in flight;
-- :mod:`~lightning_onebit.comm.flat`: :class:`CompressedAllreduce`, the exchange over one group
+- [`handle`][lightning_onebit.comm.handle]:
+[`ExchangeHandle`][lightning_onebit.comm.handle.ExchangeHandle], a flat call in flight;
+- [`flat`][lightning_onebit.comm.flat]:
+[`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce], the exchange over one group
   (the algorithm and its wire format);
-- :mod:`~lightning_onebit.comm.hierarchical`: :class:`HierarchicalAllreduce`, full precision
-  inside a node and 1 bit between nodes, over :class:`NodeGroups`;
-- :mod:`~lightning_onebit.comm.factory`: :func:`make_exchange`, which picks one of the two;
-- :mod:`~lightning_onebit.comm.bucketed`: :class:`BucketedAllreduce`, one exchange per bucket
+- [`hierarchical`][lightning_onebit.comm.hierarchical]:
+[`HierarchicalAllreduce`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce], full precision
+  inside a node and 1 bit between nodes, over
+  [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups];
+- [`factory`][lightning_onebit.comm.factory]:
+[`make_exchange`][lightning_onebit.comm.factory.make_exchange], which picks one of the two;
+- [`bucketed`][lightning_onebit.comm.bucketed]:
+[`BucketedAllreduce`][lightning_onebit.comm.bucketed.BucketedAllreduce], one exchange per bucket
   of a flat buffer (started during backward).
 """
 

@@ -1,5 +1,6 @@
-"""What every exchange shares: the :class:`Exchange` and :class:`Handle` interfaces, the
-NaN/Inf error, input checks, the full-precision average and byte formulas."""
+"""What every exchange shares: the [`Exchange`][lightning_onebit.comm.base.Exchange] and
+[`Handle`][lightning_onebit.comm.base.Handle] interfaces, the NaN/Inf error, input checks, the
+full-precision average and byte formulas."""
 
 from __future__ import annotations
 
@@ -157,8 +158,8 @@ def check_input(
     tensor: torch.Tensor | kernels.ExchangeSource, numel: int, device: torch.device
 ) -> torch.Tensor | kernels.ExchangeSource:
     """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
-    values on ``device``, or a :class:`~lightning_onebit.kernels.ExchangeSource` of ``numel``
-    values on ``device`` (as it is): what an exchange built for that takes."""
+    values on ``device``, or a [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]
+    of ``numel`` values on ``device`` (as it is): what an exchange built for that takes."""
     if isinstance(tensor, kernels.ExchangeSource):
         numel_in = tensor.numel()
     elif not isinstance(tensor, torch.Tensor):
@@ -179,7 +180,7 @@ def check_input(
 
 
 class Handle(Protocol):
-    """An exchange call in flight (:meth:`Exchange.start`).
+    """An exchange call in flight (``Exchange.start``).
 
     ``wait()`` finishes it and returns the average; a call started with ``commit=False``
     advances the exchange's error buffers only on ``commit()`` and leaves them as they were on
@@ -207,14 +208,14 @@ class Exchange(Protocol):
 
     ``finish(sources, out)`` runs one call over the whole buffer: ``sources`` holds one input
     (a tensor or a [kernels.ExchangeSource][lightning_onebit.kernels.ExchangeSource]) per
-    flat range of :meth:`pending` (those no earlier ``start`` covered), and ``out`` is where
-    the result is decoded; ``out=None`` on an exchange that :attr:`returns_runs` (the flat one
+    flat range of ``pending`` (those no earlier ``start`` covered), and ``out`` is where
+    the result is decoded; ``out=None`` on an exchange that ``returns_runs`` (the flat one
     and buckets of it, on the CPU) returns the result where it lies, as
     [kernels.SignRuns][lightning_onebit.kernels.SignRuns], for the update kernels to read.
     The exchange calls nothing of its caller's. ``bytes_sent`` is what this rank sent in the
-    last call (``calls``: how many so far) and :meth:`inter_node_bytes` the part of it that
+    last call (``calls``: how many so far) and ``inter_node_bytes`` the part of it that
     left the node;
-    ``device_verdict`` exchanges keep their NaN/Inf verdict on the device (:attr:`verdict`).
+    ``device_verdict`` exchanges keep their NaN/Inf verdict on the device (``verdict``).
     ``bounds`` are the buckets (``None``: one exchange). The error buffers are per rank:
     ``state_dict``/``load_state_dict``/``reset_error``, and ``error_views`` for a caller that
     keeps values out of a call.

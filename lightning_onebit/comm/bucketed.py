@@ -1,5 +1,6 @@
 """Several exchanges over the buckets of one flat buffer, so that a bucket can go out while
-backward is still producing the rest (see :class:`BucketedAllreduce`)."""
+backward is still producing the rest (see
+[`BucketedAllreduce`][lightning_onebit.comm.bucketed.BucketedAllreduce])."""
 
 from __future__ import annotations
 
@@ -21,22 +22,27 @@ __all__ = ["BucketedAllreduce"]
 class BucketedAllreduce(Exchange):
     """The compressed average of one flat buffer, split into buckets exchanged separately.
 
-    Each bucket (a contiguous slice) has its own :class:`CompressedAllreduce` (its own scale and
-    error buffers, double buffered), so a bucket can be sent as soon as its values exist, e.g.
-    while backward is still producing the rest of the gradient: :meth:`start_bucket`. A call
-    goes through for all buckets or for none: :meth:`finish` commits every bucket only when every
-    rank's every bucket was finite, else drops them all (error buffers as before) and raises
-    :class:`NonFiniteError` on every rank.
+    Each bucket (a contiguous slice) has its own
+    [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce] (its own scale and error
+    buffers, double buffered), so a bucket can be sent as soon as its values exist, e.g. while
+    backward is still producing the rest of the gradient:
+    [`start_bucket`][lightning_onebit.comm.bucketed.BucketedAllreduce.start_bucket]. A call goes
+    through for all buckets or for none:
+    [`finish`][lightning_onebit.comm.bucketed.BucketedAllreduce.finish] commits every bucket only
+    when every rank's every bucket was finite, else drops them all (error buffers as before) and
+    raises [`NonFiniteError`][lightning_onebit.comm.base.NonFiniteError] on every rank.
 
     Buckets are started in index order on every rank (the collectives must match).
 
     Args:
         bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
-        device, group, device_verdict: as for :class:`CompressedAllreduce` (the verdict of a
-            call is every bucket's).
-        nodes: a :class:`~lightning_onebit.hierarchy.NodeGroups` for the two-level exchange
-            (:class:`~lightning_onebit.hierarchy.HierarchicalAllreduce` per bucket; ``group``
-            unused), or ``None`` (flat).
+        device, group, device_verdict: as for
+            [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce] (the verdict of
+            a call is every bucket's).
+        nodes: a [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups] for the two-level
+            exchange
+            ([`HierarchicalAllreduce`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce] per
+            bucket; ``group`` unused), or ``None`` (flat).
     """
 
     def __init__(
@@ -77,7 +83,7 @@ class BucketedAllreduce(Exchange):
     @property
     def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``device_verdict``: the last call's verdict over every bucket, on the device (see
-        :attr:`CompressedAllreduce.verdict`)."""
+        [`CompressedAllreduce.verdict`][lightning_onebit.comm.flat.CompressedAllreduce.verdict])."""
         return self._ok, self._finite_ranks
 
     def __len__(self) -> int:
@@ -91,33 +97,39 @@ class BucketedAllreduce(Exchange):
         self, b: int, values: torch.Tensor | ExchangeSource
     ) -> torch.Tensor | Compressed:
         """The part of bucket ``b``'s call that reads ``values`` (its ``stop - start`` values),
-        now: what :meth:`start_bucket` takes (see :meth:`CompressedAllreduce.prepare
-        <lightning_onebit.comm.CompressedAllreduce.prepare>`)."""
+        now: what [`start_bucket`][lightning_onebit.comm.bucketed.BucketedAllreduce.start_bucket]
+        takes (see
+        [`CompressedAllreduce.prepare`][lightning_onebit.comm.flat.CompressedAllreduce.prepare])."""
         return self.buckets[b].prepare(values, commit=False)
 
     def start_bucket(self, b: int, values: torch.Tensor | ExchangeSource | Compressed) -> None:
         """Start bucket ``b`` (every bucket before it must have been started) from ``values``
         (its ``stop - start`` values, read now and not needed afterwards, or what
-        :meth:`prepare_bucket` returned)."""
+        [`prepare_bucket`][lightning_onebit.comm.bucketed.BucketedAllreduce.prepare_bucket]
+        returned)."""
         if b and self._handles[b - 1] is None:
             raise RuntimeError(f"bucket {b} started before bucket {b - 1}: start them in order")
         self._handles[b] = self.buckets[b].start(values, commit=False)
 
     @property
     def returns_runs(self) -> bool:
-        """Whether :meth:`finish` can return its result undecoded (flat buckets on the CPU)."""
+        """Whether [`finish`][lightning_onebit.comm.bucketed.BucketedAllreduce.finish] can return
+        its result undecoded (flat buckets on the CPU)."""
         return self.nodes is None and self.device.type == "cpu"
 
     def pending(self) -> list[tuple[int, int]]:
-        """The buckets not started yet, whose inputs :meth:`finish` takes, in order."""
+        """The buckets not started yet, whose inputs
+        [`finish`][lightning_onebit.comm.bucketed.BucketedAllreduce.finish] takes, in order."""
         return [bounds for bounds, h in zip(self.bounds, self._handles, strict=True) if h is None]
 
     def finish(
         self, sources: Sequence[torch.Tensor | ExchangeSource], out: torch.Tensor | None
     ) -> SignRuns | None:
-        """Start the buckets not started yet (:meth:`pending`), one from each of ``sources``,
-        then commit every bucket and decode into ``out`` (``numel`` values), or drop all and
-        raise NonFiniteError on every rank. ``out=None`` (:attr:`returns_runs`): every
+        """Start the buckets not started yet
+        ([`pending`][lightning_onebit.comm.bucketed.BucketedAllreduce.pending]), one from each of
+        ``sources``, then commit every bucket and decode into ``out`` (``numel`` values), or drop
+        all and raise NonFiniteError on every rank. ``out=None``
+        ([`returns_runs`][lightning_onebit.comm.bucketed.BucketedAllreduce.returns_runs]): every
         bucket's result is returned as one [kernels.SignRuns][lightning_onebit.kernels.SignRuns].
         """
         todo = [b for b, h in enumerate(self._handles) if h is None]
@@ -170,7 +182,8 @@ class BucketedAllreduce(Exchange):
 
     def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Live views of this rank's error buffers over the values ``[lo, hi)`` (see
-        :meth:`CompressedAllreduce.error_views`), bucket by bucket."""
+        [`CompressedAllreduce.error_views`][lightning_onebit.comm.flat.CompressedAllreduce.error_views]),
+        bucket by bucket."""
         views: list[torch.Tensor] = []
         for ex, (a, b) in zip(self.buckets, self.bounds, strict=True):
             if max(lo, a) < min(hi, b):
@@ -208,8 +221,8 @@ class BucketedAllreduce(Exchange):
 
     def inter_node_bytes(self, ranks_per_node: int) -> int:
         """Of the bytes this rank sent in the last call, those that left its node (every
-        bucket's, see :meth:`CompressedAllreduce.inter_node_bytes
-        <lightning_onebit.comm.CompressedAllreduce.inter_node_bytes>`)."""
+        bucket's, see
+        [`CompressedAllreduce.inter_node_bytes`][lightning_onebit.comm.flat.CompressedAllreduce.inter_node_bytes])."""
         return sum(ex.inter_node_bytes(ranks_per_node) for ex in self.buckets)
 
     def __repr__(self) -> str:

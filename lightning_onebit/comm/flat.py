@@ -62,11 +62,12 @@ class CompressedAllreduce(Exchange):
             that must all go through or all be dropped, e.g. the buckets of one step).
         device_verdict: keep the NaN/Inf verdict on the device instead of reading it on the
             host (which waits for the ``all_to_all``): a call never raises
-            :class:`NonFiniteError`; :attr:`verdict` holds, on the device, whether every
-            rank's input was finite, a non-finite call leaves the error buffers as they were
-            (double buffered: the new set is put back from the old one on the device) and its
-            result is undefined, for the caller to drop (the 1-bit optimizers' CUDA steps:
-            their update kernels take the verdict). Implies ``double_buffered``.
+            [`NonFiniteError`][lightning_onebit.comm.base.NonFiniteError];
+            [`verdict`][lightning_onebit.comm.flat.CompressedAllreduce.verdict] holds, on the
+            device, whether every rank's input was finite, a non-finite call leaves the error
+            buffers as they were (double buffered: the new set is put back from the old one on the
+            device) and its result is undefined, for the caller to drop (the 1-bit optimizers' CUDA
+            steps: their update kernels take the verdict). Implies ``double_buffered``.
 
     Example::
 
@@ -189,13 +190,15 @@ class CompressedAllreduce(Exchange):
     def prepare(
         self, values: torch.Tensor | kernels.ExchangeSource, *, commit: bool = True
     ) -> torch.Tensor | Compressed:
-        """The part of a call that reads its input, now; :meth:`start` takes the result.
+        """The part of a call that reads its input, now;
+        [`start`][lightning_onebit.comm.flat.CompressedAllreduce.start] takes the result.
 
-        A :class:`~lightning_onebit.kernels.ExchangeSource` that the compression computes as
-        it reads it (double buffered, compiled kernels: reads the gradients) is compressed here,
-        stage 1 of the call; any other is materialized. A tensor is returned as it is. So a
-        thread that must not read the gradients can run :meth:`start` on the result.
-        ``commit`` must be :meth:`start`'s."""
+        A [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource] that the compression
+        computes as it reads it (double buffered, compiled kernels: reads the gradients) is
+        compressed here, stage 1 of the call; any other is materialized. A tensor is returned as it
+        is. So a thread that must not read the gradients can run
+        [`start`][lightning_onebit.comm.flat.CompressedAllreduce.start] on the result. ``commit``
+        must be [`start`][lightning_onebit.comm.flat.CompressedAllreduce.start]'s."""
         if not isinstance(values, kernels.ExchangeSource):
             return values
         if self.double_buffered and values.computed_as_read:
@@ -213,8 +216,9 @@ class CompressedAllreduce(Exchange):
 
         Args:
             tensor: float32, ``numel`` values, any shape; not modified (unless it is ``out``).
-                Or a :class:`~lightning_onebit.kernels.ExchangeSource` of ``numel`` values, or
-                what :meth:`prepare` returned.
+                Or a [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource] of
+                ``numel`` values, or what
+                [`prepare`][lightning_onebit.comm.flat.CompressedAllreduce.prepare] returned.
             out: where to write the result (``numel`` float32 values, contiguous; may be
                 ``tensor`` itself). Default: an internal buffer, overwritten by the next call.
             commit: update the error buffers now. ``False`` (needs ``double_buffered=True``)
@@ -363,8 +367,9 @@ class CompressedAllreduce(Exchange):
     def commit_call(
         self, handle: ExchangeHandle, next_set: int, ok: torch.Tensor | None = None
     ) -> None:
-        """(Called by :meth:`ExchangeHandle.commit
-        <lightning_onebit.comm.ExchangeHandle.commit>`.) Make ``handle``'s call (which wrote error-buffer set ``next_set``) the state; with
+        """(Called by
+        [`ExchangeHandle.commit`][lightning_onebit.comm.handle.ExchangeHandle.commit].) Make
+        ``handle``'s call (which wrote error-buffer set ``next_set``) the state; with
         ``device_verdict`` put the old set back into it where the verdict ``ok`` is false."""
         if self._uncommitted is not handle and self._uncommitted is not None:
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
@@ -384,8 +389,9 @@ class CompressedAllreduce(Exchange):
         self._uncommitted = None
 
     def forget_call(self, handle: ExchangeHandle) -> None:
-        """(Called by :meth:`ExchangeHandle.discard
-        <lightning_onebit.comm.ExchangeHandle.discard>`.) ``handle``'s call was discarded: the error buffers stay as before it."""
+        """(Called by
+        [`ExchangeHandle.discard`][lightning_onebit.comm.handle.ExchangeHandle.discard].)
+        ``handle``'s call was discarded: the error buffers stay as before it."""
         if self._uncommitted is handle:
             self._uncommitted = None
 
@@ -415,7 +421,7 @@ class CompressedAllreduce(Exchange):
     ) -> list[tuple[int, int, torch.Tensor, float]]:
         """Step 5 without decoding: each server chunk of the gathered ``records`` as
         ``(start, stop, bits, scale)`` at flat offset ``base``, the padding dropped (see
-        :class:`~lightning_onebit.kernels.SignRuns`)."""
+        [`SignRuns`][lightning_onebit.kernels.runs.SignRuns])."""
         gathered = records
         c, row = self.chunk_numel, self.chunk_numel // 8
         bits, scales = self._bits(gathered, row), self._scales(gathered).tolist()
@@ -427,20 +433,23 @@ class CompressedAllreduce(Exchange):
 
     @property
     def returns_runs(self) -> bool:
-        """Whether :meth:`finish` can return its result undecoded (on the CPU)."""
+        """Whether [`finish`][lightning_onebit.comm.flat.CompressedAllreduce.finish] can return its
+        result undecoded (on the CPU)."""
         return self.device.type == "cpu"
 
     def pending(self) -> list[tuple[int, int]]:
-        """The flat ranges :meth:`finish` takes an input for: the whole buffer."""
+        """The flat ranges [`finish`][lightning_onebit.comm.flat.CompressedAllreduce.finish] takes
+        an input for: the whole buffer."""
         return [(0, self.numel)]
 
     def finish(
         self, sources: Sequence[torch.Tensor | kernels.ExchangeSource], out: torch.Tensor | None
     ) -> kernels.SignRuns | None:
-        """One call over the whole buffer from ``sources`` (one input: :meth:`pending`), decoded
-        into ``out``; ``out=None`` (:attr:`returns_runs`) returns the result as
-        [kernels.SignRuns][lightning_onebit.kernels.SignRuns], read by the update kernels in
-        place of a decoded buffer."""
+        """One call over the whole buffer from ``sources`` (one input:
+        [`pending`][lightning_onebit.comm.flat.CompressedAllreduce.pending]), decoded into ``out``;
+        ``out=None`` ([`returns_runs`][lightning_onebit.comm.flat.CompressedAllreduce.returns_runs])
+        returns the result as [kernels.SignRuns][lightning_onebit.kernels.SignRuns], read by the
+        update kernels in place of a decoded buffer."""
         (values,) = sources
         handle = self.start(values, out=out)
         if out is not None:
@@ -453,7 +462,8 @@ class CompressedAllreduce(Exchange):
     def inter_node_bytes(self, ranks_per_node: int) -> int:
         """Of the bytes this rank sent in the last call, those that left its node (nodes of
         ``ranks_per_node`` consecutive ranks; 1: every peer is on another node): see
-        :meth:`inter_node_bytes_per_call`; only the ``all_to_all``'s after a non-finite call."""
+        [`inter_node_bytes_per_call`][lightning_onebit.comm.flat.CompressedAllreduce.inter_node_bytes_per_call];
+        only the ``all_to_all``'s after a non-finite call."""
         if self.world_size <= 1 or self.bytes_sent == 0:
             return 0
         if self.bytes_sent == self.bytes_per_call:
@@ -486,7 +496,7 @@ class CompressedAllreduce(Exchange):
 
     def _settle(self) -> None:
         """Apply the deferred error updates of the call that wrote set cur (see
-        :meth:`__init__`), so that its buffers hold the errors themselves."""
+        ``__init__``), so that its buffers hold the errors themselves."""
         if not self._pending:
             return
         # The buffers hold y (c), and the bits sent are sign(y): the update y - s * sign(y) is
@@ -502,7 +512,7 @@ class CompressedAllreduce(Exchange):
     def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Live views of this rank's error buffers over the values ``[lo, hi)`` of the input:
         its worker error there, and its server error where its chunk overlaps them. Applies
-        the deferred updates first (see :meth:`__init__`), so that the views hold the errors
+        the deferred updates first (see ``__init__``), so that the views hold the errors
         themselves until the next call. For a caller that keeps values out of an exchange: it
         puts their errors back after the call."""
         self._settle()
@@ -531,11 +541,15 @@ class CompressedAllreduce(Exchange):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore error buffers saved by :meth:`state_dict` on the same rank and world size.
+        """Restore error buffers saved by
+        [`state_dict`][lightning_onebit.comm.flat.CompressedAllreduce.state_dict] on the same rank
+        and world size.
 
         Raises:
             ValueError: if the state was saved with another size or world size (error buffers
-                are per rank and per chunk; call :meth:`reset_error` instead).
+                are per rank and per chunk; call
+                [`reset_error`][lightning_onebit.comm.flat.CompressedAllreduce.reset_error]
+                instead).
         """
         if "nodes" in state_dict:
             nodes, ranks = state_dict["nodes"]

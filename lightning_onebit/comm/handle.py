@@ -1,6 +1,8 @@
-"""A flat exchange's call in flight (:class:`ExchangeHandle`) and its stage 1 done
-(:class:`Compressed`): what :meth:`CompressedAllreduce.start
-<lightning_onebit.comm.CompressedAllreduce.start>` returns and takes."""
+"""A flat exchange's call in flight
+([`ExchangeHandle`][lightning_onebit.comm.handle.ExchangeHandle]) and its stage 1 done
+([`Compressed`][lightning_onebit.comm.handle.Compressed]): what
+[`CompressedAllreduce.start`][lightning_onebit.comm.flat.CompressedAllreduce.start] returns and
+takes."""
 
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ __all__ = ["Compressed", "ExchangeHandle"]
 
 
 class Compressed(NamedTuple):
-    """A call's stage 1, done (:meth:`CompressedAllreduce.prepare`): the worker compression
-    into the send records of error-buffer set ``next_set``; :meth:`CompressedAllreduce.start`
-    sends them. ``x``: the input where the call reads it again (one set of error buffers)."""
+    """A call's stage 1, done
+    ([`CompressedAllreduce.prepare`][lightning_onebit.comm.flat.CompressedAllreduce.prepare]): the
+    worker compression into the send records of error-buffer set ``next_set``;
+    [`CompressedAllreduce.start`][lightning_onebit.comm.flat.CompressedAllreduce.start] sends them.
+    ``x``: the input where the call reads it again (one set of error buffers)."""
 
     exchange: CompressedAllreduce
     x: torch.Tensor | kernels.ExchangeSource
@@ -81,7 +85,7 @@ class ExchangeHandle(Handle):
 
     def runs(self, base: int = 0) -> list[tuple[int, int, torch.Tensor, float]]:
         """The averaged values where they lie, not decoded: one run per server chunk (see
-        :class:`~lightning_onebit.kernels.SignRuns`), at flat offset ``base``. Raises
+        [`SignRuns`][lightning_onebit.kernels.runs.SignRuns]), at flat offset ``base``. Raises
         NonFiniteError if not finite."""
         if not self.finite:
             raise self.error()

@@ -2,18 +2,19 @@
 
 A cluster's ranks sit on ``N`` nodes of ``L`` ranks each, with fast links inside a node (NVLink,
 PCIe, shared memory, loopback) and a slow network between nodes. The flat exchange
-(:class:`~lightning_onebit.comm.CompressedAllreduce`) makes each of a node's ``L`` ranks send
-its own compressed values through the node's one network link; the hierarchical one sends the
-node's average once (1.75x fewer bytes per node at 2 x 2 ranks, ``(L + 1) / 2`` times with many
-nodes; below), and compresses that average instead of each rank's own values (a smaller 1-bit
+([`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]) makes each of a node's
+``L`` ranks send its own compressed values through the node's one network link; the hierarchical one
+sends the node's average once (1.75x fewer bytes per node at 2 x 2 ranks, ``(L + 1) / 2`` times with
+many nodes; below), and compresses that average instead of each rank's own values (a smaller 1-bit
 error relative to the signal):
 
 1. **Inside the node, full precision** (``all_to_all`` = reduce-scatter): local rank ``k`` gets
    shard ``k`` of every local rank's values and averages them (summed in local-rank order).
    Every local rank owns a shard of the node's average: none idles, unlike a single leader.
 2. **Between nodes, 1 bit**: the error-compensated exchange
-   (:class:`~lightning_onebit.comm.CompressedAllreduce`) of shard ``k`` among the ``N`` ranks
-   with local index ``k`` (one per node), with this rank's error buffers for its shard.
+   ([`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]) of shard ``k`` among
+   the ``N`` ranks with local index ``k`` (one per node), with this rank's error buffers for its
+   shard.
 3. **Inside the node again**: an ``all_gather`` of the ``N`` compressed records of every shard
    (1 bit per value, not fp32); every rank decodes all of them. Every rank of every node ends
    with the same values, bit for bit.
@@ -34,7 +35,8 @@ The full-precision average (warmup) takes the same two levels: reduce-scatter in
 ``all_reduce`` of the shard between nodes, ``all_gather`` inside the node.
 
 Ranks are numbered node by node (rank ``r`` is local rank ``r % L`` of node ``r // L``), as
-torchrun, SLURM and Lightning number them. :class:`NodeGroups` checks it against the ranks' host
+torchrun, SLURM and Lightning number them.
+[`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups] checks it against the ranks' host
 names once.
 """
 
@@ -210,7 +212,8 @@ def hierarchical_average(flat: torch.Tensor, dtype: torch.dtype, nodes: NodeGrou
 
 
 def average_bytes(numel: int, dtype: torch.dtype, nodes: NodeGroups) -> tuple[int, int]:
-    """``(inside the node, between nodes)`` bytes one rank sends in :func:`hierarchical_average`."""
+    """``(inside the node, between nodes)`` bytes one rank sends in
+    [`hierarchical_average`][lightning_onebit.comm.hierarchical.hierarchical_average]."""
     ll, size = nodes.local_size, torch.finfo(dtype).bits // 8
     shard = -(-numel // ll)
     intra = 2 * (ll - 1) * shard * size  # all_to_all + all_gather
@@ -218,8 +221,9 @@ def average_bytes(numel: int, dtype: torch.dtype, nodes: NodeGroups) -> tuple[in
 
 
 class _Handle(Handle):
-    """A finished hierarchical call: the :class:`~lightning_onebit.comm.ExchangeHandle`
-    interface (``wait``, ``commit``, ``discard``, ``finite``, ``get_future``)."""
+    """A finished hierarchical call: the
+    [`ExchangeHandle`][lightning_onebit.comm.handle.ExchangeHandle] interface (``wait``, ``commit``,
+    ``discard``, ``finite``, ``get_future``)."""
 
     def __init__(
         self,
@@ -265,16 +269,18 @@ class _Handle(Handle):
 
 class HierarchicalAllreduce(Exchange):
     """The two-level compressed average of a fp32 buffer of fixed size (module docstring): the
-    interface of :class:`~lightning_onebit.comm.CompressedAllreduce` (``start``/``__call__``,
-    ``commit=False`` handles, ``state_dict``, byte counters), over :class:`NodeGroups`.
+    interface of [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]
+    (``start``/``__call__``, ``commit=False`` handles, ``state_dict``, byte counters), over
+    [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups].
 
     The inter-node exchange is always double buffered: whether a call goes through is known
     only once every node has answered (step 3), so its error buffers advance on commit.
     ``bytes_sent`` = ``bytes_sent_intra + bytes_sent_inter`` (this rank, last call).
-    ``device_verdict``: as :class:`~lightning_onebit.comm.CompressedAllreduce`'s. A non-finite
-    input makes every server's record of its shard NaN, which step 3 brings to every rank: the
-    verdict is whether every gathered scale is finite, the same on every rank of every node
-    (it cannot name the node: every node's record of that shard is NaN).
+    ``device_verdict``: as
+    [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]'s. A non-finite input
+    makes every server's record of its shard NaN, which step 3 brings to every rank: the verdict is
+    whether every gathered scale is finite, the same on every rank of every node (it cannot name the
+    node: every node's record of that shard is NaN).
     """
 
     def __init__(
@@ -358,10 +364,10 @@ class HierarchicalAllreduce(Exchange):
     def prepare(
         self, values: torch.Tensor | kernels.ExchangeSource, *, commit: bool = True
     ) -> torch.Tensor:
-        """The part of a call that reads its input, now (see :meth:`CompressedAllreduce.prepare
-        <lightning_onebit.comm.CompressedAllreduce.prepare>`): a
-        :class:`~lightning_onebit.kernels.ExchangeSource` is materialized (the node's
-        full-precision reduce-scatter reads the values first)."""
+        """The part of a call that reads its input, now (see
+        [`CompressedAllreduce.prepare`][lightning_onebit.comm.flat.CompressedAllreduce.prepare]): a
+        [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource] is materialized (the
+        node's full-precision reduce-scatter reads the values first)."""
         return values.materialize() if isinstance(values, kernels.ExchangeSource) else values
 
     def start(
@@ -372,7 +378,7 @@ class HierarchicalAllreduce(Exchange):
         commit: bool = True,
     ) -> _Handle:
         """Run the three steps (all of them: the handle is finished); see
-        :meth:`CompressedAllreduce.start <lightning_onebit.comm.CompressedAllreduce.start>`."""
+        [`CompressedAllreduce.start`][lightning_onebit.comm.flat.CompressedAllreduce.start]."""
         if not commit and not self._double:
             raise ValueError("start(commit=False) needs double_buffered=True")
         if self._uncommitted is not None:
@@ -441,18 +447,21 @@ class HierarchicalAllreduce(Exchange):
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.start(tensor, out=out).wait()
 
-    #: :meth:`finish` always decodes.
+    #: ``finish`` always decodes.
     returns_runs = False
 
     def pending(self) -> list[tuple[int, int]]:
-        """The flat ranges :meth:`finish` takes an input for: the whole buffer."""
+        """The flat ranges
+        [`finish`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce.finish] takes an input
+        for: the whole buffer."""
         return [(0, self.numel)]
 
     def finish(
         self, sources: Sequence[torch.Tensor | kernels.ExchangeSource], out: torch.Tensor | None
     ) -> None:
-        """One call over the whole buffer from ``sources`` (one input: :meth:`pending`),
-        decoded into ``out`` (see ``CompressedAllreduce.finish``; ``None`` is refused)."""
+        """One call over the whole buffer from ``sources`` (one input:
+        [`pending`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce.pending]), decoded into
+        ``out`` (see ``CompressedAllreduce.finish``; ``None`` is refused)."""
         if out is None:
             raise ValueError("the hierarchical exchange always decodes: give finish() an out")
         (values,) = sources
@@ -502,7 +511,8 @@ class HierarchicalAllreduce(Exchange):
 
     def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Live views of this rank's error buffers over the values ``[lo, hi)`` (see
-        :meth:`~lightning_onebit.comm.CompressedAllreduce.error_views`): those of its shard."""
+        [`error_views`][lightning_onebit.comm.flat.CompressedAllreduce.error_views]): those of its
+        shard."""
         k0 = self.nodes.local_rank * self.shard_numel
         a, b = max(lo, k0), min(hi, k0 + self.shard_numel)
         return self.inter.error_views(a - k0, b - k0) if a < b else []
@@ -523,11 +533,13 @@ class HierarchicalAllreduce(Exchange):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved with the same size and the same layout.
+        """Restore what
+        [`state_dict`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce.state_dict] saved
+        with the same size and the same layout.
 
         Raises:
             ValueError: saved by a flat exchange, another layout or another size (the error
-                buffers belong to a rank's shard; call :meth:`reset_error` instead).
+                buffers belong to a rank's shard; call ``reset_error`` instead).
         """
         saved = state_dict.get("nodes")
         if saved is None or list(saved) != self._layout() or state_dict.get("numel") != self.numel:

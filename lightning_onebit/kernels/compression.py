@@ -1,7 +1,8 @@
 """The exchange's kernels: the worker's error-compensated 1-bit compression
-(:func:`worker_compress`), the server's reduction of ``W`` compressed chunks
-(:func:`server_reduce`), decompression (:func:`decompress`), and the decoding of the exchange's
-result where it lies (`decode_runs`)."""
+([`worker_compress`][lightning_onebit.kernels.compression.worker_compress]), the server's reduction
+of ``W`` compressed chunks ([`server_reduce`][lightning_onebit.kernels.compression.server_reduce]),
+decompression ([`decompress`][lightning_onebit.kernels.compression.decompress]), and the decoding of
+the exchange's result where it lies (`decode_runs`)."""
 
 from __future__ import annotations
 
@@ -43,30 +44,35 @@ def worker_compress(
     takes a second sweep over the buffer, or none:
 
     - default: the second sweep runs in this call, ``error`` in place.
-    - ``update_error=False``: ``error`` is left as it was, and :func:`worker_update_error`
+    - ``update_error=False``: ``error`` is left as it was, and
+    [`worker_update_error`][lightning_onebit.kernels.compression.worker_update_error]
       (same ``x``, ``error``, ``scale``) applies the update later: the exchange first learns
       whether every rank's scale is finite, so that a skipped step changes nothing.
     - ``deferred=True``: one sweep. ``error_out`` (default: ``error``) receives ``y``, and the
       true error is ``error_out - scale * sign(bits)``: pass ``pending=True`` to the next call
       with this call's ``bits`` and ``scale`` as ``prev_bits``/``prev_scale`` (defaults:
       ``bits``/``scale``, still holding them when the same buffers are reused) and it applies
-      the update as it reads ``error``; or apply it with :func:`finish_pending`, as
-      :func:`server_reduce`'s. A separate ``error_out`` (and ``bits``) leaves the inputs as
-      they were (double buffering: a call that may still be dropped).
+      the update as it reads ``error``; or apply it with
+      [`finish_pending`][lightning_onebit.kernels.reference.finish_pending], as
+      [`server_reduce`][lightning_onebit.kernels.compression.server_reduce]'s. A separate
+      ``error_out`` (and ``bits``) leaves the inputs as they were (double buffering: a call that may
+      still be dropped).
 
-    ``x`` may be an :class:`ExchangeSource` (:class:`MomentumSource`, :class:`LocalSource`):
-    the deferred form computes its values as it reads them where it can
-    (:attr:`ExchangeSource.computed_as_read`), the same floats as from the buffer; otherwise it
-    materializes them first.
+    ``x`` may be an [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]
+    ([`MomentumSource`][lightning_onebit.kernels.sources.MomentumSource],
+    [`LocalSource`][lightning_onebit.kernels.sources.LocalSource]): the deferred form computes its
+    values as it reads them where it can
+    ([`ExchangeSource.computed_as_read`][lightning_onebit.kernels.sources.ExchangeSource.computed_as_read]),
+    the same floats as from the buffer; otherwise it materializes them first.
 
     Args:
         x: float32, contiguous, at most ``n`` values (any shape); or an
-            :class:`ExchangeSource`.
+            [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource].
         error: float32, contiguous, ``n`` values, ``n`` a multiple of ``8 * W``.
         bits: uint8 ``(W, n // (8 * W))``, rows contiguous (may be strided views).
         scale: float32 with one element; receives the scale (on the tensors' device).
         update_error: update the error in this call (``False``: leave it to
-            :func:`worker_update_error`).
+            [`worker_update_error`][lightning_onebit.kernels.compression.worker_update_error]).
         deferred: the one-sweep form above.
         error_out: (``deferred``) float32, contiguous, ``n`` values; default ``error``.
         pending: (``deferred``) whether ``error`` still awaits the previous call's deferred
@@ -180,8 +186,9 @@ def server_reduce(
     is ``c - out_scale * sign(out_bits)``. Pass ``pending=True`` on the next call with that
     call's outputs as ``prev_bits``/``prev_scale`` (default: ``out_bits``/``out_scale``, still
     holding them when the same buffers are reused) and the kernel applies the deferred update on
-    the fly; or call :func:`finish_pending` to apply it explicitly. Separate output buffers
-    leave the inputs as they were (double buffering: a call that may still be dropped).
+    the fly; or call [`finish_pending`][lightning_onebit.kernels.reference.finish_pending] to apply
+    it explicitly. Separate output buffers leave the inputs as they were (double buffering: a call
+    that may still be dropped).
 
     Args:
         bits: uint8 ``(W, m // 8)``, one compressed chunk per row (rows may be strided).

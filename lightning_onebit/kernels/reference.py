@@ -62,9 +62,10 @@ def _sign_times(positive: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def finish_pending(error: torch.Tensor, out_bits: torch.Tensor, out_scale: torch.Tensor) -> None:
-    """Apply a deferred error update (:func:`server_reduce`'s, or ``worker_compress(...,
-    deferred=True)``'s): ``error <- error - out_scale * sign(out_bits)`` (``out_bits``: the
-    call's packed signs, rows in order)."""
+    """Apply a deferred error update
+    ([`server_reduce`][lightning_onebit.kernels.compression.server_reduce]'s, or
+    ``worker_compress(..., deferred=True)``'s): ``error <- error - out_scale * sign(out_bits)``
+    (``out_bits``: the call's packed signs, rows in order)."""
     error.sub_(_sign_times(_unpack(out_bits.reshape(-1)), out_scale.reshape(())))
 
 
@@ -81,7 +82,8 @@ def reference_worker_compress(
     prev_bits: torch.Tensor | None = None,
     prev_scale: torch.Tensor | None = None,
 ) -> None:
-    """Pure-torch :func:`worker_compress` (same arguments, same results)."""
+    """Pure-torch [`worker_compress`][lightning_onebit.kernels.compression.worker_compress] (same
+    arguments, same results)."""
     e = error.reshape(-1).clone()
     if pending:  # (read before bits and scale, which may be prev_bits and prev_scale, change)
         finish_pending(
@@ -102,7 +104,8 @@ def reference_worker_compress(
 def reference_worker_update_error(
     x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> None:
-    """Pure-torch :func:`worker_update_error` (same arguments, same results)."""
+    """Pure-torch [`worker_update_error`][lightning_onebit.kernels.compression.worker_update_error]
+    (same arguments, same results)."""
     y = error.reshape(-1).clone()
     y[: x.numel()] += x.reshape(-1)
     (error if out is None else out).view(-1).copy_(y - _sign_times(y >= 0, scale.reshape(())))
@@ -120,7 +123,8 @@ def reference_server_reduce(
     prev_bits: torch.Tensor | None = None,
     prev_scale: torch.Tensor | None = None,
 ) -> None:
-    """Pure-torch :func:`server_reduce` (same arguments, same results)."""
+    """Pure-torch [`server_reduce`][lightning_onebit.kernels.compression.server_reduce] (same
+    arguments, same results)."""
     e = error.reshape(-1).clone()
     if pending:
         prev_bits = out_bits if prev_bits is None else prev_bits
@@ -139,7 +143,8 @@ def reference_server_reduce(
 
 
 def reference_decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """Pure-torch :func:`decompress` (same arguments, same results)."""
+    """Pure-torch [`decompress`][lightning_onebit.kernels.compression.decompress] (same arguments,
+    same results)."""
     values = _sign_times(_unpack(bits), scales.float().view(-1, 1)).reshape(-1)
     out.view(-1).copy_(values[: out.numel()])
 
@@ -157,7 +162,8 @@ def reference_adam_update(
     weight_decay: list[float],
     update_variance: bool = True,
 ) -> None:
-    """Pure-torch :func:`adam_update` (same arguments, same results up to rounding)."""
+    """Pure-torch [`adam_update`][lightning_onebit.kernels.updates.adam_update] (same arguments,
+    same results up to rounding)."""
     for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
         s = slice(lo, lo + p.numel())
         g, m, v = grad[s], exp_avg[s], exp_avg_sq[s]
@@ -191,7 +197,8 @@ def reference_lamb_frozen_update(
     eps: list[float],
     weight_decay: list[float],
 ) -> torch.Tensor:
-    """Pure-torch :func:`lamb_frozen_update` (same arguments, same results up to rounding).
+    """Pure-torch [`lamb_frozen_update`][lightning_onebit.kernels.updates.lamb_frozen_update] (same
+    arguments, same results up to rounding).
 
     The statistics stay on the buffers' device (one tensor, no host sync per layer)."""
     rows = []
@@ -219,8 +226,8 @@ def reference_lamb_frozen_update(
 def reference_layer_step(
     update: torch.Tensor, params: list[torch.Tensor], starts: list[int], alpha: torch.Tensor
 ) -> None:
-    """:func:`~lightning_onebit.kernels.layer_step` as torch ops: ``p.addcmul_(u_j, alpha[j])``
-    for every parameter ``j``, ``u_j`` its values of ``update`` in its shape."""
+    """[`layer_step`][lightning_onebit.kernels.updates.layer_step] as torch ops: ``p.addcmul_(u_j,
+    alpha[j])`` for every parameter ``j``, ``u_j`` its values of ``update`` in its shape."""
     for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
         p.addcmul_(update[lo : lo + p.numel()].view_as(p), alpha[j])
 
@@ -235,8 +242,9 @@ def reference_momentum_source(
     beta: list[float],
     alpha: list[float],
 ) -> None:
-    """Pure-torch :func:`momentum_source` (same arguments; bit for bit on x86 CPUs): ``grad`` a
-    flat buffer or one tensor (``None``: zeros) per segment."""
+    """Pure-torch [`momentum_source`][lightning_onebit.kernels.sources.momentum_source] (same
+    arguments; bit for bit on x86 CPUs): ``grad`` a flat buffer or one tensor (``None``: zeros) per
+    segment."""
     for k, (lo, n, b, a) in enumerate(zip(starts, sizes, beta, alpha, strict=True)):
         s = slice(lo, lo + n)
         if isinstance(grad, torch.Tensor):
@@ -258,9 +266,9 @@ def reference_local_source(
     hp: tuple[list[float], list[float], list[float], list[float]],
     preconditioned: bool,
 ) -> None:
-    """Pure-torch :func:`~lightning_onebit.kernels.local_source` (same arguments; 0/1 Adam's
-    torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
-    zeros) per segment, the parameter a flat buffer or one tensor per segment."""
+    """Pure-torch [`local_source`][lightning_onebit.kernels.sources.local_source] (same arguments;
+    0/1 Adam's torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor
+    (``None``: zeros) per segment, the parameter a flat buffer or one tensor per segment."""
     (exp_avg, grad, denom), (beta, alpha, lr, weight_decay) = tensors, hp
     coefs = zip(starts, sizes, beta, alpha, lr, weight_decay, strict=True)
     for k, (lo, n, b, a, r, w) in enumerate(coefs):
@@ -293,8 +301,8 @@ def reference_local_step(
     starts: list[int],
     hp: tuple[list[float], list[float], list[float], list[float]],
 ) -> bool:
-    """Pure-torch :func:`~lightning_onebit.kernels.local_step` (same arguments; 0/1 Adam's
-    torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
+    """Pure-torch [`local_step`][lightning_onebit.kernels.updates.local_step] (same arguments; 0/1
+    Adam's torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
     zeros) per parameter."""
     exp_avg, grad, denom, acc = tensors
     pieces = []
@@ -326,8 +334,8 @@ def reference_sync_update(
     lrs: list[float],
     preconditioned: bool,
 ) -> None:
-    """Pure-torch :func:`~lightning_onebit.kernels.sync_update` (same arguments; 0/1 Adam's
-    torch ops, bit for bit on x86 CPUs)."""
+    """Pure-torch [`sync_update`][lightning_onebit.kernels.updates.sync_update] (same arguments; 0/1
+    Adam's torch ops, bit for bit on x86 CPUs)."""
     exchanged, denom, exp_avg, synced = tensors
     for p, lo, total in zip(params, starts, lrs, strict=True):
         s = slice(lo, lo + p.numel())
@@ -362,9 +370,10 @@ def reference_frozen_adam_update(
     weight_decay: list[float],
     preconditioned: bool,
 ) -> None:
-    """Pure-torch :func:`frozen_adam_update` (same arguments; with a verdict the step is
-    computed aside and kept with ``torch.where``, no host read of ``ok``; without one, ``None``,
-    in place). Its floats are the optimizers' torch ops', bit for bit on the CPU."""
+    """Pure-torch [`frozen_adam_update`][lightning_onebit.kernels.updates.frozen_adam_update] (same
+    arguments; with a verdict the step is computed aside and kept with ``torch.where``, no host read
+    of ``ok``; without one, ``None``, in place). Its floats are the optimizers' torch ops', bit for
+    bit on the CPU."""
     for p, lo, a, w in zip(params, starts, lr, weight_decay, strict=True):
         s = slice(lo, lo + p.numel())
         m_new = torch.mul(exchanged[s], denom[s]) if preconditioned else exchanged[s]
@@ -386,6 +395,7 @@ def reference_frozen_adam_update(
 
 
 def reference_restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Pure-torch :func:`restore_unless` (``ok`` read on the host)."""
+    """Pure-torch [`restore_unless`][lightning_onebit.kernels.updates.restore_unless] (``ok`` read
+    on the host)."""
     if not bool(ok):
         dst.copy_(src)

@@ -1,7 +1,8 @@
 """The exchange's sources: the values 1-bit Adam, 1-bit LAMB and 0/1 Adam send, computed by one
-sweep over flat buffers (:func:`momentum_source`, :func:`local_source`), or described without
-being computed (:class:`ExchangeSource`) so that the compression computes each value as it reads
-it."""
+sweep over flat buffers ([`momentum_source`][lightning_onebit.kernels.sources.momentum_source],
+[`local_source`][lightning_onebit.kernels.sources.local_source]), or described without being
+computed ([`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]) so that the
+compression computes each value as it reads it."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def momentum_source(
     CUDA the CUDA kernel on the current stream (no host synchronisation), with the roundings of
     torch's CUDA kernels. Without a compiled kernel for the device (no compiled module, a build
     without CUDA kernels, another device type) the torch ops themselves run
-    (:func:`reference_momentum_source`).
+    ([`reference_momentum_source`][lightning_onebit.kernels.reference.reference_momentum_source]).
 
     Args:
         exp_avg, out: float32, contiguous, one device, covering every segment.
@@ -67,8 +68,9 @@ def momentum_source(
 
 
 def _run_momentum_source(args: tuple) -> None:
-    """:func:`momentum_source` on checked arguments ``args`` (in its order, the gradient one
-    entry per segment): the compiled kernel of the device, or the torch ops."""
+    """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source] on checked arguments
+    ``args`` (in its order, the gradient one entry per segment): the compiled kernel of the device,
+    or the torch ops."""
     exp_avg, grads, denom, out, starts, sizes, beta, alpha = args
     device = exp_avg.device
     if not native.has_kernel(device) or not native.use_native():
@@ -78,8 +80,8 @@ def _run_momentum_source(args: tuple) -> None:
 
 
 def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
-    """:func:`momentum_source`'s checks of its arguments ``args``, in order; returns the
-    gradient as one entry per segment."""
+    """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s checks of its
+    arguments ``args``, in order; returns the gradient as one entry per segment."""
     exp_avg, grad, denom, out, starts, sizes, beta, alpha = args
     device, named = native.check("momentum_source", exp_avg=exp_avg, out=out, grad=grad,
                                  denom=denom)  # fmt: skip
@@ -89,15 +91,19 @@ def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
 
 class ExchangeSource:
     """Values of the flat range ``[lo, hi)`` that a source kernel would write to ``out``, not
-    computed yet: the input of an exchange call (:func:`worker_compress`), for segments that
+    computed yet: the input of an exchange call
+    ([`worker_compress`][lightning_onebit.kernels.compression.worker_compress]), for segments that
     tile the range in order (an exchange's bucket: whole parameters). Subclasses:
-    :class:`MomentumSource`, :class:`LocalSource`.
+    [`MomentumSource`][lightning_onebit.kernels.sources.MomentumSource],
+    [`LocalSource`][lightning_onebit.kernels.sources.LocalSource].
 
-    Where a compiled kernel applies (:attr:`computed_as_read`), :func:`worker_compress`
-    computes each value as it compresses it: the same floats, bits and scale, without writing
-    ``out`` and reading it back (two of the four fp32 sweeps of source and compression).
-    Elsewhere :meth:`materialize` runs the source kernel into ``out`` first. The inputs are
-    read when the values are computed.
+    Where a compiled kernel applies
+    ([`computed_as_read`][lightning_onebit.kernels.sources.ExchangeSource.computed_as_read]),
+    [`worker_compress`][lightning_onebit.kernels.compression.worker_compress] computes each value as
+    it compresses it: the same floats, bits and scale, without writing ``out`` and reading it back
+    (two of the four fp32 sweeps of source and compression). Elsewhere
+    [`materialize`][lightning_onebit.kernels.sources.ExchangeSource.materialize] runs the source
+    kernel into ``out`` first. The inputs are read when the values are computed.
     """
 
     out: torch.Tensor
@@ -107,7 +113,7 @@ class ExchangeSource:
     hi: int
 
     def _tile(self) -> None:
-        """Set :attr:`lo` and :attr:`hi`; raise ``ValueError`` unless the segments tile a
+        """Set ``lo`` and ``hi``; raise ``ValueError`` unless the segments tile a
         non-empty range in order."""
         ends = list(itertools.accumulate(self.sizes, initial=self.starts[0] if self.starts else 0))
         if not self.starts or list(self.starts) != ends[:-1] or ends[-1] == ends[0]:
@@ -130,9 +136,9 @@ class ExchangeSource:
 
     @property
     def computed_as_read(self) -> bool:
-        """Whether :func:`worker_compress` (``deferred=True``) computes the values as it reads
-        them: the compiled module's kernels, on the CPU and (in a build with CUDA kernels) on
-        CUDA; the pure-torch path materializes."""
+        """Whether [`worker_compress`][lightning_onebit.kernels.compression.worker_compress]
+        (``deferred=True``) computes the values as it reads them: the compiled module's kernels, on
+        the CPU and (in a build with CUDA kernels) on CUDA; the pure-torch path materializes."""
         return native.has_kernel(self.device) and native.use_native()
 
     def materialize(self) -> torch.Tensor:
@@ -147,18 +153,21 @@ class ExchangeSource:
         prev: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """The compiled deferred compression of these values (``compress``: error, bits,
-        scale, error_out; ``prev``: prev_bits, prev_scale), checked by :func:`worker_compress`."""
+        scale, error_out; ``prev``: prev_bits, prev_scale), checked by
+        [`worker_compress`][lightning_onebit.kernels.compression.worker_compress]."""
         raise NotImplementedError
 
 
 @dataclasses.dataclass(eq=False)
 class MomentumSource(ExchangeSource):
-    """:func:`momentum_source`'s values as an :class:`ExchangeSource`. The arguments are
-    :func:`momentum_source`'s, checked here.
+    """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s values as an
+    [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]. The arguments are
+    [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s, checked here.
 
     Raises:
-        TypeError, ValueError: as :func:`momentum_source`; segments that do not tile a
-            non-empty range in order.
+        TypeError, ValueError: as
+            [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]; segments that do
+            not tile a non-empty range in order.
     """
 
     exp_avg: torch.Tensor
@@ -176,8 +185,8 @@ class MomentumSource(ExchangeSource):
         self._tile()
 
     def materialize(self) -> torch.Tensor:
-        """Run :func:`momentum_source` into ``out`` (arguments checked at construction);
-        return ``out[lo:hi]``."""
+        """Run [`momentum_source`][lightning_onebit.kernels.sources.momentum_source] into ``out``
+        (arguments checked at construction); return ``out[lo:hi]``."""
         args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
         _run_momentum_source((*args, self.beta, self.alpha))
         return self.out[self.lo : self.hi]
@@ -215,17 +224,18 @@ def local_source(
         preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
 
     The gradient is a flat buffer or one tensor per segment (``None``: zeros), as
-    :func:`momentum_source`'s, and so is ``param``, without ``None`` entries (each parameter
-    where it lies; ``param=None``: no decay terms). The decay term is taken where ``param`` is
-    given and ``weight_decay > 0``, the accumulator's where ``acc`` is given. One sweep (reads 3-5
-    buffers, writes one) where the torch ops make five or more, writing torch's floats bit for
-    bit on the same device: on the CPU the C++ kernel (torch's CPU ``add`` with ``alpha`` and
-    ``addcmul_`` are fused multiply-adds on x86, which the kernel does too), on CUDA the CUDA
-    kernel on the current stream (no host synchronisation), with the roundings of torch's CUDA
-    kernels (its ``addcmul_`` rounds ``param * denom`` before the fused multiply-add with
-    ``weight_decay``). Both kernels read each segment's gradient and parameter from its own
-    pointer: nothing is copied into a flat buffer first. Without a compiled kernel
-    for the device the torch ops themselves run (:func:`reference_local_source`).
+    [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s, and so is ``param``,
+    without ``None`` entries (each parameter where it lies; ``param=None``: no decay terms). The
+    decay term is taken where ``param`` is given and ``weight_decay > 0``, the accumulator's where
+    ``acc`` is given. One sweep (reads 3-5 buffers, writes one) where the torch ops make five or
+    more, writing torch's floats bit for bit on the same device: on the CPU the C++ kernel (torch's
+    CPU ``add`` with ``alpha`` and ``addcmul_`` are fused multiply-adds on x86, which the kernel
+    does too), on CUDA the CUDA kernel on the current stream (no host synchronisation), with the
+    roundings of torch's CUDA kernels (its ``addcmul_`` rounds ``param * denom`` before the fused
+    multiply-add with ``weight_decay``). Both kernels read each segment's gradient and parameter
+    from its own pointer: nothing is copied into a flat buffer first. Without a compiled kernel for
+    the device the torch ops themselves run
+    ([`reference_local_source`][lightning_onebit.kernels.reference.reference_local_source]).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
@@ -240,8 +250,9 @@ def local_source(
 def _check_local_source(
     args: tuple,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None] | None]:
-    """:func:`local_source`'s checks of its arguments ``args``, in order; returns the gradient
-    and the parameter (or ``None``) as one entry per segment."""
+    """[`local_source`][lightning_onebit.kernels.sources.local_source]'s checks of its arguments
+    ``args``, in order; returns the gradient and the parameter (or ``None``) as one entry per
+    segment."""
     (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
     device, named = native.check("local_source", exp_avg=exp_avg, denom=denom, out=out,
                                  grad=grad, param=param, acc=acc)  # fmt: skip
@@ -253,8 +264,9 @@ def _check_local_source(
 
 
 def _run_local_source(args: tuple) -> None:
-    """:func:`local_source` on checked arguments ``args`` (in its order, the gradient and the
-    parameter one entry per segment): the compiled kernel of the device, or the torch ops."""
+    """[`local_source`][lightning_onebit.kernels.sources.local_source] on checked arguments ``args``
+    (in its order, the gradient and the parameter one entry per segment): the compiled kernel of the
+    device, or the torch ops."""
     (exp_avg, _, _), params, acc, out, starts, sizes, hp, preconditioned = args
     device = exp_avg.device
     if not native.has_kernel(device) or not native.use_native():
@@ -265,12 +277,13 @@ def _run_local_source(args: tuple) -> None:
 
 @dataclasses.dataclass(eq=False)
 class LocalSource(ExchangeSource):
-    """:func:`local_source`'s values as an :class:`ExchangeSource`. The arguments are
-    :func:`local_source`'s, checked here.
+    """[`local_source`][lightning_onebit.kernels.sources.local_source]'s values as an
+    [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]. The arguments are
+    [`local_source`][lightning_onebit.kernels.sources.local_source]'s, checked here.
 
     Raises:
-        TypeError, ValueError: as :func:`local_source`; segments that do not tile a non-empty
-            range in order.
+        TypeError, ValueError: as [`local_source`][lightning_onebit.kernels.sources.local_source];
+            segments that do not tile a non-empty range in order.
     """
 
     tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor]
@@ -300,8 +313,8 @@ class LocalSource(ExchangeSource):
         )
 
     def materialize(self) -> torch.Tensor:
-        """Run :func:`local_source` into ``out`` (arguments checked at construction); return
-        ``out[lo:hi]``."""
+        """Run [`local_source`][lightning_onebit.kernels.sources.local_source] into ``out``
+        (arguments checked at construction); return ``out[lo:hi]``."""
         _run_local_source(self._args())
         return self.out[self.lo : self.hi]
 

@@ -1,7 +1,12 @@
-"""The optimizers' fused updates: Adam's step (:func:`adam_update`), the compression-phase steps
-after the exchange (:func:`frozen_adam_update`, :func:`lamb_frozen_update` with
-:func:`layer_step`, :func:`sync_update`), 0/1 Adam's local step (:func:`local_step`), and
-:func:`restore_unless` for a step that must change nothing."""
+"""The optimizers' fused updates: Adam's step
+([`adam_update`][lightning_onebit.kernels.updates.adam_update]), the compression-phase steps after
+the exchange ([`frozen_adam_update`][lightning_onebit.kernels.updates.frozen_adam_update],
+[`lamb_frozen_update`][lightning_onebit.kernels.updates.lamb_frozen_update] with
+[`layer_step`][lightning_onebit.kernels.updates.layer_step],
+[`sync_update`][lightning_onebit.kernels.updates.sync_update]), 0/1 Adam's local step
+([`local_step`][lightning_onebit.kernels.updates.local_step]), and
+[`restore_unless`][lightning_onebit.kernels.updates.restore_unless] for a step that must change
+nothing."""
 
 from __future__ import annotations
 
@@ -63,8 +68,9 @@ def adam_update(
     sweeps over the buffers (reading or writing one each); the C++ kernel reads 4 and writes 3.
     On CUDA tensors the CUDA kernel runs on the current stream (no host synchronisation) and
     writes the CPU kernel's values bit for bit. Calls with a parameter that is not an fp32,
-    contiguous tensor take the pure-torch path (:func:`reference_adam_update`) on either device,
-    as do CUDA tensors when the build has no CUDA kernels.
+    contiguous tensor take the pure-torch path
+    ([`reference_adam_update`][lightning_onebit.kernels.reference.reference_adam_update]) on either
+    device, as do CUDA tensors when the build has no CUDA kernels.
 
     Args:
         grad, exp_avg, exp_avg_sq: float32, contiguous, one device, covering every parameter.
@@ -224,12 +230,13 @@ def lamb_frozen_update(
     ratios; the two sums of squares (float64) differ from the CPU's in their last bits (another
     summation order, within about ``(n_k - 1) * 2**-53`` relative for a layer of ``n_k`` values).
     Without CUDA kernels in the build, CUDA tensors take the pure-torch path
-    (:func:`reference_lamb_frozen_update`).
+    ([`reference_lamb_frozen_update`][lightning_onebit.kernels.reference.reference_lamb_frozen_update]).
 
     Args:
         exchanged, exp_avg, denom, exp_avg_sq_fresh, update: float32, contiguous, one device,
-            at least ``offsets[-1]`` values each; ``exchanged`` may be :class:`SignRuns`
-            holding every layer's values (CPU buffers).
+            at least ``offsets[-1]`` values each; ``exchanged`` may be
+            [`SignRuns`][lightning_onebit.kernels.runs.SignRuns] holding every layer's values (CPU
+            buffers).
         param: like them (a flat buffer), or one float32 contiguous tensor per layer of its
             ``offsets[k + 1] - offsets[k]`` values (any shape) on their device: each layer's
             parameter where it lies, read by both kernels from its own pointer, so that
@@ -242,9 +249,9 @@ def lamb_frozen_update(
             call. The CPU kernel does it as it reads ``x`` (``exchanged`` unchanged, one sweep
             less); elsewhere ``exchanged`` is multiplied in place first.
         ok: ``None``, or a one-element bool tensor on the buffers' device (an exchange's
-            verdict, see :class:`~lightning_onebit.comm.CompressedAllreduce`): when it is
-            false the call writes ``u = 0`` and statistics ``1, 0, 0`` and leaves ``m`` and
-            ``v_fresh`` as they were, so ``p - lr * coeff * u`` leaves ``p`` as it was. On CUDA
+            verdict, see [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]):
+            when it is false the call writes ``u = 0`` and statistics ``1, 0, 0`` and leaves ``m``
+            and ``v_fresh`` as they were, so ``p - lr * coeff * u`` leaves ``p`` as it was. On CUDA
             the kernel reads it on the device (no host synchronisation); elsewhere it is read
             on the host.
     """
@@ -315,8 +322,8 @@ def layer_step(
 
     On CUDA with fp32 contiguous parameters one kernel steps every parameter, where torch
     launches one per parameter, and writes the floats of ``p.addcmul_(u_j, alpha[j])``
-    (:func:`reference_layer_step`; on CUDA one fused multiply-add per value) bit for bit.
-    Elsewhere those torch ops run.
+    ([`reference_layer_step`][lightning_onebit.kernels.reference.reference_layer_step]; on CUDA one
+    fused multiply-add per value) bit for bit. Elsewhere those torch ops run.
 
     Args:
         update: float32, contiguous.
@@ -371,10 +378,11 @@ def local_step(
         acc = acc - lr * u;  p = p - lr * u
 
     The gradient is a flat buffer or one tensor per parameter (``None``: zeros), as
-    :func:`momentum_source`'s. On the CPU, with fp32 contiguous parameters, the C++ kernel
-    checks the gradients, then makes the one sweep (reads 5 buffers, writes 3, where the torch
-    ops make five sweeps and a copy of the parameters) with the torch ops' floats bit for bit;
-    otherwise the torch ops run (:func:`reference_local_step`).
+    [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s. On the CPU, with fp32
+    contiguous parameters, the C++ kernel checks the gradients, then makes the one sweep (reads 5
+    buffers, writes 3, where the torch ops make five sweeps and a copy of the parameters) with the
+    torch ops' floats bit for bit; otherwise the torch ops run
+    ([`reference_local_step`][lightning_onebit.kernels.reference.reference_local_step]).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device, a
@@ -417,11 +425,11 @@ def sync_update(
     preconditioned: bool,
 ) -> None:
     """0/1 Adam's update after a sync step's exchange, one sweep over flat buffers.
-    ``tensors``: ``exchanged`` (the averaged accumulator; read only; or :class:`SignRuns`
-    holding every parameter's values, CPU buffers), ``denom``
-    (``sqrt(v) + eps``), ``exp_avg`` and ``synced`` (the synchronised parameters, fp32);
-    parameter ``j``'s values start at ``starts[j]``, ``lrs[j]`` is the learning rate summed
-    since the last sync. Per value, as the optimizer's torch ops::
+    ``tensors``: ``exchanged`` (the averaged accumulator; read only; or
+    [`SignRuns`][lightning_onebit.kernels.runs.SignRuns] holding every parameter's values, CPU
+    buffers), ``denom`` (``sqrt(v) + eps``), ``exp_avg`` and ``synced`` (the synchronised
+    parameters, fp32); parameter ``j``'s values start at ``starts[j]``, ``lrs[j]`` is the learning
+    rate summed since the last sync. Per value, as the optimizer's torch ops::
 
         exp_avg = (exchanged * denom if preconditioned else exchanged) / -lrs
                   (0 where lrs <= 0, or floored is true: masked_fill_)
@@ -434,7 +442,8 @@ def sync_update(
     is a multiplication by the reciprocal, taken in double and rounded to float). The kernel
     writes the parameters itself when every one is fp32 and contiguous, else they are copied
     from ``synced`` after it (cast to their dtype). Without a compiled kernel for the device
-    the torch ops run (:func:`reference_sync_update`).
+    the torch ops run
+    ([`reference_sync_update`][lightning_onebit.kernels.reference.reference_sync_update]).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,

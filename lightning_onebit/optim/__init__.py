@@ -1,10 +1,13 @@
 """The 1-bit optimizers: plain ``torch.optim.Optimizer`` subclasses, usable without Lightning.
 
-* :class:`OneBitAdam` — 1-bit Adam: Adam warmup, then frozen variance and 1-bit momentum.
-* :class:`ZeroOneAdam` — 0/1 Adam: adaptive variance freezing, 1-bit gradients, local steps.
-* :class:`OneBitLamb` — 1-bit LAMB: frozen trust ratios corrected by a fresh-variance factor.
+* [`OneBitAdam`][lightning_onebit.optim.OneBitAdam] — 1-bit Adam: Adam warmup, then frozen variance
+and 1-bit momentum.
+* [`ZeroOneAdam`][lightning_onebit.optim.ZeroOneAdam] — 0/1 Adam: adaptive variance freezing, 1-bit
+gradients, local steps.
+* [`OneBitLamb`][lightning_onebit.optim.OneBitLamb] — 1-bit LAMB: frozen trust ratios corrected by a
+fresh-variance factor.
 
-All three share :class:`~lightning_onebit.optim._base.OneBitOptimizer` (flat state buffers,
+All three share [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer] (flat state buffers,
 one compressed exchange per step, phases, checkpoints); its docstring states the gradient
 averaging contract.
 """

@@ -58,7 +58,7 @@ from lightning_onebit.optim._verdict import StepVerdict
 
 __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 
-#: Default ``variance_floor`` (see :class:`OneBitOptimizer`).
+#: Default ``variance_floor`` (see ``OneBitOptimizer``).
 VARIANCE_FLOOR = 0.01
 
 
@@ -85,10 +85,11 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             its frozen variance times ``A / A_switch``, ``A`` the tensor's mean of Adam's
             variance, kept up to date from the gradients' mean square (one float per tensor
             all-reduced every 10 steps). ``False`` (default): DeepSpeed's.
-        hierarchical: ``True``/``"auto"``: the two-level exchange (:meth:`node_groups`).
-        ranks_per_node: ranks per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
+        hierarchical: ``True``/``"auto"``: the two-level exchange
+        ([`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups]). ranks_per_node: ranks
+        per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
             the byte counters' ``_inter`` parts use it too.
-        deepspeed_compatible: DeepSpeed's values for the options of :attr:`DEEPSPEED_ARITHMETIC`
+        deepspeed_compatible: DeepSpeed's values for the options of ``DEEPSPEED_ARITHMETIC``
             (``ValueError`` where one is also given a value other than its default).
     """
 
@@ -113,7 +114,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     DEVICE_VERDICT: ClassVar[bool] = False
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
-    #: What a compression phase whose parameters blow up does (:attr:`divergence`): ``"warn"``
+    #: What a compression phase whose parameters blow up does (``divergence``): ``"warn"``
     #: (once, naming the parameter) or ``"raise"`` (``DivergenceError`` on every rank).
     on_divergence: str = "warn"  # (one of DIVERGENCE_ACTIONS)
     #: Flat per-parameter states, per-parameter scalar states with their initial values, flat
@@ -184,7 +185,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         self.floored: dict[str, int] = {}
         self.phases = Phases(self.PHASES)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
-        self.counters = CommCounters()  # bytes sent (:attr:`comm_stats`)
+        self.counters = CommCounters()  # bytes sent (``comm_stats``)
         self.topology = Topology(process_group, hierarchical, ranks_per_node)  # (not saved)
         #: ``rescale_variance``'s counters and blocks
         self.rescale = VarianceRescale(self.rescale_variance, self.topology, self.counters)
@@ -192,7 +193,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         self.checkpoint = CheckpointLayout((*self._flat_states, *scalars), self._checkpoint_attrs)
         # composed, not checkpointed
         self.flat = FlatState(name)  # built at the first step
-        self.overlap: BackwardOverlap | None = None  # (:meth:`overlap_with_backward`)
+        self.overlap: BackwardOverlap | None = None  # (``overlap_with_backward``)
         #: each tensor's growth in the compression phase (``growth``, ``every``: tunable)
         self.divergence = DivergenceWatch()
         self._held = HeldParams()  # this step's parameters without a gradient
@@ -204,16 +205,17 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     @abstractmethod
     def _step(self) -> None:
         """One step on the flat buffers (``step_count`` counts it already). Raise
-        :class:`NonFiniteError` before writing any state to have the step dropped."""
+        [`NonFiniteError`][lightning_onebit.comm.base.NonFiniteError] before writing any state to
+        have the step dropped."""
 
     @abstractmethod
     def _exchange_source(self, s: slice) -> torch.Tensor | ExchangeSource:
         """What the next step exchanges, for the flat slice ``s`` (whole parameters), from
         those parameters' gradients alone: it reads them where autograd left them or gathers
-        them (:meth:`FlatState.grads`, :meth:`FlatState.gather_grads`), now or, for a
-        :class:`~lightning_onebit.kernels.ExchangeSource`, when the exchange computes it, so
-        it runs where ``.grad`` may be read (in ``step()``, or the overlap's hook during
-        backward, which also runs that part of the exchange)."""
+        them (``FlatState.grads``, ``FlatState.gather_grads``), now or, for a
+        [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource], when the exchange
+        computes it, so it runs where ``.grad`` may be read (in ``step()``, or the overlap's hook
+        during backward, which also runs that part of the exchange)."""
 
     #: Validate (some) options, and one param group's hyperparameters (subclasses extend).
     _check_options = staticmethod(check_shared_options)
@@ -223,7 +225,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     def expects_averaged_grads(self) -> bool:
         """Whether the next ``step()`` uses averaged gradients (warmup, 0/1 Adam's variance steps,
         averaged here; with ``average_warmup_grads=False`` the caller's, for the parameters in
-        :attr:`caller_averaged`). The other steps expect each rank's local gradients."""
+        ``caller_averaged``). The other steps expect each rank's local gradients."""
         return not self.phases.switched
 
     @property
@@ -249,7 +251,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
 
     def _unsynced(self, idx: list[int]) -> torch.Tensor:
         """Per parameter of ``idx`` (layout indices), on its device: whether this rank has local
-        steps of it to synchronise (asked only where :meth:`_syncs_local_steps`)."""
+        steps of it to synchronise (asked only where ``_syncs_local_steps``)."""
         raise NotImplementedError
 
     def _on_layout(self) -> None:
@@ -342,7 +344,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             self._on_layout()
 
     def _apply_last_step(self) -> None:
-        """The host's half of the last step's device verdict (:meth:`StepVerdict.apply_last_step`)."""
+        """The host's half of the last step's device verdict (``StepVerdict.apply_last_step``)."""
         kept = self.verdict.apply_last_step(
             partial(restore, self), self._skipped, self._skipped_locally
         )
@@ -386,7 +388,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
 
     @property
     def switch_step(self) -> int:
-        """The step after which the built-in switch happens (:attr:`SWITCH_OPTION`; settable)."""
+        """The step after which the built-in switch happens (``SWITCH_OPTION``; settable)."""
         return int(getattr(self, self.SWITCH_OPTION))
 
     @switch_step.setter
@@ -396,20 +398,20 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
 
     @property
     def phase(self) -> Phase:
-        """The current phase, one of :attr:`PHASES`."""
+        """The current phase, one of ``PHASES``."""
         return self.phases.current
 
     # ------------------------------------------------------------------ the rest of the API
 
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
-        """Each of :attr:`OPTIONS` with its default (from ``__init__``'s signature)."""
+        """Each of ``OPTIONS`` with its default (from ``__init__``'s signature)."""
         return option_defaults(cls)
 
     @classmethod
     def check_options(cls, **options: Any) -> None:
         """Raise the ``ValueError`` the constructor would raise for these options (any of
-        :attr:`OPTIONS`; the others at their defaults), without building an optimizer."""
+        ``OPTIONS``; the others at their defaults), without building an optimizer."""
         raise_for_options(cls, options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -421,9 +423,10 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         return self.flat.states.get("exp_avg_sq")
 
     def variance_as_frozen(self, stride: int = 1) -> torch.Tensor | None:
-        """A copy of every ``stride``-th coordinate of the flat second moment as :meth:`freeze`
-        would keep it now (bias-corrected where it folds the correction in at the switch); the
-        adaptive switch compares two of these (see ``variance_sample`` in ``optim/_variance.py``).
+        """A copy of every ``stride``-th coordinate of the flat second moment as
+        [`freeze`][lightning_onebit.optim.OneBitOptimizer.freeze] would keep it now (bias-corrected
+        where it folds the correction in at the switch); the adaptive switch compares two of these
+        (see ``variance_sample`` in ``optim/_variance.py``).
 
         Args:
             stride: take every ``stride``-th coordinate (``>= 1``).

@@ -1,6 +1,6 @@
 """``OneBitOptimizer``'s checkpoints: torch's state dict plus the ``"onebit"`` entry (step
 count, phase, counters, this rank's error buffers), and what of it differs per rank:
-:class:`CheckpointLayout`, behind the optimizer's ``state_dict``/``load_state_dict``/
+``CheckpointLayout``, behind the optimizer's ``state_dict``/``load_state_dict``/
 ``rank_state_dict``/``load_rank_state_dict``."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class CheckpointLayout:
     error buffers, ``rescale_variance``'s counters). It reads the optimizer's public attributes
     and composed objects.
 
-    Interface: :meth:`save`, :meth:`load`, :meth:`rank_state`, :meth:`load_rank_state`.
+    Interface: ``save``, ``load``, ``rank_state``, ``load_rank_state``.
 
     Args:
         tensors: the names of the per-parameter states (flat states and per-tensor scalars).
@@ -35,7 +35,7 @@ class CheckpointLayout:
         self.tensors, self.attrs = tensors, attrs
 
     def _entry(self, opt: OneBitOptimizer) -> dict[str, Any]:
-        """The ``"onebit"`` entry of :meth:`save`."""
+        """The ``"onebit"`` entry of ``save``."""
         return {
             "step_count": opt.step_count,
             "variance_updates": opt.variance_updates,
@@ -72,7 +72,7 @@ class CheckpointLayout:
         return {"onebit": mine}
 
     def load_rank_state(self, opt: OneBitOptimizer, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`rank_state` (after the shared state dict, unless it is whole)."""
+        """Restore a ``rank_state`` (after the shared state dict, unless it is whole)."""
         if "state" in state_dict:  # a whole state dict
             opt.load_state_dict(state_dict)
             return
@@ -94,7 +94,7 @@ class CheckpointLayout:
         state_dict: dict[str, Any],
         torch_load: Callable[[dict[str, Any]], None],
     ) -> bool:
-        """Restore a :meth:`save` into ``opt``: our per-parameter tensors are taken out
+        """Restore a ``save`` into ``opt``: our per-parameter tensors are taken out
         before ``torch_load`` (torch's loader, which would cast them to the parameters' dtype)
         and put into ``opt.state`` in fp32, for the next layout to adopt. Returns whether the
         state dict was another optimizer's (torch Adam's: no ``"onebit"`` entry)."""
@@ -180,24 +180,29 @@ class Checkpointed:
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus ``"onebit"``: step count, phase, counters, this rank's
-        error buffers (:meth:`rank_state_dict`). Each parameter's state has torch Adam's
-        ``step`` too, so that ``torch.optim.Adam``/``AdamW`` can load it."""
+        error buffers ([`rank_state_dict`][lightning_onebit.optim.OneBitOptimizer.rank_state_dict]).
+        Each parameter's state has torch Adam's ``step`` too, so that ``torch.optim.Adam``/``AdamW``
+        can load it."""
         self._apply_last_step()  # (the counts must be final)
         return self.checkpoint.save(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (states in fp32; each group keeps its current
-        ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"`` (``torch.optim.Adam``'s)
-        loads the moments and step counts into the first phase (then :meth:`catch_up_switch`)."""
+        """Restore a [`state_dict`][lightning_onebit.optim.OneBitOptimizer.state_dict] (states in
+        fp32; each group keeps its current ``exp_avg_mask``, as DeepSpeed). One without ``"onebit"``
+        (``torch.optim.Adam``'s) loads the moments and step counts into the first phase (then
+        [`catch_up_switch`][lightning_onebit.optim.OneBitOptimizer.catch_up_switch])."""
         if self.checkpoint.load(self, state_dict, super().load_state_dict):
             self._on_foreign_load()
         self.divergence.reset()
 
     def rank_state_dict(self) -> dict[str, Any]:
         """What of this rank's state differs from the others': its error buffers, or the whole
-        :meth:`state_dict` where :attr:`params_differ_across_ranks`."""
+        [`state_dict`][lightning_onebit.optim.OneBitOptimizer.state_dict] where
+        [`params_differ_across_ranks`][lightning_onebit.optim.OneBitOptimizer.params_differ_across_ranks]."""
         return self.checkpoint.rank_state(self)
 
     def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`rank_state_dict` after loading the shared :meth:`state_dict`."""
+        """Restore a [`rank_state_dict`][lightning_onebit.optim.OneBitOptimizer.rank_state_dict]
+        after loading the shared
+        [`state_dict`][lightning_onebit.optim.OneBitOptimizer.state_dict]."""
         self.checkpoint.load_rank_state(self, state_dict)

@@ -28,8 +28,14 @@ class Connections:
     flat: FlatState
 
     process_group = Delegated("topology", "The group the optimizer communicates over.")
-    hierarchical = Delegated("topology", "The two-level exchange (see :meth:`node_groups`).")
-    ranks_per_node = Delegated("topology", "Ranks per node (see :meth:`node_groups`).")
+    hierarchical = Delegated(
+        "topology",
+        "The two-level exchange (see [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups]).",
+    )
+    ranks_per_node = Delegated(
+        "topology",
+        "Ranks per node (see [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups]).",
+    )
 
     def overlap_with_backward(
         self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
@@ -45,7 +51,8 @@ class Connections:
 
     @property
     def overlaps_backward(self) -> bool:
-        """Whether the exchange is started during backward (see :meth:`overlap_with_backward`)."""
+        """Whether the exchange is started during backward (see
+        [`overlap_with_backward`][lightning_onebit.optim.OneBitOptimizer.overlap_with_backward])."""
         return self.overlap is not None
 
     def node_groups(self) -> NodeGroups | None:
@@ -57,10 +64,11 @@ class Connections:
 
     def connect(self, timeout: timedelta | None = None) -> None:
         """Make every process group this optimizer will communicate over, now: the node groups
-        of :meth:`node_groups` and the overlap's own (:meth:`overlap_with_backward`; call this
-        after it). Collective: every rank, in the same order. Without it each group is made at
-        the first step that needs it; the strategies call it at setup, where a rank that cannot
-        connect fails before training instead of inside a step.
+        of [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups] and the overlap's own
+        ([`overlap_with_backward`][lightning_onebit.optim.OneBitOptimizer.overlap_with_backward];
+        call this after it). Collective: every rank, in the same order. Without it each group is
+        made at the first step that needs it; the strategies call it at setup, where a rank that
+        cannot connect fails before training instead of inside a step.
 
         Args:
             timeout: how long each group waits for the other ranks, and its collectives'
@@ -74,7 +82,9 @@ class Connections:
             self.overlap.connect()
 
     def close_node_groups(self) -> None:
-        """Destroy the groups of :meth:`node_groups`; the next step builds them again."""
+        """Destroy the groups of
+        [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups]; the next step builds
+        them again."""
         if self.topology.close():
             self.flat.release_exchange()
 

@@ -15,9 +15,9 @@ class CommCounters:
     """This step's bytes and the totals since the start of training (``totals`` is the
     optimizer's ``comm_stats``; checkpointed).
 
-    Interface: :meth:`start_step`, :meth:`add` (what this rank sent, and the part of it that
-    left the node), :meth:`add_ring` (a full-precision ring all-reduce), :meth:`end_step`,
-    :meth:`end_between_steps` (communication outside a step, e.g. 0/1 Adam's ``synchronize``).
+    Interface: ``start_step``, ``add`` (what this rank sent, and the part of it that
+    left the node), ``add_ring`` (a full-precision ring all-reduce), ``end_step``,
+    ``end_between_steps`` (communication outside a step, e.g. 0/1 Adam's ``synchronize``).
     """
 
     def __init__(self) -> None:
@@ -62,18 +62,18 @@ class CommCounters:
             totals["fp32_equiv_total_inter"] += fp32 // node_size
 
     def end_between_steps(self) -> None:
-        """Book what was sent since :meth:`start_step` outside a step: in the totals and the
+        """Book what was sent since ``start_step`` outside a step: in the totals and the
         last step's count."""
         self.totals["bytes_total"] += self.step_bytes
         self.totals["bytes_last_step"] += self.step_bytes
 
 
 def snapshot(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    """The attributes ``names`` of ``obj`` (shallow copies), for :func:`restore`."""
+    """The attributes ``names`` of ``obj`` (shallow copies), for ``restore``."""
     return {k: copy.copy(getattr(obj, k)) for k in names}
 
 
 def restore(obj: Any, saved: dict[str, Any]) -> None:
-    """Put back what :func:`snapshot` took."""
+    """Put back what ``snapshot`` took."""
     for k, v in saved.items():
         setattr(obj, k, v)

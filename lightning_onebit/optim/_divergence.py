@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["DIVERGENCE_ACTIONS", "DivergenceError", "DivergenceWatch", "Growth"]
 
-#: what a diverging run does: warn once, or stop with :class:`DivergenceError`
+#: what a diverging run does: warn once, or stop with ``DivergenceError``
 DIVERGENCE_ACTIONS = ("warn", "raise")
 
 
@@ -50,8 +50,8 @@ class DivergenceWatch:
     """Each tensor's RMS against its RMS at the start of the compression phase, every ``every``
     steps.
 
-    Interface: :meth:`check` (after a compression step whose parameters are equal on every
-    rank), :meth:`respond` (what a finding does), :meth:`reset` (a new layout or phase); the
+    Interface: ``check`` (after a compression step whose parameters are equal on every
+    rank), ``respond`` (what a finding does), ``reset`` (a new layout or phase); the
     host reads each check's verdict at the next one (on the CPU at once).
 
     Args:

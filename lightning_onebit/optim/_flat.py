@@ -1,6 +1,6 @@
 """The flat-buffer layer of the optimizers: every trainable parameter back to back, group after
-group, in one fp32 buffer per state (:class:`Layout`), the buffers and their per-parameter views
-(:class:`FlatState`), and the exchange over them."""
+group, in one fp32 buffer per state (``Layout``), the buffers and their per-parameter views
+(``FlatState``), and the exchange over them."""
 
 from __future__ import annotations
 
@@ -87,18 +87,18 @@ class FlatState:
     """The flat fp32 buffers of one optimizer, their per-parameter views, and the exchange over
     them: built at the first step, rebuilt when the trainable parameters change.
 
-    Interface: :meth:`rebuild_if_stale` (at every step), :attr:`layout` (``None`` until built, and after
-    :meth:`invalidate`), :attr:`trained` (the last layout's parameters),
-    :attr:`states` (flat per-parameter states, e.g. ``exp_avg``), :attr:`scalars` (one value per
-    parameter), :attr:`work` (scratch), :attr:`grad` and :attr:`param` (fp32 copies of the
-    gradients and parameters), :attr:`views` (per-parameter views of each, by name, ``"grad"``
-    and ``"param"`` included), :attr:`denominator` (a cache of the algorithms'), :attr:`exchange`;
-    :meth:`build`, :meth:`release_scratch`, :meth:`intact`, :meth:`fit_exchange`,
-    :meth:`release_exchange`,
-    :meth:`exchange_state`, :meth:`load_exchange_state`; :meth:`segments`,
-    :meth:`segments_in`, :meth:`params_in`, :meth:`gather_grads`, :meth:`grads`,
-    :meth:`gather_params`, :meth:`views_of`,
-    :meth:`add_to_params_`, :meth:`copy_to_params_`, :meth:`apply_mask_`, :meth:`check_masks`.
+    Interface: ``rebuild_if_stale`` (at every step), ``layout`` (``None`` until built, and after
+    ``invalidate``), ``trained`` (the last layout's parameters),
+    ``states`` (flat per-parameter states, e.g. ``exp_avg``), ``scalars`` (one value per
+    parameter), ``work`` (scratch), ``grad`` and ``param`` (fp32 copies of the
+    gradients and parameters), ``views`` (per-parameter views of each, by name, ``"grad"``
+    and ``"param"`` included), ``denominator`` (a cache of the algorithms'), ``exchange``;
+    ``build``, ``release_scratch``, ``intact``, ``fit_exchange``,
+    ``release_exchange``,
+    ``exchange_state``, ``load_exchange_state``; ``segments``,
+    ``segments_in``, ``params_in``, ``gather_grads``, ``grads``,
+    ``gather_params``, ``views_of``,
+    ``add_to_params_``, ``copy_to_params_``, ``apply_mask_``, ``check_masks``.
 
     Args:
         owner: the optimizer's class name, for messages.
@@ -110,24 +110,24 @@ class FlatState:
         self.states: dict[str, torch.Tensor] = {}
         self.scalars: dict[str, torch.Tensor] = {}
         #: the scratch buffers (the work buffers, ``"grad"``, ``"param"``) made so far: each is
-        #: made at its first use and kept until :meth:`release_scratch`
+        #: made at its first use and kept until ``release_scratch``
         self._scratch: dict[str, torch.Tensor] = {}
         self._scratch_names: tuple[str, ...] = ()
         self._scratch_lock = threading.Lock()  # (first uses may come from backward's hooks)
         self._scratch_layout: Layout | None = None
         self.work: Mapping[str, torch.Tensor] = _Work(self, ())
         self.views: dict[str, list[torch.Tensor]] = _Views(self)
-        #: parameters whose gradients are in :attr:`grad` already this step
-        #: (:meth:`gather_grads` adds them; emptied when the step, or the overlap's round, ends)
+        #: parameters whose gradients are in ``grad`` already this step
+        #: (``gather_grads`` adds them; emptied when the step, or the overlap's round, ends)
         self.gathered: set[int] = set()
         #: ``(sqrt(v) + eps, its views, the eps it was made with)`` while ``v`` is frozen (eps
-        #: ``None``: out of date, see :meth:`stale_denominator`); ``None``: to be computed
+        #: ``None``: out of date, see ``stale_denominator``); ``None``: to be computed
         #: afresh (dropped at every rebuild)
         self.denominator: tuple[torch.Tensor, list[torch.Tensor], list[float] | None] | None = None
         self.exchange: CompressedAllreduce | BucketedAllreduce | None = None
-        #: a loaded exchange state the next :meth:`fit_exchange` applies (``"reset"``: zeros)
+        #: a loaded exchange state the next ``fit_exchange`` applies (``"reset"``: zeros)
         self.pending_exchange: dict[str, Any] | str | None = None
-        #: the ``id`` s of the last layout's parameters (kept while :attr:`layout` is ``None``)
+        #: the ``id`` s of the last layout's parameters (kept while ``layout`` is ``None``)
         self.trained: frozenset[int] = frozenset()
 
     def invalidate(self) -> None:
@@ -146,7 +146,7 @@ class FlatState:
         device_verdict: Callable[[torch.device], bool],
         check_joined: Callable[[Layout, frozenset[int]], None],
     ) -> bool:
-        """(Re)build the layout, the buffers and the exchange unless :meth:`intact`: at the first
+        """(Re)build the layout, the buffers and the exchange unless ``intact``: at the first
         step and whenever the parameters, their device or a state tensor changed behind the
         optimizer's back (``load_state_dict``, ``add_param_group``, a tool that moved the state).
         Return whether it rebuilt.
@@ -154,12 +154,12 @@ class FlatState:
         Args:
             param_groups, state: the optimizer's.
             buffers: the names of its flat states, scalar states (with their initial values) and
-                work buffers (:meth:`build`).
+                work buffers (``build``).
             overlap, topology: the overlap with backward and the process and node groups the
-                exchange runs on (:meth:`fit_exchange`; the node groups are collective the first
+                exchange runs on (``fit_exchange``; the node groups are collective the first
                 time: every rank prepares at the same step).
             device_verdict: whether steps on a device keep their NaN/Inf verdicts there.
-            check_joined: called with the new layout and :attr:`trained` before anything
+            check_joined: called with the new layout and ``trained`` before anything
                 changes (raises for parameters that may not join now).
         """
         if self.intact(param_groups, state):
@@ -211,18 +211,18 @@ class FlatState:
 
     @property
     def grad(self) -> torch.Tensor:
-        """The gradients' fp32 flat buffer (:meth:`gather_grads`)."""
+        """The gradients' fp32 flat buffer (``gather_grads``)."""
         return self.scratch("grad")
 
     @property
     def param(self) -> torch.Tensor:
-        """The parameters' fp32 flat buffer (:meth:`gather_params`)."""
+        """The parameters' fp32 flat buffer (``gather_params``)."""
         return self.scratch("param")
 
     def scratch(self, name: str) -> torch.Tensor:
         """The scratch buffer ``name`` (a work buffer, ``"grad"`` or ``"param"``), made (zeros,
-        with its views) at its first use since the last :meth:`build` or
-        :meth:`release_scratch`: a phase holds only the buffers it uses."""
+        with its views) at its first use since the last ``build`` or
+        ``release_scratch``: a phase holds only the buffers it uses."""
         buf = self._scratch.get(name)
         if buf is not None:
             return buf
@@ -247,7 +247,7 @@ class FlatState:
             self.gathered.clear()  # (gathered into the buffer let go)
 
     def stale_denominator(self) -> None:
-        """Mark :attr:`denominator` out of date (the variance, or its scales, changed): the next
+        """Mark ``denominator`` out of date (the variance, or its scales, changed): the next
         use recomputes it, into the same buffer while the layout holds."""
         if self.denominator is not None:
             self.denominator = (*self.denominator[:2], None)
@@ -300,12 +300,12 @@ class FlatState:
     ) -> None:
         """Keep the exchange if it fits ``layout`` (and its buckets), else build one over
         ``group`` (and ``nodes``), carrying the error buffers over where only the device changed
-        (a warning where they restart); then apply a loaded state (:meth:`load_exchange_state`)
+        (a warning where they restart); then apply a loaded state (``load_exchange_state``)
         and install the ``overlap``'s gradient hooks.
 
         Each param group is exchanged on its own (its own scale and error buffers, as DeepSpeed
         does): biases and norms in a group of their own are not quantised with the weights'
-        scale. The ``overlap``'s buckets (:meth:`BackwardOverlap.plan`) never span two groups.
+        scale. The ``overlap``'s buckets (``BackwardOverlap.plan``) never span two groups.
         """
         bounds = overlap.plan(layout) if overlap is not None else None
         if bounds is None and len(layout.group_bounds()) > 1:
@@ -356,7 +356,7 @@ class FlatState:
         """Let go of the exchange (the process groups it runs on are being destroyed: a group
         an object still references keeps its threads and sockets until that object is
         collected, at the latest in the interpreter's exit, where it can abort the process).
-        Its error buffers wait for the next :meth:`fit_exchange`; the layout is rebuilt."""
+        Its error buffers wait for the next ``fit_exchange``; the layout is rebuilt."""
         ex, self.exchange = self.exchange, None
         if ex is not None and ex.calls > 0 and self.pending_exchange is None:
             self.pending_exchange = ex.state_dict()
@@ -372,7 +372,7 @@ class FlatState:
         return self.exchange.state_dict()
 
     def load_exchange_state(self, state: dict[str, Any] | None) -> None:
-        """Apply an :meth:`exchange_state` at the next :meth:`fit_exchange` (``None``: start
+        """Apply an ``exchange_state`` at the next ``fit_exchange`` (``None``: start
         from zeros)."""
         self.pending_exchange = state or "reset"
 
@@ -401,9 +401,9 @@ class FlatState:
     def gather_grads(
         self, param_groups: list[Group], only: list[int] | None = None
     ) -> torch.Tensor:
-        """Copy the gradients into :attr:`grad` (zeros where ``.grad`` is None): those of the
+        """Copy the gradients into ``grad`` (zeros where ``.grad`` is None): those of the
         parameters ``only`` (layout indices; default all) not copied yet this step
-        (:attr:`gathered`, to which they are added). One multi-tensor copy (a launch per
+        (``gathered``, to which they are added). One multi-tensor copy (a launch per
         parameter would cost more than the copy on a GPU), then each group's ``maximize`` and
         torch Adam's L2 term where set (``decoupled_weight_decay=False``). Raises
         ``RuntimeError`` on a sparse gradient."""
@@ -442,15 +442,16 @@ class FlatState:
 
     def grads(self, param_groups: list[Group], only: list[int]) -> list[torch.Tensor | None]:
         """The gradients of the parameters ``only`` (layout indices), one per parameter, for
-        the kernels that read each where it lies (:func:`~lightning_onebit.kernels.
-        momentum_source`): on the CPU the parameter's ``.grad`` itself (``None``, zeros, where
-        it has none), so that no copy of the gradients into :attr:`grad` is made; its view of
-        :attr:`grad`, gathered there (:meth:`gather_grads`) unless it is already, where the
-        values must be copied or changed (another dtype or device, a gradient that is not
-        contiguous, a sparse one, which raises there; the group's ``maximize`` or L2 term) and
-        on a GPU, where the copy costs little and torch's ``_foreach_norm`` sums a tensor in an
-        order that depends on its address (``rescale_variance``'s norms of the parameters' own
-        gradients could differ in the last bit from those of the flat buffer's views)."""
+        the kernels that read each where it lies (
+        [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]): on the CPU the
+        parameter's ``.grad`` itself (``None``, zeros, where it has none), so that no copy of the
+        gradients into ``grad`` is made; its view of ``grad``, gathered there (``gather_grads``)
+        unless it is already, where the values must be copied or changed (another dtype or device, a
+        gradient that is not contiguous, a sparse one, which raises there; the group's ``maximize``
+        or L2 term) and on a GPU, where the copy costs little and torch's ``_foreach_norm`` sums a
+        tensor in an order that depends on its address (``rescale_variance``'s norms of the
+        parameters' own gradients could differ in the last bit from those of the flat buffer's
+        views)."""
         params, of = self.layout.params, self.layout.group_of
         out: list[torch.Tensor | None] = []
         copy = []
@@ -467,8 +468,8 @@ class FlatState:
         return out
 
     def _read_in_place(self, group: Group, g: torch.Tensor | None) -> bool:
-        """Whether :meth:`grads` passes ``g`` (a gradient of ``group``, or ``None``) as it is:
-        the values :meth:`gather_grads` would copy, readable where they lie."""
+        """Whether ``grads`` passes ``g`` (a gradient of ``group``, or ``None``) as it is:
+        the values ``gather_grads`` would copy, readable where they lie."""
         if self.layout.device.type != "cpu":
             return False
         if g is None:  # (zeros: gather_grads neither negates nor decays a missing gradient)
@@ -486,11 +487,11 @@ class FlatState:
 
     def params(self, only: list[int]) -> list[torch.Tensor]:
         """The parameters ``only`` (layout indices), one per parameter, for the kernels that
-        read each where it lies (the decay terms of :func:`~lightning_onebit.kernels.
-        lamb_frozen_update` and :func:`~lightning_onebit.kernels.local_source`): the parameter
-        itself where it is an fp32 contiguous tensor, so that no copy into :attr:`param` is
-        made; its view of :attr:`param`, copied there, otherwise (another dtype, a
-        non-contiguous parameter)."""
+        read each where it lies (the decay terms of
+        [`lamb_frozen_update`][lightning_onebit.kernels.updates.lamb_frozen_update] and
+        [`local_source`][lightning_onebit.kernels.sources.local_source]): the parameter itself where
+        it is an fp32 contiguous tensor, so that no copy into ``param`` is made; its view of
+        ``param``, copied there, otherwise (another dtype, a non-contiguous parameter)."""
         params, views = self.layout.params, self.views["param"]
         out = []
         for j in only:
@@ -503,7 +504,7 @@ class FlatState:
 
     def gather_params(self, s: slice | None = None) -> torch.Tensor:
         """Copy the parameters (those starting in the flat slice ``s``, default all) into
-        :attr:`param` (for weight decay and norms); return it."""
+        ``param`` (for weight decay and norms); return it."""
         views, offsets = self.views["param"], self.layout.offsets
         for j, p in enumerate(self.layout.params):
             if s is None or s.start <= offsets[j] < s.stop:
@@ -548,8 +549,8 @@ class FlatState:
 
 
 class _Work(Mapping[str, torch.Tensor]):
-    """:attr:`FlatState.work`: the algorithm's work buffers by name, each made at its first use
-    (:meth:`FlatState.scratch`)."""
+    """``FlatState.work``: the algorithm's work buffers by name, each made at its first use
+    (``FlatState.scratch``)."""
 
     def __init__(self, flat: FlatState, names: tuple[str, ...]) -> None:
         self._flat, self._names = flat, names
@@ -567,7 +568,7 @@ class _Work(Mapping[str, torch.Tensor]):
 
 
 class _Views(dict):
-    """:attr:`FlatState.views`: the per-parameter views by buffer name; a scratch buffer's are
+    """``FlatState.views``: the per-parameter views by buffer name; a scratch buffer's are
     made with it, at its first use."""
 
     def __init__(self, flat: FlatState, views: dict[str, list[torch.Tensor]] | None = None) -> None:

@@ -19,7 +19,7 @@ DDP's too): its accumulated steps are exchanged, and the ranks end the sync step
 The steps a kept-out parameter misses are counted (its bias correction counts its own steps, as
 torch's Adam's): at once where the step's verdict is known on the host; a step whose verdict
 stays on the device (CUDA) is counted when the host learns that it went through, and not at all
-if it was dropped (:meth:`HeldParams.count_missed`).
+if it was dropped (``HeldParams.count_missed``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = ["HeldParams", "any_missed_steps", "missed_steps", "params_without_gra
 
 def params_without_grad(opt: OneBitOptimizer) -> list[int]:
     """The parameters (layout indices) that have no gradient on this rank this step (``.grad``
-    is ``None``): those the step may keep out (:meth:`HeldParams.hold` decides which, asking the
+    is ``None``): those the step may keep out (``HeldParams.hold`` decides which, asking the
     other ranks where this rank cannot know)."""
     return [j for j, p in enumerate(opt.flat.layout.params) if p.grad is None]
 
@@ -61,7 +61,7 @@ def _asked_params(opt: OneBitOptimizer, syncs_local_steps: bool) -> list[int]:
 
 def missed_steps(opt: OneBitOptimizer, j: int) -> tuple[int, int]:
     """``(steps, variance updates)`` that parameter ``j`` (layout index) missed for want of a
-    gradient (see :class:`HeldParams`)."""
+    gradient (see ``HeldParams``)."""
     return opt.state[opt.flat.layout.params[j]].get("steps_without_grad", (0, 0))
 
 
@@ -81,7 +81,7 @@ def _count(opt: OneBitOptimizer, missed: list[tuple[torch.Tensor, int]]) -> None
 class _Agreement:
     """Which parameters some rank has a gradient (or earlier local steps) for: this rank's
     flags, all-reduced (``MAX``) over the ranks where ``W > 1``, in flight (``unsynced``: see
-    :meth:`HeldParams.hold`)."""
+    ``HeldParams.hold``)."""
 
     def __init__(
         self,
@@ -125,8 +125,8 @@ class _Agreement:
 class HeldParams:
     """The parameters a step keeps out of it and what they held before it.
 
-    Interface: :meth:`hold` (before the step), :meth:`release` (after it, or at the phase
-    switch, before the state changes meaning), :meth:`count_missed` (when the host learns the verdict
+    Interface: ``hold`` (before the step), ``release`` (after it, or at the phase
+    switch, before the state changes meaning), ``count_missed`` (when the host learns the verdict
     of a step whose verdict stayed on the device).
     """
 
@@ -147,9 +147,9 @@ class HeldParams:
     ) -> None:
         """Keep out of this step those of the parameters ``idx`` (without a gradient on this
         rank) that no rank has a gradient for: where this rank cannot know which, the ranks'
-        agreement starts here (see the module docstring) and :meth:`release` takes it. Their
+        agreement starts here (see the module docstring) and ``release`` takes it. Their
         values, their state and their part of the exchange's error buffers are saved now and
-        put back by :meth:`release`. Their exchanged values are sent (1 bit cannot send a zero)
+        put back by ``release``. Their exchanged values are sent (1 bit cannot send a zero)
         and dropped; their error buffers then do not remember them.
 
         ``unsynced``: on a step that synchronises local steps (0/1 Adam's), per parameter of
@@ -173,10 +173,10 @@ class HeldParams:
         self.saved = (idx, saved, values, errors, opt.variance_updates)
 
     def release(self, opt: OneBitOptimizer, count: bool = True) -> None:
-        """Put back what :meth:`hold` saved of the parameters no rank had a gradient for (the
+        """Put back what ``hold`` saved of the parameters no rank had a gradient for (the
         others took part in the step with zeros); with ``count``, the step counts as one they
         missed (their bias correction counts their own steps, as torch's Adam's), once its
-        verdict is known on the host (:meth:`count_missed`)."""
+        verdict is known on the host (``count_missed``)."""
         agreement, self.agreement = self.agreement, None
         held, self.saved = self.saved, None
         if held is None:
@@ -208,7 +208,7 @@ class HeldParams:
 
     def count_missed(self, opt: OneBitOptimizer, kept: bool | None) -> None:
         """The host learnt the verdict of the last step (see
-        :meth:`~lightning_onebit.optim._verdict.StepVerdict.apply_last_step`): ``kept`` (it went
+        ``apply_last_step``): ``kept`` (it went
         through) counts the steps its held parameters missed; ``False`` (dropped) or ``None``
         (no verdict was waiting: a loaded state replaced that step's) forgets them."""
         missed, self.uncounted = self.uncounted, None

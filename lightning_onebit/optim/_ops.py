@@ -51,7 +51,7 @@ __all__ = [
 def decoupled_decay(group: dict[str, Any]) -> float:
     """The group's decoupled weight decay (AdamW's, ``p -= lr * wd * p``): its
     ``weight_decay``, or 0 where ``decoupled_weight_decay=False`` makes it torch Adam's L2
-    term, which :meth:`FlatState.gather_grads` adds to the gradient instead."""
+    term, which ``FlatState.gather_grads`` adds to the gradient instead."""
     return group["weight_decay"] if group.get("decoupled_weight_decay", True) else 0.0
 
 
@@ -93,7 +93,7 @@ def average_(opt: OneBitOptimizer, flat: torch.Tensor) -> torch.Tensor | None:
 
 def average_uncovered_(opt: OneBitOptimizer) -> None:
     """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the
-    parameters it knows, :attr:`caller_averaged`. DDP knows those that required grad when it
+    parameters it knows, ``caller_averaged``. DDP knows those that required grad when it
     was built; one made trainable later (e.g. the backbone that Lightning's
     ``BackboneFinetuning`` unfreezes mid-run) keeps its local gradient, and the ranks would
     drift apart silently (as they do under plain DDP). Those are averaged here, in one
@@ -129,7 +129,7 @@ def reads_sign_runs(device: torch.device) -> bool:
 
 
 def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
-    """:func:`finite` as a one-element bool tensor on ``flat``'s device (no host read)."""
+    """``finite`` as a one-element bool tensor on ``flat``'s device (no host read)."""
     if flat.numel() == 0:
         return torch.ones(1, dtype=torch.bool, device=flat.device)
     lo, hi = torch.aminmax(flat)
@@ -289,9 +289,9 @@ def frozen_adam_update_(
     verdict ``ok`` (on the device; ``None``: always) is true: ``m = x * d`` and
     ``p -= lr * (x + wd * p)`` with ``preconditioned_exchange``, else ``m = x`` and
     ``p -= lr * (x / d + wd * p)`` (``d = sqrt(v) + eps``, frozen; ``x`` may be ``m``
-    itself, or the exchange's :class:`~lightning_onebit.kernels.SignRuns`);
-    :func:`~lightning_onebit.kernels.frozen_adam_update` (one sweep on the CPU too,
-    the floats of :func:`decoupled_update_`)."""
+    itself, or the exchange's [`SignRuns`][lightning_onebit.kernels.runs.SignRuns]);
+    [`frozen_adam_update`][lightning_onebit.kernels.updates.frozen_adam_update] (one sweep on the
+    CPU too, the floats of ``decoupled_update_``)."""
     layout, groups = opt.flat.layout, opt.param_groups
     of = layout.group_of
     frozen_adam_update(
@@ -311,12 +311,12 @@ def adam_step_(
     opt: OneBitOptimizer, update_variance: bool = True, ok: torch.Tensor | None = None
 ) -> None:
     """Adam's step from the flat gradient buffer, one fused sweep
-    (:func:`~lightning_onebit.kernels.adam_update`): ``m = beta1 m + (1 - beta1) g``;
-    ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``;
-    ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``. With ``bias_correction``, as
-    torch's Adam/AdamW: ``m / (1 - beta1**t)`` over ``sqrt(v / (1 - beta2**k)) + eps``,
-    folded into the kernel's per-parameter ``lr``, ``eps`` and ``weight_decay``. ``ok``: the
-    step's verdict on the device (nothing is written where it is false)."""
+    ([`adam_update`][lightning_onebit.kernels.updates.adam_update]): ``m = beta1 m + (1 - beta1)
+    g``; ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``; ``p -= lr * (m / (sqrt(v) + eps)
+    + weight_decay * p)``. With ``bias_correction``, as torch's Adam/AdamW: ``m / (1 - beta1**t)``
+    over ``sqrt(v / (1 - beta2**k)) + eps``, folded into the kernel's per-parameter ``lr``, ``eps``
+    and ``weight_decay``. ``ok``: the step's verdict on the device (nothing is written where it is
+    false)."""
     layout, groups = opt.flat.layout, opt.param_groups
     if update_variance:
         opt.variance_updates += 1

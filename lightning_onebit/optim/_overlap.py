@@ -3,15 +3,15 @@
 Backward produces gradients from the last layer to the first. The flat buffers are cut into
 buckets of about ``bucket_cap_mb`` each, from the end of the layout (the last parameters, whose
 gradients come first) to its start; bucket ``b`` is exchanged by its own double-buffered
-:class:`~lightning_onebit.comm.CompressedAllreduce` (``comm.BucketedAllreduce``). A
-post-accumulate-grad hook on every parameter notes its gradient as ready; as soon as buckets
-``0..b`` are complete, the hook runs the part of bucket ``b``'s exchange that reads the
-gradients: what the algorithm exchanges for its values (e.g. the new momentum,
+[`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]
+(``comm.BucketedAllreduce``). A post-accumulate-grad hook on every parameter notes its gradient as
+ready; as soon as buckets ``0..b`` are complete, the hook runs the part of bucket ``b``'s exchange
+that reads the gradients: what the algorithm exchanges for its values (e.g. the new momentum,
 ``_exchange_source``, which reads the gradients where autograd left them or gathers them into
 the flat buffer), and where the compression computes that as it reads it
-(:class:`~lightning_onebit.kernels.ExchangeSource`: the compiled kernels), the compression too
-(``BucketedAllreduce.prepare_bucket``). It hands the rest to a single communication thread,
-which runs the exchange's compression (if not done), all_to_all and server stage while
+([`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]: the compiled kernels), the
+compression too (``BucketedAllreduce.prepare_bucket``). It hands the rest to a single communication
+thread, which runs the exchange's compression (if not done), all_to_all and server stage while
 backward goes on (C++ kernels and collectives release the GIL). The thread never reads
 ``.grad``: a later backward
 (one whose step never came, or gradient accumulation) writes ``.grad`` without the GIL while
@@ -22,7 +22,7 @@ if any rank had a NaN/Inf anywhere, none.
 Steps that average full-precision gradients (warmup; 0/1 Adam's variance steps) are overlapped
 the same way, as DDP does: bucket ``b``'s gradients go into the flat gradient buffer and an async
 ``all_reduce`` of that slice starts (fp32, or ``average_dtype``); ``step()`` starts the remaining buckets' and waits for
-all of them (:meth:`BackwardOverlap.all_reduce`). The same buckets are reduced, in the same
+all of them (``BackwardOverlap.all_reduce``). The same buckets are reduced, in the same
 order, whether backward started them or ``step()`` did, so the result does not depend on timing.
 
 Every rank starts the buckets in index order, on a process group of their own (so that they never
@@ -46,7 +46,7 @@ current device is 0 and its current stream the default one, which orders nothing
    own, which first waits on that event; every kernel and collective
    it starts goes on that stream (ProcessGroupNCCL orders its work after the calling thread's
    current stream), and it records a "done" event after them.
-3. ``step()`` (:meth:`BackwardOverlap.collect`) makes its own current stream wait on each
+3. ``step()`` (``BackwardOverlap.collect``) makes its own current stream wait on each
    bucket's done event before it reads what the thread wrote; the exchange's final all_gather
    and the averages are waited for in ``step()`` (``work.wait()`` orders the current stream
    after them). Buffers the thread writes are the optimizer's persistent ones; the kernels'
@@ -79,7 +79,7 @@ FIRST_BUCKET_BYTES = 2**20
 
 
 class OverlapHost(Protocol):
-    """What :class:`BackwardOverlap` uses of its optimizer (``OneBitOptimizer`` implements it;
+    """What ``BackwardOverlap`` uses of its optimizer (``OneBitOptimizer`` implements it;
     the overlap touches nothing else of it)."""
 
     #: backward passes whose step does not follow directly start nothing
@@ -174,7 +174,7 @@ class BackwardOverlap:
         return bounds
 
     def connect(self) -> None:
-        """Make the overlap's process groups now (:meth:`group`, :meth:`nodes`): collective,
+        """Make the overlap's process groups now (``group``, ``nodes``): collective,
         every rank in the same order; the strategies call it at setup, so that no training
         step creates a group."""
         self.group()
@@ -182,7 +182,7 @@ class BackwardOverlap:
 
     def group(self) -> Any:
         """The exchanges' own process group (made once, by every rank at the same point: at
-        :meth:`connect`, else at the first step)."""
+        ``connect``, else at the first step)."""
         if not self._group_made:
             pg = self.opt.process_group
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(pg) > 1:
@@ -195,8 +195,8 @@ class BackwardOverlap:
         return self._group
 
     def nodes(self) -> Any:
-        """The exchanges' own :class:`~lightning_onebit.comm.NodeGroups` when the
-        optimizer's exchange is hierarchical (made once, like :meth:`group`), else ``None``."""
+        """The exchanges' own [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups] when the
+        optimizer's exchange is hierarchical (made once, like ``group``), else ``None``."""
         if not self._nodes_made:
             base = self.opt.node_groups()
             if base is not None:
@@ -206,7 +206,7 @@ class BackwardOverlap:
         return self._nodes
 
     def _rearm(self) -> None:
-        """(Re)register the shutdown of the thread and the group: at :meth:`close`, or at the
+        """(Re)register the shutdown of the thread and the group: at ``close``, or at the
         interpreter's exit for an optimizer nobody closed."""
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _shut_down, self._pool, self._group, self._nodes)
@@ -257,7 +257,7 @@ class BackwardOverlap:
         """Read bucket ``b``'s gradients, here, on the thread that runs backward (see the
         module docstring: the communication thread never reads ``.grad``): for an average,
         copy them into the flat gradient buffer; for an exchange, run the part of its call that
-        reads them (:meth:`_bucket_input`) and return what the communication thread starts.
+        reads them (``_bucket_input``) and return what the communication thread starts.
         Also returns what the communication thread must
         wait for: on CUDA, an event after that work, which itself follows the streams that
         produced the gradients."""
@@ -275,7 +275,7 @@ class BackwardOverlap:
         return [done], source
 
     def _bucket_input(self, b: int) -> Any:
-        """:meth:`_read_grads`' work on the current stream: for an exchange, the part of
+        """``_read_grads``' work on the current stream: for an exchange, the part of
         bucket ``b``'s call that reads the gradients (``prepare_bucket``: the source, and
         its compression where the kernel computes it as it reads it) and what the
         communication thread then starts; ``None`` after copying its gradients for an
@@ -289,7 +289,7 @@ class BackwardOverlap:
     def _launch(
         self, b: int, events: list[Any], source: Any
     ) -> tuple[Any, Any]:  # on the communication thread
-        """Start bucket ``b`` (an exchange from ``source``, prepared by :meth:`_read_grads`);
+        """Start bucket ``b`` (an exchange from ``source``, prepared by ``_read_grads``);
         return its all_reduce's ``wait`` (or None) and, on CUDA, the event recorded after
         everything it enqueued."""
         s = slice(*self.bounds[b])
@@ -420,7 +420,7 @@ def replace_overlap(
     (``None``: off): ``current`` if it has these settings, else a new one (or none), the current
     one closed and the exchange built on its groups let go; the layout is then rebuilt (new
     buckets and hooks) at the next step (``source``, ``overlappable``: see
-    :class:`BackwardOverlap`). Raises ``ValueError`` unless ``bucket_cap_mb > 0``."""
+    ``BackwardOverlap``). Raises ``ValueError`` unless ``bucket_cap_mb > 0``."""
     cap = None
     if bucket_cap_mb is not None:
         check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)

@@ -22,8 +22,8 @@ class Phases:
     """An algorithm's two phases and the current one: the first at construction, the second
     from the switch on (the switch happens once; a checkpoint may restore either).
 
-    Interface: :attr:`first`, :attr:`second`, :attr:`current`, :attr:`switched`,
-    :meth:`switch`, :meth:`restore`.
+    Interface: ``first``, ``second``, ``current``, ``switched``,
+    ``switch``, ``restore``.
     """
 
     def __init__(self, phases: tuple[Phase, Phase]) -> None:

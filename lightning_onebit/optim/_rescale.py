@@ -1,5 +1,5 @@
 """``rescale_variance``: the frozen variance follows, per tensor, what Adam's variance would do
-with the compression phase's gradients. :class:`VarianceRescale` holds its counters and
+with the compression phase's gradients. ``VarianceRescale`` holds its counters and
 declares its per-tensor states (which live in the flat buffers' scalars); its blocks take the
 flat state and the param groups."""
 

@@ -23,10 +23,10 @@ __all__ = ["Delegated", "Topology", "close_all", "register"]
 class Topology:
     """The process group, the world size and the node groups of one optimizer.
 
-    Interface: :meth:`world_size`, :meth:`node_groups` (collective on its first call),
-    :attr:`nodes` (the cached result, no collective), :meth:`node_size` (for byte counters),
-    :meth:`close`. ``hierarchical`` and ``ranks_per_node`` may change until the first
-    :meth:`node_groups` (the strategies set them at setup).
+    Interface: ``world_size``, ``node_groups`` (collective on its first call),
+    ``nodes`` (the cached result, no collective), ``node_size`` (for byte counters),
+    ``close``. ``hierarchical`` and ``ranks_per_node`` may change until the first
+    ``node_groups`` (the strategies set them at setup).
 
     Args:
         process_group: the group to communicate over; ``None``: the default group (``W = 1``
@@ -42,7 +42,7 @@ class Topology:
         self.process_group = process_group
         self.hierarchical = hierarchical
         self.ranks_per_node = ranks_per_node
-        #: the node groups, once :meth:`node_groups` resolved them (``None``: flat)
+        #: the node groups, once ``node_groups`` resolved them (``None``: flat)
         self.nodes: NodeGroups | None = None
         self._resolved = False
 
@@ -71,7 +71,7 @@ class Topology:
         return self.nodes
 
     def close(self) -> bool:
-        """Destroy the node groups (the next :meth:`node_groups` builds them again); return
+        """Destroy the node groups (the next ``node_groups`` builds them again); return
         whether there were any."""
         had = self.nodes is not None
         if had:
@@ -112,12 +112,12 @@ class Delegated:
         setattr(getattr(obj, self.owner), self.name, value)
 
 
-#: every live optimizer (:func:`register`)
+#: every live optimizer (``register``)
 _OPEN: weakref.WeakSet[OneBitOptimizer] = weakref.WeakSet()
 
 
 def register(opt: OneBitOptimizer) -> None:
-    """Have :func:`close_all` close ``opt`` if it is still alive then: a process group left to
+    """Have ``close_all`` close ``opt`` if it is still alive then: a process group left to
     the interpreter's shutdown can abort a finished run."""
     _OPEN.add(opt)
 

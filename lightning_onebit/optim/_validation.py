@@ -94,7 +94,7 @@ def add_checked_group(
     check: Callable[[dict[str, Any]], None],
 ) -> None:
     """``opt.add_param_group(group)``: torch's ``add`` (which fills in the defaults), then the
-    group checked (:func:`check_group` with ``check``, its hyperparameters' check) and taken
+    group checked (``check_group`` with ``check``, its hyperparameters' check) and taken
     out again if refused; a group added mid-run notes where its bias correction counts from."""
     add(group)
     gi = len(opt.param_groups) - 1

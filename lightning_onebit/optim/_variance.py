@@ -1,6 +1,7 @@
 """The variance that preconditions the 1-bit steps: Adam's bias corrections, the variance floor,
 and what an optimizer says about a variance too young or too small (warnings, the divergence
-hint). Functions of a :class:`~lightning_onebit.optim.OneBitOptimizer` and its flat buffers."""
+hint). Functions of a [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer] and its flat
+buffers."""
 
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def floor_variance_(
     is DeepSpeed's arithmetic.
 
     With ``FLOOR_TO_MEAN`` (1-bit LAMB) a caught coordinate is raised to
-    ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see :class:`OneBitLamb`).
-    ``ok``: the step's verdict on the device; where it is false nothing changes.
+    ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see
+    [`OneBitLamb`][lightning_onebit.optim.OneBitLamb]). ``ok``: the step's verdict on the device;
+    where it is false nothing changes.
     """
     opt.floored = {}
     f2 = opt.variance_floor**2

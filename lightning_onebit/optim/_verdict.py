@@ -3,9 +3,10 @@
 A NaN/Inf in what a step communicates is known to every rank in the same call, before any state
 was written, so the step is dropped on every rank as if its batch had not been there;
 ``max_consecutive_skips`` dropped steps in a row mean the run diverged and raise
-:class:`~lightning_onebit.comm.NonFiniteError`. On CUDA the verdict stays on the device (a host
-read would wait for the GPU and the exchange's ``all_to_all``): the step's writes take it, and
-the host reads a copy of it at the start of the next step (:meth:`StepVerdict.read_last_step`).
+[`NonFiniteError`][lightning_onebit.comm.base.NonFiniteError]. On CUDA the verdict stays on the
+device (a host read would wait for the GPU and the exchange's ``all_to_all``): the step's writes
+take it, and the host reads a copy of it at the start of the next step
+(``StepVerdict.read_last_step``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Dropped:
 
 
 def verdict_message(finite: list[bool], kind: str, step: int) -> str:
-    """What a non-finite verdict says: ``finite`` per rank, ``kind`` as in :class:`Dropped`."""
+    """What a non-finite verdict says: ``finite`` per rank, ``kind`` as in ``Dropped``."""
     if kind == "average":
         return f"the averaged gradient has non-finite values (NaN/Inf) at step {step}"
     bad = [i for i, f in enumerate(finite) if not f]
@@ -51,11 +52,11 @@ def verdict_message(finite: list[bool], kind: str, step: int) -> str:
 class StepVerdict:
     """The verdict of the step in flight and the count of dropped steps of one optimizer.
 
-    Interface: :meth:`uses_device` (where verdicts stay on the device); in a step,
-    :meth:`start_step`, :meth:`hold_on_device` / :meth:`from_exchange` (a verdict on the device), :meth:`read_on_host` (read it
-    at once), :attr:`on_device` (not read yet), :meth:`end_step`; between steps :meth:`read_last_step` /
-    :meth:`apply_last_step` (the last step's, on the host); :meth:`drop_step` and :meth:`count_drop` (the
-    skip policy); ``skipped_steps`` (checkpointed).
+    Interface: ``uses_device`` (where verdicts stay on the device); in a step,
+    ``start_step``, ``hold_on_device`` / ``from_exchange`` (a verdict on the device),
+    ``read_on_host`` (read it at once), ``on_device`` (not read yet), ``end_step``; between steps
+    ``read_last_step`` / ``apply_last_step`` (the last step's, on the host); ``drop_step`` and
+    ``count_drop`` (the skip policy); ``skipped_steps`` (checkpointed).
 
     Args:
         name: the optimizer's class name, for messages.
@@ -72,8 +73,8 @@ class StepVerdict:
         self.consecutive = 0  # ... in a row
         #: this step's ``(ok, finite per rank, what it judged)`` on the device
         self.current: tuple[torch.Tensor, torch.Tensor, str] | None = None
-        self.read = False  # ... read on the host already (:meth:`read_on_host`)
-        #: the last step's: ``(step, host copy, CUDA event, kind, counters)`` (see :meth:`end_step`)
+        self.read = False  # ... read on the host already (``read_on_host``)
+        #: the last step's: ``(step, host copy, CUDA event, kind, counters)`` (see ``end_step``)
         self.pending: tuple[Any, ...] | None = None
         self._skipped_before = 0  # skipped_steps when the step began
 
@@ -112,13 +113,14 @@ class StepVerdict:
     @property
     def on_device(self) -> bool:
         """Whether this step's verdict is on the device only: the host learns it at the next
-        :meth:`apply_last_step`."""
+        ``apply_last_step``."""
         return self.current is not None and not self.read
 
     def read_on_host(self, step: int) -> None:
         """Read this step's device verdict on the host now (a host synchronisation, for the
-        steps that change the phase: once per run) and raise :class:`NonFiniteError` if it was
-        false, as the host's own verdict does; the step wrote nothing."""
+        steps that change the phase: once per run) and raise
+        [`NonFiniteError`][lightning_onebit.comm.base.NonFiniteError] if it was false, as the host's
+        own verdict does; the step wrote nothing."""
         if self.current is None:
             return
         ok, finite, kind = self.current
@@ -129,7 +131,7 @@ class StepVerdict:
 
     def end_step(self, step: int, counters: dict[str, Any]) -> None:
         """End of step ``step``: a verdict still on the device is copied to the host without
-        waiting (pinned memory, an event after the copy) for :meth:`read_last_step`; a step that
+        waiting (pinned memory, an event after the copy) for ``read_last_step``; a step that
         counted ends the run of dropped steps."""
         if self.current is None:
             if self.skipped_steps == self._skipped_before:
@@ -170,10 +172,10 @@ class StepVerdict:
         drop: Callable[[NonFiniteError], None],
         drop_local: Callable[[], None],
     ) -> bool | None:
-        """The host's half of a step whose verdict stayed on the device (:meth:`read_last_step`), at
+        """The host's half of a step whose verdict stayed on the device (``read_last_step``), at
         the start of the next step and before a checkpoint: if it was non-finite, the step
         (which wrote nothing) gets its host counters put back (``restore``) and is dropped
-        (``drop``, as :meth:`drop_step` does); a ``"local"`` one (0/1 Adam's local step, skipped by
+        (``drop``, as ``drop_step`` does); a ``"local"`` one (0/1 Adam's local step, skipped by
         its own rank only) goes to ``drop_local``. Returns whether that step counts: ``True``
         (finite, or sat out by one rank), ``False`` (dropped), ``None`` (no verdict was
         waiting)."""

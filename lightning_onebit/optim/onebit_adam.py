@@ -88,8 +88,8 @@ class OneBitAdam(OneBitOptimizer):
             (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
         bias_correction, variance_floor, preconditioned_exchange: see
-            :class:`~lightning_onebit.optim.OneBitOptimizer`. With ``preconditioned_exchange``
-            (default) step 2b exchanges ``m / (sqrt(v) + eps)`` and sets
+            [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer]. With
+            ``preconditioned_exchange`` (default) step 2b exchanges ``m / (sqrt(v) + eps)`` and sets
             ``m = result * (sqrt(v) + eps)``; ``variance_floor=0, preconditioned_exchange=False``
             is DeepSpeed's arithmetic.
         rescale_variance: step 2c keeps ``v`` frozen but preconditions each tensor by
@@ -99,12 +99,12 @@ class OneBitAdam(OneBitOptimizer):
             ``VarianceRescale`` (``optim/_rescale.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
-            :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
+            [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups].
         decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
             ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
             moments (after ``maximize``). Also a param-group key, as in torch's Adam.
         deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
-            same arguments); see :class:`~lightning_onebit.optim.OneBitOptimizer`.
+            same arguments); see [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer].
 
     DeepSpeed's ``cuda_aware``/``comm_backend_name`` have no equivalent: pass a
     ``process_group`` of the backend you want (gloo, NCCL).
@@ -163,7 +163,7 @@ class OneBitAdam(OneBitOptimizer):
         """2a for the flat slice ``s`` (whole parameters): ``u = beta1 * m + (1 - beta1) * g``
         (m itself unchanged), divided by ``sqrt(v) + eps`` with ``preconditioned_exchange``;
         the exchange computes it as it compresses it where it can (one sweep that reads each
-        gradient where autograd left it, :meth:`FlatState.grads`), else into scratch."""
+        gradient where autograd left it, ``FlatState.grads``), else into scratch."""
         flat, groups = self.flat, self.param_groups
         d = denominator(self)[0] if self.preconditioned_exchange else None
         idx = flat.params_in(s)

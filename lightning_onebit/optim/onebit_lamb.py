@@ -89,7 +89,7 @@ class OneBitLamb(OneBitOptimizer):
     Args:
         params: parameters or param groups. Groups may override ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``max_coeff``, ``min_coeff`` and may carry an ``exp_avg_mask``
-            (see :class:`OneBitAdam`).
+            (see [`OneBitAdam`][lightning_onebit.optim.OneBitAdam]).
         lr: learning rate.
         freeze_step: number of warmup (uncompressed LAMB) steps (at least one runs). Keep
             ``1 / (1 - coeff_beta) <= freeze_step`` so that the frozen ratios have warmed up.
@@ -111,27 +111,26 @@ class OneBitLamb(OneBitOptimizer):
             (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
         bias_correction, variance_floor, preconditioned_exchange: see
-            :class:`~lightning_onebit.optim.OneBitOptimizer` (with bias correction, 1c uses the
-            bias-corrected moments; the trust ratio is invariant to their scale except through
-            its clamps and ``eps``). With ``preconditioned_exchange`` 3a and 3b work on
-            ``m / (sqrt(v) + eps)``, and 3c multiplies the result back by ``sqrt(v) + eps``: off
-            by default (it keeps attention weights closer to DDP's, but costs loss on the demo
-            GPT). ``variance_floor=0`` is
-            DeepSpeed's arithmetic. A coordinate the floor catches is raised to the mean
-            variance of its tensor (or group), not to ``variance_floor**2`` of it as in the Adam
-            variants: this exchange carries ``m`` itself, so a caught coordinate's 1-bit noise
-            (``+-scale``, no signal) is divided by its own ``sqrt(v)``, and at 1% of the typical
-            ``sqrt(v)`` it would move 100x a typical coordinate's noise (unused embedding rows,
-            dead ReLU biases). At the mean, its noise is a
-            typical coordinate's, and a coordinate that gets gradients later steps like one.
+            [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer] (with bias correction, 1c
+            uses the bias-corrected moments; the trust ratio is invariant to their scale except
+            through its clamps and ``eps``). With ``preconditioned_exchange`` 3a and 3b work on ``m
+            / (sqrt(v) + eps)``, and 3c multiplies the result back by ``sqrt(v) + eps``: off by
+            default (it keeps attention weights closer to DDP's, but costs loss on the demo GPT).
+            ``variance_floor=0`` is DeepSpeed's arithmetic. A coordinate the floor catches is raised
+            to the mean variance of its tensor (or group), not to ``variance_floor**2`` of it as in
+            the Adam variants: this exchange carries ``m`` itself, so a caught coordinate's 1-bit
+            noise (``+-scale``, no signal) is divided by its own ``sqrt(v)``, and at 1% of the
+            typical ``sqrt(v)`` it would move 100x a typical coordinate's noise (unused embedding
+            rows, dead ReLU biases). At the mean, its noise is a typical coordinate's, and a
+            coordinate that gets gradients later steps like one.
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
-            :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
+            [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups].
         decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
             ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
             moments (after ``maximize``). Also a param-group key, as in torch's Adam.
         deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
-            same arguments); see :class:`~lightning_onebit.optim.OneBitOptimizer`.
+            same arguments); see [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer].
     """
 
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
@@ -328,8 +327,8 @@ class OneBitLamb(OneBitOptimizer):
         """3b for the flat slice ``s`` (whole layers): ``u = (beta1 m + (1 - beta1) g) * scaling``
         (the scaling folded into the coefficients), divided by ``sqrt(v) + eps`` with
         ``preconditioned_exchange``: computed by the exchange as it compresses it where it can
-        (:class:`~lightning_onebit.kernels.MomentumSource`: one sweep that reads each gradient
-        where autograd left it, :meth:`FlatState.grads`), else into scratch."""
+        ([`MomentumSource`][lightning_onebit.kernels.sources.MomentumSource]: one sweep that reads
+        each gradient where autograd left it, ``FlatState.grads``), else into scratch."""
         flat, scaling = self.flat, self._scaling_values()
         idx = flat.params_in(s)
         beta, alpha = [], []
@@ -481,7 +480,7 @@ class OneBitLamb(OneBitOptimizer):
         read as Python floats (free there), one sweep per layer; on a GPU as device values
         (``-lr_k * coeff_k`` in float32 on the device: no host synchronisation; rounds
         differently from the CPU's float64 product in the last bit), one kernel for all layers
-        (:func:`~lightning_onebit.kernels.layer_step`)."""
+        ([`layer_step`][lightning_onebit.kernels.updates.layer_step])."""
         self._coeffs = coeff
         if u.device.type == "cpu":
             views = self.flat.views_of(u)

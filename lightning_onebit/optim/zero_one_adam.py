@@ -99,7 +99,7 @@ class ZeroOneAdam(OneBitOptimizer):
           ``acc = compressed_allreduce(acc * (sqrt(v) + eps)) * exp_avg_mask``;
           ``m = -acc / lrs``;  ``p += acc / (sqrt(v) + eps)``;  ``acc = 0``;  ``lrs = 0``.
           Where ``variance_floor`` raised ``v`` at the freeze, ``m = 0`` instead (see
-          :meth:`_rebuild_momentum_`).
+          ``_rebuild_momentum_``).
 
        On a sync step a-c run as one: the exchange's input ``(acc - lr u) * (sqrt(v) + eps)``
        needs only this step's gradient, so it is computed bucket by bucket (and, with
@@ -115,7 +115,8 @@ class ZeroOneAdam(OneBitOptimizer):
 
     Args:
         params: parameters or param groups. Groups may override ``lr``, ``betas``, ``eps``,
-            ``weight_decay`` and may carry an ``exp_avg_mask`` (see :class:`OneBitAdam`).
+            ``weight_decay`` and may carry an ``exp_avg_mask`` (see
+            [`OneBitAdam`][lightning_onebit.optim.OneBitAdam]).
         lr: learning rate.
         var_freeze_step: the last step that may update the variance (max of T_v in the paper);
             usually the end of the learning-rate warmup.
@@ -144,22 +145,23 @@ class ZeroOneAdam(OneBitOptimizer):
             (``"bf16"``/``"fp16"``) to average the variance steps' gradients in half the bytes,
             as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
         bias_correction, variance_floor, preconditioned_exchange: see
-            :class:`~lightning_onebit.optim.OneBitOptimizer`. With ``preconditioned_exchange``
-            (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the accumulator in parameter
-            units (``acc - lr u``); the variance is floored after every variance step.
-            ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's arithmetic.
+            [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer]. With
+            ``preconditioned_exchange`` (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the
+            accumulator in parameter units (``acc - lr u``); the variance is floored after every
+            variance step. ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's
+            arithmetic.
         rescale_variance: in phase 2 precondition each tensor by ``v * A / A_switch``,
             ``A`` its mean of Adam's variance kept up to date from its gradients' mean square
             (this rank's local steps summed, one float per tensor all-reduced on a sync step
             every 10 steps or more); see ``VarianceRescale`` (``optim/_rescale.py``).
         hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
             inside a node, 1 bit between nodes); see
-            :meth:`~lightning_onebit.optim.OneBitOptimizer.node_groups`.
+            [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups].
         decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
             ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
             moments (after ``maximize``). Also a param-group key, as in torch's Adam.
         deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
-            same arguments); see :class:`~lightning_onebit.optim.OneBitOptimizer`.
+            same arguments); see [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer].
     """
 
     PHASES = (Phase.VARIANCE, Phase.LOCAL)
@@ -325,12 +327,12 @@ class ZeroOneAdam(OneBitOptimizer):
         """What the next step exchanges, for the flat slice ``s``: 1b the gradient itself
         (gathered into the flat gradient buffer); 3c ``(acc - lr u) * (sqrt(v) + eps) =
         acc * d - lr * (m_new + weight_decay * p * d)`` with ``m_new = beta1 m + (1 - beta1) g``
-        (m and acc change after the exchange), a :class:`~lightning_onebit.kernels.LocalSource`
-        that reads each gradient where autograd left it (:meth:`FlatState.grads`) and each
-        parameter where it lies (:meth:`FlatState.params`), and that the exchange computes as
-        it compresses it where it can. With ``preconditioned_exchange``
-        both are divided by ``d = sqrt(v) + eps``: 1b ``g / d``, 3c ``acc - lr u`` (parameter
-        units)."""
+        (m and acc change after the exchange), a
+        [`LocalSource`][lightning_onebit.kernels.sources.LocalSource] that reads each gradient where
+        autograd left it (``FlatState.grads``) and each parameter where it lies
+        (``FlatState.params``), and that the exchange computes as it compresses it where it can.
+        With ``preconditioned_exchange`` both are divided by ``d = sqrt(v) + eps``: 1b ``g / d``, 3c
+        ``acc - lr u`` (parameter units)."""
         flat, groups = self.flat, self.param_groups
         pre = self.preconditioned_exchange
         d, _ = denominator(self)  # sqrt(v) + eps (phase 1: of the current v)
@@ -415,7 +417,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self.lrs = [0.0] * len(self.lrs)
 
     def _synchronize_on_verdict_(self, ok: torch.Tensor, u: torch.Tensor, this_step: bool) -> None:
-        """:meth:`_synchronize_` after an exchange whose verdict ``ok`` stayed on the device
+        """``_synchronize_`` after an exchange whose verdict ``ok`` stayed on the device
         (``u``: its result, masked): the same values computed aside and kept with
         ``torch.where`` (a dropped step leaves acc, m, the synced copy and the parameters as
         they were), no host synchronisation."""
