@@ -52,7 +52,7 @@ except ModuleNotFoundError as err:  # the optimizers alone
 else:
     from lightning_onebit._integration.rank_files import RankFileError
 
-    RankFileError.__module__ = __name__  # (tracebacks name the public path)
+    RankFileError.__module__ = __name__  # tracebacks name the public path
     from lightning_onebit.callbacks import CompressionScheduler
     from lightning_onebit.strategy import ALGORITHMS, OneBitStrategy
 

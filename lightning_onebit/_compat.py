@@ -99,7 +99,7 @@ class TrainerDDPHooks:
         return self.wrap_module(model)  # type: ignore[attr-defined]
 
     def _register_ddp_hooks(self) -> None:
-        pass  # (ours is registered by wrap_module)
+        pass  # ours is registered by wrap_module
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:

@@ -101,7 +101,7 @@ class CompressionScheduler(PhaseSwitch, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        builder = getattr(trainer.strategy, "builder", None)  # (the 1-bit strategies')
+        builder = getattr(trainer.strategy, "builder", None)  # the 1-bit strategies'
         ours = isinstance(builder, OptimizerBuilder)
         converted = ours and builder.converted
         local_steps = ours and builder.derives_local_step_scaler
@@ -110,7 +110,7 @@ class CompressionScheduler(PhaseSwitch, Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # (the optimizer's state was restored after on_fit_start, before this)
+        # the optimizer's state was restored after on_fit_start, before this
         opt = self._optimizer(trainer)
         self.catch_up(opt)
         self.announce(opt)
@@ -177,7 +177,7 @@ class CompressionScheduler(PhaseSwitch, Callback):
         # 0/1 Adam may end between two synchronisations, each rank with its own parameters:
         # the model a user saves, tests or exports must be the same on every rank
         opt = self._optimizer(trainer)
-        opt.synchronize()  # (a no-op for the others)
+        opt.synchronize()  # a no-op for the others
         if self.log_stats and opt.step_count:
             rank_zero_info(self.summary(opt))
 

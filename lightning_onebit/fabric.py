@@ -99,7 +99,7 @@ class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
         self._module: Module | None = None  # the user's module (inside DDP)
         self._optimizer: OneBitOptimizer | None = None
 
-    # (precision='64-true' refused when Fabric is built)
+    # precision='64-true' refused when Fabric is built
     precision = lifecycle.refusing_float64(DDPStrategy.precision, DoublePrecision)
 
     @override
@@ -149,7 +149,7 @@ class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
         local_steps = self.builder.derives_local_step_scaler
         self._switch.start(new, total, converted, FABRIC, local_steps)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
-        # (clipping, unknown yet, turns it off later: see clip_gradients_norm)
+        # clipping, unknown yet, turns it off later: see clip_gradients_norm
         self.builder.prepare(new, self.num_processes, self.world_size, False, scaler)
         return new
 
@@ -168,7 +168,7 @@ class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self._optimizer is not None:  # (the first step: once a checkpoint may be loaded)
+        if self._optimizer is not None:  # the first step: once a checkpoint may be loaded
             self._switch.announce(self._optimizer)
         out = super().optimizer_step(optimizer, **kwargs)
         if self._optimizer is not None:
@@ -256,9 +256,9 @@ class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
         # a fraction of max_steps is decided once per run: a resumed run keeps its switch (and
         # 0/1 Adam's local_step_scaler)
         self._switch.keep_restored(opt)
-        self._switch.catch_up(opt)  # (a checkpoint of torch's Adam past the switch)
+        self._switch.catch_up(opt)  # a checkpoint of torch's Adam past the switch
         self.builder.rescale_restored(opt, schedulers_of(opt))
-        if self._module is not None:  # (0/1 Adam between two synchronisations: its own)
+        if self._module is not None:  # 0/1 Adam between two synchronisations: its own
             self._rank_checkpoint.restore_model(self._module, strict)
         self._rank_checkpoint.restore_optimizer(opt)
         return remainder

@@ -97,17 +97,17 @@ class OneBitStrategy(OneBitStrategyBase, TrainerDDPHooks, DDPStrategy):
         comm_stats_on_progress_bar: bool = True,
         **kwargs: Any,
     ) -> None:
-        lifecycle.check_ddp_kwargs(kwargs)  # (before they are given below)
+        lifecycle.check_ddp_kwargs(kwargs)  # before they are given below
         super().__init__(
             *args,
-            # (given here, so that LightningCLI does not offer them as options)
+            # given here, so that LightningCLI does not offer them as options
             ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
             model_averaging_period=None, **kwargs,
         )  # fmt: skip
         self.log_comm_stats = log_comm_stats
         self.comm_stats_on_progress_bar = comm_stats_on_progress_bar
 
-    # (precision='64-true' refused when the Trainer is built)
+    # precision='64-true' refused when the Trainer is built
     precision_plugin = lifecycle.refusing_float64(DDPStrategy.precision_plugin, DoublePrecision)
 
     # ------------------------------------------------------------------ setup
@@ -143,7 +143,7 @@ class OneBitStrategy(OneBitStrategyBase, TrainerDDPHooks, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = trainer.lightning_module
         if module is not None:
-            _check_automatic_optimization(module, type(self).__name__)  # (again after its setup)
+            _check_automatic_optimization(module, type(self).__name__)  # again after its setup
             check_dense_gradients(module)
         super().setup(trainer)
         # Lightning restored the model before this setup, and wrapping it in DDP just now
@@ -189,7 +189,7 @@ class OneBitStrategy(OneBitStrategyBase, TrainerDDPHooks, DDPStrategy):
                 )
             )
         original = self.optimizers[0]
-        if isinstance(original, MockOptimizer):  # (configure_optimizers returned none)
+        if isinstance(original, MockOptimizer):  # configure_optimizers returned none
             params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
             given = "configure_optimizers returned"
             self.optimizers = [self.builder.from_config(params, given, "return")]
@@ -224,21 +224,21 @@ class OneBitStrategy(OneBitStrategyBase, TrainerDDPHooks, DDPStrategy):
     ) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._rank_checkpoint.forget()
-        if "optimizer_states" in checkpoint:  # (weights only: nothing per rank to restore)
+        if "optimizer_states" in checkpoint:  # weights only: nothing per rank to restore
             self._rank_checkpoint.read(checkpoint_path, checkpoint, weights_only)
         return checkpoint
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # (after Lightning restored the optimizer and then the schedulers)
+        # after Lightning restored the optimizer and then the schedulers
         schedulers = [c.scheduler for c in self.lr_scheduler_configs]
         self.builder.rescale_restored(self.onebit_optimizer, schedulers)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        # (again after DDP's broadcast in setup, when the restore comes before it)
+        # again after DDP's broadcast in setup, when the restore comes before it
         self._rank_checkpoint.restore_model(self.lightning_module, strict)
 
     @override

@@ -106,13 +106,13 @@ class HookState:
         def run() -> None:
             try:
                 if cuda:
-                    if self._stream is None:  # (only this thread uses it)
+                    if self._stream is None:  # only this thread uses it
                         self._stream = torch.cuda.Stream(buf.device)
                     stream = self._stream
                     with torch.cuda.device(buf.device), torch.cuda.stream(stream):
                         stream.wait_event(ready)
                         hierarchical_average(buf, dtype, nodes)
-                        fut.set_result(buf)  # (records an event on this stream)
+                        fut.set_result(buf)  # records an event on this stream
                 else:
                     hierarchical_average(buf, dtype, nodes)
                     fut.set_result(buf)

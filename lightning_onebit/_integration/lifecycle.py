@@ -137,7 +137,7 @@ def init_default_group_per_attempt(
         store = dist.TCPStore(address, port, world_size, is_master=False, **waits)
         prefixed = dist.PrefixStore(f"lightning_onebit/attempt_{attempt}", store)
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, **kw)
-    except RuntimeError as err:  # (torch's DistError and its store/network errors too)
+    except RuntimeError as err:  # torch's DistError and its store/network errors too
         raise RuntimeError(
             f"rank {rank}: could not start the default {backend} process group of "
             f"{world_size} ranks (torchrun attempt {attempt}, store {address}:{port}, timeout "
@@ -243,8 +243,8 @@ def _destroy_owned_group() -> None:
     owned = _owned
     _forget_owned()
     if owned is None or owned[0] != os.getpid() or getattr(sys, "last_value", None) is not None:
-        return  # (none, a parent's, or after an uncaught exception)
-    close_all()  # (the optimizers' own groups first: Fabric never tears its strategy down)
+        return  # none, a parent's, or after an uncaught exception
+    close_all()  # the optimizers' own groups first: Fabric never tears its strategy down
     if dist.is_initialized() and dist.group.WORLD is owned[1]:
         with contextlib.suppress(Exception):  # a peer already gone: the exit goes on as before
             dist.destroy_process_group()

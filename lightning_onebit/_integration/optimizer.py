@@ -285,11 +285,11 @@ def stop_overlap_for_clipping(opt: OneBitOptimizer | None, optimizer: Any) -> No
     gradients; one already started is dropped and redone)."""
     if opt is None or optimizer is not opt or not opt.overlaps_backward:
         return
-    started = opt.flat.layout is not None  # (built at the first step)
+    started = opt.flat.layout is not None  # built at the first step
     if started and opt.overlap is not None:
         opt.overlap.drop()  # what backward started saw the unclipped gradients
     opt.overlap_with_backward(None)
-    # (in the compression phase the optimizer warns that its error buffers restart)
+    # in the compression phase the optimizer warns that its error buffers restart
     rank_zero_info(
         "fabric.clip_gradients: the 1-bit exchange runs in optimizer.step() from now on, not "
         "overlapped with backward (a clipping after backward cannot reach an exchange that "

@@ -76,7 +76,7 @@ else:
             PositiveInt,
             restricted_number_type,
         )
-    except ImportError:  # (no LightningCLI here)
+    except ImportError:  # no LightningCLI here
         NonNegativeInt = PositiveInt = int
         NonNegativeFloat = PositiveFloat = OpenUnitInterval = float
         ZeroToBelowOne = AboveZeroToOne = AtLeastOne = float
@@ -265,7 +265,7 @@ class StrategyOptions:
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # (a parsed config's range-checked int or float)
+        for field in dataclasses.fields(self):  # a parsed config's range-checked int or float
             object.__setattr__(self, field.name, _builtin(getattr(self, field.name)))
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
@@ -284,7 +284,7 @@ class StrategyOptions:
             )
         switch = PhaseSwitch(
             self.freeze_step, self.adaptive_freeze, self.freeze_threshold, self.freeze_window
-        )  # (validated now: the switch itself is built where it runs)
+        )  # validated now: the switch itself is built where it runs
         object.__setattr__(self, "freeze_step", switch.freeze_step)
         # Each optimizer's own checks. Every algorithm's options are checked, not only the
         # chosen one's: a bad value is a mistake even where this algorithm ignores it.
@@ -348,7 +348,7 @@ class StrategyOptions:
         else:
             kw.update(CONVERSION_DEFAULTS[self.algorithm])
             if "var_update_scaler" in given:  # the paper's variance schedule, asked for by name
-                kw.pop("compressed_variance_phase", None)  # (as a DeepSpeed config does)
+                kw.pop("compressed_variance_phase", None)  # as a DeepSpeed config does
         kw.update(given)
         kw["average_warmup_grads"] = False  # DDP averages the warmup gradients (see the hook)
         kw["average_dtype"] = self.average_dtype or (

@@ -53,7 +53,7 @@ class StepTimes:
         self.reset()
 
     def reset(self) -> None:
-        self._last: tuple[float, int] | None = None  # (end of the last step, its phase)
+        self._last: tuple[float, int] | None = None  # end of the last step, its phase
         self._backward_end: float | None = None
         self.steps = {p: deque(maxlen=self.window) for p in range(2)}
         self.after_backward = {p: deque(maxlen=self.window) for p in range(2)}
@@ -226,7 +226,7 @@ class PhaseSwitch:
         if not restored:  # a new run (or a second fit of this Trainer without a checkpoint)
             self.switched_at, self._snapshot = None, None
         if restored and self.switched_at is not None:
-            # (the optimizer's own state, its phase included, is restored after this hook)
+            # the optimizer's own state, its phase included, is restored after this hook
             rank_zero_info(
                 f"{type(opt).__name__}: resuming in the {opt.PHASES[1]} phase (1-bit exchange "
                 f"since optimizer step {self.switched_at + 1})"
@@ -260,7 +260,7 @@ class PhaseSwitch:
         opt.switch_step = step
         self.switch_step = step
         if step < total:
-            self._plan = how  # (said once the run's state is restored: announce)
+            self._plan = how  # said once the run's state is restored: announce
 
     def _start_local_steps(
         self, opt: ZeroOneAdam, total: float, restored: bool, front_end: FrontEnd
@@ -312,7 +312,7 @@ class PhaseSwitch:
         step, as the switch's own line does, and stands for it."""
         if not opt.catch_up_switch():
             return
-        self._plan = None  # (the switch it announced is past)
+        self._plan = None  # the switch it announced is past
         self.switched_at = opt.step_count  # the last uncompressed step: the checkpoint's
         rank_zero_info(_switch_message(opt, resumed=True))
 
@@ -421,7 +421,7 @@ class PhaseSwitch:
         if v is None:
             return
         now = opt.variance_as_frozen(max(1, v.numel() // self.sample))
-        assert now is not None  # (v exists)
+        assert now is not None  # v exists
         if self._snapshot is not None and self._snapshot.shape == now.shape:
             change = float((now - self._snapshot).norm() / now.norm().clamp_min(1e-30))
             stable = torch.tensor([1.0 if change < self.threshold else 0.0], device=now.device)

@@ -86,12 +86,12 @@ class OneBitStrategyBase(LauncherCheck):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         lifecycle.check_ddp_kwargs(kwargs)
-        given = _take_shared(args, kwargs)  # (what is left in kwargs is DDP's)
+        given = _take_shared(args, kwargs)  # what is left in kwargs is DDP's
         config = given.pop("deepspeed_config", None)
         options, hparams, note = StrategyOptions(**given).with_deepspeed_config(
             config, self.front_end
         )
-        # (LightningCLI follows **kwargs from here to DDPStrategy's own arguments)
+        # LightningCLI follows **kwargs from here to DDPStrategy's own arguments
         super().__init__(timeout=options.timeout, start_method=options.start_method, **kwargs)
         self.options = options
         self.builder = OptimizerBuilder(options, type(self).__name__, self.user_error, hparams)

@@ -45,7 +45,7 @@ from lightning_onebit.comm.hierarchical import (
     resolve_ranks_per_node,
 )
 
-# (tracebacks and reprs name the public path: ``lightning_onebit.comm.NonFiniteError``)
+# tracebacks and reprs name the public path: ``lightning_onebit.comm.NonFiniteError``
 NonFiniteError.__module__ = __name__
 
 __all__ = [

@@ -59,7 +59,7 @@ def new_group(
     kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     try:
         return dist.new_group(ranks=ranks, backend=backend, **kw)
-    except RuntimeError as err:  # (torch's DistError and its store/network errors too)
+    except RuntimeError as err:  # torch's DistError and its store/network errors too
         who = "every rank" if ranks is None else f"ranks {ranks}"
         raise RuntimeError(
             f"could not create {purpose} ({backend} process group of {who}, timeout "

@@ -129,10 +129,10 @@ class CompressedAllreduce(Exchange):
         self._cur = 0
         self._pending = False  # set cur awaits the deferred updates of the call that wrote it
         self._uncommitted: ExchangeHandle | None = None
-        # (W = 1 sends and gathers nothing: its result is the worker's record, see start)
+        # W = 1 sends and gathers nothing: its result is the worker's record, see start
         self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
-        self._out: torch.Tensor | None = None  # (made at the first result decoded without an out)
+        self._out: torch.Tensor | None = None  # made at the first result decoded without an out
         # device_verdict: whether each rank's scale was finite, and all of them (last call)
         self._finite_ranks = torch.ones(w, dtype=torch.bool, **kw)
         self._ok = torch.ones(1, dtype=torch.bool, **kw)
@@ -141,7 +141,7 @@ class CompressedAllreduce(Exchange):
         self.total_bytes_sent = 0  # this rank, since construction
         self.calls = 0
 
-    bounds = None  # (one exchange, no buckets)
+    bounds = None  # one exchange, no buckets
 
     @property
     def record_bytes(self) -> int:
@@ -292,7 +292,7 @@ class CompressedAllreduce(Exchange):
         )
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
         gathered = self._gathered
-        assert gathered is not None  # (W > 1)
+        assert gathered is not None  # W > 1
         with explained("all_gather", self.rank, self.world_size):
             work = all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
         return self._handle(out, c.shape, work, gathered, nxt, commit)
@@ -381,7 +381,7 @@ class CompressedAllreduce(Exchange):
                 self._wscale[cur].zero_()
                 self._srec[cur].view(torch.float32)[:1].zero_()
             state = (self._werr, self._send, self._wscale, self._sacc, self._srec)
-            # (W = 1 has no server stage: its buffers never change)
+            # W = 1 has no server stage: its buffers never change
             for bufs in state[: 3 if self.world_size == 1 else 5]:
                 kernels.restore_unless(ok, bufs[next_set], bufs[cur])
         self._cur = next_set
@@ -408,7 +408,7 @@ class CompressedAllreduce(Exchange):
         (``numel`` values; ``None``: an internal buffer the next decode overwrites), dropping
         the padding. Returns ``out``."""
         if out is None:
-            if self._out is None:  # (made at its first use)
+            if self._out is None:  # made at its first use
                 self._out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             out = self._out
         gathered = records
@@ -502,7 +502,7 @@ class CompressedAllreduce(Exchange):
         # The buffers hold y (c), and the bits sent are sign(y): the update y - s * sign(y) is
         # worker_update_error's with no x, one native sweep, bit for bit finish_pending's.
         cur = self._cur
-        if self.double_buffered:  # (one set: the worker updated its error after the verdict)
+        if self.double_buffered:  # one set: the worker updated its error after the verdict
             e = self._werr[cur]
             kernels.worker_update_error(e[:0], e, self._wscale[cur])
         e = self._sacc[cur]
@@ -527,7 +527,7 @@ class CompressedAllreduce(Exchange):
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
         self._werr[self._cur].zero_()
         self._sacc[self._cur].zero_()
-        for t in (*self._wscale, *self._srec):  # (scales 0: a pending update changes nothing)
+        for t in (*self._wscale, *self._srec):  # scales 0: a pending update changes nothing
             t.zero_()
         self._pending = False
 

@@ -324,7 +324,7 @@ class HierarchicalAllreduce(Exchange):
         record = self.inter.record_bytes
         self._block = torch.zeros(nn, record, dtype=torch.uint8, **kw)  # for a failed shard
         self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, **kw)
-        self._out: torch.Tensor | None = None  # (made at the first call without an out)
+        self._out: torch.Tensor | None = None  # made at the first call without an out
         self._uncommitted: _Handle | None = None
         # device_verdict: whether each rank's node was finite, and all of them (last call)
         self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, **kw)
@@ -442,7 +442,7 @@ class HierarchicalAllreduce(Exchange):
             self._uncommitted = handle
         return handle
 
-    bounds = None  # (one exchange, no buckets)
+    bounds = None  # one exchange, no buckets
 
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.start(tensor, out=out).wait()

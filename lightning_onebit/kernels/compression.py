@@ -92,7 +92,7 @@ def worker_compress(
         )
     source = None
     if isinstance(x, ExchangeSource):
-        if deferred and x.computed_as_read:  # (x: its geometry, for the checks; not read)
+        if deferred and x.computed_as_read:  # x: its geometry, for the checks; not read
             source, x = x, x.out[x.lo : x.hi]
         else:
             x = x.materialize()
@@ -131,7 +131,7 @@ def worker_compress(
     if source is not None:
         source.compress_as_read((error, bits, scale, error_out), pending, (prev_bits, prev_scale))
         return
-    if not deferred:  # (the error updated by a second sweep, or left)
+    if not deferred:  # the error updated by a second sweep, or left
         error_out, pending = None, False
     prev_bits, prev_scale = (prev_bits, prev_scale) if pending else (None, None)
     native.launch("worker_compress", device, x=x, error=error, error_out=error_out, bits=bits,

@@ -220,7 +220,7 @@ OPS: dict[str, Op] = {
         tensors="bits:rows scales:scales out:f32",
         cuda_kernels=True,
     ),
-    # (their tensors are checked as their sources' and worker_compress's)
+    # their tensors are checked as their sources' and worker_compress's
     "momentum_compress": Op(cpu=_MOMENTUM + _COMPRESS_CPU, cuda=_MOMENTUM + _COMPRESS_CUDA),
     "local_compress": Op(cpu=_LOCAL + _COMPRESS_CPU, cuda=_LOCAL + _COMPRESS_CUDA),
     "momentum_source": Op(
@@ -303,7 +303,7 @@ def check(name: str, **tensors: object) -> tuple[torch.device, list[tuple[str, t
     for arg, kind in op.kinds:
         t = tensors.pop(arg, None)
         if t is None or (kind == "f32s" and not isinstance(t, torch.Tensor)):
-            continue  # (per-segment tensors: checked with their segments)
+            continue  # per-segment tensors: checked with their segments
         if kind == "f32r" and isinstance(t, SignRuns):
             continue
         if kind == "ok":
@@ -378,7 +378,7 @@ class Table:
             coef = _array([c for row in self.coefs.values() for c in row], torch.float32, device)
             kept.append(coef)
             starts = itertools.accumulate((len(r) for r in self.coefs.values()), initial=0)
-            # (one start more than rows: the total)
+            # one start more than rows: the total
             out.update(
                 {k: coef.data_ptr() + 4 * j for k, j in zip(self.coefs, starts, strict=False)}
             )

@@ -85,7 +85,7 @@ def reference_worker_compress(
     """Pure-torch [`worker_compress`][lightning_onebit.kernels.compression.worker_compress] (same
     arguments, same results)."""
     e = error.reshape(-1).clone()
-    if pending:  # (read before bits and scale, which may be prev_bits and prev_scale, change)
+    if pending:  # read before bits and scale, which may be prev_bits and prev_scale, change
         finish_pending(
             e, bits if prev_bits is None else prev_bits, scale if prev_scale is None else prev_scale
         )
@@ -131,7 +131,7 @@ def reference_server_reduce(
         finish_pending(e, prev_bits, out_scale if prev_scale is None else prev_scale)
     w = bits.size(0)
     weights = scales.float() / w  # float32 division, as in the kernels
-    positive = _unpack(bits)  # (W, m)
+    positive = _unpack(bits)  # W, m
     c = torch.zeros(e.numel(), dtype=torch.float32, device=e.device)
     for i in range(w):  # row order matters for bitwise-identical floats
         c += _sign_times(positive[i], weights[i])
@@ -383,7 +383,7 @@ def reference_frozen_adam_update(
             torch.where(ok, m_new, exp_avg[s], out=exp_avg[s])
         x = exchanged[s].view_as(p)
         q = p.detach() if ok is None else p.clone()
-        # (one-tensor foreach ops: the optimizers' ops, also on CUDA, where torch fuses them)
+        # one-tensor foreach ops: the optimizers' ops, also on CUDA, where torch fuses them
         if w > 0:
             torch._foreach_add_([q], [q], alpha=-a * w)
         if preconditioned:

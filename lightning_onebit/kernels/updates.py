@@ -95,7 +95,7 @@ def adam_update(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
     if ok is not None:
-        if device.type != "cuda":  # (a host read: free off the GPU)
+        if device.type != "cuda":  # a host read: free off the GPU
             if not bool(ok):
                 return
             ok = None
@@ -167,7 +167,7 @@ def frozen_adam_update(
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     if runs is not None:
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
-    if device.type == "cpu" and ok is not None:  # (a host read: free off the GPU)
+    if device.type == "cpu" and ok is not None:  # a host read: free off the GPU
         if not bool(ok):
             return
         ok = None
@@ -183,7 +183,7 @@ def frozen_adam_update(
         nlw = [-a * w if w > 0 or cuda else 0.0 for a, w in zip(lr, weight_decay, strict=True)]
         table = native.param_table(params, starts, {"nlr": [-a for a in lr], "nlw": nlw})
         native.launch("frozen_adam_update", device, table, ok=ok, **args, precond=preconditioned)
-        for p in params:  # (written through raw pointers: see adam_update)
+        for p in params:  # written through raw pointers: see adam_update
             torch.autograd.graph.increment_version(p)
         return
     if runs is not None:
@@ -280,13 +280,13 @@ def lamb_frozen_update(
         if not native.use_native():
             exchanged = decode_runs(runs, torch.zeros_like(exp_avg))
     on_gpu = device.type == "cuda" and native.HAS_CUDA and native.use_native()
-    if ok is not None and not on_gpu and not bool(ok):  # (a host read: free off the GPU)
+    if ok is not None and not on_gpu and not bool(ok):  # a host read: free off the GPU
         update[: offsets[-1] if offsets else 0].zero_()
         stats = torch.zeros(n_layers, 3, dtype=torch.float64, device=device)
         stats[:, 0] = 1.0
         return stats
     fold = device.type == "cpu" and native.use_native()
-    if preconditioned and not fold:  # (the CPU kernel scales x back as it reads it)
+    if preconditioned and not fold:  # the CPU kernel scales x back as it reads it
         n = offsets[-1] if offsets else 0
         exchanged[:n].mul_(denom[:n])
     if not native.use_native() or (device.type == "cuda" and not native.HAS_CUDA):
@@ -351,7 +351,7 @@ def layer_step(
     ):
         table = native.param_table(params, starts, {})
         native.launch("layer_step", device, table, update=update, alpha=alpha)
-        for p in params:  # (written through raw pointers: see adam_update)
+        for p in params:  # written through raw pointers: see adam_update
             torch.autograd.graph.increment_version(p)
         return
     reference_layer_step(update, params, starts, alpha)
@@ -410,7 +410,7 @@ def local_step(
     ran = native.launch("local_step", device, table, exp_avg=exp_avg, denom=denom, acc=acc)
     if not ran:
         return False
-    for p in params:  # (written through raw pointers: see adam_update)
+    for p in params:  # written through raw pointers: see adam_update
         torch.autograd.graph.increment_version(p)
     return True
 
@@ -475,7 +475,7 @@ def sync_update(
     native.launch("sync_update", device, table, **args, acc=acc, floored=floored,
                   precond=preconditioned)  # fmt: skip
     if direct:
-        for p in params:  # (written through raw pointers: see adam_update)
+        for p in params:  # written through raw pointers: see adam_update
             torch.autograd.graph.increment_version(p)
     else:
         synced = tensors[3]

@@ -19,7 +19,7 @@ from lightning_onebit.optim.onebit_adam import OneBitAdam
 from lightning_onebit.optim.onebit_lamb import OneBitLamb
 from lightning_onebit.optim.zero_one_adam import ZeroOneAdam
 
-# (tracebacks and reprs name the public path: ``lightning_onebit.optim.DivergenceError``)
+# tracebacks and reprs name the public path: ``lightning_onebit.optim.DivergenceError``
 DivergenceError.__module__ = __name__
 
 __all__ = [

@@ -116,7 +116,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     max_consecutive_skips: int = 10
     #: What a compression phase whose parameters blow up does (``divergence``): ``"warn"``
     #: (once, naming the parameter) or ``"raise"`` (``DivergenceError`` on every rank).
-    on_divergence: str = "warn"  # (one of DIVERGENCE_ACTIONS)
+    on_divergence: str = "warn"  # one of DIVERGENCE_ACTIONS
     #: Flat per-parameter states, per-parameter scalar states with their initial values, flat
     #: scratch buffers (not checkpointed), optimizer-wide checkpointed attributes (subclasses).
     _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
@@ -159,10 +159,10 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             rescale_variance=rescale_variance,
         )
         check_common_args(name, amsgrad, decoupled_weight_decay, hierarchical, ranks_per_node)
-        if not decoupled_weight_decay:  # (a group key only where it is not the default)
+        if not decoupled_weight_decay:  # a group key only where it is not the default
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
-        self._check_hparams(defaults)  # (the same message as check_options: no prefix)
+        self._check_hparams(defaults)  # the same message as check_options: no prefix
         check_shared_options(shared)
         super().__init__(params, defaults)
         self.bias_correction = bool(shared["bias_correction"])
@@ -186,19 +186,19 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         self.phases = Phases(self.PHASES)
         self.verdict = StepVerdict(name, self.DEVICE_VERDICT)
         self.counters = CommCounters()  # bytes sent (``comm_stats``)
-        self.topology = Topology(process_group, hierarchical, ranks_per_node)  # (not saved)
+        self.topology = Topology(process_group, hierarchical, ranks_per_node)  # not saved
         #: ``rescale_variance``'s counters and blocks
         self.rescale = VarianceRescale(self.rescale_variance, self.topology, self.counters)
         scalars = (*self._scalar_states, *self.rescale.states)
         self.checkpoint = CheckpointLayout((*self._flat_states, *scalars), self._checkpoint_attrs)
         # composed, not checkpointed
         self.flat = FlatState(name)  # built at the first step
-        self.overlap: BackwardOverlap | None = None  # (``overlap_with_backward``)
+        self.overlap: BackwardOverlap | None = None  # ``overlap_with_backward``
         #: each tensor's growth in the compression phase (``growth``, ``every``: tunable)
         self.divergence = DivergenceWatch()
         self._held = HeldParams()  # this step's parameters without a gradient
-        self._grads_checked = False  # (check_grads_are_local: once)
-        register(self)  # (closed at interpreter exit)
+        self._grads_checked = False  # check_grads_are_local: once
+        register(self)  # closed at interpreter exit
 
     # ------------------------------------------------------------------ what subclasses define
 
@@ -296,7 +296,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             self.overlap.collect()
         self.counters.start_step()
         if self.rescale.due and self.verdict.uses_device(self.flat.layout.device):
-            self.rescale.reduce_(self.flat, self.param_groups)  # (the host knows the verdict)
+            self.rescale.reduce_(self.flat, self.param_groups)  # the host knows the verdict
         counters = snapshot(self, self._host_counters)
         self.step_count += 1
         self.verdict.start_step()
@@ -340,7 +340,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             self.param_groups, self.state, buffers, self.overlap, self.topology,
             self.verdict.uses_device, joined,
         ):  # fmt: skip
-            self.divergence.reset()  # (its tensors are the layout's)
+            self.divergence.reset()  # its tensors are the layout's
             self._on_layout()
 
     def _apply_last_step(self) -> None:
@@ -348,7 +348,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         kept = self.verdict.apply_last_step(
             partial(restore, self), self._skipped, self._skipped_locally
         )
-        self._held.count_missed(self, kept)  # (its held parameters' missed step counts if it did)
+        self._held.count_missed(self, kept)  # its held parameters' missed step counts if it did
 
     def _skipped(self, err: NonFiniteError) -> None:
         """Drop the step on every rank, as if its batch had not been there (``StepVerdict``)."""
@@ -362,19 +362,19 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         two steps; a no-op once switched): fold the bias corrections, floor the variance."""
         if self.phases.switched:
             return
-        self._apply_last_step()  # (the last step's counts are final)
+        self._apply_last_step()  # the last step's counts are final
         self._rebuild_if_stale()
-        self._held.release(self)  # (the switch step's: before the state changes meaning)
+        self._held.release(self)  # the switch step's: before the state changes meaning
         self.phases.switch()
-        self.flat.stale_denominator()  # (v changed until now)
-        if self.rescale.enabled:  # (Adam's variance as it stands: before the fold and floor)
+        self.flat.stale_denominator()  # v changed until now
+        if self.rescale.enabled:  # Adam's variance as it stands: before the fold and floor
             bc2 = [
                 bias_corrections(self, gi, j)[1] for j, gi in enumerate(self.flat.layout.group_of)
             ]
             self.rescale.at_switch_(self.flat, bc2, self.variance_updates)
         freeze_variance_(self)
         self._on_freeze()
-        self.flat.release_scratch()  # (the warmup's: the compression phase makes what it uses)
+        self.flat.release_scratch()  # the warmup's: the compression phase makes what it uses
         self.divergence.reset()
 
     def catch_up_switch(self) -> bool:

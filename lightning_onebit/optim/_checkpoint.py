@@ -53,8 +53,8 @@ class CheckpointLayout:
         entry."""
         for saved, group in zip(state["param_groups"], opt.param_groups, strict=True):
             steps = torch.tensor(float(opt.step_count - group.get("joined_at", (0, 0))[0]))
-            for i in saved["params"]:  # (torch's packed indices)
-                if i in state["state"]:  # (less the steps it had no gradient in: torch's count)
+            for i in saved["params"]:  # torch's packed indices
+                if i in state["state"]:  # less the steps it had no gradient in: torch's count
                     missed = state["state"][i].get("steps_without_grad", (0, 0))[0]
                     state["state"][i] = {**state["state"][i], "step": steps - missed}
         state["onebit"] = self._entry(opt)
@@ -98,7 +98,7 @@ class CheckpointLayout:
         before ``torch_load`` (torch's loader, which would cast them to the parameters' dtype)
         and put into ``opt.state`` in fp32, for the next layout to adopt. Returns whether the
         state dict was another optimizer's (torch Adam's: no ``"onebit"`` entry)."""
-        opt.verdict.pending = None  # (of the steps the loaded state replaces)
+        opt.verdict.pending = None  # of the steps the loaded state replaces
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         saved_groups = [dict(g) for g in state_dict["param_groups"]]
@@ -134,7 +134,7 @@ class CheckpointLayout:
         for idx, pstate in state_dict["state"].items():
             mine = {k: v for k, v in pstate.items() if k in ours and isinstance(v, torch.Tensor)}
             other = {k: v for k, v in pstate.items() if k not in mine}
-            other.pop("step", None)  # (torch Adam's count: see state_dict)
+            other.pop("step", None)  # torch Adam's count: see state_dict
             if mine and idx in id_map:
                 kept[id_map[idx]] = mine
             if other:
@@ -154,11 +154,11 @@ class CheckpointLayout:
         opt.step_count = int(extra.get("step_count", max(torch_steps, default=0)))
         if foreign:
             for group, steps in zip(opt.param_groups, torch_steps, strict=True):
-                for k, v in opt.defaults.items():  # (e.g. 1-bit LAMB's, which Adam lacks)
+                for k, v in opt.defaults.items():  # e.g. 1-bit LAMB's, which Adam lacks
                     group.setdefault(k, v)
                 if 0 < steps < opt.step_count:
                     group["joined_at"] = (opt.step_count - steps,) * 2
-        # (a checkpoint from before the counter: every step had updated the variance)
+        # a checkpoint from before the counter: every step had updated the variance
         opt.variance_updates = int(extra.get("variance_updates", opt.step_count))
         opt.verdict.skipped_steps = int(extra.get("skipped_steps", 0))
         opt.phases.restore(extra.get("phase", opt.phases.first.value))
@@ -183,7 +183,7 @@ class Checkpointed:
         error buffers ([`rank_state_dict`][lightning_onebit.optim.OneBitOptimizer.rank_state_dict]).
         Each parameter's state has torch Adam's ``step`` too, so that ``torch.optim.Adam``/``AdamW``
         can load it."""
-        self._apply_last_step()  # (the counts must be final)
+        self._apply_last_step()  # the counts must be final
         return self.checkpoint.save(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

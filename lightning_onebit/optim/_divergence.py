@@ -73,7 +73,7 @@ class DivergenceWatch:
             None  # per tensor: its RMS, at least 1% of the largest
         )
         self._sqrt_numel: torch.Tensor | None = None
-        self._host: torch.Tensor | None = None  # (CUDA: the pinned copy of a check's result)
+        self._host: torch.Tensor | None = None  # CUDA: the pinned copy of a check's result
         self.since = 0
         #: the last check's ``(step, device result, CUDA event or None)``, not read yet
         self.pending: tuple[int, torch.Tensor, Any] | None = None
@@ -92,12 +92,12 @@ class DivergenceWatch:
             self.reference, self.since = torch.maximum(rms, 0.01 * rms.max()), step
             return found
         ratio = norms / self._sqrt_numel / self.reference
-        # (a NaN anywhere makes the max NaN: it counts as an infinite growth)
+        # a NaN anywhere makes the max NaN: it counts as an infinite growth
         worst = torch.stack([ratio.max(), ratio.argmax().to(ratio.dtype)]).nan_to_num_(
             nan=inf, posinf=inf
         )
         if worst.is_cuda:  # read at the next check, without waiting
-            if self._host is None:  # (pinned once: allocating it could wait for the GPU)
+            if self._host is None:  # pinned once: allocating it could wait for the GPU
                 self._host = torch.empty(2, dtype=worst.dtype, pin_memory=True)
             host = self._host
             host.copy_(worst, non_blocking=True)
@@ -149,7 +149,7 @@ class DivergenceWatch:
         if event is not None:
             event.synchronize()
         ratio, index = host.tolist()
-        if not ratio > self.growth:  # (a NaN ratio was made inf: it counts)
+        if not ratio > self.growth:  # a NaN ratio was made inf: it counts
             return None
         return Growth(int(index), ratio, step, self.since)
 

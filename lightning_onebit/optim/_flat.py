@@ -113,7 +113,7 @@ class FlatState:
         #: made at its first use and kept until ``release_scratch``
         self._scratch: dict[str, torch.Tensor] = {}
         self._scratch_names: tuple[str, ...] = ()
-        self._scratch_lock = threading.Lock()  # (first uses may come from backward's hooks)
+        self._scratch_lock = threading.Lock()  # first uses may come from backward's hooks
         self._scratch_layout: Layout | None = None
         self.work: Mapping[str, torch.Tensor] = _Work(self, ())
         self.views: dict[str, list[torch.Tensor]] = _Views(self)
@@ -244,7 +244,7 @@ class FlatState:
             for name in self._scratch:
                 dict.pop(self.views, name, None)
             self._scratch = {}
-            self.gathered.clear()  # (gathered into the buffer let go)
+            self.gathered.clear()  # gathered into the buffer let go
 
     def stale_denominator(self) -> None:
         """Mark ``denominator`` out of date (the variance, or its scales, changed): the next
@@ -331,7 +331,7 @@ class FlatState:
                 nodes=overlap.nodes() if overlap is not None else nodes,
                 device_verdict=device_verdict,
             )  # fmt: skip
-        elif ex is None:  # (double buffered: its worker compression is one sweep, see comm.flat)
+        elif ex is None:  # double buffered: its worker compression is one sweep, see comm.flat
             ex = make_exchange(
                 n, layout.device, group, nodes, double_buffered=True, device_verdict=device_verdict
             )
@@ -433,7 +433,7 @@ class FlatState:
             torch._foreach_copy_(dst, src)
         for j in adjust:
             group, view = param_groups[of[j]], views[j]
-            if group.get("maximize", False):  # (as torch's Adam: before the L2 term)
+            if group.get("maximize", False):  # as torch's Adam: before the L2 term
                 view.neg_()
             if not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0:
                 view.add_(params[j], alpha=group["weight_decay"])  # torch Adam's L2 term
@@ -460,7 +460,7 @@ class FlatState:
             if j in self.gathered or not self._read_in_place(param_groups[of[j]], g):
                 copy.append(k)
             out.append(g)
-        if copy:  # (only then is the flat buffer made: see scratch)
+        if copy:  # only then is the flat buffer made: see scratch
             views = self.views["grad"]
             for k in copy:
                 out[k] = views[only[k]]
@@ -472,7 +472,7 @@ class FlatState:
         the values ``gather_grads`` would copy, readable where they lie."""
         if self.layout.device.type != "cpu":
             return False
-        if g is None:  # (zeros: gather_grads neither negates nor decays a missing gradient)
+        if g is None:  # zeros: gather_grads neither negates nor decays a missing gradient
             return True
         l2 = not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0
         return (

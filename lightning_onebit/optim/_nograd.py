@@ -91,7 +91,7 @@ class _Agreement:
     ) -> None:
         params, device = opt.flat.layout.params, opt.flat.layout.device
         used = [int(params[j].grad is not None) for j in ask]
-        if device.type == "cuda":  # (from pinned memory: no host synchronisation)
+        if device.type == "cuda":  # from pinned memory: no host synchronisation
             self.flags = on_device(used, torch.uint8, device)
         else:
             self.flags = torch.tensor(used, dtype=torch.uint8)
@@ -201,7 +201,7 @@ class HeldParams:
             return
         k = opt.variance_updates - variance_updates
         missed = [(layout.params[j], k) for j, keep in zip(idx, kept, strict=True) if keep]
-        if opt.verdict.on_device:  # (counted when the host learns the step went through)
+        if opt.verdict.on_device:  # counted when the host learns the step went through
             self.uncounted = missed
         else:
             _count(opt, missed)

@@ -243,7 +243,7 @@ def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]
     cache = opt.flat.denominator
     if cache is None or cache[2] != eps:
         v = opt.flat.states["exp_avg_sq"]
-        if cache is None:  # (dropped at every rebuild of the layout)
+        if cache is None:  # dropped at every rebuild of the layout
             d = torch.empty_like(v)
             views = opt.flat.layout.views(d)
         else:  # out of date (FlatState.stale_denominator, another eps): recomputed in place

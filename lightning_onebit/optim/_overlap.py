@@ -162,7 +162,7 @@ class BackwardOverlap:
             size += layout.params[j].numel() * 4  # fp32 in the flat buffers
             cap = min(self.cap, FIRST_BUCKET_BYTES) if not bounds else self.cap
             first_of_group = j == 0 or layout.group_of[j - 1] != layout.group_of[j]
-            if size >= cap or first_of_group:  # (a bucket is one group's: its own scale)
+            if size >= cap or first_of_group:  # a bucket is one group's: its own scale
                 start = layout.offsets[j]
                 for k in members:
                     of[k] = len(bounds)
@@ -300,7 +300,7 @@ class BackwardOverlap:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream = self._stream
-        with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():  # (2.)
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():  # 2.
             for event in events:
                 stream.wait_event(event)
             work = self._start_bucket(b, s, source)
@@ -348,7 +348,7 @@ class BackwardOverlap:
         """Average the flat gradient buffer over the ranks, bucket by bucket: wait for the
         buckets backward started, start the others (their gradients are in the buffer by now)."""
         works, self._works = self._works, []
-        works += [  # (step() gathered their gradients)
+        works += [  # step() gathered their gradients
             self._start_all_reduce(self.opt.flat.grad[lo:hi])
             for lo, hi in self.bounds[len(works) :]
         ]
@@ -371,7 +371,7 @@ class BackwardOverlap:
                 wait()
 
     def _reset_round(self) -> None:
-        self.opt.flat.gathered = set()  # (what this round's hooks gathered: forgotten with it)
+        self.opt.flat.gathered = set()  # what this round's hooks gathered: forgotten with it
         self._ready = set()
         self._missing = [len(m) for m in self.bucket_params]
         self._events = [[] for _ in self.bucket_params]
@@ -424,7 +424,7 @@ def replace_overlap(
     cap = None
     if bucket_cap_mb is not None:
         check_real("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_open=True)
-        cap = max(4, int(bucket_cap_mb * 2**20))  # (bytes: at least one fp32 value)
+        cap = max(4, int(bucket_cap_mb * 2**20))  # bytes: at least one fp32 value
     if current is not None:
         if cap == current.cap and timeout == current.timeout:
             return current

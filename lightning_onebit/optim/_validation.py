@@ -242,12 +242,12 @@ def check_grads_are_local(opt: OneBitOptimizer) -> bool:
     allreduce plus the 1-bit exchange; or every rank trains on the same batches. Two 2-value
     all_reduces. Returns whether the step was one (checked): the caller checks once a run."""
     if opt.expects_averaged_grads and not opt.average_warmup_grads:
-        return False  # (the caller averages this step's gradients)
+        return False  # the caller averages this step's gradients
     if opt.world_size < 2:
         return True
     grads = [p.grad for p in opt.flat.layout.params if p.grad is not None]
     summary = torch.zeros(2, dtype=torch.float64, device=opt.flat.layout.device)
-    for g in grads:  # (every rank takes part, with or without gradients)
+    for g in grads:  # every rank takes part, with or without gradients
         summary += torch.stack([g.double().sum(), g.double().abs().sum()])
     low = summary.clone()
     group = opt.process_group

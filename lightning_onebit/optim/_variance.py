@@ -101,7 +101,7 @@ def floor_variance_(
     counts: list[torch.Tensor] = []
     for gi, _, s in opt.flat.segments(opt.param_groups):
         idx = opt.flat.layout.group_params(gi)
-        # (tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps)
+        # tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps
         group_mean = v[s].mean(dtype=torch.float64)
         for j in idx:
             mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
@@ -109,7 +109,7 @@ def floor_variance_(
             if floors is not None:
                 kept = floor if ok is None else torch.where(ok, floor, floors[j])
                 floors[j].copy_(kept.reshape(floors[j].shape))
-            if ok is not None:  # (a dropped step: v as it was, floor -inf changes nothing)
+            if ok is not None:  # a dropped step: v as it was, floor -inf changes nothing
                 floor = torch.where(ok, floor, -math.inf).reshape(())
             if report:
                 counts.append((views[j] <= floor).sum())

@@ -41,7 +41,7 @@ def verdict_message(finite: list[bool], kind: str, step: int) -> str:
     if kind == "average":
         return f"the averaged gradient has non-finite values (NaN/Inf) at step {step}"
     bad = [i for i, f in enumerate(finite) if not f]
-    # (the hierarchical exchange's non-finite shard reaches every node: it names none)
+    # the hierarchical exchange's non-finite shard reaches every node: it names none
     where = f"rank(s) {bad} of {len(finite)}" if len(bad) < len(finite) else "a rank"
     return (
         f"non-finite values (NaN/Inf) entered the 1-bit exchange on {where} at step {step}; "

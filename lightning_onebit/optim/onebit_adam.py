@@ -183,13 +183,13 @@ class OneBitAdam(OneBitOptimizer):
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients
             ok = average_(self, self.flat.gather_grads(self.param_groups))
-            self.rescale.warmup_(self.flat, ok)  # (rescale_variance: the gradients' scale)
+            self.rescale.warmup_(self.flat, ok)  # rescale_variance: the gradients' scale
             # 1b + 3. Adam's moments and update, one fused sweep
             adam_step_(self, ok=ok)
             if self.step_count >= self.freeze_step:
                 self.verdict.read_on_host(
                     self.step_count
-                )  # (the switch needs it: read on the host, once)
+                )  # the switch needs it: read on the host, once
                 self.freeze()
             return
 
@@ -210,7 +210,7 @@ class OneBitAdam(OneBitOptimizer):
         # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner (one
         # sweep: m and p)
         frozen_adam_update_(self, ok, x)
-        # (rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale)
+        # rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale
         if self.rescale_variance:
             grads = self.flat.grads(self.param_groups, list(range(len(self.flat.layout.params))))
             self.rescale.accumulate_(self.flat, self.param_groups, grads, reduce=True, ok=ok)

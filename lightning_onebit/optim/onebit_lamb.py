@@ -251,7 +251,7 @@ class OneBitLamb(OneBitOptimizer):
             )
         if "factor_threshold" in o:
             check_real("factor_threshold", o["factor_threshold"], 0.0, math.inf)
-        if "max_coeff" in o and "min_coeff" in o:  # (also per param group: _check_hparams)
+        if "max_coeff" in o and "min_coeff" in o:  # also per param group: _check_hparams
             OneBitLamb._check_coeffs(o["max_coeff"], o["min_coeff"])
 
     @staticmethod
@@ -296,7 +296,7 @@ class OneBitLamb(OneBitOptimizer):
         self._seed_coeffs = True
 
     def _ready_to_switch(self) -> bool:
-        return not self._seed_coeffs  # (one warmup step measures the trust ratios first)
+        return not self._seed_coeffs  # one warmup step measures the trust ratios first
 
     def _on_freeze(self) -> None:
         # 2. the fresh variance starts from the frozen one
@@ -353,7 +353,7 @@ class OneBitLamb(OneBitOptimizer):
         groups, of = self.param_groups, self.flat.layout.group_of
         if key in ("beta1", "beta2"):
             return [groups[gi]["betas"][int(key[-1]) - 1] for gi in of]
-        if key == "weight_decay":  # (the decoupled part: an L2 term is in the gradient)
+        if key == "weight_decay":  # the decoupled part: an L2 term is in the gradient
             return [decoupled_decay(groups[gi]) for gi in of]
         return [groups[gi][key] for gi in of]
 
@@ -365,7 +365,7 @@ class OneBitLamb(OneBitOptimizer):
         device = self.flat.layout.device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         cached = self._per_layer_cache.get(key)
-        if cached is None or cached[:2] != (values, stream):  # (a stream names its device)
+        if cached is None or cached[:2] != (values, stream):  # a stream names its device
             t = (
                 torch.tensor(values, dtype=torch.float32)
                 if stream is None
@@ -414,14 +414,14 @@ class OneBitLamb(OneBitOptimizer):
             ema = lamb_coeff_freeze * beta + coeff * (1 - beta)
             if ok is not None:
                 defined = defined & ok
-                coeff = torch.where(ok, coeff, 0.0)  # (u is finite: p + 0 * u = p)
+                coeff = torch.where(ok, coeff, 0.0)  # u is finite: p + 0 * u = p
             lamb_coeff_freeze.copy_(torch.where(defined, ema, lamb_coeff_freeze))
             # 1e. update
             self._scale_layers_and_step_(u, coeff)
             if self.step_count >= self.freeze_step:
                 self.verdict.read_on_host(
                     self.step_count
-                )  # (the switch needs it: read on the host, once)
+                )  # the switch needs it: read on the host, once
                 self.freeze()  # 2.
             return
 
@@ -442,7 +442,7 @@ class OneBitLamb(OneBitOptimizer):
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
         # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
         # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
-        # (p: each layer's parameter where it lies, read by the kernel for the decay term)
+        # p: each layer's parameter where it lies, read by the kernel for the decay term
         layers = list(range(len(self.flat.layout.params)))
         p = self.flat.params(layers) if any_weight_decay(self) else None
         hparams = ("beta1", "beta2", "eps", "weight_decay")

@@ -397,7 +397,7 @@ class ZeroOneAdam(OneBitOptimizer):
         if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
             self._synchronize_on_verdict_(ok, u, this_step)
             return
-        taken = self._local_steps_taken  # (acc is consumed by the exchange: zeroed below)
+        taken = self._local_steps_taken  # acc is consumed by the exchange: zeroed below
         self._add_this_step_lr(this_step)
         # m = -acc / lrs (acc in momentum units: u * (sqrt(v) + eps) when it was exchanged in
         # parameter units), 0 where v was floored (see _rebuild_momentum_); p = last synced point
@@ -510,7 +510,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self.verdict.start_step()
         try:
             self._synchronize_(source, this_step=False)
-            self.verdict.read_on_host(self.step_count)  # (not a step: said now, a host read)
+            self.verdict.read_on_host(self.step_count)  # not a step: said now, a host read
         except NonFiniteError:
             restore(self, counters)
             raise
@@ -537,7 +537,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 u[s].add_(p[s], alpha=decoupled_decay(group))
             torch.where(ok, m_new, m[s], out=m[s])
             torch.where(ok, torch.add(acc[s], u[s], alpha=-group["lr"]), acc[s], out=acc[s])
-        u.masked_fill_(ok.logical_not(), 0.0)  # (p - lr * 0 = p)
+        u.masked_fill_(ok.logical_not(), 0.0)  # p - lr * 0 = p
         self.flat.add_to_params_(self.param_groups, u, alpha=[-g["lr"] for g in self.param_groups])
         self.rescale.accumulate_(self.flat, self.param_groups, self.flat.views["grad"], False, ok)
 
@@ -548,11 +548,11 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.phase == Phase.VARIANCE:
             g = self.flat.gather_grads(self.param_groups)
             variance_step = self._variance_step(t)
-            # (ok: on CUDA the step's verdict, on the device: its writes take it)
+            # ok: on CUDA the step's verdict, on the device: its writes take it
             if variance_step:
                 # 1a. variance step: full-precision gradient, both moments
                 ok = average_(self, g)
-                self.rescale.warmup_(self.flat, ok)  # (rescale_variance: the gradients' scale)
+                self.rescale.warmup_(self.flat, ok)  # rescale_variance: the gradients' scale
             else:
                 # 1b. 1-bit averaged gradient, momentum only
                 ok = compressed_average_(self, self._exchange_source, out=g)
@@ -574,7 +574,7 @@ class ZeroOneAdam(OneBitOptimizer):
             if t >= self.var_freeze_step:
                 self.verdict.read_on_host(
                     self.step_count
-                )  # (the switch needs it: read on the host, once)
+                )  # the switch needs it: read on the host, once
                 self.freeze()  # 2.
             return
 
@@ -584,7 +584,7 @@ class ZeroOneAdam(OneBitOptimizer):
             #       (_exchange_source; started during backward with overlap_with_backward()).
             #       A NaN/Inf on any rank drops the step on every rank, as in the other phases.
             self._synchronize_(self._exchange_source, this_step=True)
-            # (the local steps' sums with this one)
+            # the local steps' sums with this one
             if self.rescale_variance:
                 grads = self.flat.grads(
                     self.param_groups, list(range(len(self.flat.layout.params)))
@@ -594,7 +594,7 @@ class ZeroOneAdam(OneBitOptimizer):
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
             #     its rank alone: that rank sits the step out (its lr still counts, so that every
             #     rank derives the same m at the next synchronisation).
-            if self.verdict.uses_device(self.flat.layout.device):  # (learnt at the next step)
+            if self.verdict.uses_device(self.flat.layout.device):  # learnt at the next step
                 self._local_step_on_verdict_(self.flat.gather_grads(self.param_groups))
                 self._next_local_interval()
                 return
@@ -618,6 +618,6 @@ class ZeroOneAdam(OneBitOptimizer):
     def _next_local_interval(self) -> None:
         # 3d. the local step interval doubles every local_step_scaler steps
         self.local_step_counter += 1
-        if self.local_step_counter >= self.local_step_scaler:  # (>=: a scaler lowered mid-run)
+        if self.local_step_counter >= self.local_step_scaler:  # >=: a scaler lowered mid-run
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)

@@ -79,7 +79,7 @@ def _comm_methods(
                 return
             key = (kind, sl.start, n)
             if key not in exchanges:  # one per bucket, built once (collectively, in order)
-                exchanges[key] = (  # (double buffered, as the optimizers' exchanges)
+                exchanges[key] = (  # double buffered, as the optimizers' exchanges
                     CompressedAllreduce(n, device=device, double_buffered=True)
                     if kind == "flat"
                     else HierarchicalAllreduce(n, nodes, device=device, double_buffered=True)
@@ -111,7 +111,7 @@ def _updates(numel: int, device: torch.device, repeats: int) -> tuple[dict, dict
     (DDP), 1-bit Adam's warmup step and its compression step less its exchange (both run on
     a group of this rank alone, which sends nothing); and the exchange's kernels alone."""
     w, rank = dist.get_world_size(), dist.get_rank()
-    alone = [dist.new_group([r]) for r in range(w)][rank]  # (new_group: every rank, in order)
+    alone = [dist.new_group([r]) for r in range(w)][rank]  # new_group: every rank, in order
     p = torch.nn.Parameter(torch.randn(numel, device=device))
     p.grad = torch.randn_like(p) * 1e-3
     adam = torch.optim.Adam([p], lr=1e-6)

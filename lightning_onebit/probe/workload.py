@@ -155,7 +155,7 @@ def overlapped(
     head = total - sizes[-1] // 4
 
     def on_thread(sl: slice) -> None:
-        if compute.device.type == "cuda":  # (a new thread's current device is 0)
+        if compute.device.type == "cuda":  # a new thread's current device is 0
             torch.cuda.set_device(compute.device)
             # its own stream, after the work so far, as the strategies' communication thread
             stream = torch.cuda.Stream(compute.device)
