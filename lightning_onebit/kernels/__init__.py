@@ -68,6 +68,7 @@ from lightning_onebit.kernels.updates import (
     lamb_frozen_update,
     layer_step,
     local_step,
+    reads_sign_runs,
     restore_unless,
     sync_update,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "local_step",
     "momentum_source",
     "on_device",
+    "reads_sign_runs",
     "reference_adam_update",
     "reference_decompress",
     "reference_frozen_adam_update",

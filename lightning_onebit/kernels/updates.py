@@ -35,9 +35,17 @@ __all__ = [
     "lamb_frozen_update",
     "layer_step",
     "local_step",
+    "reads_sign_runs",
     "restore_unless",
     "sync_update",
 ]
+
+
+def reads_sign_runs(device: torch.device) -> bool:
+    """Whether the update kernels on ``device`` read an exchange's result where it lies, as
+    [SignRuns][lightning_onebit.kernels.SignRuns] (the compiled CPU kernels), so that it need
+    not be decoded into a buffer first; elsewhere they take the decoded values."""
+    return device.type == "cpu" and native.use_native()
 
 
 def adam_update(

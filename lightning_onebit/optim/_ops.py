@@ -24,7 +24,7 @@ from lightning_onebit.kernels import (
     SignRuns,
     adam_update,
     frozen_adam_update,
-    use_native,
+    reads_sign_runs,
 )
 from lightning_onebit.optim._nograd import any_missed_steps
 from lightning_onebit.optim._variance import bias_corrections
@@ -120,12 +120,6 @@ def finite(flat: torch.Tensor) -> bool:
     propagate NaN; +Inf is the max, -Inf the min). A float64 sum would be as exact but
     materialises a float64 copy of the buffer."""
     return bool(finite_on_device(flat))
-
-
-def reads_sign_runs(device: torch.device) -> bool:
-    """Whether the update kernels read an exchange's result undecoded on ``device`` (the
-    compiled CPU kernels take [kernels.SignRuns][lightning_onebit.kernels.SignRuns])."""
-    return device.type == "cpu" and use_native()
 
 
 def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
