@@ -89,6 +89,8 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         ([`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups]). ranks_per_node: ranks
         per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
             the byte counters' ``_inter`` parts use it too.
+        decoupled_weight_decay: ``True``: ``weight_decay`` is AdamW's ``p -= lr * wd * p``;
+            ``False``: torch Adam's L2 term ``g += wd * p`` (also a param-group key).
         deepspeed_compatible: DeepSpeed's values for the options of ``DEEPSPEED_ARITHMETIC``
             (``ValueError`` where one is also given a value other than its default).
     """
@@ -438,12 +440,6 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             ValueError: ``stride < 1``.
         """
         return variance_sample(self, stride)
-
-    @property
-    def comm_stats(self) -> dict[str, int]:
-        """Bytes sent: ``bytes_last_step``, ``bytes_total``, ``fp32_equiv_total`` (fp32 ring
-        allreduces' bytes) and their ``_inter`` parts (what left the node)."""
-        return self.counters.totals
 
     @property
     def skipped_steps(self) -> int:

@@ -12,6 +12,7 @@ from lightning_onebit.optim._overlap import BackwardOverlap, replace_overlap
 from lightning_onebit.optim._topology import Delegated
 
 if TYPE_CHECKING:
+    from lightning_onebit.optim._counters import CommCounters
     from lightning_onebit.optim._flat import FlatState
     from lightning_onebit.optim._topology import Topology
 
@@ -19,13 +20,15 @@ __all__ = ["Connections"]
 
 
 class Connections:
-    """The communication set-up of ``OneBitOptimizer``: its process group (``topology``), the
-    node groups, the overlap with backward (``overlap``), connecting them at once and closing
-    them. It uses the optimizer's ``topology``, ``overlap`` and ``flat``."""
+    """The communication of ``OneBitOptimizer``: its process group (``topology``), the node
+    groups, the overlap with backward (``overlap``), connecting them at once and closing them,
+    and the bytes sent. It uses the optimizer's ``topology``, ``overlap``, ``flat`` and
+    ``counters``."""
 
     topology: Topology
     overlap: BackwardOverlap | None
     flat: FlatState
+    counters: CommCounters
 
     process_group = Delegated("topology", "The group the optimizer communicates over.")
     hierarchical = Delegated(
@@ -100,3 +103,9 @@ class Connections:
         """Ranks in ``process_group`` (1 without an initialised process group)."""
         ex = self.flat.exchange
         return self.topology.world_size() if ex is None else ex.world_size
+
+    @property
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes sent: ``bytes_last_step``, ``bytes_total``, ``fp32_equiv_total`` (fp32 ring
+        allreduces' bytes) and their ``_inter`` parts (what left the node)."""
+        return self.counters.totals

@@ -130,38 +130,21 @@ class ZeroOneAdam(OneBitOptimizer):
         compressed_variance_phase: the paper's phase 1 (``True``, DeepSpeed's): the steps
             between variance steps exchange a 1-bit gradient (1b). ``False``: every phase-1 step
             is a variance step (1a, full precision), so phase 1 is 1-bit Adam's warmup and only
-            phase 2 is compressed. Why (what ``OneBitStrategy`` builds when it converts a torch
-            Adam/AdamW): early in training a few 1-bit gradient steps can knock a model out of
-            its basin for good (a model at the edge of stability, such as a small BERT at a
-            large lr, ends at chance after a few of them). ``True`` saves those bytes: on a long
-            run (100k steps,
-            ``var_freeze_step`` 20k) phase 1 then sends ~160 fp32 gradients instead of 20k.
+            phase 2 is compressed (what ``OneBitStrategy`` builds from a torch Adam/AdamW: early
+            1-bit gradient steps can knock a model at the edge of stability, such as a small
+            BERT at a large lr, out of its basin for good). ``True`` saves those bytes: with
+            100k steps and ``var_freeze_step`` 20k phase 1 sends ~160 fp32 gradients, not 20k.
         amsgrad: not supported; ``True`` raises ``ValueError``.
-        process_group: the group to average over; ``None`` is the default group, and without an
-            initialised process group the optimizer runs with ``W = 1``.
-        average_warmup_grads: average the gradients of variance steps here (one fp32
-            ``all_reduce``); pass ``False`` when DDP already averaged them.
-        average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
-            (``"bf16"``/``"fp16"``) to average the variance steps' gradients in half the bytes,
-            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
-        bias_correction, variance_floor, preconditioned_exchange: see
+        process_group, average_warmup_grads, average_dtype, bias_correction, variance_floor, rescale_variance, hierarchical, ranks_per_node, decoupled_weight_decay, deepspeed_compatible: see
+            [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer] (the averaged steps are
+            the variance steps, 1a; ``rescale_variance`` applies in phase 2 and all-reduces on
+            sync steps).
+        preconditioned_exchange: see
             [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer]. With
             ``preconditioned_exchange`` (default) 1b exchanges ``g / (sqrt(v) + eps)`` and 3c the
             accumulator in parameter units (``acc - lr u``); the variance is floored after every
             variance step. ``variance_floor=0, preconditioned_exchange=False`` is DeepSpeed's
             arithmetic.
-        rescale_variance: in phase 2 precondition each tensor by ``v * A / A_switch``,
-            ``A`` its mean of Adam's variance kept up to date from its gradients' mean square
-            (this rank's local steps summed, one float per tensor all-reduced on a sync step
-            every 10 steps or more); see ``VarianceRescale`` (``optim/_rescale.py``).
-        hierarchical, ranks_per_node: the two-level exchange on several nodes (full precision
-            inside a node, 1 bit between nodes); see
-            [`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups].
-        decoupled_weight_decay: ``True`` (default): ``weight_decay`` is decoupled, AdamW's
-            ``p -= lr * wd * p``. ``False``: torch Adam's L2 term, ``g += wd * p`` before the
-            moments (after ``maximize``). Also a param-group key, as in torch's Adam.
-        deepspeed_compatible: ``True``: DeepSpeed's arithmetic (its optimizer's results for the
-            same arguments); see [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer].
     """
 
     PHASES = (Phase.VARIANCE, Phase.LOCAL)
@@ -169,12 +152,8 @@ class ZeroOneAdam(OneBitOptimizer):
     #: each tensor's variance floor at its last flooring (the freeze's, in phase 2)
     _scalar_states: ClassVar[dict[str, float]] = {"variance_floor": 0.0}
     _checkpoint_attrs = (
-        "var_interval",
-        "var_counter",
-        "local_step_interval",
-        "local_step_counter",
-        "lrs",
-    )
+        "var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs",
+    )  # fmt: skip
     _host_counters = (*OneBitOptimizer._host_counters, *_checkpoint_attrs)
     DEVICE_VERDICT = True
 
@@ -251,13 +230,9 @@ class ZeroOneAdam(OneBitOptimizer):
         "compressed_variance_phase": True,
     }
     OPTIONS = (
-        *OneBitOptimizer.OPTIONS,
-        "rescale_variance",
-        "var_update_scaler",
-        "local_step_scaler",
-        "local_step_clipper",
-        "compressed_variance_phase",
-    )
+        *OneBitOptimizer.OPTIONS, "rescale_variance", "var_update_scaler", "local_step_scaler",
+        "local_step_clipper", "compressed_variance_phase",
+    )  # fmt: skip
 
     @classmethod
     def _check_options(cls, o: dict[str, Any]) -> None:
