@@ -150,7 +150,7 @@ class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
         self._switch.start(new, total, converted, FABRIC, local_steps)
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
         # clipping, unknown yet, turns it off later: see clip_gradients_norm
-        self.builder.prepare(new, self.num_processes, self.world_size, False, scaler)
+        self.builder.set_up(new, self.num_processes, self.world_size, False, scaler)
         return new
 
     @override

@@ -156,7 +156,7 @@ class OneBitStrategy(OneBitStrategyBase, TrainerDDPHooks, DDPStrategy):
         self.builder.attach(opt, self.lightning_module, self._hook_state)
         if trainer.state.fn == "fit":
             clipping = bool(trainer.gradient_clip_val)
-            self.builder.prepare(opt, self.num_processes, self.world_size, clipping, scaler)
+            self.builder.set_up(opt, self.num_processes, self.world_size, clipping, scaler)
 
     @override
     @contextlib.contextmanager

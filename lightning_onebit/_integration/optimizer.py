@@ -190,7 +190,7 @@ class OptimizerBuilder:
         scaled as the conversion scaled the user's (``lamb_lr``)."""
         convert.rescale_restored_lrs(opt, schedulers, self.lr_scale, self.error)
 
-    def prepare(
+    def set_up(
         self,
         opt: OneBitOptimizer,
         ranks_per_node: int,

@@ -38,7 +38,7 @@ __all__ = [
     "any_weight_decay",
     "average_",
     "compressed_average",
-    "compressed_average_",
+    "compressed_average_into",
     "decoupled_decay",
     "decoupled_update_",
     "denominator",
@@ -135,7 +135,7 @@ def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
 SourceOf = Callable[[slice], "torch.Tensor | ExchangeSource"]
 
 
-def compressed_average_(
+def compressed_average_into(
     opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
@@ -160,7 +160,7 @@ def compressed_average_(
 def compressed_average(
     opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | str
 ) -> tuple[torch.Tensor | None, torch.Tensor | SignRuns]:
-    """``compressed_average_`` for an update kernel that reads
+    """``compressed_average_into`` for an update kernel that reads
     [kernels.SignRuns][lightning_onebit.kernels.SignRuns]: returns ``(ok, x)``, ``x`` the
     average with each group's ``exp_avg_mask`` applied. Where the update kernels read the
     exchange's result where it lies (``kernels.reads_sign_runs``: the CPU with the compiled

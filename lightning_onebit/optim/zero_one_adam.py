@@ -52,7 +52,7 @@ from lightning_onebit.optim._ops import (
     any_weight_decay,
     average_,
     compressed_average,
-    compressed_average_,
+    compressed_average_into,
     decoupled_decay,
     denominator,
     finite_on_device,
@@ -530,7 +530,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 self.rescale.warmup_(self.flat, ok)  # rescale_variance: the gradients' scale
             else:
                 # 1b. 1-bit averaged gradient, momentum only
-                ok = compressed_average_(self, self._exchange_source, out=g)
+                ok = compressed_average_into(self, self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     g.mul_(denominator(self)[0])
                 self.flat.apply_mask_(self.param_groups, g)
