@@ -129,7 +129,8 @@ def worker_compress(
         )
         return
     if source is not None:
-        source.compress_as_read((error, bits, scale, error_out), pending, (prev_bits, prev_scale))
+        source.compress_as_read(error=error, bits=bits, scale=scale, error_out=error_out,
+                                pending=pending, prev_bits=prev_bits, prev_scale=prev_scale)  # fmt: skip
         return
     if not deferred:  # the error updated by a second sweep, or left
         error_out, pending = None, False

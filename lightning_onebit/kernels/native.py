@@ -488,98 +488,160 @@ def _runs_args(runs: SignRuns | None, kept: list[torch.Tensor]) -> tuple[int, ..
 
 
 def _local_coefs(
-    hp: tuple[list[float], list[float], list[float], list[float]],
+    beta: list[float], alpha: list[float], lr: list[float], weight_decay: list[float]
 ) -> dict[str, list[float]]:
-    """``local_source``'s per-segment coefficients as its kernels take them: beta, alpha,
-    -weight_decay rounded from double (+0.0: no decay term, as the torch ops skip it), -lr."""
-    beta, alpha, lr, weight_decay = hp
+    """``local_source``'s per-segment coefficients as its kernels take them: ``beta``,
+    ``alpha``, ``-weight_decay`` rounded from double (+0.0: no decay term, as the torch ops skip
+    it), ``-lr``."""
     nwd = [-w if w > 0 else 0.0 for w in weight_decay]
     return {"beta": beta, "alpha": alpha, "nwd": nwd, "nlr": [-a for a in lr]}
 
 
 def _compressed(
+    *,
     starts: list[int],
     sizes: list[int],
-    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor,
     pending: bool,
-    prev: tuple[torch.Tensor, torch.Tensor],
+    prev_bits: torch.Tensor,
+    prev_scale: torch.Tensor,
 ) -> dict[str, Any]:
     """The source compressions' deferred ``worker_compress`` arguments: the flat range the
-    segments tile, ``compress`` (error, bits, scale, error_out) and, if ``pending``, ``prev``
-    (prev_bits, prev_scale)."""
-    (error, bits, scale, error_out), (prev_bits, prev_scale) = compress, prev
+    segments ``starts``, ``sizes`` tile, ``error``, ``bits``, ``scale``, ``error_out`` and, if
+    ``pending``, ``prev_bits`` and ``prev_scale``."""
     prev_bits, prev_scale = (prev_bits, prev_scale) if pending else (None, None)
     return dict(base=starts[0], nx=sum(sizes), error=error, error_out=error_out, bits=bits,
                 prev_bits=prev_bits, prev_scale=prev_scale, pending=bool(pending), scale=scale)  # fmt: skip
 
 
 def momentum_source(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, torch.Tensor],
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor | None,
+    out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
-    coefs: tuple[list[float], list[float]],
+    beta: list[float],
+    alpha: list[float],
 ) -> None:
-    """The compiled ``momentum_source`` on checked tensors (``tensors``: exp_avg, the segments'
-    gradients (``None``: zeros), denom or ``None``, out; ``coefs``: per segment the factors of
-    ``exp_avg`` and of the gradient)."""
-    exp_avg, grads, denom, out = tensors
-    table = segment_table(starts, sizes, {"grads": grads}, {"beta": coefs[0], "alpha": coefs[1]})
+    """The compiled ``momentum_source`` on checked tensors.
+
+    Args:
+        exp_avg, out: the flat buffers read and written.
+        grads: the segments' gradients (``None``: zeros).
+        denom: the flat divisor, or ``None`` (no division).
+        starts, sizes: each segment's first flat index and number of values.
+        beta, alpha: per segment the factors of ``exp_avg`` and of the gradient.
+    """
+    table = segment_table(starts, sizes, {"grads": grads}, {"beta": beta, "alpha": alpha})
     launch("momentum_source", out.device, table, exp_avg=exp_avg, denom=denom, out=out)
 
 
 def local_source(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor,
     params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
-    segments: tuple[list[int], list[int]],
-    hp: tuple[list[float], list[float], list[float], list[float]],
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
     preconditioned: bool,
 ) -> None:
-    """The compiled ``local_source`` on checked tensors (``tensors``: exp_avg, the segments'
-    gradients (``None``: zeros), denom; ``params``: the segments' parameters or ``None`` (no
-    decay term); ``segments``: starts, sizes; ``hp``: per segment beta, alpha, lr,
-    weight_decay)."""
-    (exp_avg, grads, denom), (starts, sizes) = tensors, segments
-    table = segment_table(starts, sizes, {"grads": grads, "params": params}, _local_coefs(hp))
+    """The compiled ``local_source`` on checked tensors.
+
+    Args:
+        exp_avg, denom, out: the flat buffers read and written.
+        grads: the segments' gradients (``None``: zeros).
+        params: the segments' parameters, or ``None`` (no decay term).
+        acc: the flat accumulator, or ``None`` (no accumulator term).
+        starts, sizes: each segment's first flat index and number of values.
+        beta, alpha, lr, weight_decay: per segment the coefficients.
+        preconditioned: the values divided by ``denom``.
+    """
+    coefs = _local_coefs(beta, alpha, lr, weight_decay)
+    table = segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
     launch("local_source", out.device, table, exp_avg=exp_avg, denom=denom, acc=acc, out=out,
            precond=bool(preconditioned))  # fmt: skip
 
 
 def momentum_compress(
-    tensors: tuple[
-        torch.Tensor, list[torch.Tensor | None], torch.Tensor | None, list[int], list[int]
-    ],
-    coefs: tuple[list[float], list[float]],
-    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor | None,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor,
     pending: bool,
-    prev: tuple[torch.Tensor, torch.Tensor],
+    prev_bits: torch.Tensor,
+    prev_scale: torch.Tensor,
 ) -> None:
-    """The compiled deferred ``worker_compress`` of `momentum_source`'s values (``tensors``:
-    exp_avg, the segments' gradients, denom or ``None``, the segments' starts and sizes, which
-    tile the input's flat range in order; ``coefs``: the factors of exp_avg and gradient;
-    ``compress``: error, bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
-    exp_avg, grads, denom, starts, sizes = tensors
-    table = segment_table(starts, sizes, {"grads": grads}, {"beta": coefs[0], "alpha": coefs[1]})
-    launch("momentum_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom,
-           **_compressed(starts, sizes, compress, pending, prev))  # fmt: skip
+    """The compiled deferred ``worker_compress`` of `momentum_source`'s values.
+
+    Args:
+        exp_avg, grads, denom, beta, alpha: as `momentum_source`'s.
+        starts, sizes: as `momentum_source`'s; the segments tile the input's flat range in
+            order.
+        error, bits, scale, error_out, pending, prev_bits, prev_scale: as ``worker_compress``'s
+            (checked by it).
+    """
+    table = segment_table(starts, sizes, {"grads": grads}, {"beta": beta, "alpha": alpha})
+    compressed = _compressed(starts=starts, sizes=sizes, error=error, bits=bits, scale=scale,
+                             error_out=error_out, pending=pending, prev_bits=prev_bits,
+                             prev_scale=prev_scale)  # fmt: skip
+    launch("momentum_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom, **compressed)
 
 
 def local_compress(
-    tensors: tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor],
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor,
     params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
-    segments: tuple[list[int], list[int]],
-    hp: tuple[tuple[list[float], list[float], list[float], list[float]], bool],
-    compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+    error: torch.Tensor,
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor,
     pending: bool,
-    prev: tuple[torch.Tensor, torch.Tensor],
+    prev_bits: torch.Tensor,
+    prev_scale: torch.Tensor,
 ) -> None:
-    """The compiled deferred ``worker_compress`` of `local_source`'s values (``tensors``,
-    ``params``, ``acc`` and ``segments`` as `local_source`'s, the segments tiling the input's
-    flat range in order; ``hp``: the coefficients and ``preconditioned``; ``compress``: error,
-    bits, scale, error_out; ``prev``: prev_bits, prev_scale)."""
-    (exp_avg, grads, denom), (starts, sizes), (coefs, preconditioned) = tensors, segments, hp
-    table = segment_table(starts, sizes, {"grads": grads, "params": params}, _local_coefs(coefs))
+    """The compiled deferred ``worker_compress`` of `local_source`'s values.
+
+    Args:
+        exp_avg, grads, denom, params, acc, beta, alpha, lr, weight_decay, preconditioned: as
+            `local_source`'s.
+        starts, sizes: as `local_source`'s; the segments tile the input's flat range in order.
+        error, bits, scale, error_out, pending, prev_bits, prev_scale: as ``worker_compress``'s
+            (checked by it).
+    """
+    coefs = _local_coefs(beta, alpha, lr, weight_decay)
+    table = segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
+    compressed = _compressed(starts=starts, sizes=sizes, error=error, bits=bits, scale=scale,
+                             error_out=error_out, pending=pending, prev_bits=prev_bits,
+                             prev_scale=prev_scale)  # fmt: skip
     launch("local_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom, acc=acc,
-           precond=bool(preconditioned), **_compressed(starts, sizes, compress, pending, prev))  # fmt: skip
+           precond=bool(preconditioned), **compressed)  # fmt: skip

@@ -257,19 +257,24 @@ def reference_momentum_source(
 
 
 def reference_local_source(
-    tensors: tuple[torch.Tensor, ...],
+    *,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
-    hp: tuple[list[float], list[float], list[float], list[float]],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
     preconditioned: bool,
 ) -> None:
     """Pure-torch [`local_source`][lightning_onebit.kernels.sources.local_source] (same arguments;
     0/1 Adam's torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor
     (``None``: zeros) per segment, the parameter a flat buffer or one tensor per segment."""
-    (exp_avg, grad, denom), (beta, alpha, lr, weight_decay) = tensors, hp
     coefs = zip(starts, sizes, beta, alpha, lr, weight_decay, strict=True)
     for k, (lo, n, b, a, r, w) in enumerate(coefs):
         s = slice(lo, lo + n)

@@ -63,26 +63,42 @@ def momentum_source(
             a segment that does not fit or a per-segment gradient of another size; lists of
             other lengths.
     """
-    grads = _check_momentum_source((exp_avg, grad, denom, out, starts, sizes, beta, alpha))
-    _run_momentum_source((exp_avg, grads, denom, out, starts, sizes, beta, alpha))
+    grads = _check_momentum_source(exp_avg, grad, denom, out, starts, sizes, beta, alpha)
+    _run_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
 
 
-def _run_momentum_source(args: tuple) -> None:
-    """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source] on checked arguments
-    ``args`` (in its order, the gradient one entry per segment): the compiled kernel of the device,
-    or the torch ops."""
-    exp_avg, grads, denom, out, starts, sizes, beta, alpha = args
-    device = exp_avg.device
-    if not native.has_kernel(device) or not native.use_native():
-        reference_momentum_source(*args)
+def _run_momentum_source(
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+) -> None:
+    """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source] on checked arguments,
+    the gradient ``grads`` one entry per segment: the compiled kernel of the device, or the torch
+    ops."""
+    if not native.has_kernel(exp_avg.device) or not native.use_native():
+        reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
         return
-    native.momentum_source((exp_avg, grads, denom, out), starts, sizes, (beta, alpha))
+    native.momentum_source(exp_avg=exp_avg, grads=grads, denom=denom, out=out, starts=starts,
+                           sizes=sizes, beta=beta, alpha=alpha)  # fmt: skip
 
 
-def _check_momentum_source(args: tuple) -> list[torch.Tensor | None]:
+def _check_momentum_source(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+) -> list[torch.Tensor | None]:
     """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s checks of its
-    arguments ``args``, in order; returns the gradient as one entry per segment."""
-    exp_avg, grad, denom, out, starts, sizes, beta, alpha = args
+    arguments; returns the gradient as one entry per segment."""
     device, named = native.check("momentum_source", exp_avg=exp_avg, out=out, grad=grad,
                                  denom=denom)  # fmt: skip
     check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
@@ -148,13 +164,25 @@ class ExchangeSource:
 
     def compress_as_read(
         self,
-        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        *,
+        error: torch.Tensor,
+        bits: torch.Tensor,
+        scale: torch.Tensor,
+        error_out: torch.Tensor,
         pending: bool,
-        prev: tuple[torch.Tensor, torch.Tensor],
+        prev_bits: torch.Tensor,
+        prev_scale: torch.Tensor,
     ) -> None:
-        """The compiled deferred compression of these values (``compress``: error, bits,
-        scale, error_out; ``prev``: prev_bits, prev_scale), checked by
-        [`worker_compress`][lightning_onebit.kernels.compression.worker_compress]."""
+        """The compiled deferred compression of these values, its arguments checked by
+        [`worker_compress`][lightning_onebit.kernels.compression.worker_compress].
+
+        Args:
+            error, bits, scale, error_out: as
+                [`worker_compress`][lightning_onebit.kernels.compression.worker_compress]'s
+                (``error_out`` may be ``error``: in place).
+            pending: whether ``error`` still awaits the previous call's deferred update.
+            prev_bits, prev_scale: the previous call's bits and scale (read if ``pending``).
+        """
         raise NotImplementedError
 
 
@@ -180,42 +208,55 @@ class MomentumSource(ExchangeSource):
     alpha: list[float]
 
     def __post_init__(self) -> None:
-        args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
-        self.grad = _check_momentum_source((*args, self.beta, self.alpha))
+        self.grad = _check_momentum_source(self.exp_avg, self.grad, self.denom, self.out,
+                                           self.starts, self.sizes, self.beta, self.alpha)  # fmt: skip
         self._tile()
 
     def materialize(self) -> torch.Tensor:
         """Run [`momentum_source`][lightning_onebit.kernels.sources.momentum_source] into ``out``
         (arguments checked at construction); return ``out[lo:hi]``."""
-        args = (self.exp_avg, self.grad, self.denom, self.out, self.starts, self.sizes)
-        _run_momentum_source((*args, self.beta, self.alpha))
+        _run_momentum_source(self.exp_avg, self.grad, self.denom, self.out, self.starts,
+                             self.sizes, self.beta, self.alpha)  # fmt: skip
         return self.out[self.lo : self.hi]
 
     def compress_as_read(
         self,
-        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        *,
+        error: torch.Tensor,
+        bits: torch.Tensor,
+        scale: torch.Tensor,
+        error_out: torch.Tensor,
         pending: bool,
-        prev: tuple[torch.Tensor, torch.Tensor],
+        prev_bits: torch.Tensor,
+        prev_scale: torch.Tensor,
     ) -> None:
-        args = (self.exp_avg, self.grad, self.denom, self.starts, self.sizes)
-        native.momentum_compress(args, (self.beta, self.alpha), compress, pending, prev)
+        native.momentum_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
+                                 starts=self.starts, sizes=self.sizes, beta=self.beta,
+                                 alpha=self.alpha, error=error, bits=bits, scale=scale,
+                                 error_out=error_out, pending=pending, prev_bits=prev_bits,
+                                 prev_scale=prev_scale)  # fmt: skip
 
 
 def local_source(
-    tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor],
+    *,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
-    hp: tuple[list[float], list[float], list[float], list[float]],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
     preconditioned: bool,
 ) -> None:
     """0/1 Adam's exchange source on a sync step of its local phase, one sweep over flat
-    buffers (no input changes). ``tensors``: ``exp_avg``, ``grad``, ``denom``
-    (``sqrt(v) + eps``); segment ``k`` holds the values ``starts[k]:starts[k] + sizes[k]``
-    and has the coefficients ``hp`` (``beta``, ``alpha``, ``lr``, ``weight_decay``, one
-    value per segment). Per value, as the optimizer's torch ops::
+    buffers (no input changes). Segment ``k`` holds the values ``starts[k]:starts[k] +
+    sizes[k]`` and has the coefficients ``beta[k]``, ``alpha[k]``, ``lr[k]`` and
+    ``weight_decay[k]``. Per value, as the optimizer's torch ops::
 
         x = beta * exp_avg + alpha * grad           (torch.mul(m, beta).add_(g, alpha=alpha))
         preconditioned: x = x / denom + weight_decay * param
@@ -223,114 +264,157 @@ def local_source(
         x = -lr * x
         preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
 
-    The gradient is a flat buffer or one tensor per segment (``None``: zeros), as
-    [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s, and so is ``param``,
-    without ``None`` entries (each parameter where it lies; ``param=None``: no decay terms). The
-    decay term is taken where ``param`` is given and ``weight_decay > 0``, the accumulator's where
-    ``acc`` is given. One sweep (reads 3-5 buffers, writes one) where the torch ops make five or
-    more, writing torch's floats bit for bit on the same device: on the CPU the C++ kernel (torch's
-    CPU ``add`` with ``alpha`` and ``addcmul_`` are fused multiply-adds on x86, which the kernel
-    does too), on CUDA the CUDA kernel on the current stream (no host synchronisation), with the
-    roundings of torch's CUDA kernels (its ``addcmul_`` rounds ``param * denom`` before the fused
-    multiply-add with ``weight_decay``). Both kernels read each segment's gradient and parameter
-    from its own pointer: nothing is copied into a flat buffer first. Without a compiled kernel for
-    the device the torch ops themselves run
+    The decay term is taken where ``param`` is given and ``weight_decay > 0``, the accumulator's
+    where ``acc`` is given. One sweep (reads 3-5 buffers, writes one) where the torch ops make five
+    or more, writing torch's floats bit for bit on the same device: on the CPU the C++ kernel
+    (torch's CPU ``add`` with ``alpha`` and ``addcmul_`` are fused multiply-adds on x86, which the
+    kernel does too), on CUDA the CUDA kernel on the current stream (no host synchronisation), with
+    the roundings of torch's CUDA kernels (its ``addcmul_`` rounds ``param * denom`` before the
+    fused multiply-add with ``weight_decay``). Both kernels read each segment's gradient and
+    parameter from its own pointer: nothing is copied into a flat buffer first. Without a compiled
+    kernel for the device the torch ops themselves run
     ([`reference_local_source`][lightning_onebit.kernels.reference.reference_local_source]).
+
+    Args:
+        exp_avg, out: float32, contiguous, one device, covering every segment.
+        grad: like them (a flat buffer), or one entry per segment (``None``: zeros), as
+            [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s.
+        denom: like ``exp_avg``: ``sqrt(v) + eps``.
+        param: like ``exp_avg``, or one tensor per segment (no ``None`` entries), each
+            parameter where it lies; ``None``: no decay terms.
+        acc: like ``exp_avg`` (the momentum accumulator), or ``None``: no accumulator term.
+        starts, sizes: each segment's first flat index and number of values.
+        beta, alpha, lr, weight_decay: one value per segment (rounded to float32).
+        preconditioned: the formula's preconditioned form (the values divided by ``denom``).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
             a segment that does not fit or a per-segment gradient or parameter of another
             size; coefficient lists of other lengths.
     """
-    args = (tensors, param, acc, out, starts, sizes, hp, preconditioned)
-    grads, params = _check_local_source(args)
-    _run_local_source(((tensors[0], grads, tensors[2]), params, *args[2:]))
+    grads, params = _check_local_source(exp_avg=exp_avg, grad=grad, denom=denom, param=param,
+                                        acc=acc, out=out, starts=starts, sizes=sizes, beta=beta,
+                                        alpha=alpha, lr=lr, weight_decay=weight_decay)  # fmt: skip
+    _run_local_source(exp_avg=exp_avg, grads=grads, denom=denom, params=params, acc=acc, out=out,
+                      starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
+                      weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
 
 
 def _check_local_source(
-    args: tuple,
+    *,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor,
+    param: torch.Tensor | Sequence[torch.Tensor] | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None] | None]:
-    """[`local_source`][lightning_onebit.kernels.sources.local_source]'s checks of its arguments
-    ``args``, in order; returns the gradient and the parameter (or ``None``) as one entry per
-    segment."""
-    (exp_avg, grad, denom), param, acc, out, starts, sizes, hp, _ = args
+    """[`local_source`][lightning_onebit.kernels.sources.local_source]'s checks of its arguments;
+    returns the gradient and the parameter (or ``None``) as one entry per segment."""
     device, named = native.check("local_source", exp_avg=exp_avg, denom=denom, out=out,
                                  grad=grad, param=param, acc=acc)  # fmt: skip
-    names = ("sizes", "beta", "alpha", "lr", "weight_decay")
-    check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
+    per_segment = {"sizes": sizes, "beta": beta, "alpha": alpha, "lr": lr,
+                   "weight_decay": weight_decay}  # fmt: skip
+    check_segments(named, starts, per_segment)
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
     params = None if param is None else check_per_segment("param", param, starts, sizes, device)
     return grads, params
 
 
-def _run_local_source(args: tuple) -> None:
-    """[`local_source`][lightning_onebit.kernels.sources.local_source] on checked arguments ``args``
-    (in its order, the gradient and the parameter one entry per segment): the compiled kernel of the
-    device, or the torch ops."""
-    (exp_avg, _, _), params, acc, out, starts, sizes, hp, preconditioned = args
-    device = exp_avg.device
-    if not native.has_kernel(device) or not native.use_native():
-        reference_local_source(*args)
+def _run_local_source(
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor,
+    params: list[torch.Tensor | None] | None,
+    acc: torch.Tensor | None,
+    out: torch.Tensor,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+) -> None:
+    """[`local_source`][lightning_onebit.kernels.sources.local_source] on checked arguments, the
+    gradient ``grads`` and the parameter ``params`` one entry per segment: the compiled kernel of
+    the device, or the torch ops."""
+    if not native.has_kernel(exp_avg.device) or not native.use_native():
+        reference_local_source(exp_avg=exp_avg, grad=grads, denom=denom, param=params, acc=acc,
+                               out=out, starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
+                               weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
         return
-    native.local_source(args[0], params, acc, out, (starts, sizes), hp, preconditioned)
+    native.local_source(exp_avg=exp_avg, grads=grads, denom=denom, params=params, acc=acc,
+                        out=out, starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
+                        weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, kw_only=True)
 class LocalSource(ExchangeSource):
     """[`local_source`][lightning_onebit.kernels.sources.local_source]'s values as an
     [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]. The arguments are
-    [`local_source`][lightning_onebit.kernels.sources.local_source]'s, checked here.
+    [`local_source`][lightning_onebit.kernels.sources.local_source]'s (keyword-only), checked
+    here.
 
     Raises:
         TypeError, ValueError: as [`local_source`][lightning_onebit.kernels.sources.local_source];
             segments that do not tile a non-empty range in order.
     """
 
-    tensors: tuple[torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor]
+    exp_avg: torch.Tensor
+    grad: torch.Tensor | Sequence[torch.Tensor | None]
+    denom: torch.Tensor
     param: torch.Tensor | Sequence[torch.Tensor] | None
     acc: torch.Tensor | None
     out: torch.Tensor
     starts: list[int]
     sizes: list[int]
-    hp: tuple[list[float], list[float], list[float], list[float]]
+    beta: list[float]
+    alpha: list[float]
+    lr: list[float]
+    weight_decay: list[float]
     preconditioned: bool
 
     def __post_init__(self) -> None:
-        grads, self.param = _check_local_source(self._args())
-        self.tensors = (self.tensors[0], grads, self.tensors[2])
+        self.grad, self.param = _check_local_source(
+            exp_avg=self.exp_avg, grad=self.grad, denom=self.denom, param=self.param,
+            acc=self.acc, out=self.out, starts=self.starts, sizes=self.sizes, beta=self.beta,
+            alpha=self.alpha, lr=self.lr, weight_decay=self.weight_decay,
+        )  # fmt: skip
         self._tile()
-
-    def _args(self) -> tuple:
-        return (
-            self.tensors,
-            self.param,
-            self.acc,
-            self.out,
-            self.starts,
-            self.sizes,
-            self.hp,
-            self.preconditioned,
-        )
 
     def materialize(self) -> torch.Tensor:
         """Run [`local_source`][lightning_onebit.kernels.sources.local_source] into ``out``
         (arguments checked at construction); return ``out[lo:hi]``."""
-        _run_local_source(self._args())
+        _run_local_source(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
+                          params=self.param, acc=self.acc, out=self.out, starts=self.starts,
+                          sizes=self.sizes, beta=self.beta, alpha=self.alpha, lr=self.lr,
+                          weight_decay=self.weight_decay,
+                          preconditioned=self.preconditioned)  # fmt: skip
         return self.out[self.lo : self.hi]
 
     def compress_as_read(
         self,
-        compress: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        *,
+        error: torch.Tensor,
+        bits: torch.Tensor,
+        scale: torch.Tensor,
+        error_out: torch.Tensor,
         pending: bool,
-        prev: tuple[torch.Tensor, torch.Tensor],
+        prev_bits: torch.Tensor,
+        prev_scale: torch.Tensor,
     ) -> None:
-        native.local_compress(
-            self.tensors,
-            self.param,
-            self.acc,
-            (self.starts, self.sizes),
-            (self.hp, self.preconditioned),
-            compress,
-            pending,
-            prev,
-        )
+        native.local_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
+                              params=self.param, acc=self.acc, starts=self.starts,
+                              sizes=self.sizes, beta=self.beta, alpha=self.alpha, lr=self.lr,
+                              weight_decay=self.weight_decay, preconditioned=self.preconditioned,
+                              error=error, bits=bits, scale=scale, error_out=error_out,
+                              pending=pending, prev_bits=prev_bits,
+                              prev_scale=prev_scale)  # fmt: skip

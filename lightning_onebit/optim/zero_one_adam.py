@@ -317,16 +317,21 @@ class ZeroOneAdam(OneBitOptimizer):
                 return flat.grad[s]
             return torch.div(flat.grad[s], d[s], out=flat.work["update"][s])
         idx = flat.params_in(s)
-        hp = self._local_coefficients(idx)
+        beta, alpha, lr, weight_decay = self._local_coefficients(idx)
         return LocalSource(
-            (flat.states["exp_avg"], flat.grads(groups, idx), d),
-            flat.params(idx) if any_weight_decay(self) else None,
-            self._acc if self._local_steps_taken else None,
-            flat.work["update"],
-            [flat.layout.offsets[j] for j in idx],
-            [flat.layout.params[j].numel() for j in idx],
-            hp,
-            pre,
+            exp_avg=flat.states["exp_avg"],
+            grad=flat.grads(groups, idx),
+            denom=d,
+            param=flat.params(idx) if any_weight_decay(self) else None,
+            acc=self._acc if self._local_steps_taken else None,
+            out=flat.work["update"],
+            starts=[flat.layout.offsets[j] for j in idx],
+            sizes=[flat.layout.params[j].numel() for j in idx],
+            beta=beta,
+            alpha=alpha,
+            lr=lr,
+            weight_decay=weight_decay,
+            preconditioned=pre,
         )
 
     def _local_coefficients(

@@ -345,6 +345,11 @@ def _source_hp(k: int, gen: torch.Generator) -> tuple[list[float], ...]:
     return beta, alpha, lr, wd
 
 
+def _local_hp(k: int, gen: torch.Generator) -> dict[str, list[float]]:
+    """``_source_hp`` by the names ``local_source`` takes them."""
+    return dict(zip(("beta", "alpha", "lr", "weight_decay"), _source_hp(k, gen), strict=True))
+
+
 @pytest.mark.parametrize("divide", [False, True])
 @pytest.mark.parametrize("sizes", list(SEGMENT_SIZES))
 def test_momentum_source_cuda_is_the_torch_ops_bitwise(
@@ -418,16 +423,19 @@ def test_local_source_cuda_is_the_torch_ops_bitwise(
     starts, n = _segments(seg)
     tensors = (_fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen))
     p, acc = _fresh(n, gen), _fresh(n, gen, 1e-3)
-    hp = _source_hp(len(seg), gen)
+    hp = _local_hp(len(seg), gen)
     before = [t.clone() for t in (*tensors, p, acc)]
+    m, g, d = tensors
     for decay, with_acc in itertools.product((False, True), repeat=2):
-        args = (tensors, p if decay else None, acc if with_acc else None)
+        args = dict(exp_avg=m, grad=g, denom=d, param=p if decay else None,
+                    acc=acc if with_acc else None, starts=starts, sizes=seg, **hp,
+                    preconditioned=precond)  # fmt: skip
         want = torch.full_like(p, math.nan)
-        K.reference_local_source(*args, want, starts, seg, hp, precond)
+        K.reference_local_source(out=want, **args)
         got = torch.full_like(p, math.nan)
         with monkeypatch.context() as mp, _NoHostSync():
             mp.setattr(K.sources, "reference_local_source", _refuse)
-            K.local_source(*args, got, starts, seg, hp, precond)
+            K.local_source(out=got, **args)
         assert _same_bits(got, want), (decay, with_acc)
     assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
 
@@ -442,7 +450,7 @@ def test_local_source_cuda_per_segment_tensors_are_the_flat_form_bitwise(sizes: 
     starts, n = _segments(seg)
     m, g, d = _fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen)
     p, acc = _fresh(n, gen), _fresh(n, gen, 1e-3)
-    hp = _source_hp(len(seg), gen)
+    hp = _local_hp(len(seg), gen)
     own = [
         None if k % 3 == 1 else g[lo : lo + z].clone()
         for k, (lo, z) in enumerate(zip(starts, seg, strict=True))
@@ -456,11 +464,13 @@ def test_local_source_cuda_per_segment_tensors_are_the_flat_form_bitwise(sizes: 
     for precond in (False, True):
         for grad, flat in (([g[lo : lo + z] for lo, z in pieces], g), (own, zeroed)):
             want = torch.full_like(p, math.nan)
-            K.local_source((m, flat, d), p, acc, want, starts, seg, hp, precond)
+            common = dict(exp_avg=m, denom=d, acc=acc, starts=starts, sizes=seg, **hp,
+                          preconditioned=precond)  # fmt: skip
+            K.local_source(grad=flat, param=p, out=want, **common)
             for param in (p, *params):
                 got = torch.full_like(p, math.nan)
                 with _NoHostSync():
-                    K.local_source((m, grad, d), param, acc, got, starts, seg, hp, precond)
+                    K.local_source(grad=grad, param=param, out=got, **common)
                 assert _same_bits(got, want), precond
 
 
@@ -563,15 +573,14 @@ def test_worker_compress_of_a_local_source_cuda_is_the_buffer_form_bitwise(
     tensors = (m.cuda(), [None if g is None else g.cuda() for g in grads], d.cuda())
     p, acc = p.cuda(), acc.cuda()
     kept = [t.clone() for t in (tensors[0], tensors[2], p, acc)]
+    common = dict(exp_avg=tensors[0], grad=tensors[1], denom=tensors[2], starts=starts,
+                  sizes=sizes, **hp, preconditioned=precond)  # fmt: skip
     for param in (None, p, T._param_pieces(p, starts, sizes)):
-        terms = (None, None) if param is None else (param, acc)
+        terms = dict(param=param, acc=None if param is None else acc, **common)
         buf = torch.full_like(p, math.nan)
-        K.local_source(tensors, *((None, None) if param is None else (p, acc)), buf, starts,
-                       sizes, hp, precond)  # fmt: skip
+        K.local_source(out=buf, **{**terms, "param": None if param is None else p})
         _check_compressed_as_read(
-            lambda out, terms=terms: K.LocalSource(
-                tensors, *terms, out, starts, sizes, hp, precond
-            ),
+            lambda out, terms=terms: K.LocalSource(out=out, **terms),
             buf,
             "local_source_cuda",
             monkeypatch,
@@ -690,7 +699,9 @@ def _three_kernels(inputs: tuple, fns: dict) -> list[torch.Tensor]:
     m, g, p, acc, d = (t.clone() for t in tensors)
     u1, u2 = torch.full_like(m, math.nan), torch.full_like(m, math.nan)
     fns["momentum_source"](m, g, d, u1, starts, seg, beta, alpha)
-    fns["local_source"]((m, g, d), p, acc, u2, starts, seg, (beta, alpha, lr, wd), False)
+    fns["local_source"](exp_avg=m, grad=g, denom=d, param=p, acc=acc, out=u2, starts=starts,
+                        sizes=seg, beta=beta, alpha=alpha, lr=lr, weight_decay=wd,
+                        preconditioned=False)  # fmt: skip
     synced = _sync_run(fns["sync_update"], case, True, True, torch.float32, False)
     return [u1, u2, *synced[:3], *synced[3]]
 

@@ -457,11 +457,12 @@ frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in
 local = {pre: T.local_runs(K.local_source, pre) for pre in (False, True)}
 m, g, d, st, sz, b, a = T._tiled(T.SOURCE_TILINGS["awkward"], 3)
 compress_source = T._compress_source(K.MomentumSource(m, g, d, m.clone(), st, sz, b, a), 3, True, 3)
-tensors, p, acc, st, sz, hp = T._local_tiled(T.SOURCE_TILINGS["awkward"], 3)
-local_source = K.LocalSource(tensors, p, acc, p.clone(), st, sz, hp, True)
+(m, g, d), p, acc, st, sz, hp = T._local_tiled(T.SOURCE_TILINGS["awkward"], 3)
+args = dict(exp_avg=m, grad=g, denom=d, acc=acc, starts=st, sizes=sz, **hp, preconditioned=True)
+local_source = K.LocalSource(param=p, out=p.clone(), **args)
 compress_local = T._compress_source(local_source, 3, True, 3)
 pieces = [p[lo : lo + n].clone() for lo, n in zip(st, sz)]
-local_pieces = K.LocalSource(tensors, pieces, acc, p.clone(), st, sz, hp, True)
+local_pieces = K.LocalSource(param=pieces, out=p.clone(), **args)
 compress_local_pieces = T._compress_source(local_pieces, 3, True, 3)
 local_step = T.step_run(K.local_step, T._step_case(21))
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
@@ -1028,41 +1029,35 @@ def test_frozen_adam_update_portable_path_is_bitwise_too(portable: dict) -> None
 
 def _local_case(seed: int):
     """Inputs of local_source on AWKWARD segments with 3-value gaps: (m, g, d), the flat
-    parameters, the accumulator, starts, sizes and per segment (beta, alpha, lr, weight decay),
-    the decay 0 on every third segment."""
+    parameters, the accumulator, starts, sizes and per segment the coefficients (``beta``,
+    ``alpha``, ``lr``, ``weight_decay``, by name), the decay 0 on every third segment."""
     m, g, d, starts, sizes, beta, _ = _source_case(seed)
     gen = torch.Generator().manual_seed(seed + 100)
     p, acc = torch.randn(m.numel(), generator=gen), torch.randn(m.numel(), generator=gen) * 1e-3
     r = torch.rand(len(sizes), generator=gen).tolist()
     lr = [1e-3 * (1 + a) for a in r]
     wd = [0.0 if k % 3 == 0 else 0.01 * (1 + a) for k, a in enumerate(r)]
-    return (m, g, d), p, acc, starts, sizes, (beta, [1 - b for b in beta], lr, wd)
+    hp = {"beta": beta, "alpha": [1 - b for b in beta], "lr": lr, "weight_decay": wd}
+    return (m, g, d), p, acc, starts, sizes, hp
 
 
 def local_runs(fn, precond: bool) -> dict:
     """local_source (or its twin) on ``_local_case(4)`` into NaN-filled buffers, with and
     without the decay and accumulator terms: {(decay, acc): out}."""
-    tensors, p, acc, starts, sizes, hp = _local_case(4)
+    (m, g, d), p, acc, starts, sizes, hp = _local_case(4)
     runs = {}
     for decay, with_acc in itertools.product((False, True), repeat=2):
         out = torch.full_like(p, float("nan"))
-        fn(
-            tensors,
-            p if decay else None,
-            acc if with_acc else None,
-            out,
-            starts,
-            sizes,
-            hp,
-            precond,
-        )
+        fn(exp_avg=m, grad=g, denom=d, param=p if decay else None, acc=acc if with_acc else None,
+           out=out, starts=starts, sizes=sizes, **hp, preconditioned=precond)  # fmt: skip
         runs[(decay, with_acc)] = out
     return runs
 
 
 def _local_by_torch(precond: bool) -> dict:
     """The optimizer's torch ops (ZeroOneAdam._exchange_source) for local_runs' cases."""
-    (m, g, d), p, acc, starts, sizes, (beta, _, lr, wd) = _local_case(4)
+    (m, g, d), p, acc, starts, sizes, hp = _local_case(4)
+    beta, lr, wd = hp["beta"], hp["lr"], hp["weight_decay"]
     runs = {}
     for decay, with_acc in itertools.product((False, True), repeat=2):
         out = torch.full_like(p, float("nan"))
@@ -1104,7 +1099,9 @@ def test_local_source_is_the_torch_ops_bitwise(precond: bool) -> None:
     assert not _same_bits(want[(True, True)], want[(False, False)])  # (the terms count)
     tensors, p, acc, starts, sizes, hp = _local_case(4)
     before = [t.clone() for t in (*tensors, p, acc)]
-    K.local_source(tensors, p, acc, torch.empty_like(p), starts, sizes, hp, precond)
+    m, g, d = tensors
+    K.local_source(exp_avg=m, grad=g, denom=d, param=p, acc=acc, out=torch.empty_like(p),
+                   starts=starts, sizes=sizes, **hp, preconditioned=precond)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
 
 
@@ -1116,14 +1113,15 @@ def test_local_source_portable_path_is_bitwise_too(portable: dict) -> None:
 
 def _local_tiled(sizes: list[int], seed: int):
     """A local source over segments that tile a range (``_tiled``'s, some gradients None):
-    (m, per-segment grads, d), flat p and acc, starts, sizes, coefficients (decay 0 on every
-    third segment)."""
+    (m, per-segment grads, d), flat p and acc, starts, sizes, coefficients by name (decay 0 on
+    every third segment)."""
     m, grads, d, starts, sizes, beta, alpha = _tiled(sizes, seed)
     gen = torch.Generator().manual_seed(seed + 100)
     p, acc = torch.randn(m.numel(), generator=gen), torch.randn(m.numel(), generator=gen) * 1e-3
     lr = [1e-3 * (1 + a) for a in torch.rand(len(sizes), generator=gen).tolist()]
     wd = [0.0 if k % 3 == 0 else 0.01 * (k + 1) for k in range(len(sizes))]
-    return (m, grads, d), p, acc, starts, sizes, (beta, alpha, lr, wd)
+    hp = {"beta": beta, "alpha": alpha, "lr": lr, "weight_decay": wd}
+    return (m, grads, d), p, acc, starts, sizes, hp
 
 
 def _flat_grad(grads, starts, like: torch.Tensor) -> torch.Tensor:
@@ -1156,10 +1154,12 @@ def test_local_source_per_segment_tensors_are_the_flat_form_bitwise(precond: boo
             torch.set_num_threads(nt)
             a = acc if with_acc else None
             want, got, ref = (torch.full_like(m, float("nan")) for _ in range(3))
-            K.local_source((m, flat, d), p if decay else None, a, want, starts, sizes, hp, precond)
-            terms = (pieces if decay else None, a)
-            K.local_source((m, grads, d), *terms, got, starts, sizes, hp, precond)
-            K.reference_local_source((m, grads, d), *terms, ref, starts, sizes, hp, precond)
+            common = dict(exp_avg=m, denom=d, acc=a, starts=starts, sizes=sizes, **hp,
+                          preconditioned=precond)  # fmt: skip
+            K.local_source(grad=flat, param=p if decay else None, out=want, **common)
+            terms = dict(grad=grads, param=pieces if decay else None, **common)
+            K.local_source(out=got, **terms)
+            K.reference_local_source(out=ref, **terms)
             assert _same_bits(got, want) and _same_bits(ref, want), (nt, decay, with_acc)
     finally:
         torch.set_num_threads(old)
@@ -1185,11 +1185,13 @@ def test_worker_compress_of_a_local_source_is_the_buffer_form_bitwise(
             (1, 2), (1, 2, 3), (False, True), (None, p, pieces)
         ):
             torch.set_num_threads(nt)
-            terms = (None, None) if param is None else (param, acc)
+            common = dict(exp_avg=m, grad=grads, denom=tensors[2], starts=starts, sizes=sizes,
+                          **hp, preconditioned=precond)  # fmt: skip
+            a = None if param is None else acc
             buf, out = torch.full_like(m, float("nan")), torch.full_like(m, float("nan"))
-            flat_terms = (None, None) if param is None else (p, acc)
-            K.local_source(tensors, *flat_terms, buf, starts, sizes, hp, precond)
-            source = K.LocalSource(tensors, *terms, out, starts, sizes, hp, precond)
+            flat_param = None if param is None else p
+            K.local_source(param=flat_param, acc=a, out=buf, **common)
+            source = K.LocalSource(param=param, acc=a, out=out, **common)
             assert source.computed_as_read and source.numel() == hi - lo
             got = _compress_source(source, w, pending, seed=w)
             want = _compress_source(buf[lo:hi], w, pending, seed=w)
@@ -1203,9 +1205,10 @@ def test_worker_compress_of_a_local_source_is_the_buffer_form_bitwise(
 
 
 def test_worker_compress_of_a_local_source_portable_path_is_bitwise_too(portable: dict) -> None:
-    tensors, p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS["awkward"], 3)
+    (m, g, d), p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS["awkward"], 3)
     buf = torch.full_like(p, float("nan"))
-    K.local_source(tensors, p, acc, buf, starts, sizes, hp, True)
+    K.local_source(exp_avg=m, grad=g, denom=d, param=p, acc=acc, out=buf, starts=starts,
+                   sizes=sizes, **hp, preconditioned=True)  # fmt: skip
     want = _compress_source(buf[starts[0] : starts[-1] + sizes[-1]], 3, True, seed=3)
     for got in (portable["compress_local"], portable["compress_local_pieces"]):
         for a, b in zip(got, want, strict=True):
@@ -1215,15 +1218,14 @@ def test_worker_compress_of_a_local_source_portable_path_is_bitwise_too(portable
 def test_local_source_elsewhere_is_materialized_first() -> None:
     """The two-call form reads the values twice: a LocalSource is computed into ``out``
     first, the results of the buffer."""
-    tensors, p, acc, starts, sizes, hp = _local_tiled([3, 29, 12], 4)
+    (m, g, d), p, acc, starts, sizes, hp = _local_tiled([3, 29, 12], 4)
     lo, hi = starts[0], starts[-1] + sizes[-1]
     buf = torch.zeros_like(p)
-    K.local_source(tensors, p, acc, buf, starts, sizes, hp, False)
+    args = dict(exp_avg=m, grad=g, denom=d, param=p, acc=acc, starts=starts, sizes=sizes, **hp,
+                preconditioned=False)  # fmt: skip
+    K.local_source(out=buf, **args)
     results = []
-    for x in (
-        buf[lo:hi],
-        K.LocalSource(tensors, p, acc, torch.zeros_like(p), starts, sizes, hp, False),
-    ):
+    for x in (buf[lo:hi], K.LocalSource(out=torch.zeros_like(p), **args)):
         e, bits, scale = torch.ones(48), torch.zeros(2, 3, dtype=torch.uint8), torch.zeros(1)
         K.worker_compress(x, e, bits, scale, update_error=False)
         results.append((bits, scale))
@@ -1232,22 +1234,16 @@ def test_local_source_elsewhere_is_materialized_first() -> None:
 
 
 def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
-    t, hp = torch.zeros(32), ([0.9] * 2, [0.1] * 2, [1e-3] * 2, [0.0] * 2)
+    t = torch.zeros(32)
+    hp = {"beta": [0.9] * 2, "alpha": [0.1] * 2, "lr": [1e-3] * 2, "weight_decay": [0.0] * 2}
+    one = {k: c[:1] for k, c in hp.items()}
+    args = dict(exp_avg=t, denom=t, param=None, acc=None, out=t.clone(), preconditioned=True)
     with pytest.raises(ValueError, match="LocalSource's segments must tile a non-empty"):
-        K.LocalSource((t, t, t), None, None, t.clone(), [0, 9], [8, 8], hp, True)
+        K.LocalSource(grad=t, starts=[0, 9], sizes=[8, 8], **hp, **args)
     with pytest.raises(ValueError, match="does not fit"):
-        K.LocalSource((t, t, t), None, None, t.clone(), [30], [8], tuple(c[:1] for c in hp), True)
+        K.LocalSource(grad=t, starts=[30], sizes=[8], **one, **args)
     with pytest.raises(ValueError, match=r"grad\[0\] must have its segment's 8 values"):
-        K.LocalSource(
-            (t, [torch.zeros(7)], t),
-            None,
-            None,
-            t.clone(),
-            [0],
-            [8],
-            tuple(c[:1] for c in hp),
-            True,
-        )
+        K.LocalSource(grad=[torch.zeros(7)], starts=[0], sizes=[8], **one, **args)
 
 
 def _step_case(seed: int, sizes: list[int] = AWKWARD):
@@ -1370,13 +1366,16 @@ def test_local_step_portable_path_is_bitwise_too(portable: dict) -> None:
 
 
 def test_local_source_rejects_bad_input() -> None:
-    t, hp = torch.zeros(16), ([0.9], [0.1], [1e-3], [0.0])
+    t = torch.zeros(16)
+    hp = {"beta": [0.9], "alpha": [0.1], "lr": [1e-3], "weight_decay": [0.0]}
+    tensors = dict(exp_avg=t, grad=t, denom=t, acc=None, preconditioned=True)
+    args = dict(**tensors, out=t.clone(), starts=[0], sizes=[8])
     with pytest.raises(ValueError, match="does not fit"):
-        K.local_source((t, t, t), None, None, torch.zeros(16), [10], [7], hp, True)
+        K.local_source(**tensors, param=None, out=torch.zeros(16), starts=[10], sizes=[7], **hp)
     with pytest.raises(ValueError, match="one value per segment"):
-        K.local_source((t, t, t), None, None, t.clone(), [0], [8], (*hp[:3], [0.0, 0.1]), True)
+        K.local_source(param=None, **args, **{**hp, "weight_decay": [0.0, 0.1]})
     with pytest.raises(TypeError):
-        K.local_source((t, t, t), t.double(), None, t.clone(), [0], [8], hp, True)
+        K.local_source(param=t.double(), **args, **hp)
     for pieces, exc, match in (
         ([t[:8], t[8:]], ValueError, r"param must have one tensor per segment \(1\), got 2"),
         ([t[:7]], ValueError, r"param\[0\] must have its segment's 8 values, got 7"),
@@ -1385,9 +1384,9 @@ def test_local_source_rejects_bad_input() -> None:
         ([torch.zeros(16)[::2]], ValueError, r"param\[0\] must be contiguous"),
     ):
         with pytest.raises(exc, match=match):
-            K.local_source((t, t, t), pieces, None, t.clone(), [0], [8], hp, True)
+            K.local_source(param=pieces, **args, **hp)
         with pytest.raises(exc, match=match):
-            K.LocalSource((t, t, t), pieces, None, t.clone(), [0], [8], hp, True)
+            K.LocalSource(param=pieces, **args, **hp)
 
 
 def _sync_case(seed: int):
