@@ -299,17 +299,21 @@ def reference_local_source(
 
 
 def reference_local_step(
-    tensors: tuple[
-        torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor, torch.Tensor
-    ],
+    *,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor,
+    acc: torch.Tensor,
     params: list[torch.Tensor],
     starts: list[int],
-    hp: tuple[list[float], list[float], list[float], list[float]],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
 ) -> bool:
     """Pure-torch [`local_step`][lightning_onebit.kernels.updates.local_step] (same arguments; 0/1
     Adam's torch ops, bit for bit on x86 CPUs): the gradient a flat buffer or one tensor (``None``:
     zeros) per parameter."""
-    exp_avg, grad, denom, acc = tensors
     pieces = []
     for j, p in enumerate(params):
         s = slice(starts[j], starts[j] + p.numel())
@@ -320,13 +324,13 @@ def reference_local_step(
     if not all(bool(torch.isfinite(g).all()) for g in pieces):
         return False
     for j, (p, g) in enumerate(zip(params, pieces, strict=True)):
-        s, (b, a, lr, w) = slice(starts[j], starts[j] + p.numel()), (c[j] for c in hp)
-        exp_avg[s].mul_(b).add_(g, alpha=a)
+        s = slice(starts[j], starts[j] + p.numel())
+        exp_avg[s].mul_(beta[j]).add_(g, alpha=alpha[j])
         u = torch.div(exp_avg[s], denom[s])
-        if w > 0:
-            u.add_(p.detach().reshape(-1).to(torch.float32), alpha=w)
-        acc[s].add_(u, alpha=-lr)
-        torch._foreach_add_([p], [u.view_as(p)], alpha=-lr)
+        if weight_decay[j] > 0:
+            u.add_(p.detach().reshape(-1).to(torch.float32), alpha=weight_decay[j])
+        acc[s].add_(u, alpha=-lr[j])
+        torch._foreach_add_([p], [u.view_as(p)], alpha=-lr[j])
     return True
 
 

@@ -366,20 +366,23 @@ def layer_step(
 
 
 def local_step(
-    tensors: tuple[
-        torch.Tensor, torch.Tensor | Sequence[torch.Tensor | None], torch.Tensor, torch.Tensor
-    ],
+    *,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
+    denom: torch.Tensor,
+    acc: torch.Tensor,
     params: list[torch.Tensor],
     starts: list[int],
-    hp: tuple[list[float], list[float], list[float], list[float]],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
 ) -> bool:
     """0/1 Adam's local step (no exchange) in one sweep, taken only if every gradient value is
     finite; returns whether it was (nothing changes otherwise: the rank sits the step out).
-    ``tensors``: ``exp_avg``, ``grad``, ``denom`` (``sqrt(v) + eps``) and ``acc`` (the
-    momentum accumulator); parameter ``j`` holds the flat values
-    ``starts[j]:starts[j] + params[j].numel()`` and has the coefficients ``hp`` (``beta``,
-    ``alpha``, ``lr``, ``weight_decay``, one value per parameter). Per value, as the
-    optimizer's torch ops::
+    Parameter ``j`` holds the flat values ``starts[j]:starts[j] + params[j].numel()`` and has
+    the coefficients ``beta[j]``, ``alpha[j]``, ``lr[j]`` and ``weight_decay[j]``. Per value, as
+    the optimizer's torch ops::
 
         exp_avg = beta * exp_avg + alpha * grad       (mul_(beta).add_(g, alpha=alpha))
         u = exp_avg / denom + weight_decay * p        (the decay only where weight_decay > 0)
@@ -392,16 +395,24 @@ def local_step(
     torch ops' floats bit for bit; otherwise the torch ops run
     ([`reference_local_step`][lightning_onebit.kernels.reference.reference_local_step]).
 
+    Args:
+        exp_avg, denom, acc: float32, contiguous, one device, covering every parameter: the
+            momentum, ``sqrt(v) + eps`` and the momentum accumulator.
+        grad: like them (a flat buffer), or one entry per parameter (``None``: zeros).
+        params: the parameters, updated in place.
+        starts: each parameter's first flat index.
+        beta, alpha, lr, weight_decay: one value per parameter.
+
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device, a
             parameter that does not fit or a gradient of another size; coefficient lists of
             other lengths.
     """
-    exp_avg, grad, denom, acc = tensors
     device, named = native.check("local_step", exp_avg=exp_avg, denom=denom, acc=acc, grad=grad)
     sizes = [p.numel() for p in params]
-    names = ("sizes", "beta", "alpha", "lr", "weight_decay")
-    check_segments(named, starts, dict(zip(names, (sizes, *hp), strict=True)))
+    per_segment = {"sizes": sizes, "beta": beta, "alpha": alpha, "lr": lr,
+                   "weight_decay": weight_decay}  # fmt: skip
+    check_segments(named, starts, per_segment)
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
     if (
@@ -409,8 +420,9 @@ def local_step(
         or not native.use_native()
         or not all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
     ):
-        return reference_local_step((exp_avg, grads, denom, acc), params, starts, hp)
-    beta, alpha, lr, weight_decay = hp
+        return reference_local_step(exp_avg=exp_avg, grad=grads, denom=denom, acc=acc,
+                                    params=params, starts=starts, beta=beta, alpha=alpha, lr=lr,
+                                    weight_decay=weight_decay)  # fmt: skip
     # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
     wd = [w if w > 0 else 0.0 for w in weight_decay]
     coefs = {"beta": beta, "alpha": alpha, "wd": wd, "nlr": [-a for a in lr]}

@@ -583,9 +583,11 @@ class ZeroOneAdam(OneBitOptimizer):
             #       read where autograd left it)
             layout, groups = self.flat.layout, self.param_groups
             idx = list(range(len(layout.params)))
-            grads, hp = self.flat.grads(groups, idx), self._local_coefficients(idx)
-            d, _ = denominator(self)
-            local_ok = local_step((m, grads, d, acc), layout.params, layout.offsets, hp)
+            grads, d = self.flat.grads(groups, idx), denominator(self)[0]
+            beta, alpha, lr, weight_decay = self._local_coefficients(idx)
+            local_ok = local_step(exp_avg=m, grad=grads, denom=d, acc=acc, params=layout.params,
+                                  starts=layout.offsets, beta=beta, alpha=alpha, lr=lr,
+                                  weight_decay=weight_decay)  # fmt: skip
             if not local_ok:
                 self._skipped_locally()
             for gi, group, _ in self.flat.segments(groups):

@@ -1248,8 +1248,9 @@ def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
 
 def _step_case(seed: int, sizes: list[int] = AWKWARD):
     """Inputs of local_step: m, per-parameter gradients (some None, one 2-D), d, acc, the
-    parameters (3-value gaps before each in the flat buffers), starts and per parameter
-    (beta, alpha, lr, weight decay; 0 on every third), with exact zeros of both signs in m."""
+    parameters (3-value gaps before each in the flat buffers), starts and per parameter the
+    coefficients (``beta``, ``alpha``, ``lr``, ``weight_decay`` by name; the decay 0 on every
+    third), with exact zeros of both signs in m."""
     m, g, d, starts, sizes, beta, alpha = _source_case(seed, sizes)
     gen = torch.Generator().manual_seed(seed + 50)
     m[::5], m[2::7] = 0.0, -0.0
@@ -1263,13 +1264,15 @@ def _step_case(seed: int, sizes: list[int] = AWKWARD):
         grads[2], params[2] = grads[2].view(2, 4), params[2].view(2, 4)
     lr = [1e-3 * (1 + a) for a in torch.rand(len(sizes), generator=gen).tolist()]
     wd = [0.0 if k % 3 == 0 else 0.01 * (k + 1) for k in range(len(sizes))]
-    return (m, grads, d, acc), params, starts, (beta, alpha, lr, wd)
+    hp = {"beta": beta, "alpha": alpha, "lr": lr, "weight_decay": wd}
+    return (m, grads, d, acc), params, starts, hp
 
 
 def _step_by_torch(case):
     """The optimizer's torch ops of a local step (ZeroOneAdam before its kernel): the
     gradients and parameters gathered into flat buffers, then m, u, acc and the parameters."""
-    (m, grads, d, acc), params, starts, (beta, alpha, lr, wd) = case
+    (m, grads, d, acc), params, starts, hp = case
+    beta, alpha, lr, wd = hp["beta"], hp["alpha"], hp["lr"], hp["weight_decay"]
     m, acc, ps = m.clone(), acc.clone(), [p.clone() for p in params]
     g, pflat, u = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
     for j, p in enumerate(ps):
@@ -1294,7 +1297,7 @@ def step_run(fn, case):
     """local_step (or its twin) on copies of ``case``: (taken, m, acc, params) after it."""
     (m, grads, d, acc), params, starts, hp = case
     m, acc, ps = m.clone(), acc.clone(), [p.clone() for p in params]
-    taken = fn((m, grads, d, acc), ps, starts, hp)
+    taken = fn(exp_avg=m, grad=grads, denom=d, acc=acc, params=ps, starts=starts, **hp)
     return taken, m, acc, ps
 
 
