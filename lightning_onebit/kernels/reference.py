@@ -335,7 +335,11 @@ def reference_local_step(
 
 
 def reference_sync_update(
-    tensors: tuple[torch.Tensor, ...],
+    *,
+    exchanged: torch.Tensor,
+    denom: torch.Tensor,
+    exp_avg: torch.Tensor,
+    synced: torch.Tensor,
     floored: torch.Tensor | None,
     acc: torch.Tensor | None,
     params: list[torch.Tensor],
@@ -345,7 +349,6 @@ def reference_sync_update(
 ) -> None:
     """Pure-torch [`sync_update`][lightning_onebit.kernels.updates.sync_update] (same arguments; 0/1
     Adam's torch ops, bit for bit on x86 CPUs)."""
-    exchanged, denom, exp_avg, synced = tensors
     for p, lo, total in zip(params, starts, lrs, strict=True):
         s = slice(lo, lo + p.numel())
         if preconditioned:

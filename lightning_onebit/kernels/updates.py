@@ -436,7 +436,11 @@ def local_step(
 
 
 def sync_update(
-    tensors: tuple[torch.Tensor | SignRuns, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    exchanged: torch.Tensor | SignRuns,
+    denom: torch.Tensor,
+    exp_avg: torch.Tensor,
+    synced: torch.Tensor,
     floored: torch.Tensor | None,
     acc: torch.Tensor | None,
     params: list[torch.Tensor],
@@ -444,12 +448,8 @@ def sync_update(
     lrs: list[float],
     preconditioned: bool,
 ) -> None:
-    """0/1 Adam's update after a sync step's exchange, one sweep over flat buffers.
-    ``tensors``: ``exchanged`` (the averaged accumulator; read only; or
-    [`SignRuns`][lightning_onebit.kernels.runs.SignRuns] holding every parameter's values, CPU
-    buffers), ``denom`` (``sqrt(v) + eps``), ``exp_avg`` and ``synced`` (the synchronised
-    parameters, fp32); parameter ``j``'s values start at ``starts[j]``, ``lrs[j]`` is the learning
-    rate summed since the last sync. Per value, as the optimizer's torch ops::
+    """0/1 Adam's update after a sync step's exchange, one sweep over flat buffers. Parameter
+    ``j``'s values start at ``starts[j]``. Per value, as the optimizer's torch ops::
 
         exp_avg = (exchanged * denom if preconditioned else exchanged) / -lrs
                   (0 where lrs <= 0, or floored is true: masked_fill_)
@@ -465,13 +465,26 @@ def sync_update(
     the torch ops run
     ([`reference_sync_update`][lightning_onebit.kernels.reference.reference_sync_update]).
 
+    Args:
+        exchanged: the averaged accumulator, read only: float32, contiguous, covering every
+            parameter; or [`SignRuns`][lightning_onebit.kernels.runs.SignRuns] holding every
+            parameter's values (CPU buffers).
+        denom: like it (a tensor): ``sqrt(v) + eps``.
+        exp_avg: like it: the momentum, written.
+        synced: like it: the synchronised parameters (fp32), written.
+        floored: bool, contiguous, as long: where the momentum is 0; or ``None``.
+        acc: like ``exp_avg``: the momentum accumulator, cleared; or ``None`` (left as it is).
+        params: the parameters, written.
+        starts: each parameter's first flat index.
+        lrs: per parameter the learning rate summed since the last sync.
+        preconditioned: ``exchanged`` is in parameter units (divided by ``denom``).
+
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
             or a parameter that does not fit; ``lrs`` of another length.
     """
-    names = ("exchanged", "denom", "exp_avg", "synced")
-    args = dict(zip(names, tensors, strict=True))
-    runs = tensors[0] if isinstance(tensors[0], SignRuns) else None
+    args = {"exchanged": exchanged, "denom": denom, "exp_avg": exp_avg, "synced": synced}
+    runs = exchanged if isinstance(exchanged, SignRuns) else None
     device, named = native.check("sync_update", **args, acc=acc, floored=floored)
     if len(starts) != len(params) or len(lrs) != len(params):
         raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
@@ -480,8 +493,10 @@ def sync_update(
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
     if not native.has_kernel(device) or not native.use_native():
         if runs is not None:
-            tensors = (decode_runs(runs, torch.zeros_like(tensors[2])), *tensors[1:])
-        reference_sync_update(tensors, floored, acc, params, starts, lrs, preconditioned)
+            exchanged = decode_runs(runs, torch.zeros_like(exp_avg))
+        reference_sync_update(exchanged=exchanged, denom=denom, exp_avg=exp_avg, synced=synced,
+                              floored=floored, acc=acc, params=params, starts=starts, lrs=lrs,
+                              preconditioned=preconditioned)  # fmt: skip
         return
     direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
     # m's divisor -lrs rounded from double (the CPU's torch path), or on CUDA the reciprocal its
@@ -498,7 +513,6 @@ def sync_update(
         for p in params:  # written through raw pointers: see adam_update
             torch.autograd.graph.increment_version(p)
     else:
-        synced = tensors[3]
         torch._foreach_copy_(
             params,
             [synced[lo : lo + p.numel()].view_as(p) for p, lo in zip(params, starts, strict=True)],

@@ -386,13 +386,16 @@ class ZeroOneAdam(OneBitOptimizer):
         # for bit on the CPU and on CUDA).
         layout = self.flat.layout
         sync_update(
-            (u, denominator(self)[0], m, self.flat.states["synced_params"]),
-            self._floored(),
-            acc if taken else None,
-            layout.params,
-            layout.offsets,
-            [self.lrs[gi] for gi in layout.group_of],
-            self.preconditioned_exchange,
+            exchanged=u,
+            denom=denominator(self)[0],
+            exp_avg=m,
+            synced=self.flat.states["synced_params"],
+            floored=self._floored(),
+            acc=acc if taken else None,
+            params=layout.params,
+            starts=layout.offsets,
+            lrs=[self.lrs[gi] for gi in layout.group_of],
+            preconditioned=self.preconditioned_exchange,
         )
         self.lrs = [0.0] * len(self.lrs)
 

@@ -645,8 +645,9 @@ def _sync_run(fn, case, with_floor: bool, with_acc: bool, dtype: torch.dtype, pr
     (x, d, m, synced), floored, acc, params, starts, lrs = case
     m, synced, acc = m.clone(), synced.clone(), acc.clone()
     ps = [p.to(dtype, copy=True) for p in params]  # (fresh tensors: autograd version 0)
-    fn((x, d, m, synced), floored if with_floor else None, acc if with_acc else None, ps, starts,
-       lrs, precond)  # fmt: skip
+    fn(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored if with_floor else None,
+       acc=acc if with_acc else None, params=ps, starts=starts, lrs=lrs,
+       preconditioned=precond)  # fmt: skip
     return m, synced, acc, ps
 
 

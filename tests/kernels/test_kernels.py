@@ -1411,15 +1411,9 @@ def sync_runs(fn, precond: bool) -> dict:
     runs = {}
     for with_floor, with_acc in itertools.product((False, True), repeat=2):
         m, synced, acc, ps = m0.clone(), synced0.clone(), acc0.clone(), [p.clone() for p in params]
-        fn(
-            (x, d, m, synced),
-            floored if with_floor else None,
-            acc if with_acc else None,
-            ps,
-            starts,
-            lrs,
-            precond,
-        )
+        fn(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored if with_floor else None,
+           acc=acc if with_acc else None, params=ps, starts=starts, lrs=lrs,
+           preconditioned=precond)  # fmt: skip
         runs[(with_floor, with_acc)] = (m, synced, acc, ps)
     return runs
 
@@ -1498,7 +1492,8 @@ def test_sync_update_clears_an_accumulator_aligned_unlike_the_momentum() -> None
     m, synced, ps = m0.clone(), synced0.clone(), [p.clone() for p in params]
     acc = torch.empty(acc0.numel() + 1)[1:]
     acc.copy_(acc0)
-    K.sync_update((x, d, m, synced), floored, acc, ps, starts, lrs, True)
+    K.sync_update(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored, acc=acc,
+                  params=ps, starts=starts, lrs=lrs, preconditioned=True)  # fmt: skip
     assert _same_sync({0: (m, synced, acc, ps)}, {0: want})
 
 
@@ -1508,19 +1503,21 @@ def test_sync_update_casts_into_parameters_of_other_dtypes() -> None:
     (x, d, m, synced), floored, acc, params, starts, lrs = _sync_case(6)
     ps = [params[0].bfloat16(), *params[1:6], params[6]]
     ps[5] = torch.randn(33, 2)[:, 0]  # (strided: 33 values)
-    K.sync_update((x, d, m, synced), floored, acc, ps, starts, lrs, True)
+    K.sync_update(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored, acc=acc,
+                  params=ps, starts=starts, lrs=lrs, preconditioned=True)  # fmt: skip
     for p, lo in zip(ps, starts, strict=True):
         assert torch.equal(p, synced[lo : lo + p.numel()].to(p.dtype))
 
 
 def test_sync_update_rejects_bad_input() -> None:
     t, p = torch.zeros(16), [torch.zeros(8)]
+    args = dict(exchanged=t, denom=t, exp_avg=t, synced=t, acc=None, params=p, preconditioned=True)
     with pytest.raises(ValueError, match="does not fit"):
-        K.sync_update((t, t, t, t), None, None, p, [10], [1e-3], True)
+        K.sync_update(**args, floored=None, starts=[10], lrs=[1e-3])
     with pytest.raises(ValueError, match="one value per parameter"):
-        K.sync_update((t, t, t, t), None, None, p, [0], [1e-3, 1e-3], True)
+        K.sync_update(**args, floored=None, starts=[0], lrs=[1e-3, 1e-3])
     with pytest.raises(TypeError):
-        K.sync_update((t, t, t, t), torch.zeros(16), None, p, [0], [1e-3], True)
+        K.sync_update(**args, floored=torch.zeros(16), starts=[0], lrs=[1e-3])
 
 
 def test_adam_update_with_a_verdict() -> None:
