@@ -59,6 +59,7 @@ from lightning_onebit.kernels.sources import (
     ExchangeSource,
     LocalSource,
     MomentumSource,
+    TensorSource,
     local_source,
     momentum_source,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "LocalSource",
     "MomentumSource",
     "SignRuns",
+    "TensorSource",
     "adam_update",
     "decode_runs",
     "decompress",

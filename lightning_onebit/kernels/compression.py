@@ -63,7 +63,8 @@ def worker_compress(
     [`LocalSource`][lightning_onebit.kernels.sources.LocalSource]): the deferred form computes its
     values as it reads them where it can
     ([`ExchangeSource.computed_as_read`][lightning_onebit.kernels.sources.ExchangeSource.computed_as_read]),
-    the same floats as from the buffer; otherwise it materializes them first.
+    the same floats as from the buffer; otherwise it materializes them first (a
+    [`TensorSource`][lightning_onebit.kernels.sources.TensorSource]: its tensor).
 
     Args:
         x: float32, contiguous, at most ``n`` values (any shape); or an

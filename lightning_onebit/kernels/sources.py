@@ -2,7 +2,9 @@
 sweep over flat buffers ([`momentum_source`][lightning_onebit.kernels.sources.momentum_source],
 [`local_source`][lightning_onebit.kernels.sources.local_source]), or described without being
 computed ([`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]) so that the
-compression computes each value as it reads it."""
+compression computes each value as it reads it; and values already computed, as a source
+([`TensorSource`][lightning_onebit.kernels.sources.TensorSource]), so that an exchange takes one
+type of input."""
 
 from __future__ import annotations
 
@@ -16,7 +18,14 @@ from lightning_onebit.kernels import native
 from lightning_onebit.kernels.checks import check_per_segment, check_segments
 from lightning_onebit.kernels.reference import reference_local_source, reference_momentum_source
 
-__all__ = ["ExchangeSource", "LocalSource", "MomentumSource", "local_source", "momentum_source"]
+__all__ = [
+    "ExchangeSource",
+    "LocalSource",
+    "MomentumSource",
+    "TensorSource",
+    "local_source",
+    "momentum_source",
+]
 
 
 def momentum_source(
@@ -111,7 +120,8 @@ class ExchangeSource:
     ([`worker_compress`][lightning_onebit.kernels.compression.worker_compress]), for segments that
     tile the range in order (an exchange's bucket: whole parameters). Subclasses:
     [`MomentumSource`][lightning_onebit.kernels.sources.MomentumSource],
-    [`LocalSource`][lightning_onebit.kernels.sources.LocalSource].
+    [`LocalSource`][lightning_onebit.kernels.sources.LocalSource], and
+    [`TensorSource`][lightning_onebit.kernels.sources.TensorSource] for values already computed.
 
     Where a compiled kernel applies
     ([`computed_as_read`][lightning_onebit.kernels.sources.ExchangeSource.computed_as_read]),
@@ -418,3 +428,49 @@ class LocalSource(ExchangeSource):
                               error=error, bits=bits, scale=scale, error_out=error_out,
                               pending=pending, prev_bits=prev_bits,
                               prev_scale=prev_scale)  # fmt: skip
+
+
+class TensorSource(ExchangeSource):
+    """Values already computed, a flat float32 tensor, as an
+    [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]: an exchange reads them as
+    it reads the tensor itself (the same floats, bits and errors). Nothing is computed as read
+    ([`computed_as_read`][lightning_onebit.kernels.sources.TensorSource.computed_as_read] is
+    false) and [`materialize`][lightning_onebit.kernels.sources.TensorSource.materialize] returns
+    the tensor itself, no copy.
+
+    Args:
+        tensor: float32, one-dimensional, contiguous, at least one value; read when the exchange
+            reads its input, not copied here.
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, shape or layout, or an empty one.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
+            what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"a TensorSource takes a float32 tensor, got {what}")
+        if tensor.dim() != 1 or not tensor.is_contiguous() or tensor.numel() == 0:
+            raise ValueError(
+                "a TensorSource takes a flat, contiguous, non-empty tensor (tensor.reshape(-1)), "
+                f"got shape {tuple(tensor.shape)} with stride {tuple(tensor.stride())}"
+            )
+        self.out, self.starts, self.sizes = tensor, [0], [tensor.numel()]
+        self.lo, self.hi = 0, tensor.numel()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The flat tensor of values."""
+        return self.out
+
+    @property
+    def computed_as_read(self) -> bool:
+        """Never: the values are computed already."""
+        return False
+
+    def materialize(self) -> torch.Tensor:
+        """The flat tensor itself (no copy)."""
+        return self.out
+
+    def __repr__(self) -> str:
+        return f"TensorSource(numel={self.hi}, device={self.device})"

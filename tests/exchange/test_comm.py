@@ -421,3 +421,90 @@ def test_an_undecoded_result_holds_the_decoded_values(world: int) -> None:
     for rank, r in enumerate(run_distributed(_runs_worker, world)):
         assert r["same"] == [True] * 6, rank
         assert r["untouched"] == [True] * 6, rank
+
+
+def _state_tensors(state: dict) -> list[torch.Tensor]:
+    """Every tensor of an exchange's ``state_dict`` (its error buffers), in order."""
+    found = []
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, dict):
+            found += _state_tensors(v)
+        elif isinstance(v, list):
+            found += [t for s in v if isinstance(s, dict) for t in _state_tensors(s)]
+    return found
+
+
+def _same_exchange(a: torch.Tensor, b: torch.Tensor, ea: object, eb: object) -> bool:
+    """Results ``a``, ``b`` and the error buffers of exchanges ``ea``, ``eb``: bit for bit."""
+    bufs = zip(_state_tensors(ea.state_dict()), _state_tensors(eb.state_dict()), strict=True)
+    return torch.equal(a.view(torch.int32), b.view(torch.int32)) and all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in bufs
+    )
+
+
+def _tensor_source_worker(rank: int, world: int) -> dict:
+    """Three calls of each exchange kind, one fed the tensor, its twin a TensorSource of it:
+    whether the results and the error buffers agree bit for bit, per kind and call."""
+    from lightning_onebit.comm import BucketedAllreduce
+    from lightning_onebit.kernels import TensorSource
+
+    n, bounds = 1003, [(500, 1003), (0, 13), (13, 500)]
+    kinds = {
+        "single": lambda: CompressedAllreduce(n),
+        "double": lambda: CompressedAllreduce(n, double_buffered=True),
+        "prepared": lambda: CompressedAllreduce(n, double_buffered=True),
+        "finish": lambda: CompressedAllreduce(n, double_buffered=True),
+        "bucketed": lambda: BucketedAllreduce(bounds),
+    }
+    same: dict[str, list[bool]] = {}
+    for kind, make in kinds.items():
+        plain, twin = make(), make()
+        for t in range(3):
+            x = _inputs(rank, t, n)
+            src = TensorSource(x.clone())
+            if kind == "single":
+                a, b = plain(x).clone(), twin.start(src).wait().clone()
+            elif kind in ("double", "prepared"):
+                h = plain.start(x, commit=False)
+                h.commit()
+                a = h.wait().clone()
+                g = twin.start(twin.prepare(src, commit=False) if kind == "prepared" else src,
+                               commit=False)  # fmt: skip
+                g.commit()
+                b = g.wait().clone()
+            else:
+                a, b = torch.empty(n), torch.empty(n)
+                plain.finish([x[lo:hi] for lo, hi in plain.pending()], a)
+                twin.finish([TensorSource(src.tensor[lo:hi]) for lo, hi in twin.pending()], b)
+            same.setdefault(kind, []).append(_same_exchange(a, b, plain, twin))
+    return same
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_tensor_source_is_exchanged_as_its_tensor(world: int) -> None:
+    """A TensorSource through the flat exchange (one set of error buffers and two, started
+    directly, after prepare() and through finish()) and the bucketed one gives the result and
+    the error buffers of the tensor itself, bit for bit, call after call."""
+    for rank, r in enumerate(run_distributed(_tensor_source_worker, world)):
+        assert all(r[kind] == [True] * 3 for kind in r), (rank, r)
+
+
+def test_a_tensor_source_is_its_tensor() -> None:
+    """The tensor itself, no copy: nothing computed as it is read; flat float32 only."""
+    from lightning_onebit.kernels import ExchangeSource, TensorSource
+
+    x = torch.randn(24)
+    src = TensorSource(x)
+    assert isinstance(src, ExchangeSource) and not src.computed_as_read
+    assert src.materialize() is x and src.tensor is x
+    assert (src.numel(), src.shape, src.device) == (24, torch.Size([24]), x.device)
+    with pytest.raises(TypeError, match="float32"):
+        TensorSource(x.double())
+    with pytest.raises(ValueError, match="flat, contiguous, non-empty"):
+        TensorSource(x.view(4, 6))
+    with pytest.raises(ValueError, match="flat, contiguous, non-empty"):
+        TensorSource(x[::2])
+    with pytest.raises(ValueError, match="built for 8 values"):
+        CompressedAllreduce(8).start(src)

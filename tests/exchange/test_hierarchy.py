@@ -141,6 +141,36 @@ def test_nan_on_one_rank_stops_every_rank_of_every_node_and_changes_nothing() ->
             assert torch.equal(got, twin)
 
 
+def _tensor_source_worker(rank: int, world: int) -> list[bool]:
+    """Three calls of two exchanges, one fed the tensor, its twin a TensorSource of it (started
+    directly, then through finish()): the results and the error buffers bit for bit."""
+    from lightning_onebit.kernels import TensorSource
+
+    nodes = NodeGroups(None, L)
+    plain, twin = HierarchicalAllreduce(1000, nodes), HierarchicalAllreduce(1000, nodes)
+    same = []
+    for call in range(3):
+        x = _inputs(1000, call, rank)
+        a = plain(x).clone()
+        if call < 2:
+            b = twin.start(TensorSource(x.clone())).wait().clone()
+        else:
+            b = torch.empty(1000)
+            twin.finish([TensorSource(x.clone())], b)
+        shards = plain.state_dict()["shard"], twin.state_dict()["shard"]
+        errors = [(shards[0][k], shards[1][k]) for k in ("worker_error", "server_error")]
+        same.append(
+            all(torch.equal(e.view(torch.int32), f.view(torch.int32)) for e, f in [(a, b), *errors])
+        )
+    return same
+
+
+@pytest.mark.slow
+def test_a_tensor_source_is_exchanged_as_its_tensor() -> None:
+    for rank, same in enumerate(run_distributed(_tensor_source_worker, W)):
+        assert same == [True] * 3, rank
+
+
 # --------------------------------------------------------------------------- the optimizers
 
 ALGOS = ["onebit_adam", "zero_one_adam", "onebit_lamb"]
