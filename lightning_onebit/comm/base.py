@@ -158,12 +158,16 @@ def check_input(
     tensor: torch.Tensor | kernels.ExchangeSource, numel: int, device: torch.device
 ) -> torch.Tensor | kernels.ExchangeSource:
     """``tensor`` flattened (a view when contiguous), if it is a float32 tensor of ``numel``
-    values on ``device``, or a [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]
-    of ``numel`` values on ``device`` (as it is): what an exchange built for that takes."""
+    values on ``device``, or an [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]
+    of ``numel`` values on ``device`` (as it is; a
+    [`TensorSource`][lightning_onebit.kernels.sources.TensorSource] for values already computed):
+    what an exchange built for that takes."""
     if isinstance(tensor, kernels.ExchangeSource):
         numel_in = tensor.numel()
     elif not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(
+            f"expected a torch.Tensor or a kernels.ExchangeSource, got {type(tensor).__name__}"
+        )
     elif tensor.dtype != torch.float32:
         raise TypeError(
             f"CompressedAllreduce works on float32 buffers, got {tensor.dtype}; pass tensor.float()"
@@ -206,9 +210,10 @@ class Exchange(Protocol):
     """An error-compensated 1-bit average of a fp32 buffer of fixed size over the ranks: the
     flat exchange, the two-level one, and the bucketed one (several of either).
 
-    ``finish(sources, out)`` runs one call over the whole buffer: ``sources`` holds one input
-    (a tensor or a [kernels.ExchangeSource][lightning_onebit.kernels.ExchangeSource]) per
-    flat range of ``pending`` (those no earlier ``start`` covered), and ``out`` is where
+    ``finish(sources, out)`` runs one call over the whole buffer: ``sources`` holds one
+    [kernels.ExchangeSource][lightning_onebit.kernels.ExchangeSource] per flat range of
+    ``pending`` (those no earlier ``start`` covered; values already computed as a
+    [kernels.TensorSource][lightning_onebit.kernels.TensorSource]), and ``out`` is where
     the result is decoded; ``out=None`` on an exchange that ``returns_runs`` (the flat one
     and buckets of it, on the CPU) returns the result where it lies, as
     [kernels.SignRuns][lightning_onebit.kernels.SignRuns], for the update kernels to read.
@@ -242,7 +247,7 @@ class Exchange(Protocol):
 
     def finish(
         self,
-        sources: Sequence[torch.Tensor | kernels.ExchangeSource],
+        sources: Sequence[kernels.ExchangeSource],
         out: torch.Tensor | None,
     ) -> kernels.SignRuns | None: ...
 

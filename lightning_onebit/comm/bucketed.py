@@ -10,11 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm.base import Exchange, Handle
+from lightning_onebit.comm.base import Exchange, Handle, check_input
 from lightning_onebit.comm.factory import make_exchange
 from lightning_onebit.comm.handle import Compressed
 from lightning_onebit.comm.hierarchical import NodeGroups
-from lightning_onebit.kernels import ExchangeSource, SignRuns
+from lightning_onebit.kernels import ExchangeSource, SignRuns, TensorSource
 
 __all__ = ["BucketedAllreduce"]
 
@@ -123,7 +123,7 @@ class BucketedAllreduce(Exchange):
         return [bounds for bounds, h in zip(self.bounds, self._handles, strict=True) if h is None]
 
     def finish(
-        self, sources: Sequence[torch.Tensor | ExchangeSource], out: torch.Tensor | None
+        self, sources: Sequence[ExchangeSource], out: torch.Tensor | None
     ) -> SignRuns | None:
         """Start the buckets not started yet
         ([`pending`][lightning_onebit.comm.bucketed.BucketedAllreduce.pending]), one from each of
@@ -174,8 +174,8 @@ class BucketedAllreduce(Exchange):
         """All buckets at once: the compressed average of ``tensor`` into ``out`` (default: in
         place)."""
         out = tensor if out is None else out
-        x = tensor.reshape(-1)
-        self.finish([x[lo:hi] for lo, hi in self.pending()], out.view(-1))
+        x = check_input(tensor, self.numel, self.device)
+        self.finish([TensorSource(x[lo:hi]) for lo, hi in self.pending()], out.view(-1))
         return out
 
     # ------------------------------------------------------------------ state

@@ -443,7 +443,7 @@ class CompressedAllreduce(Exchange):
         return [(0, self.numel)]
 
     def finish(
-        self, sources: Sequence[torch.Tensor | kernels.ExchangeSource], out: torch.Tensor | None
+        self, sources: Sequence[kernels.ExchangeSource], out: torch.Tensor | None
     ) -> kernels.SignRuns | None:
         """One call over the whole buffer from ``sources`` (one input:
         [`pending`][lightning_onebit.comm.flat.CompressedAllreduce.pending]), decoded into ``out``;

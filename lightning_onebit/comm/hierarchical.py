@@ -456,9 +456,7 @@ class HierarchicalAllreduce(Exchange):
         for: the whole buffer."""
         return [(0, self.numel)]
 
-    def finish(
-        self, sources: Sequence[torch.Tensor | kernels.ExchangeSource], out: torch.Tensor | None
-    ) -> None:
+    def finish(self, sources: Sequence[kernels.ExchangeSource], out: torch.Tensor | None) -> None:
         """One call over the whole buffer from ``sources`` (one input:
         [`pending`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce.pending]), decoded into
         ``out`` (see ``CompressedAllreduce.finish``; ``None`` is refused)."""

@@ -22,6 +22,7 @@ from lightning_onebit.comm import (
 from lightning_onebit.kernels import (
     ExchangeSource,
     SignRuns,
+    TensorSource,
     adam_update,
     frozen_adam_update,
     reads_sign_runs,
@@ -36,6 +37,7 @@ __all__ = [
     "adam_direction",
     "adam_step_",
     "any_weight_decay",
+    "as_source",
     "average_",
     "compressed_average",
     "compressed_average_into",
@@ -178,18 +180,26 @@ def compressed_average(
     return ok, out
 
 
+def as_source(values: torch.Tensor | ExchangeSource) -> ExchangeSource:
+    """An exchange's input as a source: a flat tensor as a
+    [kernels.TensorSource][lightning_onebit.kernels.TensorSource], a source as it is."""
+    return TensorSource(values) if isinstance(values, torch.Tensor) else values
+
+
 def _exchange(
     opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, SignRuns | None]:
     """The 1-bit average into ``out`` (``None``: its runs, undecoded), its bytes counted: the
-    verdict and the runs. The inputs are computed here, one per range the exchange still
-    needs: the exchange calls nothing of the optimizer's."""
+    verdict and the runs. The inputs are computed here, one source per range the exchange still
+    needs (values already computed as a
+    [kernels.TensorSource][lightning_onebit.kernels.TensorSource]): the exchange calls nothing of
+    the optimizer's."""
     ex = opt.flat.exchange
     ranges = [slice(lo, hi) for lo, hi in ex.pending()]
     if callable(source_of):
-        sources = [source_of(s) for s in ranges]
+        sources = [as_source(source_of(s)) for s in ranges]
     else:
-        sources = [source_of.reshape(-1)[s] for s in ranges]
+        sources = [TensorSource(source_of.reshape(-1)[s]) for s in ranges]
     try:
         runs = ex.finish(sources, out)
     finally:

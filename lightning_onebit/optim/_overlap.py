@@ -70,6 +70,7 @@ import torch.distributed as dist
 from lightning_onebit.comm import NodeGroups, hierarchical_average, new_group, start_average
 from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._flat import FlatState, Layout
+from lightning_onebit.optim._ops import as_source
 from lightning_onebit.optim._validation import check_real
 
 __all__ = ["BackwardOverlap", "OverlapHost", "replace_overlap"]
@@ -283,7 +284,7 @@ class BackwardOverlap:
         if self._mode == "average":
             self.opt.flat.gather_grads(self.opt.param_groups, self.bucket_params[b])
             return None
-        source = self.source(slice(*self.bounds[b]))
+        source = as_source(self.source(slice(*self.bounds[b])))
         return self.opt.flat.exchange.prepare_bucket(b, source)
 
     def _launch(

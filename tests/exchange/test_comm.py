@@ -394,7 +394,7 @@ def _runs_worker(rank: int, world: int) -> dict:
     """Three calls each of a flat and a bucketed exchange with ``out=None`` (undecoded), next to twins
     that decode: the runs' values against the twins' outputs, and whether ``out`` stayed."""
     from lightning_onebit.comm import BucketedAllreduce
-    from lightning_onebit.kernels import decode_runs
+    from lightning_onebit.kernels import TensorSource, decode_runs
 
     n, bounds = 10_003, [(6_001, 10_003), (0, 13), (13, 6_001)]
     pairs = [
@@ -406,8 +406,8 @@ def _runs_worker(rank: int, world: int) -> dict:
         x = _inputs(rank, t, n)
         for direct, twin in pairs:
             want, out = torch.empty(n), torch.full((n,), 7.0)
-            assert twin.finish([x[lo:hi] for lo, hi in twin.pending()], want) is None
-            runs = direct.finish([x[lo:hi] for lo, hi in direct.pending()], None)
+            assert twin.finish([TensorSource(x[lo:hi]) for lo, hi in twin.pending()], want) is None
+            runs = direct.finish([TensorSource(x[lo:hi]) for lo, hi in direct.pending()], None)
             same.append(torch.equal(decode_runs(runs, torch.empty(n)), want))
             untouched.append(bool(out.eq(7.0).all()))
     return {"same": same, "untouched": untouched}
