@@ -153,7 +153,7 @@ class OneBitStrategyBase(LauncherCheck):
                 process_group_backend(self), rank, nodes * n, o.timeout,
                 self.root_device,  # type: ignore[attr-defined]
             )  # fmt: skip
-            super().setup_environment()  # type: ignore[misc]  # (starts the group unless started above)
+            super().setup_environment()  # type: ignore[misc]  # starts the group unless started above
         quiet_errors_on_this_rank(rank)
 
     def teardown(self) -> None:

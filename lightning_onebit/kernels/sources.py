@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_onebit.kernels import native
+from lightning_onebit.kernels import native, native_sources
 from lightning_onebit.kernels.checks import check_per_segment, check_segments
 from lightning_onebit.kernels.reference import reference_local_source, reference_momentum_source
 
@@ -92,7 +92,7 @@ def _run_momentum_source(
     if not native.has_kernel(exp_avg.device) or not native.use_native():
         reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
         return
-    native.momentum_source(exp_avg=exp_avg, grads=grads, denom=denom, out=out, starts=starts,
+    native_sources.momentum_source(exp_avg=exp_avg, grads=grads, denom=denom, out=out, starts=starts,
                            sizes=sizes, beta=beta, alpha=alpha)  # fmt: skip
 
 
@@ -240,7 +240,7 @@ class MomentumSource(ExchangeSource):
         prev_bits: torch.Tensor,
         prev_scale: torch.Tensor,
     ) -> None:
-        native.momentum_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
+        native_sources.momentum_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
                                  starts=self.starts, sizes=self.sizes, beta=self.beta,
                                  alpha=self.alpha, error=error, bits=bits, scale=scale,
                                  error_out=error_out, pending=pending, prev_bits=prev_bits,
@@ -361,7 +361,7 @@ def _run_local_source(
                                out=out, starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
                                weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
         return
-    native.local_source(exp_avg=exp_avg, grads=grads, denom=denom, params=params, acc=acc,
+    native_sources.local_source(exp_avg=exp_avg, grads=grads, denom=denom, params=params, acc=acc,
                         out=out, starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
                         weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
 
@@ -421,7 +421,7 @@ class LocalSource(ExchangeSource):
         prev_bits: torch.Tensor,
         prev_scale: torch.Tensor,
     ) -> None:
-        native.local_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
+        native_sources.local_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
                               params=self.param, acc=self.acc, starts=self.starts,
                               sizes=self.sizes, beta=self.beta, alpha=self.alpha, lr=self.lr,
                               weight_decay=self.weight_decay, preconditioned=self.preconditioned,

@@ -317,7 +317,6 @@ class ZeroOneAdam(OneBitOptimizer):
                 return flat.grad[s]
             return torch.div(flat.grad[s], d[s], out=flat.work["update"][s])
         idx = flat.params_in(s)
-        beta, alpha, lr, weight_decay = self._local_coefficients(idx)
         return LocalSource(
             exp_avg=flat.states["exp_avg"],
             grad=flat.grads(groups, idx),
@@ -327,26 +326,19 @@ class ZeroOneAdam(OneBitOptimizer):
             out=flat.work["update"],
             starts=[flat.layout.offsets[j] for j in idx],
             sizes=[flat.layout.params[j].numel() for j in idx],
-            beta=beta,
-            alpha=alpha,
-            lr=lr,
-            weight_decay=weight_decay,
             preconditioned=pre,
+            **self._local_coefficients(idx),
         )
 
-    def _local_coefficients(
-        self, idx: list[int]
-    ) -> tuple[list[float], list[float], list[float], list[float]]:
+    def _local_coefficients(self, idx: list[int]) -> dict[str, list[float]]:
         """Per parameter of ``idx`` (layout indices) its group's ``beta1``, ``1 - beta1``,
-        ``lr`` and decoupled weight decay: the coefficients of ``local_source``/``local_step``."""
+        ``lr`` and decoupled weight decay: the coefficients of ``local_source``/``local_step``,
+        by their argument names."""
         of = [self.param_groups[self.flat.layout.group_of[j]] for j in idx]
         betas = [group["betas"][0] for group in of]
-        return (
-            betas,
-            [1 - b for b in betas],
-            [group["lr"] for group in of],
-            [decoupled_decay(group) for group in of],
-        )
+        alphas = [1 - b for b in betas]
+        lrs, decays = [group["lr"] for group in of], [decoupled_decay(group) for group in of]
+        return {"beta": betas, "alpha": alphas, "lr": lrs, "weight_decay": decays}
 
     @property
     def _acc(self) -> torch.Tensor:
@@ -587,10 +579,8 @@ class ZeroOneAdam(OneBitOptimizer):
             layout, groups = self.flat.layout, self.param_groups
             idx = list(range(len(layout.params)))
             grads, d = self.flat.grads(groups, idx), denominator(self)[0]
-            beta, alpha, lr, weight_decay = self._local_coefficients(idx)
             local_ok = local_step(exp_avg=m, grad=grads, denom=d, acc=acc, params=layout.params,
-                                  starts=layout.offsets, beta=beta, alpha=alpha, lr=lr,
-                                  weight_decay=weight_decay)  # fmt: skip
+                                  starts=layout.offsets, **self._local_coefficients(idx))  # fmt: skip
             if not local_ok:
                 self._skipped_locally()
             for gi, group, _ in self.flat.segments(groups):
