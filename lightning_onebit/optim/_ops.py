@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
 
 __all__ = [
+    "SourceOf",
     "adam_direction",
     "adam_step_",
     "any_weight_decay",
@@ -132,8 +133,9 @@ def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
     return (torch.isfinite(lo) & torch.isfinite(hi)).reshape(1)
 
 
-#: What an algorithm exchanges, for a flat slice (whole parameters), from the gradients alone:
-#: its ``_exchange_source``.
+#: What an algorithm exchanges, for a flat slice (whole parameters), from the gradients alone
+#: (its ``_exchange_source``): it reads ``.grad``, or returns a source that does when computed
+#: (in ``step()``, or in the overlap's hook on the thread that runs backward).
 SourceOf = Callable[[slice], "torch.Tensor | ExchangeSource"]
 
 

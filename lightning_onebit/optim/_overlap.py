@@ -68,9 +68,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import NodeGroups, hierarchical_average, new_group, start_average
-from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._flat import FlatState, Layout
-from lightning_onebit.optim._ops import as_source
+from lightning_onebit.optim._ops import SourceOf, as_source
 from lightning_onebit.optim._validation import check_real
 
 __all__ = ["BackwardOverlap", "OverlapHost", "replace_overlap"]
@@ -98,12 +97,6 @@ class OverlapHost(Protocol):
 
     @property
     def world_size(self) -> int: ...
-
-
-#: What the next step exchanges, for a flat slice (a bucket: whole parameters), from those
-#: parameters' gradients alone: it reads ``.grad``, or returns a source that does when
-#: computed (called by the hook, on the thread that runs backward, or in ``step()``).
-SourceOf = Callable[[slice], "torch.Tensor | ExchangeSource"]
 
 
 class BackwardOverlap:
