@@ -23,6 +23,7 @@ the fp32 buffer (``8 * n * (W - 1) / W`` bytes).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,7 +109,6 @@ class CompressedAllreduce(Exchange):
         row = self.chunk_numel // 8
         self._record = 4 + -(-row // 4) * 4  # [scale][bits][pad to 4 bytes]: aligned scales
 
-        kw = {"device": self.device}
         # Error state, one set or two: worker error, worker records (the bits and scale sent) and
         # the worker's scale, server accumulator and server record. Both stages defer their error
         # update to the next call (one sweep over the buffer instead of two): the buffer holds y
@@ -117,22 +117,23 @@ class CompressedAllreduce(Exchange):
         # Double buffered: calls write set 1 - cur and commit flips cur. One set: calls update it
         # in place, so the worker cannot write before the verdict and updates its error in a
         # second sweep after it (the server stage runs after the verdict and defers either way).
+        # Made at the first call or load (``_make_buffers``): an optimizer builds its exchange at
+        # its first step, and its warmup never calls it.
         self.device_verdict = bool(device_verdict)
-        sets = 2 if double_buffered or device_verdict else 1
-        self._werr = [
-            torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(sets)
-        ]
-        self._send = [torch.zeros(w, self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
-        self._wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(sets)]
-        self._sacc = [torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)]
-        self._srec = [torch.zeros(self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
+        self._sets = 2 if double_buffered or device_verdict else 1
+        self._werr: list[torch.Tensor] = []
+        self._send: list[torch.Tensor] = []
+        self._wscale: list[torch.Tensor] = []
+        self._sacc: list[torch.Tensor] = []
+        self._srec: list[torch.Tensor] = []
+        self._recv: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
+        self._made = threading.Lock()  # the first call may come from backward's hooks
         self._cur = 0
         self._pending = False  # set cur awaits the deferred updates of the call that wrote it
         self._uncommitted: ExchangeHandle | None = None
-        # W = 1 sends and gathers nothing: its result is the worker's record, see start
-        self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
-        self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw) if w > 1 else None
         self._out: torch.Tensor | None = None  # made at the first result decoded without an out
+        kw = {"device": self.device}
         # device_verdict: whether each rank's scale was finite, and all of them (last call)
         self._finite_ranks = torch.ones(w, dtype=torch.bool, **kw)
         self._ok = torch.ones(1, dtype=torch.bool, **kw)
@@ -142,6 +143,30 @@ class CompressedAllreduce(Exchange):
         self.calls = 0
 
     bounds = None  # one exchange, no buckets
+
+    def _make_buffers(self) -> None:
+        """Make the error state and the communication buffers (zeros), once."""
+        if self._werr:
+            return
+        with self._made:
+            if self._werr:
+                return
+            w, sets, kw = self.world_size, self._sets, {"device": self.device}
+            self._send = [
+                torch.zeros(w, self._record, dtype=torch.uint8, **kw) for _ in range(sets)
+            ]
+            self._wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(sets)]
+            self._sacc = [
+                torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)
+            ]
+            self._srec = [torch.zeros(self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
+            # W = 1 sends and gathers nothing: its result is the worker's record, see start
+            if w > 1:
+                self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
+                self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
+            self._werr = [  # last: the flag the checks above read
+                torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(sets)
+            ]
 
     @property
     def record_bytes(self) -> int:
@@ -157,7 +182,7 @@ class CompressedAllreduce(Exchange):
 
     @property
     def double_buffered(self) -> bool:
-        return len(self._werr) == 2
+        return self._sets == 2
 
     @property
     def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,6 +332,7 @@ class CompressedAllreduce(Exchange):
                 "the previous start(commit=False) was neither committed nor discarded"
             )
         x = check_input(values, self.numel, self.device)
+        self._make_buffers()
         w, row = self.world_size, self.chunk_numel // 8
         cur = self._cur
         deferred = self.double_buffered
@@ -497,6 +523,7 @@ class CompressedAllreduce(Exchange):
     def _settle(self) -> None:
         """Apply the deferred error updates of the call that wrote set cur (see
         ``__init__``), so that its buffers hold the errors themselves."""
+        self._make_buffers()
         if not self._pending:
             return
         # The buffers hold y (c), and the bits sent are sign(y): the update y - s * sign(y) is
@@ -525,19 +552,26 @@ class CompressedAllreduce(Exchange):
 
     def reset_error(self) -> None:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
+        self._pending = False
+        if not self._werr:  # not made yet: zeros when they are
+            return
         self._werr[self._cur].zero_()
         self._sacc[self._cur].zero_()
         for t in (*self._wscale, *self._srec):  # scales 0: a pending update changes nothing
             t.zero_()
-        self._pending = False
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error buffers and the geometry they belong to (no process group)."""
+        if not self._werr:  # never called nor loaded: zeros, not made to be held
+            kw = {"dtype": torch.float32, "device": self.device}
+            werr, serr = torch.zeros(self.padded_numel, **kw), torch.zeros(self.chunk_numel, **kw)
+        else:
+            werr, serr = self.worker_error.clone(), self.server_error
         return {
             "numel": self.numel,
             "world_size": self.world_size,
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error,
+            "worker_error": werr,
+            "server_error": serr,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -567,6 +601,7 @@ class CompressedAllreduce(Exchange):
                 f"error buffers saved for numel={state_dict.get('numel')}, world_size={state_dict.get('world_size')} "
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
             )
+        self._make_buffers()
         self._werr[self._cur].copy_(state_dict["worker_error"])
         self._sacc[self._cur].copy_(state_dict["server_error"])
         self._pending = False

@@ -313,19 +313,15 @@ class HierarchicalAllreduce(Exchange):
         )
         self.device = self.inter.device
         self._double = double_buffered
-        kw: dict[str, Any] = {"device": self.device}
-        self._padded = (
-            torch.zeros(self.padded_numel, dtype=torch.float32, **kw)
-            if self.padded_numel != numel
-            else None
-        )
-        self._parts = torch.empty(ll, self.shard_numel, dtype=torch.float32, **kw)
-        self._shard = torch.empty(self.shard_numel, dtype=torch.float32, **kw)
-        record = self.inter.record_bytes
-        self._block = torch.zeros(nn, record, dtype=torch.uint8, **kw)  # for a failed shard
-        self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, **kw)
+        # the scratch of a call, made at the first (``_make_buffers``)
+        self._padded: torch.Tensor | None = None
+        self._parts: torch.Tensor | None = None
+        self._shard: torch.Tensor | None = None
+        self._block: torch.Tensor | None = None  # for a failed shard
+        self._gathered: torch.Tensor | None = None
         self._out: torch.Tensor | None = None  # made at the first call without an out
         self._uncommitted: _Handle | None = None
+        kw: dict[str, Any] = {"device": self.device}
         # device_verdict: whether each rank's node was finite, and all of them (last call)
         self._finite_ranks = torch.ones(self.world_size, dtype=torch.bool, **kw)
         self._ok = torch.ones(1, dtype=torch.bool, **kw)
@@ -337,6 +333,19 @@ class HierarchicalAllreduce(Exchange):
     @property
     def double_buffered(self) -> bool:
         return self._double
+
+    def _make_buffers(self) -> None:
+        """Make a call's scratch buffers, once (an optimizer's warmup never calls)."""
+        if self._gathered is not None:
+            return
+        ll, nn, record = self.nodes.local_size, self.nodes.nodes, self.inter.record_bytes
+        kw: dict[str, Any] = {"dtype": torch.float32, "device": self.device}
+        if self.padded_numel != self.numel:
+            self._padded = torch.zeros(self.padded_numel, **kw)
+        self._parts = torch.empty(ll, self.shard_numel, **kw)
+        self._shard = torch.empty(self.shard_numel, **kw)
+        self._block = torch.zeros(nn, record, dtype=torch.uint8, device=self.device)
+        self._gathered = torch.zeros(ll * nn, record, dtype=torch.uint8, device=self.device)
 
     @property
     def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,7 +364,7 @@ class HierarchicalAllreduce(Exchange):
     @property
     def _intra_bytes_per_call(self) -> int:
         ll = self.nodes.local_size
-        return (ll - 1) * (4 * self.shard_numel + self._gathered[0].numel() * self.nodes.nodes)
+        return (ll - 1) * (4 * self.shard_numel + self.inter.record_bytes * self.nodes.nodes)
 
     @property
     def fp32_allreduce_bytes(self) -> int:
@@ -386,6 +395,7 @@ class HierarchicalAllreduce(Exchange):
                 "the previous start(commit=False) was neither committed nor discarded"
             )
         x = check_input(self.prepare(tensor), self.numel, self.device)
+        self._make_buffers()
         if out is None:
             if self._out is None:
                 self._out = torch.empty(self.numel, dtype=torch.float32, device=self.device)

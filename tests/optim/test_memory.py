@@ -23,25 +23,26 @@ RECORDS = 0.125
 
 #: per optimizer: (its factory, the values held in the warmup, in the compression phase)
 CASES = {
-    # warmup: exp_avg, exp_avg_sq, the gradients' flat copy, the exchange's two worker and two
-    # server error buffers; compression: the gradients read where they lie, and instead
-    # sqrt(v) + eps and the update's scratch (the source's buffer where it is materialized)
+    # warmup: exp_avg, exp_avg_sq, the gradients' flat copy (the exchange's buffers are made at
+    # its first call); compression: the gradients read where they lie, and instead
+    # sqrt(v) + eps, the update's scratch and the exchange's two worker and two server error
+    # buffers
     "onebit_adam": (
         lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2),
-        2 + 1 + 4 + RECORDS,
+        2 + 1,
         2 + 2 + 4 + RECORDS,
     ),
     # and the momentum accumulator, the synced parameters, the variance floor's mask (bool)
     "zero_one_adam": (
         lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
-        4 + 1 + 4 + RECORDS,
+        4 + 1,
         4 + 2 + 4 + RECORDS + 0.25,
     ),
     # and the fresh variance; its warmup also copies the parameters (trust ratios) and the
     # update, the compression phase never decodes the exchange's result into a buffer
     "onebit_lamb": (
         lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
-        3 + 3 + 4 + RECORDS,
+        3 + 3,
         3 + 2 + 4 + RECORDS,
     ),
 }
