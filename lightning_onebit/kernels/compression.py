@@ -94,7 +94,7 @@ def worker_compress(
     source = None
     if isinstance(x, ExchangeSource):
         if deferred and x.computed_as_read:  # x: its geometry, for the checks; not read
-            source, x = x, x.out[x.lo : x.hi]
+            source, x = x, x.like()
         else:
             x = x.materialize()
     error_out = error if error_out is None else error_out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -100,7 +100,7 @@ def _check_momentum_source(
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
     denom: torch.Tensor | None,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     starts: list[int],
     sizes: list[int],
     beta: list[float],
@@ -129,10 +129,12 @@ class ExchangeSource:
     it compresses it: the same floats, bits and scale, without writing ``out`` and reading it back
     (two of the four fp32 sweeps of source and compression). Elsewhere
     [`materialize`][lightning_onebit.kernels.sources.ExchangeSource.materialize] runs the source
-    kernel into ``out`` first. The inputs are read when the values are computed.
+    kernel into ``out`` first. The inputs are read when the values are computed. ``out`` may be a
+    function that makes that buffer at its first need: a compression that computes the values as
+    it reads them never needs it, so its caller need not hold it.
     """
 
-    out: torch.Tensor
+    out: torch.Tensor | Callable[[], torch.Tensor]
     starts: list[int]
     sizes: list[int]
     lo: int
@@ -151,7 +153,12 @@ class ExchangeSource:
 
     @property
     def device(self) -> torch.device:
-        return self.out.device
+        raise NotImplementedError
+
+    def like(self) -> torch.Tensor:
+        """A tensor of the values' dtype, device and size, not read: what checks of the
+        values' geometry take where the values are not computed yet."""
+        raise NotImplementedError
 
     @property
     def shape(self) -> torch.Size:
@@ -196,8 +203,29 @@ class ExchangeSource:
         raise NotImplementedError
 
 
+class _KernelSource(ExchangeSource):
+    """A source a kernel computes from the momentum ``exp_avg`` (and more) into ``out``."""
+
+    exp_avg: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.exp_avg.device
+
+    def like(self) -> torch.Tensor:
+        return self.exp_avg[self.lo : self.hi]
+
+    def _out(self, kernel: str) -> torch.Tensor:
+        """``out`` as a tensor (made now where it is a function), checked against ``exp_avg`` as
+        ``kernel`` checks it."""
+        out = self.out() if callable(self.out) else self.out
+        _, named = native.check(kernel, exp_avg=self.exp_avg, out=out)
+        check_segments(named, self.starts, {"sizes": self.sizes})
+        return out
+
+
 @dataclasses.dataclass(eq=False)
-class MomentumSource(ExchangeSource):
+class MomentumSource(_KernelSource):
     """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s values as an
     [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]. The arguments are
     [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s, checked here.
@@ -211,23 +239,26 @@ class MomentumSource(ExchangeSource):
     exp_avg: torch.Tensor
     grad: torch.Tensor | Sequence[torch.Tensor | None]
     denom: torch.Tensor | None
-    out: torch.Tensor
+    out: torch.Tensor | Callable[[], torch.Tensor]
     starts: list[int]
     sizes: list[int]
     beta: list[float]
     alpha: list[float]
 
     def __post_init__(self) -> None:
-        self.grad = _check_momentum_source(self.exp_avg, self.grad, self.denom, self.out,
+        out = None if callable(self.out) else self.out
+        self.grad = _check_momentum_source(self.exp_avg, self.grad, self.denom, out,
                                            self.starts, self.sizes, self.beta, self.alpha)  # fmt: skip
         self._tile()
 
     def materialize(self) -> torch.Tensor:
         """Run [`momentum_source`][lightning_onebit.kernels.sources.momentum_source] into ``out``
-        (arguments checked at construction); return ``out[lo:hi]``."""
-        _run_momentum_source(self.exp_avg, self.grad, self.denom, self.out, self.starts,
+        (arguments checked at construction, ``out`` made now where it is a function); return
+        ``out[lo:hi]``."""
+        out = self._out("momentum_source")
+        _run_momentum_source(self.exp_avg, self.grad, self.denom, out, self.starts,
                              self.sizes, self.beta, self.alpha)  # fmt: skip
-        return self.out[self.lo : self.hi]
+        return out[self.lo : self.hi]
 
     def compress_as_read(
         self,
@@ -317,7 +348,7 @@ def _check_local_source(
     denom: torch.Tensor,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     starts: list[int],
     sizes: list[int],
     beta: list[float],
@@ -367,7 +398,7 @@ def _run_local_source(
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class LocalSource(ExchangeSource):
+class LocalSource(_KernelSource):
     """[`local_source`][lightning_onebit.kernels.sources.local_source]'s values as an
     [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource]. The arguments are
     [`local_source`][lightning_onebit.kernels.sources.local_source]'s (keyword-only), checked
@@ -383,7 +414,7 @@ class LocalSource(ExchangeSource):
     denom: torch.Tensor
     param: torch.Tensor | Sequence[torch.Tensor] | None
     acc: torch.Tensor | None
-    out: torch.Tensor
+    out: torch.Tensor | Callable[[], torch.Tensor]
     starts: list[int]
     sizes: list[int]
     beta: list[float]
@@ -395,20 +426,22 @@ class LocalSource(ExchangeSource):
     def __post_init__(self) -> None:
         self.grad, self.param = _check_local_source(
             exp_avg=self.exp_avg, grad=self.grad, denom=self.denom, param=self.param,
-            acc=self.acc, out=self.out, starts=self.starts, sizes=self.sizes, beta=self.beta,
+            acc=self.acc, out=None if callable(self.out) else self.out, starts=self.starts, sizes=self.sizes, beta=self.beta,
             alpha=self.alpha, lr=self.lr, weight_decay=self.weight_decay,
         )  # fmt: skip
         self._tile()
 
     def materialize(self) -> torch.Tensor:
         """Run [`local_source`][lightning_onebit.kernels.sources.local_source] into ``out``
-        (arguments checked at construction); return ``out[lo:hi]``."""
+        (arguments checked at construction, ``out`` made now where it is a function); return
+        ``out[lo:hi]``."""
+        out = self._out("local_source")
         _run_local_source(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
-                          params=self.param, acc=self.acc, out=self.out, starts=self.starts,
+                          params=self.param, acc=self.acc, out=out, starts=self.starts,
                           sizes=self.sizes, beta=self.beta, alpha=self.alpha, lr=self.lr,
                           weight_decay=self.weight_decay,
                           preconditioned=self.preconditioned)  # fmt: skip
-        return self.out[self.lo : self.hi]
+        return out[self.lo : self.hi]
 
     def compress_as_read(
         self,
@@ -461,6 +494,13 @@ class TensorSource(ExchangeSource):
     @property
     def tensor(self) -> torch.Tensor:
         """The flat tensor of values."""
+        return self.out
+
+    @property
+    def device(self) -> torch.device:
+        return self.out.device
+
+    def like(self) -> torch.Tensor:
         return self.out
 
     @property

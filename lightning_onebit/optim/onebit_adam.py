@@ -21,6 +21,7 @@ gradients (switch DDP's allreduce off) and send about ``n / 4`` bytes per rank i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -172,7 +173,7 @@ class OneBitAdam(OneBitOptimizer):
             flat.states["exp_avg"],
             flat.grads(groups, idx),
             d,
-            flat.work["update"],
+            functools.partial(flat.scratch, "update"),  # made only if materialized
             [flat.layout.offsets[j] for j in idx],
             [flat.layout.params[j].numel() for j in idx],
             beta,
@@ -205,7 +206,7 @@ class OneBitAdam(OneBitOptimizer):
         # (x: on the CPU the exchange's result where it lies, which the update reads without
         # decoding it into a buffer first; elsewhere decoded, into m where it can be)
         m, into_m = self.flat.states["exp_avg"], not self.flat.exchange.device_verdict
-        x = m if into_m and not self.preconditioned_exchange else self.flat.work["update"]
+        x = m if into_m and not self.preconditioned_exchange else "update"
         ok, x = compressed_average(self, self._exchange_source, x)
         # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner (one
         # sweep: m and p)

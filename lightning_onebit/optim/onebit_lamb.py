@@ -31,6 +31,7 @@ resets the coefficients when reloading inside warmup).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -341,7 +342,7 @@ class OneBitLamb(OneBitOptimizer):
             flat.states["exp_avg"],
             flat.grads(self.param_groups, idx),
             d,
-            flat.work["update"],
+            functools.partial(flat.scratch, "update"),  # made only if materialized
             [flat.layout.offsets[j] for j in idx],
             [flat.layout.params[j].numel() for j in idx],
             beta,

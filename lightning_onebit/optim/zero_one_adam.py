@@ -35,6 +35,7 @@ decided the next step's allreduce from the saved interval, so ranks can drift).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterable
@@ -323,7 +324,7 @@ class ZeroOneAdam(OneBitOptimizer):
             denom=d,
             param=flat.params(idx) if any_weight_decay(self) else None,
             acc=self._acc if self._local_steps_taken else None,
-            out=flat.work["update"],
+            out=functools.partial(flat.scratch, "update"),  # made only if materialized
             starts=[flat.layout.offsets[j] for j in idx],
             sizes=[flat.layout.params[j].numel() for j in idx],
             preconditioned=pre,
@@ -365,7 +366,7 @@ class ZeroOneAdam(OneBitOptimizer):
         ``this_step``), rebuild the momentum from it and move every rank to the same point."""
         m, acc = self.flat.states["exp_avg"], self._acc
         # u: the averaged acc, masked (on the CPU where it lies, read by sync_update as it is)
-        ok, u = compressed_average(self, source, self.flat.work["update"])
+        ok, u = compressed_average(self, source, "update")
         if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
             self._synchronize_on_verdict_(ok, u, this_step)
             return

@@ -25,18 +25,18 @@ RECORDS = 0.125
 CASES = {
     # warmup: exp_avg, exp_avg_sq, the gradients' flat copy (the exchange's buffers are made at
     # its first call); compression: the gradients read where they lie, and instead
-    # sqrt(v) + eps, the update's scratch and the exchange's two worker and two server error
-    # buffers
+    # sqrt(v) + eps and the exchange's two worker and two server error buffers (the source
+    # computed as the compression reads it: no buffer for it)
     "onebit_adam": (
         lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2),
         2 + 1,
-        2 + 2 + 4 + RECORDS,
+        2 + 1 + 4 + RECORDS,
     ),
     # and the momentum accumulator, the synced parameters, the variance floor's mask (bool)
     "zero_one_adam": (
         lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
         4 + 1,
-        4 + 2 + 4 + RECORDS + 0.25,
+        4 + 1 + 4 + RECORDS + 0.25,
     ),
     # and the fresh variance; its warmup also copies the parameters (trust ratios) and the
     # update, the compression phase never decodes the exchange's result into a buffer
