@@ -122,6 +122,9 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     #: Flat per-parameter states, per-parameter scalar states with their initial values, flat
     #: scratch buffers (not checkpointed), optimizer-wide checkpointed attributes (subclasses).
     _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    #: Those of ``_flat_states`` that only the second phase uses: made at the switch (zeros
+    #: until then), so that the first phase holds only what it uses.
+    _switch_states: tuple[str, ...] = ()
     _scalar_states: ClassVar[dict[str, float]] = {}
     _work_buffers: tuple[str, ...] = ("update",)
     _checkpoint_attrs: tuple[str, ...] = ()
@@ -336,7 +339,11 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     def _rebuild_if_stale(self) -> None:
         """(Re)build the flat buffers and the exchange where needed (``FlatState.rebuild_if_stale``)."""
         scalars = {**self._scalar_states, **self.rescale.states}
-        buffers = (self._flat_states, scalars, self._work_buffers)
+        states = self._flat_states
+        if not self.phases.switched:  # the switch's states: not yet, unless loaded
+            loaded = {name for pstate in self.state.values() for name in pstate}
+            states = tuple(n for n in states if n not in self._switch_states or n in loaded)
+        buffers = (states, scalars, self._work_buffers)
         flat, joined = self.flat, partial(check_joined, self, self._joins_allowed())
         if flat.rebuild_if_stale(
             self.param_groups, self.state, buffers, self.overlap, self.topology,
@@ -375,6 +382,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             ]
             self.rescale.at_switch_(self.flat, bc2, self.variance_updates)
         freeze_variance_(self)
+        self.flat.add_states(self._switch_states, self.state)
         self._on_freeze()
         self.flat.release_scratch()  # the warmup's: the compression phase makes what it uses
         self.divergence.reset()

@@ -209,6 +209,20 @@ class FlatState:
         self.views = _Views(self, views)
         self.denominator = None
 
+    def add_states(self, names: tuple[str, ...], state: dict[Any, dict[str, Any]]) -> None:
+        """Make the flat states ``names`` not made yet (zeros), each parameter's
+        ``state[p][name]`` its view, as ``build`` makes them."""
+        layout = self.layout
+        for name in names:
+            if name in self.states:
+                continue
+            buf = torch.zeros(layout.numel, dtype=torch.float32, device=layout.device)
+            views = layout.views(buf)
+            for p, view in zip(layout.params, views, strict=True):
+                state[p][name] = view
+            self.states[name] = buf
+            dict.__setitem__(self.views, name, views)
+
     @property
     def grad(self) -> torch.Tensor:
         """The gradients' fp32 flat buffer (``gather_grads``)."""

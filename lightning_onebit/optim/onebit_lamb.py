@@ -137,6 +137,7 @@ class OneBitLamb(OneBitOptimizer):
     PHASES = (Phase.WARMUP, Phase.COMPRESSION)
     FLOOR_TO_MEAN = True  # see variance_floor above
     _flat_states = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+    _switch_states = ("exp_avg_sq_fresh",)
     _scalar_states: ClassVar[dict[str, float]] = {
         "lamb_coeff_freeze": 0.0,
         "last_factor": 1.0,
@@ -380,8 +381,11 @@ class OneBitLamb(OneBitOptimizer):
         return torch.stack(torch._foreach_norm(self.flat.views_of(flat)))
 
     def _step(self) -> None:
-        m, v = self.flat.states["exp_avg"], self.flat.states["exp_avg_sq"]
-        v_fresh, u = self.flat.states["exp_avg_sq_fresh"], self.flat.work["update"]
+        m, v, u = (
+            self.flat.states["exp_avg"],
+            self.flat.states["exp_avg_sq"],
+            self.flat.work["update"],
+        )
         lamb_coeff_freeze = self.flat.scalars["lamb_coeff_freeze"]
         last_factor = self.flat.scalars["last_factor"]
         scaling = self.flat.scalars["scaling_coeff"]
@@ -451,7 +455,7 @@ class OneBitLamb(OneBitOptimizer):
             x,
             m,
             d,
-            v_fresh,
+            self.flat.states["exp_avg_sq_fresh"],
             p,
             u,
             [*self.flat.layout.offsets, self.flat.layout.numel],

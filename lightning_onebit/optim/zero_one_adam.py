@@ -150,6 +150,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     PHASES = (Phase.VARIANCE, Phase.LOCAL)
     _flat_states = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "synced_params")
+    _switch_states = ("momentum_accumulator", "synced_params")
     #: each tensor's variance floor at its last flooring (the freeze's, in phase 2)
     _scalar_states: ClassVar[dict[str, float]] = {"variance_floor": 0.0}
     _checkpoint_attrs = (
@@ -518,8 +519,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self.rescale.accumulate_(self.flat, self.param_groups, self.flat.views["grad"], False, ok)
 
     def _step(self) -> None:
-        m, acc = self.flat.states["exp_avg"], self.flat.states["momentum_accumulator"]
-        t = self.step_count
+        m, t = self.flat.states["exp_avg"], self.step_count
 
         if self.phase == Phase.VARIANCE:
             g = self.flat.gather_grads(self.param_groups)
@@ -580,7 +580,7 @@ class ZeroOneAdam(OneBitOptimizer):
             layout, groups = self.flat.layout, self.param_groups
             idx = list(range(len(layout.params)))
             grads, d = self.flat.grads(groups, idx), denominator(self)[0]
-            local_ok = local_step(exp_avg=m, grad=grads, denom=d, acc=acc, params=layout.params,
+            local_ok = local_step(exp_avg=m, grad=grads, denom=d, acc=self._acc, params=layout.params,
                                   starts=layout.offsets, **self._local_coefficients(idx))  # fmt: skip
             if not local_ok:
                 self._skipped_locally()

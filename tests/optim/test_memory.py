@@ -32,17 +32,19 @@ CASES = {
         2 + 1,
         2 + 1 + 4 + RECORDS,
     ),
-    # and the momentum accumulator, the synced parameters, the variance floor's mask (bool)
+    # and in the local phase (made at the switch) the momentum accumulator, the synced
+    # parameters, the variance floor's mask (bool)
     "zero_one_adam": (
         lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
-        4 + 1,
+        2 + 1,
         4 + 1 + 4 + RECORDS + 0.25,
     ),
-    # and the fresh variance; its warmup also copies the parameters (trust ratios) and the
-    # update, the compression phase never decodes the exchange's result into a buffer
+    # and the fresh variance (made at the switch); its warmup also copies the parameters (trust
+    # ratios) and the update, the compression phase never decodes the exchange's result into a
+    # buffer
     "onebit_lamb": (
         lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
-        3 + 3,
+        2 + 3,
         3 + 2 + 4 + RECORDS,
     ),
 }
