@@ -53,6 +53,25 @@ PYBIND11_MODULE(_C, m) {
                                     nthreads);
   }, release(), "e_out <- y - scale*sign(y) with y = x + e (e_out may be e)");
 
+  m.def("momentum_update_error_cpu", [](ptr mm, ptr g, ptr d, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
+                                        int64_t base, int64_t nx, ptr e, ptr e_out, int64_t n, int64_t W,
+                                        float scale, int nthreads) {
+    return onebit::momentum_update_error_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), np,
+                                             P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
+                                             P<const float>(a), base, nx, P<const float>(e), P<float>(e_out), n, W,
+                                             scale, nthreads);
+  }, release(), "worker_update_error_cpu of momentum_source_cpu's values, recomputed; returns their scale");
+
+  m.def("local_update_error_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes,
+                                     ptr b, ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx, ptr e,
+                                     ptr e_out, int64_t n, int64_t W, float scale, int nthreads) {
+    return onebit::local_update_error_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d),
+                                          P<const float* const>(p), P<const float>(acc), np,
+                                          P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
+                                          P<const float>(a), P<const float>(nw), P<const float>(nlr), precond, base,
+                                          nx, P<const float>(e), P<float>(e_out), n, W, scale, nthreads);
+  }, release(), "worker_update_error_cpu of local_source_cpu's values, recomputed; returns their scale");
+
   m.def("server_reduce_cpu", [](ptr bits, int64_t W, int64_t row_stride, ptr scales,
                                 int64_t scale_stride, ptr e, ptr e_out, int64_t mm, ptr prev_bits,
                                 float prev_scale, ptr out_bits, ptr scale_out, bool pending,

@@ -91,7 +91,22 @@ float momentum_compress_cpu(const float* m, const float* const* g, const float* 
 // worker_compress_cpu call with a null e_out). e_out may be e (in place) or another buffer.
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n,
                              float scale, int nthreads);
-
+// worker_update_error_cpu of the values momentum_source_cpu (local_update_error_cpu:
+// local_source_cpu) would write to u[base, base + nx), recomputed as read (the same floats as the
+// momentum_compress_cpu / local_compress_cpu call with a null e_out and the same n and W that they
+// follow): the error update of a compression that kept one error buffer, once the call is known
+// to go ahead, without a buffer of the values. Returns the scale of the values it read, computed
+// as that compression computed it: the same float if and only if (but for an astronomically
+// unlikely coincidence) the source's inputs did not change in between.
+float momentum_update_error_cpu(const float* m, const float* const* g, const float* d, int64_t P,
+                                const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+                                int64_t base, int64_t nx, const float* e, float* e_out, int64_t n, int64_t W,
+                                float scale, int nthreads);
+float local_update_error_cpu(const float* m, const float* const* g, const float* d, const float* const* p,
+                             const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+                             const float* a, const float* nw, const float* nlr, bool precond, int64_t base,
+                             int64_t nx, const float* e, float* e_out, int64_t n, int64_t W, float scale,
+                             int nthreads);
 // c = sum_i sign_i * (scale_i / W), summed over i = 0..W-1 in order, then + e_true;
 // scale = ||c||_2 / sqrt(m); out_bits = packed signs of c; e_out <- c.
 // The error update c - scale * sign(c) is deferred, which saves a second sweep over e: after the

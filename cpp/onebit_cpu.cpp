@@ -436,47 +436,73 @@ AVX2 inline __m256 values8(const LocalSegments& s, const LocalSegmentLanes& l, i
   return local_source8(s.m, l.g, s.d, l.p, s.acc, f, l.l, s.precond);
 }
 
+// A source's (MomentumSegments, LocalSegments) 8 values of call index i (flat index s.base + i), in
+// registers: j is advanced to the segment holding the first of them; lanes holds segment seg's
+// coefficients (reloaded when j moves on).
+template <class Src, class Lanes>
+AVX2 inline __m256 source8(const Src& s, int64_t i, int64_t& j, int64_t& seg, Lanes& lanes) {
+  const int64_t f = s.base + i;
+  while (f >= s.ends[j]) ++j;
+  if (f + 8 <= s.ends[j]) {  // the 8 values in one segment
+    if (j != seg) {
+      seg = j;
+      lanes = lanes_of(s, j);
+    }
+    return values8(s, lanes, f);
+  }
+  alignas(32) float t[8];  // across a segment boundary: value by value, each with its own segment
+  for (int64_t q = f, k = j; q < f + 8; ++q) {
+    while (q >= s.ends[k]) ++k;
+    value1(s, k, q, t - f);
+  }
+  return _mm256_load_ps(t);
+}
+
 // compress_block_avx2 of a source's values (MomentumSegments, LocalSegments) for a block entirely
 // below the input's end (nx - nx % 8), computed in registers as they are read: the same floats and
-// sum. j: the segment holding the block's first value.
+// sum. j: the segment holding the block's first value. eo null: y is not written.
 template <class Src>
 AVX2 double source_compress_block_avx2(const Src& s, int64_t j, const float* e, float* eo, const uint8_t* prev,
                                        bool pending, float sp, int64_t lo, int64_t hi, uint8_t* out) {
-  const bool stream = aligned_gap(eo + lo) == 0;  // (as compress_block_avx2)
+  const bool stream = eo && aligned_gap(eo + lo) == 0;  // (as compress_block_avx2)
   const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   int64_t seg = -1;
   decltype(lanes_of(s, 0)) lanes{};
   for (int64_t i = lo; i < hi; i += 8) {
-    const int64_t f = s.base + i;
-    while (f >= s.ends[j]) ++j;
-    __m256 x;
-    if (f + 8 <= s.ends[j]) {  // the 8 values in one segment
-      if (j != seg) {
-        seg = j;
-        lanes = lanes_of(s, j);
-      }
-      x = values8(s, lanes, f);
-    } else {  // across a segment boundary: value by value, each with its own segment
-      alignas(32) float t[8];
-      for (int64_t q = f, k = j; q < f + 8; ++q) {
-        while (q >= s.ends[k]) ++k;
-        value1(s, k, q, t - f);
-      }
-      x = _mm256_load_ps(t);
-    }
+    const __m256 x = source8(s, i, j, seg, lanes);
     __m256 et = _mm256_loadu_ps(e + i);
     if (pending) et = _mm256_blendv_ps(_mm256_add_ps(et, spv), _mm256_sub_ps(et, spv), byte_to_mask(*prev++));
     const __m256 y = _mm256_add_ps(x, et);
     if (stream) {
       _mm256_stream_ps(eo + i, y);
-    } else {
+    } else if (eo) {
       _mm256_storeu_ps(eo + i, y);
     }
     *out++ = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ)));
     accumulate_squares(y, a0, a1);
   }
   if (stream) _mm_sfence();
+  return hsum(a0, a1);
+}
+
+// update_block_avx2 of a source's values for a block entirely below the input's end, computed in
+// registers as source_compress_block_avx2 computes them: eo <- y - sc * sign(y), y = x + e (the
+// compression's floats, recomputed). eo may be e. Returns the sum of y^2 as
+// source_compress_block_avx2 returns it (the same floats give the same sum).
+template <class Src>
+AVX2 double source_update_block_avx2(const Src& s, int64_t j, const float* e, float* eo, int64_t lo, int64_t hi,
+                                     float sc) {
+  const __m256 zero = _mm256_setzero_ps(), sv = _mm256_set1_ps(sc);
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  int64_t seg = -1;
+  decltype(lanes_of(s, 0)) lanes{};
+  for (int64_t i = lo; i < hi; i += 8) {
+    const __m256 y = _mm256_add_ps(source8(s, i, j, seg, lanes), _mm256_loadu_ps(e + i));
+    const __m256 ge = _mm256_cmp_ps(y, zero, _CMP_GE_OQ);
+    _mm256_storeu_ps(eo + i, _mm256_blendv_ps(_mm256_add_ps(y, sv), _mm256_sub_ps(y, sv), ge));
+    accumulate_squares(y, a0, a1);
+  }
   return hsum(a0, a1);
 }
 
@@ -753,6 +779,9 @@ struct Impl {
                bool);
   bool (*finite)(const float*, int64_t, int64_t);
   void (*local_step)(const float*, float*, const float*, float*, float*, int64_t, int64_t, LocalStepCoef);
+  // null: no fused form (the update fills a tile with the source's tile and updates from it)
+  double (*momentum_update)(const MomentumSegments&, int64_t, const float*, float*, int64_t, int64_t, float);
+  double (*local_update)(const LocalSegments&, int64_t, const float*, float*, int64_t, int64_t, float);
 };
 
 const Impl& impl() {
@@ -775,7 +804,9 @@ const Impl& impl() {
                   source_compress_block_avx2<LocalSegments>,
                   sync_block_avx2,
                   finite_block_avx2,
-                  local_step_block_avx2};
+                  local_step_block_avx2,
+                  source_update_block_avx2<MomentumSegments>,
+                  source_update_block_avx2<LocalSegments>};
 #endif
     return Impl{compress_block_scalar,
                 reduce_block_scalar,
@@ -793,7 +824,9 @@ const Impl& impl() {
                 nullptr,
                 sync_block_scalar,
                 finite_block_scalar,
-                local_step_block_scalar};
+                local_step_block_scalar,
+                nullptr,
+                nullptr};
   }();
   return chosen;
 }
@@ -842,12 +875,12 @@ float finish_scale(const std::vector<double>& partial, int64_t n) {
   return static_cast<float>(std::sqrt(total) / std::sqrt(static_cast<double>(n)));
 }
 
-// The blocks of one worker compression (a block: at most kBlock values of one row), in parallel:
-// block(lo, hi, prev, out) compresses values [lo, hi) (prev: that block's bytes of prev_bits, null
-// without pending; out: its bytes of bits) and returns their sum of squares.
+// The blocks of one worker compression (a block: at most kBlock values of one row of n / W), in
+// parallel: block(lo, hi, byte) handles values [lo, hi) (byte: their first byte's offset in the
+// rows of bits, row_stride bytes apart) and returns their sum of squares; returns the scale of
+// the sum, the partials added in block order.
 template <class Block>
-float compress_blocks(Block block, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
-                      bool pending, float* scale_out, int nthreads) {
+float row_blocks(Block block, int64_t n, int64_t W, int64_t row_stride, int nthreads) {
   const int64_t m = n / W;
   const int64_t nb = (m + kBlock - 1) / kBlock;  // blocks per row: a block never straddles rows
   const int64_t total = nb * W;
@@ -858,10 +891,20 @@ float compress_blocks(Block block, int64_t n, uint8_t* bits, int64_t W, int64_t 
   for (int64_t blk = 0; blk < total; ++blk) {
     const int64_t j = blk / nb, lo = j * m + (blk % nb) * kBlock;
     const int64_t hi = std::min(lo + kBlock, (j + 1) * m);
-    const int64_t byte = j * row_stride + (lo - j * m) / 8;
-    partial[blk] = block(lo, hi, pending ? prev_bits + byte : nullptr, bits + byte);
+    partial[blk] = block(lo, hi, j * row_stride + (lo - j * m) / 8);
   }
-  const float s = finish_scale(partial, n);
+  return finish_scale(partial, n);
+}
+
+// row_blocks of a worker compression: block(lo, hi, prev, out) compresses values [lo, hi) (prev:
+// that block's bytes of prev_bits, null without pending; out: its bytes of bits).
+template <class Block>
+float compress_blocks(Block block, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride, const uint8_t* prev_bits,
+                      bool pending, float* scale_out, int nthreads) {
+  const auto rows = [&](int64_t lo, int64_t hi, int64_t byte) {
+    return block(lo, hi, pending ? prev_bits + byte : nullptr, bits + byte);
+  };
+  const float s = row_blocks(rows, n, W, row_stride, nthreads);
   *scale_out = s;
   return s;
 }
@@ -913,6 +956,70 @@ float source_compress_cpu(const Src& s, int64_t P, int64_t nx,
   return compress_blocks(block, n, bits, W, row_stride, prev_bits, pending, scale_out, nthreads);
 }
 
+// worker_update_error_cpu of a source's values, block by block as source_compress_cpu compresses
+// them (fused blocks where it fused them, elsewhere a tile of values filled by `tile`); returns
+// the scale of the values it read, computed as source_compress_cpu computes it: the compression's
+// scale, bit for bit, when the source's inputs did not change in between.
+template <class Src, class Tile>
+float source_update_error_cpu(const Src& s, int64_t P, int64_t nx,
+                              double (*fused)(const Src&, int64_t, const float*, float*, int64_t, int64_t, float),
+                              Tile tile, const float* e, float* e_out, int64_t n, int64_t W, float scale,
+                              int nthreads) {
+  const auto compress = impl().compress;
+  const auto update = impl().update;
+  const int64_t whole = nx - nx % 8;
+  const int64_t base = s.base, *starts = s.starts, *ends = s.ends;
+  const auto block = [&](int64_t lo, int64_t hi, int64_t) -> double {
+    const int64_t j = std::upper_bound(ends, ends + P, base + lo) - ends;
+    if (fused && hi <= whole) return fused(s, j, e, e_out, lo, hi, scale);
+    alignas(32) float buf[kBlock];
+    alignas(32) uint8_t signs[kBlock / 8];
+    float* u = buf - (base + lo);  // u[f]: flat index f; buf[i - lo]: value i
+    const int64_t end = base + std::min(hi, nx);
+    for (int64_t q = j; q < P && starts[q] < end; ++q) {
+      const int64_t f0 = std::max(base + lo, starts[q]), f1 = std::min(end, ends[q]);
+      if (f0 < f1) tile(q, u, f0, f1);
+    }
+    // the compression's sum (it reads e before e_out is written), then the update
+    const double sum = compress(buf - lo, nx, e, nullptr, nullptr, false, 0.0f, lo, hi, signs);
+    update(buf - lo, nx, e, e_out, lo, hi, scale);
+    return sum;
+  };
+  return row_blocks(block, n, W, 0, nthreads);  // the compression's blocks and order
+}
+
+// f(segments, tile) on momentum_source's segments of [base, base + nx) (checked to tile it, what:
+// the caller) and the tile that fills values where no fused form applies.
+template <class F>
+auto with_momentum_source(const char* what, const float* m, const float* const* g, const float* d, int64_t P,
+                          const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int64_t base,
+                          int64_t nx, F f) {
+  const auto ends = tiling_ends(what, P, starts, sizes, base, nx);
+  const MomentumSegments segs{m, g, d, starts, ends.data(), b, a, base};
+  const auto source_tile = impl().source_tile;
+  const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
+    source_tile(m, rebased(g, starts, q), d, u, f0, f1, b[q], a[q]);
+  };
+  return f(segs, tile);
+}
+
+// with_momentum_source's for local_source's segments.
+template <class F>
+auto with_local_source(const char* what, const float* m, const float* const* g, const float* d, const float* const* p,
+                       const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+                       const float* a, const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx,
+                       F f) {
+  const auto ends = tiling_ends(what, P, starts, sizes, base, nx);
+  std::vector<LocalSourceCoef> coef(static_cast<size_t>(P));
+  for (int64_t j = 0; j < P; ++j) coef[j] = {b[j], a[j], nw[j], nlr[j]};
+  const LocalSegments segs{m, g, d, p, acc, starts, ends.data(), coef.data(), precond, base};
+  const auto source_tile = impl().local_source_tile;
+  const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
+    source_tile(m, rebased(g, starts, q), d, rebased(p, starts, q), acc, u, f0, f1, coef[q], precond);
+  };
+  return f(segs, tile);
+}
+
 }  // namespace
 
 bool cpu_has_simd() { return impl().compress != compress_block_scalar; }
@@ -935,14 +1042,12 @@ float momentum_compress_cpu(const float* m, const float* const* g, const float* 
                             const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out,
                             int nthreads) {
   detail::check_compress("momentum_compress_cpu", nx, n, W);
-  const auto ends = tiling_ends("momentum_compress_cpu", P, starts, sizes, base, nx);
-  const MomentumSegments segs{m, g, d, starts, ends.data(), b, a, base};
-  const auto source_tile = impl().source_tile;
-  const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
-    source_tile(m, rebased(g, starts, q), d, u, f0, f1, b[q], a[q]);
-  };
-  return source_compress_cpu(segs, P, nx, impl().momentum_compress, tile, e, e_out, n, bits, W, row_stride,
-                             prev_bits, prev_scale, pending, scale_out, nthreads);
+  return with_momentum_source("momentum_compress_cpu", m, g, d, P, starts, sizes, b, a, base, nx,
+                              [&](const MomentumSegments& segs, const auto& tile) {
+                                return source_compress_cpu(segs, P, nx, impl().momentum_compress, tile, e, e_out,
+                                                           n, bits, W, row_stride, prev_bits, prev_scale, pending,
+                                                           scale_out, nthreads);
+                              });
 }
 
 float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
@@ -951,16 +1056,37 @@ float local_compress_cpu(const float* m, const float* const* g, const float* d, 
                          float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
                          const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out, int nthreads) {
   detail::check_compress("local_compress_cpu", nx, n, W);
-  const auto ends = tiling_ends("local_compress_cpu", P, starts, sizes, base, nx);
-  std::vector<LocalSourceCoef> coef(static_cast<size_t>(P));
-  for (int64_t j = 0; j < P; ++j) coef[j] = {b[j], a[j], nw[j], nlr[j]};
-  const LocalSegments segs{m, g, d, p, acc, starts, ends.data(), coef.data(), precond, base};
-  const auto source_tile = impl().local_source_tile;
-  const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
-    source_tile(m, rebased(g, starts, q), d, rebased(p, starts, q), acc, u, f0, f1, coef[q], precond);
-  };
-  return source_compress_cpu(segs, P, nx, impl().local_compress, tile, e, e_out, n, bits, W, row_stride, prev_bits,
-                             prev_scale, pending, scale_out, nthreads);
+  return with_local_source("local_compress_cpu", m, g, d, p, acc, P, starts, sizes, b, a, nw, nlr, precond, base, nx,
+                           [&](const LocalSegments& segs, const auto& tile) {
+                             return source_compress_cpu(segs, P, nx, impl().local_compress, tile, e, e_out, n, bits,
+                                                        W, row_stride, prev_bits, prev_scale, pending, scale_out,
+                                                        nthreads);
+                           });
+}
+
+float momentum_update_error_cpu(const float* m, const float* const* g, const float* d, int64_t P,
+                                const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
+                                int64_t base, int64_t nx, const float* e, float* e_out, int64_t n, int64_t W,
+                                float scale, int nthreads) {
+  detail::check_compress("momentum_update_error_cpu", nx, n, W);
+  return with_momentum_source("momentum_update_error_cpu", m, g, d, P, starts, sizes, b, a, base, nx,
+                              [&](const MomentumSegments& segs, const auto& tile) {
+                                return source_update_error_cpu(segs, P, nx, impl().momentum_update, tile, e, e_out,
+                                                               n, W, scale, nthreads);
+                              });
+}
+
+float local_update_error_cpu(const float* m, const float* const* g, const float* d, const float* const* p,
+                             const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+                             const float* a, const float* nw, const float* nlr, bool precond, int64_t base,
+                             int64_t nx, const float* e, float* e_out, int64_t n, int64_t W, float scale,
+                             int nthreads) {
+  detail::check_compress("local_update_error_cpu", nx, n, W);
+  return with_local_source("local_update_error_cpu", m, g, d, p, acc, P, starts, sizes, b, a, nw, nlr, precond, base,
+                           nx, [&](const LocalSegments& segs, const auto& tile) {
+                             return source_update_error_cpu(segs, P, nx, impl().local_update, tile, e, e_out, n, W,
+                                                            scale, nthreads);
+                           });
 }
 
 void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, float scale,

@@ -93,7 +93,8 @@ def worker_compress(
         )
     source = None
     if isinstance(x, ExchangeSource):
-        if deferred and x.computed_as_read:  # x: its geometry, for the checks; not read
+        computed = x.computed_as_read and (deferred or x.updated_as_read)
+        if computed:  # x: its geometry, for the checks; not read
             source, x = x, x.like()
         else:
             x = x.materialize()
@@ -130,8 +131,12 @@ def worker_compress(
         )
         return
     if source is not None:
+        if not deferred:  # not written here: the error updated by a second sweep, or left
+            error_out, pending, prev_bits, prev_scale = None, False, bits, scale
         source.compress_as_read(error=error, bits=bits, scale=scale, error_out=error_out,
                                 pending=pending, prev_bits=prev_bits, prev_scale=prev_scale)  # fmt: skip
+        if update_error and not deferred:
+            source.update_error_as_read(error=error, scale=scale, error_out=error, rows=w)
         return
     if not deferred:  # the error updated by a second sweep, or left
         error_out, pending = None, False
@@ -143,15 +148,37 @@ def worker_compress(
 
 
 def worker_update_error(
-    x: torch.Tensor, error: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
-) -> None:
+    x: torch.Tensor | ExchangeSource,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    rows: int = 1,
+) -> float | None:
     """The second half of ``worker_compress(..., update_error=False)``:
     ``out <- y - scale * sign(y)`` with ``y = x + error`` (``x`` and ``error`` unchanged since).
 
     ``out`` defaults to ``error`` (in place); another buffer of the same size keeps ``error`` as
-    it was (the exchange's double buffering, for steps that may still be dropped).
+    it was (the exchange's double buffering, for steps that may still be dropped). ``x`` may be
+    an [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource] (its inputs unchanged
+    since the compression): its values are recomputed as read where
+    [`updated_as_read`][lightning_onebit.kernels.sources.ExchangeSource.updated_as_read], the same
+    floats as from a buffer of them, else materialized first.
+
+    Args:
+        x, error, scale: the compression's input, error buffer and scale.
+        out: where the updated error goes (default ``error``).
+        rows: the compression's ``bits.size(0)`` (``W``), for the recomputed values' scale.
+
+    Returns:
+        For recomputed values, their scale, summed as the compression summed it: equal to
+        ``scale`` unless the source's inputs changed since the compression (then the update
+        is not the compression's, and the caller must not keep it). ``None`` otherwise.
     """
     out = error if out is None else out
+    source = None
+    if isinstance(x, ExchangeSource):
+        source, x = (x, x.like()) if x.updated_as_read else (None, x.materialize())
     device, _ = native.check("worker_update_error", x=x, error=error, scale=scale, out=out)
     n = error.numel()
     if n == 0 or n % 8:
@@ -160,10 +187,15 @@ def worker_update_error(
         raise ValueError(f"out must have error's {n} values, got {out.numel()}")
     if x.numel() > n:
         raise ValueError(f"x has {x.numel()} values but error only {n}; pad error to >= x.numel()")
+    if source is not None:
+        if rows < 1 or n % (8 * rows):
+            raise ValueError(f"error.numel() must be a multiple of 8 * rows = {8 * rows}, got {n}")
+        return source.update_error_as_read(error=error, scale=scale, error_out=out, rows=rows)
     if not native.use_native():
         reference_worker_update_error(x, error, scale, out)
-        return
+        return None
     native.launch("worker_update_error", device, x=x, error=error, out=out, scale=scale)
+    return None
 
 
 def server_reduce(

@@ -64,9 +64,11 @@ HAS_CUDA: bool = bool(module is not None and module.has_cuda)
 _fallback_warned = False
 
 
-def has_kernel(device: torch.device) -> bool:
+def has_kernel(device: torch.device, op: str | None = None) -> bool:
     """Whether the compiled module has a kernel for ``device``: the CPU, or CUDA in a build
-    with CUDA kernels."""
+    with CUDA kernels; with ``op``, also an entry of that op (`OPS`) for it."""
+    if op is not None and getattr(OPS[op], device.type, None) is None:
+        return False
     return device.type == "cpu" or (device.type == "cuda" and HAS_CUDA)
 
 
@@ -219,6 +221,8 @@ OPS: dict[str, Op] = {
     # their tensors are checked as their sources' and worker_compress's
     "momentum_compress": Op(cpu=_MOMENTUM + _COMPRESS_CPU, cuda=_MOMENTUM + _COMPRESS_CUDA),
     "local_compress": Op(cpu=_LOCAL + _COMPRESS_CPU, cuda=_LOCAL + _COMPRESS_CUDA),
+    "momentum_update_error": Op(cpu=_MOMENTUM + "error out #error rows scale:f", cuda=None),
+    "local_update_error": Op(cpu=_LOCAL + "error out #error rows scale:f", cuda=None),
     "momentum_source": Op(
         cpu="exp_avg grads denom out np starts sizes beta alpha",
         cuda=f"exp_avg grads denom out np {_CHUNKS} beta alpha",

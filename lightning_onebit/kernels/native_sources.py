@@ -1,7 +1,8 @@
-"""The compiled source kernels' launches (``momentum_source``, ``local_source`` and their deferred
-compressions, ``momentum_compress``, ``local_compress``): each one's segment table and
-coefficients as the kernels take them, on tensors [kernels.sources][lightning_onebit.kernels.sources]
-checked already."""
+"""The compiled source kernels' launches (``momentum_source``, ``local_source``, their deferred
+compressions ``momentum_compress``, ``local_compress`` and their error updates
+``momentum_update_error``, ``local_update_error``): each one's segment table and coefficients as
+the kernels take them, on tensors [kernels.sources][lightning_onebit.kernels.sources] checked
+already."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ __all__ = [
     "local_coefficients",
     "local_compress",
     "local_source",
+    "local_update_error",
     "momentum_compress",
     "momentum_source",
+    "momentum_update_error",
 ]
 
 
@@ -181,3 +184,74 @@ def local_compress(
                              prev_scale=prev_scale)  # fmt: skip
     native.launch("local_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom, acc=acc,
            precond=bool(preconditioned), **compressed)  # fmt: skip
+
+
+def momentum_update_error(
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor | None,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor,
+    rows: int,
+) -> float:
+    """The compiled ``worker_update_error`` of `momentum_source`'s values, recomputed as read.
+
+    Args:
+        exp_avg, grads, denom, beta, alpha: as `momentum_source`'s.
+        starts, sizes: as `momentum_source`'s; the segments tile the input's flat range in
+            order.
+        error, scale, error_out, rows: as ``worker_update_error``'s ``error``, ``scale``,
+            ``out``, ``rows`` (checked by it).
+
+    Returns:
+        The scale of the values read (``worker_update_error``'s).
+    """
+    table = native.segment_table(starts, sizes, {"grads": grads}, {"beta": beta, "alpha": alpha})
+    return native.launch("momentum_update_error", exp_avg.device, table, exp_avg=exp_avg,
+                         denom=denom, base=starts[0], nx=sum(sizes), error=error, out=error_out,
+                         rows=rows, scale=scale)  # fmt: skip
+
+
+def local_update_error(
+    *,
+    exp_avg: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    denom: torch.Tensor,
+    params: list[torch.Tensor | None] | None,
+    acc: torch.Tensor | None,
+    starts: list[int],
+    sizes: list[int],
+    beta: list[float],
+    alpha: list[float],
+    lr: list[float],
+    weight_decay: list[float],
+    preconditioned: bool,
+    error: torch.Tensor,
+    scale: torch.Tensor,
+    error_out: torch.Tensor,
+    rows: int,
+) -> float:
+    """The compiled ``worker_update_error`` of `local_source`'s values, recomputed as read.
+
+    Args:
+        exp_avg, grads, denom, params, acc, beta, alpha, lr, weight_decay, preconditioned: as
+            `local_source`'s.
+        starts, sizes: as `local_source`'s; the segments tile the input's flat range in order.
+        error, scale, error_out, rows: as ``worker_update_error``'s ``error``, ``scale``,
+            ``out``, ``rows`` (checked by it).
+
+    Returns:
+        The scale of the values read (``worker_update_error``'s).
+    """
+    coefs = local_coefficients(beta, alpha, lr, weight_decay)
+    table = native.segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
+    return native.launch("local_update_error", exp_avg.device, table, exp_avg=exp_avg,
+                         denom=denom, acc=acc, precond=bool(preconditioned), base=starts[0],
+                         nx=sum(sizes), error=error, out=error_out, rows=rows,
+                         scale=scale)  # fmt: skip

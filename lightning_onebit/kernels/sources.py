@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -174,6 +175,14 @@ class ExchangeSource:
         the CPU and (in a build with CUDA kernels) on CUDA; the pure-torch path materializes."""
         return native.has_kernel(self.device) and native.use_native()
 
+    @property
+    def updated_as_read(self) -> bool:
+        """Whether [`worker_update_error`][lightning_onebit.kernels.compression.worker_update_error]
+        recomputes the values as it reads them (the compiled module's CPU kernels), so that an
+        exchange with one error buffer needs no buffer of them either; elsewhere it materializes
+        them."""
+        return False
+
     def materialize(self) -> torch.Tensor:
         """Run the source kernel into ``out`` (arguments checked at construction); return
         ``out[lo:hi]``."""
@@ -196,10 +205,21 @@ class ExchangeSource:
         Args:
             error, bits, scale, error_out: as
                 [`worker_compress`][lightning_onebit.kernels.compression.worker_compress]'s
-                (``error_out`` may be ``error``: in place).
+                (``error_out`` may be ``error``: in place; ``None``: not written, the error
+                updated later by ``update_error_as_read``).
             pending: whether ``error`` still awaits the previous call's deferred update.
             prev_bits, prev_scale: the previous call's bits and scale (read if ``pending``).
         """
+        raise NotImplementedError
+
+    def update_error_as_read(
+        self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
+    ) -> float:
+        """The compiled error update of a compression of these values that did not write its
+        error (``error_out=None`` above; the inputs unchanged since), the values recomputed as
+        read: its arguments checked by
+        [`worker_update_error`][lightning_onebit.kernels.compression.worker_update_error]
+        (``error_out`` its ``out``). Returns the scale of the values read."""
         raise NotImplementedError
 
 
@@ -207,10 +227,16 @@ class _KernelSource(ExchangeSource):
     """A source a kernel computes from the momentum ``exp_avg`` (and more) into ``out``."""
 
     exp_avg: torch.Tensor
+    #: the op of ``update_error_as_read`` (`native.OPS`)
+    UPDATE_OP: ClassVar[str] = ""
 
     @property
     def device(self) -> torch.device:
         return self.exp_avg.device
+
+    @property
+    def updated_as_read(self) -> bool:
+        return native.has_kernel(self.device, self.UPDATE_OP) and native.use_native()
 
     def like(self) -> torch.Tensor:
         return self.exp_avg[self.lo : self.hi]
@@ -235,6 +261,8 @@ class MomentumSource(_KernelSource):
             [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]; segments that do
             not tile a non-empty range in order.
     """
+
+    UPDATE_OP: ClassVar[str] = "momentum_update_error"
 
     exp_avg: torch.Tensor
     grad: torch.Tensor | Sequence[torch.Tensor | None]
@@ -276,6 +304,15 @@ class MomentumSource(_KernelSource):
                                  alpha=self.alpha, error=error, bits=bits, scale=scale,
                                  error_out=error_out, pending=pending, prev_bits=prev_bits,
                                  prev_scale=prev_scale)  # fmt: skip
+
+    def update_error_as_read(
+        self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
+    ) -> float:
+        return native_sources.momentum_update_error(exp_avg=self.exp_avg, grads=self.grad,
+                                                    denom=self.denom, starts=self.starts,
+                                                    sizes=self.sizes, beta=self.beta,
+                                                    alpha=self.alpha, error=error, scale=scale,
+                                                    error_out=error_out, rows=rows)  # fmt: skip
 
 
 def local_source(
@@ -409,6 +446,8 @@ class LocalSource(_KernelSource):
             segments that do not tile a non-empty range in order.
     """
 
+    UPDATE_OP: ClassVar[str] = "local_update_error"
+
     exp_avg: torch.Tensor
     grad: torch.Tensor | Sequence[torch.Tensor | None]
     denom: torch.Tensor
@@ -461,6 +500,19 @@ class LocalSource(_KernelSource):
                               error=error, bits=bits, scale=scale, error_out=error_out,
                               pending=pending, prev_bits=prev_bits,
                               prev_scale=prev_scale)  # fmt: skip
+
+    def update_error_as_read(
+        self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
+    ) -> float:
+        return native_sources.local_update_error(exp_avg=self.exp_avg, grads=self.grad,
+                                                 denom=self.denom, params=self.param,
+                                                 acc=self.acc, starts=self.starts,
+                                                 sizes=self.sizes, beta=self.beta,
+                                                 alpha=self.alpha, lr=self.lr,
+                                                 weight_decay=self.weight_decay,
+                                                 preconditioned=self.preconditioned, error=error,
+                                                 scale=scale, error_out=error_out,
+                                                 rows=rows)  # fmt: skip
 
 
 class TensorSource(ExchangeSource):

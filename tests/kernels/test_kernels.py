@@ -467,7 +467,9 @@ compress_local_pieces = T._compress_source(local_pieces, 3, True, 3)
 local_step = T.step_run(K.local_step, T._step_case(21))
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 sign_runs = T.sign_runs_pair()
-torch.save({"adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
+m, g, d, st, sz, b, a = T._tiled(T.SOURCE_TILINGS["awkward"], 3)
+two_call = T._two_call(K.MomentumSource(m, g, d, T._never_made, st, sz, b, a), 3, 3)
+torch.save({"two_call": two_call, "adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
             "lamb_layers": lamb_layers, "compress_local_pieces": compress_local_pieces,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
             "sync": sync, "compress_source": compress_source, "compress_local": compress_local,
@@ -945,25 +947,94 @@ def test_worker_compress_of_a_momentum_source_portable_path_is_bitwise_too(porta
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_momentum_source_elsewhere_is_materialized_first() -> None:
-    """The two-call form (``update_error=False``) reads the values twice: the source is
-    computed into ``out`` first, the same results as from a buffer."""
+def _two_call(x, w: int, seed: int):
+    """``worker_compress(x, update_error=False)`` then ``worker_update_error`` (a tensor, or a
+    source: recomputed as read) with a fresh error from ``seed``: (bits, scale, error,
+    the update's recomputed scale or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = -(-x.numel() // (8 * w)) * 8 * w
+    error = torch.randn(n, generator=gen)
+    bits, scale = torch.zeros(w, n // (8 * w), dtype=torch.uint8), torch.zeros(1)
+    before = error.clone()
+    K.worker_compress(x, error, bits, scale, update_error=False)
+    assert _same_bits(error, before)  # (left for the second call)
+    got = K.worker_update_error(x, error, scale, rows=w)
+    return bits, scale, error, got
+
+
+def _never_made() -> torch.Tensor:
+    raise AssertionError("the source's buffer was made")
+
+
+@pytest.mark.parametrize("tiling", list(SOURCE_TILINGS))
+def test_the_two_call_form_of_a_source_recomputes_it_bitwise(tiling: str) -> None:
+    """A MomentumSource and a LocalSource through the two-call form (the compression, then the
+    error update once the call goes ahead: one error buffer) give the bits, scale and error of
+    their values in a buffer, bit for bit, without making the source's buffer (W = 1, 2, 3, 1
+    and 2 threads); the update returns the compression's scale, and another one once an input
+    changed in between."""
+    m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS[tiling], len(tiling))
+    (lm, lg, ld), p, acc, lst, lsz, hp = _local_tiled(SOURCE_TILINGS[tiling], len(tiling) + 1)
+    buf, lbuf = torch.full_like(m, float("nan")), torch.full_like(lm, float("nan"))
+    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    largs = dict(exp_avg=lm, grad=lg, denom=ld, param=p, acc=acc, starts=lst, sizes=lsz, **hp,
+                 preconditioned=True)  # fmt: skip
+    K.local_source(out=lbuf, **largs)
+    sources = {
+        "momentum": (K.MomentumSource(m, grads, d, _never_made, starts, sizes, beta, alpha),
+                     buf[starts[0] : starts[-1] + sizes[-1]]),
+        "local": (K.LocalSource(out=_never_made, **largs), lbuf[lst[0] : lst[-1] + lsz[-1]]),
+    }  # fmt: skip
+    old = torch.get_num_threads()
+    try:
+        for (name, (source, values)), nt, w in itertools.product(
+            sources.items(), (1, 2), (1, 2, 3)
+        ):
+            torch.set_num_threads(nt)
+            assert source.updated_as_read
+            *got, recomputed = _two_call(source, w, seed=w)
+            *want, none = _two_call(values, w, seed=w)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, nt, w)
+            assert none is None and recomputed == want[1].item(), (name, nt, w)
+    finally:
+        torch.set_num_threads(old)
+    gen = torch.Generator().manual_seed(0)
+    n = -(-sources["momentum"][0].numel() // 16) * 16
+    error, bits, scale = torch.randn(n, generator=gen), torch.zeros(2, n // 16, dtype=torch.uint8), torch.zeros(1)  # fmt: skip
+    K.worker_compress(sources["momentum"][0], error, bits, scale, update_error=False)
+    for g in grads:  # clipped in between
+        if g is not None:
+            g.mul_(0.5)
+    assert K.worker_update_error(sources["momentum"][0], error, scale, rows=2) != scale.item()
+
+
+def test_the_two_call_form_portable_path_is_bitwise_too(portable: dict) -> None:
+    m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS["awkward"], 3)
+    buf = torch.full_like(m, float("nan"))
+    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    *want, _ = _two_call(buf[starts[0] : starts[-1] + sizes[-1]], 3, seed=3)
+    *got, recomputed = portable["two_call"]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert recomputed == want[1].item()
+
+
+def test_a_source_elsewhere_is_materialized_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the values cannot be recomputed as read (the pure-torch path), the two-call form
+    computes the source into ``out`` first: the same results as from a buffer."""
     m, grads, d, starts, sizes, beta, alpha = _tiled([3, 29, 12], 4)
     lo, hi = starts[0], starts[-1] + sizes[-1]
     buf = torch.zeros_like(m)
     K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
-    n = 48
-    for x in (
-        buf[lo:hi],
-        K.MomentumSource(m, grads, d, torch.zeros_like(m), starts, sizes, beta, alpha),
-    ):
-        e, bits, scale = torch.ones(n), torch.zeros(2, n // 16, dtype=torch.uint8), torch.zeros(1)
-        K.worker_compress(x, e, bits, scale, update_error=False)
-        if isinstance(x, torch.Tensor):
-            want = (bits, scale)
-        else:
-            assert torch.equal(x.out[lo:hi], buf[lo:hi])
-            assert torch.equal(bits, want[0]) and torch.equal(scale, want[1])
+    source = K.MomentumSource(m, grads, d, torch.zeros_like(m), starts, sizes, beta, alpha)
+    want = _two_call(buf[lo:hi], 2, seed=1)
+    monkeypatch.setattr(K.native, "use_native", lambda: False)  # (the torch path)
+    assert not source.updated_as_read and not source.computed_as_read
+    got = _two_call(source, 2, seed=1)
+    assert torch.equal(source.out[lo:hi], buf[lo:hi])
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_momentum_source_rejects_segments_that_do_not_tile_a_range() -> None:
@@ -1215,22 +1286,21 @@ def test_worker_compress_of_a_local_source_portable_path_is_bitwise_too(portable
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_local_source_elsewhere_is_materialized_first() -> None:
-    """The two-call form reads the values twice: a LocalSource is computed into ``out``
-    first, the results of the buffer."""
+def test_local_source_elsewhere_is_materialized_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the values cannot be recomputed as read (the pure-torch path), the two-call form
+    computes a LocalSource into ``out`` first: the results of the buffer."""
     (m, g, d), p, acc, starts, sizes, hp = _local_tiled([3, 29, 12], 4)
     lo, hi = starts[0], starts[-1] + sizes[-1]
     buf = torch.zeros_like(p)
     args = dict(exp_avg=m, grad=g, denom=d, param=p, acc=acc, starts=starts, sizes=sizes, **hp,
                 preconditioned=False)  # fmt: skip
     K.local_source(out=buf, **args)
-    results = []
-    for x in (buf[lo:hi], K.LocalSource(out=torch.zeros_like(p), **args)):
-        e, bits, scale = torch.ones(48), torch.zeros(2, 3, dtype=torch.uint8), torch.zeros(1)
-        K.worker_compress(x, e, bits, scale, update_error=False)
-        results.append((bits, scale))
-    assert torch.equal(x.out[lo:hi], buf[lo:hi])
-    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    want = _two_call(buf[lo:hi], 2, seed=2)
+    source = K.LocalSource(out=torch.zeros_like(p), **args)
+    monkeypatch.setattr(K.native, "use_native", lambda: False)  # (the torch path)
+    got = _two_call(source, 2, seed=2)
+    assert torch.equal(source.out[lo:hi], buf[lo:hi])
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
 
 
 def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
