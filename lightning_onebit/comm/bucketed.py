@@ -24,7 +24,7 @@ class BucketedAllreduce(Exchange):
 
     Each bucket (a contiguous slice) has its own
     [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce] (its own scale and error
-    buffers, double buffered), so a bucket can be sent as soon as its values exist, e.g. while
+    buffers, the server's double buffered), so a bucket can be sent as soon as its values exist, e.g. while
     backward is still producing the rest of the gradient:
     [`start_bucket`][lightning_onebit.comm.bucketed.BucketedAllreduce.start_bucket]. A call goes
     through for all buckets or for none:
@@ -36,9 +36,10 @@ class BucketedAllreduce(Exchange):
 
     Args:
         bounds: the buckets as ``(start, stop)`` pairs that tile ``[0, numel)``.
-        device, group, device_verdict: as for
+        device, group, device_verdict, recompute_error: as for
             [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce] (the verdict of
-            a call is every bucket's).
+            a call is every bucket's; ``recompute_error``: each bucket keeps one worker error
+            buffer, updated at ``finish`` from its input read again).
         nodes: a [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups] for the two-level
             exchange
             ([`HierarchicalAllreduce`][lightning_onebit.comm.hierarchical.HierarchicalAllreduce] per
@@ -53,6 +54,7 @@ class BucketedAllreduce(Exchange):
         nodes: NodeGroups | None = None,
         *,
         device_verdict: bool = False,
+        recompute_error: bool = False,
     ) -> None:
         tiles = sorted(bounds)
         if (
@@ -66,7 +68,7 @@ class BucketedAllreduce(Exchange):
         self.numel = tiles[-1][1]
         self.buckets = [
             make_exchange(b - a, device, group, nodes, double_buffered=True,
-                          device_verdict=device_verdict)
+                          device_verdict=device_verdict, recompute_error=recompute_error)
             for a, b in self.bounds
         ]  # fmt: skip
         self.nodes = nodes
@@ -151,8 +153,13 @@ class BucketedAllreduce(Exchange):
             torch.all(finite, dim=0, out=self._finite_ranks)
             ok = self._ok
             torch.all(self._finite_ranks, dim=0, keepdim=True, out=ok)
-        for h in handles:
-            h.commit(ok)
+        try:
+            for h in handles:
+                h.commit(ok)
+        except BaseException:  # (a bucket whose input changed): the others not left pending
+            for h in handles:
+                h.discard()
+            raise
         if out is None:
             if not self.returns_runs:
                 raise ValueError("finish(out=None) needs flat buckets on the CPU")

@@ -19,6 +19,7 @@ def make_exchange(
     *,
     double_buffered: bool = False,
     device_verdict: bool = False,
+    recompute_error: bool = False,
 ) -> CompressedAllreduce | HierarchicalAllreduce:
     """The flat exchange over ``group``, or the hierarchical one over ``nodes`` when given."""
     if nodes is None:
@@ -28,6 +29,7 @@ def make_exchange(
             group=group,
             double_buffered=double_buffered,
             device_verdict=device_verdict,
+            recompute_error=recompute_error,
         )
     return HierarchicalAllreduce(
         numel,
@@ -35,4 +37,5 @@ def make_exchange(
         device=device,
         double_buffered=double_buffered,
         device_verdict=device_verdict,
+        recompute_error=recompute_error,
     )

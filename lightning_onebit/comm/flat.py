@@ -69,6 +69,13 @@ class CompressedAllreduce(Exchange):
             buffers as they were (double buffered: the new set is put back from the old one on the
             device) and its result is undefined, for the caller to drop (the 1-bit optimizers' CUDA
             steps: their update kernels take the verdict). Implies ``double_buffered``.
+        recompute_error: keep one worker error buffer (``numel`` values) whatever
+            ``double_buffered`` says: a call compresses without writing it, and its update (the
+            input read again, or recomputed from an
+            [`ExchangeSource`][lightning_onebit.kernels.sources.ExchangeSource] as it is read: a
+            second sweep over the input, not a second buffer) runs once the call goes ahead (in
+            ``start``, or at ``commit``). With ``double_buffered`` only the server error
+            (``numel / W`` values) is kept twice. The same results. Not with ``device_verdict``.
 
     Example::
 
@@ -85,9 +92,15 @@ class CompressedAllreduce(Exchange):
         *,
         double_buffered: bool = False,
         device_verdict: bool = False,
+        recompute_error: bool = False,
     ) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
+        if recompute_error and device_verdict:
+            raise ValueError(
+                "recompute_error=True updates the error once the host knows the verdict; with "
+                "device_verdict=True keep the second worker error buffer (recompute_error=False)"
+            )
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -117,10 +130,14 @@ class CompressedAllreduce(Exchange):
         # Double buffered: calls write set 1 - cur and commit flips cur. One set: calls update it
         # in place, so the worker cannot write before the verdict and updates its error in a
         # second sweep after it (the server stage runs after the verdict and defers either way).
+        # recompute_error: the worker's buffers one set whatever the server's (``_wi``).
         # Made at the first call or load (``_make_buffers``): an optimizer builds its exchange at
         # its first step, and its warmup never calls it.
         self.device_verdict = bool(device_verdict)
         self._sets = 2 if double_buffered or device_verdict else 1
+        self._worker_sets = 1 if recompute_error else self._sets
+        #: the input of the last start() whose worker error update waits for its commit
+        self._unupdated: torch.Tensor | kernels.ExchangeSource | None = None
         self._werr: list[torch.Tensor] = []
         self._send: list[torch.Tensor] = []
         self._wscale: list[torch.Tensor] = []
@@ -152,10 +169,11 @@ class CompressedAllreduce(Exchange):
             if self._werr:
                 return
             w, sets, kw = self.world_size, self._sets, {"device": self.device}
+            wsets = self._worker_sets
             self._send = [
-                torch.zeros(w, self._record, dtype=torch.uint8, **kw) for _ in range(sets)
+                torch.zeros(w, self._record, dtype=torch.uint8, **kw) for _ in range(wsets)
             ]
-            self._wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(sets)]
+            self._wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(wsets)]
             self._sacc = [
                 torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)
             ]
@@ -165,8 +183,12 @@ class CompressedAllreduce(Exchange):
                 self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
                 self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
             self._werr = [  # last: the flag the checks above read
-                torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(sets)
+                torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(wsets)
             ]
+
+    def _wi(self, s: int) -> int:
+        """The worker buffers' index of error-buffer set ``s``."""
+        return s if self._worker_sets == 2 else 0
 
     @property
     def record_bytes(self) -> int:
@@ -178,7 +200,7 @@ class CompressedAllreduce(Exchange):
         """This rank's worker error buffer (``padded_numel`` values; the live tensor, with any
         deferred update applied)."""
         self._settle()
-        return self._werr[self._cur]
+        return self._werr[self._wi(self._cur)]
 
     @property
     def double_buffered(self) -> bool:
@@ -226,7 +248,7 @@ class CompressedAllreduce(Exchange):
         must be [`start`][lightning_onebit.comm.flat.CompressedAllreduce.start]'s."""
         if not isinstance(values, kernels.ExchangeSource):
             return values
-        if self.double_buffered and values.computed_as_read:
+        if values.computed_as_read and (self._worker_sets == 2 or values.updated_as_read):
             return self._compress(values, commit)
         return values.materialize()
 
@@ -271,7 +293,7 @@ class CompressedAllreduce(Exchange):
             )
         w, row = self.world_size, self.chunk_numel // 8
         cur, nxt, x = self._cur, c.next_set, c.x
-        send = self._send[nxt]
+        send = self._send[self._wi(nxt)]
         recv = send if self._recv is None else self._recv
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
@@ -293,8 +315,8 @@ class CompressedAllreduce(Exchange):
             return ExchangeHandle(
                 self, None, out, c.shape, finite=False, bad_ranks=bad, call=self.calls
             )
-        if not self.double_buffered:
-            kernels.worker_update_error(x, self._werr[cur], self._wscale[cur], out=self._werr[cur])
+        if self._worker_sets == 1:  # its error update, at the commit (see _compress)
+            self._unupdated = x
         if w == 1:
             # 3-4 at W = 1 are the identity: the one chunk's average is s * sign(y) itself and
             # its recompression gives back the same scale and signs with a server error of
@@ -335,12 +357,12 @@ class CompressedAllreduce(Exchange):
         self._make_buffers()
         w, row = self.world_size, self.chunk_numel // 8
         cur = self._cur
-        deferred = self.double_buffered
-        nxt = 1 - cur if deferred else cur
-        send = self._send[nxt]
-        # Double buffered: y into the next set, its error update deferred (one sweep). One set:
-        # the error is updated only once every rank's scale is known to be finite (x read again).
-        if deferred:
+        nxt = 1 - cur if self.double_buffered else cur
+        send = self._send[self._wi(nxt)]
+        # Two worker sets: y into the next set, its error update deferred (one sweep). One: the
+        # error is updated only once every rank's scale is known to be finite (x read again, or
+        # recomputed as read, at the commit).
+        if self._worker_sets == 2:
             kernels.worker_compress(
                 x,
                 self._werr[cur],
@@ -353,12 +375,12 @@ class CompressedAllreduce(Exchange):
                 prev_scale=self._wscale[cur],
             )
         else:
-            if isinstance(x, kernels.ExchangeSource):
+            if isinstance(x, kernels.ExchangeSource) and not x.updated_as_read:
                 x = x.materialize()
             kernels.worker_compress(
-                x, self._werr[cur], self._bits(send, row), self._wscale[nxt], update_error=False
+                x, self._werr[0], self._bits(send, row), self._wscale[0], update_error=False
             )
-        self._scales(send).copy_(self._wscale[nxt].expand(w))
+        self._scales(send).copy_(self._wscale[self._wi(nxt)].expand(w))
         return Compressed(self, x, values.shape, nxt, commit)
 
     def _handle(
@@ -399,6 +421,9 @@ class CompressedAllreduce(Exchange):
         ``device_verdict`` put the old set back into it where the verdict ``ok`` is false."""
         if self._uncommitted is not handle and self._uncommitted is not None:
             raise RuntimeError("this handle is not the exchange's latest uncommitted call")
+        if self._unupdated is not None:  # one worker set: its update, now the call goes ahead
+            x, self._unupdated = self._unupdated, None
+            self._update_worker_error(x)
         if self.device_verdict:
             ok, cur = handle.ok if ok is None else ok, self._cur
             if not self._pending:
@@ -414,12 +439,30 @@ class CompressedAllreduce(Exchange):
         self._pending = True
         self._uncommitted = None
 
+    def _update_worker_error(self, x: torch.Tensor | kernels.ExchangeSource) -> None:
+        """The worker error update of the call that compressed ``x`` (one worker set: the
+        second sweep, after the verdict). Raises ``RuntimeError`` where ``x``'s inputs changed
+        since the compression (its values recomputed give another scale)."""
+        scale = self._wscale[0]
+        got = kernels.worker_update_error(x, self._werr[0], scale, rows=self.world_size)
+        if got is not None and got != scale.item():
+            raise RuntimeError(
+                "the 1-bit exchange's input changed between its compression and its error "
+                f"update (scale {scale.item():.9g}, then {got:.9g}): with overlap_with_backward "
+                "the gradients are compressed as backward leaves them and read again in step(); "
+                "something edited them in between (gradient clipping, a loss scaler's unscale). "
+                "This rank's worker error buffer now holds the edited values. Edit the gradients "
+                "only with the overlap off (overlap_with_backward(None)) or paused "
+                "(optimizer.overlap_paused = True during that backward)"
+            )
+
     def forget_call(self, handle: ExchangeHandle) -> None:
         """(Called by
         [`ExchangeHandle.discard`][lightning_onebit.comm.handle.ExchangeHandle.discard].)
         ``handle``'s call was discarded: the error buffers stay as before it."""
         if self._uncommitted is handle:
             self._uncommitted = None
+            self._unupdated = None
 
     def non_finite_error(self, bad: list[int], call: int) -> NonFiniteError:
         """The error of call ``call``, whose input was not finite on the ranks ``bad``."""
@@ -529,7 +572,7 @@ class CompressedAllreduce(Exchange):
         # The buffers hold y (c), and the bits sent are sign(y): the update y - s * sign(y) is
         # worker_update_error's with no x, one native sweep, bit for bit finish_pending's.
         cur = self._cur
-        if self.double_buffered:  # one set: the worker updated its error after the verdict
+        if self._worker_sets == 2:  # one set: the worker updated its error after the verdict
             e = self._werr[cur]
             kernels.worker_update_error(e[:0], e, self._wscale[cur])
         e = self._sacc[cur]
@@ -555,7 +598,7 @@ class CompressedAllreduce(Exchange):
         self._pending = False
         if not self._werr:  # not made yet: zeros when they are
             return
-        self._werr[self._cur].zero_()
+        self._werr[self._wi(self._cur)].zero_()
         self._sacc[self._cur].zero_()
         for t in (*self._wscale, *self._srec):  # scales 0: a pending update changes nothing
             t.zero_()
@@ -602,7 +645,7 @@ class CompressedAllreduce(Exchange):
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
             )
         self._make_buffers()
-        self._werr[self._cur].copy_(state_dict["worker_error"])
+        self._werr[self._wi(self._cur)].copy_(state_dict["worker_error"])
         self._sacc[self._cur].copy_(state_dict["server_error"])
         self._pending = False
 

@@ -291,6 +291,7 @@ class HierarchicalAllreduce(Exchange):
         *,
         double_buffered: bool = False,
         device_verdict: bool = False,
+        recompute_error: bool = False,
     ) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -310,6 +311,7 @@ class HierarchicalAllreduce(Exchange):
             group=nodes.inter,
             double_buffered=True,
             device_verdict=self.device_verdict,
+            recompute_error=recompute_error,
         )
         self.device = self.inter.device
         self._double = double_buffered

@@ -390,6 +390,75 @@ def test_a_momentum_source_is_exchanged_as_its_values() -> None:
         ex.start(MomentumSource(z, [z[:4]], None, z.clone(), [0], [4], [0.9], [0.1]))
 
 
+def _one_worker_set_worker(rank: int, world: int) -> dict:
+    """Six calls of a MomentumSource (and of its values as a tensor) through an exchange that
+    keeps one worker error buffer (``recompute_error``) and its two-set twin, started with
+    ``commit=False`` then committed or discarded (one call non-finite on the last rank, one
+    dropped although finite), next to the plain exchange (one set, committed in start()):
+    whether results and error buffers agree bit for bit after every call."""
+    from lightning_onebit import kernels
+
+    gen = torch.Generator().manual_seed(30 + rank)
+    sizes = [5, 1000, 37, 2003]
+    n = sum(sizes)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    m, d = torch.randn(n, generator=gen), torch.rand(n, generator=gen) + 0.5
+    beta, alpha = [0.9, 0.8, 0.95, 0.9], [0.1, 0.2, 0.05, 0.1]
+    one = CompressedAllreduce(n, double_buffered=True, recompute_error=True)
+    two = CompressedAllreduce(n, double_buffered=True)
+    plain, buf = CompressedAllreduce(n), torch.empty(n)
+    as_tensor = CompressedAllreduce(n, double_buffered=True, recompute_error=True)
+    same, finite = [], []
+    for k in range(6):
+        grads = [torch.randn(z, generator=gen) for z in sizes]
+        if k == 3 and rank == world - 1:
+            grads[1][5] = float("nan")
+        src = kernels.MomentumSource(m, grads, d, lambda: buf, starts, sizes, beta, alpha)
+        kernels.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+        x = buf.clone()
+        handles = [ex.start(v, commit=False) for ex, v in ((one, src), (two, src), (as_tensor, x))]
+        finite.append(all(h.finite for h in handles))
+        if k in (1, 3):
+            for h in handles:
+                h.discard()
+        else:
+            for h in handles:
+                h.commit()
+            want = plain(x).clone()
+            same += [torch.equal(h.wait(), want) for h in handles]
+        same += [_same_exchange(buf, buf, two, ex) for ex in (one, as_tensor)]
+        if k not in (1, 3):
+            same.append(_same_exchange(buf, buf, plain, one))
+    return {"same": same, "finite": finite}
+
+
+def test_one_worker_error_buffer_gives_the_two_buffer_results() -> None:
+    """recompute_error=True (one worker error buffer, updated at the commit from the input read
+    again or recomputed as read) gives the two-set exchange's results and error buffers bit for
+    bit, committed or discarded (finite or not), from a MomentumSource and from a tensor, on
+    real gloo groups; and holds one worker buffer where the other holds two."""
+    for rank, r in enumerate(run_distributed(_one_worker_set_worker, 3)):
+        assert r["finite"] == [True, True, True, False, True, True], rank
+        assert all(r["same"]) and len(r["same"]) == 4 * 3 + 6 * 2 + 4, (rank, r["same"])
+    with pytest.raises(ValueError, match="device_verdict"):
+        CompressedAllreduce(8, recompute_error=True, device_verdict=True)
+
+
+def test_an_input_edited_before_the_commit_is_refused() -> None:
+    """A source whose gradient changes between its compression and the commit (as a gradient
+    clipping between backward and step() would, with the exchange overlapping backward) makes
+    the commit raise, naming the cause, rather than keep an error update of other values."""
+    from lightning_onebit.kernels import MomentumSource
+
+    n = 4096
+    m, g = torch.randn(n), torch.randn(n)
+    ex = CompressedAllreduce(n, double_buffered=True, recompute_error=True)
+    h = ex.start(MomentumSource(m, [g], None, torch.empty(n), [0], [n], [0.9], [0.1]), commit=False)
+    g.mul_(0.5)  # clipped after the compression
+    with pytest.raises(RuntimeError, match="changed between its compression and its error update"):
+        h.commit()
+
+
 def _runs_worker(rank: int, world: int) -> dict:
     """Three calls each of a flat and a bucketed exchange with ``out=None`` (undecoded), next to twins
     that decode: the runs' values against the twins' outputs, and whether ``out`` stayed."""
