@@ -343,11 +343,17 @@ class FlatState:
                 bounds, device=layout.device,
                 group=overlap.group() if overlap is not None else group,
                 nodes=overlap.nodes() if overlap is not None else nodes,
-                device_verdict=device_verdict,
+                device_verdict=device_verdict, recompute_error=not device_verdict,
             )  # fmt: skip
-        elif ex is None:  # double buffered: its worker compression is one sweep, see comm.flat
+        elif ex is None:  # one set of error buffers, updated once the call goes ahead (the
+            # input recomputed as read, see comm.flat); the device verdict keeps two instead
             ex = make_exchange(
-                n, layout.device, group, nodes, double_buffered=True, device_verdict=device_verdict
+                n,
+                layout.device,
+                group,
+                nodes,
+                double_buffered=device_verdict,
+                device_verdict=device_verdict,
             )
         if overlap is not None:
             overlap.install(layout)

@@ -18,26 +18,26 @@ from tests.helpers import memory
 
 pytestmark = pytest.mark.skipif(not native.HAS_CPP, reason="needs the compiled kernels")
 
-#: the 1-bit records at W = 1: the bits and scale sent and the server's, two sets: n/2 bytes
-RECORDS = 0.125
+#: the 1-bit records at W = 1: the bits and scale sent and the server's, one set each: n/4 bytes
+RECORDS = 0.0625
 
 #: per optimizer: (its factory, the values held in the warmup, in the compression phase)
 CASES = {
     # warmup: exp_avg, exp_avg_sq, the gradients' flat copy (the exchange's buffers are made at
     # its first call); compression: the gradients read where they lie, and instead
-    # sqrt(v) + eps and the exchange's two worker and two server error buffers (the source
-    # computed as the compression reads it: no buffer for it)
+    # sqrt(v) + eps and the exchange's worker and server error buffers, one each (the source
+    # computed as the compression reads it, and again for the error update: no buffer for it)
     "onebit_adam": (
         lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2),
         2 + 1,
-        2 + 1 + 4 + RECORDS,
+        2 + 1 + 2 + RECORDS,
     ),
     # and in the local phase (made at the switch) the momentum accumulator, the synced
     # parameters, the variance floor's mask (bool)
     "zero_one_adam": (
         lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
         2 + 1,
-        4 + 1 + 4 + RECORDS + 0.25,
+        4 + 1 + 2 + RECORDS + 0.25,
     ),
     # and the fresh variance (made at the switch); its warmup also copies the parameters (trust
     # ratios) and the update, the compression phase never decodes the exchange's result into a
@@ -45,7 +45,7 @@ CASES = {
     "onebit_lamb": (
         lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
         2 + 3,
-        3 + 2 + 4 + RECORDS,
+        3 + 2 + 2 + RECORDS,
     ),
 }
 
