@@ -98,11 +98,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("adam_update_cpu", [](ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes, ptr lr,
                               ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, bool update_v,
                               int nthreads) {
-    onebit::adam_update_cpu(P<const float>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
+    onebit::adam_update_cpu(P<const float* const>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
                             P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(lr),
                             P<const float>(beta1), P<const float>(ob1), P<const float>(beta2), P<const float>(ob2),
                             P<const float>(eps), P<const float>(wd), update_v, nthreads);
-  }, release(), "Adam step (no bias correction) of P parameters in one sweep (params: array of fp32 pointers)");
+  }, release(), "Adam step (no bias correction) of P parameters in one sweep (params, g: arrays of fp32 "
+                "pointers, a g entry 0: zeros)");
 
   m.def("momentum_source_cpu", [](ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
                                   int nthreads) {
@@ -206,7 +207,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("adam_update_cuda", [](int device, ptr ok, ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes,
                                ptr chunk_start, int64_t nchunks, ptr lr, ptr beta1, ptr ob1, ptr beta2, ptr ob2,
                                ptr eps, ptr wd, bool update_v, ptr stream) {
-    onebit::adam_update_cuda(device, P<const bool>(ok), P<const float>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
+    onebit::adam_update_cuda(device, P<const bool>(ok), P<const float* const>(g), P<float>(mm), P<float>(v), P<float* const>(params), np,
                              P<const int64_t>(starts), P<const int64_t>(sizes), P<const int64_t>(chunk_start),
                              nchunks, P<const float>(lr), P<const float>(beta1), P<const float>(ob1),
                              P<const float>(beta2), P<const float>(ob2), P<const float>(eps), P<const float>(wd),

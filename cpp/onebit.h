@@ -141,12 +141,14 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
                             bool precond, double* stats, int nthreads, const SignRuns* xs = nullptr);
 
 // Adam's step without bias correction (1-bit Adam's warmup, 0/1 Adam's variance phase), one sweep.
-// Parameter j holds the flat values [starts[j], starts[j] + sizes[j]) and its own storage params[j]
-// (fp32, contiguous); per value, with j's hyperparameters (ob1 = 1 - beta1, ob2 = 1 - beta2, rounded
-// to float from double by the caller):
+// Parameter j holds the flat values [starts[j], starts[j] + sizes[j]) of m and v, its own storage
+// params[j] (fp32, contiguous) and its gradient g[j][0, sizes[j]), storage of its own (the
+// parameter's gradient where autograd left it, or a piece of a flat buffer), or zeros where g[j]
+// is null (read as +0.0: the floats a buffer of zeros gives); per value, with j's hyperparameters
+// (ob1 = 1 - beta1, ob2 = 1 - beta2, rounded to float from double by the caller):
 //   m <- beta1 * m + ob1 * g;  v <- beta2 * v + ob2 * g * g  (only if update_v);
 //   p <- p - lr * (m / (sqrt(v) + eps) + wd * p)
-void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+void adam_update_cpu(const float* const* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
                      const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
                      const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads);
 
@@ -273,9 +275,10 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
 // values; chunk_start[0] = 0, chunk_start[j+1] - chunk_start[j] = ceil(size_j / chunk),
 // nchunks = chunk_start[last]), computed by the caller from the sizes it already has.
 int64_t cuda_update_chunk();
-// adam_update_cpu on device pointers, enqueued on `stream`. No reductions, no workspace.
+// adam_update_cpu on device pointers, enqueued on `stream`. No reductions, no workspace. g is the
+// table of the parameters' gradient pointers (device memory too; a null entry: zeros).
 // `ok`: null, or a device bool (a step's NaN/Inf verdict): when false nothing is written.
-void adam_update_cuda(int device, const bool* ok, const float* g, float* m, float* v, float* const* params, int64_t P,
+void adam_update_cuda(int device, const bool* ok, const float* const* g, float* m, float* v, float* const* params, int64_t P,
                       const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                       const float* lr, const float* beta1, const float* ob1, const float* beta2,
                       const float* ob2, const float* eps, const float* wd, bool update_v, void* stream);

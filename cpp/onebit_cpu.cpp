@@ -125,7 +125,9 @@ void lamb_block_scalar(const float* x, float* m, const float* d, float* vf, cons
 }
 
 // Adam's step (no bias correction) of one parameter's values [lo, hi) of the flat buffers; the
-// parameter's own storage p is indexed from 0 at lo. v is read only when !update_v.
+// parameter's own storage p is indexed from 0 at lo, its gradient g like m (its value of flat
+// index i is g[i]; null: every g is +0.0, the floats a buffer of zeros gives). v is read only
+// when !update_v.
 // ob1 = 1 - beta1 and ob2 = 1 - beta2 come rounded from double: 1 - 0.999f is 1.3e-5 (relative) off 0.001.
 struct AdamCoef {
   float lr, beta1, ob1, beta2, ob2, eps, wd;
@@ -134,7 +136,7 @@ struct AdamCoef {
 void adam_block_scalar(const float* g, float* m, float* v, float* p, int64_t lo, int64_t hi, AdamCoef c,
                        bool update_v) {
   for (int64_t i = lo; i < hi; ++i) {
-    const float gi = g[i];
+    const float gi = g ? g[i] : 0.0f;
     const float mi = m[i] * c.beta1 + c.ob1 * gi;
     const float vi = update_v ? v[i] * c.beta2 + c.ob2 * (gi * gi) : v[i];
     const float pi = p[i - lo];
@@ -599,7 +601,7 @@ AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t 
   float* q = p - lo;  // q[i] is the parameter's value of flat index i
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {
-    const __m256 gi = _mm256_loadu_ps(g + i);
+    const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
     const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + i), b1), _mm256_mul_ps(ob1, gi));
     __m256 vi = _mm256_loadu_ps(v + i);
     if (update_v) vi = _mm256_add_ps(_mm256_mul_ps(vi, b2), _mm256_mul_ps(ob2, _mm256_mul_ps(gi, gi)));
@@ -1191,7 +1193,7 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
   }
 }
 
-void adam_update_cpu(const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+void adam_update_cpu(const float* const* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
                      const int64_t* sizes, const float* lr, const float* beta1, const float* ob1, const float* beta2,
                      const float* ob2, const float* eps, const float* wd, bool update_v, int nthreads) {
   detail::check_adam("adam_update_cpu", P);
@@ -1209,8 +1211,8 @@ void adam_update_cpu(const float* g, float* m, float* v, float* const* params, i
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t j = owner[b], lo = lows[b], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    adam(g, m, v, params[j] + (lo - starts[j]), lo, hi, AdamCoef{lr[j], beta1[j], ob1[j], beta2[j], ob2[j], eps[j], wd[j]},
-         update_v);
+    adam(rebased(g, starts, j), m, v, params[j] + (lo - starts[j]), lo, hi,
+         AdamCoef{lr[j], beta1[j], ob1[j], beta2[j], ob2[j], eps[j], wd[j]}, update_v);
   }
 }
 

@@ -608,9 +608,10 @@ struct ParamChunk {
 // Adam's step without bias correction (adam_block_scalar): per value i of parameter j,
 //   m <- m * beta1 + ob1 * g;  v <- v * beta2 + ob2 * (g * g) (update_v);
 //   p <- p - lr * (m / (sqrt(v) + eps) + wd * p)
-// With ok (a verdict on the device; null: always) false: nothing.
+// j's gradient is g[j], its value of flat index i at g[j][i - starts[j]] (as its parameter's),
+// +0.0 where g[j] is null. With ok (a verdict on the device; null: always) false: nothing.
 __global__ void __launch_bounds__(kThreads)
-adam_kernel(const bool* ok, const float* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
+adam_kernel(const bool* ok, const float* const* g, float* m, float* v, float* const* params, int64_t P, const int64_t* starts,
             const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks, const float* lr, const float* beta1,
             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
             bool update_v) {
@@ -618,7 +619,8 @@ adam_kernel(const bool* ok, const float* g, float* m, float* v, float* const* pa
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const ParamChunk pc(chunk_start, P, starts, sizes, c);
     const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
-    float* const p = params[j];  // value i of the flat buffers is p[i - start]
+    float* const p = params[j];  // value i of the flat buffers is p[i - start], and gj[i - start]
+    const float* const gj = g[j];
     const float l = lr[j], b1 = beta1[j], o1 = ob1[j], b2 = beta2[j], o2 = ob2[j], ep = eps[j], w = wd[j];
     // kUnroll values per thread: all loads first (values of one thread only, so in-place
     // aliasing is still read-before-write per value)
@@ -628,7 +630,7 @@ adam_kernel(const bool* ok, const float* g, float* m, float* v, float* const* pa
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        gr[k] = g[i];
+        gr[k] = gj ? gj[i - start] : 0.0f;
         mr[k] = m[i];
         vr[k] = v[i];
         pr[k] = p[i - start];
@@ -1084,7 +1086,7 @@ void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_str
 
 int64_t cuda_update_chunk() { return kUpdChunk; }
 
-void adam_update_cuda(int device, const bool* ok, const float* g, float* m, float* v, float* const* params, int64_t P,
+void adam_update_cuda(int device, const bool* ok, const float* const* g, float* m, float* v, float* const* params, int64_t P,
                       const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                       const float* lr, const float* beta1, const float* ob1, const float* beta2, const float* ob2,
                       const float* eps, const float* wd, bool update_v, void* stream) {

@@ -287,7 +287,10 @@ std::vector<int64_t> gapped_starts(const std::vector<int64_t>& sizes, int64_t& n
 }
 
 // Parameters as separate heap buffers with a gap between their flat ranges (untouched values).
-void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool update_v, int nthreads) {
+// own_grads: each gradient in an exact-size buffer of its own, every third one missing (null:
+// zeros); otherwise the gradients' table points into one flat buffer.
+void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool update_v, bool own_grads,
+                   int nthreads) {
   const int64_t P = static_cast<int64_t>(sizes.size());
   int64_t n = 0;
   const std::vector<int64_t> starts = gapped_starts(sizes, n);
@@ -308,7 +311,21 @@ void run_adam_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool up
   std::vector<float> lr(P), b1(P), ob1(P), b2(P), ob2(P), eps(P), wd(P);
   for (int64_t j = 0; j < P; ++j) lr[j] = 1e-3f * (j + 1), b1[j] = 0.9f, b2[j] = 0.99f, eps[j] = 1e-6f,
                                   wd[j] = 0.01f * (j % 2), ob1[j] = 1.0f - b1[j], ob2[j] = 1.0f - b2[j];
-  onebit::adam_update_cpu(g.get(), m.get(), v.get(), ptrs.data(), P, starts.data(), sizes.data(), lr.data(),
+  std::vector<std::unique_ptr<float[]>> gs;
+  std::vector<const float*> gptr;
+  for (int64_t j = 0; j < P; ++j) {
+    if (!own_grads) {
+      gptr.push_back(g.get() + starts[j]);
+    } else if (j % 3 == 2) {
+      for (int64_t k = 0; k < sizes[j]; ++k) g[starts[j] + k] = 0.0f;  // what the reference reads
+      gptr.push_back(nullptr);
+    } else {
+      gs.push_back(buf<float>(sizes[j]));
+      std::copy(g.get() + starts[j], g.get() + starts[j] + sizes[j], gs.back().get());
+      gptr.push_back(gs.back().get());
+    }
+  }
+  onebit::adam_update_cpu(gptr.data(), m.get(), v.get(), ptrs.data(), P, starts.data(), sizes.data(), lr.data(),
                           b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(), update_v, nthreads);
   std::vector<bool> inside(static_cast<size_t>(n), false);
   for (int64_t j = 0; j < P; ++j) {
@@ -573,8 +590,10 @@ int main() {
   }
   for (bool update_v : {false, true}) {
     for (int nt : {1, 2}) {
-      run_adam_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, update_v, nt);
-      ++cases;
+      for (bool own : {false, true}) {
+        run_adam_case(rng, {0, 5, 8, 1, 20000, 77, 0, 70001}, update_v, own, nt);
+        ++cases;
+      }
     }
   }
   for (bool divide : {false, true}) {

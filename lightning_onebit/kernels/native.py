@@ -236,9 +236,9 @@ OPS: dict[str, Op] = {
         skip_empty=True,
     ),
     "adam_update": Op(
-        cpu=f"grad exp_avg exp_avg_sq params np starts sizes {_ADAM}",
-        cuda=f"ok grad exp_avg exp_avg_sq params np {_CHUNKS} {_ADAM}",
-        tensors="grad:f32 exp_avg:f32 exp_avg_sq:f32 ok:ok",
+        cpu=f"grads exp_avg exp_avg_sq params np starts sizes {_ADAM}",
+        cuda=f"ok grads exp_avg exp_avg_sq params np {_CHUNKS} {_ADAM}",
+        tensors="exp_avg:f32 exp_avg_sq:f32 grad:f32s ok:ok",
         any_device=True,
         skip_empty=True,
     ),

@@ -150,7 +150,7 @@ def reference_decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Te
 
 
 def reference_adam_update(
-    grad: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     params: list[torch.Tensor],
@@ -163,10 +163,15 @@ def reference_adam_update(
     update_variance: bool = True,
 ) -> None:
     """Pure-torch [`adam_update`][lightning_onebit.kernels.updates.adam_update] (same arguments,
-    same results up to rounding)."""
+    same results up to rounding): ``grad`` a flat buffer or one tensor (``None``: zeros) per
+    parameter."""
     for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
         s = slice(lo, lo + p.numel())
-        g, m, v = grad[s], exp_avg[s], exp_avg_sq[s]
+        m, v = exp_avg[s], exp_avg_sq[s]
+        if isinstance(grad, torch.Tensor):
+            g = grad[s]
+        else:
+            g = torch.zeros_like(m) if grad[j] is None else grad[j].reshape(-1)
         m.mul_(beta1[j]).add_(g, alpha=1 - beta1[j])
         if update_variance:
             v.mul_(beta2[j]).addcmul_(g, g, value=1 - beta2[j])

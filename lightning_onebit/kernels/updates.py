@@ -49,7 +49,7 @@ def reads_sign_runs(device: torch.device) -> bool:
 
 
 def adam_update(
-    grad: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor | None],
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     params: list[torch.Tensor],
@@ -65,8 +65,8 @@ def adam_update(
     """Adam's step without bias correction, moments and parameters in one sweep.
 
     Parameter ``j`` holds the flat values ``starts[j]:starts[j] + params[j].numel()`` of
-    ``grad`` (``g``), ``exp_avg`` (``m``) and ``exp_avg_sq`` (``v``); per value, with its
-    hyperparameters::
+    ``exp_avg`` (``m``) and ``exp_avg_sq`` (``v``), and of ``grad`` (``g``) where it is a flat
+    buffer; per value, with its hyperparameters::
 
         m <- beta1 * m + (1 - beta1) * g
         v <- beta2 * v + (1 - beta2) * g**2          (only if update_variance)
@@ -74,6 +74,11 @@ def adam_update(
 
     This is 1-bit Adam's warmup step and 0/1 Adam's variance-phase step. In torch it is ~17
     sweeps over the buffers (reading or writing one each); the C++ kernel reads 4 and writes 3.
+    The gradient is a flat buffer indexed like the moments, or one tensor per parameter: each
+    parameter's ``.grad`` where autograd left it, so that nothing copies the gradients into a
+    flat buffer first (both kernels read each parameter's gradient from its own pointer; both
+    forms are the same call, the same floats). A parameter given ``None`` reads zeros, with the
+    floats a buffer of zeros gives.
     On CUDA tensors the CUDA kernel runs on the current stream (no host synchronisation) and
     writes the CPU kernel's values bit for bit. Calls with a parameter that is not an fp32,
     contiguous tensor take the pure-torch path
@@ -81,7 +86,10 @@ def adam_update(
     device, as do CUDA tensors when the build has no CUDA kernels.
 
     Args:
-        grad, exp_avg, exp_avg_sq: float32, contiguous, one device, covering every parameter.
+        exp_avg, exp_avg_sq: float32, contiguous, one device, covering every parameter.
+        grad: like them (a flat buffer), or a sequence with one entry per parameter: ``None``
+            (zeros) or a float32 contiguous tensor of that parameter's number of values (any
+            shape) on their device.
         params: the parameters, updated in place (any float dtype).
         starts: each parameter's first flat index.
         lr, beta1, beta2, eps, weight_decay: one value per parameter.
@@ -90,15 +98,22 @@ def adam_update(
             device; CUDA tensors on the pure-torch path compute the step aside and keep it
             with ``torch.where`` (no host synchronisation either); on the CPU it is read on
             the host.
+
+    Raises:
+        TypeError, ValueError: a tensor of another dtype, not contiguous, on another device, a
+            parameter that does not fit, a per-parameter gradient of another size; lists of
+            other lengths.
     """
-    args = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    device, named = native.check("adam_update", **args, ok=ok)
+    args = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    device, named = native.check("adam_update", **args, grad=grad, ok=ok)
     n = len(params)
     hp = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     for name, vals in (("starts", starts), *hp.items()):
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
+    sizes = [p.numel() for p in params]
+    grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
     fast = native.has_kernel(device) and all(
         p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
@@ -111,20 +126,21 @@ def adam_update(
             not fast or not native.use_native()
         ):  # the torch path: the step aside, then kept or not
             m, v, ps = exp_avg.clone(), exp_avg_sq.clone(), [p.clone() for p in params]
-            reference_adam_update(grad, m, v, ps, starts, **hp, update_variance=update_variance)
+            reference_adam_update(grads, m, v, ps, starts, **hp, update_variance=update_variance)
             torch.where(ok, m, exp_avg, out=exp_avg)
             torch.where(ok, v, exp_avg_sq, out=exp_avg_sq)
             for p, q in zip(params, ps, strict=True):
                 p.copy_(torch.where(ok, q, p))
             return
     if not fast or not native.use_native():
-        reference_adam_update(grad, exp_avg, exp_avg_sq, params, starts, **hp,
+        reference_adam_update(grads, exp_avg, exp_avg_sq, params, starts, **hp,
                               update_variance=update_variance)  # fmt: skip
         return
     # 1 - beta in double, then rounded: 1 - float32(0.999) is 1.3e-5 (relative) off 0.001
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]
     coefs = {"lr": lr, "beta1": beta1, "ob1": ob1, "beta2": beta2, "ob2": ob2, "eps": eps}
-    table = native.param_table(params, starts, {**coefs, "wd": weight_decay})
+    pointers = {"params": params, "grads": grads}
+    table = native.segment_table(starts, sizes, pointers, {**coefs, "wd": weight_decay})
     native.launch("adam_update", device, table, ok=ok, **args, update_variance=update_variance)
     # written through raw pointers: tell autograd, as an in-place torch op would (a graph that
     # saved a parameter then fails loudly in backward instead of using the new values).

@@ -87,6 +87,27 @@ def test_adam_update_cuda_equals_cpu_bitwise(
         assert torch.equal(a.cpu(), b), f"params[{j}] ({b.numel()} values)"
 
 
+@pytest.mark.parametrize("update_variance", [False, True])
+def test_adam_update_cuda_per_parameter_gradients_equal_the_flat_buffer_bitwise(
+    update_variance: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA kernel reading each parameter's gradient where it lies (every third ``None``:
+    zeros) writes the floats of the CPU kernel on the flat buffer, bit for bit."""
+    T = _cpu_cases()
+    case = T._adam_case(41 + update_variance, sizes=BIG_SIZES)
+    grads, flat_bufs = T._per_parameter_grads(case)
+    _, params, starts, hp = case
+    b_cpu, p_cpu = T._adam_run(K.adam_update, (flat_bufs, params, starts, hp), update_variance)
+    monkeypatch.setattr(K.updates, "reference_adam_update", _refuse)
+    m, v = flat_bufs["exp_avg"].cuda(), flat_bufs["exp_avg_sq"].cuda()
+    ps = [p.cuda() for p in params]
+    g_gpu = [None if g is None else g.cuda() for g in grads]
+    K.adam_update(g_gpu, m, v, ps, starts, **hp, update_variance=update_variance)
+    assert torch.equal(m.cpu(), b_cpu["exp_avg"]) and torch.equal(v.cpu(), b_cpu["exp_avg_sq"])
+    for j, (a, b) in enumerate(zip(ps, p_cpu, strict=True)):
+        assert torch.equal(a.cpu(), b), f"params[{j}] ({b.numel()} values)"
+
+
 def test_adam_update_cuda_other_dtypes() -> None:
     """A bf16 parameter (or one in a call with fp32 ones) takes the pure-torch path on both
     devices, as on the CPU: equal to the CPU's up to torch's rounding on each device."""

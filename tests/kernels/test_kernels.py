@@ -640,6 +640,77 @@ def test_simd_and_portable_paths_agree_bitwise(portable: dict) -> None:
     torch.testing.assert_close(s1, s2, rtol=1e-12, atol=0)
 
 
+def _per_parameter_grads(case, missing: int = 3):
+    """``case`` (an `_adam_case`) with its gradient as one tensor per parameter, each in its own
+    storage and its parameter's shape, every ``missing``-th one ``None``, and the flat buffer
+    that is the same call (zeros where a gradient is missing)."""
+    bufs, params, starts, _ = case
+    flat = bufs["grad"].clone()
+    grads = []
+    for j, (p, lo) in enumerate(zip(params, starts, strict=True)):
+        piece = flat[lo : lo + p.numel()]
+        if j % missing == missing - 1:
+            piece.zero_()
+            grads.append(None)
+        else:
+            grads.append(piece.clone().view(p.shape))
+    return grads, {**bufs, "grad": flat}
+
+
+@pytest.mark.parametrize("update_variance", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adam_update_per_parameter_gradients_equal_the_flat_buffer_bitwise(
+    seed: int, update_variance: bool
+) -> None:
+    """The gradients read where each lies (one pointer per parameter; ``None``: zeros) give the
+    flat buffer's call bit for bit: moments, parameters, the gaps between parameters untouched;
+    with 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    sizes = [int(z) for z in torch.randint(0, 40_000, (7,), generator=gen)] + [1, 0, 8, 70_001]
+    case = _adam_case(200 + seed, sizes=sizes)
+    grads, flat_bufs = _per_parameter_grads(case)
+    _, params, starts, hp = case
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            ref_b, ref_p = _adam_run(
+                K.adam_update, (flat_bufs, params, starts, hp), update_variance
+            )
+            m, v = flat_bufs["exp_avg"].clone(), flat_bufs["exp_avg_sq"].clone()
+            ps = [p.clone() for p in params]
+            K.adam_update(grads, m, v, ps, starts, **hp, update_variance=update_variance)
+            assert torch.equal(m, ref_b["exp_avg"]) and torch.equal(v, ref_b["exp_avg_sq"])
+            assert all(torch.equal(a, b) for a, b in zip(ps, ref_p, strict=True))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_adam_update_per_parameter_gradients_on_the_torch_path() -> None:
+    """A bf16 parameter sends the call down the pure-torch path: per-parameter gradients give
+    the flat buffer's floats there too."""
+    case = _adam_case(7, torch.bfloat16, sizes=[1000, 24, 5])
+    grads, flat_bufs = _per_parameter_grads(case)
+    _, params, starts, hp = case
+    ref_b, ref_p = _adam_run(K.adam_update, (flat_bufs, params, starts, hp), True)
+    m, v = flat_bufs["exp_avg"].clone(), flat_bufs["exp_avg_sq"].clone()
+    ps = [p.clone() for p in params]
+    K.adam_update(grads, m, v, ps, starts, **hp)
+    assert torch.equal(m, ref_b["exp_avg"]) and torch.equal(v, ref_b["exp_avg_sq"])
+    assert all(torch.equal(a, b) for a, b in zip(ps, ref_p, strict=True))
+
+
+def test_adam_update_rejects_bad_per_parameter_gradients() -> None:
+    bufs, params, starts, hp = _adam_case(2, sizes=[4, 4])
+    m, v = bufs["exp_avg"], bufs["exp_avg_sq"]
+    with pytest.raises(ValueError, match=r"one tensor \(or None\) per segment"):
+        K.adam_update([torch.zeros(4)], m, v, params, starts, **hp)
+    with pytest.raises(ValueError, match=r"grad\[1\] must have its segment's 4 values"):
+        K.adam_update([None, torch.zeros(5)], m, v, params, starts, **hp)
+    with pytest.raises(TypeError, match=r"grad\[0\] must have dtype torch\.float32"):
+        K.adam_update([torch.zeros(4).double(), None], m, v, params, starts, **hp)
+
+
 def test_adam_update_bumps_the_autograd_version() -> None:
     """Parameters written by the kernel count as modified in place: backward through a graph
     that saved one fails instead of silently using the updated values."""
