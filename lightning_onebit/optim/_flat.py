@@ -460,24 +460,30 @@ class FlatState:
         self.gathered.update(range(len(params)) if only is None else only)
         return self.grad
 
-    def grads(self, param_groups: list[Group], only: list[int]) -> list[torch.Tensor | None]:
+    def grads(
+        self, param_groups: list[Group], only: list[int], on_gpu: bool = False
+    ) -> list[torch.Tensor | None]:
         """The gradients of the parameters ``only`` (layout indices), one per parameter, for
         the kernels that read each where it lies (
-        [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]): on the CPU the
+        [`momentum_source`][lightning_onebit.kernels.sources.momentum_source],
+        [`adam_update`][lightning_onebit.kernels.updates.adam_update]): on the CPU the
         parameter's ``.grad`` itself (``None``, zeros, where it has none), so that no copy of the
         gradients into ``grad`` is made; its view of ``grad``, gathered there (``gather_grads``)
         unless it is already, where the values must be copied or changed (another dtype or device, a
         gradient that is not contiguous, a sparse one, which raises there; the group's ``maximize``
-        or L2 term) and on a GPU, where the copy costs little and torch's ``_foreach_norm`` sums a
-        tensor in an order that depends on its address (``rescale_variance``'s norms of the
-        parameters' own gradients could differ in the last bit from those of the flat buffer's
-        views)."""
+        or L2 term) and on a GPU unless ``on_gpu``: there the copy costs little and torch's
+        ``_foreach_norm`` sums a tensor in an order that depends on its address
+        (``rescale_variance``'s norms of the parameters' own gradients could differ in the last
+        bit from those of the flat buffer's views). ``on_gpu``: the caller reads each value on
+        its own (elementwise kernels, finiteness), where the address changes nothing: read in
+        place on a GPU too."""
         params, of = self.layout.params, self.layout.group_of
         out: list[torch.Tensor | None] = []
         copy = []
         for k, j in enumerate(only):
             g = params[j].grad
-            if j in self.gathered or not self._read_in_place(param_groups[of[j]], g):
+            group = param_groups[of[j]]
+            if j in self.gathered or not self._read_in_place(group, g, on_gpu):
                 copy.append(k)
             out.append(g)
         if copy:  # only then is the flat buffer made: see scratch
@@ -487,10 +493,10 @@ class FlatState:
             self.gather_grads(param_groups, [only[k] for k in copy])
         return out
 
-    def _read_in_place(self, group: Group, g: torch.Tensor | None) -> bool:
+    def _read_in_place(self, group: Group, g: torch.Tensor | None, on_gpu: bool) -> bool:
         """Whether ``grads`` passes ``g`` (a gradient of ``group``, or ``None``) as it is:
         the values ``gather_grads`` would copy, readable where they lie."""
-        if self.layout.device.type != "cpu":
+        if self.layout.device.type != "cpu" and not on_gpu:
             return False
         if g is None:  # zeros: gather_grads neither negates nor decays a missing gradient
             return True

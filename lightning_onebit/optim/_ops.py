@@ -37,9 +37,10 @@ __all__ = [
     "SourceOf",
     "adam_direction",
     "adam_step_",
+    "all_finite_on_device",
     "any_weight_decay",
     "as_source",
-    "average_",
+    "averaged_grads",
     "compressed_average",
     "compressed_average_into",
     "decoupled_decay",
@@ -58,64 +59,109 @@ def decoupled_decay(group: dict[str, Any]) -> float:
     return group["weight_decay"] if group.get("decoupled_weight_decay", True) else 0.0
 
 
-def average_(opt: OneBitOptimizer, flat: torch.Tensor) -> torch.Tensor | None:
-    """Full-precision average over the ranks (in ``average_dtype``), in place, unless the
-    caller already averaged.
+def averaged_grads(
+    opt: OneBitOptimizer,
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    """The step's gradients averaged over the ranks (in ``average_dtype``), one per parameter
+    of the layout (``None``: zeros), and the average's verdict.
 
-    The bytes of this allreduce count in ``comm_stats`` either way: the algorithm needs
-    them, whether this optimizer or DDP sends them. Raises NonFiniteError (the same on every
-    rank: the values are averaged) if a value is not finite; or, with device verdicts (CUDA,
-    see ``DEVICE_VERDICT``), returns that verdict as a bool tensor on the device, for the
-    step's update to take. ``None`` otherwise.
+    Where this optimizer averages them (``average_warmup_grads``, ``W > 1``) they are the
+    views of the flat gradient buffer: they are gathered there (with the overlap, bucket by
+    bucket during backward) because the collective needs one contiguous buffer, and averaging
+    the gradients in pieces of any other size would sum a value in another order at ``W >= 3``
+    (a ring all-reduce's order depends on where the value lies in the buffer), so it would
+    change the numbers. Otherwise (``W = 1``, or the caller, DDP, averaged them) each is read
+    where autograd left it (``FlatState.grads``; on a GPU too, unless ``rescale_variance``
+    takes their norms): no flat copy is made; the few the caller did not average
+    (``caller_averaged``) are averaged here, in a buffer of their own for this step.
+
+    The bytes of the average count in ``comm_stats`` either way: the algorithm needs them,
+    whether this optimizer or DDP sends them.
+
+    Returns:
+        The gradients, and ``None`` or, with device verdicts (CUDA, see ``DEVICE_VERDICT``),
+        whether every averaged value is finite as a bool tensor on the device (the same on
+        every rank), for the step's update to take.
+
+    Raises:
+        NonFiniteError: (host verdicts) an averaged value is not finite, the same on every
+            rank.
     """
-    w, nodes = opt.world_size, opt.node_groups()
+    flat, w, nodes = opt.flat, opt.world_size, opt.node_groups()
+    layout = flat.layout
     if w > 1 and opt.average_warmup_grads:
-        if opt.overlap is not None and flat is opt.flat.grad:
+        buf = flat.gather_grads(opt.param_groups)
+        if opt.overlap is not None:
             opt.overlap.all_reduce()  # per bucket, some started during backward
         elif nodes is not None:
-            hierarchical_average(flat, opt.average_dtype, nodes)
+            hierarchical_average(buf, opt.average_dtype, nodes)
         else:
-            start_average(flat, opt.average_dtype, opt.process_group)()
-    elif w > 1 and flat is opt.flat.grad:
-        average_uncovered_(opt)
+            start_average(buf, opt.average_dtype, opt.process_group)()
+        grads: list[torch.Tensor | None] = list(flat.views["grad"])
+        checked: list[torch.Tensor | None] = [buf]  # (one sweep of the whole buffer)
+    else:
+        idx = list(range(len(layout.params)))
+        grads = flat.grads(opt.param_groups, idx, on_gpu=not opt.rescale.enabled)
+        if w > 1:
+            _average_uncovered_(opt, grads)
+        checked = grads
     if nodes is not None:
-        intra, inter = average_bytes(flat.numel(), opt.average_dtype, nodes)
+        intra, inter = average_bytes(layout.numel, opt.average_dtype, nodes)
         opt.counters.add(intra + inter, inter)
     else:
-        sent = fp32_allreduce_bytes(flat.numel(), w) * opt.average_dtype.itemsize // 4
+        sent = fp32_allreduce_bytes(layout.numel, w) * opt.average_dtype.itemsize // 4
         opt.counters.add_ring(sent, w, opt.topology.node_size(w))
-    if opt.verdict.uses_device(opt.flat.layout.device):  # averaged: the same verdict on every rank
-        ok = finite_on_device(flat)
-        return opt.verdict.hold_on_device(ok, ok, "average")
-    if not finite(flat):
+    if opt.verdict.uses_device(layout.device):  # averaged: the same verdict on every rank
+        ok = all_finite_on_device(checked, layout.device)
+        return grads, opt.verdict.hold_on_device(ok, ok, "average")
+    if not bool(all_finite_on_device(checked, layout.device)):
         raise NonFiniteError(
             f"the averaged gradient has non-finite values (NaN/Inf) at step {opt.step_count}"
         )
-    return None
+    return grads, None
 
 
-def average_uncovered_(opt: OneBitOptimizer) -> None:
+def _average_uncovered_(opt: OneBitOptimizer, grads: list[torch.Tensor | None]) -> None:
     """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the
     parameters it knows, ``caller_averaged``. DDP knows those that required grad when it
     was built; one made trainable later (e.g. the backbone that Lightning's
     ``BackboneFinetuning`` unfreezes mid-run) keeps its local gradient, and the ranks would
     drift apart silently (as they do under plain DDP). Those are averaged here, in one
-    all_reduce."""
+    all_reduce of a buffer of their own; their entries of ``grads`` become its pieces (the
+    parameters' ``.grad`` are left as they are)."""
     covered = opt.caller_averaged
     if covered is None:
         return
-    views = opt.flat.views["grad"]
-    idx = [j for j, p in enumerate(opt.flat.layout.params) if id(p) not in covered]
+    params = opt.flat.layout.params
+    idx = [j for j, p in enumerate(params) if id(p) not in covered]
     if not idx:
         return
-    buf = torch.cat([views[j].reshape(-1) for j in idx])
+    n = sum(params[j].numel() for j in idx)
+    buf = torch.zeros(n, dtype=torch.float32, device=opt.flat.layout.device)
+    pieces = buf.split([params[j].numel() for j in idx])
+    torch._foreach_copy_(
+        [pieces[k] for k, j in enumerate(idx) if grads[j] is not None],
+        [grads[j].reshape(-1) for j in idx if grads[j] is not None],
+    )
     nodes = opt.node_groups()
     if nodes is not None:
         hierarchical_average(buf, opt.average_dtype, nodes)
     else:
         start_average(buf, opt.average_dtype, opt.process_group)()
-    for j, piece in zip(idx, buf.split([views[j].numel() for j in idx]), strict=True):
-        views[j].copy_(piece.view_as(views[j]))
+    for k, j in enumerate(idx):
+        grads[j] = pieces[k].view_as(params[j])
+
+
+def all_finite_on_device(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """Whether every value of ``tensors`` (``None``: zeros) is finite, as a one-element bool
+    tensor on ``device``: one read-only sweep of each, no temporary (``finite_on_device``)."""
+    ends = []
+    for t in tensors:
+        if t is not None and t.numel():
+            ends += torch.aminmax(t)
+    if not ends:
+        return torch.ones(1, dtype=torch.bool, device=device)
+    return torch.isfinite(torch.stack(ends)).all().reshape(1)
 
 
 def finite(flat: torch.Tensor) -> bool:
@@ -314,9 +360,13 @@ def frozen_adam_update_(
 
 
 def adam_step_(
-    opt: OneBitOptimizer, update_variance: bool = True, ok: torch.Tensor | None = None
+    opt: OneBitOptimizer,
+    grads: torch.Tensor | list[torch.Tensor | None],
+    update_variance: bool = True,
+    ok: torch.Tensor | None = None,
 ) -> None:
-    """Adam's step from the flat gradient buffer, one fused sweep
+    """Adam's step from ``grads`` (the flat gradient buffer, or one gradient per parameter of
+    the layout, ``None``: zeros, each read where it lies), one fused sweep
     ([`adam_update`][lightning_onebit.kernels.updates.adam_update]): ``m = beta1 m + (1 - beta1)
     g``; ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``; ``p -= lr * (m / (sqrt(v) + eps)
     + weight_decay * p)``. With ``bias_correction``, as torch's Adam/AdamW: ``m / (1 - beta1**t)``
@@ -342,7 +392,7 @@ def adam_step_(
         hp = [hparams(gi) for gi in range(len(groups))]
         per_param = [hp[gi] for gi in layout.group_of]
     adam_update(
-        opt.flat.grad,
+        grads,
         opt.flat.states["exp_avg"],
         opt.flat.states["exp_avg_sq"],
         layout.params,

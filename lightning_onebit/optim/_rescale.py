@@ -148,15 +148,21 @@ class VarianceRescale:
             return None
         return flat.scalars["grad_sq_ratio"]
 
-    def warmup_(self, flat: FlatState, ok: torch.Tensor | None = None) -> None:
+    def warmup_(
+        self,
+        flat: FlatState,
+        grads: list[torch.Tensor | None],
+        ok: torch.Tensor | None = None,
+    ) -> None:
         """Before the switch: the running mean square (a factor ``RESCALE_BETA`` per update, the
         horizon of the reference that follows the switch) of the averaged gradients the
-        variance was just updated with (the flat gradient buffer). Call on every step that
-        updates the variance; ``ok``: the step's verdict on the device (nothing changes where
-        it is false; the host takes its weight back when it learns of it)."""
+        variance was just updated with, ``grads`` (one per parameter of the layout, ``None``:
+        zeros). Call on every step that updates the variance; ``ok``: the step's verdict on
+        the device (nothing changes where it is false; the host takes its weight back when it
+        learns of it)."""
         if not self.enabled:
             return
-        ms = _sums_of_squares(flat, flat.views["grad"]) / flat.layout.sizes.clamp_min(1)
+        ms = _sums_of_squares(flat, grads) / flat.layout.sizes.clamp_min(1)
         recent = flat.scalars["grad_sq_recent"]
         new = torch.lerp(recent, ms, 1.0 - RESCALE_BETA)
         recent.copy_(new if ok is None else torch.where(ok, new, recent))

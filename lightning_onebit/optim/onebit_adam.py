@@ -32,7 +32,7 @@ from lightning_onebit.kernels import MomentumSource
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_step_,
-    average_,
+    averaged_grads,
     compressed_average,
     denominator,
     frozen_adam_update_,
@@ -182,11 +182,12 @@ class OneBitAdam(OneBitOptimizer):
 
     def _step(self) -> None:
         if self.phase == Phase.WARMUP:
-            # 1a. full-precision average of the gradients
-            ok = average_(self, self.flat.gather_grads(self.param_groups))
-            self.rescale.warmup_(self.flat, ok)  # rescale_variance: the gradients' scale
+            # 1a. full-precision average of the gradients (averaged before the step, or W = 1:
+            #     each read where autograd left it, no flat copy)
+            grads, ok = averaged_grads(self)
+            self.rescale.warmup_(self.flat, grads, ok)  # rescale_variance: the gradients' scale
             # 1b + 3. Adam's moments and update, one fused sweep
-            adam_step_(self, ok=ok)
+            adam_step_(self, grads, ok=ok)
             if self.step_count >= self.freeze_step:
                 self.verdict.read_on_host(
                     self.step_count

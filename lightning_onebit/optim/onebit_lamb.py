@@ -44,7 +44,7 @@ from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_direction,
     any_weight_decay,
-    average_,
+    averaged_grads,
     compressed_average,
     decoupled_decay,
     denominator,
@@ -376,37 +376,20 @@ class OneBitLamb(OneBitOptimizer):
             cached = self._per_layer_cache[key] = (values, stream, t)
         return cached[2]
 
-    def _norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-layer L2 norms of a flat buffer."""
-        return torch.stack(torch._foreach_norm(self.flat.views_of(flat)))
-
     def _step(self) -> None:
-        m, v, u = (
-            self.flat.states["exp_avg"],
-            self.flat.states["exp_avg_sq"],
-            self.flat.work["update"],
-        )
+        m, u = self.flat.states["exp_avg"], self.flat.work["update"]
         lamb_coeff_freeze = self.flat.scalars["lamb_coeff_freeze"]
         last_factor = self.flat.scalars["last_factor"]
         scaling = self.flat.scalars["scaling_coeff"]
 
         if self.phase == Phase.WARMUP:
-            # 1a. full-precision average of the gradients (ok: its verdict, on CUDA on the
-            #     device: the moments and the parameters change only where it is true)
-            g = self.flat.gather_grads(self.param_groups)
-            ok = average_(self, g)
+            # 1a. full-precision average of the gradients (averaged before the step, or W = 1:
+            #     each read where autograd left it, no flat copy; ok: its verdict, on CUDA on
+            #     the device: the moments and the parameters change only where it is true)
+            grads, ok = averaged_grads(self)
             # 1b. moments
             self.variance_updates += 1
-            for _, group, s in self.flat.segments(self.param_groups):
-                beta1, beta2 = group["betas"]
-                if ok is None:
-                    m[s].mul_(beta1).add_(g[s], alpha=1 - beta1)
-                    v[s].mul_(beta2).addcmul_(g[s], g[s], value=1 - beta2)
-                    continue
-                m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
-                torch.where(ok, m_new, m[s], out=m[s])
-                v_new = torch.mul(v[s], beta2).addcmul_(g[s], g[s], value=1 - beta2)
-                torch.where(ok, v_new, v[s], out=v[s])
+            self._warmup_moments_(grads, ok)
             # 1c. Adam direction with decoupled weight decay
             adam_direction(self, u)
             # 1d. trust ratio per layer, and its moving average
@@ -479,6 +462,28 @@ class OneBitLamb(OneBitOptimizer):
         last_factor.copy_(factor)
         # 3g. update
         self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)
+
+    def _warmup_moments_(self, grads: list[torch.Tensor | None], ok: torch.Tensor | None) -> None:
+        """1b, layer by layer: ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g**2``
+        (``grads``: one per layer, ``None``: zeros), kept only where the verdict ``ok`` (on the
+        device; ``None``: always) is true."""
+        ms, vs = self.flat.views["exp_avg"], self.flat.views["exp_avg_sq"]
+        of = self.flat.layout.group_of
+        for j, (m, v, g) in enumerate(zip(ms, vs, grads, strict=True)):
+            beta1, beta2 = self.param_groups[of[j]]["betas"]
+            g = torch.zeros_like(m) if g is None else g  # (the floats of a buffer of zeros)
+            if ok is None:
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                continue
+            m_new = torch.mul(m, beta1).add_(g, alpha=1 - beta1)
+            torch.where(ok, m_new, m, out=m)
+            v_new = torch.mul(v, beta2).addcmul_(g, g, value=1 - beta2)
+            torch.where(ok, v_new, v, out=v)
+
+    def _norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-layer L2 norms of a flat buffer."""
+        return torch.stack(torch._foreach_norm(self.flat.views_of(flat)))
 
     def _scale_layers_and_step_(self, u: torch.Tensor, coeff: torch.Tensor) -> None:
         """``p_k -= lr * coeff_k * u_k`` for every layer ``k``. On the CPU with the coefficients

@@ -51,7 +51,7 @@ from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import (
     adam_step_,
     any_weight_decay,
-    average_,
+    averaged_grads,
     compressed_average,
     compressed_average_into,
     decoupled_decay,
@@ -522,22 +522,23 @@ class ZeroOneAdam(OneBitOptimizer):
         m, t = self.flat.states["exp_avg"], self.step_count
 
         if self.phase == Phase.VARIANCE:
-            g = self.flat.gather_grads(self.param_groups)
             variance_step = self._variance_step(t)
             # ok: on CUDA the step's verdict, on the device: its writes take it
             if variance_step:
-                # 1a. variance step: full-precision gradient, both moments
-                ok = average_(self, g)
-                self.rescale.warmup_(self.flat, ok)  # rescale_variance: the gradients' scale
+                # 1a. variance step: full-precision gradient (averaged before the step, or
+                #     W = 1: each read where autograd left it, no flat copy), both moments
+                g, ok = averaged_grads(self)
+                self.rescale.warmup_(self.flat, g, ok)  # rescale_variance: the gradients' scale
             else:
-                # 1b. 1-bit averaged gradient, momentum only
+                # 1b. 1-bit averaged gradient (in the flat gradient buffer), momentum only
+                g = self.flat.gather_grads(self.param_groups)
                 ok = compressed_average_into(self, self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     g.mul_(denominator(self)[0])
                 self.flat.apply_mask_(self.param_groups, g)
                 warn_if_variance_is_young(self)
             # 1a/b moments + 1c. Adam update, one fused sweep
-            adam_step_(self, update_variance=variance_step, ok=ok)
+            adam_step_(self, g, update_variance=variance_step, ok=ok)
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
                 floor_variance_(self, ok=ok)

@@ -1,4 +1,5 @@
-"""The compression steps of 1-bit Adam and 1-bit LAMB read each gradient where autograd left it
+"""The compression steps of 1-bit Adam and 1-bit LAMB, and the warmup steps that need no
+average by the optimizer (here ``W = 1``), read each gradient where autograd left it
 (``FlatState.grads``) instead of copying every one into the flat gradient buffer first: the
 same parameters and states, bit for bit, as with every gradient gathered, with and without the
 overlap with backward, for parameters whose gradients must still be gathered (``maximize``,
@@ -94,7 +95,7 @@ def _train(algo: str, overlap: bool, in_place: bool, monkeypatch: pytest.MonkeyP
     read them in place."""
     with monkeypatch.context() as patch:
         if not in_place:
-            patch.setattr(FlatState, "_read_in_place", lambda self, group, g: False)
+            patch.setattr(FlatState, "_read_in_place", lambda self, group, g, on_gpu: False)
         return _fit(FACTORIES[algo], overlap, "grad")
 
 

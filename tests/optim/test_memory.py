@@ -1,4 +1,5 @@
-"""What the optimizers hold between steps: each phase only the buffers it uses.
+"""What the optimizers hold between steps: each phase only the buffers it uses (the warmup
+no flat copy of the gradients).
 
 Counted as ``benchmarks/memory.py`` counts (every storage the optimizer object reaches, the
 parameters and their gradients left out), in fp32 values per parameter value, on one CPU rank
@@ -23,20 +24,21 @@ RECORDS = 0.0625
 
 #: per optimizer: (its factory, the values held in the warmup, in the compression phase)
 CASES = {
-    # warmup: exp_avg, exp_avg_sq, the gradients' flat copy (the exchange's buffers are made at
-    # its first call); compression: the gradients read where they lie, and instead
-    # sqrt(v) + eps and the exchange's worker and server error buffers, one each (the source
-    # computed as the compression reads it, and again for the error update: no buffer for it)
+    # warmup: exp_avg, exp_avg_sq, as torch's Adam (the gradients read where they lie: no flat
+    # copy; the exchange's buffers are made at its first call); compression: the gradients read
+    # where they lie, and sqrt(v) + eps and the exchange's worker and server error buffers, one
+    # each (the source computed as the compression reads it, and again for the error update: no
+    # buffer for it)
     "onebit_adam": (
         lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2),
-        2 + 1,
+        2,
         2 + 1 + 2 + RECORDS,
     ),
     # and in the local phase (made at the switch) the momentum accumulator, the synced
     # parameters, the variance floor's mask (bool)
     "zero_one_adam": (
         lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
-        2 + 1,
+        2,
         4 + 1 + 2 + RECORDS + 0.25,
     ),
     # and the fresh variance (made at the switch); its warmup also copies the parameters (trust
@@ -44,7 +46,7 @@ CASES = {
     # buffer
     "onebit_lamb": (
         lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
-        2 + 3,
+        2 + 2,
         3 + 2 + 2 + RECORDS,
     ),
 }
