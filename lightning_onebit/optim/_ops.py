@@ -48,6 +48,7 @@ __all__ = [
     "denominator",
     "finite",
     "finite_on_device",
+    "fp32_param",
     "frozen_adam_update_",
 ]
 
@@ -256,34 +257,47 @@ def _exchange(
     return opt.verdict.from_exchange(ex), runs
 
 
-def adam_direction(opt: OneBitOptimizer, out: torch.Tensor) -> torch.Tensor:
-    """``out = exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (decoupled decay);
-    with ``bias_correction`` the moments are bias-corrected first, per group, or per parameter
-    where some parameter missed steps for want of a gradient (each counts its own steps, as
-    torch's Adam)."""
-    m, v = opt.flat.states["exp_avg"], opt.flat.states["exp_avg_sq"]
-    p = opt.flat.gather_params() if any_weight_decay(opt) else None
-    layout, per_param = opt.flat.layout, opt.bias_correction and any_missed_steps(opt)
-    for gi, group, seg in opt.flat.segments(opt.param_groups):
-        if per_param:
-            parts = [
-                (j, slice(layout.offsets[j], layout.offsets[j] + layout.params[j].numel()))
-                for j in layout.group_params(gi)
-            ]
-        else:
-            parts = [(None, seg)]
-        for j, s in parts:
-            eps, scale = group["eps"], 1.0
+def adam_direction(opt: OneBitOptimizer) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """Adam's direction with decoupled weight decay, parameter by parameter, reading the
+    moments in the flat buffers and each parameter where it lies: the returned function
+    writes parameter ``j``'s (layout index) ``exp_avg / (sqrt(exp_avg_sq) + eps) +
+    weight_decay * p`` into ``out`` (float32, contiguous, the parameter's shape) and returns
+    it. With ``bias_correction`` the moments are bias-corrected first, per group, or per
+    parameter where some parameter missed steps for want of a gradient (each counts its own
+    steps, as torch's Adam). The hyperparameters are those of the call's time."""
+    m, v = opt.flat.views["exp_avg"], opt.flat.views["exp_avg_sq"]
+    layout = opt.flat.layout
+    per_param = opt.bias_correction and any_missed_steps(opt)
+    coefs: dict[tuple[int, int | None], tuple[float, float]] = {}
+
+    def coefficients(gi: int, j: int | None) -> tuple[float, float]:
+        if (gi, j) not in coefs:
+            eps, scale = opt.param_groups[gi]["eps"], 1.0
             if opt.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
                 bc1, bc2 = bias_corrections(opt, gi, j)
                 eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
-            torch.sqrt(v[s], out=out[s]).add_(eps)
-            torch.div(m[s], out[s], out=out[s])
-            if scale != 1.0:
-                out[s].mul_(scale)
-        if decoupled_decay(group) > 0:
-            out[seg].add_(p[seg], alpha=decoupled_decay(group))
-    return out
+            coefs[gi, j] = (eps, scale)
+        return coefs[gi, j]
+
+    def direction(j: int, out: torch.Tensor) -> torch.Tensor:
+        gi = layout.group_of[j]
+        eps, scale = coefficients(gi, j if per_param else None)
+        torch.sqrt(v[j], out=out).add_(eps)
+        torch.div(m[j], out, out=out)
+        if scale != 1.0:
+            out.mul_(scale)
+        wd = decoupled_decay(opt.param_groups[gi])
+        if wd > 0:
+            out.add_(fp32_param(layout.params[j]), alpha=wd)
+        return out
+
+    return direction
+
+
+def fp32_param(p: torch.Tensor) -> torch.Tensor:
+    """``p`` itself (detached) where it is float32 and contiguous, else a float32 contiguous
+    copy: the values the flat parameter buffer would hold, for one layer's norm or decay term."""
+    return p.detach().to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -48,6 +48,7 @@ from lightning_onebit.optim._ops import (
     compressed_average,
     decoupled_decay,
     denominator,
+    fp32_param,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, check_real
@@ -377,7 +378,7 @@ class OneBitLamb(OneBitOptimizer):
         return cached[2]
 
     def _step(self) -> None:
-        m, u = self.flat.states["exp_avg"], self.flat.work["update"]
+        m = self.flat.states["exp_avg"]
         lamb_coeff_freeze = self.flat.scalars["lamb_coeff_freeze"]
         last_factor = self.flat.scalars["last_factor"]
         scaling = self.flat.scalars["scaling_coeff"]
@@ -390,10 +391,14 @@ class OneBitLamb(OneBitOptimizer):
             # 1b. moments
             self.variance_updates += 1
             self._warmup_moments_(grads, ok)
-            # 1c. Adam direction with decoupled weight decay
-            adam_direction(self, u)
+            # 1c. Adam direction with decoupled weight decay, u = m / (sqrt(v) + eps) + wd * p,
+            #     layer by layer into scratch of the largest layer's size (no flat buffer of u,
+            #     and p read where it lies)
+            direction = adam_direction(self)
+            layout = self.flat.layout
+            scratch = torch.empty(max(p.numel() for p in layout.params), device=layout.device)
             # 1d. trust ratio per layer, and its moving average
-            p_norm, u_norm = self._norms(self.flat.gather_params()), self._norms(u)
+            p_norm, u_norm = self._warmup_norms(direction, scratch)
             defined = (p_norm > 0) & (u_norm > 0)
             coeff = (p_norm / u_norm).clamp_(self._per_layer("min_coeff"))
             coeff = torch.where(defined, coeff.minimum(self._per_layer("max_coeff")), 1.0)
@@ -404,8 +409,8 @@ class OneBitLamb(OneBitOptimizer):
                 defined = defined & ok
                 coeff = torch.where(ok, coeff, 0.0)  # u is finite: p + 0 * u = p
             lamb_coeff_freeze.copy_(torch.where(defined, ema, lamb_coeff_freeze))
-            # 1e. update
-            self._scale_layers_and_step_(u, coeff)
+            # 1e. update, each layer's u computed again (the same floats as for its norm)
+            self._warmup_step_(direction, scratch, coeff)
             if self.step_count >= self.freeze_step:
                 self.verdict.read_on_host(
                     self.step_count
@@ -426,6 +431,7 @@ class OneBitLamb(OneBitOptimizer):
         # result where it lies, read by the kernel below without being decoded first)
         ok, x = compressed_average(self, self._exchange_source, "exchanged")
         d, _ = denominator(self)  # sqrt(v) + eps, computed once: v is frozen
+        u = self.flat.work["update"]  # (made at the first compression step)
         # 3c (unscaling; with preconditioned_exchange x was exchanged divided by sqrt(v) + eps:
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
         # reconstructed gradient -> v_fresh, u = m / (sqrt(v) + eps) + weight_decay * p, and per
@@ -481,9 +487,40 @@ class OneBitLamb(OneBitOptimizer):
             v_new = torch.mul(v, beta2).addcmul_(g, g, value=1 - beta2)
             torch.where(ok, v_new, v, out=v)
 
-    def _norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-layer L2 norms of a flat buffer."""
-        return torch.stack(torch._foreach_norm(self.flat.views_of(flat)))
+    def _warmup_norms(
+        self, direction: Callable[[int, torch.Tensor], torch.Tensor], scratch: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """1d's per-layer L2 norms of the parameters (read where they lie) and of the Adam
+        direction (``direction``, written into ``scratch`` one layer at a time)."""
+        p_norms, u_norms = [], []
+        for j, p in enumerate(self.flat.layout.params):
+            u = direction(j, scratch[: p.numel()].view(p.shape))
+            p_norm, u_norm = torch._foreach_norm([fp32_param(p), u])
+            p_norms.append(p_norm)
+            u_norms.append(u_norm)
+        return torch.stack(p_norms), torch.stack(u_norms)
+
+    def _warmup_step_(
+        self,
+        direction: Callable[[int, torch.Tensor], torch.Tensor],
+        scratch: torch.Tensor,
+        coeff: torch.Tensor,
+    ) -> None:
+        """1e: ``p_k -= lr * coeff_k * u_k`` for every layer ``k``, ``u_k`` written by
+        ``direction`` into ``scratch`` again (from the parameter before its step): the floats of
+        ``_scale_layers_and_step_`` on a flat buffer of ``u``, without one."""
+        self._coeffs = coeff
+        layout = self.flat.layout
+        if layout.device.type == "cpu":
+            lrs, coeffs = [g["lr"] for g in self.param_groups], coeff.tolist()
+            for j, p in enumerate(layout.params):
+                u = direction(j, scratch[: p.numel()].view(p.shape))
+                p.add_(u, alpha=-lrs[layout.group_of[j]] * coeffs[j])
+            return
+        alpha = (coeff * self._per_layer("lr")).neg_()
+        for j, p in enumerate(layout.params):
+            u = direction(j, scratch[: p.numel()].view(p.shape))
+            layer_step(scratch, [p], [0], alpha[j : j + 1])
 
     def _scale_layers_and_step_(self, u: torch.Tensor, coeff: torch.Tensor) -> None:
         """``p_k -= lr * coeff_k * u_k`` for every layer ``k``. On the CPU with the coefficients

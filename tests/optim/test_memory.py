@@ -1,5 +1,5 @@
 """What the optimizers hold between steps: each phase only the buffers it uses (the warmup
-no flat copy of the gradients).
+no flat copy of the gradients or the parameters).
 
 Counted as ``benchmarks/memory.py`` counts (every storage the optimizer object reaches, the
 parameters and their gradients left out), in fp32 values per parameter value, on one CPU rank
@@ -41,12 +41,12 @@ CASES = {
         2,
         4 + 1 + 2 + RECORDS + 0.25,
     ),
-    # and the fresh variance (made at the switch); its warmup also copies the parameters (trust
-    # ratios) and the update, the compression phase never decodes the exchange's result into a
-    # buffer
+    # and the fresh variance (made at the switch); its warmup reads the parameters where they
+    # lie (trust ratios, decay) and computes the update layer by layer (no flat copy of either),
+    # the compression phase never decodes the exchange's result into a buffer
     "onebit_lamb": (
         lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
-        2 + 2,
+        2,
         3 + 2 + 2 + RECORDS,
     ),
 }

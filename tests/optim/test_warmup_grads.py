@@ -1,7 +1,8 @@
 """The steps that use averaged gradients (the warmup, 0/1 Adam's variance steps) read each
 gradient where autograd left it wherever this optimizer does not average them itself: at
 ``W = 1``, and with ``average_warmup_grads=False`` (the strategies: DDP averaged them before the
-step). There they make no flat copy of the gradients, and the numbers are those of the optimizer's own average, bit for bit (at ``W = 2``
+step). There they make no flat copy of the gradients (nor 1-bit LAMB one of the parameters or of
+its update), and the numbers are those of the optimizer's own average, bit for bit (at ``W = 2``
 an average sums two values, in either order the same float, so averaging each ``.grad`` on its
 own as DDP does gives the flat buffer's floats).
 """
@@ -30,7 +31,7 @@ MAKERS: dict[str, Any] = {
     ),
 }
 #: the warmup's scratch buffers none of these steps may make
-FLAT_COPIES = ("grad",)
+FLAT_COPIES = ("grad", "param", "update")
 
 
 def _model() -> torch.nn.Module:
