@@ -5,9 +5,13 @@
 Every rank builds the same MLP (about ``--params`` values in 8 layers) and trains it with each
 optimizer, directly, on real gloo ranks: one step in the warmup, the switch, then three
 compression steps (0/1 Adam: its sync steps), exchanged in ``step()`` or overlapped with
-backward (25 MiB buckets). Then every tensor the optimizer object reaches (its state, its flat
-buffers, the exchange's buffers and records, the overlap's) is counted once per storage, the
-parameters and their gradients left out (the model holds those under any optimizer).
+backward (25 MiB buckets). Each 1-bit optimizer runs twice: averaging the warmup's gradients
+itself (``average_warmup_grads=True``, its default, for plain ``torch.distributed`` code), and
+as the strategies use it (``average_warmup_grads=False``: the loop all-reduces every ``.grad``
+before the warmup's steps, as DDP does, and leaves the compression steps' local). Then every
+tensor the optimizer object reaches (its state, its flat buffers, the exchange's buffers and
+records, the overlap's) is counted once per storage, the parameters and their gradients left out
+(the model holds those under any optimizer).
 
 Counted after a warmup step and after the last compression step; each number is the bytes held
 divided by 4 times the number of parameter values, i.e. how many fp32 copies of the model the
@@ -37,12 +41,18 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.memory import held
 
 OPTIMIZERS = {
-    "torch_adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "onebit_adam": lambda params: OneBitAdam(params, lr=1e-3, freeze_step=WARMUP),
-    "zero_one_adam": lambda params: ZeroOneAdam(
-        params, lr=1e-3, var_freeze_step=WARMUP, local_step_scaler=1_000_000
+    "torch_adam": lambda params, **kw: torch.optim.Adam(params, lr=1e-3),
+    "onebit_adam": lambda params, **kw: OneBitAdam(params, lr=1e-3, freeze_step=WARMUP, **kw),
+    "zero_one_adam": lambda params, **kw: ZeroOneAdam(
+        params, lr=1e-3, var_freeze_step=WARMUP, local_step_scaler=1_000_000, **kw
     ),
-    "onebit_lamb": lambda params: OneBitLamb(params, lr=1e-3, freeze_step=WARMUP),
+    "onebit_lamb": lambda params, **kw: OneBitLamb(params, lr=1e-3, freeze_step=WARMUP, **kw),
+}
+#: who averages the warmup's gradients: the optimizer, or the loop before the step (as DDP under
+#: the strategies, which pass ``average_warmup_grads=False``), and how the table says so
+AVERAGED_BY = {
+    "optimizer": "the optimizer (`average_warmup_grads=True`)",
+    "ddp": "DDP (`average_warmup_grads=False`, the strategies)",
 }
 #: warmup steps (the last one switches), then compression steps
 WARMUP, STEPS = 2, 5
@@ -60,28 +70,33 @@ def _model(n: int) -> torch.nn.Module:
 def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
     rows = []
     for name, make in OPTIMIZERS.items():
-        for overlap in (False, True):
-            if overlap and name == "torch_adam":
-                continue
+        if name == "torch_adam":
+            runs = [("ddp", False)]
+        else:
+            runs = [(by, overlap) for by in AVERAGED_BY for overlap in (False, True)]
+        for averaged_by, overlap in runs:
             model = _model(n)
             params = list(model.parameters())
-            opt = make(params)
+            opt = make(params, average_warmup_grads=averaged_by == "optimizer")
             if overlap:
                 opt.overlap_with_backward(25.0)
             gen = torch.Generator().manual_seed(rank)
             width = params[0].shape[1]
             numel = sum(p.numel() for p in params)
             row: dict[str, Any] = {
-                "optimizer": name, "overlap": overlap, "world": world, "params": numel
+                "optimizer": name, "averaged_by": averaged_by, "overlap": overlap,
+                "world": world, "params": numel,
             }  # fmt: skip
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 for t in range(1, STEPS + 1):
                     opt.zero_grad()
                     model(torch.randn(16, width, generator=gen)).square().mean().backward()
-                    if world > 1 and name == "torch_adam":
+                    averaged = name == "torch_adam" or opt.expects_averaged_grads
+                    if world > 1 and averaged_by == "ddp" and averaged:
                         for p in params:
                             torch.distributed.all_reduce(p.grad)
+                            p.grad.div_(world)
                     opt.step()
                     if t in (WARMUP - 1, STEPS):
                         skip = {p.untyped_storage().data_ptr() for p in params}
@@ -113,18 +128,22 @@ def main() -> None:
         rows += run_distributed(_run, world, args.params)[0]
     n = rows[0]["params"]
     print(f"# optimizer memory · {n:,} parameter values · torch {torch.__version__}\n")
-    print("| W | optimizer | exchange | warmup | compression | what the compression phase holds |")
-    print("|---:|---|---|---:|---:|---|")
+    print(
+        "| W | optimizer | warmup grads averaged by | exchange | warmup | compression "
+        "| what the warmup holds | what the compression phase holds |"
+    )
+    print("|---:|---|---|---|---:|---:|---|---|")
     for r in rows:
-        held = ", ".join(f"{k} {v:.2f}" for k, v in r["compression_by"].items() if v >= 0.01)
-        ex = (
-            "—"
-            if r["optimizer"] == "torch_adam"
-            else ("overlapped" if r["overlap"] else "in step()")
-        )
+        held = {
+            phase: ", ".join(f"{k} {v:.2f}" for k, v in r[f"{phase}_by"].items() if v >= 0.01)
+            for phase in ("warmup", "compression")
+        }
+        torch_adam = r["optimizer"] == "torch_adam"
+        ex = "—" if torch_adam else ("overlapped" if r["overlap"] else "in step()")
+        by = "DDP (the loop)" if torch_adam else AVERAGED_BY[r["averaged_by"]]
         print(
-            f"| {r['world']} | {r['optimizer']} | {ex} | {r['warmup']:.2f} | "
-            f"{r['compression']:.2f} | {held} |"
+            f"| {r['world']} | {r['optimizer']} | {by} | {ex} | {r['warmup']:.2f} | "
+            f"{r['compression']:.2f} | {held['warmup']} | {held['compression']} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
