@@ -140,10 +140,9 @@ def _average_uncovered_(opt: OneBitOptimizer, grads: list[torch.Tensor | None]) 
     n = sum(params[j].numel() for j in idx)
     buf = torch.zeros(n, dtype=torch.float32, device=opt.flat.layout.device)
     pieces = buf.split([params[j].numel() for j in idx])
-    torch._foreach_copy_(
-        [pieces[k] for k, j in enumerate(idx) if grads[j] is not None],
-        [grads[j].reshape(-1) for j in idx if grads[j] is not None],
-    )
+    have = [(pieces[k], grads[j].reshape(-1)) for k, j in enumerate(idx) if grads[j] is not None]
+    if have:  # (none: every such gradient is missing, zeros on this rank)
+        torch._foreach_copy_(*map(list, zip(*have, strict=True)))
     nodes = opt.node_groups()
     if nodes is not None:
         hierarchical_average(buf, opt.average_dtype, nodes)

@@ -60,11 +60,14 @@ def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-def _train(rank: int, world: int, algo: str, options: str, caller: str) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, algo: str, options: str, caller: str, last_unused: bool = False
+) -> dict[str, Any]:
     """Train ``STEPS`` steps; ``caller``: ``"optimizer"`` (it averages the warmup's gradients),
     ``"all"`` (the loop averages every ``.grad`` before the step, as DDP, and passes
     ``average_warmup_grads=False``) or ``"some"`` (the loop averages all but the last
-    parameter's, named in ``caller_averaged``, and the optimizer the rest)."""
+    parameter's, named in ``caller_averaged``, and the optimizer the rest). ``last_unused``:
+    the last parameter gets no gradient on any rank."""
     model = _model()
     kw = {"bias_correction": True} if options == "groups" else {}
     opt = MAKERS[algo](_groups(model, options), average_warmup_grads=caller == "optimizer", **kw)
@@ -80,9 +83,13 @@ def _train(rank: int, world: int, algo: str, options: str, caller: str) -> dict[
             x, y = torch.randn(16, 12, generator=gen), torch.randint(0, 6, (16,), generator=gen)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
+            if last_unused:
+                params[-1].grad = None
             warmup = opt.expects_averaged_grads
             if warmup and caller != "optimizer" and world > 1:
                 for p in averaged:  # one .grad at a time, as DDP's buckets (fp32: sum, divide)
+                    if p.grad is None:
+                        continue
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)
             opt.step()
@@ -109,3 +116,12 @@ def test_caller_averaged_gradients_are_read_in_place_with_the_same_numbers(
 def test_one_rank_warmup_makes_no_flat_copy(algo: str) -> None:
     out = _train(0, 1, algo, "groups", "optimizer")
     assert out["made"] == []
+
+
+@pytest.mark.parametrize("algo", list(MAKERS))
+def test_a_parameter_the_caller_left_without_a_gradient_is_kept_out(algo: str) -> None:
+    """The one parameter the caller does not average has no gradient on any rank: kept out of
+    the step as when the optimizer averages everything."""
+    own = run_distributed(_train, 2, algo, "default", "optimizer", True)
+    some = run_distributed(_train, 2, algo, "default", "some", True)
+    assert own[0]["digest"] == some[0]["digest"] == some[1]["digest"]
