@@ -44,10 +44,12 @@ class Connections:
         self, bucket_cap_mb: float | None = 25.0, *, timeout: timedelta | None = None
     ) -> None:
         """Start the step's communication during backward, in buckets of about ``bucket_cap_mb``
-        MiB (``None``: off), on a thread and process group of its own (``_overlap.py``). It sees
-        ``.grad`` as backward leaves it (no clipping or unscaling); set ``overlap_paused`` around
-        backward passes not followed by ``step()``. Call it on every rank between steps (new
-        buckets restart the error buffers). ``timeout``: the new group's (``None``: torch's)."""
+        MiB (``None``: off), on a thread and process group of its own (``_overlap.py``). It
+        compresses ``.grad`` as backward leaves it and ``step()`` reads it again: ``.grad`` must
+        not change in between (no clipping or unscaling: ``step()`` raises ``RuntimeError``);
+        set ``overlap_paused`` around backward passes not followed by ``step()``. Call it on
+        every rank between steps (new buckets restart the error buffers). ``timeout``: the new
+        group's (``None``: torch's)."""
         self.overlap = replace_overlap(
             self.overlap, self, bucket_cap_mb, timeout, self._exchange_source, self._overlappable
         )

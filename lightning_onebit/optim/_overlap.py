@@ -29,8 +29,11 @@ Every rank starts the buckets in index order, on a process group of their own (s
 interleave with collectives the training loop issues on the default group), hence the
 collectives match across ranks whatever the timing.
 
-The exchange sees the gradients as backward leaves them: gradient clipping, loss-scaler
-unscaling or anything else that edits ``.grad`` between backward and ``step()`` is not seen.
+The exchange sees the gradients as backward leaves them, and ``step()`` reads them again for
+each bucket's error update (one worker error buffer, see
+[`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]'s ``recompute_error``):
+gradient clipping, loss-scaler unscaling or anything else that edits ``.grad`` between backward
+and ``step()`` is refused there with a ``RuntimeError``; turn the overlap off for such loops.
 Pause the overlap (``optimizer.overlap_paused = True``) around backward passes whose step does
 not follow directly (gradient accumulation); the strategy does this for you.
 
