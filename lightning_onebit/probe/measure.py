@@ -79,10 +79,10 @@ def _comm_methods(
                 return
             key = (kind, sl.start, n)
             if key not in exchanges:  # one per bucket, built once (collectively, in order)
-                exchanges[key] = (  # double buffered, as the optimizers' exchanges
-                    CompressedAllreduce(n, device=device, double_buffered=True)
+                exchanges[key] = (  # error buffers as the optimizers keep them (_error_sets)
+                    CompressedAllreduce(n, device=device, **_error_sets(device))
                     if kind == "flat"
-                    else HierarchicalAllreduce(n, nodes, device=device, double_buffered=True)
+                    else HierarchicalAllreduce(n, nodes, device=device, **_error_sets(device))
                 )
             exchanges[key](flat[sl])
 
@@ -106,6 +106,14 @@ def _comm_methods(
     return methods
 
 
+def _error_sets(device: torch.device) -> dict[str, bool]:
+    """The error buffers of the optimizers' exchange on ``device``: one worker error buffer on
+    the CPU (updated by a second sweep after the verdict), two on a GPU (the verdict stays
+    there), as ``FlatState.fit_exchange`` builds them."""
+    gpu = device.type != "cpu"
+    return {"double_buffered": gpu, "recompute_error": not gpu}
+
+
 def _updates(numel: int, device: torch.device, repeats: int) -> tuple[dict, dict]:
     """The optimizers' own update at ``numel`` values, without communication: torch Adam
     (DDP), 1-bit Adam's warmup step and its compression step less its exchange (both run on
@@ -120,7 +128,7 @@ def _updates(numel: int, device: torch.device, repeats: int) -> tuple[dict, dict
     upd["adam_warmup"] = timed(opt.step, device, repeats)
     opt.freeze()
     step = timed(opt.step, device, repeats)
-    x = CompressedAllreduce(numel, device=device, group=alone, double_buffered=True)
+    x = CompressedAllreduce(numel, device=device, group=alone, **_error_sets(device))
     own = timed(lambda: x(p.grad), device, repeats)
     upd["frozen_adam"] = max(step - own, 0.0)
 
