@@ -1,9 +1,10 @@
 """What the 1-bit optimizers hold in memory: bytes per parameter value, next to torch's Adam.
 
-    python benchmarks/memory.py [--params 4000000] [--worlds 1,2,4] [--json FILE]
+    python benchmarks/memory.py [--params 4000000] [--worlds 1,2,4] [--device cpu|cuda]
+        [--json FILE]
 
 Every rank builds the same MLP (about ``--params`` values in 8 layers) and trains it with each
-optimizer, directly, on real gloo ranks: one step in the warmup, the switch, then three
+optimizer, directly, on real gloo ranks: two steps in the warmup, the switch, then three
 compression steps (0/1 Adam: its sync steps), exchanged in ``step()`` or overlapped with
 backward (25 MiB buckets). Each 1-bit optimizer runs twice: averaging the warmup's gradients
 itself (``average_warmup_grads=True``, its default, for plain ``torch.distributed`` code), and
@@ -13,11 +14,26 @@ tensor the optimizer object reaches (its state, its flat buffers, the exchange's
 records, the overlap's) is counted once per storage, the parameters and their gradients left out
 (the model holds those under any optimizer).
 
-Counted after a warmup step and after the last compression step; each number is the bytes held
+Counted after the second warmup step and after the last compression step; each number is the bytes held
 divided by 4 times the number of parameter values, i.e. how many fp32 copies of the model the
 optimizer keeps between steps; torch's Adam keeps 2 (``exp_avg``, ``exp_avg_sq``). Rank 0's
-count; every rank holds the same sizes. The counts do not depend on
-the device: on a GPU the same buffers are in device memory.
+count; every rank holds the same sizes.
+
+*Peak*: what ``optimizer.step()`` itself takes above what the process held just before it, in the
+same unit, for that warmup step and that compression step: on the CPU the resident set's high
+water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` before the step; a page counts
+once touched), on a GPU ``torch.cuda.max_memory_allocated``. It includes what the step makes
+and keeps (the first steps make buffers; these are steady steps), transient scratch, and the
+collectives' buffers; the allocator's caching can hide a transient that reuses freed memory.
+
+On the CPU the script runs with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` (it restarts itself
+with it): every allocation of 64 KiB or more is then its own mapping, returned at its free, so a
+step's transient buffers raise the high water mark instead of reusing pages an earlier free left
+in the heap.
+
+``--device cuda`` runs one process on the current GPU (``W = 1``: no process group; the exchange
+still compresses), so that a lent GPU measures the same counts, and its peaks, in one command:
+``python benchmarks/memory.py --device cuda``.
 """
 
 from __future__ import annotations
@@ -54,8 +70,9 @@ AVERAGED_BY = {
     "optimizer": "the optimizer (`average_warmup_grads=True`)",
     "ddp": "DDP (`average_warmup_grads=False`, the strategies)",
 }
-#: warmup steps (the last one switches), then compression steps
-WARMUP, STEPS = 2, 5
+#: warmup steps (the last one switches), then compression steps; counted and timed: the
+#: second warmup step (the first makes the states) and the last step
+WARMUP, STEPS = 3, 6
 
 
 def _model(n: int) -> torch.nn.Module:
@@ -67,7 +84,36 @@ def _model(n: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
+def _resident() -> int:
+    """This process's resident set and its high water mark, in bytes (Linux)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def _peak_of(step: Any, device: torch.device) -> int:
+    """Bytes ``step()`` took above what was held just before it, at its peak (see the module
+    docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with open("/proc/self/clear_refs", "w") as f:  # the high water mark := the resident set
+        f.write("5")
+    before, _ = _resident()
+    step()
+    return _resident()[1] - before
+
+
+def _run(rank: int, world: int, n: int, device: str = "cpu") -> list[dict[str, Any]]:
+    dev = torch.device(device)
     rows = []
     for name, make in OPTIMIZERS.items():
         if name == "torch_adam":
@@ -75,7 +121,7 @@ def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
         else:
             runs = [(by, overlap) for by in AVERAGED_BY for overlap in (False, True)]
         for averaged_by, overlap in runs:
-            model = _model(n)
+            model = _model(n).to(dev)
             params = list(model.parameters())
             opt = make(params, average_warmup_grads=averaged_by == "optimizer")
             if overlap:
@@ -91,13 +137,14 @@ def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
                 warnings.simplefilter("ignore")
                 for t in range(1, STEPS + 1):
                     opt.zero_grad()
-                    model(torch.randn(16, width, generator=gen)).square().mean().backward()
+                    x = torch.randn(16, width, generator=gen).to(dev)
+                    model(x).square().mean().backward()
                     averaged = name == "torch_adam" or opt.expects_averaged_grads
                     if world > 1 and averaged_by == "ddp" and averaged:
                         for p in params:
                             torch.distributed.all_reduce(p.grad)
                             p.grad.div_(world)
-                    opt.step()
+                    peak = _peak_of(opt.step, dev)
                     if t in (WARMUP - 1, STEPS):
                         skip = {p.untyped_storage().data_ptr() for p in params}
                         skip |= {
@@ -108,6 +155,7 @@ def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
                         by = held(opt, skip)
                         phase = "warmup" if t < WARMUP else "compression"
                         row[phase] = sum(by.values()) / (4 * numel)
+                        row[f"{phase}_peak"] = peak / (4 * numel)
                         row[f"{phase}_by"] = {
                             k: v / (4 * numel) for k, v in sorted(by.items(), key=lambda kv: -kv[1])
                         }
@@ -118,21 +166,30 @@ def _run(rank: int, world: int, n: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # (see the module docstring)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=int, default=4_000_000)
     ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
-    for world in (int(w) for w in args.worlds.split(",")):
-        rows += run_distributed(_run, world, args.params)[0]
+    if args.device == "cuda":  # one process on the current GPU
+        rows = _run(0, 1, args.params, "cuda")
+    else:
+        for world in (int(w) for w in args.worlds.split(",")):
+            rows += run_distributed(_run, world, args.params)[0]
     n = rows[0]["params"]
-    print(f"# optimizer memory · {n:,} parameter values · torch {torch.__version__}\n")
+    print(
+        f"# optimizer memory · {n:,} parameter values · {args.device} · torch {torch.__version__}\n"
+    )
     print(
         "| W | optimizer | warmup grads averaged by | exchange | warmup | compression "
-        "| what the warmup holds | what the compression phase holds |"
+        "| peak: warmup | compression | what the warmup holds | what the compression phase holds |"
     )
-    print("|---:|---|---|---|---:|---:|---|---|")
+    print("|---:|---|---|---|---:|---:|---:|---:|---|---|")
     for r in rows:
         held = {
             phase: ", ".join(f"{k} {v:.2f}" for k, v in r[f"{phase}_by"].items() if v >= 0.01)
@@ -143,7 +200,8 @@ def main() -> None:
         by = "DDP (the loop)" if torch_adam else AVERAGED_BY[r["averaged_by"]]
         print(
             f"| {r['world']} | {r['optimizer']} | {by} | {ex} | {r['warmup']:.2f} | "
-            f"{r['compression']:.2f} | {held['warmup']} | {held['compression']} |"
+            f"{r['compression']:.2f} | {r['warmup_peak']:+.2f} | {r['compression_peak']:+.2f} | "
+            f"{held['warmup']} | {held['compression']} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
