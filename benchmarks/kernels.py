@@ -107,7 +107,8 @@ def main() -> None:
     out = torch.empty(n, device=dev)
 
     # 1-bit LAMB's compression-phase update: 10 layers, weight decay on
-    lb = [(torch.rand(n, generator=gen) + 0.01).to(dev) for _ in range(6)]  # x, m, d, v_fresh, p, u
+    lb = [(torch.rand(n, generator=gen) + 0.01).to(dev) for _ in range(6)]  # x, m, v, v_fresh, p, u
+    lb[2] = K.Denominator(lb[2], [1e-8] * 10)  # d = sqrt(v) + eps, computed as read
     lo = [n * k // 10 for k in range(11)]
     lh = {"scaling": [1.0] * 10, "beta1": [0.9] * 10, "beta2": [0.95] * 10, "eps": [1e-8] * 10}
     lh["weight_decay"] = [0.01] * 10
@@ -121,8 +122,9 @@ def main() -> None:
     # The exchange's source (1-bit Adam's momentum over 10 parameters, gradients of their own),
     # and that source compressed as it is read; the momentum_source and worker_deferred rows
     # together are the same work with the source written to a buffer and read back
-    sm, sd, su = (torch.randn(n, generator=gen).to(dev) for _ in range(3))
+    sm, sv, su = (torch.randn(n, generator=gen).to(dev) for _ in range(3))
     sg = [torch.randn(hi - lo_, generator=gen).to(dev) for lo_, hi in itertools.pairwise(lo)]
+    sd = K.Denominator(sv.abs_(), [1e-8] * 10)  # the preconditioned form: d from v as read
     src = (sm, sg, sd, su, lo[:-1], [hi - lo_ for lo_, hi in itertools.pairwise(lo)])
     coef = ([0.9] * 10, [0.1] * 10)
 
@@ -154,14 +156,14 @@ def main() -> None:
             lambda: K.momentum_source(*src, *coef),
             lambda: K.reference_momentum_source(*src, *coef),
             12 * n,
-            16 * n,  # reads m, g, d; writes u
+            16 * n,  # reads m, g, v (d); writes u
         ),
         (
             "source_compress",
             lambda: _source_compress(False),
             lambda: _source_compress(True),
             16 * n + n // 8,
-            20 * n + n // 4,  # reads m, g, d, the error, the previous bits; writes y, bits
+            20 * n + n // 4,  # reads m, g, v (d), the error, the previous bits; writes y, bits
         ),
         (
             "server_reduce",
@@ -182,7 +184,7 @@ def main() -> None:
             lambda: K.lamb_frozen_update(*lb, lo, **lh),
             lambda: K.reference_lamb_frozen_update(*lb, lo, **lh),
             20 * n,
-            32 * n,  # reads x, m, d, v_fresh, p; writes m, v_fresh, u
+            32 * n,  # reads x, m, v (d), v_fresh, p; writes m, v_fresh, u
         ),
         (
             "adam_update",

@@ -36,11 +36,11 @@ PYBIND11_MODULE(_C, m) {
                                        pending, P<float>(scale_out), nthreads);
   }, release(), "y = x + e (e_true with pending); pack sign(y); e_out <- y unless 0; returns ||y||/sqrt(n)");
 
-  m.def("momentum_compress_cpu", [](ptr mm, ptr g, ptr d, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
+  m.def("momentum_compress_cpu", [](ptr mm, ptr g, ptr v, ptr eps, ptr dscale, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
                                     int64_t base, int64_t nx, ptr e, ptr e_out, int64_t n, ptr bits, int64_t W,
                                     int64_t row_stride, ptr prev_bits, float prev_scale, bool pending, ptr scale_out,
                                     int nthreads) {
-    return onebit::momentum_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), np,
+    return onebit::momentum_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale), np,
                                          P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
                                          P<const float>(a), base, nx, P<const float>(e), P<float>(e_out), n,
                                          P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits), prev_scale,
@@ -53,19 +53,19 @@ PYBIND11_MODULE(_C, m) {
                                     nthreads);
   }, release(), "e_out <- y - scale*sign(y) with y = x + e (e_out may be e)");
 
-  m.def("momentum_update_error_cpu", [](ptr mm, ptr g, ptr d, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
+  m.def("momentum_update_error_cpu", [](ptr mm, ptr g, ptr v, ptr eps, ptr dscale, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
                                         int64_t base, int64_t nx, ptr e, ptr e_out, int64_t n, int64_t W,
                                         float scale, int nthreads) {
-    return onebit::momentum_update_error_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), np,
+    return onebit::momentum_update_error_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale), np,
                                              P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
                                              P<const float>(a), base, nx, P<const float>(e), P<float>(e_out), n, W,
                                              scale, nthreads);
   }, release(), "worker_update_error_cpu of momentum_source_cpu's values, recomputed; returns their scale");
 
-  m.def("local_update_error_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes,
+  m.def("local_update_error_cpu", [](ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes,
                                      ptr b, ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx, ptr e,
                                      ptr e_out, int64_t n, int64_t W, float scale, int nthreads) {
-    return onebit::local_update_error_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d),
+    return onebit::local_update_error_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale),
                                           P<const float* const>(p), P<const float>(acc), np,
                                           P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
                                           P<const float>(a), P<const float>(nw), P<const float>(nlr), precond, base,
@@ -82,12 +82,12 @@ PYBIND11_MODULE(_C, m) {
                                      P<float>(scale_out), pending, nthreads);
   }, release(), "c = mean of W decoded chunks + e; pack sign(c); e_out <- c (error update deferred)");
 
-  m.def("lamb_frozen_update_cpu", [](ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L, ptr offsets,
+  m.def("lamb_frozen_update_cpu", [](ptr x, ptr mm, ptr v, ptr dscale, ptr vf, ptr p, ptr u, int64_t L, ptr offsets,
                                      ptr scaling, ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd,
                                      bool precond, ptr stats, int nthreads, int64_t nruns, ptr runs_lo,
                                      ptr runs_hi, ptr runs_bits, ptr runs_scale) {
     const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
-    onebit::lamb_frozen_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
+    onebit::lamb_frozen_update_cpu(P<const float>(x), P<float>(mm), P<const float>(v), P<const float>(dscale), P<float>(vf),
                                    P<const float* const>(p), P<float>(u), L, P<const int64_t>(offsets),
                                    P<const float>(scaling), P<const float>(beta1), P<const float>(ob1),
                                    P<const float>(beta2), P<const float>(ob2), P<const float>(eps),
@@ -105,46 +105,46 @@ PYBIND11_MODULE(_C, m) {
   }, release(), "Adam step (no bias correction) of P parameters in one sweep (params, g: arrays of fp32 "
                 "pointers, a g entry 0: zeros)");
 
-  m.def("momentum_source_cpu", [](ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
+  m.def("momentum_source_cpu", [](ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr u, int64_t np, ptr starts, ptr sizes, ptr b, ptr a,
                                   int nthreads) {
-    onebit::momentum_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), P<float>(u), np,
+    onebit::momentum_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<float>(u), np,
                                 P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
                                 P<const float>(a), nthreads);
   }, release(), "u = fma(g, a_j, m * b_j) [/ d] over P segments in one sweep (g: array of per-segment "
                 "gradient pointers, 0: zeros; d may be 0: no division)");
 
-  m.def("frozen_adam_update_cpu", [](ptr x, ptr mm, ptr d, ptr params, int64_t np, ptr starts, ptr sizes, ptr nlr,
+  m.def("frozen_adam_update_cpu", [](ptr x, ptr mm, ptr v, ptr eps, ptr dscale, ptr params, int64_t np, ptr starts, ptr sizes, ptr nlr,
                                      ptr nlw, bool precond, int nthreads, int64_t nruns, ptr runs_lo, ptr runs_hi,
                                      ptr runs_bits, ptr runs_scale) {
     const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
-    onebit::frozen_adam_update_cpu(P<const float>(x), P<float>(mm), P<const float>(d), P<float* const>(params), np,
+    onebit::frozen_adam_update_cpu(P<const float>(x), P<float>(mm), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<float* const>(params), np,
                                    P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(nlr),
                                    P<const float>(nlw), precond, nthreads, xs.get());
   }, release(), "1-bit Adam's compression-phase step of P parameters in one sweep (params: array of fp32 pointers; "
                 "nruns > 0: x read from the runs)");
 
-  m.def("local_source_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts, ptr sizes,
+  m.def("local_source_cpu", [](ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr p, ptr acc, ptr u, int64_t np, ptr starts, ptr sizes,
                                ptr b, ptr a, ptr nw, ptr nlr, bool precond, int nthreads) {
-    onebit::local_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d), P<const float* const>(p),
+    onebit::local_source_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<const float* const>(p),
                              P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                              P<const float>(b), P<const float>(a), P<const float>(nw), P<const float>(nlr), precond,
                              nthreads);
   }, release(), "0/1 Adam's sync-step exchange source over P segments in one sweep (g: array of per-segment "
                 "gradient pointers, 0: zeros; p: the same for the parameters, or 0; acc may be 0: no term)");
 
-  m.def("local_step_cpu", [](ptr g, ptr mm, ptr d, ptr acc, ptr params, int64_t np, ptr starts, ptr sizes, ptr b,
+  m.def("local_step_cpu", [](ptr g, ptr mm, ptr v, ptr eps, ptr dscale, ptr acc, ptr params, int64_t np, ptr starts, ptr sizes, ptr b,
                              ptr a, ptr w, ptr nlr, int nthreads) {
-    return onebit::local_step_cpu(P<const float* const>(g), P<float>(mm), P<const float>(d), P<float>(acc),
+    return onebit::local_step_cpu(P<const float* const>(g), P<float>(mm), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<float>(acc),
                                   P<float* const>(params), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                                   P<const float>(b), P<const float>(a), P<const float>(w), P<const float>(nlr),
                                   nthreads);
   }, release(), "0/1 Adam's local step of P parameters in one sweep if every gradient is finite (returns whether)");
 
-  m.def("local_compress_cpu", [](ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes, ptr b,
+  m.def("local_compress_cpu", [](ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr p, ptr acc, int64_t np, ptr starts, ptr sizes, ptr b,
                                  ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx, ptr e, ptr e_out,
                                  int64_t n, ptr bits, int64_t W, int64_t row_stride, ptr prev_bits, float prev_scale,
                                  bool pending, ptr scale_out, int nthreads) {
-    return onebit::local_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(d),
+    return onebit::local_compress_cpu(P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale),
                                       P<const float* const>(p), P<const float>(acc), np, P<const int64_t>(starts),
                                       P<const int64_t>(sizes), P<const float>(b), P<const float>(a),
                                       P<const float>(nw), P<const float>(nlr), precond, base, nx, P<const float>(e),
@@ -153,11 +153,11 @@ PYBIND11_MODULE(_C, m) {
                                       nthreads);
   }, release(), "worker_compress_cpu of local_source_cpu's values of [base, base + nx), computed as read");
 
-  m.def("sync_update_cpu", [](ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc, int64_t np,
+  m.def("sync_update_cpu", [](ptr x, ptr v, ptr eps, ptr dscale, ptr floored, ptr mm, ptr synced, ptr params, ptr acc, int64_t np,
                               ptr starts, ptr sizes, ptr nl, bool precond, int nthreads, int64_t nruns, ptr runs_lo,
                               ptr runs_hi, ptr runs_bits, ptr runs_scale) {
     const Runs xs(nruns, runs_lo, runs_hi, runs_bits, runs_scale);
-    onebit::sync_update_cpu(P<const float>(x), P<const float>(d), P<const uint8_t>(floored), P<float>(mm),
+    onebit::sync_update_cpu(P<const float>(x), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<const uint8_t>(floored), P<float>(mm),
                             P<float>(synced), P<float* const>(params), P<float>(acc), np, P<const int64_t>(starts),
                             P<const int64_t>(sizes), P<const float>(nl), precond, nthreads, xs.get());
   }, release(), "0/1 Adam's momentum, synced copy and parameters after a sync step's exchange in one sweep "
@@ -213,56 +213,56 @@ PYBIND11_MODULE(_C, m) {
                              P<const float>(beta2), P<const float>(ob2), P<const float>(eps), P<const float>(wd),
                              update_v, P<void>(stream));
   }, release(), "adam_update_cpu's step on the given CUDA stream (every array in device memory)");
-  m.def("lamb_frozen_update_cuda", [](int device, ptr ok, ptr x, ptr mm, ptr d, ptr vf, ptr p, ptr u, int64_t L,
+  m.def("lamb_frozen_update_cuda", [](int device, ptr ok, ptr x, ptr mm, ptr v, ptr dscale, ptr vf, ptr p, ptr u, int64_t L,
                                       ptr offsets, ptr chunk_start, int64_t nchunks, ptr scaling, ptr beta1,
-                                      ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, ptr stats, ptr ws,
-                                      ptr stream) {
-    onebit::lamb_frozen_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(d), P<float>(vf),
+                                      ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd, bool precond, ptr stats,
+                                      ptr ws, ptr stream) {
+    onebit::lamb_frozen_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(v), P<const float>(dscale), P<float>(vf),
                                     P<const float* const>(p), P<float>(u), L, P<const int64_t>(offsets),
                                     P<const int64_t>(chunk_start), nchunks, P<const float>(scaling),
                                     P<const float>(beta1), P<const float>(ob1), P<const float>(beta2),
-                                    P<const float>(ob2), P<const float>(eps), P<const float>(wd), P<double>(stats),
-                                    P<void>(ws), P<void>(stream));
+                                    P<const float>(ob2), P<const float>(eps), P<const float>(wd), precond,
+                                    P<double>(stats), P<void>(ws), P<void>(stream));
   }, release(), "lamb_frozen_update_cpu's update on the given CUDA stream (every array in device memory)");
-  m.def("frozen_adam_update_cuda", [](int device, ptr ok, ptr x, ptr mm, ptr d, ptr params, int64_t np, ptr starts,
+  m.def("frozen_adam_update_cuda", [](int device, ptr ok, ptr x, ptr mm, ptr v, ptr eps, ptr dscale, ptr params, int64_t np, ptr starts,
                                       ptr sizes, ptr chunk_start, int64_t nchunks, ptr nlr, ptr nlw, bool precond,
                                       ptr stream) {
-    onebit::frozen_adam_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(d),
+    onebit::frozen_adam_update_cuda(device, P<const bool>(ok), P<const float>(x), P<float>(mm), P<const float>(v), P<const float>(eps), P<const float>(dscale),
                                     P<float* const>(params), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                                     P<const int64_t>(chunk_start), nchunks, P<const float>(nlr), P<const float>(nlw),
                                     precond, P<void>(stream));
   }, release(), "1-bit Adam's compression-phase step, only if *ok (device bool)");
-  m.def("momentum_source_cuda", [](int device, ptr mm, ptr g, ptr d, ptr u, int64_t np, ptr starts, ptr sizes,
+  m.def("momentum_source_cuda", [](int device, ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr u, int64_t np, ptr starts, ptr sizes,
                                    ptr chunk_start, int64_t nchunks, ptr b, ptr a, ptr stream) {
-    onebit::momentum_source_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d), P<float>(u), np,
+    onebit::momentum_source_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<float>(u), np,
                                  P<const int64_t>(starts), P<const int64_t>(sizes), P<const int64_t>(chunk_start),
                                  nchunks, P<const float>(b), P<const float>(a), P<void>(stream));
   }, release(), "momentum_source on the given CUDA stream, torch's CUDA roundings (every array in device memory)");
-  m.def("local_source_cuda", [](int device, ptr mm, ptr g, ptr d, ptr p, ptr acc, ptr u, int64_t np, ptr starts,
+  m.def("local_source_cuda", [](int device, ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr p, ptr acc, ptr u, int64_t np, ptr starts,
                                 ptr sizes, ptr chunk_start, int64_t nchunks, ptr b, ptr a, ptr nw, ptr nlr,
                                 bool precond, ptr stream) {
-    onebit::local_source_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d),
+    onebit::local_source_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale),
                               P<const float* const>(p),
                               P<const float>(acc), P<float>(u), np, P<const int64_t>(starts), P<const int64_t>(sizes),
                               P<const int64_t>(chunk_start), nchunks, P<const float>(b), P<const float>(a),
                               P<const float>(nw), P<const float>(nlr), precond, P<void>(stream));
   }, release(), "0/1 Adam's sync-step exchange source on the given CUDA stream, torch's CUDA roundings");
-  m.def("momentum_compress_cuda", [](int device, ptr mm, ptr g, ptr d, int64_t np, ptr starts, ptr sizes, ptr b,
+  m.def("momentum_compress_cuda", [](int device, ptr mm, ptr g, ptr v, ptr eps, ptr dscale, int64_t np, ptr starts, ptr sizes, ptr b,
                                      ptr a, int64_t base, int64_t nx, ptr e, ptr e_out, int64_t n, ptr bits, int64_t W,
                                      int64_t row_stride, ptr prev_bits, ptr prev_scale, bool pending, ptr scale_out,
                                      ptr ws, ptr stream) {
-    onebit::momentum_compress_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d), np,
+    onebit::momentum_compress_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale), np,
                                    P<const int64_t>(starts), P<const int64_t>(sizes), P<const float>(b),
                                    P<const float>(a), base, nx, P<const float>(e), P<float>(e_out), n,
                                    P<uint8_t>(bits), W, row_stride, P<const uint8_t>(prev_bits),
                                    P<const float>(prev_scale), pending, P<float>(scale_out), P<void>(ws),
                                    P<void>(stream));
   }, release(), "worker_compress_cuda of momentum_source_cuda's values of [base, base + nx), computed as read");
-  m.def("local_compress_cuda", [](int device, ptr mm, ptr g, ptr d, ptr p, ptr acc, int64_t np, ptr starts,
+  m.def("local_compress_cuda", [](int device, ptr mm, ptr g, ptr v, ptr eps, ptr dscale, ptr p, ptr acc, int64_t np, ptr starts,
                                   ptr sizes, ptr b, ptr a, ptr nw, ptr nlr, bool precond, int64_t base, int64_t nx,
                                   ptr e, ptr e_out, int64_t n, ptr bits, int64_t W, int64_t row_stride,
                                   ptr prev_bits, ptr prev_scale, bool pending, ptr scale_out, ptr ws, ptr stream) {
-    onebit::local_compress_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(d),
+    onebit::local_compress_cuda(device, P<const float>(mm), P<const float* const>(g), P<const float>(v), P<const float>(eps), P<const float>(dscale),
                                 P<const float* const>(p), P<const float>(acc), np, P<const int64_t>(starts),
                                 P<const int64_t>(sizes), P<const float>(b), P<const float>(a), P<const float>(nw),
                                 P<const float>(nlr), precond, base, nx, P<const float>(e), P<float>(e_out), n,
@@ -276,10 +276,10 @@ PYBIND11_MODULE(_C, m) {
                             P<const int64_t>(sizes), P<const int64_t>(chunk_start), nchunks, P<const float>(alpha),
                             P<void>(stream));
   }, release(), "1-bit LAMB's per-layer step p_j += alpha_j * u_j on the given CUDA stream (alpha in device memory)");
-  m.def("sync_update_cuda", [](int device, ptr x, ptr d, ptr floored, ptr mm, ptr synced, ptr params, ptr acc,
+  m.def("sync_update_cuda", [](int device, ptr x, ptr v, ptr eps, ptr dscale, ptr floored, ptr mm, ptr synced, ptr params, ptr acc,
                                int64_t np, ptr starts, ptr sizes, ptr chunk_start, int64_t nchunks, ptr inv,
                                bool precond, ptr stream) {
-    onebit::sync_update_cuda(device, P<const float>(x), P<const float>(d), P<const uint8_t>(floored), P<float>(mm),
+    onebit::sync_update_cuda(device, P<const float>(x), P<const float>(v), P<const float>(eps), P<const float>(dscale), P<const uint8_t>(floored), P<float>(mm),
                              P<float>(synced), P<float* const>(params), P<float>(acc), np, P<const int64_t>(starts),
                              P<const int64_t>(sizes), P<const int64_t>(chunk_start), nchunks, P<const float>(inv),
                              precond, P<void>(stream));

@@ -64,6 +64,13 @@ struct SignRuns {
   const float* scale;
 };
 
+// The frozen variance's denominator d = sqrt(v) + eps, which the optimizer kernels below compute
+// from the flat variance v as they read it (no buffer of d is held): for value i of segment
+// (parameter, layer) j, d = fl(fl(fl(sqrt(v[i])) * dscale[j]) + eps[j]), each operation rounded on
+// its own (no fused multiply-add). dscale null: no scale (the floats of dscale[j] = 1, as x * 1 is
+// x). eps and dscale are per-segment arrays (device memory for the CUDA entries); 1-bit LAMB's
+// kernels take eps from their per-layer eps. "d" below is that value.
+
 // Worker compression: y = x + e_true (x zero-extended from nx to n values); scale = ||y||_2 /
 // sqrt(n); bits of row j = packed signs of y[j*m, (j+1)*m) with m = n / W. n must be a multiple of
 // 8 * W. Writes the scale to *scale_out and returns it.
@@ -83,7 +90,7 @@ float worker_compress_cpu(const float* x, int64_t nx, const float* e, float* e_o
 // worker_compress_cpu of the values momentum_source_cpu would write to u[base, base + nx) (its
 // segments tiling that range in order), computed block by block as the compression reads them
 // instead of read from a buffer: the same floats, bits and scale, without u's write and read.
-float momentum_compress_cpu(const float* m, const float* const* g, const float* d, int64_t P, const int64_t* starts,
+float momentum_compress_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, int64_t P, const int64_t* starts,
                             const int64_t* sizes, const float* b, const float* a, int64_t base, int64_t nx,
                             const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
                             const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out, int nthreads);
@@ -98,11 +105,11 @@ void worker_update_error_cpu(const float* x, int64_t nx, const float* e, float* 
 // to go ahead, without a buffer of the values. Returns the scale of the values it read, computed
 // as that compression computed it: the same float if and only if (but for an astronomically
 // unlikely coincidence) the source's inputs did not change in between.
-float momentum_update_error_cpu(const float* m, const float* const* g, const float* d, int64_t P,
+float momentum_update_error_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, int64_t P,
                                 const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                                 int64_t base, int64_t nx, const float* e, float* e_out, int64_t n, int64_t W,
                                 float scale, int nthreads);
-float local_update_error_cpu(const float* m, const float* const* g, const float* d, const float* const* p,
+float local_update_error_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, const float* const* p,
                              const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
                              const float* a, const float* nw, const float* nlr, bool precond, int64_t base,
                              int64_t nx, const float* e, float* e_out, int64_t n, int64_t W, float scale,
@@ -135,7 +142,7 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
 // from 0, fp32, contiguous; p or p[k] null: no decay term, as when wd is 0). stats[3k..3k+2] <- max(d / (sqrt(vf) + eps)), sum(up^2), sum(u^2) over the layer
 // (1, 0, 0 for an empty layer); the sums accumulate in double over fixed blocks, added in order.
 // xs not null: x is read from those runs (and x is not read), the same floats as from decompress_cpu's x.
-void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* const* p, float* u,
+void lamb_frozen_update_cpu(const float* x, float* m, const float* v, const float* dscale, float* vf, const float* const* p, float* u,
                             int64_t L, const int64_t* offsets, const float* scaling, const float* beta1,
                             const float* ob1, const float* beta2, const float* ob2, const float* eps, const float* wd,
                             bool precond, double* stats, int nthreads, const SignRuns* xs = nullptr);
@@ -160,7 +167,7 @@ void adam_update_cpu(const float* const* g, float* m, float* v, float* const* pa
 //   u <- fma(g, a, m * b);  u <- u / d  (only where d is not null)
 // The roundings of torch's `torch.mul(m, b, out=u).add_(g, alpha=a)` and `u.div_(d)` on x86 CPUs
 // (torch's CPU add with alpha is a fused multiply-add, vectorised and scalar alike).
-void momentum_source_cpu(const float* m, const float* const* g, const float* d, float* u, int64_t P,
+void momentum_source_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, float* u, int64_t P,
                          const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int nthreads);
 
 // 1-bit Adam's compression-phase step after the exchange, one sweep (frozen_adam_update_cuda's
@@ -170,7 +177,7 @@ void momentum_source_cpu(const float* m, const float* const* g, const float* d, 
 //   else:    m <- x (nothing when m is x);  p <- p + (nlr[j] * x) / d
 // The roundings of the optimizer's torch ops (add_ with alpha, addcdiv_) on x86 CPUs. xs not null:
 // x is read from those runs (as lamb_frozen_update_cpu's).
-void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* const* params, int64_t P,
+void frozen_adam_update_cpu(const float* x, float* m, const float* v, const float* eps, const float* dscale, float* const* params, int64_t P,
                             const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
                             bool precond, int nthreads, const SignRuns* xs = nullptr);
 
@@ -186,7 +193,7 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
 //   u <- x
 // The roundings of the optimizer's torch ops (mul, add_ with alpha, div_, addcmul_, mul_) on x86
 // CPUs: torch's CPU add with alpha and addcmul_ are fused multiply-adds.
-void local_source_cpu(const float* m, const float* const* g, const float* d, const float* const* p,
+void local_source_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, const float* const* p,
                       const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads);
 // 0/1 Adam's local step (no exchange) in one sweep, if every gradient value is finite (returns
@@ -196,12 +203,12 @@ void local_source_cpu(const float* m, const float* const* g, const float* d, con
 //   m <- fma(g, a, m * b);  u = m / d;  u = fma(p, w, u)  (only where w is not 0)
 //   acc <- fma(u, nlr, acc);  p <- fma(u, nlr, p)
 // The roundings of the optimizer's torch ops (add_ with alpha, div, _foreach_add_) on x86 CPUs.
-bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc, float* const* params, int64_t P,
+bool local_step_cpu(const float* const* g, float* m, const float* v, const float* eps, const float* dscale, float* acc, float* const* params, int64_t P,
                     const int64_t* starts, const int64_t* sizes, const float* b, const float* a, const float* w,
                     const float* nlr, int nthreads);
 // worker_compress_cpu of the values local_source_cpu would write to u[base, base + nx) (its
 // segments tiling that range in order), computed as read (as momentum_compress_cpu).
-float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
+float local_compress_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, const float* const* p, const float* acc,
                          int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                          const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx, const float* e,
                          float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
@@ -213,7 +220,7 @@ float local_compress_cpu(const float* m, const float* const* g, const float* d, 
 //   synced <- precond ? synced + x : synced + x / d;  p <- synced;  acc <- 0 (unless null)
 // The roundings of the optimizer's torch ops (mul, div by a scalar, add_, addcdiv_) on x86 CPUs.
 // xs not null: x is read from those runs (as lamb_frozen_update_cpu's).
-void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+void sync_update_cpu(const float* x, const float* v, const float* eps, const float* dscale, const uint8_t* floored, float* m, float* synced,
                      float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
                      const float* nl, bool precond, int nthreads, const SignRuns* xs = nullptr);
 
@@ -240,12 +247,12 @@ void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e
 // there is no chunk table: each value finds its segment by a binary search of starts. The P
 // segments (starts, sizes: device memory, as the rest of the source's arrays) must tile [base,
 // base + nx) in order, which the caller checks (kernels/ops.py); this call checks only sizes.
-void momentum_compress_cuda(int device, const float* m, const float* const* g, const float* d, int64_t P,
+void momentum_compress_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, int64_t P,
                             const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int64_t base,
                             int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W,
                             int64_t row_stride, const uint8_t* prev_bits, const float* prev_scale, bool pending,
                             float* scale_out, void* workspace, void* stream);
-void local_compress_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+void local_compress_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, const float* const* p,
                          const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
                          const float* a, const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx,
                          const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
@@ -294,10 +301,10 @@ void adam_update_cuda(int device, const bool* ok, const float* const* g, float* 
 // (1, 0, 0) per layer, and leaves m and vf as they were (a step dropped without a host read).
 // `p`: as on the CPU, a table of L parameter pointers (device memory; null, or a null entry: no
 // decay term), but layer k's pointer is its own storage from 0 (flat index i at p[k][i - offsets[k]]).
-void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf,
+void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* v, const float* dscale, float* vf,
                              const float* const* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
                              int64_t nchunks, const float* scaling, const float* beta1, const float* ob1,
-                             const float* beta2, const float* ob2, const float* eps, const float* wd,
+                             const float* beta2, const float* ob2, const float* eps, const float* wd, bool precond,
                              double* stats, void* workspace, void* stream);
 // 1-bit Adam's compression-phase step after the exchange, only when *ok (a device bool, the
 // exchange's verdict; otherwise nothing is written): per value of parameter j,
@@ -305,7 +312,7 @@ void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* 
 // (precond), or m <- x and p <- p + (nlr[j] * x) / d: the roundings of the CPU path's torch ops
 // (add_ with alpha, addcdiv_) as measured on x86.
 // Chunk table and device-memory arrays as adam_update_cuda.
-void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d,
+void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* m, const float* v, const float* eps, const float* dscale,
                              float* const* params, int64_t P, const int64_t* starts, const int64_t* sizes,
                              const int64_t* chunk_start, int64_t nchunks, const float* nlr, const float* nlw,
                              bool precond, void* stream);
@@ -322,14 +329,14 @@ void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src,
 // parameters) and device-memory arrays as adam_update_cuda; no reductions, no workspace, no verdict.
 // momentum_source_cpu on device pointers: u <- fma(g, a, m * b), then u / d (d may be null); g is
 // the table of the segments' gradient pointers (device memory too; a null entry: zeros).
-void momentum_source_cuda(int device, const float* m, const float* const* g, const float* d, float* u, int64_t P,
+void momentum_source_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, float* u, int64_t P,
                           const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                           const float* b, const float* a, void* stream);
 // local_source_cpu on device pointers (g and p tables of the segments' own storage from 0, as
 // momentum_source_cuda's g; a null g entry: zeros; p null, or a null entry: no decay term), except
 // the decay term without precond: x <- fma(-nw, p * d, x) (torch's CUDA addcmul_; fma(p, d, x)
 // when -nw is 1).
-void local_source_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+void local_source_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps, const float* dscale, const float* const* p,
                        const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                        int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
                        void* stream);
@@ -343,7 +350,7 @@ void layer_step_cuda(int device, const float* u, float* const* params, int64_t P
 // reciprocal of -lrs[j] taken in double and rounded to float (torch's CUDA division by a Python
 // scalar); +0.0 where inv[j] is +0.0 (no lr since the last sync) or floored[i] is set. params
 // may be null (no parameter written).
-void sync_update_cuda(int device, const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+void sync_update_cuda(int device, const float* x, const float* v, const float* eps, const float* dscale, const uint8_t* floored, float* m, float* synced,
                       float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
                       const int64_t* chunk_start, int64_t nchunks, const float* inv, bool precond, void* stream);
 #endif

@@ -25,6 +25,23 @@ constexpr int64_t kParallelMin = 1 << 16;  // below this many values, threads co
 
 inline int threads_for(int64_t n, int nthreads) { return n >= kParallelMin && nthreads > 1 ? nthreads : 1; }
 
+// The frozen variance's denominator of one segment, computed from v as it is read: d = (sqrt(v) *
+// dscale) + eps, each operation rounded on its own (the floats a buffer of torch.sqrt(v, out=d),
+// d.mul_(dscale), d.add_(eps) holds; dscale 1 where no scale is given, and x * 1 is x). v null:
+// no denominator (momentum_source's unpreconditioned form).
+struct Denom {
+  const float* v;
+  float eps, dscale;
+  float at(int64_t i) const { return std::sqrt(v[i]) * dscale + eps; }
+  // The same denominator with flat index i at [i - lo].
+  Denom from(int64_t lo) const { return {v ? v + lo : nullptr, eps, dscale}; }
+};
+
+// Segment j's Denom from the entry points' flat v and per-segment rows eps and dscale (null: 1).
+inline Denom denom_of(const float* v, const float* eps, const float* dscale, int64_t j) {
+  return {v, v ? eps[j] : 0.0f, dscale ? dscale[j] : 1.0f};
+}
+
 // ---------------------------------------------------------------- block functions: scalar
 // Each handles [lo, hi) with lo, hi multiples of 8 and returns the block's sum of squares.
 
@@ -101,18 +118,19 @@ struct LambCoef {
   bool precond;                                    // x is x / d: scale it back (x * d) first
 };
 
-void lamb_block_scalar(const float* x, float* m, const float* d, float* vf, const float* p, float* u, int64_t lo,
+void lamb_block_scalar(const float* x, float* m, Denom d, float* vf, const float* p, float* u, int64_t lo,
                        int64_t hi, LambCoef c, double* s) {
   const float ob1 = c.ob1, ob2 = c.ob2;
   float rmax = 0.0f;
   double up2 = 0.0, u2 = 0.0;
   for (int64_t i = lo; i < hi; ++i) {
-    const float mn = (c.precond ? x[i] * d[i] : x[i]) / c.scaling;
+    const float di = d.at(i);
+    const float mn = (c.precond ? x[i] * di : x[i]) / c.scaling;
     const float g = (mn - c.beta1 * m[i]) / ob1;
     const float v = vf[i] * c.beta2 + ob2 * (g * g);
-    const float up = mn / d[i];
+    const float up = mn / di;
     const float uu = p ? up + c.wd * p[i] : up;
-    rmax = std::max(rmax, d[i] / (std::sqrt(v) + c.eps));
+    rmax = std::max(rmax, di / (std::sqrt(v) + c.eps));
     up2 += static_cast<double>(up) * up;
     u2 += static_cast<double>(uu) * uu;
     m[i] = mn;
@@ -151,11 +169,11 @@ void adam_block_scalar(const float* g, float* m, float* v, float* p, int64_t lo,
 // not null. torch's `torch.mul(m, b, out=u).add_(g, alpha=a)` rounds so on x86 (its CPU add with
 // alpha is a fused multiply-add), and `u.div_(d)` is one division. g is indexed like m (its value
 // of flat index i is g[i]); null: every g is +0.0, the same fma as a buffer of zeros.
-void source_block_scalar(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
+void source_block_scalar(const float* m, const float* g, Denom d, float* u, int64_t lo, int64_t hi, float b,
                          float a) {
   for (int64_t i = lo; i < hi; ++i) {
     const float v = std::fma(g ? g[i] : 0.0f, a, m[i] * b);
-    u[i] = d ? v / d[i] : v;
+    u[i] = d.v ? v / d.at(i) : v;
   }
 }
 
@@ -172,7 +190,9 @@ inline const float* rebased(const float* const* ptrs, const int64_t* starts, int
 struct MomentumSegments {
   const float* m;
   const float* const* g;
-  const float* d;
+  const float* v;       // the frozen variance (null: no denominator)
+  const float* eps;     // per segment, with v
+  const float* dscale;  // per segment (null: 1)
   const int64_t* starts;
   const int64_t* ends;
   const float* b;
@@ -182,7 +202,8 @@ struct MomentumSegments {
 
 // Segment k's value at flat index q into u[q].
 inline void value1(const MomentumSegments& s, int64_t k, int64_t q, float* u) {
-  source_block_scalar(s.m, rebased(s.g, s.starts, k), s.d, u, q, q + 1, s.b[k], s.a[k]);
+  source_block_scalar(s.m, rebased(s.g, s.starts, k), denom_of(s.v, s.eps, s.dscale, k), u, q, q + 1, s.b[k],
+                      s.a[k]);
 }
 
 // 1-bit Adam's compression-phase update of one parameter's values [lo, hi) of the flat buffers; its
@@ -190,7 +211,7 @@ inline void value1(const MomentumSegments& s, int64_t k, int64_t q, float* u) {
 // `p.add_(p, alpha=nlw)` is fma(p, nlw, p) (applied unless nlw is +0.0); precond: `m = x * d`,
 // `p.add_(x, alpha=nlr)` = fma(x, nlr, p); otherwise `m = x` (skipped when m is x) and
 // `p.addcdiv_(x, d, value=nlr)` = p + (nlr * x) / d.
-void frozen_block_scalar(const float* x, float* m, const float* d, float* p, int64_t lo, int64_t hi, float nlr,
+void frozen_block_scalar(const float* x, float* m, Denom d, float* p, int64_t lo, int64_t hi, float nlr,
                          float nlw, bool precond) {
   const bool decay = nlw != 0.0f || std::signbit(nlw);
   for (int64_t i = lo; i < hi; ++i) {
@@ -198,11 +219,11 @@ void frozen_block_scalar(const float* x, float* m, const float* d, float* p, int
     if (decay) pi = std::fma(pi, nlw, pi);
     const float xi = x[i];
     if (precond) {
-      m[i] = xi * d[i];
+      m[i] = xi * d.at(i);
       pi = std::fma(xi, nlr, pi);
     } else {
       if (m != x) m[i] = xi;
-      pi = pi + (nlr * xi) / d[i];
+      pi = pi + (nlr * xi) / d.at(i);
     }
     p[i - lo] = pi;
   }
@@ -223,20 +244,21 @@ struct LocalSourceCoef {
 //   precond: x = x + acc;  else: x = fma(acc, d, x)    add_(acc); addcmul_(acc, d)
 // The decay term is taken unless nw (= -w) is +0.0; torch's CPU addcmul_ is a fused
 // multiply-add of (value * t1) and t2.
-void local_source_block_scalar(const float* m, const float* g, const float* d, const float* p, const float* acc,
+void local_source_block_scalar(const float* m, const float* g, Denom d, const float* p, const float* acc,
                                float* u, int64_t lo, int64_t hi, LocalSourceCoef c, bool precond) {
   const bool decay = p && (c.nw != 0.0f || std::signbit(c.nw));
   const float w = -c.nw;
   for (int64_t i = lo; i < hi; ++i) {
+    const float di = d.at(i);
     float x = std::fma(g ? g[i] : 0.0f, c.a, m[i] * c.b);
     if (precond) {
-      x = x / d[i];
+      x = x / di;
       if (decay) x = std::fma(p[i], w, x);
     } else if (decay) {
-      x = std::fma(w * p[i], d[i], x);
+      x = std::fma(w * p[i], di, x);
     }
     x = x * c.nlr;
-    if (acc) x = precond ? x + acc[i] : std::fma(acc[i], d[i], x);
+    if (acc) x = precond ? x + acc[i] : std::fma(acc[i], di, x);
     u[i] = x;
   }
 }
@@ -247,7 +269,9 @@ void local_source_block_scalar(const float* m, const float* g, const float* d, c
 struct LocalSegments {
   const float* m;
   const float* const* g;
-  const float* d;
+  const float* v;       // the frozen variance
+  const float* eps;     // per segment
+  const float* dscale;  // per segment (null: 1)
   const float* const* p;
   const float* acc;
   const int64_t* starts;
@@ -258,8 +282,8 @@ struct LocalSegments {
 };
 
 inline void value1(const LocalSegments& s, int64_t k, int64_t q, float* u) {
-  local_source_block_scalar(s.m, rebased(s.g, s.starts, k), s.d, rebased(s.p, s.starts, k), s.acc, u, q, q + 1,
-                            s.c[k], s.precond);
+  local_source_block_scalar(s.m, rebased(s.g, s.starts, k), denom_of(s.v, s.eps, s.dscale, k),
+                            rebased(s.p, s.starts, k), s.acc, u, q, q + 1, s.c[k], s.precond);
 }
 
 // Whether every value of g[lo, hi) is finite (g null: zeros, finite).
@@ -281,13 +305,13 @@ struct LocalStepCoef {
 //   u = m / d;  u = fma(p, w, u)         torch.div(m, d, out=u); u.add_(p, alpha=w) (w > 0 only)
 //   acc = fma(u, nlr, acc)               acc.add_(u, alpha=nlr)
 //   p = fma(u, nlr, p)                   torch._foreach_add_(params, u, alpha=nlr)
-void local_step_block_scalar(const float* g, float* m, const float* d, float* acc, float* p, int64_t lo, int64_t hi,
+void local_step_block_scalar(const float* g, float* m, Denom d, float* acc, float* p, int64_t lo, int64_t hi,
                              LocalStepCoef c) {
   const bool decay = c.w != 0.0f;
   for (int64_t i = lo; i < hi; ++i) {
     const float mi = std::fma(g ? g[i] : 0.0f, c.a, m[i] * c.b);
     const float pi = p[i];
-    float u = mi / d[i];
+    float u = mi / d.at(i);
     if (decay) u = std::fma(pi, c.w, u);
     m[i] = mi;
     acc[i] = std::fma(u, c.nlr, acc[i]);
@@ -301,16 +325,17 @@ void local_step_block_scalar(const float* g, float* m, const float* d, float* ac
 //   else:    m = x / nl;        synced = synced + x / d      torch.div(x, nl); addcdiv_(x, d)
 //   m = +0.0 where nl is +0.0 (no lr since the last sync) or floored[i] (masked_fill_);
 //   p = synced; acc = 0.
-void sync_block_scalar(const float* x, const float* d, const uint8_t* floored, float* m, float* synced, float* p,
+void sync_block_scalar(const float* x, Denom d, const uint8_t* floored, float* m, float* synced, float* p,
                        float* acc, int64_t lo, int64_t hi, float nl, bool precond) {
   const bool zero = nl == 0.0f && !std::signbit(nl);
   for (int64_t i = lo; i < hi; ++i) {
     const float xi = x[i];
-    float mi = precond ? xi * d[i] : xi;
+    const float di = d.at(i);
+    float mi = precond ? xi * di : xi;
     mi = zero ? 0.0f : mi / nl;
     if (floored && floored[i]) mi = 0.0f;
     m[i] = mi;
-    const float si = precond ? synced[i] + xi : synced[i] + xi / d[i];
+    const float si = precond ? synced[i] + xi : synced[i] + xi / di;
     synced[i] = si;
     if (p) p[i - lo] = si;
     if (acc) acc[i] = 0.0f;
@@ -322,6 +347,12 @@ void sync_block_scalar(const float* x, const float* d, const uint8_t* floored, f
 // movemask of 8 lanes gives lane t -> bit t: exactly the wire format's LSB-first byte.
 
 #define AVX2 __attribute__((target("avx2,fma")))
+
+// Denom::at of the 8 values at flat index i: sqrt, multiply, add, each rounded on its own.
+AVX2 inline __m256 denom8(const Denom& d, int64_t i) {
+  const __m256 r = _mm256_mul_ps(_mm256_sqrt_ps(_mm256_loadu_ps(d.v + i)), _mm256_set1_ps(d.dscale));
+  return _mm256_add_ps(r, _mm256_set1_ps(d.eps));
+}
 
 AVX2 inline __m256 byte_to_mask(unsigned b) {
   const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -388,20 +419,21 @@ AVX2 inline LocalLanes local_lanes(LocalSourceCoef c, bool with_p) {
 }
 
 // local_source_block_scalar's 8 values at i (g null: zeros), in registers.
-AVX2 inline __m256 local_source8(const float* m, const float* g, const float* d, const float* p, const float* acc,
+AVX2 inline __m256 local_source8(const float* m, const float* g, const Denom& d, const float* p, const float* acc,
                                  int64_t i, const LocalLanes& l, bool precond) {
   const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
+  const __m256 di = denom8(d, i);
   __m256 x = _mm256_fmadd_ps(gi, l.a, _mm256_mul_ps(_mm256_loadu_ps(m + i), l.b));
   if (precond) {
-    x = _mm256_div_ps(x, _mm256_loadu_ps(d + i));
+    x = _mm256_div_ps(x, di);
     if (l.decay) x = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), l.w, x);
   } else if (l.decay) {
-    x = _mm256_fmadd_ps(_mm256_mul_ps(l.w, _mm256_loadu_ps(p + i)), _mm256_loadu_ps(d + i), x);
+    x = _mm256_fmadd_ps(_mm256_mul_ps(l.w, _mm256_loadu_ps(p + i)), di, x);
   }
   x = _mm256_mul_ps(x, l.lr);
   if (acc) {
     const __m256 ai = _mm256_loadu_ps(acc + i);
-    x = precond ? _mm256_add_ps(x, ai) : _mm256_fmadd_ps(ai, _mm256_loadu_ps(d + i), x);
+    x = precond ? _mm256_add_ps(x, ai) : _mm256_fmadd_ps(ai, di, x);
   }
   return x;
 }
@@ -410,32 +442,35 @@ AVX2 inline __m256 local_source8(const float* m, const float* g, const float* d,
 struct MomentumLanes {
   __m256 b, a;
   const float* g;
+  Denom d;
 };
 
 AVX2 inline MomentumLanes lanes_of(const MomentumSegments& s, int64_t j) {
-  return {_mm256_set1_ps(s.b[j]), _mm256_set1_ps(s.a[j]), rebased(s.g, s.starts, j)};
+  return {_mm256_set1_ps(s.b[j]), _mm256_set1_ps(s.a[j]), rebased(s.g, s.starts, j),
+          denom_of(s.v, s.eps, s.dscale, j)};
 }
 
 // source_block_avx2's 8 values at flat index f, all in the segment of l.
 AVX2 inline __m256 values8(const MomentumSegments& s, const MomentumLanes& l, int64_t f) {
   const __m256 gi = l.g ? _mm256_loadu_ps(l.g + f) : _mm256_setzero_ps();
   const __m256 x = _mm256_fmadd_ps(gi, l.a, _mm256_mul_ps(_mm256_loadu_ps(s.m + f), l.b));
-  return s.d ? _mm256_div_ps(x, _mm256_loadu_ps(s.d + f)) : x;
+  return l.d.v ? _mm256_div_ps(x, denom8(l.d, f)) : x;
 }
 
 struct LocalSegmentLanes {
   LocalLanes l;
   const float* g;
   const float* p;
+  Denom d;
 };
 
 AVX2 inline LocalSegmentLanes lanes_of(const LocalSegments& s, int64_t j) {
   const float* p = rebased(s.p, s.starts, j);
-  return {local_lanes(s.c[j], p != nullptr), rebased(s.g, s.starts, j), p};
+  return {local_lanes(s.c[j], p != nullptr), rebased(s.g, s.starts, j), p, denom_of(s.v, s.eps, s.dscale, j)};
 }
 
 AVX2 inline __m256 values8(const LocalSegments& s, const LocalSegmentLanes& l, int64_t f) {
-  return local_source8(s.m, l.g, s.d, l.p, s.acc, f, l.l, s.precond);
+  return local_source8(s.m, l.g, l.d, l.p, s.acc, f, l.l, s.precond);
 }
 
 // A source's (MomentumSegments, LocalSegments) 8 values of call index i (flat index s.base + i), in
@@ -559,7 +594,7 @@ AVX2 void decode_block_avx2(const uint8_t* in, float s, float* out, int64_t lo, 
   if (i < hi) decode_block_scalar(in, s, out, i, hi);
 }
 
-AVX2 void lamb_block_avx2(const float* x, float* m, const float* d, float* vf, const float* p, float* u,
+AVX2 void lamb_block_avx2(const float* x, float* m, Denom d, float* vf, const float* p, float* u,
                           int64_t lo, int64_t hi, LambCoef c, double* s) {
   const __m256 sc = _mm256_set1_ps(c.scaling), b1 = _mm256_set1_ps(c.beta1), ob1 = _mm256_set1_ps(c.ob1);
   const __m256 b2 = _mm256_set1_ps(c.beta2), ob2 = _mm256_set1_ps(c.ob2);
@@ -568,7 +603,7 @@ AVX2 void lamb_block_avx2(const float* x, float* m, const float* d, float* vf, c
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(), b0 = _mm256_setzero_pd(), bb1 = _mm256_setzero_pd();
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {
-    const __m256 dd = _mm256_loadu_ps(d + i);
+    const __m256 dd = denom8(d, i);
     const __m256 xi = c.precond ? _mm256_mul_ps(_mm256_loadu_ps(x + i), dd) : _mm256_loadu_ps(x + i);
     const __m256 mn = _mm256_div_ps(xi, sc);
     const __m256 g = _mm256_div_ps(_mm256_sub_ps(mn, _mm256_mul_ps(b1, _mm256_loadu_ps(m + i))), ob1);
@@ -618,7 +653,7 @@ AVX2 void adam_block_avx2(const float* g, float* m, float* v, float* p, int64_t 
 // Stream: u is not read back soon (the flat buffer: stores past the cache, no read for ownership);
 // otherwise u is a tile the caller reads at once (plain stores).
 template <bool Stream>
-AVX2 void source_block_avx2(const float* m, const float* g, const float* d, float* u, int64_t lo, int64_t hi, float b,
+AVX2 void source_block_avx2(const float* m, const float* g, Denom d, float* u, int64_t lo, int64_t hi, float b,
                             float a) {
   const __m256 bv = _mm256_set1_ps(b), av = _mm256_set1_ps(a);
   const int64_t head = Stream ? std::min(hi, lo + aligned_gap(u + lo)) : lo;  // u + i 32-byte aligned from here
@@ -627,7 +662,7 @@ AVX2 void source_block_avx2(const float* m, const float* g, const float* d, floa
   for (; i + 8 <= hi; i += 8) {
     const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
     __m256 v = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
-    if (d) v = _mm256_div_ps(v, _mm256_loadu_ps(d + i));
+    if (d.v) v = _mm256_div_ps(v, denom8(d, i));
     if (Stream) {
       _mm256_stream_ps(u + i, v);
     } else {
@@ -638,7 +673,7 @@ AVX2 void source_block_avx2(const float* m, const float* g, const float* d, floa
   if (i < hi) source_block_scalar(m, g, d, u, i, hi, b, a);
 }
 
-AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, int64_t lo, int64_t hi, float nlr,
+AVX2 void frozen_block_avx2(const float* x, float* m, Denom d, float* p, int64_t lo, int64_t hi, float nlr,
                             float nlw, bool precond) {
   const bool decay = nlw != 0.0f || std::signbit(nlw);
   const __m256 lr = _mm256_set1_ps(nlr), lw = _mm256_set1_ps(nlw);
@@ -651,11 +686,11 @@ AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, 
     if (decay) pi = _mm256_fmadd_ps(pi, lw, pi);
     const __m256 xi = _mm256_loadu_ps(x + i);
     if (precond) {
-      _mm256_stream_ps(m + i, _mm256_mul_ps(xi, _mm256_loadu_ps(d + i)));  // (not read this step)
+      _mm256_stream_ps(m + i, _mm256_mul_ps(xi, denom8(d, i)));  // (not read this step)
       pi = _mm256_fmadd_ps(xi, lr, pi);
     } else {
       if (m != x) _mm256_storeu_ps(m + i, xi);
-      pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(lr, xi), _mm256_loadu_ps(d + i)));
+      pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(lr, xi), denom8(d, i)));
     }
     _mm256_storeu_ps(q + i, pi);
   }
@@ -665,7 +700,7 @@ AVX2 void frozen_block_avx2(const float* x, float* m, const float* d, float* p, 
 
 // Stream: as source_block_avx2's.
 template <bool Stream>
-AVX2 void local_source_block_avx2(const float* m, const float* g, const float* d, const float* p, const float* acc,
+AVX2 void local_source_block_avx2(const float* m, const float* g, Denom d, const float* p, const float* acc,
                                   float* u, int64_t lo, int64_t hi, LocalSourceCoef c, bool precond) {
   const LocalLanes l = local_lanes(c, p != nullptr);
   const int64_t head = Stream ? std::min(hi, lo + aligned_gap(u + lo)) : lo;  // u + i 32-byte aligned from here
@@ -695,7 +730,7 @@ AVX2 bool finite_block_avx2(const float* g, int64_t lo, int64_t hi) {
   return _mm256_movemask_ps(all) == 0xFF && finite_block_scalar(g, i, hi);
 }
 
-AVX2 void local_step_block_avx2(const float* g, float* m, const float* d, float* acc, float* p, int64_t lo, int64_t hi,
+AVX2 void local_step_block_avx2(const float* g, float* m, Denom d, float* acc, float* p, int64_t lo, int64_t hi,
                                 LocalStepCoef c) {
   const bool decay = c.w != 0.0f;
   const __m256 bv = _mm256_set1_ps(c.b), av = _mm256_set1_ps(c.a), wv = _mm256_set1_ps(c.w),
@@ -705,7 +740,7 @@ AVX2 void local_step_block_avx2(const float* g, float* m, const float* d, float*
     const __m256 gi = g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps();
     const __m256 mi = _mm256_fmadd_ps(gi, av, _mm256_mul_ps(_mm256_loadu_ps(m + i), bv));
     const __m256 pi = _mm256_loadu_ps(p + i);
-    __m256 u = _mm256_div_ps(mi, _mm256_loadu_ps(d + i));
+    __m256 u = _mm256_div_ps(mi, denom8(d, i));
     if (decay) u = _mm256_fmadd_ps(pi, wv, u);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(u, lr, _mm256_loadu_ps(acc + i)));
@@ -714,7 +749,7 @@ AVX2 void local_step_block_avx2(const float* g, float* m, const float* d, float*
   if (i < hi) local_step_block_scalar(g, m, d, acc, p, i, hi, c);
 }
 
-AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored, float* m, float* synced, float* p,
+AVX2 void sync_block_avx2(const float* x, Denom d, const uint8_t* floored, float* m, float* synced, float* p,
                           float* acc, int64_t lo, int64_t hi, float nl, bool precond) {
   const bool zero = nl == 0.0f && !std::signbit(nl);
   const __m256 nlv = _mm256_set1_ps(nl), z = _mm256_setzero_ps();
@@ -728,7 +763,7 @@ AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored
   for (; i + 8 <= hi; i += 8) {
     const __m256 xi = _mm256_loadu_ps(x + i);
     __m256 mi = z;
-    if (!zero) mi = _mm256_div_ps(precond ? _mm256_mul_ps(xi, _mm256_loadu_ps(d + i)) : xi, nlv);
+    if (!zero) mi = _mm256_div_ps(precond ? _mm256_mul_ps(xi, denom8(d, i)) : xi, nlv);
     if (floored) {  // 8 bytes 0/1 -> lanes of all ones where set
       const __m128i f8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(floored + i));
       const __m256i f = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(f8), _mm256_setzero_si256());
@@ -736,7 +771,7 @@ AVX2 void sync_block_avx2(const float* x, const float* d, const uint8_t* floored
     }
     _mm256_stream_ps(m + i, mi);  // (not read this step)
     const __m256 si = _mm256_loadu_ps(synced + i);
-    const __m256 sn = precond ? _mm256_add_ps(si, xi) : _mm256_add_ps(si, _mm256_div_ps(xi, _mm256_loadu_ps(d + i)));
+    const __m256 sn = precond ? _mm256_add_ps(si, xi) : _mm256_add_ps(si, _mm256_div_ps(xi, denom8(d, i)));
     _mm256_storeu_ps(synced + i, sn);
     if (q) _mm256_storeu_ps(q + i, sn);
     if (stream_acc) {
@@ -761,26 +796,26 @@ struct Impl {
   void (*decode)(const uint8_t*, float, float*, int64_t, int64_t);
   void (*decode_kept)(const uint8_t*, float, float*, int64_t, int64_t);  // no streaming stores
   void (*update)(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
-  void (*lamb)(const float*, float*, const float*, float*, const float*, float*, int64_t, int64_t, LambCoef,
+  void (*lamb)(const float*, float*, Denom, float*, const float*, float*, int64_t, int64_t, LambCoef,
                double*);
   void (*adam)(const float*, float*, float*, float*, int64_t, int64_t, AdamCoef, bool);
-  void (*source)(const float*, const float*, const float*, float*, int64_t, int64_t, float, float);
-  void (*source_tile)(const float*, const float*, const float*, float*, int64_t, int64_t, float, float);
+  void (*source)(const float*, const float*, Denom, float*, int64_t, int64_t, float, float);
+  void (*source_tile)(const float*, const float*, Denom, float*, int64_t, int64_t, float, float);
   // null: no fused form (momentum_compress_cpu fills a tile with source_tile and compresses it)
   double (*momentum_compress)(const MomentumSegments&, int64_t, const float*, float*, const uint8_t*, bool, float,
                               int64_t, int64_t, uint8_t*);
-  void (*frozen)(const float*, float*, const float*, float*, int64_t, int64_t, float, float, bool);
-  void (*local_source)(const float*, const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
+  void (*frozen)(const float*, float*, Denom, float*, int64_t, int64_t, float, float, bool);
+  void (*local_source)(const float*, const float*, Denom, const float*, const float*, float*, int64_t, int64_t,
                        LocalSourceCoef, bool);
-  void (*local_source_tile)(const float*, const float*, const float*, const float*, const float*, float*, int64_t,
+  void (*local_source_tile)(const float*, const float*, Denom, const float*, const float*, float*, int64_t,
                             int64_t, LocalSourceCoef, bool);
   // null: no fused form (as momentum_compress)
   double (*local_compress)(const LocalSegments&, int64_t, const float*, float*, const uint8_t*, bool, float, int64_t,
                            int64_t, uint8_t*);
-  void (*sync)(const float*, const float*, const uint8_t*, float*, float*, float*, float*, int64_t, int64_t, float,
+  void (*sync)(const float*, Denom, const uint8_t*, float*, float*, float*, float*, int64_t, int64_t, float,
                bool);
   bool (*finite)(const float*, int64_t, int64_t);
-  void (*local_step)(const float*, float*, const float*, float*, float*, int64_t, int64_t, LocalStepCoef);
+  void (*local_step)(const float*, float*, Denom, float*, float*, int64_t, int64_t, LocalStepCoef);
   // null: no fused form (the update fills a tile with the source's tile and updates from it)
   double (*momentum_update)(const MomentumSegments&, int64_t, const float*, float*, int64_t, int64_t, float);
   double (*local_update)(const LocalSegments&, int64_t, const float*, float*, int64_t, int64_t, float);
@@ -993,31 +1028,32 @@ float source_update_error_cpu(const Src& s, int64_t P, int64_t nx,
 // f(segments, tile) on momentum_source's segments of [base, base + nx) (checked to tile it, what:
 // the caller) and the tile that fills values where no fused form applies.
 template <class F>
-auto with_momentum_source(const char* what, const float* m, const float* const* g, const float* d, int64_t P,
-                          const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int64_t base,
-                          int64_t nx, F f) {
+auto with_momentum_source(const char* what, const float* m, const float* const* g, const float* v, const float* eps,
+                          const float* dscale, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+                          const float* a, int64_t base, int64_t nx, F f) {
   const auto ends = tiling_ends(what, P, starts, sizes, base, nx);
-  const MomentumSegments segs{m, g, d, starts, ends.data(), b, a, base};
+  const MomentumSegments segs{m, g, v, eps, dscale, starts, ends.data(), b, a, base};
   const auto source_tile = impl().source_tile;
   const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
-    source_tile(m, rebased(g, starts, q), d, u, f0, f1, b[q], a[q]);
+    source_tile(m, rebased(g, starts, q), denom_of(v, eps, dscale, q), u, f0, f1, b[q], a[q]);
   };
   return f(segs, tile);
 }
 
 // with_momentum_source's for local_source's segments.
 template <class F>
-auto with_local_source(const char* what, const float* m, const float* const* g, const float* d, const float* const* p,
-                       const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
+auto with_local_source(const char* what, const float* m, const float* const* g, const float* v, const float* eps,
+                       const float* dscale, const float* const* p, const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
                        const float* a, const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx,
                        F f) {
   const auto ends = tiling_ends(what, P, starts, sizes, base, nx);
   std::vector<LocalSourceCoef> coef(static_cast<size_t>(P));
   for (int64_t j = 0; j < P; ++j) coef[j] = {b[j], a[j], nw[j], nlr[j]};
-  const LocalSegments segs{m, g, d, p, acc, starts, ends.data(), coef.data(), precond, base};
+  const LocalSegments segs{m, g, v, eps, dscale, p, acc, starts, ends.data(), coef.data(), precond, base};
   const auto source_tile = impl().local_source_tile;
   const auto tile = [&](int64_t q, float* u, int64_t f0, int64_t f1) {
-    source_tile(m, rebased(g, starts, q), d, rebased(p, starts, q), acc, u, f0, f1, coef[q], precond);
+    source_tile(m, rebased(g, starts, q), denom_of(v, eps, dscale, q), rebased(p, starts, q), acc, u, f0, f1, coef[q],
+                precond);
   };
   return f(segs, tile);
 }
@@ -1038,13 +1074,14 @@ float worker_compress_cpu(const float* x, int64_t nx, const float* e, float* e_o
   return compress_blocks(block, n, bits, W, row_stride, prev_bits, pending, scale_out, nthreads);
 }
 
-float momentum_compress_cpu(const float* m, const float* const* g, const float* d, int64_t P, const int64_t* starts,
+float momentum_compress_cpu(const float* m, const float* const* g, const float* v, const float* eps,
+                            const float* dscale, int64_t P, const int64_t* starts,
                             const int64_t* sizes, const float* b, const float* a, int64_t base, int64_t nx,
                             const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
                             const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out,
                             int nthreads) {
   detail::check_compress("momentum_compress_cpu", nx, n, W);
-  return with_momentum_source("momentum_compress_cpu", m, g, d, P, starts, sizes, b, a, base, nx,
+  return with_momentum_source("momentum_compress_cpu", m, g, v, eps, dscale, P, starts, sizes, b, a, base, nx,
                               [&](const MomentumSegments& segs, const auto& tile) {
                                 return source_compress_cpu(segs, P, nx, impl().momentum_compress, tile, e, e_out,
                                                            n, bits, W, row_stride, prev_bits, prev_scale, pending,
@@ -1052,13 +1089,14 @@ float momentum_compress_cpu(const float* m, const float* const* g, const float* 
                               });
 }
 
-float local_compress_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
+float local_compress_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale,
+                         const float* const* p, const float* acc,
                          int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                          const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx, const float* e,
                          float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
                          const uint8_t* prev_bits, float prev_scale, bool pending, float* scale_out, int nthreads) {
   detail::check_compress("local_compress_cpu", nx, n, W);
-  return with_local_source("local_compress_cpu", m, g, d, p, acc, P, starts, sizes, b, a, nw, nlr, precond, base, nx,
+  return with_local_source("local_compress_cpu", m, g, v, eps, dscale, p, acc, P, starts, sizes, b, a, nw, nlr, precond, base, nx,
                            [&](const LocalSegments& segs, const auto& tile) {
                              return source_compress_cpu(segs, P, nx, impl().local_compress, tile, e, e_out, n, bits,
                                                         W, row_stride, prev_bits, prev_scale, pending, scale_out,
@@ -1066,25 +1104,27 @@ float local_compress_cpu(const float* m, const float* const* g, const float* d, 
                            });
 }
 
-float momentum_update_error_cpu(const float* m, const float* const* g, const float* d, int64_t P,
+float momentum_update_error_cpu(const float* m, const float* const* g, const float* v, const float* eps,
+                                const float* dscale, int64_t P,
                                 const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                                 int64_t base, int64_t nx, const float* e, float* e_out, int64_t n, int64_t W,
                                 float scale, int nthreads) {
   detail::check_compress("momentum_update_error_cpu", nx, n, W);
-  return with_momentum_source("momentum_update_error_cpu", m, g, d, P, starts, sizes, b, a, base, nx,
+  return with_momentum_source("momentum_update_error_cpu", m, g, v, eps, dscale, P, starts, sizes, b, a, base, nx,
                               [&](const MomentumSegments& segs, const auto& tile) {
                                 return source_update_error_cpu(segs, P, nx, impl().momentum_update, tile, e, e_out,
                                                                n, W, scale, nthreads);
                               });
 }
 
-float local_update_error_cpu(const float* m, const float* const* g, const float* d, const float* const* p,
+float local_update_error_cpu(const float* m, const float* const* g, const float* v, const float* eps,
+                             const float* dscale, const float* const* p,
                              const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
                              const float* a, const float* nw, const float* nlr, bool precond, int64_t base,
                              int64_t nx, const float* e, float* e_out, int64_t n, int64_t W, float scale,
                              int nthreads) {
   detail::check_compress("local_update_error_cpu", nx, n, W);
-  return with_local_source("local_update_error_cpu", m, g, d, p, acc, P, starts, sizes, b, a, nw, nlr, precond, base,
+  return with_local_source("local_update_error_cpu", m, g, v, eps, dscale, p, acc, P, starts, sizes, b, a, nw, nlr, precond, base,
                            nx, [&](const LocalSegments& segs, const auto& tile) {
                              return source_update_error_cpu(segs, P, nx, impl().local_update, tile, e, e_out, n, W,
                                                             scale, nthreads);
@@ -1145,10 +1185,10 @@ void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const fl
   }
 }
 
-void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf, const float* const* p, float* u,
-                            int64_t L,
-                            const int64_t* offsets, const float* scaling, const float* beta1, const float* ob1,
-                            const float* beta2, const float* ob2, const float* eps, const float* wd, bool precond,
+void lamb_frozen_update_cpu(const float* x, float* m, const float* v, const float* dscale, float* vf,
+                            const float* const* p, float* u, int64_t L, const int64_t* offsets, const float* scaling,
+                            const float* beta1, const float* ob1, const float* beta2, const float* ob2,
+                            const float* eps, const float* wd, bool precond,
                             double* stats, int nthreads, const SignRuns* xs) {
   detail::check_lamb("lamb_frozen_update_cpu", L);
   const int64_t all = L ? offsets[L] - offsets[0] : 0;
@@ -1173,10 +1213,11 @@ void lamb_frozen_update_cpu(const float* x, float* m, const float* d, float* vf,
     const int64_t k = layer[b], lo = lows[b], hi = std::min(lo + kBlock, offsets[k + 1]);
     const LambCoef c{scaling[k], beta1[k], ob1[k], beta2[k], ob2[k], eps[k], wd[k], precond};
     const float* pk = rebased(p, offsets, k);  // pk[i]: the layer's parameter at flat index i
+    const Denom d = denom_of(v, eps, dscale, k);
     if (xs) {  // the same addresses but x's, indexed from lo: the block's floats do not change
       alignas(32) float buf[kBlock];
       fill_from_runs(*xs, lo, hi, buf);
-      lamb(buf, m + lo, d + lo, vf + lo, pk ? pk + lo : nullptr, u + lo, 0, hi - lo, c, &part[3 * b]);
+      lamb(buf, m + lo, d.from(lo), vf + lo, pk ? pk + lo : nullptr, u + lo, 0, hi - lo, c, &part[3 * b]);
     } else {
       lamb(x, m, d, vf, pk, u, lo, hi, c, &part[3 * b]);
     }
@@ -1216,7 +1257,8 @@ void adam_update_cpu(const float* const* g, float* m, float* v, float* const* pa
   }
 }
 
-void momentum_source_cpu(const float* m, const float* const* g, const float* d, float* u, int64_t P,
+void momentum_source_cpu(const float* m, const float* const* g, const float* v, const float* eps,
+                         const float* dscale, float* u, int64_t P,
                          const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int nthreads) {
   detail::check_segments("momentum_source_cpu", P);
   std::vector<int64_t> owner, lows;
@@ -1228,11 +1270,12 @@ void momentum_source_cpu(const float* m, const float* const* g, const float* d, 
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    source(m, rebased(g, starts, j), d, u, lo, hi, b[j], a[j]);
+    source(m, rebased(g, starts, j), denom_of(v, eps, dscale, j), u, lo, hi, b[j], a[j]);
   }
 }
 
-void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* const* params, int64_t P,
+void frozen_adam_update_cpu(const float* x, float* m, const float* v, const float* eps, const float* dscale,
+                            float* const* params, int64_t P,
                             const int64_t* starts, const int64_t* sizes, const float* nlr, const float* nlw,
                             bool precond, int nthreads, const SignRuns* xs) {
   detail::check_segments("frozen_adam_update_cpu", P);
@@ -1247,18 +1290,19 @@ void frozen_adam_update_cpu(const float* x, float* m, const float* d, float* con
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
     float* pj = params[j] + (lo - starts[j]);
+    const Denom d = denom_of(v, eps, dscale, j);
     if (xs) {  // as in lamb_frozen_update_cpu
       alignas(32) float buf[kBlock];
       fill_from_runs(*xs, lo, hi, buf);
-      frozen(buf, m + lo, d + lo, pj, 0, hi - lo, nlr[j], nlw[j], precond);
+      frozen(buf, m + lo, d.from(lo), pj, 0, hi - lo, nlr[j], nlw[j], precond);
     } else {
       frozen(x, m, d, pj, lo, hi, nlr[j], nlw[j], precond);
     }
   }
 }
 
-void local_source_cpu(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
-                      float* u,
+void local_source_cpu(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale,
+                      const float* const* p, const float* acc, float* u,
                       int64_t P, const int64_t* starts, const int64_t* sizes, const float* b, const float* a,
                       const float* nw, const float* nlr, bool precond, int nthreads) {
   detail::check_segments("local_source_cpu", P);
@@ -1271,12 +1315,13 @@ void local_source_cpu(const float* m, const float* const* g, const float* d, con
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    source(m, rebased(g, starts, j), d, rebased(p, starts, j), acc, u, lo, hi,
+    source(m, rebased(g, starts, j), denom_of(v, eps, dscale, j), rebased(p, starts, j), acc, u, lo, hi,
            LocalSourceCoef{b[j], a[j], nw[j], nlr[j]}, precond);
   }
 }
 
-void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+void sync_update_cpu(const float* x, const float* v, const float* eps, const float* dscale, const uint8_t* floored,
+                     float* m, float* synced,
                      float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
                      const float* nl, bool precond, int nthreads, const SignRuns* xs) {
   detail::check_segments("sync_update_cpu", P);
@@ -1291,10 +1336,11 @@ void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, flo
   for (int64_t k = 0; k < nblk; ++k) {
     const int64_t j = owner[k], lo = lows[k], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
     float* p = params ? params[j] + (lo - starts[j]) : nullptr;
+    const Denom d = denom_of(v, eps, dscale, j);
     if (xs) {  // as in lamb_frozen_update_cpu
       alignas(32) float buf[kBlock];
       fill_from_runs(*xs, lo, hi, buf);
-      sync(buf, d + lo, floored ? floored + lo : nullptr, m + lo, synced + lo, p, acc ? acc + lo : nullptr, 0,
+      sync(buf, d.from(lo), floored ? floored + lo : nullptr, m + lo, synced + lo, p, acc ? acc + lo : nullptr, 0,
            hi - lo, nl[j], precond);
     } else {
       sync(x, d, floored, m, synced, p, acc, lo, hi, nl[j], precond);
@@ -1302,7 +1348,8 @@ void sync_update_cpu(const float* x, const float* d, const uint8_t* floored, flo
   }
 }
 
-bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc, float* const* params, int64_t P,
+bool local_step_cpu(const float* const* g, float* m, const float* v, const float* eps, const float* dscale,
+                    float* acc, float* const* params, int64_t P,
                     const int64_t* starts, const int64_t* sizes, const float* b, const float* a, const float* w,
                     const float* nlr, int nthreads) {
   detail::check_segments("local_step_cpu", P);
@@ -1324,7 +1371,8 @@ bool local_step_cpu(const float* const* g, float* m, const float* d, float* acc,
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t q = 0; q < nblk; ++q) {
     const int64_t j = owner[q], lo = lows[q], hi = std::min(lo + kBlock, starts[j] + sizes[j]);
-    k.local_step(grad(j), m, d, acc, params[j] - starts[j], lo, hi, LocalStepCoef{b[j], a[j], w[j], nlr[j]});
+    k.local_step(grad(j), m, denom_of(v, eps, dscale, j), acc, params[j] - starts[j], lo, hi,
+                 LocalStepCoef{b[j], a[j], w[j], nlr[j]});
   }
   return true;
 }

@@ -190,6 +190,21 @@ __device__ __forceinline__ float4 load_x4(const float* x, int64_t nx, int64_t i,
 // (momentum_compress_cuda, local_compress_cuda). They round as torch's CUDA kernels do; the table of
 // roundings is above momentum_source_kernel.
 
+// The frozen variance's denominator of a value (onebit.h): (sqrt(v) * dscale) + eps, each rounded
+// on its own, as the CPU kernels compute it (dscale 1 where no scale is given).
+__device__ __forceinline__ float denom_value(float v, float eps, float dscale) {
+  return __fadd_rn(__fmul_rn(__fsqrt_rn(v), dscale), eps);
+}
+
+// Segment j's eps and dscale (1 where dscale is null), from the per-segment rows.
+struct DenomCoef {
+  float eps, dscale;
+};
+
+__device__ __forceinline__ DenomCoef denom_coef(const float* eps, const float* dscale, int64_t j) {
+  return {eps ? eps[j] : 0.0f, dscale ? dscale[j] : 1.0f};
+}
+
 // momentum_source's value: fma(g, a, m * b), then / d where divide.
 __device__ __forceinline__ float momentum_value(float m, float g, float d, bool divide, float b, float a) {
   float x = __fmul_rn(m, b);       // torch.mul(m, b)
@@ -258,17 +273,23 @@ struct MomentumInput {
   Tiling t;
   const float* m;
   const float* const* g;
-  const float* d;
+  const float* v;  // null: no denominator
+  const float* eps;
+  const float* dscale;
   const float* beta;
   const float* alpha;
   struct Segment {
     const float* g;  // null: zeros
     int64_t start;
     float b, a;
+    DenomCoef dc;
   };
-  __device__ Segment segment(int64_t j) const { return {g[j], t.starts[j], beta[j], alpha[j]}; }
+  __device__ Segment segment(int64_t j) const {
+    return {g[j], t.starts[j], beta[j], alpha[j], v ? denom_coef(eps, dscale, j) : DenomCoef{0.0f, 1.0f}};
+  }
   __device__ float value(const Segment& s, int64_t f) const {
-    return momentum_value(m[f], s.g ? s.g[f - s.start] : 0.0f, d ? d[f] : 1.0f, d != nullptr, s.b, s.a);
+    const float d = v ? denom_value(v[f], s.dc.eps, s.dc.dscale) : 1.0f;
+    return momentum_value(m[f], s.g ? s.g[f - s.start] : 0.0f, d, v != nullptr, s.b, s.a);
   }
   __device__ float4 load4(int64_t i, int64_t nx) const { return source_x4(*this, t, i, nx); }
 };
@@ -278,7 +299,9 @@ struct LocalInput {
   Tiling t;
   const float* m;
   const float* const* g;
-  const float* d;
+  const float* v;
+  const float* eps;
+  const float* dscale;
   const float* const* p;
   const float* acc;
   const float* beta;
@@ -291,15 +314,17 @@ struct LocalInput {
     const float* p;  // read only where c.decay
     int64_t start;
     LocalCoef c;
+    DenomCoef dc;
   };
   __device__ Segment segment(int64_t j) const {
     const float* pj = p ? p[j] : nullptr;
-    return {g[j], pj, t.starts[j], local_coef(beta, alpha, nw, nlr, pj != nullptr, j)};
+    return {g[j], pj, t.starts[j], local_coef(beta, alpha, nw, nlr, pj != nullptr, j), denom_coef(eps, dscale, j)};
   }
   __device__ float value(const Segment& s, int64_t f) const {
     const float gi = s.g ? s.g[f - s.start] : 0.0f;
     const float pi = s.c.decay ? s.p[f - s.start] : 0.0f;
-    return local_value(m[f], gi, d[f], pi, acc ? acc[f] : 0.0f, acc != nullptr, s.c, precond);
+    const float d = denom_value(v[f], s.dc.eps, s.dc.dscale);
+    return local_value(m[f], gi, d, pi, acc ? acc[f] : 0.0f, acc != nullptr, s.c, precond);
   }
   __device__ float4 load4(int64_t i, int64_t nx) const { return source_x4(*this, t, i, nx); }
 };
@@ -661,7 +686,8 @@ adam_kernel(const bool* ok, const float* const* g, float* m, float* v, float* co
 // their roundings as measured on x86 (add_ with alpha is one fused multiply-add there, addcdiv_
 // rounds value * x, then the quotient, then the sum).
 __global__ void __launch_bounds__(kThreads)
-frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, float* const* params, int64_t P,
+frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* v, const float* eps, const float* dscale,
+                   float* const* params, int64_t P,
                    const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                    const float* nlr, const float* nlw, bool precond) {
   if (!*ok) return;
@@ -670,21 +696,22 @@ frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, flo
     const int64_t j = pc.j, start = pc.start, lo = pc.lo, hi = pc.hi;
     float* const p = params[j];  // value i of the flat buffers is p[i - start]
     const float a = nlr[j], b = nlw[j];
+    const DenomCoef dc = denom_coef(eps, dscale, j);
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
-      float xr[kUnroll], dr[kUnroll], pr[kUnroll];  // all loads first, as in adam_kernel
+      float xr[kUnroll], vr[kUnroll], pr[kUnroll];  // all loads first, as in adam_kernel
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
         xr[k] = x[i];
-        dr[k] = d[i];
+        vr[k] = v[i];
         pr[k] = p[i - start];
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        const float xi = xr[k], di = dr[k];
+        const float xi = xr[k], di = denom_value(vr[k], dc.eps, dc.dscale);
         float pi = pr[k];
         if (b != 0.0f) pi = __fmaf_rn(b, pi, pi);
         if (precond) {
@@ -725,7 +752,8 @@ frozen_adam_kernel(const bool* ok, const float* x, float* m, const float* d, flo
 // of flat index i at g[j][i - starts[j]] (as a parameter in frozen_adam_kernel), +0.0 where g[j]
 // is null.
 __global__ void __launch_bounds__(kThreads)
-momentum_source_kernel(const float* m, const float* const* g, const float* d, float* u, int64_t P,
+momentum_source_kernel(const float* m, const float* const* g, const float* v, const float* eps,
+                       const float* dscale, float* u, int64_t P,
                        const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                        const float* beta, const float* alpha) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -733,21 +761,23 @@ momentum_source_kernel(const float* m, const float* const* g, const float* d, fl
     const int64_t start = pc.start, lo = pc.lo, hi = pc.hi;
     const float* const gj = g[pc.j];
     const float b = beta[pc.j], a = alpha[pc.j];
+    const DenomCoef dc = v ? denom_coef(eps, dscale, pc.j) : DenomCoef{0.0f, 1.0f};
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
-      float mr[kUnroll], gr[kUnroll], dr[kUnroll];
+      float mr[kUnroll], gr[kUnroll], vr[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
         mr[k] = m[i];
         gr[k] = gj ? gj[i - start] : 0.0f;
-        dr[k] = d ? d[i] : 1.0f;
+        vr[k] = v ? v[i] : 0.0f;
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        u[i] = momentum_value(mr[k], gr[k], dr[k], d != nullptr, b, a);
+        const float di = v ? denom_value(vr[k], dc.eps, dc.dscale) : 1.0f;
+        u[i] = momentum_value(mr[k], gr[k], di, v != nullptr, b, a);
       }
     }
   }
@@ -764,7 +794,8 @@ momentum_source_kernel(const float* m, const float* const* g, const float* d, fl
 //   precond: x = x + acc;  else: x = fma(acc, d, x)    add_(acc); addcmul_(acc, d)
 //   u <- x
 __global__ void __launch_bounds__(kThreads)
-local_source_kernel(const float* m, const float* const* g, const float* d, const float* const* p, const float* acc,
+local_source_kernel(const float* m, const float* const* g, const float* v, const float* eps, const float* dscale,
+                    const float* const* p, const float* acc,
                     float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                     int64_t nchunks, const float* beta, const float* alpha, const float* nw, const float* nlr,
                     bool precond) {
@@ -775,15 +806,16 @@ local_source_kernel(const float* m, const float* const* g, const float* d, const
     const float* const pj = p ? p[pc.j] : nullptr;
     const LocalCoef coef = local_coef(beta, alpha, nw, nlr, pj != nullptr, pc.j);
     const bool decay = coef.decay;
+    const DenomCoef dc = denom_coef(eps, dscale, pc.j);
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
-      float mr[kUnroll], gr[kUnroll], dr[kUnroll], pr[kUnroll], ar[kUnroll];
+      float mr[kUnroll], gr[kUnroll], vr[kUnroll], pr[kUnroll], ar[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
         mr[k] = m[i];
         gr[k] = gj ? gj[i - start] : 0.0f;
-        dr[k] = d[i];
+        vr[k] = v[i];
         pr[k] = decay ? pj[i - start] : 0.0f;
         ar[k] = acc ? acc[i] : 0.0f;
       }
@@ -791,7 +823,8 @@ local_source_kernel(const float* m, const float* const* g, const float* d, const
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        u[i] = local_value(mr[k], gr[k], dr[k], pr[k], ar[k], acc != nullptr, coef, precond);
+        const float di = denom_value(vr[k], dc.eps, dc.dscale);
+        u[i] = local_value(mr[k], gr[k], di, pr[k], ar[k], acc != nullptr, coef, precond);
       }
     }
   }
@@ -835,7 +868,8 @@ layer_step_kernel(const float* u, float* const* params, int64_t P, const int64_t
 // inv[j] is float(1.0 / -lrs[j]) (in double, rounded once), computed by the caller as torch
 // computes it on the host for a division by a Python scalar.
 __global__ void __launch_bounds__(kThreads)
-sync_update_kernel(const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+sync_update_kernel(const float* x, const float* v, const float* eps, const float* dscale, const uint8_t* floored,
+                   float* m, float* synced,
                    float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
                    const int64_t* chunk_start, int64_t nchunks, const float* inv, bool precond) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -844,15 +878,16 @@ sync_update_kernel(const float* x, const float* d, const uint8_t* floored, float
     float* const p = params ? params[pc.j] : nullptr;  // value i of the flat buffers is p[i - start]
     const float q = inv[pc.j];
     const bool zero = __float_as_uint(q) == 0u;  // +0.0: m = 0
+    const DenomCoef dc = denom_coef(eps, dscale, pc.j);
     for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kThreads * kUnroll) {
-      float xr[kUnroll], dr[kUnroll], sr[kUnroll];
+      float xr[kUnroll], vr[kUnroll], sr[kUnroll];
       bool fr[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
         xr[k] = x[i];
-        dr[k] = d[i];
+        vr[k] = v[i];
         sr[k] = synced[i];
         fr[k] = floored ? floored[i] != 0 : false;
       }
@@ -860,7 +895,7 @@ sync_update_kernel(const float* x, const float* d, const uint8_t* floored, float
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        const float xi = xr[k], di = dr[k];
+        const float xi = xr[k], di = denom_value(vr[k], dc.eps, dc.dscale);
         float mi = precond ? __fmul_rn(xi, di) : xi;  // torch.mul(x, d, out=m)
         mi = zero ? 0.0f : __fmul_rn(mi, q);          // torch.div(., -lrs): . * (1 / -lrs); or zero_()
         if (fr[k]) mi = 0.0f;                         // masked_fill_(floored, 0.0)
@@ -886,17 +921,17 @@ restore_kernel(const bool* ok, uint8_t* dst, const uint8_t* src, int64_t n) {
 }
 
 // 1-bit LAMB's compression-phase update (lamb_block_scalar): per value i of layer k,
-//   mn = x / scaling;  g = (mn - beta1 * m) / ob1;  vf <- vf * beta2 + ob2 * (g * g);
+//   mn = (precond ? x * d : x) / scaling;  g = (mn - beta1 * m) / ob1;  vf <- vf * beta2 + ob2 * (g * g);
 //   up = mn / d;  u <- up + wd * p (up when p or p[k] is null);  m <- mn;
 // and the chunk's max d / (sqrt(vf) + eps), sum up^2, sum u^2 into partial[3c .. 3c + 2].
 // p[k] is layer k's parameter, its value of flat index i at p[k][i - offsets[k]].
 // With ok (the exchange's verdict, on the device; null: always) false: u <- 0 and nothing else
 // (m, vf unchanged; lamb_finalize writes neutral stats), so p - lr * coeff * u leaves p as it was.
 __global__ void __launch_bounds__(kThreads)
-lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf, const float* const* p, float* u,
-            int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks, const float* scaling,
-            const float* beta1, const float* ob1, const float* beta2, const float* ob2, const float* eps,
-            const float* wd, double* partial) {
+lamb_kernel(const bool* ok, const float* x, float* m, const float* v, const float* dscale, float* vf,
+            const float* const* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start,
+            int64_t nchunks, const float* scaling, const float* beta1, const float* ob1, const float* beta2,
+            const float* ob2, const float* eps, const float* wd, bool precond, double* partial) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform: block_stats3 inside
     const int64_t k = chunk_owner(chunk_start, L, c);
     const int64_t end = offsets[k + 1];
@@ -907,6 +942,7 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
       continue;
     }
     const float sc = scaling[k], b1 = beta1[k], o1 = ob1[k], b2 = beta2[k], o2 = ob2[k], ep = eps[k], w = wd[k];
+    const float ds = dscale ? dscale[k] : 1.0f;
     const float* const pk = p ? p[k] : nullptr;  // (k: the layer; the unrolled loops below shadow it)
     const int64_t first = offsets[k];
     float rmax = 0.0f;
@@ -921,7 +957,7 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
         if (i >= hi) continue;
         xr[k] = x[i];
         mr[k] = m[i];
-        dr[k] = d[i];
+        dr[k] = v[i];  // (the frozen variance: its denominator is computed below)
         vr[k] = vf[i];
         pr[k] = pk ? pk[i - first] : 0.0f;
       }
@@ -929,10 +965,10 @@ lamb_kernel(const bool* ok, const float* x, float* m, const float* d, float* vf,
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = i0 + k * kThreads;
         if (i >= hi) continue;
-        const float mn = __fdiv_rn(xr[k], sc);
+        const float di = denom_value(dr[k], ep, ds);
+        const float mn = __fdiv_rn(precond ? __fmul_rn(xr[k], di) : xr[k], sc);
         const float gi = __fdiv_rn(__fsub_rn(mn, __fmul_rn(b1, mr[k])), o1);
         const float vi = __fadd_rn(__fmul_rn(vr[k], b2), __fmul_rn(o2, __fmul_rn(gi, gi)));
-        const float di = dr[k];
         const float up = __fdiv_rn(mn, di);
         const float uu = pk ? __fadd_rn(up, __fmul_rn(w, pr[k])) : up;
         const float ratio = __fdiv_rn(di, __fadd_rn(__fsqrt_rn(vi), ep));
@@ -1021,25 +1057,27 @@ void worker_compress_cuda(int device, const float* x, int64_t nx, const float* e
                  row_stride, prev_bits, prev_scale, pending, scale_out, workspace, stream);
 }
 
-void momentum_compress_cuda(int device, const float* m, const float* const* g, const float* d, int64_t P,
+void momentum_compress_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps,
+                            const float* dscale, int64_t P,
                             const int64_t* starts, const int64_t* sizes, const float* b, const float* a, int64_t base,
                             int64_t nx, const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W,
                             int64_t row_stride, const uint8_t* prev_bits, const float* prev_scale, bool pending,
                             float* scale_out, void* workspace, void* stream) {
   detail::check_tiling("momentum_compress_cuda", P, base, nx);
-  const MomentumInput x{{starts, sizes, P, base}, m, g, d, b, a};
+  const MomentumInput x{{starts, sizes, P, base}, m, g, v, eps, dscale, b, a};
   compress_input("momentum_compress_cuda", device, x, nx, e, e_out, n, bits, W, row_stride, prev_bits, prev_scale,
                  pending, scale_out, workspace, stream);
 }
 
-void local_compress_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+void local_compress_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps,
+                         const float* dscale, const float* const* p,
                          const float* acc, int64_t P, const int64_t* starts, const int64_t* sizes, const float* b,
                          const float* a, const float* nw, const float* nlr, bool precond, int64_t base, int64_t nx,
                          const float* e, float* e_out, int64_t n, uint8_t* bits, int64_t W, int64_t row_stride,
                          const uint8_t* prev_bits, const float* prev_scale, bool pending, float* scale_out,
                          void* workspace, void* stream) {
   detail::check_tiling("local_compress_cuda", P, base, nx);
-  const LocalInput x{{starts, sizes, P, base}, m, g, d, p, acc, b, a, nw, nlr, precond};
+  const LocalInput x{{starts, sizes, P, base}, m, g, v, eps, dscale, p, acc, b, a, nw, nlr, precond};
   compress_input("local_compress_cuda", device, x, nx, e, e_out, n, bits, W, row_stride, prev_bits, prev_scale,
                  pending, scale_out, workspace, stream);
 }
@@ -1098,10 +1136,11 @@ void adam_update_cuda(int device, const bool* ok, const float* const* g, float* 
          params, P, starts, sizes, chunk_start, nchunks, lr, beta1, ob1, beta2, ob2, eps, wd, update_v);
 }
 
-void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d, float* vf,
-                             const float* const* p, float* u, int64_t L, const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks,
-                             const float* scaling, const float* beta1, const float* ob1, const float* beta2,
-                             const float* ob2, const float* eps, const float* wd, double* stats, void* workspace,
+void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* m, const float* v,
+                             const float* dscale, float* vf, const float* const* p, float* u, int64_t L,
+                             const int64_t* offsets, const int64_t* chunk_start, int64_t nchunks, const float* scaling,
+                             const float* beta1, const float* ob1, const float* beta2, const float* ob2,
+                             const float* eps, const float* wd, bool precond, double* stats, void* workspace,
                              void* stream) {
   detail::check_lamb("lamb_frozen_update_cuda", L);
   detail::check_chunks("lamb_frozen_update_cuda", L, nchunks);
@@ -1110,13 +1149,13 @@ void lamb_frozen_update_cuda(int device, const bool* ok, const float* x, float* 
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   double* partial = static_cast<double*>(workspace);
   if (nchunks > 0)  // (otherwise every layer is empty: stats 1, 0, 0)
-    launch("lamb_kernel", lamb_kernel, grid_for(nchunks, 1), kThreads, st, ok, x, m, d, vf, p, u, L, offsets,
-           chunk_start, nchunks, scaling, beta1, ob1, beta2, ob2, eps, wd, partial);
+    launch("lamb_kernel", lamb_kernel, grid_for(nchunks, 1), kThreads, st, ok, x, m, v, dscale, vf, p, u, L, offsets,
+           chunk_start, nchunks, scaling, beta1, ob1, beta2, ob2, eps, wd, precond, partial);
   launch("lamb_finalize", lamb_finalize, grid_for(L, 1), kThreads, st, ok, chunk_start, L, partial, stats);
 }
 
-void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* m, const float* d,
-                             float* const* params, int64_t P, const int64_t* starts, const int64_t* sizes,
+void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* m, const float* v,
+                             const float* eps, const float* dscale, float* const* params, int64_t P, const int64_t* starts, const int64_t* sizes,
                              const int64_t* chunk_start, int64_t nchunks, const float* nlr, const float* nlw,
                              bool precond, void* stream) {
   detail::check_adam("frozen_adam_update_cuda", P);
@@ -1124,10 +1163,11 @@ void frozen_adam_update_cuda(int device, const bool* ok, const float* x, float* 
   if (nchunks == 0) return;  // no values
   DeviceGuard guard(device);
   launch("frozen_adam_kernel", frozen_adam_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
-         ok, x, m, d, params, P, starts, sizes, chunk_start, nchunks, nlr, nlw, precond);
+         ok, x, m, v, eps, dscale, params, P, starts, sizes, chunk_start, nchunks, nlr, nlw, precond);
 }
 
-void momentum_source_cuda(int device, const float* m, const float* const* g, const float* d, float* u, int64_t P,
+void momentum_source_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps,
+                          const float* dscale, float* u, int64_t P,
                           const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start, int64_t nchunks,
                           const float* b, const float* a, void* stream) {
   detail::check_segments("momentum_source_cuda", P);
@@ -1135,10 +1175,11 @@ void momentum_source_cuda(int device, const float* m, const float* const* g, con
   if (nchunks == 0) return;  // no values
   DeviceGuard guard(device);
   launch("momentum_source_kernel", momentum_source_kernel, grid_for(nchunks, 1), kThreads,
-         static_cast<cudaStream_t>(stream), m, g, d, u, P, starts, sizes, chunk_start, nchunks, b, a);
+         static_cast<cudaStream_t>(stream), m, g, v, eps, dscale, u, P, starts, sizes, chunk_start, nchunks, b, a);
 }
 
-void local_source_cuda(int device, const float* m, const float* const* g, const float* d, const float* const* p,
+void local_source_cuda(int device, const float* m, const float* const* g, const float* v, const float* eps,
+                       const float* dscale, const float* const* p,
                        const float* acc, float* u, int64_t P, const int64_t* starts, const int64_t* sizes, const int64_t* chunk_start,
                        int64_t nchunks, const float* b, const float* a, const float* nw, const float* nlr, bool precond,
                        void* stream) {
@@ -1147,7 +1188,7 @@ void local_source_cuda(int device, const float* m, const float* const* g, const 
   if (nchunks == 0) return;  // no values
   DeviceGuard guard(device);
   launch("local_source_kernel", local_source_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
-         m, g, d, p, acc, u, P, starts, sizes, chunk_start, nchunks, b, a, nw, nlr, precond);
+         m, g, v, eps, dscale, p, acc, u, P, starts, sizes, chunk_start, nchunks, b, a, nw, nlr, precond);
 }
 
 void layer_step_cuda(int device, const float* u, float* const* params, int64_t P, const int64_t* starts,
@@ -1161,7 +1202,8 @@ void layer_step_cuda(int device, const float* u, float* const* params, int64_t P
          u, params, P, starts, sizes, chunk_start, nchunks, alpha);
 }
 
-void sync_update_cuda(int device, const float* x, const float* d, const uint8_t* floored, float* m, float* synced,
+void sync_update_cuda(int device, const float* x, const float* v, const float* eps, const float* dscale,
+                      const uint8_t* floored, float* m, float* synced,
                       float* const* params, float* acc, int64_t P, const int64_t* starts, const int64_t* sizes,
                       const int64_t* chunk_start, int64_t nchunks, const float* inv, bool precond, void* stream) {
   detail::check_segments("sync_update_cuda", P);
@@ -1169,7 +1211,7 @@ void sync_update_cuda(int device, const float* x, const float* d, const uint8_t*
   if (nchunks == 0) return;  // no values
   DeviceGuard guard(device);
   launch("sync_update_kernel", sync_update_kernel, grid_for(nchunks, 1), kThreads, static_cast<cudaStream_t>(stream),
-         x, d, floored, m, synced, params, acc, P, starts, sizes, chunk_start, nchunks, inv, precond);
+         x, v, eps, dscale, floored, m, synced, params, acc, P, starts, sizes, chunk_start, nchunks, inv, precond);
 }
 
 void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src, int64_t nbytes, void* stream) {

@@ -3,8 +3,10 @@
 Layers, each importing only the ones before it:
 
 - `checks`: argument checks (dtype, device, sizes, contiguity), each raising a
-  ``TypeError``/``ValueError`` that says what to pass instead; and `runs`:
-  [SignRuns][lightning_onebit.kernels.SignRuns], an exchange's result where it lies;
+  ``TypeError``/``ValueError`` that says what to pass instead; `runs`:
+  [SignRuns][lightning_onebit.kernels.SignRuns], an exchange's result where it lies; and
+  `denominator`: [Denominator][lightning_onebit.kernels.Denominator], the frozen variance's
+  ``sqrt(v) + eps`` that the kernels compute as they read ``v``;
 - `native`: the compiled module, its ops declared in one table (``native.OPS``: each entry's
   arguments and the tensors to check), one check of a call's tensors and one launcher that takes
   their pointers and adds the device and its current stream (CUDA) or the thread count (CPU);
@@ -37,6 +39,7 @@ from lightning_onebit.kernels.compression import (
     worker_compress,
     worker_update_error,
 )
+from lightning_onebit.kernels.denominator import Denominator
 from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA, on_device, use_native
 from lightning_onebit.kernels.reference import (
     finish_pending,
@@ -77,6 +80,7 @@ from lightning_onebit.kernels.updates import (
 __all__ = [
     "HAS_CPP",
     "HAS_CUDA",
+    "Denominator",
     "ExchangeSource",
     "LocalSource",
     "MomentumSource",

@@ -26,6 +26,7 @@ from lightning_onebit.kernels.checks import (
     check_tensor,
     check_verdict,
 )
+from lightning_onebit.kernels.denominator import Denominator
 from lightning_onebit.kernels.runs import SignRuns
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "Table",
     "check",
     "chunk_starts",
+    "denominator_args",
+    "denominator_coefs",
     "has_kernel",
     "launch",
     "module",
@@ -184,8 +187,9 @@ def _parse(token: str) -> tuple[str, str]:
 
 _COMPRESS = "error error_out #error bits bits.rows bits.stride prev_bits prev_scale{} pending scale"
 _COMPRESS_CPU, _COMPRESS_CUDA = _COMPRESS.format(":f"), _COMPRESS.format("") + " ws"
-_MOMENTUM = "exp_avg grads denom np starts sizes beta alpha base nx "
-_LOCAL = "exp_avg grads denom params acc np starts sizes beta alpha nwd nlr precond base nx "
+_MOMENTUM = "exp_avg grads exp_avg_sq eps dscale np starts sizes beta alpha base nx "
+_DENOM = "exp_avg_sq eps dscale"
+_LOCAL = f"exp_avg grads {_DENOM} params acc np starts sizes beta alpha nwd nlr precond base nx "
 _CHUNKS = "starts sizes chunk_start nchunks"
 _ROWS = "bits bits.rows bits.stride scales scales.stride"
 _ADAM = "lr beta1 ob1 beta2 ob2 eps wd update_variance"
@@ -224,15 +228,15 @@ OPS: dict[str, Op] = {
     "momentum_update_error": Op(cpu=_MOMENTUM + "error out #error rows scale:f", cuda=None),
     "local_update_error": Op(cpu=_LOCAL + "error out #error rows scale:f", cuda=None),
     "momentum_source": Op(
-        cpu="exp_avg grads denom out np starts sizes beta alpha",
-        cuda=f"exp_avg grads denom out np {_CHUNKS} beta alpha",
-        tensors="exp_avg:f32 out:f32 grad:f32s denom:f32",
+        cpu=f"exp_avg grads {_DENOM} out np starts sizes beta alpha",
+        cuda=f"exp_avg grads {_DENOM} out np {_CHUNKS} beta alpha",
+        tensors="exp_avg:f32 out:f32 grad:f32s exp_avg_sq:f32",
         skip_empty=True,
     ),
     "local_source": Op(
-        cpu="exp_avg grads denom params acc out np starts sizes beta alpha nwd nlr precond",
-        cuda=f"exp_avg grads denom params acc out np {_CHUNKS} beta alpha nwd nlr precond",
-        tensors="exp_avg:f32 denom:f32 out:f32 grad:f32s param:f32s acc:f32",
+        cpu=f"exp_avg grads {_DENOM} params acc out np starts sizes beta alpha nwd nlr precond",
+        cuda=f"exp_avg grads {_DENOM} params acc out np {_CHUNKS} beta alpha nwd nlr precond",
+        tensors="exp_avg:f32 exp_avg_sq:f32 out:f32 grad:f32s param:f32s acc:f32",
         skip_empty=True,
     ),
     "adam_update": Op(
@@ -243,30 +247,30 @@ OPS: dict[str, Op] = {
         skip_empty=True,
     ),
     "frozen_adam_update": Op(
-        cpu="exchanged exp_avg denom params np starts sizes nlr nlw precond",
-        cuda=f"ok exchanged exp_avg denom params np {_CHUNKS} nlr nlw precond",
-        tensors="exchanged:f32r exp_avg:f32 denom:f32 ok:ok",
+        cpu=f"exchanged exp_avg {_DENOM} params np starts sizes nlr nlw precond",
+        cuda=f"ok exchanged exp_avg {_DENOM} params np {_CHUNKS} nlr nlw precond",
+        tensors="exchanged:f32r exp_avg:f32 exp_avg_sq:f32 ok:ok",
         runs=True,
         skip_empty=True,
     ),
     "lamb_frozen_update": Op(
-        cpu=f"exchanged exp_avg denom exp_avg_sq_fresh params update np offsets {_LAMB} precond "
-        "stats",
-        cuda="ok exchanged exp_avg denom exp_avg_sq_fresh params update np offsets chunk_start "
-        f"nchunks {_LAMB} stats partials",
-        tensors="exchanged:f32r exp_avg:f32 denom:f32 exp_avg_sq_fresh:f32 update:f32 "
+        cpu="exchanged exp_avg exp_avg_sq dscale exp_avg_sq_fresh params update np offsets "
+        f"{_LAMB} precond stats",
+        cuda="ok exchanged exp_avg exp_avg_sq dscale exp_avg_sq_fresh params update np offsets "
+        f"chunk_start nchunks {_LAMB} precond stats partials",
+        tensors="exchanged:f32r exp_avg:f32 exp_avg_sq:f32 exp_avg_sq_fresh:f32 update:f32 "
         "param:f32s ok:ok",
         runs=True,
     ),
     "local_step": Op(
-        cpu="grads exp_avg denom acc params np starts sizes beta alpha wd nlr",
+        cpu=f"grads exp_avg {_DENOM} acc params np starts sizes beta alpha wd nlr",
         cuda=None,
-        tensors="exp_avg:f32 denom:f32 acc:f32 grad:f32s",
+        tensors="exp_avg:f32 exp_avg_sq:f32 acc:f32 grad:f32s",
     ),
     "sync_update": Op(
-        cpu="exchanged denom floored exp_avg synced params acc np starts sizes nl precond",
-        cuda=f"exchanged denom floored exp_avg synced params acc np {_CHUNKS} inv precond",
-        tensors="exchanged:f32r denom:f32 exp_avg:f32 synced:f32 acc:f32 floored:bool",
+        cpu=f"exchanged {_DENOM} floored exp_avg synced params acc np starts sizes nl precond",
+        cuda=f"exchanged {_DENOM} floored exp_avg synced params acc np {_CHUNKS} inv precond",
+        tensors="exchanged:f32r exp_avg_sq:f32 exp_avg:f32 synced:f32 acc:f32 floored:bool",
         runs=True,
         skip_empty=True,
     ),
@@ -392,6 +396,20 @@ def _array(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
         if device.type == "cuda"
         else torch.tensor(values, dtype=dtype)
     )
+
+
+def denominator_args(denom: Denominator | None) -> dict[str, Any]:
+    """A call's arguments for ``denom``: the values ``exp_avg_sq`` and ``dscale`` (``None``:
+    the address 0) and, where there is no denominator, ``eps`` (the address 0; otherwise
+    ``eps`` is a coefficient row, `denominator_coefs`)."""
+    if denom is None:
+        return {"exp_avg_sq": None, "eps": None, "dscale": None}
+    return {"exp_avg_sq": denom.exp_avg_sq, "dscale": denom.dscale}
+
+
+def denominator_coefs(denom: Denominator | None) -> dict[str, Sequence[float]]:
+    """A call's per-segment coefficient row for ``denom``: ``eps`` (none without one)."""
+    return {} if denom is None else {"eps": denom.eps}
 
 
 def segment_table(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_onebit.kernels import native
+from lightning_onebit.kernels.denominator import Denominator
 
 __all__ = [
     "compressed_args",
@@ -58,7 +59,7 @@ def momentum_source(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
@@ -70,19 +71,32 @@ def momentum_source(
     Args:
         exp_avg, out: the flat buffers read and written.
         grads: the segments' gradients (``None``: zeros).
-        denom: the flat divisor, or ``None`` (no division).
+        denom: the divisor ([Denominator][lightning_onebit.kernels.Denominator]), or ``None``
+            (no division).
         starts, sizes: each segment's first flat index and number of values.
         beta, alpha: per segment the factors of ``exp_avg`` and of the gradient.
     """
-    table = native.segment_table(starts, sizes, {"grads": grads}, {"beta": beta, "alpha": alpha})
-    native.launch("momentum_source", out.device, table, exp_avg=exp_avg, denom=denom, out=out)
+    table = native.segment_table(
+        starts,
+        sizes,
+        {"grads": grads},
+        {"beta": beta, "alpha": alpha, **native.denominator_coefs(denom)},
+    )
+    native.launch(
+        "momentum_source",
+        out.device,
+        table,
+        exp_avg=exp_avg,
+        **native.denominator_args(denom),
+        out=out,
+    )
 
 
 def local_source(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -97,7 +111,8 @@ def local_source(
     """The compiled ``local_source`` on checked tensors.
 
     Args:
-        exp_avg, denom, out: the flat buffers read and written.
+        exp_avg, out: the flat buffers read and written.
+        denom: the divisor ([Denominator][lightning_onebit.kernels.Denominator]).
         grads: the segments' gradients (``None``: zeros).
         params: the segments' parameters, or ``None`` (no decay term).
         acc: the flat accumulator, or ``None`` (no accumulator term).
@@ -105,9 +120,9 @@ def local_source(
         beta, alpha, lr, weight_decay: per segment the coefficients.
         preconditioned: the values divided by ``denom``.
     """
-    coefs = local_coefficients(beta, alpha, lr, weight_decay)
+    coefs = {**local_coefficients(beta, alpha, lr, weight_decay), **native.denominator_coefs(denom)}
     table = native.segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
-    native.launch("local_source", out.device, table, exp_avg=exp_avg, denom=denom, acc=acc, out=out,
+    native.launch("local_source", out.device, table, exp_avg=exp_avg, **native.denominator_args(denom), acc=acc, out=out,
            precond=bool(preconditioned))  # fmt: skip
 
 
@@ -115,7 +130,7 @@ def momentum_compress(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     starts: list[int],
     sizes: list[int],
     beta: list[float],
@@ -137,12 +152,22 @@ def momentum_compress(
         error, bits, scale, error_out, pending, prev_bits, prev_scale: as ``worker_compress``'s
             (checked by it).
     """
-    table = native.segment_table(starts, sizes, {"grads": grads}, {"beta": beta, "alpha": alpha})
+    table = native.segment_table(
+        starts,
+        sizes,
+        {"grads": grads},
+        {"beta": beta, "alpha": alpha, **native.denominator_coefs(denom)},
+    )
     compressed = compressed_args(starts=starts, sizes=sizes, error=error, bits=bits, scale=scale,
                              error_out=error_out, pending=pending, prev_bits=prev_bits,
                              prev_scale=prev_scale)  # fmt: skip
     native.launch(
-        "momentum_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom, **compressed
+        "momentum_compress",
+        exp_avg.device,
+        table,
+        exp_avg=exp_avg,
+        **native.denominator_args(denom),
+        **compressed,
     )
 
 
@@ -150,7 +175,7 @@ def local_compress(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     starts: list[int],
@@ -177,12 +202,12 @@ def local_compress(
         error, bits, scale, error_out, pending, prev_bits, prev_scale: as ``worker_compress``'s
             (checked by it).
     """
-    coefs = local_coefficients(beta, alpha, lr, weight_decay)
+    coefs = {**local_coefficients(beta, alpha, lr, weight_decay), **native.denominator_coefs(denom)}
     table = native.segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
     compressed = compressed_args(starts=starts, sizes=sizes, error=error, bits=bits, scale=scale,
                              error_out=error_out, pending=pending, prev_bits=prev_bits,
                              prev_scale=prev_scale)  # fmt: skip
-    native.launch("local_compress", exp_avg.device, table, exp_avg=exp_avg, denom=denom, acc=acc,
+    native.launch("local_compress", exp_avg.device, table, exp_avg=exp_avg, **native.denominator_args(denom), acc=acc,
            precond=bool(preconditioned), **compressed)  # fmt: skip
 
 
@@ -190,7 +215,7 @@ def momentum_update_error(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     starts: list[int],
     sizes: list[int],
     beta: list[float],
@@ -212,9 +237,14 @@ def momentum_update_error(
     Returns:
         The scale of the values read (``worker_update_error``'s).
     """
-    table = native.segment_table(starts, sizes, {"grads": grads}, {"beta": beta, "alpha": alpha})
+    table = native.segment_table(
+        starts,
+        sizes,
+        {"grads": grads},
+        {"beta": beta, "alpha": alpha, **native.denominator_coefs(denom)},
+    )
     return native.launch("momentum_update_error", exp_avg.device, table, exp_avg=exp_avg,
-                         denom=denom, base=starts[0], nx=sum(sizes), error=error, out=error_out,
+                         **native.denominator_args(denom), base=starts[0], nx=sum(sizes), error=error, out=error_out,
                          rows=rows, scale=scale)  # fmt: skip
 
 
@@ -222,7 +252,7 @@ def local_update_error(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     starts: list[int],
@@ -249,9 +279,9 @@ def local_update_error(
     Returns:
         The scale of the values read (``worker_update_error``'s).
     """
-    coefs = local_coefficients(beta, alpha, lr, weight_decay)
+    coefs = {**local_coefficients(beta, alpha, lr, weight_decay), **native.denominator_coefs(denom)}
     table = native.segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
     return native.launch("local_update_error", exp_avg.device, table, exp_avg=exp_avg,
-                         denom=denom, acc=acc, precond=bool(preconditioned), base=starts[0],
+                         **native.denominator_args(denom), acc=acc, precond=bool(preconditioned), base=starts[0],
                          nx=sum(sizes), error=error, out=error_out, rows=rows,
                          scale=scale)  # fmt: skip

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_onebit.kernels.denominator import Denominator
+
 __all__ = [
     "finish_pending",
     "reference_adam_update",
@@ -191,7 +193,7 @@ def _piece(t: torch.Tensor | Sequence[torch.Tensor], k: int, s: slice) -> torch.
 def reference_lamb_frozen_update(
     exchanged: torch.Tensor,
     exp_avg: torch.Tensor,
-    denom: torch.Tensor,
+    denom: Denominator,
     exp_avg_sq_fresh: torch.Tensor,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     update: torch.Tensor,
@@ -201,6 +203,7 @@ def reference_lamb_frozen_update(
     beta2: list[float],
     eps: list[float],
     weight_decay: list[float],
+    preconditioned: bool = False,
 ) -> torch.Tensor:
     """Pure-torch [`lamb_frozen_update`][lightning_onebit.kernels.updates.lamb_frozen_update] (same
     arguments, same results up to rounding).
@@ -211,8 +214,10 @@ def reference_lamb_frozen_update(
         if lo == hi:
             rows.append(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64, device=update.device))
             continue
-        x, m, d = exchanged[lo:hi], exp_avg[lo:hi], denom[lo:hi]
+        x, m, d = exchanged[lo:hi], exp_avg[lo:hi], denom.segment(k, lo, hi - lo)
         vf, u = exp_avg_sq_fresh[lo:hi], update[lo:hi]
+        if preconditioned:  # x was exchanged divided by d
+            x = torch.mul(x, d)
         m_new = x / scaling[k]
         g = (m_new - beta1[k] * m) / (1 - beta1[k])
         vf.mul_(beta2[k]).addcmul_(g, g, value=1 - beta2[k])
@@ -240,7 +245,7 @@ def reference_layer_step(
 def reference_momentum_source(
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
@@ -258,14 +263,14 @@ def reference_momentum_source(
             g = torch.zeros_like(out[s]) if grad[k] is None else grad[k].reshape(-1)
         torch.mul(exp_avg[s], b, out=out[s]).add_(g, alpha=a)
         if denom is not None:
-            out[s].div_(denom[s])
+            out[s].div_(denom.segment(k, lo, n))
 
 
 def reference_local_source(
     *,
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -289,25 +294,26 @@ def reference_local_source(
         else:
             g = torch.zeros_like(x) if grad[k] is None else grad[k].reshape(-1)
         torch.mul(exp_avg[s], b, out=x).add_(g, alpha=a)
+        d = denom.segment(k, lo, n)
         if preconditioned:
-            x.div_(denom[s])
+            x.div_(d)
             if param is not None and w > 0:
                 x.add_(_piece(param, k, s), alpha=w)
         elif param is not None and w > 0:
-            x.addcmul_(_piece(param, k, s), denom[s], value=w)
+            x.addcmul_(_piece(param, k, s), d, value=w)
         x.mul_(-r)
         if acc is not None:
             if preconditioned:
                 x.add_(acc[s])
             else:
-                x.addcmul_(acc[s], denom[s])
+                x.addcmul_(acc[s], d)
 
 
 def reference_local_step(
     *,
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     acc: torch.Tensor,
     params: list[torch.Tensor],
     starts: list[int],
@@ -331,7 +337,7 @@ def reference_local_step(
     for j, (p, g) in enumerate(zip(params, pieces, strict=True)):
         s = slice(starts[j], starts[j] + p.numel())
         exp_avg[s].mul_(beta[j]).add_(g, alpha=alpha[j])
-        u = torch.div(exp_avg[s], denom[s])
+        u = torch.div(exp_avg[s], denom.segment(j, starts[j], p.numel()))
         if weight_decay[j] > 0:
             u.add_(p.detach().reshape(-1).to(torch.float32), alpha=weight_decay[j])
         acc[s].add_(u, alpha=-lr[j])
@@ -342,7 +348,7 @@ def reference_local_step(
 def reference_sync_update(
     *,
     exchanged: torch.Tensor,
-    denom: torch.Tensor,
+    denom: Denominator,
     exp_avg: torch.Tensor,
     synced: torch.Tensor,
     floored: torch.Tensor | None,
@@ -354,10 +360,11 @@ def reference_sync_update(
 ) -> None:
     """Pure-torch [`sync_update`][lightning_onebit.kernels.updates.sync_update] (same arguments; 0/1
     Adam's torch ops, bit for bit on x86 CPUs)."""
-    for p, lo, total in zip(params, starts, lrs, strict=True):
+    for j, (p, lo, total) in enumerate(zip(params, starts, lrs, strict=True)):
         s = slice(lo, lo + p.numel())
+        d = denom.segment(j, lo, p.numel())
         if preconditioned:
-            torch.mul(exchanged[s], denom[s], out=exp_avg[s])
+            torch.mul(exchanged[s], d, out=exp_avg[s])
             src = exp_avg[s]
         else:
             src = exchanged[s]
@@ -370,7 +377,7 @@ def reference_sync_update(
         if preconditioned:
             synced[s].add_(exchanged[s])
         else:
-            synced[s].addcdiv_(exchanged[s], denom[s])
+            synced[s].addcdiv_(exchanged[s], d)
         if acc is not None:
             acc[s].zero_()
         p.copy_(synced[s].view_as(p))
@@ -380,7 +387,7 @@ def reference_frozen_adam_update(
     ok: torch.Tensor | None,
     exchanged: torch.Tensor,
     exp_avg: torch.Tensor,
-    denom: torch.Tensor,
+    denom: Denominator,
     params: list[torch.Tensor],
     starts: list[int],
     lr: list[float],
@@ -391,9 +398,10 @@ def reference_frozen_adam_update(
     arguments; with a verdict the step is computed aside and kept with ``torch.where``, no host read
     of ``ok``; without one, ``None``, in place). Its floats are the optimizers' torch ops', bit for
     bit on the CPU."""
-    for p, lo, a, w in zip(params, starts, lr, weight_decay, strict=True):
+    for j, (p, lo, a, w) in enumerate(zip(params, starts, lr, weight_decay, strict=True)):
         s = slice(lo, lo + p.numel())
-        m_new = torch.mul(exchanged[s], denom[s]) if preconditioned else exchanged[s]
+        d = denom.segment(j, lo, p.numel())
+        m_new = torch.mul(exchanged[s], d) if preconditioned else exchanged[s]
         if ok is None:
             exp_avg[s].copy_(m_new)
         else:
@@ -406,7 +414,7 @@ def reference_frozen_adam_update(
         if preconditioned:
             torch._foreach_add_([q], [x], alpha=-a)
         else:
-            torch._foreach_addcdiv_([q], [x], [denom[s].view_as(p)], value=-a)
+            torch._foreach_addcdiv_([q], [x], [d.view_as(p)], value=-a)
         if ok is not None:
             p.copy_(torch.where(ok, q, p))
 

@@ -17,6 +17,7 @@ import torch
 
 from lightning_onebit.kernels import native, native_sources
 from lightning_onebit.kernels.checks import check_per_segment, check_segments
+from lightning_onebit.kernels.denominator import Denominator, denominator_checks
 from lightning_onebit.kernels.reference import reference_local_source, reference_momentum_source
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
 def momentum_source(
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
@@ -44,7 +45,11 @@ def momentum_source(
     value, with its coefficients::
 
         out = beta * exp_avg + alpha * grad         (as torch.mul(m, beta).add_(g, alpha=alpha))
-        out = out / denom                           (only where denom is given)
+        out = out / d                               (only where denom is given)
+
+    where ``d = sqrt(v) + eps`` (times a per-segment scale where given) is computed from the
+    variance as the kernel reads it ([Denominator][lightning_onebit.kernels.Denominator]: no
+    buffer of ``d``), with the floats of torch's ``sqrt``, ``mul_`` and ``add_``.
 
     The gradient is a flat buffer indexed like the others, or one tensor per segment: each
     parameter's ``.grad`` where autograd left it, so that nothing copies the gradients into a
@@ -64,7 +69,9 @@ def momentum_source(
         grad: like them (a flat buffer), or a sequence with one entry per segment: ``None``
             (zeros) or a float32 contiguous tensor of ``sizes[k]`` values (any shape) on their
             device.
-        denom: like ``exp_avg``, or ``None`` (no division).
+        denom: a [Denominator][lightning_onebit.kernels.Denominator] of the call's segments
+            (its ``exp_avg_sq`` like ``exp_avg``, one ``eps`` per segment), or ``None`` (no
+            division).
         starts, sizes: each segment's first flat index and number of values.
         beta, alpha: one value per segment (rounded to float32).
 
@@ -80,7 +87,7 @@ def momentum_source(
 def _run_momentum_source(
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     out: torch.Tensor,
     starts: list[int],
     sizes: list[int],
@@ -100,7 +107,7 @@ def _run_momentum_source(
 def _check_momentum_source(
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor | None,
+    denom: Denominator | None,
     out: torch.Tensor | None,
     starts: list[int],
     sizes: list[int],
@@ -109,9 +116,10 @@ def _check_momentum_source(
 ) -> list[torch.Tensor | None]:
     """[`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s checks of its
     arguments; returns the gradient as one entry per segment."""
+    variance, per_segment = denominator_checks(denom, required=False)
     device, named = native.check("momentum_source", exp_avg=exp_avg, out=out, grad=grad,
-                                 denom=denom)  # fmt: skip
-    check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha})
+                                 exp_avg_sq=variance)  # fmt: skip
+    check_segments(named, starts, {"sizes": sizes, "beta": beta, "alpha": alpha, **per_segment})
     return check_per_segment("grad", grad, starts, sizes, device, missing=True)
 
 
@@ -266,7 +274,7 @@ class MomentumSource(_KernelSource):
 
     exp_avg: torch.Tensor
     grad: torch.Tensor | Sequence[torch.Tensor | None]
-    denom: torch.Tensor | None
+    denom: Denominator | None
     out: torch.Tensor | Callable[[], torch.Tensor]
     starts: list[int]
     sizes: list[int]
@@ -319,7 +327,7 @@ def local_source(
     *,
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -337,17 +345,20 @@ def local_source(
     ``weight_decay[k]``. Per value, as the optimizer's torch ops::
 
         x = beta * exp_avg + alpha * grad           (torch.mul(m, beta).add_(g, alpha=alpha))
-        preconditioned: x = x / denom + weight_decay * param
-        otherwise:      x = x + weight_decay * param * denom        (addcmul_)
+        preconditioned: x = x / d + weight_decay * param
+        otherwise:      x = x + weight_decay * param * d            (addcmul_)
         x = -lr * x
-        preconditioned: out = x + acc;  otherwise: out = x + acc * denom  (addcmul_)
+        preconditioned: out = x + acc;  otherwise: out = x + acc * d  (addcmul_)
+
+    ``d = sqrt(v) + eps`` (times a per-segment scale where given) is computed from the variance as
+    the kernel reads it ([Denominator][lightning_onebit.kernels.Denominator]: no buffer of ``d``).
 
     The decay term is taken where ``param`` is given and ``weight_decay > 0``, the accumulator's
     where ``acc`` is given. One sweep (reads 3-5 buffers, writes one) where the torch ops make five
     or more, writing torch's floats bit for bit on the same device: on the CPU the C++ kernel
     (torch's CPU ``add`` with ``alpha`` and ``addcmul_`` are fused multiply-adds on x86, which the
     kernel does too), on CUDA the CUDA kernel on the current stream (no host synchronisation), with
-    the roundings of torch's CUDA kernels (its ``addcmul_`` rounds ``param * denom`` before the
+    the roundings of torch's CUDA kernels (its ``addcmul_`` rounds ``param * d`` before the
     fused multiply-add with ``weight_decay``). Both kernels read each segment's gradient and
     parameter from its own pointer: nothing is copied into a flat buffer first. Without a compiled
     kernel for the device the torch ops themselves run
@@ -357,13 +368,14 @@ def local_source(
         exp_avg, out: float32, contiguous, one device, covering every segment.
         grad: like them (a flat buffer), or one entry per segment (``None``: zeros), as
             [`momentum_source`][lightning_onebit.kernels.sources.momentum_source]'s.
-        denom: like ``exp_avg``: ``sqrt(v) + eps``.
+        denom: a [Denominator][lightning_onebit.kernels.Denominator] of the call's segments
+            (its ``exp_avg_sq`` like ``exp_avg``, one ``eps`` per segment).
         param: like ``exp_avg``, or one tensor per segment (no ``None`` entries), each
             parameter where it lies; ``None``: no decay terms.
         acc: like ``exp_avg`` (the momentum accumulator), or ``None``: no accumulator term.
         starts, sizes: each segment's first flat index and number of values.
         beta, alpha, lr, weight_decay: one value per segment (rounded to float32).
-        preconditioned: the formula's preconditioned form (the values divided by ``denom``).
+        preconditioned: the formula's preconditioned form (the values divided by ``d``).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
@@ -382,7 +394,7 @@ def _check_local_source(
     *,
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor | None,
@@ -395,10 +407,11 @@ def _check_local_source(
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None] | None]:
     """[`local_source`][lightning_onebit.kernels.sources.local_source]'s checks of its arguments;
     returns the gradient and the parameter (or ``None``) as one entry per segment."""
-    device, named = native.check("local_source", exp_avg=exp_avg, denom=denom, out=out,
+    variance, eps = denominator_checks(denom)
+    device, named = native.check("local_source", exp_avg=exp_avg, exp_avg_sq=variance, out=out,
                                  grad=grad, param=param, acc=acc)  # fmt: skip
     per_segment = {"sizes": sizes, "beta": beta, "alpha": alpha, "lr": lr,
-                   "weight_decay": weight_decay}  # fmt: skip
+                   "weight_decay": weight_decay, **eps}  # fmt: skip
     check_segments(named, starts, per_segment)
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
     params = None if param is None else check_per_segment("param", param, starts, sizes, device)
@@ -409,7 +422,7 @@ def _run_local_source(
     *,
     exp_avg: torch.Tensor,
     grads: list[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     params: list[torch.Tensor | None] | None,
     acc: torch.Tensor | None,
     out: torch.Tensor,
@@ -450,7 +463,7 @@ class LocalSource(_KernelSource):
 
     exp_avg: torch.Tensor
     grad: torch.Tensor | Sequence[torch.Tensor | None]
-    denom: torch.Tensor
+    denom: Denominator
     param: torch.Tensor | Sequence[torch.Tensor] | None
     acc: torch.Tensor | None
     out: torch.Tensor | Callable[[], torch.Tensor]

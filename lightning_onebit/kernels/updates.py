@@ -18,6 +18,7 @@ import torch
 from lightning_onebit.kernels import native
 from lightning_onebit.kernels.checks import check_params_fit, check_per_segment, check_segments
 from lightning_onebit.kernels.compression import decode_runs
+from lightning_onebit.kernels.denominator import Denominator, denominator_checks
 from lightning_onebit.kernels.reference import (
     reference_adam_update,
     reference_frozen_adam_update,
@@ -153,7 +154,7 @@ def frozen_adam_update(
     ok: torch.Tensor | None,
     exchanged: torch.Tensor | SignRuns,
     exp_avg: torch.Tensor,
-    denom: torch.Tensor,
+    denom: Denominator,
     params: list[torch.Tensor],
     starts: list[int],
     lr: list[float],
@@ -163,8 +164,9 @@ def frozen_adam_update(
     """1-bit Adam's compression-phase step after the exchange, written only if ``ok``.
 
     Parameter ``j`` holds the flat values ``starts[j]:starts[j] + params[j].numel()`` of
-    ``exchanged`` (``x``, the exchange's result), ``exp_avg`` (``m``) and ``denom``
-    (``d = sqrt(v) + eps`` of the frozen variance); per value::
+    ``exchanged`` (``x``, the exchange's result), ``exp_avg`` (``m``) and the frozen variance of
+    ``denom`` (a [Denominator][lightning_onebit.kernels.Denominator] with one ``eps`` per
+    parameter: ``d = sqrt(v) + eps``, computed as the kernel reads ``v``); per value::
 
         m <- x * d,  dir = x          (preconditioned: x is m / d)
         m <- x,      dir = x / d      (otherwise)
@@ -182,10 +184,12 @@ def frozen_adam_update(
     ``torch.where``, without a host read).
     """
     runs = exchanged if isinstance(exchanged, SignRuns) else None
-    args = {"exchanged": exchanged, "exp_avg": exp_avg, "denom": denom}
+    variance, eps = denominator_checks(denom)
+    args = {"exchanged": exchanged, "exp_avg": exp_avg, "exp_avg_sq": variance}
     device, named = native.check("frozen_adam_update", **args, ok=ok)
     n = len(params)
-    for name, vals in (("starts", starts), ("lr", lr), ("weight_decay", weight_decay)):
+    per_param = (("starts", starts), ("lr", lr), ("weight_decay", weight_decay), *eps.items())
+    for name, vals in per_param:
         if len(vals) != n:
             raise ValueError(f"{name} must have one value per parameter ({n}), got {len(vals)}")
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
@@ -205,8 +209,11 @@ def frozen_adam_update(
         # CPU +0.0 (no decay step at all) where weight_decay is not positive, as it skips it
         cuda = device.type == "cuda"
         nlw = [-a * w if w > 0 or cuda else 0.0 for a, w in zip(lr, weight_decay, strict=True)]
-        table = native.param_table(params, starts, {"nlr": [-a for a in lr], "nlw": nlw})
-        native.launch("frozen_adam_update", device, table, ok=ok, **args, precond=preconditioned)
+        coefs = {"nlr": [-a for a in lr], "nlw": nlw, **native.denominator_coefs(denom)}
+        table = native.param_table(params, starts, coefs)
+        native.launch("frozen_adam_update", device, table, ok=ok, exchanged=exchanged,
+                      exp_avg=exp_avg, **native.denominator_args(denom),
+                      precond=preconditioned)  # fmt: skip
         for p in params:  # written through raw pointers: see adam_update
             torch.autograd.graph.increment_version(p)
         return
@@ -220,7 +227,7 @@ def frozen_adam_update(
 def lamb_frozen_update(
     exchanged: torch.Tensor | SignRuns,
     exp_avg: torch.Tensor,
-    denom: torch.Tensor,
+    denom: Denominator,
     exp_avg_sq_fresh: torch.Tensor,
     param: torch.Tensor | Sequence[torch.Tensor] | None,
     update: torch.Tensor,
@@ -236,8 +243,9 @@ def lamb_frozen_update(
     """1-bit LAMB's compression-phase update after the exchange: one sweep over flat buffers.
 
     Layer ``k`` holds the values ``offsets[k]:offsets[k + 1]``; per value, with that layer's
-    hyperparameters (``x = exchanged``, ``m = exp_avg``, ``d = denom = sqrt(v) + eps`` of the
-    frozen variance, ``v_fresh = exp_avg_sq_fresh``, ``p = param``, ``u = update``)::
+    hyperparameters (``x = exchanged``, ``m = exp_avg``, ``d = sqrt(v) + eps`` of the frozen
+    variance, computed from ``denom`` as the kernel reads ``v``, ``v_fresh = exp_avg_sq_fresh``,
+    ``p = param``, ``u = update``)::
 
         m_new = x / scaling                     # the exchanged momentum, unscaled
                                                 # (preconditioned: (x * d) / scaling)
@@ -257,10 +265,12 @@ def lamb_frozen_update(
     ([`reference_lamb_frozen_update`][lightning_onebit.kernels.reference.reference_lamb_frozen_update]).
 
     Args:
-        exchanged, exp_avg, denom, exp_avg_sq_fresh, update: float32, contiguous, one device,
+        exchanged, exp_avg, exp_avg_sq_fresh, update: float32, contiguous, one device,
             at least ``offsets[-1]`` values each; ``exchanged`` may be
             [`SignRuns`][lightning_onebit.kernels.runs.SignRuns] holding every layer's values (CPU
             buffers).
+        denom: a [Denominator][lightning_onebit.kernels.Denominator] of the layers (its
+            ``exp_avg_sq`` like ``exp_avg``), its ``eps`` the layers' ``eps``.
         param: like them (a flat buffer), or one float32 contiguous tensor per layer of its
             ``offsets[k + 1] - offsets[k]`` values (any shape) on their device: each layer's
             parameter where it lies, read by both kernels from its own pointer, so that
@@ -269,9 +279,7 @@ def lamb_frozen_update(
         offsets: ``L + 1`` non-decreasing offsets.
         scaling, beta1, beta2, eps, weight_decay: ``L`` values each (``0 <= beta < 1``).
         preconditioned: ``x`` was exchanged divided by ``d``: the call scales it back first,
-            ``x * d`` rounded to float32, the floats of ``exchanged.mul_(denom)`` before the
-            call. The CPU kernel does it as it reads ``x`` (``exchanged`` unchanged, one sweep
-            less); elsewhere ``exchanged`` is multiplied in place first.
+            ``x * d`` rounded to float32, as it reads ``x`` (``exchanged`` unchanged).
         ok: ``None``, or a one-element bool tensor on the buffers' device (an exchange's
             verdict, see [`CompressedAllreduce`][lightning_onebit.comm.flat.CompressedAllreduce]):
             when it is false the call writes ``u = 0`` and statistics ``1, 0, 0`` and leaves ``m``
@@ -280,9 +288,10 @@ def lamb_frozen_update(
             on the host.
     """
     runs = exchanged if isinstance(exchanged, SignRuns) else None
+    variance, _ = denominator_checks(denom)
     device, named = native.check("lamb_frozen_update", exchanged=exchanged, exp_avg=exp_avg,
-                                 denom=denom, exp_avg_sq_fresh=exp_avg_sq_fresh, update=update,
-                                 param=param, ok=ok)  # fmt: skip
+                                 exp_avg_sq=variance, exp_avg_sq_fresh=exp_avg_sq_fresh,
+                                 update=update, param=param, ok=ok)  # fmt: skip
     n_layers = len(offsets) - 1
     if n_layers < 0 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError("offsets must be L + 1 non-decreasing values")
@@ -295,6 +304,8 @@ def lamb_frozen_update(
     for name, vals in (*hp.items(), ("weight_decay", weight_decay)):
         if len(vals) != n_layers:
             raise ValueError(f"{name} must have one value per layer ({n_layers}), got {len(vals)}")
+    if denom.eps != [float(e) for e in eps]:
+        raise ValueError("denom.eps must be the layers' eps (the kernel computes d with them)")
     if param is None and any(w != 0 for w in weight_decay):
         raise ValueError("param is required when a weight_decay is non-zero")
     starts, sizes = offsets[:-1], [b - a for a, b in itertools.pairwise(offsets)]
@@ -309,10 +320,6 @@ def lamb_frozen_update(
         stats = torch.zeros(n_layers, 3, dtype=torch.float64, device=device)
         stats[:, 0] = 1.0
         return stats
-    fold = device.type == "cpu" and native.use_native()
-    if preconditioned and not fold:  # the CPU kernel scales x back as it reads it
-        n = offsets[-1] if offsets else 0
-        exchanged[:n].mul_(denom[:n])
     if not native.use_native() or (device.type == "cuda" and not native.HAS_CUDA):
         return reference_lamb_frozen_update(
             exchanged,
@@ -324,6 +331,7 @@ def lamb_frozen_update(
             offsets,
             **hp,
             weight_decay=weight_decay,
+            preconditioned=preconditioned,
         )
     ob1, ob2 = [1 - b for b in beta1], [1 - b for b in beta2]  # in double, then rounded
     coefs = {"scaling": scaling, "beta1": beta1, "ob1": ob1, "beta2": beta2, "ob2": ob2}
@@ -332,7 +340,8 @@ def lamb_frozen_update(
     stats = torch.empty(n_layers, 3, dtype=torch.float64, device=device)
     if n_layers:
         native.launch("lamb_frozen_update", device, table, ok=ok, exchanged=exchanged,
-                      exp_avg=exp_avg, denom=denom, exp_avg_sq_fresh=exp_avg_sq_fresh,
+                      exp_avg=exp_avg, exp_avg_sq=variance, dscale=denom.dscale,
+                      exp_avg_sq_fresh=exp_avg_sq_fresh,
                       update=update, precond=preconditioned, stats=stats)  # fmt: skip
     return stats
 
@@ -385,7 +394,7 @@ def local_step(
     *,
     exp_avg: torch.Tensor,
     grad: torch.Tensor | Sequence[torch.Tensor | None],
-    denom: torch.Tensor,
+    denom: Denominator,
     acc: torch.Tensor,
     params: list[torch.Tensor],
     starts: list[int],
@@ -401,7 +410,7 @@ def local_step(
     the optimizer's torch ops::
 
         exp_avg = beta * exp_avg + alpha * grad       (mul_(beta).add_(g, alpha=alpha))
-        u = exp_avg / denom + weight_decay * p        (the decay only where weight_decay > 0)
+        u = exp_avg / d + weight_decay * p            (the decay only where weight_decay > 0)
         acc = acc - lr * u;  p = p - lr * u
 
     The gradient is a flat buffer or one tensor per parameter (``None``: zeros), as
@@ -412,8 +421,10 @@ def local_step(
     ([`reference_local_step`][lightning_onebit.kernels.reference.reference_local_step]).
 
     Args:
-        exp_avg, denom, acc: float32, contiguous, one device, covering every parameter: the
-            momentum, ``sqrt(v) + eps`` and the momentum accumulator.
+        exp_avg, acc: float32, contiguous, one device, covering every parameter: the
+            momentum and the momentum accumulator.
+        denom: a [Denominator][lightning_onebit.kernels.Denominator] with one ``eps`` per
+            parameter: ``d = sqrt(v) + eps``, computed as the kernel reads ``v``.
         grad: like them (a flat buffer), or one entry per parameter (``None``: zeros).
         params: the parameters, updated in place.
         starts: each parameter's first flat index.
@@ -424,10 +435,12 @@ def local_step(
             parameter that does not fit or a gradient of another size; coefficient lists of
             other lengths.
     """
-    device, named = native.check("local_step", exp_avg=exp_avg, denom=denom, acc=acc, grad=grad)
+    variance, eps = denominator_checks(denom)
+    device, named = native.check("local_step", exp_avg=exp_avg, exp_avg_sq=variance, acc=acc,
+                                 grad=grad)  # fmt: skip
     sizes = [p.numel() for p in params]
     per_segment = {"sizes": sizes, "beta": beta, "alpha": alpha, "lr": lr,
-                   "weight_decay": weight_decay}  # fmt: skip
+                   "weight_decay": weight_decay, **eps}  # fmt: skip
     check_segments(named, starts, per_segment)
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     grads = check_per_segment("grad", grad, starts, sizes, device, missing=True)
@@ -441,9 +454,11 @@ def local_step(
                                     weight_decay=weight_decay)  # fmt: skip
     # the decay's factor (+0.0: none, as the torch ops skip it) and -lr, rounded from double
     wd = [w if w > 0 else 0.0 for w in weight_decay]
-    coefs = {"beta": beta, "alpha": alpha, "wd": wd, "nlr": [-a for a in lr]}
+    coefs = {"beta": beta, "alpha": alpha, "wd": wd, "nlr": [-a for a in lr],
+             **native.denominator_coefs(denom)}  # fmt: skip
     table = native.segment_table(starts, sizes, {"grads": grads, "params": params}, coefs)
-    ran = native.launch("local_step", device, table, exp_avg=exp_avg, denom=denom, acc=acc)
+    ran = native.launch("local_step", device, table, exp_avg=exp_avg,
+                        **native.denominator_args(denom), acc=acc)  # fmt: skip
     if not ran:
         return False
     for p in params:  # written through raw pointers: see adam_update
@@ -454,7 +469,7 @@ def local_step(
 def sync_update(
     *,
     exchanged: torch.Tensor | SignRuns,
-    denom: torch.Tensor,
+    denom: Denominator,
     exp_avg: torch.Tensor,
     synced: torch.Tensor,
     floored: torch.Tensor | None,
@@ -467,9 +482,9 @@ def sync_update(
     """0/1 Adam's update after a sync step's exchange, one sweep over flat buffers. Parameter
     ``j``'s values start at ``starts[j]``. Per value, as the optimizer's torch ops::
 
-        exp_avg = (exchanged * denom if preconditioned else exchanged) / -lrs
+        exp_avg = (exchanged * d if preconditioned else exchanged) / -lrs
                   (0 where lrs <= 0, or floored is true: masked_fill_)
-        synced += exchanged if preconditioned else exchanged / denom     (add_, addcdiv_)
+        synced += exchanged if preconditioned else exchanged / d         (add_, addcdiv_)
         p = synced;  acc = 0  (where acc is given)
 
     One sweep where the torch ops make five or more, writing torch's floats bit for bit on the
@@ -485,7 +500,9 @@ def sync_update(
         exchanged: the averaged accumulator, read only: float32, contiguous, covering every
             parameter; or [`SignRuns`][lightning_onebit.kernels.runs.SignRuns] holding every
             parameter's values (CPU buffers).
-        denom: like it (a tensor): ``sqrt(v) + eps``.
+        denom: a [Denominator][lightning_onebit.kernels.Denominator] with one ``eps`` per
+            parameter (its ``exp_avg_sq`` like ``exchanged``): ``d = sqrt(v) + eps``, computed as
+            the kernel reads ``v``.
         exp_avg: like it: the momentum, written.
         synced: like it: the synchronised parameters (fp32), written.
         floored: bool, contiguous, as long: where the momentum is 0; or ``None``.
@@ -493,17 +510,21 @@ def sync_update(
         params: the parameters, written.
         starts: each parameter's first flat index.
         lrs: per parameter the learning rate summed since the last sync.
-        preconditioned: ``exchanged`` is in parameter units (divided by ``denom``).
+        preconditioned: ``exchanged`` is in parameter units (divided by ``d``).
 
     Raises:
         TypeError, ValueError: a tensor of another dtype, not contiguous, on another device,
             or a parameter that does not fit; ``lrs`` of another length.
     """
-    args = {"exchanged": exchanged, "denom": denom, "exp_avg": exp_avg, "synced": synced}
+    variance, eps = denominator_checks(denom)
+    args = {"exchanged": exchanged, "exp_avg": exp_avg, "synced": synced}
     runs = exchanged if isinstance(exchanged, SignRuns) else None
-    device, named = native.check("sync_update", **args, acc=acc, floored=floored)
-    if len(starts) != len(params) or len(lrs) != len(params):
-        raise ValueError(f"starts and lrs must have one value per parameter ({len(params)})")
+    device, named = native.check("sync_update", **args, exp_avg_sq=variance, acc=acc,
+                                 floored=floored)  # fmt: skip
+    if len(starts) != len(params) or len(lrs) != len(params) or len(eps["eps"]) != len(params):
+        raise ValueError(
+            f"starts, lrs and denom.eps must have one value per parameter ({len(params)})"
+        )
     check_params_fit(params, starts, min(t.numel() for _, t in named), device)
     if runs is not None:
         runs.check_covers([(a, a + p.numel()) for a, p in zip(starts, params, strict=True)], device)
@@ -522,9 +543,10 @@ def sync_update(
         coefs = {"inv": [1.0 / -a if a > 0 else 0.0 for a in lrs]}
     else:
         coefs = {"nl": [-a if a > 0 else 0.0 for a in lrs]}
+    coefs.update(native.denominator_coefs(denom))
     table = native.param_table(params, starts, coefs, pointers=direct)
-    native.launch("sync_update", device, table, **args, acc=acc, floored=floored,
-                  precond=preconditioned)  # fmt: skip
+    native.launch("sync_update", device, table, **args, **native.denominator_args(denom),
+                  acc=acc, floored=floored, precond=preconditioned)  # fmt: skip
     if direct:
         for p in params:  # written through raw pointers: see adam_update
             torch.autograd.graph.increment_version(p)

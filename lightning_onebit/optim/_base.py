@@ -375,7 +375,6 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         self._rebuild_if_stale()
         self._held.release(self)  # the switch step's: before the state changes meaning
         self.phases.switch()
-        self.flat.stale_denominator()  # v changed until now
         if self.rescale.enabled:  # Adam's variance as it stands: before the fold and floor
             bc2 = [
                 bias_corrections(self, gi, j)[1] for j, gi in enumerate(self.flat.layout.group_of)

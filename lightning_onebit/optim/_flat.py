@@ -92,7 +92,7 @@ class FlatState:
     ``states`` (flat per-parameter states, e.g. ``exp_avg``), ``scalars`` (one value per
     parameter), ``work`` (scratch), ``grad`` and ``param`` (fp32 copies of the
     gradients and parameters), ``views`` (per-parameter views of each, by name, ``"grad"``
-    and ``"param"`` included), ``denominator`` (a cache of the algorithms'), ``exchange``;
+    and ``"param"`` included), ``exchange``;
     ``build``, ``release_scratch``, ``intact``, ``fit_exchange``,
     ``release_exchange``,
     ``exchange_state``, ``load_exchange_state``; ``segments``,
@@ -120,10 +120,6 @@ class FlatState:
         #: parameters whose gradients are in ``grad`` already this step
         #: (``gather_grads`` adds them; emptied when the step, or the overlap's round, ends)
         self.gathered: set[int] = set()
-        #: ``(sqrt(v) + eps, its views, the eps it was made with)`` while ``v`` is frozen (eps
-        #: ``None``: out of date, see ``stale_denominator``); ``None``: to be computed
-        #: afresh (dropped at every rebuild)
-        self.denominator: tuple[torch.Tensor, list[torch.Tensor], list[float] | None] | None = None
         self.exchange: CompressedAllreduce | BucketedAllreduce | None = None
         #: a loaded exchange state the next ``fit_exchange`` applies (``"reset"``: zeros)
         self.pending_exchange: dict[str, Any] | str | None = None
@@ -207,7 +203,6 @@ class FlatState:
         self._scratch_names = ("grad", "param", *work_buffers)
         self.work = _Work(self, work_buffers)
         self.views = _Views(self, views)
-        self.denominator = None
 
     def add_states(self, names: tuple[str, ...], state: dict[Any, dict[str, Any]]) -> None:
         """Make the flat states ``names`` not made yet (zeros), each parameter's
@@ -259,12 +254,6 @@ class FlatState:
                 dict.pop(self.views, name, None)
             self._scratch = {}
             self.gathered.clear()  # gathered into the buffer let go
-
-    def stale_denominator(self) -> None:
-        """Mark ``denominator`` out of date (the variance, or its scales, changed): the next
-        use recomputes it, into the same buffer while the layout holds."""
-        if self.denominator is not None:
-            self.denominator = (*self.denominator[:2], None)
 
     def intact(self, param_groups: list[Group], state: dict[Any, dict[str, Any]]) -> bool:
         """Whether the built layout still holds: the same trainable parameters on its device,

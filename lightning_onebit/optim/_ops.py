@@ -1,6 +1,6 @@
 """The building blocks the algorithms' ``_step`` is written in, functions of the optimizer: the
 two averages (full precision and 1-bit), the NaN/Inf checks, Adam's direction and step, the
-frozen variance's denominator and its rescaling, and the decoupled update. They use the
+frozen variance's denominator (with its rescaling), and the decoupled update. They use the
 optimizer's public attributes and composed objects (``flat``, ``verdict``, ``counters``,
 ``topology``, ``overlap``), nothing else of it."""
 
@@ -20,6 +20,7 @@ from lightning_onebit.comm import (
     start_average,
 )
 from lightning_onebit.kernels import (
+    Denominator,
     ExchangeSource,
     SignRuns,
     TensorSource,
@@ -46,6 +47,7 @@ __all__ = [
     "decoupled_decay",
     "decoupled_update_",
     "denominator",
+    "denominator_into",
     "finite",
     "finite_on_device",
     "fp32_param",
@@ -299,52 +301,56 @@ def fp32_param(p: torch.Tensor) -> torch.Tensor:
     return p.detach().to(torch.float32, memory_format=torch.contiguous_format)
 
 
-def denominator(opt: OneBitOptimizer) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``sqrt(exp_avg_sq) + eps`` (and its per-parameter views), computed once while the
-    variance stays frozen: two sweeps fewer per step. Dropped when the layout or the state
-    is rebuilt (``_rebuild_if_stale``, ``load_state_dict``), eps changes, or ``rescale_variance``
-    moved a tensor's scale (then ``sqrt(v * r_j) + eps``, see ``VarianceRescale``)."""
-    eps = [group["eps"] for group in opt.param_groups]
-    cache = opt.flat.denominator
-    if cache is None or cache[2] != eps:
-        v = opt.flat.states["exp_avg_sq"]
-        if cache is None:  # dropped at every rebuild of the layout
-            d = torch.empty_like(v)
-            views = opt.flat.layout.views(d)
-        else:  # out of date (FlatState.stale_denominator, another eps): recomputed in place
-            d, views = cache[0], cache[1]
-        torch.sqrt(v, out=d)
-        r = opt.rescale.scales(opt.flat)
-        if r is not None:  # tensor j times sqrt(r_j): a float32 multiply per value, no host read
-            for dj, sj in zip(views, r.sqrt().unbind(), strict=True):
-                dj.mul_(sj)
-        for _, group, s in opt.flat.segments(opt.param_groups):
-            d[s].add_(group["eps"])
-        cache = opt.flat.denominator = (d, views, eps)
-    return cache[0], cache[1]
+def denominator(opt: OneBitOptimizer, idx: list[int] | None = None) -> Denominator:
+    """The frozen variance's ``sqrt(exp_avg_sq) + eps`` of the parameters ``idx`` (consecutive
+    layout indices; default: all), as the kernels take it: the flat variance and, per parameter,
+    its group's ``eps`` and, where ``rescale_variance`` moved the tensors' scales, ``sqrt(r_j)``
+    (then ``sqrt(v) * sqrt(r_j) + eps``, see ``VarianceRescale``; a float32 tensor on the
+    device, no host read). The kernels compute ``d`` as they read ``v``: no buffer of it is
+    held, and it always follows the variance, its scales and ``eps`` as they are now."""
+    flat = opt.flat
+    layout = flat.layout
+    idx = list(range(len(layout.params))) if idx is None else idx
+    eps = [opt.param_groups[layout.group_of[j]]["eps"] for j in idx]
+    r = opt.rescale.scales(flat)
+    dscale = None
+    if r is not None and idx:
+        if idx != list(range(idx[0], idx[-1] + 1)):
+            raise ValueError("denominator() takes consecutive layout indices")
+        dscale = r[idx[0] : idx[-1] + 1].sqrt()
+    return Denominator(flat.states["exp_avg_sq"], eps, dscale)
 
 
-def decoupled_update_(
-    opt: OneBitOptimizer, x: torch.Tensor, frozen_denominator: bool = False
-) -> None:
-    """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction), or
-    with ``frozen_denominator`` ``p -= lr * (x / (sqrt(v) + eps) + weight_decay * p)`` (the
-    variance frozen). The decay is subtracted, ``p += -lr * wd * p``, one rounding of the
-    result: the factor ``p * float32(1 - lr * wd)`` would carry the same rounding error
-    into every step (it decays 1.5% too much at ``lr * wd = 1e-6``, 17% at ``1e-7``)."""
+def denominator_into(
+    opt: OneBitOptimizer, out: torch.Tensor, idx: list[int] | None = None
+) -> torch.Tensor:
+    """``denominator(opt, idx)``'s values, computed with torch ops (the kernels' floats), into
+    the same flat indices of ``out`` (a flat float32 buffer of the layout's size; the values of
+    other parameters are left as they are), for the torch ops that take ``d`` as a tensor.
+
+    Returns:
+        ``out``.
+    """
+    layout = opt.flat.layout
+    idx = list(range(len(layout.params))) if idx is None else idx
+    starts = [layout.offsets[j] for j in idx]
+    sizes = [layout.params[j].numel() for j in idx]
+    return denominator(opt, idx).write(out, starts, sizes)
+
+
+def decoupled_update_(opt: OneBitOptimizer, x: torch.Tensor) -> None:
+    """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction). The
+    decay is subtracted, ``p += -lr * wd * p``, one rounding of the result: the factor ``p *
+    float32(1 - lr * wd)`` would carry the same rounding error into every step (it decays 1.5%
+    too much at ``lr * wd = 1e-6``, 17% at ``1e-7``)."""
     views = opt.flat.views_of(x)
-    denom = denominator(opt)[1] if frozen_denominator else None
     for gi, group, _ in opt.flat.segments(opt.param_groups):
         idx = opt.flat.layout.group_params(gi)
         params = [opt.flat.layout.params[j] for j in idx]
         lr, wd = group["lr"], decoupled_decay(group)
         if wd > 0:
             torch._foreach_add_(params, params, alpha=-lr * wd)
-        xs = [views[j] for j in idx]
-        if denom is None:
-            torch._foreach_add_(params, xs, alpha=-lr)
-        else:
-            torch._foreach_addcdiv_(params, xs, [denom[j] for j in idx], value=-lr)
+        torch._foreach_add_(params, [views[j] for j in idx], alpha=-lr)
 
 
 def frozen_adam_update_(
@@ -363,7 +369,7 @@ def frozen_adam_update_(
         ok,
         x,
         opt.flat.states["exp_avg"],
-        denominator(opt)[0],
+        denominator(opt),
         layout.params,
         layout.offsets,
         [groups[of[j]]["lr"] for j in range(len(layout.params))],

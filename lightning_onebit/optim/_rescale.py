@@ -263,5 +263,4 @@ class VarianceRescale:
             s = slice(idx[0], idx[-1] + 1)
             ratio[s].mul_(keep * before / after).add_(fed[s], alpha=(1.0 - keep) / after)
         self.count = k + n
-        self.updates += 1
-        flat.stale_denominator()  # the next step is preconditioned by v * r
+        self.updates += 1  # the next steps are preconditioned by v * r

@@ -166,8 +166,8 @@ class OneBitAdam(OneBitOptimizer):
         the exchange computes it as it compresses it where it can (one sweep that reads each
         gradient where autograd left it, ``FlatState.grads``), else into scratch."""
         flat, groups = self.flat, self.param_groups
-        d = denominator(self)[0] if self.preconditioned_exchange else None
         idx = flat.params_in(s)
+        d = denominator(self, idx) if self.preconditioned_exchange else None
         beta = [groups[flat.layout.group_of[j]]["betas"][0] for j in idx]
         return MomentumSource(
             flat.states["exp_avg"],

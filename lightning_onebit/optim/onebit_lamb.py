@@ -311,9 +311,9 @@ class OneBitLamb(OneBitOptimizer):
         """3a. per-layer scaling so that one 1-bit scale fits every layer (of what is exchanged:
         ``m``, or ``m / (sqrt(v) + eps)`` with ``preconditioned_exchange``)."""
         m = self.flat.views["exp_avg"]
-        if self.preconditioned_exchange:
-            d = denominator(self)[1]
-            m = [mk / dk for mk, dk in zip(m, d, strict=True)]
+        if self.preconditioned_exchange:  # d layer by layer (no buffer of it is held)
+            d, offsets = denominator(self), self.flat.layout.offsets
+            m = [mk / d.segment(k, offsets[k], mk.numel()).view_as(mk) for k, mk in enumerate(m)]
         rms = torch.stack([mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in m])
         scaling = self.flat.scalars["scaling_coeff"]
         scaling.copy_(torch.where(rms > 0, rms.mean() / rms, 1.0))
@@ -339,7 +339,7 @@ class OneBitLamb(OneBitOptimizer):
             beta1, c = self.param_groups[flat.layout.group_of[j]]["betas"][0], scaling[j]
             beta.append(beta1 * c)
             alpha.append((1 - beta1) * c)
-        d = denominator(self)[0] if self.preconditioned_exchange else None
+        d = denominator(self, idx) if self.preconditioned_exchange else None
         return MomentumSource(
             flat.states["exp_avg"],
             flat.grads(self.param_groups, idx),
@@ -430,7 +430,7 @@ class OneBitLamb(OneBitOptimizer):
         # it is false and zeroes u, so that 3g leaves p as it was. x: on the CPU the exchange's
         # result where it lies, read by the kernel below without being decoded first)
         ok, x = compressed_average(self, self._exchange_source, "exchanged")
-        d, _ = denominator(self)  # sqrt(v) + eps, computed once: v is frozen
+        d = denominator(self)  # sqrt(v) + eps, computed by the kernel as it reads v
         u = self.flat.work["update"]  # (made at the first compression step)
         # 3c (unscaling; with preconditioned_exchange x was exchanged divided by sqrt(v) + eps:
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,

@@ -56,6 +56,7 @@ from lightning_onebit.optim._ops import (
     compressed_average_into,
     decoupled_decay,
     denominator,
+    denominator_into,
     finite_on_device,
 )
 from lightning_onebit.optim._phase import Phase
@@ -312,17 +313,18 @@ class ZeroOneAdam(OneBitOptimizer):
         ``acc - lr u`` (parameter units)."""
         flat, groups = self.flat, self.param_groups
         pre = self.preconditioned_exchange
-        d, _ = denominator(self)  # sqrt(v) + eps (phase 1: of the current v)
+        idx = flat.params_in(s)
         if self.phase == Phase.VARIANCE:
-            flat.gather_grads(groups, flat.params_in(s))
+            flat.gather_grads(groups, idx)
             if not pre:
                 return flat.grad[s]
-            return torch.div(flat.grad[s], d[s], out=flat.work["update"][s])
-        idx = flat.params_in(s)
+            # sqrt(v) + eps of the current v, into the buffer the quotient goes to
+            u = denominator_into(self, flat.work["update"], idx)[s]
+            return torch.div(flat.grad[s], u, out=u)
         return LocalSource(
             exp_avg=flat.states["exp_avg"],
             grad=flat.grads(groups, idx),
-            denom=d,
+            denom=denominator(self, idx),
             param=flat.params(idx) if any_weight_decay(self) else None,
             acc=self._acc if self._local_steps_taken else None,
             out=functools.partial(flat.scratch, "update"),  # made only if materialized
@@ -381,7 +383,7 @@ class ZeroOneAdam(OneBitOptimizer):
         layout = self.flat.layout
         sync_update(
             exchanged=u,
-            denom=denominator(self)[0],
+            denom=denominator(self),
             exp_avg=m,
             synced=self.flat.states["synced_params"],
             floored=self._floored(),
@@ -401,13 +403,14 @@ class ZeroOneAdam(OneBitOptimizer):
         m, acc, synced = self.flat.states["exp_avg"], self._acc, self.flat.states["synced_params"]
         if self._local_steps_taken:
             acc.masked_fill_(ok, 0.0)
-        d = denominator(self)[0]
+        # d = sqrt(v) + eps computed into one of the step's temporaries (no buffer of it is held)
         if self.preconditioned_exchange:  # u = the synced step (parameter units)
-            moment = torch.mul(u, d)
+            moment = denominator_into(self, torch.empty_like(u)).mul_(u)
             new_synced = torch.add(synced, u)
         else:
             moment = u.clone()
-            new_synced = torch.addcdiv(synced, u, d)
+            new_synced = denominator_into(self, torch.empty_like(u))
+            torch.addcdiv(synced, u, new_synced, out=new_synced)
         self._rebuild_momentum_(moment, this_step, out=moment)
         torch.where(ok, moment, m, out=m)
         torch.where(ok, new_synced, synced, out=synced)
@@ -478,10 +481,8 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.phase != Phase.LOCAL or not self._local_steps_taken:
             return
         acc, x = self._acc, self.flat.work["update"]
-        if self.preconditioned_exchange:  # acc is in parameter units already
-            source = acc
-        else:
-            source = torch.mul(acc, denominator(self)[0], out=x)
+        # acc in parameter units already, or acc * (sqrt(v) + eps) (d computed into x first)
+        source = acc if self.preconditioned_exchange else denominator_into(self, x).mul_(acc)
         self.counters.start_step()
         counters = snapshot(self, self._host_counters)
         self.verdict.start_step()
@@ -504,12 +505,12 @@ class ZeroOneAdam(OneBitOptimizer):
         m, acc, u = self.flat.states["exp_avg"], self._acc, self.flat.work["update"]
         for gi, group, _ in self.flat.segments(self.param_groups):
             self.lrs[gi] += group["lr"]
-        d, _ = denominator(self)
+        denominator_into(self, u)  # d = sqrt(v) + eps, into u: each value is divided in place
         p = self.flat.gather_params() if any_weight_decay(self) else None
         for _, group, s in self.flat.segments(self.param_groups):
             beta1 = group["betas"][0]
             m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
-            torch.div(m_new, d[s], out=u[s])
+            torch.div(m_new, u[s], out=u[s])
             if decoupled_decay(group) > 0:
                 u[s].add_(p[s], alpha=decoupled_decay(group))
             torch.where(ok, m_new, m[s], out=m[s])
@@ -534,7 +535,8 @@ class ZeroOneAdam(OneBitOptimizer):
                 g = self.flat.gather_grads(self.param_groups)
                 ok = compressed_average_into(self, self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
-                    g.mul_(denominator(self)[0])
+                    # (d into the exchange's source buffer, free again now)
+                    g.mul_(denominator_into(self, self.flat.work["update"]))
                 self.flat.apply_mask_(self.param_groups, g)
                 warn_if_variance_is_young(self)
             # 1a/b moments + 1c. Adam update, one fused sweep
@@ -542,7 +544,6 @@ class ZeroOneAdam(OneBitOptimizer):
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
                 floor_variance_(self, ok=ok)
-                self.flat.stale_denominator()
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
@@ -580,7 +581,7 @@ class ZeroOneAdam(OneBitOptimizer):
             #       read where autograd left it)
             layout, groups = self.flat.layout, self.param_groups
             idx = list(range(len(layout.params)))
-            grads, d = self.flat.grads(groups, idx), denominator(self)[0]
+            grads, d = self.flat.grads(groups, idx), denominator(self)
             local_ok = local_step(exp_avg=m, grad=grads, denom=d, acc=self._acc, params=layout.params,
                                   starts=layout.offsets, **self._local_coefficients(idx))  # fmt: skip
             if not local_ok:
