@@ -26,20 +26,20 @@ RECORDS = 0.0625
 CASES = {
     # warmup: exp_avg, exp_avg_sq, as torch's Adam (the gradients read where they lie: no flat
     # copy; the exchange's buffers are made at its first call); compression: the gradients read
-    # where they lie, and sqrt(v) + eps and the exchange's worker and server error buffers, one
-    # each (the source computed as the compression reads it, and again for the error update: no
-    # buffer for it)
+    # where they lie, and the exchange's worker and server error buffers, one each (the source
+    # computed as the compression reads it, and again for the error update: no buffer for it;
+    # sqrt(v) + eps computed by the kernels as they read v: no buffer either)
     "onebit_adam": (
         lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2),
         2,
-        2 + 1 + 2 + RECORDS,
+        2 + 2 + RECORDS,
     ),
     # and in the local phase (made at the switch) the momentum accumulator, the synced
     # parameters, the variance floor's mask (bool)
     "zero_one_adam": (
         lambda p: ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, local_step_scaler=1_000_000),
         2,
-        4 + 1 + 2 + RECORDS + 0.25,
+        4 + 2 + RECORDS + 0.25,
     ),
     # and the fresh variance (made at the switch); its warmup reads the parameters where they
     # lie (trust ratios, decay) and computes the update layer by layer (no flat copy of either),
@@ -47,7 +47,7 @@ CASES = {
     "onebit_lamb": (
         lambda p: OneBitLamb(p, lr=1e-3, freeze_step=2),
         2,
-        3 + 2 + 2 + RECORDS,
+        3 + 1 + 2 + RECORDS,
     ),
 }
 
