@@ -340,7 +340,8 @@ def _source_worker(rank: int, world: int) -> dict:
     sizes = [5, 1000, 37, 2003]
     n = sum(sizes)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    m, d = torch.randn(n, generator=gen), torch.rand(n, generator=gen) + 0.5
+    m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen) + 0.5
+    d = kernels.Denominator(v, [1e-8] * len(sizes))  # (sqrt(v) + eps, computed as read)
     beta, alpha = [0.9, 0.8, 0.95, 0.9], [0.1, 0.2, 0.05, 0.1]
     exchanges = [CompressedAllreduce(n, double_buffered=True) for _ in range(3)]
     plain, buf = CompressedAllreduce(n), torch.empty(n)
@@ -402,7 +403,8 @@ def _one_worker_set_worker(rank: int, world: int) -> dict:
     sizes = [5, 1000, 37, 2003]
     n = sum(sizes)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    m, d = torch.randn(n, generator=gen), torch.rand(n, generator=gen) + 0.5
+    m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen) + 0.5
+    d = kernels.Denominator(v, [1e-8] * len(sizes))  # (sqrt(v) + eps, computed as read)
     beta, alpha = [0.9, 0.8, 0.95, 0.9], [0.1, 0.2, 0.05, 0.1]
     one = CompressedAllreduce(n, double_buffered=True, recompute_error=True)
     two = CompressedAllreduce(n, double_buffered=True)

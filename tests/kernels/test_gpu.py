@@ -59,7 +59,21 @@ def _cpu_cases():
 
 
 def _on(bufs: dict, device: str) -> dict:
-    return {k: (None if v is None else v.to(device)) for k, v in bufs.items()}
+    return {k: (None if v is None else _to(v, device)) for k, v in bufs.items()}
+
+
+def _to(v: torch.Tensor | K.Denominator, device: str) -> torch.Tensor | K.Denominator:
+    """A tensor, or a Denominator's tensors, on ``device``."""
+    if isinstance(v, K.Denominator):
+        dscale = None if v.dscale is None else v.dscale.to(device)
+        return K.Denominator(v.exp_avg_sq.to(device), v.eps, dscale)
+    return v.to(device)
+
+
+def _fed(d: torch.Tensor | None, segments: int) -> K.Denominator | None:
+    """A Denominator whose kernels read exactly the buffer ``d`` (as test_kernels' ``_fed``):
+    ``v = d * d``, ``eps`` 0 (the correctly rounded square root of ``fl(d * d)`` is ``d``)."""
+    return None if d is None else K.Denominator(d * d, [0.0] * segments)
 
 
 def _refuse(*args: Any, **kwargs: Any) -> None:
@@ -384,7 +398,7 @@ def test_momentum_source_cuda_is_the_torch_ops_bitwise(
     starts, n = _segments(seg)
     m, g, d = _fresh(n, gen, 0.1), _fresh(n, gen, 1e-3), _positive(n, gen)
     beta, alpha, _, _ = _source_hp(len(seg), gen)
-    args = (m, g, d if divide else None)
+    args = (m, g, _fed(d, len(seg)) if divide else None)
     before = [t.clone() for t in (m, g, d)]
     want = torch.full_like(m, math.nan)
     K.reference_momentum_source(*args, want, starts, seg, beta, alpha)
@@ -418,13 +432,17 @@ def test_momentum_source_cuda_per_segment_grads_are_the_flat_form_bitwise(
             piece = g[lo : lo + size].clone()
             grads.append(piece.view(-1, 3) if size % 3 == 0 else piece)
     flat = torch.full_like(m, math.nan)
-    K.momentum_source(m, g, d if divide else None, flat, starts, seg, beta, alpha)
+    K.momentum_source(m, g, _fed(d, len(seg)) if divide else None, flat, starts, seg, beta, alpha)
     want = torch.full_like(m, math.nan)
-    K.reference_momentum_source(m, grads, d if divide else None, want, starts, seg, beta, alpha)
+    K.reference_momentum_source(
+        m, grads, _fed(d, len(seg)) if divide else None, want, starts, seg, beta, alpha
+    )
     before = [None if t is None else t.clone() for t in grads]
     got = torch.full_like(m, math.nan)
     with _NoHostSync():
-        K.momentum_source(m, grads, d if divide else None, got, starts, seg, beta, alpha)
+        K.momentum_source(
+            m, grads, _fed(d, len(seg)) if divide else None, got, starts, seg, beta, alpha
+        )
     assert _same_bits(got, flat)
     assert _same_bits(got, want)
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(grads, before, strict=True))
@@ -448,7 +466,7 @@ def test_local_source_cuda_is_the_torch_ops_bitwise(
     before = [t.clone() for t in (*tensors, p, acc)]
     m, g, d = tensors
     for decay, with_acc in itertools.product((False, True), repeat=2):
-        args = dict(exp_avg=m, grad=g, denom=d, param=p if decay else None,
+        args = dict(exp_avg=m, grad=g, denom=_fed(d, len(seg)), param=p if decay else None,
                     acc=acc if with_acc else None, starts=starts, sizes=seg, **hp,
                     preconditioned=precond)  # fmt: skip
         want = torch.full_like(p, math.nan)
@@ -485,7 +503,7 @@ def test_local_source_cuda_per_segment_tensors_are_the_flat_form_bitwise(sizes: 
     for precond in (False, True):
         for grad, flat in (([g[lo : lo + z] for lo, z in pieces], g), (own, zeroed)):
             want = torch.full_like(p, math.nan)
-            common = dict(exp_avg=m, denom=d, acc=acc, starts=starts, sizes=seg, **hp,
+            common = dict(exp_avg=m, denom=_fed(d, len(seg)), acc=acc, starts=starts, sizes=seg, **hp,
                           preconditioned=precond)  # fmt: skip
             K.local_source(grad=flat, param=p, out=want, **common)
             for param in (p, *params):
@@ -567,9 +585,11 @@ def test_worker_compress_of_a_momentum_source_cuda_is_the_buffer_form_bitwise(
     grads = [None if g is None else g.cuda() for g in grads]
     before = [None if t is None else t.clone() for t in (m, d, *grads)]
     buf = torch.full_like(m, math.nan)
-    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    K.momentum_source(m, grads, _fed(d, len(sizes)), buf, starts, sizes, beta, alpha)
     _check_compressed_as_read(
-        lambda out: K.MomentumSource(m, grads, d, out, starts, sizes, beta, alpha),
+        lambda out: K.MomentumSource(
+            m, grads, _fed(d, len(sizes)), out, starts, sizes, beta, alpha
+        ),
         buf,
         "momentum_source_cuda",
         monkeypatch,
@@ -594,7 +614,7 @@ def test_worker_compress_of_a_local_source_cuda_is_the_buffer_form_bitwise(
     tensors = (m.cuda(), [None if g is None else g.cuda() for g in grads], d.cuda())
     p, acc = p.cuda(), acc.cuda()
     kept = [t.clone() for t in (tensors[0], tensors[2], p, acc)]
-    common = dict(exp_avg=tensors[0], grad=tensors[1], denom=tensors[2], starts=starts,
+    common = dict(exp_avg=tensors[0], grad=tensors[1], denom=_fed(tensors[2], len(starts)), starts=starts,
                   sizes=sizes, **hp, preconditioned=precond)  # fmt: skip
     for param in (None, p, T._param_pieces(p, starts, sizes)):
         terms = dict(param=param, acc=None if param is None else acc, **common)
@@ -666,7 +686,7 @@ def _sync_run(fn, case, with_floor: bool, with_acc: bool, dtype: torch.dtype, pr
     (x, d, m, synced), floored, acc, params, starts, lrs = case
     m, synced, acc = m.clone(), synced.clone(), acc.clone()
     ps = [p.to(dtype, copy=True) for p in params]  # (fresh tensors: autograd version 0)
-    fn(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored if with_floor else None,
+    fn(exchanged=x, denom=_fed(d, len(params)), exp_avg=m, synced=synced, floored=floored if with_floor else None,
        acc=acc if with_acc else None, params=ps, starts=starts, lrs=lrs,
        preconditioned=precond)  # fmt: skip
     return m, synced, acc, ps
@@ -720,8 +740,8 @@ def _three_kernels(inputs: tuple, fns: dict) -> list[torch.Tensor]:
     tensors, (beta, alpha, lr, wd), case = inputs
     m, g, p, acc, d = (t.clone() for t in tensors)
     u1, u2 = torch.full_like(m, math.nan), torch.full_like(m, math.nan)
-    fns["momentum_source"](m, g, d, u1, starts, seg, beta, alpha)
-    fns["local_source"](exp_avg=m, grad=g, denom=d, param=p, acc=acc, out=u2, starts=starts,
+    fns["momentum_source"](m, g, _fed(d, len(seg)), u1, starts, seg, beta, alpha)
+    fns["local_source"](exp_avg=m, grad=g, denom=_fed(d, len(seg)), param=p, acc=acc, out=u2, starts=starts,
                         sizes=seg, beta=beta, alpha=alpha, lr=lr, weight_decay=wd,
                         preconditioned=False)  # fmt: skip
     synced = _sync_run(fns["sync_update"], case, True, True, torch.float32, False)

@@ -316,7 +316,7 @@ def _lamb_case(seed: int, decay: bool, sizes: list[int] = LAMB_SIZES):
     bufs = {
         "exchanged": torch.randn(n, generator=gen),
         "exp_avg": torch.randn(n, generator=gen) * 0.5,
-        "denom": torch.rand(n, generator=gen) + 1e-3,
+        "denom": K.Denominator(torch.rand(n, generator=gen) + 1e-3, hp["eps"]),
         "exp_avg_sq_fresh": torch.rand(n, generator=gen) * 0.1,
         "param": torch.randn(n, generator=gen) if decay else None,
         "update": torch.full((n,), float("nan")),  # written before read
@@ -324,10 +324,17 @@ def _lamb_case(seed: int, decay: bool, sizes: list[int] = LAMB_SIZES):
     return bufs, offsets, hp
 
 
+def _lamb_d(bufs, offsets) -> torch.Tensor:
+    """The d buffer of a LAMB case: ``sqrt(v) + eps`` layer by layer, with torch ops."""
+    sizes = [b - a for a, b in itertools.pairwise(offsets)]
+    den = bufs["denom"]
+    return den.write(torch.zeros_like(den.exp_avg_sq), offsets[:-1], sizes)
+
+
 def _lamb_run(fn, bufs, offsets, hp):
     b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in bufs.items()}
     stats = fn(*b.values(), offsets, **hp)
-    return b, stats
+    return {**b, "denom": b["denom"].exp_avg_sq}, stats  # (tensors only: saved by torch.save)
 
 
 def _assert_lamb_close(got, ref) -> None:
@@ -346,7 +353,7 @@ def test_lamb_frozen_update_preconditioned_is_the_product_first_bitwise(
     kernel multiplies as it reads); the pure-torch twin agrees with its own product-first
     call."""
     bufs, offsets, hp = _lamb_case(31 + decay, decay)
-    scaled = {**bufs, "exchanged": bufs["exchanged"] * bufs["denom"]}
+    scaled = {**bufs, "exchanged": bufs["exchanged"] * _lamb_d(bufs, offsets)}
     want_b, want_s = _lamb_run(K.lamb_frozen_update, scaled, offsets, hp)
     old = torch.get_num_threads()
     try:
@@ -379,7 +386,8 @@ def test_lamb_frozen_update_matches_reference(decay: bool) -> None:
     assert stats.shape == (len(offsets) - 1, 3) and stats.dtype == torch.float64
     assert stats[0].tolist() == [1.0, 0.0, 0.0]  # the empty layer
     # the reference itself, against a float64 evaluation of the formulas
-    x, m, d = (bufs[k].double() for k in ("exchanged", "exp_avg", "denom"))
+    x, m = (bufs[k].double() for k in ("exchanged", "exp_avg"))
+    d = _lamb_d(bufs, offsets).double()
     vf = bufs["exp_avg_sq_fresh"].double()
     lo, hi = offsets[4], offsets[5]  # the multi-block layer
     c = {k: v[4] for k, v in hp.items()}
@@ -456,9 +464,9 @@ source_seg = {d: T.source_run(K.momentum_source, (case[0], grads, *case[2:]), d)
 frozen = {pre: T.frozen_run(T._frozen_case(11, T.AWKWARD), None, pre) for pre in (False, True)}
 local = {pre: T.local_runs(K.local_source, pre) for pre in (False, True)}
 m, g, d, st, sz, b, a = T._tiled(T.SOURCE_TILINGS["awkward"], 3)
-compress_source = T._compress_source(K.MomentumSource(m, g, d, m.clone(), st, sz, b, a), 3, True, 3)
+compress_source = T._compress_source(K.MomentumSource(m, g, T._fed(d, len(st)), m.clone(), st, sz, b, a), 3, True, 3)
 (m, g, d), p, acc, st, sz, hp = T._local_tiled(T.SOURCE_TILINGS["awkward"], 3)
-args = dict(exp_avg=m, grad=g, denom=d, acc=acc, starts=st, sizes=sz, **hp, preconditioned=True)
+args = dict(exp_avg=m, grad=g, denom=T._fed(d, len(st)), acc=acc, starts=st, sizes=sz, **hp, preconditioned=True)
 local_source = K.LocalSource(param=p, out=p.clone(), **args)
 compress_local = T._compress_source(local_source, 3, True, 3)
 pieces = [p[lo : lo + n].clone() for lo, n in zip(st, sz)]
@@ -468,7 +476,7 @@ local_step = T.step_run(K.local_step, T._step_case(21))
 sync = {pre: T.sync_runs(K.sync_update, pre) for pre in (False, True)}
 sign_runs = T.sign_runs_pair()
 m, g, d, st, sz, b, a = T._tiled(T.SOURCE_TILINGS["awkward"], 3)
-two_call = T._two_call(K.MomentumSource(m, g, d, T._never_made, st, sz, b, a), 3, 3)
+two_call = T._two_call(K.MomentumSource(m, g, T._fed(d, len(st)), T._never_made, st, sz, b, a), 3, 3)
 torch.save({"two_call": two_call, "adam": T._adam_run(K.adam_update, T._adam_case(9), True), "lamb": lamb,
             "lamb_layers": lamb_layers, "compress_local_pieces": compress_local_pieces,
             "source": source, "source_seg": source_seg, "frozen": frozen, "local": local,
@@ -735,7 +743,7 @@ def frozen_run(case, ok: torch.Tensor, precond: bool):
     """frozen_adam_update on copies of ``case``: (m, params) after it."""
     x, m, d, params, starts, lr, wd = case
     m, ps = m.clone(), [p.clone() for p in params]
-    K.frozen_adam_update(ok, x, m, d, ps, starts, lr, wd, precond)
+    K.frozen_adam_update(ok, x, m, _fed(d, len(ps)), ps, starts, lr, wd, precond)
     return m, ps
 
 
@@ -793,7 +801,7 @@ def source_run(fn, case, divide: bool) -> torch.Tensor:
     m, g, d, starts, sizes, beta, alpha = case
     out = torch.full_like(m, float("nan"))
     g = g.clone() if isinstance(g, torch.Tensor) else g  # (per-segment: the caller's, as given)
-    fn(m.clone(), g, d.clone() if divide else None, out, starts, sizes, beta, alpha)
+    fn(m.clone(), g, _fed(d, len(starts)) if divide else None, out, starts, sizes, beta, alpha)
     return out
 
 
@@ -826,8 +834,15 @@ def test_momentum_source_is_the_torch_ops_bitwise(divide: bool) -> None:
     assert _same_bits(source_run(K.reference_momentum_source, case, divide), want)
     m, g, d, starts, sizes, beta, alpha = case
     m0, g0 = m.clone(), g.clone()
-    K.momentum_source(m, g, d, torch.empty_like(m), starts, sizes, beta, alpha)
+    K.momentum_source(m, g, _fed(d, len(starts)), torch.empty_like(m), starts, sizes, beta, alpha)
     assert torch.equal(m, m0) and torch.equal(g, g0)
+
+
+def _fed(d: torch.Tensor | None, segments: int) -> K.Denominator | None:
+    """A [Denominator][lightning_onebit.kernels.Denominator] whose kernels read exactly the buffer
+    ``d`` (positive, no over- or underflow in ``d * d``): ``v = d * d`` and ``eps`` 0, since the
+    correctly rounded square root of ``fl(d * d)`` is ``d`` in binary floating point."""
+    return None if d is None else K.Denominator(d * d, [0.0] * segments)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -990,13 +1005,15 @@ def test_worker_compress_of_a_momentum_source_is_the_buffer_form_bitwise(
     before = [None if g is None else g.clone() for g in grads]
     lo, hi = starts[0], starts[-1] + sizes[-1]
     buf = torch.full_like(m, float("nan"))
-    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    K.momentum_source(m, grads, _fed(d, len(starts)), buf, starts, sizes, beta, alpha)
     old = torch.get_num_threads()
     try:
         for nt, w, pending in itertools.product((1, 2), (1, 2, 3), (False, True)):
             torch.set_num_threads(nt)
             out = torch.full_like(m, float("nan"))
-            source = K.MomentumSource(m, grads, d, out, starts, sizes, beta, alpha)
+            source = K.MomentumSource(
+                m, grads, _fed(d, len(starts)), out, starts, sizes, beta, alpha
+            )
             assert source.computed_as_read and source.numel() == hi - lo
             got = _compress_source(source, w, pending, seed=w)
             want = _compress_source(buf[lo:hi], w, pending, seed=w)
@@ -1012,7 +1029,7 @@ def test_worker_compress_of_a_momentum_source_is_the_buffer_form_bitwise(
 def test_worker_compress_of_a_momentum_source_portable_path_is_bitwise_too(portable: dict) -> None:
     m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS["awkward"], 3)
     buf = torch.full_like(m, float("nan"))
-    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    K.momentum_source(m, grads, _fed(d, len(starts)), buf, starts, sizes, beta, alpha)
     want = _compress_source(buf[starts[0] : starts[-1] + sizes[-1]], 3, True, seed=3)
     for a, b in zip(portable["compress_source"], want, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -1047,12 +1064,12 @@ def test_the_two_call_form_of_a_source_recomputes_it_bitwise(tiling: str) -> Non
     m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS[tiling], len(tiling))
     (lm, lg, ld), p, acc, lst, lsz, hp = _local_tiled(SOURCE_TILINGS[tiling], len(tiling) + 1)
     buf, lbuf = torch.full_like(m, float("nan")), torch.full_like(lm, float("nan"))
-    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
-    largs = dict(exp_avg=lm, grad=lg, denom=ld, param=p, acc=acc, starts=lst, sizes=lsz, **hp,
+    K.momentum_source(m, grads, _fed(d, len(starts)), buf, starts, sizes, beta, alpha)
+    largs = dict(exp_avg=lm, grad=lg, denom=_fed(ld, len(lst)), param=p, acc=acc, starts=lst, sizes=lsz, **hp,
                  preconditioned=True)  # fmt: skip
     K.local_source(out=lbuf, **largs)
     sources = {
-        "momentum": (K.MomentumSource(m, grads, d, _never_made, starts, sizes, beta, alpha),
+        "momentum": (K.MomentumSource(m, grads, _fed(d, len(starts)), _never_made, starts, sizes, beta, alpha),
                      buf[starts[0] : starts[-1] + sizes[-1]]),
         "local": (K.LocalSource(out=_never_made, **largs), lbuf[lst[0] : lst[-1] + lsz[-1]]),
     }  # fmt: skip
@@ -1083,7 +1100,7 @@ def test_the_two_call_form_of_a_source_recomputes_it_bitwise(tiling: str) -> Non
 def test_the_two_call_form_portable_path_is_bitwise_too(portable: dict) -> None:
     m, grads, d, starts, sizes, beta, alpha = _tiled(SOURCE_TILINGS["awkward"], 3)
     buf = torch.full_like(m, float("nan"))
-    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
+    K.momentum_source(m, grads, _fed(d, len(starts)), buf, starts, sizes, beta, alpha)
     *want, _ = _two_call(buf[starts[0] : starts[-1] + sizes[-1]], 3, seed=3)
     *got, recomputed = portable["two_call"]
     for a, b in zip(got, want, strict=True):
@@ -1097,8 +1114,10 @@ def test_a_source_elsewhere_is_materialized_first(monkeypatch: pytest.MonkeyPatc
     m, grads, d, starts, sizes, beta, alpha = _tiled([3, 29, 12], 4)
     lo, hi = starts[0], starts[-1] + sizes[-1]
     buf = torch.zeros_like(m)
-    K.momentum_source(m, grads, d, buf, starts, sizes, beta, alpha)
-    source = K.MomentumSource(m, grads, d, torch.zeros_like(m), starts, sizes, beta, alpha)
+    K.momentum_source(m, grads, _fed(d, len(starts)), buf, starts, sizes, beta, alpha)
+    source = K.MomentumSource(
+        m, grads, _fed(d, len(starts)), torch.zeros_like(m), starts, sizes, beta, alpha
+    )
     want = _two_call(buf[lo:hi], 2, seed=1)
     monkeypatch.setattr(K.native, "use_native", lambda: False)  # (the torch path)
     assert not source.updated_as_read and not source.computed_as_read
@@ -1155,7 +1174,7 @@ def test_frozen_adam_update_cpu_without_verdict_is_bitwise_on_awkward_sizes(prec
     _, m0, d, params, starts, lr, wd = case
     if not precond:  # x is m: the kernel leaves m as it is
         m, ps = m0.clone(), [p.clone() for p in params]
-        K.frozen_adam_update(None, m, m, d, ps, starts, lr, wd, False)
+        K.frozen_adam_update(None, m, m, _fed(d, len(ps)), ps, starts, lr, wd, False)
         _, want_p = _frozen_by_torch((m0, m0, d, params, starts, lr, wd), False)
         assert torch.equal(m, m0)
         assert all(torch.equal(a, b) for a, b in zip(ps, want_p, strict=True))
@@ -1190,7 +1209,7 @@ def local_runs(fn, precond: bool) -> dict:
     runs = {}
     for decay, with_acc in itertools.product((False, True), repeat=2):
         out = torch.full_like(p, float("nan"))
-        fn(exp_avg=m, grad=g, denom=d, param=p if decay else None, acc=acc if with_acc else None,
+        fn(exp_avg=m, grad=g, denom=_fed(d, len(starts)), param=p if decay else None, acc=acc if with_acc else None,
            out=out, starts=starts, sizes=sizes, **hp, preconditioned=precond)  # fmt: skip
         runs[(decay, with_acc)] = out
     return runs
@@ -1242,7 +1261,7 @@ def test_local_source_is_the_torch_ops_bitwise(precond: bool) -> None:
     tensors, p, acc, starts, sizes, hp = _local_case(4)
     before = [t.clone() for t in (*tensors, p, acc)]
     m, g, d = tensors
-    K.local_source(exp_avg=m, grad=g, denom=d, param=p, acc=acc, out=torch.empty_like(p),
+    K.local_source(exp_avg=m, grad=g, denom=_fed(d, len(starts)), param=p, acc=acc, out=torch.empty_like(p),
                    starts=starts, sizes=sizes, **hp, preconditioned=precond)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, (*tensors, p, acc), strict=True))
 
@@ -1296,7 +1315,7 @@ def test_local_source_per_segment_tensors_are_the_flat_form_bitwise(precond: boo
             torch.set_num_threads(nt)
             a = acc if with_acc else None
             want, got, ref = (torch.full_like(m, float("nan")) for _ in range(3))
-            common = dict(exp_avg=m, denom=d, acc=a, starts=starts, sizes=sizes, **hp,
+            common = dict(exp_avg=m, denom=_fed(d, len(starts)), acc=a, starts=starts, sizes=sizes, **hp,
                           preconditioned=precond)  # fmt: skip
             K.local_source(grad=flat, param=p if decay else None, out=want, **common)
             terms = dict(grad=grads, param=pieces if decay else None, **common)
@@ -1327,7 +1346,7 @@ def test_worker_compress_of_a_local_source_is_the_buffer_form_bitwise(
             (1, 2), (1, 2, 3), (False, True), (None, p, pieces)
         ):
             torch.set_num_threads(nt)
-            common = dict(exp_avg=m, grad=grads, denom=tensors[2], starts=starts, sizes=sizes,
+            common = dict(exp_avg=m, grad=grads, denom=_fed(tensors[2], len(starts)), starts=starts, sizes=sizes,
                           **hp, preconditioned=precond)  # fmt: skip
             a = None if param is None else acc
             buf, out = torch.full_like(m, float("nan")), torch.full_like(m, float("nan"))
@@ -1349,7 +1368,7 @@ def test_worker_compress_of_a_local_source_is_the_buffer_form_bitwise(
 def test_worker_compress_of_a_local_source_portable_path_is_bitwise_too(portable: dict) -> None:
     (m, g, d), p, acc, starts, sizes, hp = _local_tiled(SOURCE_TILINGS["awkward"], 3)
     buf = torch.full_like(p, float("nan"))
-    K.local_source(exp_avg=m, grad=g, denom=d, param=p, acc=acc, out=buf, starts=starts,
+    K.local_source(exp_avg=m, grad=g, denom=_fed(d, len(starts)), param=p, acc=acc, out=buf, starts=starts,
                    sizes=sizes, **hp, preconditioned=True)  # fmt: skip
     want = _compress_source(buf[starts[0] : starts[-1] + sizes[-1]], 3, True, seed=3)
     for got in (portable["compress_local"], portable["compress_local_pieces"]):
@@ -1363,7 +1382,7 @@ def test_local_source_elsewhere_is_materialized_first(monkeypatch: pytest.Monkey
     (m, g, d), p, acc, starts, sizes, hp = _local_tiled([3, 29, 12], 4)
     lo, hi = starts[0], starts[-1] + sizes[-1]
     buf = torch.zeros_like(p)
-    args = dict(exp_avg=m, grad=g, denom=d, param=p, acc=acc, starts=starts, sizes=sizes, **hp,
+    args = dict(exp_avg=m, grad=g, denom=_fed(d, len(starts)), param=p, acc=acc, starts=starts, sizes=sizes, **hp,
                 preconditioned=False)  # fmt: skip
     K.local_source(out=buf, **args)
     want = _two_call(buf[lo:hi], 2, seed=2)
@@ -1378,13 +1397,13 @@ def test_local_source_rejects_segments_that_do_not_tile_a_range() -> None:
     t = torch.zeros(32)
     hp = {"beta": [0.9] * 2, "alpha": [0.1] * 2, "lr": [1e-3] * 2, "weight_decay": [0.0] * 2}
     one = {k: c[:1] for k, c in hp.items()}
-    args = dict(exp_avg=t, denom=t, param=None, acc=None, out=t.clone(), preconditioned=True)
+    args = dict(exp_avg=t, param=None, acc=None, out=t.clone(), preconditioned=True)
     with pytest.raises(ValueError, match="LocalSource's segments must tile a non-empty"):
-        K.LocalSource(grad=t, starts=[0, 9], sizes=[8, 8], **hp, **args)
+        K.LocalSource(grad=t, starts=[0, 9], sizes=[8, 8], denom=_fed(t, 2), **hp, **args)
     with pytest.raises(ValueError, match="does not fit"):
-        K.LocalSource(grad=t, starts=[30], sizes=[8], **one, **args)
+        K.LocalSource(grad=t, starts=[30], sizes=[8], denom=_fed(t, 1), **one, **args)
     with pytest.raises(ValueError, match=r"grad\[0\] must have its segment's 8 values"):
-        K.LocalSource(grad=[torch.zeros(7)], starts=[0], sizes=[8], **one, **args)
+        K.LocalSource(grad=[torch.zeros(7)], starts=[0], sizes=[8], denom=_fed(t, 1), **one, **args)
 
 
 def _step_case(seed: int, sizes: list[int] = AWKWARD):
@@ -1438,7 +1457,9 @@ def step_run(fn, case):
     """local_step (or its twin) on copies of ``case``: (taken, m, acc, params) after it."""
     (m, grads, d, acc), params, starts, hp = case
     m, acc, ps = m.clone(), acc.clone(), [p.clone() for p in params]
-    taken = fn(exp_avg=m, grad=grads, denom=d, acc=acc, params=ps, starts=starts, **hp)
+    taken = fn(
+        exp_avg=m, grad=grads, denom=_fed(d, len(starts)), acc=acc, params=ps, starts=starts, **hp
+    )
     return taken, m, acc, ps
 
 
@@ -1512,7 +1533,7 @@ def test_local_step_portable_path_is_bitwise_too(portable: dict) -> None:
 def test_local_source_rejects_bad_input() -> None:
     t = torch.zeros(16)
     hp = {"beta": [0.9], "alpha": [0.1], "lr": [1e-3], "weight_decay": [0.0]}
-    tensors = dict(exp_avg=t, grad=t, denom=t, acc=None, preconditioned=True)
+    tensors = dict(exp_avg=t, grad=t, denom=_fed(t, 1), acc=None, preconditioned=True)
     args = dict(**tensors, out=t.clone(), starts=[0], sizes=[8])
     with pytest.raises(ValueError, match="does not fit"):
         K.local_source(**tensors, param=None, out=torch.zeros(16), starts=[10], sizes=[7], **hp)
@@ -1552,7 +1573,7 @@ def sync_runs(fn, precond: bool) -> dict:
     runs = {}
     for with_floor, with_acc in itertools.product((False, True), repeat=2):
         m, synced, acc, ps = m0.clone(), synced0.clone(), acc0.clone(), [p.clone() for p in params]
-        fn(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored if with_floor else None,
+        fn(exchanged=x, denom=_fed(d, len(starts)), exp_avg=m, synced=synced, floored=floored if with_floor else None,
            acc=acc if with_acc else None, params=ps, starts=starts, lrs=lrs,
            preconditioned=precond)  # fmt: skip
         runs[(with_floor, with_acc)] = (m, synced, acc, ps)
@@ -1633,7 +1654,7 @@ def test_sync_update_clears_an_accumulator_aligned_unlike_the_momentum() -> None
     m, synced, ps = m0.clone(), synced0.clone(), [p.clone() for p in params]
     acc = torch.empty(acc0.numel() + 1)[1:]
     acc.copy_(acc0)
-    K.sync_update(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored, acc=acc,
+    K.sync_update(exchanged=x, denom=_fed(d, len(starts)), exp_avg=m, synced=synced, floored=floored, acc=acc,
                   params=ps, starts=starts, lrs=lrs, preconditioned=True)  # fmt: skip
     assert _same_sync({0: (m, synced, acc, ps)}, {0: want})
 
@@ -1644,7 +1665,7 @@ def test_sync_update_casts_into_parameters_of_other_dtypes() -> None:
     (x, d, m, synced), floored, acc, params, starts, lrs = _sync_case(6)
     ps = [params[0].bfloat16(), *params[1:6], params[6]]
     ps[5] = torch.randn(33, 2)[:, 0]  # (strided: 33 values)
-    K.sync_update(exchanged=x, denom=d, exp_avg=m, synced=synced, floored=floored, acc=acc,
+    K.sync_update(exchanged=x, denom=_fed(d, len(starts)), exp_avg=m, synced=synced, floored=floored, acc=acc,
                   params=ps, starts=starts, lrs=lrs, preconditioned=True)  # fmt: skip
     for p, lo in zip(ps, starts, strict=True):
         assert torch.equal(p, synced[lo : lo + p.numel()].to(p.dtype))
@@ -1652,7 +1673,9 @@ def test_sync_update_casts_into_parameters_of_other_dtypes() -> None:
 
 def test_sync_update_rejects_bad_input() -> None:
     t, p = torch.zeros(16), [torch.zeros(8)]
-    args = dict(exchanged=t, denom=t, exp_avg=t, synced=t, acc=None, params=p, preconditioned=True)
+    args = dict(
+        exchanged=t, denom=_fed(t, 1), exp_avg=t, synced=t, acc=None, params=p, preconditioned=True
+    )
     with pytest.raises(ValueError, match="does not fit"):
         K.sync_update(**args, floored=None, starts=[10], lrs=[1e-3])
     with pytest.raises(ValueError, match="one value per parameter"):
@@ -1694,7 +1717,7 @@ def test_a_false_verdict_leaves_lamb_state_and_zeroes_the_update() -> None:
         lambda *a, **k: K.lamb_frozen_update(*a, **k, ok=torch.zeros(1, dtype=torch.bool)),
         bufs, offsets, hp,
     )  # fmt: skip
-    for k in ("exp_avg", "exp_avg_sq_fresh", "exchanged", "denom"):
+    for k in ("exp_avg", "exp_avg_sq_fresh", "exchanged"):
         assert torch.equal(got[k], bufs[k]), k
     assert not got["update"][: offsets[-1]].any()
     assert torch.equal(stats_bad, torch.tensor([[1.0, 0.0, 0.0]] * (len(offsets) - 1)).double())
@@ -1767,8 +1790,13 @@ def test_lamb_frozen_update_rejects_bad_input() -> None:
         K.lamb_frozen_update(*args, [0, 5, 4], **hp)
     with pytest.raises(ValueError, match="the layers need 9"):
         K.lamb_frozen_update(*args, [0, 4, 9], **hp)
-    with pytest.raises(TypeError, match=r"denom must have dtype torch\.float32"):
-        K.lamb_frozen_update(*args[:2], args[2].double(), *args[3:], offsets, **hp)
+    with pytest.raises(TypeError, match=r"exp_avg_sq must have dtype torch\.float32"):
+        K.Denominator(args[2].exp_avg_sq.double(), hp["eps"])
+    with pytest.raises(TypeError, match="denom must be a Denominator"):
+        K.lamb_frozen_update(*args[:2], args[2].exp_avg_sq, *args[3:], offsets, **hp)
+    with pytest.raises(ValueError, match="the layers' eps"):
+        wrong = K.Denominator(args[2].exp_avg_sq, [1.0, 1.0])
+        K.lamb_frozen_update(*args[:2], wrong, *args[3:], offsets, **hp)
     with pytest.raises(ValueError, match="update must be contiguous"):
         K.lamb_frozen_update(*args[:5], torch.zeros(16)[::2], offsets, **hp)
     p = args[4]
@@ -1883,9 +1911,11 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
     with pytest.raises(ValueError, match="decompress_cpu: need"):
         native.module.decompress_cpu(b, 1, 8, s, 1, 64, x, 65, 1)  # nout > W * m
     with pytest.raises(ValueError, match="momentum_source_cpu: need"):
-        native.module.momentum_source_cpu(x, x, 0, x, -1, 0, 0, 0, 0, 1)  # P < 0
+        native.module.momentum_source_cpu(x, x, 0, 0, 0, x, -1, 0, 0, 0, 0, 1)  # P < 0
     with pytest.raises(ValueError, match="frozen_adam_update_cpu: need"):
-        native.module.frozen_adam_update_cpu(x, x, x, 0, -1, 0, 0, 0, 0, True, 1, 0, 0, 0, 0, 0)
+        native.module.frozen_adam_update_cpu(
+            x, x, x, x, 0, 0, -1, 0, 0, 0, 0, True, 1, 0, 0, 0, 0, 0
+        )
     # runs that hold [0, 8) of a parameter of 16 values; then runs with a gap
     ptrs = torch.tensor([buf.data_ptr()], dtype=torch.int64)
     starts, sizes, lr = torch.tensor([0]), torch.tensor([16]), torch.zeros(1)
@@ -1894,14 +1924,18 @@ def test_the_cpp_entry_points_check_sizes_themselves() -> None:
         rl, rh = torch.tensor(lo), torch.tensor(hi)
         with pytest.raises(ValueError, match="frozen_adam_update_cpu: need runs"):
             native.module.frozen_adam_update_cpu(
-                0, x, x, ptrs.data_ptr(), 1, starts.data_ptr(), sizes.data_ptr(),
+                0, x, x, lr.data_ptr(), 0, ptrs.data_ptr(), 1, starts.data_ptr(), sizes.data_ptr(),
                 lr.data_ptr(), lr.data_ptr(), False, 1,
                 len(lo), rl.data_ptr(), rh.data_ptr(), b_ptrs.data_ptr(), s,
             )  # fmt: skip
     with pytest.raises(ValueError, match="local_source_cpu: need"):
-        native.module.local_source_cpu(x, x, x, 0, 0, x, -1, 0, 0, 0, 0, 0, 0, True, 1)  # P < 0
+        native.module.local_source_cpu(
+            x, x, x, x, 0, 0, 0, x, -1, 0, 0, 0, 0, 0, 0, True, 1
+        )  # P < 0
     with pytest.raises(ValueError, match="sync_update_cpu: need"):
-        native.module.sync_update_cpu(x, x, 0, x, x, 0, 0, -1, 0, 0, 0, True, 1, 0, 0, 0, 0, 0)
+        native.module.sync_update_cpu(
+            x, x, x, 0, 0, x, x, 0, 0, -1, 0, 0, 0, True, 1, 0, 0, 0, 0, 0
+        )
     native.module.worker_compress_cpu(
         x, 64, e, 0, 64, b, 1, 8, 0, 0.0, False, s, 1
     )  # (and a valid call goes through)
@@ -1925,10 +1959,10 @@ def test_the_cuda_entry_points_check_sizes_before_touching_the_device() -> None:
         C.adam_update_cuda(0, 0, 0, 0, 0, 0, n_params, 0, 0, 0, nchunks, *[0] * 7, True, 0)
 
     def lamb(n_layers: int, nchunks: int) -> None:
-        C.lamb_frozen_update_cuda(0, *[0] * 7, n_layers, 0, 0, nchunks, *[0] * 7, 0, 0, 0)
+        C.lamb_frozen_update_cuda(0, *[0] * 8, n_layers, 0, 0, nchunks, *[0] * 7, False, 0, 0, 0)
 
     def frozen_adam(n_params: int, nchunks: int) -> None:
-        C.frozen_adam_update_cuda(0, *[0] * 5, n_params, 0, 0, 0, nchunks, 0, 0, True, 0)
+        C.frozen_adam_update_cuda(0, *[0] * 7, n_params, 0, 0, 0, nchunks, 0, 0, True, 0)
 
     for fn, name in (
         (adam, "adam_update_cuda"),
@@ -2068,7 +2102,7 @@ def test_every_cuda_op_calls_its_binding_with_the_right_arguments(monkeypatch) -
     values = dict(
         x=g, error=e, error_out=e, bits=bits, prev_bits=bits, prev_scale=s, pending=True, scale=s,
         out=torch.zeros(16), scales=torch.ones(2), m=8, out_bits=bits[0], out_scale=s,
-        exp_avg=m, denom=v, acc=v, precond=True, base=0, nx=10, ok=torch.ones(1, dtype=torch.bool),
+        exp_avg=m, dscale=None, acc=v, precond=True, base=0, nx=10, ok=torch.ones(1, dtype=torch.bool),
         grad=g, exp_avg_sq=v, update_variance=True, exchanged=g, exp_avg_sq_fresh=v, update=m,
         stats=torch.zeros(2, 3, dtype=torch.float64), floored=None, synced=m,
         alpha=torch.zeros(2), dst=m, src=g,
@@ -2168,7 +2202,13 @@ def test_lamb_frozen_update_reads_sign_runs_as_the_decoded_buffer(
     the layers may start anywhere in the runs (here at value 5 of the buffer)."""
     bufs, offsets, hp = _lamb_case(17 + decay, decay)
     offsets = [5 + o for o in offsets]
+    den = bufs.pop("denom")
     bufs = {k: None if v is None else torch.cat([v, v[:5]]) for k, v in bufs.items()}
+    v = den.exp_avg_sq
+    bufs = {**bufs, "denom": K.Denominator(torch.cat([v, v[:5]]), den.eps)}
+    bufs = {
+        k: bufs[k] for k in ("exchanged", "exp_avg", "denom", "exp_avg_sq_fresh", "param", "update")
+    }
     runs = _sign_runs(offsets[-1], 3)
     x = K.decode_runs(runs, torch.zeros(offsets[-1]))
     want = _lamb_run(
