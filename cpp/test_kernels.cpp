@@ -28,6 +28,14 @@ void check(bool ok, const char* what, int64_t a, int64_t b) {
 template <class T>
 std::unique_ptr<T[]> buf(int64_t n) { return std::unique_ptr<T[]>(new T[static_cast<size_t>(n > 0 ? n : 1)]); }
 
+// The variance whose denominator the kernels compute as d (eps 0, no scale): v = d * d, whose
+// correctly rounded square root is d itself (d > 0, no overflow or underflow).
+std::unique_ptr<float[]> squares(const float* d, int64_t n) {
+  auto v = buf<float>(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = d[i] * d[i];
+  return v;
+}
+
 // The deferred form of the worker compression against the two-call form, bit for bit, over two
 // calls: call 1 writes y (e_out) where the two-call form wrote the error e1 = y - s * sign(y);
 // call 2 applies that update as it reads (pending, in place: e_out = e and prev_bits = bits).
@@ -176,9 +184,12 @@ void run_lamb_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool de
   auto stats = buf<double>(3 * L);
   std::vector<std::unique_ptr<float[]>> own;
   const std::vector<const float*> ps = own_copies(p.get(), off, sizes, own, 3);
-  onebit::lamb_frozen_update_cpu(x.get(), m.get(), d.get(), vf.get(), decay ? ps.data() : nullptr, u.get(), L,
-                                 off.data(), sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(),
+  const auto dv = squares(d.get(), n);
+  onebit::lamb_frozen_update_cpu(x.get(), m.get(), dv.get(), nullptr, vf.get(), decay ? ps.data() : nullptr, u.get(),
+                                 L, off.data(), sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(),
                                  wd.data(), precond, stats.get(), nthreads);
+  for (int64_t k = 0; k < L; ++k)  // the kernel's denominator: sqrt(d * d) + eps
+    for (int64_t i = off[k]; i < off[k + 1]; ++i) d[i] = d[i] + eps[k];
   for (int64_t k = 0; k < L; ++k) {
     double rmax = off[k] == off[k + 1] ? 1.0 : 0.0, up2 = 0, u2 = 0;
     for (int64_t i = off[k]; i < off[k + 1]; ++i) {
@@ -236,10 +247,10 @@ void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, in
   for (bool precond : {false, true}) {
     std::vector<float> m1(m.get(), m.get() + n), m2 = m1, v1(vf.get(), vf.get() + n), v2 = v1, u1(n), u2(n);
     std::vector<double> s1(3 * L), s2(3 * L);
-    onebit::lamb_frozen_update_cpu(x.get(), m1.data(), d.get(), v1.data(), ps.data(), u1.data(), L, off.data(),
+    onebit::lamb_frozen_update_cpu(x.get(), m1.data(), d.get(), nullptr, v1.data(), ps.data(), u1.data(), L, off.data(),
                                    sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(),
                                    precond, s1.data(), nthreads);
-    onebit::lamb_frozen_update_cpu(nullptr, m2.data(), d.get(), v2.data(), ps.data(), u2.data(), L, off.data(),
+    onebit::lamb_frozen_update_cpu(nullptr, m2.data(), d.get(), nullptr, v2.data(), ps.data(), u2.data(), L, off.data(),
                                    sc.data(), b1.data(), ob1.data(), b2.data(), ob2.data(), eps.data(), wd.data(),
                                    precond, s2.data(), nthreads, &runs);
     for (int64_t i = 0; i < n; ++i) {
@@ -257,9 +268,9 @@ void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, in
       ptr1.push_back(own1.back().get()), ptr2.push_back(own2.back().get());
     }
     std::vector<float> a1(m.get(), m.get() + n), a2 = a1;
-    onebit::frozen_adam_update_cpu(x.get(), a1.data(), d.get(), ptr1.data(), L, off.data(), sizes.data(), nlr.data(),
+    onebit::frozen_adam_update_cpu(x.get(), a1.data(), d.get(), eps.data(), nullptr, ptr1.data(), L, off.data(), sizes.data(), nlr.data(),
                                    nlw.data(), precond, nthreads);
-    onebit::frozen_adam_update_cpu(nullptr, a2.data(), d.get(), ptr2.data(), L, off.data(), sizes.data(), nlr.data(),
+    onebit::frozen_adam_update_cpu(nullptr, a2.data(), d.get(), eps.data(), nullptr, ptr2.data(), L, off.data(), sizes.data(), nlr.data(),
                                    nlw.data(), precond, nthreads, &runs);
     check(std::memcmp(a1.data(), a2.data(), 4 * n) == 0, "frozen m from runs", precond, 0);
     for (int64_t k = 0; k < L; ++k)
@@ -268,9 +279,9 @@ void run_sign_runs_case(std::mt19937& rng, const std::vector<int64_t>& sizes, in
     std::vector<uint8_t> floored(n);
     for (int64_t i = 0; i < n; ++i) floored[i] = rng() % 5 == 0;
     std::vector<float> y1(m.get(), m.get() + n), y2 = y1, z1(p.get(), p.get() + n), z2 = z1, c1(n, 1.0f), c2 = c1;
-    onebit::sync_update_cpu(x.get(), d.get(), floored.data(), y1.data(), z1.data(), ptr1.data(), c1.data(), L,
+    onebit::sync_update_cpu(x.get(), d.get(), eps.data(), nullptr, floored.data(), y1.data(), z1.data(), ptr1.data(), c1.data(), L,
                             off.data(), sizes.data(), nlr.data(), precond, nthreads);
-    onebit::sync_update_cpu(nullptr, d.get(), floored.data(), y2.data(), z2.data(), ptr2.data(), c2.data(), L,
+    onebit::sync_update_cpu(nullptr, d.get(), eps.data(), nullptr, floored.data(), y2.data(), z2.data(), ptr2.data(), c2.data(), L,
                             off.data(), sizes.data(), nlr.data(), precond, nthreads, &runs);
     check(y1 == y2 && z1 == z2 && c1 == c2, "sync from runs", precond, 0);
     for (int64_t k = 0; k < L; ++k)
@@ -377,8 +388,10 @@ void run_source_case(std::mt19937& rng, const std::vector<int64_t>& sizes, bool 
   for (int64_t j = 0; j < P; ++j) {
     b[j] = j % 4 == 2 ? -0.9f : 0.9f, a[j] = j % 4 == 3 ? -0.1f : 0.1f * (j + 1);
   }
-  onebit::momentum_source_cpu(m.get(), ptrs.data(), divide ? d.get() : nullptr, u.get(), P, starts.data(),
-                              sizes.data(), b.data(), a.data(), nthreads);
+  const auto dv = squares(d.get(), n);
+  const std::vector<float> eps0(P, 0.0f);
+  onebit::momentum_source_cpu(m.get(), ptrs.data(), divide ? dv.get() : nullptr, eps0.data(), nullptr, u.get(), P,
+                              starts.data(), sizes.data(), b.data(), a.data(), nthreads);
   std::vector<bool> inside(static_cast<size_t>(n), false);
   for (int64_t j = 0; j < P; ++j) {
     for (int64_t k = 0; k < sizes[j]; ++k) {
@@ -417,13 +430,16 @@ void run_source_compress_case(std::mt19937& rng, const std::vector<int64_t>& siz
   auto prev = buf<uint8_t>(nbytes), bits1 = buf<uint8_t>(nbytes), bits2 = buf<uint8_t>(nbytes);
   for (int64_t i = 0; i < n; ++i) e[i] = normal(rng);
   for (int64_t i = 0; i < nbytes; ++i) prev[i] = static_cast<uint8_t>(rng()), bits1[i] = bits2[i] = 0x5A;
-  const float* dp = divide ? d.get() : nullptr;
+  const auto dv = squares(d.get(), base + nx);
+  const std::vector<float> eps0(P, 0.0f);
+  const float* dp = divide ? dv.get() : nullptr;
   float s1 = 0.0f, s2 = 0.0f;
-  onebit::momentum_source_cpu(mm.get(), ptrs.data(), dp, u.get(), P, starts.data(), sizes.data(), b.data(), a.data(),
-                              nthreads);
+  onebit::momentum_source_cpu(mm.get(), ptrs.data(), dp, eps0.data(), nullptr, u.get(), P, starts.data(), sizes.data(),
+                              b.data(), a.data(), nthreads);
   onebit::worker_compress_cpu(u.get() + base, nx, e.get(), y1.get(), n, bits1.get(), W, stride, prev.get(), 0.25f,
                               pending, &s1, nthreads);
-  onebit::momentum_compress_cpu(mm.get(), ptrs.data(), dp, P, starts.data(), sizes.data(), b.data(), a.data(), base,
+  onebit::momentum_compress_cpu(mm.get(), ptrs.data(), dp, eps0.data(), nullptr, P, starts.data(), sizes.data(),
+                                b.data(), a.data(), base,
                                 nx, e.get(), y2.get(), n, bits2.get(), W, stride, prev.get(), 0.25f, pending, &s2,
                                 nthreads);
   check(std::memcmp(&s1, &s2, sizeof(float)) == 0, "source compress: scale", W, nx);
@@ -466,11 +482,15 @@ void run_local_compress_case(std::mt19937& rng, const std::vector<int64_t>& size
   const float* const* p = with_p ? ps.data() : nullptr;
   const float* ac = with_acc ? acc.get() : nullptr;
   float s1 = 0.0f, s2 = 0.0f;
-  onebit::local_source_cpu(mm.get(), ptrs.data(), d.get(), p, ac, u.get(), P, starts.data(), sizes.data(), b.data(),
+  const auto dv = squares(d.get(), base + nx);
+  const std::vector<float> eps0(P, 0.0f);
+  onebit::local_source_cpu(mm.get(), ptrs.data(), dv.get(), eps0.data(), nullptr, p, ac, u.get(), P, starts.data(),
+                           sizes.data(), b.data(),
                            a.data(), nw.data(), nlr.data(), precond, nthreads);
   onebit::worker_compress_cpu(u.get() + base, nx, e.get(), y1.get(), n, bits1.get(), W, stride, prev.get(), 0.25f,
                               pending, &s1, nthreads);
-  onebit::local_compress_cpu(mm.get(), ptrs.data(), d.get(), p, ac, P, starts.data(), sizes.data(), b.data(), a.data(),
+  onebit::local_compress_cpu(mm.get(), ptrs.data(), dv.get(), eps0.data(), nullptr, p, ac, P, starts.data(),
+                             sizes.data(), b.data(), a.data(),
                              nw.data(), nlr.data(), precond, base, nx, e.get(), y2.get(), n, bits2.get(), W, stride,
                              prev.get(), 0.25f, pending, &s2, nthreads);
   check(std::memcmp(&s1, &s2, sizeof(float)) == 0, "local compress: scale", W, nx);
@@ -507,7 +527,10 @@ void run_local_step_case(std::mt19937& rng, const std::vector<int64_t>& sizes, b
   int64_t last = P - 1;
   while (last >= 0 && (!ptrs[last] || sizes[last] == 0)) --last;
   if (poison && last >= 0) const_cast<float*>(ptrs[last])[sizes[last] - 1] = std::nanf("");
-  const bool taken = onebit::local_step_cpu(ptrs.data(), mm.get(), d.get(), acc.get(), pp.data(), P, starts.data(),
+  const auto dv = squares(d.get(), n);
+  const std::vector<float> eps0(P, 0.0f);
+  const bool taken = onebit::local_step_cpu(ptrs.data(), mm.get(), dv.get(), eps0.data(), nullptr, acc.get(), pp.data(),
+                                            P, starts.data(),
                                             sizes.data(), b.data(), a.data(), w.data(), nlr.data(), nthreads);
   const bool expect = !(poison && last >= 0);
   check(taken == expect, "local step: taken", P, poison);
