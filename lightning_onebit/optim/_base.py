@@ -49,10 +49,12 @@ from lightning_onebit.optim._validation import (
     raise_for_options,
 )
 from lightning_onebit.optim._variance import (
-    bias_corrections,
+    bias_correction,
     divergence_hint,
-    freeze_variance_,
+    floor_variance_,
+    fold_bias_correction_,
     variance_sample,
+    warn_if_variance_is_young,
 )
 from lightning_onebit.optim._verdict import StepVerdict
 
@@ -130,7 +132,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     _checkpoint_attrs: tuple[str, ...] = ()
     #: Host-side counters a step advances, put back when its verdict turns out non-finite.
     _host_counters: ClassVar[tuple[str, ...]] = ("step_count", "variance_updates", "rescale")
-    #: Raise floored variances to their tensor's mean (``floor_variance_``; subclasses).
+    #: Raise floored variances to their tensor's mean (``floor_variance_``'s ``to_mean``).
     FLOOR_TO_MEAN: ClassVar[bool] = False
     rescale_interval = Delegated(
         "rescale", "``rescale_variance``'s steps between all-reduces.", attr="interval"
@@ -375,12 +377,16 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         self._rebuild_if_stale()
         self._held.release(self)  # the switch step's: before the state changes meaning
         self.phases.switch()
+        flat, groups, bias = self.flat, self.param_groups, bias_correction(self)
         if self.rescale.enabled:  # Adam's variance as it stands: before the fold and floor
-            bc2 = [
-                bias_corrections(self, gi, j)[1] for j, gi in enumerate(self.flat.layout.group_of)
-            ]
-            self.rescale.at_switch_(self.flat, bc2, self.variance_updates)
-        freeze_variance_(self)
+            bc2 = [bias.of(gi, j)[1] for j, gi in enumerate(flat.layout.group_of)]
+            self.rescale.at_switch_(flat, bc2, self.variance_updates)
+        if self.bias_correction:  # the compression phase then runs unchanged
+            fold_bias_correction_(flat, groups, bias)
+        else:
+            warn_if_variance_is_young(self, stacklevel=3)
+        f, names = self.variance_floor, self.param_names
+        self.floored = floor_variance_(flat, groups, f, to_mean=self.FLOOR_TO_MEAN, names=names)
         self.flat.add_states(self._switch_states, self.state)
         self._on_freeze()
         self.flat.release_scratch()  # the warmup's: the compression phase makes what it uses

@@ -1,8 +1,9 @@
-"""The building blocks the algorithms' ``_step`` is written in, functions of the optimizer: the
-two averages (full precision and 1-bit), the NaN/Inf checks, Adam's direction and step, the
-frozen variance's denominator (with its rescaling), and the decoupled update. They use the
-optimizer's public attributes and composed objects (``flat``, ``verdict``, ``counters``,
-``topology``, ``overlap``), nothing else of it."""
+"""The building blocks the algorithms' ``_step`` is written in. The arithmetic ones (Adam's
+direction and step, the frozen variance's denominator, the decoupled and frozen updates) take
+the flat buffers, the param groups and explicit values, like torch's functional ``adam()``; the
+two averages (full precision and 1-bit) and the NaN/Inf checks are the optimizer's exchanges and
+take it: they use its public attributes and composed objects (``flat``, ``verdict``,
+``counters``, ``topology``, ``overlap``), nothing else of it."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ from lightning_onebit.kernels import (
     frozen_adam_update,
     reads_sign_runs,
 )
-from lightning_onebit.optim._nograd import any_missed_steps
-from lightning_onebit.optim._variance import bias_corrections
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
+    from lightning_onebit.optim._flat import FlatState
+    from lightning_onebit.optim._variance import BiasCorrection
+
+#: param groups (torch's): each group's hyperparameters
+Groups = list[dict[str, Any]]
 
 __all__ = [
     "SourceOf",
@@ -258,24 +262,26 @@ def _exchange(
     return opt.verdict.from_exchange(ex), runs
 
 
-def adam_direction(opt: OneBitOptimizer) -> Callable[[int, torch.Tensor], torch.Tensor]:
+def adam_direction(
+    flat: FlatState, groups: Groups, bias: BiasCorrection | None
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """Adam's direction with decoupled weight decay, parameter by parameter, reading the
     moments in the flat buffers and each parameter where it lies: the returned function
     writes parameter ``j``'s (layout index) ``exp_avg / (sqrt(exp_avg_sq) + eps) +
     weight_decay * p`` into ``out`` (float32, contiguous, the parameter's shape) and returns
-    it. With ``bias_correction`` the moments are bias-corrected first, per group, or per
-    parameter where some parameter missed steps for want of a gradient (each counts its own
-    steps, as torch's Adam). The hyperparameters are those of the call's time."""
-    m, v = opt.flat.views["exp_avg"], opt.flat.views["exp_avg_sq"]
-    layout = opt.flat.layout
-    per_param = opt.bias_correction and any_missed_steps(opt)
+    it. With ``bias`` (``bias_correction``) the moments are bias-corrected first, per group or
+    per parameter (see `BiasCorrection`).
+    The hyperparameters are those of the call's time."""
+    m, v = flat.views["exp_avg"], flat.views["exp_avg_sq"]
+    layout = flat.layout
+    per_param = bias is not None and bias.per_param
     coefs: dict[tuple[int, int | None], tuple[float, float]] = {}
 
     def coefficients(gi: int, j: int | None) -> tuple[float, float]:
         if (gi, j) not in coefs:
-            eps, scale = opt.param_groups[gi]["eps"], 1.0
-            if opt.bias_correction:  # m/bc1 / (sqrt(v/bc2) + eps)
-                bc1, bc2 = bias_corrections(opt, gi, j)
+            eps, scale = groups[gi]["eps"], 1.0
+            if bias is not None:  # m/bc1 / (sqrt(v/bc2) + eps)
+                bc1, bc2 = bias.of(gi, j)
                 eps, scale = eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
             coefs[gi, j] = (eps, scale)
         return coefs[gi, j]
@@ -287,7 +293,7 @@ def adam_direction(opt: OneBitOptimizer) -> Callable[[int, torch.Tensor], torch.
         torch.div(m[j], out, out=out)
         if scale != 1.0:
             out.mul_(scale)
-        wd = decoupled_decay(opt.param_groups[gi])
+        wd = decoupled_decay(groups[gi])
         if wd > 0:
             out.add_(fp32_param(layout.params[j]), alpha=wd)
         return out
@@ -301,52 +307,61 @@ def fp32_param(p: torch.Tensor) -> torch.Tensor:
     return p.detach().to(torch.float32, memory_format=torch.contiguous_format)
 
 
-def denominator(opt: OneBitOptimizer, idx: list[int] | None = None) -> Denominator:
+def denominator(
+    flat: FlatState,
+    groups: Groups,
+    scales: torch.Tensor | None = None,
+    idx: list[int] | None = None,
+) -> Denominator:
     """The frozen variance's ``sqrt(exp_avg_sq) + eps`` of the parameters ``idx`` (consecutive
     layout indices; default: all), as the kernels take it: the flat variance and, per parameter,
-    its group's ``eps`` and, where ``rescale_variance`` moved the tensors' scales, ``sqrt(r_j)``
-    (then ``sqrt(v) * sqrt(r_j) + eps``, see ``VarianceRescale``; a float32 tensor on the
-    device, no host read). The kernels compute ``d`` as they read ``v``: no buffer of it is
-    held, and it always follows the variance, its scales and ``eps`` as they are now."""
-    flat = opt.flat
+    its group's ``eps`` and, where ``rescale_variance`` moved the tensors' scales (``scales``:
+    ``r_j`` per tensor of the layout, ``VarianceRescale.scales``), ``sqrt(r_j)`` (then
+    ``sqrt(v) * sqrt(r_j) + eps``; a float32 tensor on the device, no host read). The kernels
+    compute ``d`` as they read ``v``: no buffer of it is held, and it always follows the
+    variance, its scales and ``eps`` as they are now."""
     layout = flat.layout
     idx = list(range(len(layout.params))) if idx is None else idx
-    eps = [opt.param_groups[layout.group_of[j]]["eps"] for j in idx]
-    r = opt.rescale.scales(flat)
+    eps = [groups[layout.group_of[j]]["eps"] for j in idx]
     dscale = None
-    if r is not None and idx:
+    if scales is not None and idx:
         if idx != list(range(idx[0], idx[-1] + 1)):
             raise ValueError("denominator() takes consecutive layout indices")
-        dscale = r[idx[0] : idx[-1] + 1].sqrt()
+        dscale = scales[idx[0] : idx[-1] + 1].sqrt()
     return Denominator(flat.states["exp_avg_sq"], eps, dscale)
 
 
 def denominator_into(
-    opt: OneBitOptimizer, out: torch.Tensor, idx: list[int] | None = None
+    flat: FlatState,
+    groups: Groups,
+    scales: torch.Tensor | None,
+    out: torch.Tensor,
+    idx: list[int] | None = None,
 ) -> torch.Tensor:
-    """``denominator(opt, idx)``'s values, computed with torch ops (the kernels' floats), into
-    the same flat indices of ``out`` (a flat float32 buffer of the layout's size; the values of
-    other parameters are left as they are), for the torch ops that take ``d`` as a tensor.
+    """``denominator(flat, groups, scales, idx)``'s values, computed with torch ops (the kernels'
+    floats), into the same flat indices of ``out`` (a flat float32 buffer of the layout's size;
+    the values of other parameters are left as they are), for the torch ops that take ``d`` as
+    a tensor.
 
     Returns:
         ``out``.
     """
-    layout = opt.flat.layout
+    layout = flat.layout
     idx = list(range(len(layout.params))) if idx is None else idx
     starts = [layout.offsets[j] for j in idx]
     sizes = [layout.params[j].numel() for j in idx]
-    return denominator(opt, idx).write(out, starts, sizes)
+    return denominator(flat, groups, scales, idx).write(out, starts, sizes)
 
 
-def decoupled_update_(opt: OneBitOptimizer, x: torch.Tensor) -> None:
+def decoupled_update_(flat: FlatState, groups: Groups, x: torch.Tensor) -> None:
     """``p -= lr * (x + weight_decay * p)`` for every parameter (``x``: a flat direction). The
     decay is subtracted, ``p += -lr * wd * p``, one rounding of the result: the factor ``p *
     float32(1 - lr * wd)`` would carry the same rounding error into every step (it decays 1.5%
     too much at ``lr * wd = 1e-6``, 17% at ``1e-7``)."""
-    views = opt.flat.views_of(x)
-    for gi, group, _ in opt.flat.segments(opt.param_groups):
-        idx = opt.flat.layout.group_params(gi)
-        params = [opt.flat.layout.params[j] for j in idx]
+    views = flat.views_of(x)
+    for gi, group, _ in flat.segments(groups):
+        idx = flat.layout.group_params(gi)
+        params = [flat.layout.params[j] for j in idx]
         lr, wd = group["lr"], decoupled_decay(group)
         if wd > 0:
             torch._foreach_add_(params, params, alpha=-lr * wd)
@@ -354,32 +369,39 @@ def decoupled_update_(opt: OneBitOptimizer, x: torch.Tensor) -> None:
 
 
 def frozen_adam_update_(
-    opt: OneBitOptimizer, ok: torch.Tensor | None, x: torch.Tensor | SignRuns
+    flat: FlatState,
+    groups: Groups,
+    d: Denominator,
+    ok: torch.Tensor | None,
+    x: torch.Tensor | SignRuns,
+    preconditioned: bool,
 ) -> None:
     """1-bit Adam's compression-phase update from the exchanged ``x``, only where the
     verdict ``ok`` (on the device; ``None``: always) is true: ``m = x * d`` and
-    ``p -= lr * (x + wd * p)`` with ``preconditioned_exchange``, else ``m = x`` and
-    ``p -= lr * (x / d + wd * p)`` (``d = sqrt(v) + eps``, frozen; ``x`` may be ``m``
-    itself, or the exchange's [`SignRuns`][lightning_onebit.kernels.runs.SignRuns]);
+    ``p -= lr * (x + wd * p)`` where the exchange was ``preconditioned``, else ``m = x`` and
+    ``p -= lr * (x / d + wd * p)`` (``d = sqrt(v) + eps``, frozen, from ``denominator``; ``x``
+    may be ``m`` itself, or the exchange's [`SignRuns`][lightning_onebit.kernels.runs.SignRuns]);
     [`frozen_adam_update`][lightning_onebit.kernels.updates.frozen_adam_update] (one sweep on the
     CPU too, the floats of ``decoupled_update_``)."""
-    layout, groups = opt.flat.layout, opt.param_groups
+    layout = flat.layout
     of = layout.group_of
     frozen_adam_update(
         ok,
         x,
-        opt.flat.states["exp_avg"],
-        denominator(opt),
+        flat.states["exp_avg"],
+        d,
         layout.params,
         layout.offsets,
         [groups[of[j]]["lr"] for j in range(len(layout.params))],
         [decoupled_decay(groups[of[j]]) for j in range(len(layout.params))],
-        opt.preconditioned_exchange,
+        preconditioned,
     )
 
 
 def adam_step_(
-    opt: OneBitOptimizer,
+    flat: FlatState,
+    groups: Groups,
+    bias: BiasCorrection | None,
     grads: torch.Tensor | list[torch.Tensor | None],
     update_variance: bool = True,
     ok: torch.Tensor | None = None,
@@ -388,32 +410,30 @@ def adam_step_(
     the layout, ``None``: zeros, each read where it lies), one fused sweep
     ([`adam_update`][lightning_onebit.kernels.updates.adam_update]): ``m = beta1 m + (1 - beta1)
     g``; ``v = beta2 v + (1 - beta2) g**2`` if ``update_variance``; ``p -= lr * (m / (sqrt(v) + eps)
-    + weight_decay * p)``. With ``bias_correction``, as torch's Adam/AdamW: ``m / (1 - beta1**t)``
-    over ``sqrt(v / (1 - beta2**k)) + eps``, folded into the kernel's per-parameter ``lr``, ``eps``
-    and ``weight_decay``. ``ok``: the step's verdict on the device (nothing is written where it is
-    false)."""
-    layout, groups = opt.flat.layout, opt.param_groups
-    if update_variance:
-        opt.variance_updates += 1
+    + weight_decay * p)``. With ``bias`` (``bias_correction``; its counts include this step), as
+    torch's Adam/AdamW: ``m / (1 - beta1**t)`` over ``sqrt(v / (1 - beta2**k)) + eps``, folded into
+    the kernel's per-parameter ``lr``, ``eps`` and ``weight_decay``. ``ok``: the step's verdict on
+    the device (nothing is written where it is false)."""
+    layout = flat.layout
 
     def hparams(gi: int, j: int | None = None) -> tuple[float, ...]:
         group = groups[gi]
         lr, eps, wd = group["lr"], group["eps"], decoupled_decay(group)
-        if opt.bias_correction:
-            bc1, bc2 = bias_corrections(opt, gi, j)
+        if bias is not None:
+            bc1, bc2 = bias.of(gi, j)
             lr_c = lr * math.sqrt(bc2) / bc1
             lr, eps, wd = lr_c, eps * math.sqrt(bc2), (wd * lr / lr_c if lr_c else wd)
         return (lr, *group["betas"], eps, wd)
 
-    if opt.bias_correction and any_missed_steps(opt):  # each parameter's own steps
+    if bias is not None and bias.per_param:  # each parameter's own steps
         per_param = [hparams(gi, j) for j, gi in enumerate(layout.group_of)]
     else:
         hp = [hparams(gi) for gi in range(len(groups))]
         per_param = [hp[gi] for gi in layout.group_of]
     adam_update(
         grads,
-        opt.flat.states["exp_avg"],
-        opt.flat.states["exp_avg_sq"],
+        flat.states["exp_avg"],
+        flat.states["exp_avg_sq"],
         layout.params,
         layout.offsets,
         *(list(col) for col in zip(*per_param, strict=True)),
@@ -422,5 +442,6 @@ def adam_step_(
     )
 
 
-def any_weight_decay(opt: OneBitOptimizer) -> bool:
-    return any(decoupled_decay(group) > 0 for _, group, _ in opt.flat.segments(opt.param_groups))
+def any_weight_decay(flat: FlatState, groups: Groups) -> bool:
+    """Whether some param group has a decoupled weight decay."""
+    return any(decoupled_decay(group) > 0 for _, group, _ in flat.segments(groups))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,13 +18,14 @@ from lightning_onebit.optim._nograd import any_missed_steps, missed_steps
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._base import OneBitOptimizer
+    from lightning_onebit.optim._flat import FlatState
 
 __all__ = [
-    "bias_corrections",
+    "BiasCorrection",
+    "bias_correction",
     "divergence_hint",
     "floor_variance_",
     "fold_bias_correction_",
-    "freeze_variance_",
     "variance_sample",
     "warn_if_variance_is_young",
 ]
@@ -33,43 +35,82 @@ __all__ = [
 _WARNED_YOUNG: weakref.WeakSet[OneBitOptimizer] = weakref.WeakSet()
 
 
-def bias_corrections(opt: OneBitOptimizer, gi: int, j: int | None = None) -> tuple[float, float]:
-    """``(1 - beta1**t, 1 - beta2**k)`` of group ``gi``: ``t`` steps of momentum, ``k``
-    variance updates since the group joined (1 for a variance that never saw a gradient:
-    nothing to correct); of its parameter ``j`` (layout index): less the steps it had no
-    gradient in (torch's Adam counts each parameter's own steps)."""
-    group = opt.param_groups[gi]
-    beta1, beta2 = group["betas"]
-    t0, k0 = group.get("joined_at", (0, 0))
-    t, k = opt.step_count - t0, opt.variance_updates - k0
-    if j is not None:
-        mt, mk = missed_steps(opt, j)
-        t, k = t - mt, k - mk
-    return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
+@dataclass(frozen=True)
+class BiasCorrection:
+    """Adam's bias corrections ``(1 - beta1**t, 1 - beta2**k)`` at one step: per param group,
+    ``t`` steps of momentum and ``k`` variance updates since the group joined (1 for a variance
+    that never saw a gradient: nothing to correct); per parameter where some parameter missed
+    steps for want of a gradient (torch's Adam counts each parameter's own steps).
+
+    Attributes:
+        groups: per param group, ``(1 - beta1**t, 1 - beta2**k)``.
+        params: per parameter of the layout, the same less the steps it missed; ``None`` where
+            no parameter missed any (every parameter has its group's).
+    """
+
+    groups: tuple[tuple[float, float], ...]
+    params: tuple[tuple[float, float], ...] | None
+
+    def of(self, gi: int, j: int | None = None) -> tuple[float, float]:
+        """Group ``gi``'s corrections, or its parameter ``j``'s (layout index) where they differ."""
+        return self.groups[gi] if j is None or self.params is None else self.params[j]
+
+    @property
+    def per_param(self) -> bool:
+        """Whether some parameter has corrections of its own."""
+        return self.params is not None
 
 
-def fold_bias_correction_(opt: OneBitOptimizer) -> None:
+def bias_correction(opt: OneBitOptimizer) -> BiasCorrection:
+    """``opt``'s `BiasCorrection` now, from
+    its step and variance-update counts, each group's ``betas`` and ``joined_at``, and each
+    parameter's missed steps: the value the algorithm blocks take."""
+
+    def corrections(gi: int, missed: tuple[int, int] = (0, 0)) -> tuple[float, float]:
+        group = opt.param_groups[gi]
+        beta1, beta2 = group["betas"]
+        t0, k0 = group.get("joined_at", (0, 0))
+        t, k = opt.step_count - t0 - missed[0], opt.variance_updates - k0 - missed[1]
+        return 1.0 - beta1 ** max(t, 1), 1.0 - beta2 ** max(k, 1)
+
+    groups = tuple(corrections(gi) for gi in range(len(opt.param_groups)))
+    params = None
+    if any_missed_steps(opt):
+        of = opt.flat.layout.group_of
+        params = tuple(corrections(of[j], missed_steps(opt, j)) for j in range(len(of)))
+    return BiasCorrection(groups, params)
+
+
+def fold_bias_correction_(
+    flat: FlatState, groups: list[dict[str, Any]], bias: BiasCorrection
+) -> None:
     """At the switch, with ``bias_correction``: ``m /= 1 - beta1**t``, ``v /= 1 - beta2**k``
     (per parameter where some missed steps), so the compression phase runs unchanged."""
-    m, v = opt.flat.states["exp_avg"], opt.flat.states["exp_avg_sq"]
-    if any_missed_steps(opt):  # per parameter: some missed steps
-        of = opt.flat.layout.group_of
+    m, v = flat.states["exp_avg"], flat.states["exp_avg_sq"]
+    if bias.per_param:
+        of = flat.layout.group_of
         for j, (mj, vj) in enumerate(
-            zip(opt.flat.views["exp_avg"], opt.flat.views["exp_avg_sq"], strict=True)
+            zip(flat.views["exp_avg"], flat.views["exp_avg_sq"], strict=True)
         ):
-            bc1, bc2 = bias_corrections(opt, of[j], j)
+            bc1, bc2 = bias.of(of[j], j)
             mj.div_(bc1)
             vj.div_(bc2)
         return
-    for gi, _, s in opt.flat.segments(opt.param_groups):
-        bc1, bc2 = bias_corrections(opt, gi)
+    for gi, _, s in flat.segments(groups):
+        bc1, bc2 = bias.of(gi)
         m[s].div_(bc1)
         v[s].div_(bc2)
 
 
 def floor_variance_(
-    opt: OneBitOptimizer, report: bool = False, ok: torch.Tensor | None = None
-) -> None:
+    flat: FlatState,
+    groups: list[dict[str, Any]],
+    f: float,
+    *,
+    to_mean: bool = False,
+    names: dict[Any, str] | None = None,
+    ok: torch.Tensor | None = None,
+) -> dict[str, int]:
     """Raise each coordinate's variance to at least ``f**2 * max(mean_k, mean_g)``,
     ``f = variance_floor``, ``mean_k`` the mean variance of its tensor, ``mean_g`` that of
     its parameter group: a coordinate counts as degenerate when its gradient RMS is below
@@ -87,23 +128,31 @@ def floor_variance_(
     coordinate only ever takes smaller steps than without the floor. ``variance_floor=0``
     is DeepSpeed's arithmetic.
 
-    With ``FLOOR_TO_MEAN`` (1-bit LAMB) a caught coordinate is raised to
-    ``max(mean_k, mean_g)`` itself, not to ``f**2`` of it (see
-    [`OneBitLamb`][lightning_onebit.optim.OneBitLamb]). ``ok``: the step's verdict on the device;
-    where it is false nothing changes.
+    Args:
+        flat: the flat buffers (``exp_avg_sq``; each tensor's floor is kept in its
+            ``variance_floor`` view where there is one, 0/1 Adam's).
+        groups: the param groups.
+        f: ``variance_floor`` (``<= 0``: nothing changes).
+        to_mean: raise a caught coordinate to ``max(mean_k, mean_g)`` itself, not to ``f**2`` of
+            it (``FLOOR_TO_MEAN``, 1-bit LAMB's; see [`OneBitLamb`][lightning_onebit.optim.OneBitLamb]).
+        names: parameter -> name: count the raised coordinates per parameter (a host read).
+        ok: the step's verdict on the device; where it is false nothing changes.
+
+    Returns:
+        With ``names``, the parameters some of whose coordinates were raised, by name, with
+        their counts; else ``{}``.
     """
-    opt.floored = {}
-    f2 = opt.variance_floor**2
+    f2 = f**2
     if f2 <= 0:
-        return
-    v, views = opt.flat.states["exp_avg_sq"], opt.flat.views["exp_avg_sq"]
-    floors = opt.flat.views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
+        return {}
+    v, views = flat.states["exp_avg_sq"], flat.views["exp_avg_sq"]
+    floors = flat.views.get("variance_floor")  # each tensor's floor, if kept (0/1 Adam)
     counts: list[torch.Tensor] = []
-    for gi, _, s in opt.flat.segments(opt.param_groups):
-        idx = opt.flat.layout.group_params(gi)
+    counted: list[int] = []
+    for gi, _, s in flat.segments(groups):
         # tensors, not Python floats: no host synchronisation on 0/1 Adam's variance steps
         group_mean = v[s].mean(dtype=torch.float64)
-        for j in idx:
+        for j in flat.layout.group_params(gi):
             mean = torch.maximum(views[j].mean(dtype=torch.float64), group_mean)
             floor = (mean * f2).float()
             if floors is not None:
@@ -111,34 +160,21 @@ def floor_variance_(
                 floors[j].copy_(kept.reshape(floors[j].shape))
             if ok is not None:  # a dropped step: v as it was, floor -inf changes nothing
                 floor = torch.where(ok, floor, -math.inf).reshape(())
-            if report:
+            if names is not None:
                 counts.append((views[j] <= floor).sum())
-            if opt.FLOOR_TO_MEAN:
+                counted.append(j)
+            if to_mean:
                 views[j].masked_fill_(views[j] <= floor, mean.float())
             else:
                 torch.clamp_min_(views[j], floor)
-    if report and counts:
-        n = torch.stack(counts).tolist()
-        gis = [
-            j
-            for gi, _, _ in opt.flat.segments(opt.param_groups)
-            for j in opt.flat.layout.group_params(gi)
-        ]
-        opt.floored = {
-            opt.flat.layout.name(j, opt.param_groups, opt.param_names): k
-            for j, k in zip(gis, n, strict=True)
-            if k > 0
-        }
-
-
-def freeze_variance_(opt: OneBitOptimizer) -> None:
-    """What the phase switch does to the variance it freezes: fold the bias corrections into
-    the moments (``bias_correction``; else warn of a young variance), then floor it."""
-    if opt.bias_correction:
-        fold_bias_correction_(opt)
-    else:
-        warn_if_variance_is_young(opt, stacklevel=4)
-    floor_variance_(opt, report=True)
+    if not counts:
+        return {}
+    n = torch.stack(counts).tolist()
+    return {
+        flat.layout.name(j, groups, names or {}): k
+        for j, k in zip(counted, n, strict=True)
+        if k > 0
+    }
 
 
 def warn_if_variance_is_young(opt: OneBitOptimizer, stacklevel: int = 3) -> None:
@@ -219,8 +255,9 @@ def variance_sample(opt: OneBitOptimizer, stride: int) -> torch.Tensor | None:
         raise ValueError(f"stride must be an int >= 1, got {stride!r}")
     out = v[::stride].clone()
     if opt.bias_correction and not opt.phases.switched:
+        bias = bias_correction(opt)
         for gi, _, s in opt.flat.segments(opt.param_groups):
             # the sampled coordinates i * stride in [s.start, s.stop)
             lo, hi = -(-s.start // stride), -(-s.stop // stride)
-            out[lo:hi].div_(bias_corrections(opt, gi)[1])
+            out[lo:hi].div_(bias.of(gi)[1])
     return out

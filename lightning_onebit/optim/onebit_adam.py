@@ -39,6 +39,7 @@ from lightning_onebit.optim._ops import (
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int
+from lightning_onebit.optim._variance import bias_correction
 
 __all__ = ["OneBitAdam"]
 
@@ -167,7 +168,9 @@ class OneBitAdam(OneBitOptimizer):
         gradient where autograd left it, ``FlatState.grads``), else into scratch."""
         flat, groups = self.flat, self.param_groups
         idx = flat.params_in(s)
-        d = denominator(self, idx) if self.preconditioned_exchange else None
+        d = None
+        if self.preconditioned_exchange:
+            d = denominator(flat, groups, self.rescale.scales(flat), idx)
         beta = [groups[flat.layout.group_of[j]]["betas"][0] for j in idx]
         return MomentumSource(
             flat.states["exp_avg"],
@@ -187,7 +190,9 @@ class OneBitAdam(OneBitOptimizer):
             grads, ok = averaged_grads(self)
             self.rescale.warmup_(self.flat, grads, ok)  # rescale_variance: the gradients' scale
             # 1b + 3. Adam's moments and update, one fused sweep
-            adam_step_(self, grads, ok=ok)
+            self.variance_updates += 1
+            bias = bias_correction(self) if self.bias_correction else None
+            adam_step_(self.flat, self.param_groups, bias, grads, ok=ok)
             if self.step_count >= self.freeze_step:
                 self.verdict.read_on_host(
                     self.step_count
@@ -211,7 +216,9 @@ class OneBitAdam(OneBitOptimizer):
         ok, x = compressed_average(self, self._exchange_source, x)
         # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner (one
         # sweep: m and p)
-        frozen_adam_update_(self, ok, x)
+        flat, groups = self.flat, self.param_groups
+        d = denominator(flat, groups, self.rescale.scales(flat))
+        frozen_adam_update_(flat, groups, d, ok, x, self.preconditioned_exchange)
         # rescale_variance: the next steps' sqrt(v) + eps follows the gradients' scale
         if self.rescale_variance:
             grads = self.flat.grads(self.param_groups, list(range(len(self.flat.layout.params))))

@@ -52,6 +52,7 @@ from lightning_onebit.optim._ops import (
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, check_real
+from lightning_onebit.optim._variance import bias_correction
 
 __all__ = ["OneBitLamb"]
 
@@ -312,7 +313,9 @@ class OneBitLamb(OneBitOptimizer):
         ``m``, or ``m / (sqrt(v) + eps)`` with ``preconditioned_exchange``)."""
         m = self.flat.views["exp_avg"]
         if self.preconditioned_exchange:  # d layer by layer (no buffer of it is held)
-            d, offsets = denominator(self), self.flat.layout.offsets
+            flat = self.flat
+            d = denominator(flat, self.param_groups, self.rescale.scales(flat))
+            offsets = flat.layout.offsets
             m = [mk / d.segment(k, offsets[k], mk.numel()).view_as(mk) for k, mk in enumerate(m)]
         rms = torch.stack([mk.norm() / math.sqrt(max(mk.numel(), 1)) for mk in m])
         scaling = self.flat.scalars["scaling_coeff"]
@@ -339,7 +342,9 @@ class OneBitLamb(OneBitOptimizer):
             beta1, c = self.param_groups[flat.layout.group_of[j]]["betas"][0], scaling[j]
             beta.append(beta1 * c)
             alpha.append((1 - beta1) * c)
-        d = denominator(self, idx) if self.preconditioned_exchange else None
+        d = None
+        if self.preconditioned_exchange:
+            d = denominator(flat, self.param_groups, self.rescale.scales(flat), idx)
         return MomentumSource(
             flat.states["exp_avg"],
             flat.grads(self.param_groups, idx),
@@ -394,7 +399,8 @@ class OneBitLamb(OneBitOptimizer):
             # 1c. Adam direction with decoupled weight decay, u = m / (sqrt(v) + eps) + wd * p,
             #     layer by layer into scratch of the largest layer's size (no flat buffer of u,
             #     and p read where it lies)
-            direction = adam_direction(self)
+            bias = bias_correction(self) if self.bias_correction else None
+            direction = adam_direction(self.flat, self.param_groups, bias)
             layout = self.flat.layout
             scratch = torch.empty(max(p.numel() for p in layout.params), device=layout.device)
             # 1d. trust ratio per layer, and its moving average
@@ -430,7 +436,8 @@ class OneBitLamb(OneBitOptimizer):
         # it is false and zeroes u, so that 3g leaves p as it was. x: on the CPU the exchange's
         # result where it lies, read by the kernel below without being decoded first)
         ok, x = compressed_average(self, self._exchange_source, "exchanged")
-        d = denominator(self)  # sqrt(v) + eps, computed by the kernel as it reads v
+        flat, groups = self.flat, self.param_groups
+        d = denominator(flat, groups, self.rescale.scales(flat))  # computed as the kernel reads v
         u = self.flat.work["update"]  # (made at the first compression step)
         # 3c (unscaling; with preconditioned_exchange x was exchanged divided by sqrt(v) + eps:
         # times it first), 3d and 3e in one sweep (a C++ kernel on CPU): m = x / scaling,
@@ -438,7 +445,7 @@ class OneBitLamb(OneBitOptimizer):
         # layer max((sqrt(v) + eps) / (sqrt(v_fresh) + eps)) and the norms of u before/after decay
         # p: each layer's parameter where it lies, read by the kernel for the decay term
         layers = list(range(len(self.flat.layout.params)))
-        p = self.flat.params(layers) if any_weight_decay(self) else None
+        p = self.flat.params(layers) if any_weight_decay(flat, groups) else None
         hparams = ("beta1", "beta2", "eps", "weight_decay")
         stats = lamb_frozen_update(
             x,
@@ -456,7 +463,7 @@ class OneBitLamb(OneBitOptimizer):
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
         # 3f. the fresh-variance factor, blended, clipped in value and in speed
         factor = ratio_max
-        if any_weight_decay(self):
+        if any_weight_decay(flat, groups):
             wd = self._per_layer("weight_decay")
             r = (prelim_norm / u_norm).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
             factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)

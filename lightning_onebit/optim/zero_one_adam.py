@@ -62,6 +62,7 @@ from lightning_onebit.optim._ops import (
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, deepspeed_arithmetic
 from lightning_onebit.optim._variance import (
+    bias_correction,
     divergence_hint,
     floor_variance_,
     warn_if_variance_is_young,
@@ -319,13 +320,14 @@ class ZeroOneAdam(OneBitOptimizer):
             if not pre:
                 return flat.grad[s]
             # sqrt(v) + eps of the current v, into the buffer the quotient goes to
-            u = denominator_into(self, flat.work["update"], idx)[s]
+            u = denominator_into(flat, groups, self.rescale.scales(flat), flat.work["update"], idx)
+            u = u[s]
             return torch.div(flat.grad[s], u, out=u)
         return LocalSource(
             exp_avg=flat.states["exp_avg"],
             grad=flat.grads(groups, idx),
-            denom=denominator(self, idx),
-            param=flat.params(idx) if any_weight_decay(self) else None,
+            denom=denominator(flat, groups, self.rescale.scales(flat), idx),
+            param=flat.params(idx) if any_weight_decay(flat, groups) else None,
             acc=self._acc if self._local_steps_taken else None,
             out=functools.partial(flat.scratch, "update"),  # made only if materialized
             starts=[flat.layout.offsets[j] for j in idx],
@@ -380,10 +382,10 @@ class ZeroOneAdam(OneBitOptimizer):
         # + acc / (sqrt(v) + eps), computed on the synced copy (bitwise the same on every rank,
         # unlike p - acc + ...) and copied into p; acc = 0. One sweep (the torch ops' floats bit
         # for bit on the CPU and on CUDA).
-        layout = self.flat.layout
+        flat, layout = self.flat, self.flat.layout
         sync_update(
             exchanged=u,
-            denom=denominator(self),
+            denom=denominator(flat, self.param_groups, self.rescale.scales(flat)),
             exp_avg=m,
             synced=self.flat.states["synced_params"],
             floored=self._floored(),
@@ -400,16 +402,17 @@ class ZeroOneAdam(OneBitOptimizer):
         (``u``: its result, masked): the same values computed aside and kept with
         ``torch.where`` (a dropped step leaves acc, m, the synced copy and the parameters as
         they were), no host synchronisation."""
-        m, acc, synced = self.flat.states["exp_avg"], self._acc, self.flat.states["synced_params"]
+        flat, groups = self.flat, self.param_groups
+        m, acc, synced = flat.states["exp_avg"], self._acc, flat.states["synced_params"]
         if self._local_steps_taken:
             acc.masked_fill_(ok, 0.0)
         # d = sqrt(v) + eps computed into one of the step's temporaries (no buffer of it is held)
+        d = denominator_into(flat, groups, self.rescale.scales(flat), torch.empty_like(u))
         if self.preconditioned_exchange:  # u = the synced step (parameter units)
-            moment = denominator_into(self, torch.empty_like(u)).mul_(u)
+            moment = d.mul_(u)
             new_synced = torch.add(synced, u)
         else:
-            moment = u.clone()
-            new_synced = denominator_into(self, torch.empty_like(u))
+            moment, new_synced = u.clone(), d
             torch.addcdiv(synced, u, new_synced, out=new_synced)
         self._rebuild_momentum_(moment, this_step, out=moment)
         torch.where(ok, moment, m, out=m)
@@ -480,9 +483,10 @@ class ZeroOneAdam(OneBitOptimizer):
         at the end of ``fit``."""
         if self.phase != Phase.LOCAL or not self._local_steps_taken:
             return
-        acc, x = self._acc, self.flat.work["update"]
-        # acc in parameter units already, or acc * (sqrt(v) + eps) (d computed into x first)
-        source = acc if self.preconditioned_exchange else denominator_into(self, x).mul_(acc)
+        flat, acc, source = self.flat, self._acc, self._acc
+        if not self.preconditioned_exchange:  # acc * (sqrt(v) + eps), d computed into x first
+            x, r = flat.work["update"], self.rescale.scales(flat)
+            source = denominator_into(flat, self.param_groups, r, x).mul_(acc)
         self.counters.start_step()
         counters = snapshot(self, self._host_counters)
         self.verdict.start_step()
@@ -502,11 +506,13 @@ class ZeroOneAdam(OneBitOptimizer):
         on the host: its lr still counts)."""
         finite = finite_on_device(g)
         ok = self.verdict.hold_on_device(finite, finite, "local")
-        m, acc, u = self.flat.states["exp_avg"], self._acc, self.flat.work["update"]
-        for gi, group, _ in self.flat.segments(self.param_groups):
+        flat, groups = self.flat, self.param_groups
+        m, acc, u = flat.states["exp_avg"], self._acc, flat.work["update"]
+        for gi, group, _ in flat.segments(groups):
             self.lrs[gi] += group["lr"]
-        denominator_into(self, u)  # d = sqrt(v) + eps, into u: each value is divided in place
-        p = self.flat.gather_params() if any_weight_decay(self) else None
+        # d = sqrt(v) + eps, into u: each value is divided in place
+        denominator_into(flat, groups, self.rescale.scales(flat), u)
+        p = flat.gather_params() if any_weight_decay(flat, groups) else None
         for _, group, s in self.flat.segments(self.param_groups):
             beta1 = group["betas"][0]
             m_new = torch.mul(m[s], beta1).add_(g[s], alpha=1 - beta1)
@@ -536,14 +542,21 @@ class ZeroOneAdam(OneBitOptimizer):
                 ok = compressed_average_into(self, self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     # (d into the exchange's source buffer, free again now)
-                    g.mul_(denominator_into(self, self.flat.work["update"]))
+                    r, x = self.rescale.scales(self.flat), self.flat.work["update"]
+                    g.mul_(denominator_into(self.flat, self.param_groups, r, x))
                 self.flat.apply_mask_(self.param_groups, g)
                 warn_if_variance_is_young(self)
             # 1a/b moments + 1c. Adam update, one fused sweep
-            adam_step_(self, g, update_variance=variance_step, ok=ok)
+            if variance_step:
+                self.variance_updates += 1
+            bias = bias_correction(self) if self.bias_correction else None
+            adam_step_(self.flat, self.param_groups, bias, g, update_variance=variance_step, ok=ok)
             if variance_step:
                 # the next 1-bit gradient steps are preconditioned by this variance
-                floor_variance_(self, ok=ok)
+                f, to_mean = self.variance_floor, self.FLOOR_TO_MEAN
+                self.floored = floor_variance_(
+                    self.flat, self.param_groups, f, to_mean=to_mean, ok=ok
+                )
                 # 1d. the variance interval doubles every var_update_scaler variance steps
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
@@ -581,7 +594,8 @@ class ZeroOneAdam(OneBitOptimizer):
             #       read where autograd left it)
             layout, groups = self.flat.layout, self.param_groups
             idx = list(range(len(layout.params)))
-            grads, d = self.flat.grads(groups, idx), denominator(self)
+            grads = self.flat.grads(groups, idx)
+            d = denominator(self.flat, groups, self.rescale.scales(self.flat))
             local_ok = local_step(exp_avg=m, grad=grads, denom=d, acc=self._acc, params=layout.params,
                                   starts=layout.offsets, **self._local_coefficients(idx))  # fmt: skip
             if not local_ok:
