@@ -370,7 +370,8 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
     @torch.no_grad()
     def freeze(self) -> None:
         """Switch to the second phase from the next ``step()`` on (on every rank between the same
-        two steps; a no-op once switched): fold the bias corrections, floor the variance."""
+        two steps; a no-op once switched): fold the bias corrections (else warn of a young
+        variance), floor the variance, make the second phase's states."""
         if self.phases.switched:
             return
         self._apply_last_step()  # the last step's counts are final
@@ -383,10 +384,9 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
             self.rescale.at_switch_(flat, bc2, self.variance_updates)
         if self.bias_correction:  # the compression phase then runs unchanged
             fold_bias_correction_(flat, groups, bias)
-        else:
-            warn_if_variance_is_young(self, stacklevel=3)
-        f, names = self.variance_floor, self.param_names
-        self.floored = floor_variance_(flat, groups, f, to_mean=self.FLOOR_TO_MEAN, names=names)
+        warn_if_variance_is_young(self, stacklevel=3)  # (no bias correction only)
+        f, to_mean, names = self.variance_floor, self.FLOOR_TO_MEAN, self.param_names
+        self.floored = floor_variance_(flat, groups, f, to_mean=to_mean, names=names)
         self.flat.add_states(self._switch_states, self.state)
         self._on_freeze()
         self.flat.release_scratch()  # the warmup's: the compression phase makes what it uses
@@ -438,20 +438,10 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         return self.flat.states.get("exp_avg_sq")
 
     def variance_as_frozen(self, stride: int = 1) -> torch.Tensor | None:
-        """A copy of every ``stride``-th coordinate of the flat second moment as
-        [`freeze`][lightning_onebit.optim.OneBitOptimizer.freeze] would keep it now (bias-corrected
-        where it folds the correction in at the switch); the adaptive switch compares two of these
-        (see ``variance_sample`` in ``optim/_variance.py``).
-
-        Args:
-            stride: take every ``stride``-th coordinate (``>= 1``).
-
-        Returns:
-            The sample (a new tensor), or ``None`` before the first step.
-
-        Raises:
-            ValueError: ``stride < 1``.
-        """
+        """A copy of every ``stride``-th (``>= 1``, else ``ValueError``) coordinate of the flat
+        second moment as [`freeze`][lightning_onebit.optim.OneBitOptimizer.freeze] would keep it
+        now (bias-corrected where it folds the correction in at the switch), or ``None`` before
+        the first step; the adaptive switch compares two of these (``variance_sample``)."""
         return variance_sample(self, stride)
 
     @property

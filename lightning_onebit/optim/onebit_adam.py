@@ -194,9 +194,8 @@ class OneBitAdam(OneBitOptimizer):
             bias = bias_correction(self) if self.bias_correction else None
             adam_step_(self.flat, self.param_groups, bias, grads, ok=ok)
             if self.step_count >= self.freeze_step:
-                self.verdict.read_on_host(
-                    self.step_count
-                )  # the switch needs it: read on the host, once
+                # the switch needs the verdict: read on the host, once
+                self.verdict.read_on_host(self.step_count)
                 self.freeze()
             return
 

@@ -418,9 +418,8 @@ class OneBitLamb(OneBitOptimizer):
             # 1e. update, each layer's u computed again (the same floats as for its norm)
             self._warmup_step_(direction, scratch, coeff)
             if self.step_count >= self.freeze_step:
-                self.verdict.read_on_host(
-                    self.step_count
-                )  # the switch needs it: read on the host, once
+                # the switch needs the verdict: read on the host, once
+                self.verdict.read_on_host(self.step_count)
                 self.freeze()  # 2.
             return
 

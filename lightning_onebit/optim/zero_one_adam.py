@@ -110,9 +110,8 @@ class ZeroOneAdam(OneBitOptimizer):
        rebuilt). The synced point is kept in fp32 (``synced_params``) and ``p`` is copied from
        ``synced_params += acc / (sqrt(v) + eps)``, so that every rank gets bitwise the same
        parameters (DeepSpeed subtracts, which is equal only up to rounding and lets the ranks
-       drift apart by a few ulps per sync). ``sqrt(v) + eps`` is computed once, when ``v``
-       freezes. A NaN/Inf on any rank drops a sync step on every rank; on a local step, only
-       the rank that has it sits the step out.
+       drift apart by a few ulps per sync). A NaN/Inf on any rank drops a sync step on every
+       rank; on a local step, only the rank that has it sits the step out.
        d. ``local_step_counter += 1``; every ``local_step_scaler`` steps
           ``local_step_interval = min(local_step_clipper, 2 * local_step_interval)``.
 
@@ -190,13 +189,8 @@ class ZeroOneAdam(OneBitOptimizer):
         (compressed_variance_phase,) = deepspeed_arithmetic(
             type(self), deepspeed_compatible, compressed_variance_phase=compressed_variance_phase
         ).values()
-        self._check_options(
-            {
-                "var_update_scaler": var_update_scaler,
-                "local_step_scaler": local_step_scaler,
-                "local_step_clipper": local_step_clipper,
-            }
-        )
+        scalers = {"var_update_scaler": var_update_scaler, "local_step_scaler": local_step_scaler}
+        self._check_options({**scalers, "local_step_clipper": local_step_clipper})
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(
             params,
@@ -436,11 +430,8 @@ class ZeroOneAdam(OneBitOptimizer):
         local steps, and those steps are real updates that no error buffer remembers. With
         ``m = 0`` they only move by the exchange's own, error-compensated noise. A floored
         coordinate that gets gradients later (a rare embedding row) still trains: its local
-        steps build momentum afresh from its own gradients after every sync (on a small BERT
-        the floor catches unused position rows and near-dead MLP units).
-        ``variance_floor=0`` keeps DeepSpeed's rebuild everywhere.
-        ``out``: where to write it (default: m itself).
-        """
+        steps build momentum afresh from its own gradients after every sync.
+        ``variance_floor=0`` keeps DeepSpeed's rebuild. ``out``: where to write it (default: m)."""
         m = self.flat.states["exp_avg"] if out is None else out
         self._add_this_step_lr(this_step)
         for gi, _, s in self.flat.segments(self.param_groups):
@@ -477,10 +468,9 @@ class ZeroOneAdam(OneBitOptimizer):
     def synchronize(self) -> None:
         """Bring every rank to the same parameters now, between two synchronisation steps of
         the local phase: the local steps taken since the last one are exchanged and applied as
-        a synchronisation step would (3c, without a new gradient). Not a step: the counters
-        and intervals go on unchanged. Collective (every rank calls it); nothing happens
-        outside the local phase or right after a synchronisation. ``OneBitStrategy`` calls it
-        at the end of ``fit``."""
+        a synchronisation step would (3c, without a new gradient). Not a step: the counters and
+        intervals go on unchanged. Collective; nothing happens outside the local phase or right
+        after a synchronisation. ``OneBitStrategy`` calls it at the end of ``fit``."""
         if self.phase != Phase.LOCAL or not self._local_steps_taken:
             return
         flat, acc, source = self.flat, self._acc, self._acc
@@ -508,8 +498,7 @@ class ZeroOneAdam(OneBitOptimizer):
         ok = self.verdict.hold_on_device(finite, finite, "local")
         flat, groups = self.flat, self.param_groups
         m, acc, u = flat.states["exp_avg"], self._acc, flat.work["update"]
-        for gi, group, _ in flat.segments(groups):
-            self.lrs[gi] += group["lr"]
+        self._add_this_step_lr(True)
         # d = sqrt(v) + eps, into u: each value is divided in place
         denominator_into(flat, groups, self.rescale.scales(flat), u)
         p = flat.gather_params() if any_weight_decay(flat, groups) else None
@@ -563,9 +552,8 @@ class ZeroOneAdam(OneBitOptimizer):
                     self.var_counter = 0
                     self.var_interval *= 2
             if t >= self.var_freeze_step:
-                self.verdict.read_on_host(
-                    self.step_count
-                )  # the switch needs it: read on the host, once
+                # the switch needs the verdict: read on the host, once
+                self.verdict.read_on_host(self.step_count)
                 self.freeze()  # 2.
             return
 
@@ -577,9 +565,8 @@ class ZeroOneAdam(OneBitOptimizer):
             self._synchronize_(self._exchange_source, this_step=True)
             # the local steps' sums with this one
             if self.rescale_variance:
-                grads = self.flat.grads(
-                    self.param_groups, list(range(len(self.flat.layout.params)))
-                )
+                idx = list(range(len(self.flat.layout.params)))
+                grads = self.flat.grads(self.param_groups, idx)
                 self.rescale.accumulate_(self.flat, self.param_groups, grads, True, self.verdict.ok)
         else:
             # 3a. local momentum. A local step sends nothing, so a non-finite gradient is known to
@@ -600,11 +587,8 @@ class ZeroOneAdam(OneBitOptimizer):
                                   starts=layout.offsets, **self._local_coefficients(idx))  # fmt: skip
             if not local_ok:
                 self._skipped_locally()
-            for gi, group, _ in self.flat.segments(groups):
-                self.lrs[gi] += group["lr"]
-            self.rescale.accumulate_(
-                self.flat, self.param_groups, grads if local_ok else None, reduce=False
-            )
+            self._add_this_step_lr(True)
+            self.rescale.accumulate_(self.flat, groups, grads if local_ok else None, reduce=False)
         self._next_local_interval()
 
     def _next_local_interval(self) -> None:
