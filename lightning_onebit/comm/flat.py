@@ -23,7 +23,6 @@ the fp32 buffer (``8 * n * (W - 1) / W`` bytes).
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +39,7 @@ from lightning_onebit.comm.base import (
     explained,
     fp32_allreduce_bytes,
 )
+from lightning_onebit.comm.errors import ErrorSets
 from lightning_onebit.comm.handle import Compressed, ExchangeHandle
 
 __all__ = ["CompressedAllreduce"]
@@ -122,30 +122,15 @@ class CompressedAllreduce(Exchange):
         row = self.chunk_numel // 8
         self._record = 4 + -(-row // 4) * 4  # [scale][bits][pad to 4 bytes]: aligned scales
 
-        # Error state, one set or two: worker error, worker records (the bits and scale sent) and
-        # the worker's scale, server accumulator and server record. Both stages defer their error
-        # update to the next call (one sweep over the buffer instead of two): the buffer holds y
-        # (c), and the true error is y - s * sign(y) with s and sign(y) still in the records; the
-        # next call applies it as it reads (see kernels.worker_compress, kernels.server_reduce).
-        # Double buffered: calls write set 1 - cur and commit flips cur. One set: calls update it
-        # in place, so the worker cannot write before the verdict and updates its error in a
-        # second sweep after it (the server stage runs after the verdict and defers either way).
-        # recompute_error: the worker's buffers one set whatever the server's (``_wi``).
-        # Made at the first call or load (``_make_buffers``): an optimizer builds its exchange at
-        # its first step, and its warmup never calls it.
+        # The error state, one set or two (see comm/errors.py), made at the first call or load.
         self.device_verdict = bool(device_verdict)
-        self._sets = 2 if double_buffered or device_verdict else 1
-        self._worker_sets = 1 if recompute_error else self._sets
+        sets = 2 if double_buffered or device_verdict else 1
+        self._errors = ErrorSets(
+            padded_numel=self.padded_numel, chunk_numel=self.chunk_numel, record=self._record,
+            world_size=w, sets=sets, worker_sets=1 if recompute_error else sets, device=self.device,
+        )  # fmt: skip
         #: the input of the last start() whose worker error update waits for its commit
         self._unupdated: torch.Tensor | kernels.ExchangeSource | None = None
-        self._werr: list[torch.Tensor] = []
-        self._send: list[torch.Tensor] = []
-        self._wscale: list[torch.Tensor] = []
-        self._sacc: list[torch.Tensor] = []
-        self._srec: list[torch.Tensor] = []
-        self._recv: torch.Tensor | None = None
-        self._gathered: torch.Tensor | None = None
-        self._made = threading.Lock()  # the first call may come from backward's hooks
         self._cur = 0
         self._pending = False  # set cur awaits the deferred updates of the call that wrote it
         self._uncommitted: ExchangeHandle | None = None
@@ -161,35 +146,6 @@ class CompressedAllreduce(Exchange):
 
     bounds = None  # one exchange, no buckets
 
-    def _make_buffers(self) -> None:
-        """Make the error state and the communication buffers (zeros), once."""
-        if self._werr:
-            return
-        with self._made:
-            if self._werr:
-                return
-            w, sets, kw = self.world_size, self._sets, {"device": self.device}
-            wsets = self._worker_sets
-            self._send = [
-                torch.zeros(w, self._record, dtype=torch.uint8, **kw) for _ in range(wsets)
-            ]
-            self._wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(wsets)]
-            self._sacc = [
-                torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)
-            ]
-            self._srec = [torch.zeros(self._record, dtype=torch.uint8, **kw) for _ in range(sets)]
-            # W = 1 sends and gathers nothing: its result is the worker's record, see start
-            if w > 1:
-                self._recv = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
-                self._gathered = torch.zeros(w, self._record, dtype=torch.uint8, **kw)
-            self._werr = [  # last: the flag the checks above read
-                torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(wsets)
-            ]
-
-    def _wi(self, s: int) -> int:
-        """The worker buffers' index of error-buffer set ``s``."""
-        return s if self._worker_sets == 2 else 0
-
     @property
     def record_bytes(self) -> int:
         """Bytes of one record on the wire: ``[float32 scale][m / 8 bytes][padding to 4]``."""
@@ -200,11 +156,11 @@ class CompressedAllreduce(Exchange):
         """This rank's worker error buffer (``padded_numel`` values; the live tensor, with any
         deferred update applied)."""
         self._settle()
-        return self._werr[self._wi(self._cur)]
+        return self._errors.werr[self._errors.worker_index(self._cur)]
 
     @property
     def double_buffered(self) -> bool:
-        return self._sets == 2
+        return self._errors.sets == 2
 
     @property
     def verdict(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +204,7 @@ class CompressedAllreduce(Exchange):
         must be [`start`][lightning_onebit.comm.flat.CompressedAllreduce.start]'s."""
         if not isinstance(values, kernels.ExchangeSource):
             return values
-        if values.computed_as_read and (self._worker_sets == 2 or values.updated_as_read):
+        if values.computed_as_read and (self._errors.worker_sets == 2 or values.updated_as_read):
             return self._compress(values, commit)
         return values.materialize()
 
@@ -293,8 +249,9 @@ class CompressedAllreduce(Exchange):
             )
         w, row = self.world_size, self.chunk_numel // 8
         cur, nxt, x = self._cur, c.next_set, c.x
-        send = self._send[self._wi(nxt)]
-        recv = send if self._recv is None else self._recv
+        e = self._errors
+        send = e.send[e.worker_index(nxt)]
+        recv = send if e.recv is None else e.recv
         # 2. chunk j of every rank's signs (with its scale) goes to rank j
         if w > 1:
             with explained("all_to_all", self.rank, self.world_size):
@@ -315,7 +272,7 @@ class CompressedAllreduce(Exchange):
             return ExchangeHandle(
                 self, None, out, c.shape, finite=False, bad_ranks=bad, call=self.calls
             )
-        if self._worker_sets == 1:  # its error update, at the commit (see _compress)
+        if e.worker_sets == 1:  # its error update, at the commit (see _compress)
             self._unupdated = x
         if w == 1:
             # 3-4 at W = 1 are the identity: the one chunk's average is s * sign(y) itself and
@@ -325,20 +282,20 @@ class CompressedAllreduce(Exchange):
             return self._handle(out, c.shape, None, send, nxt, commit)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
         #    straight into the record that step 4 sends
-        rec, prev = self._srec[nxt], self._srec[cur]
+        rec, prev = e.srec[nxt], e.srec[cur]
         kernels.server_reduce(
             self._bits(recv, row),
             scales,
-            self._sacc[cur],
+            e.sacc[cur],
             rec[4 : 4 + row],
             rec.view(torch.float32)[:1],
             pending=self._pending,
-            error_out=self._sacc[nxt],
+            error_out=e.sacc[nxt],
             prev_bits=prev[4 : 4 + row],
             prev_scale=prev.view(torch.float32)[:1],
         )
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
-        gathered = self._gathered
+        gathered = e.gathered
         assert gathered is not None  # W > 1
         with explained("all_gather", self.rank, self.world_size):
             work = all_gather_single(gathered.view(-1), rec, group=self.group, async_op=True)
@@ -354,33 +311,34 @@ class CompressedAllreduce(Exchange):
                 "the previous start(commit=False) was neither committed nor discarded"
             )
         x = check_input(values, self.numel, self.device)
-        self._make_buffers()
+        e = self._errors
+        e.make()
         w, row = self.world_size, self.chunk_numel // 8
         cur = self._cur
         nxt = 1 - cur if self.double_buffered else cur
-        send = self._send[self._wi(nxt)]
+        send = e.send[e.worker_index(nxt)]
         # Two worker sets: y into the next set, its error update deferred (one sweep). One: the
         # error is updated only once every rank's scale is known to be finite (x read again, or
         # recomputed as read, at the commit).
-        if self._worker_sets == 2:
+        if e.worker_sets == 2:
             kernels.worker_compress(
                 x,
-                self._werr[cur],
+                e.werr[cur],
                 self._bits(send, row),
-                self._wscale[nxt],
+                e.wscale[nxt],
                 deferred=True,
-                error_out=self._werr[nxt],
+                error_out=e.werr[nxt],
                 pending=self._pending,
-                prev_bits=self._bits(self._send[cur], row),
-                prev_scale=self._wscale[cur],
+                prev_bits=self._bits(e.send[cur], row),
+                prev_scale=e.wscale[cur],
             )
         else:
             if isinstance(x, kernels.ExchangeSource) and not x.updated_as_read:
                 x = x.materialize()
             kernels.worker_compress(
-                x, self._werr[0], self._bits(send, row), self._wscale[0], update_error=False
+                x, e.werr[0], self._bits(send, row), e.wscale[0], update_error=False
             )
-        self._scales(send).copy_(self._wscale[self._wi(nxt)].expand(w))
+        self._scales(send).copy_(e.wscale[e.worker_index(nxt)].expand(w))
         return Compressed(self, x, values.shape, nxt, commit)
 
     def _handle(
@@ -425,16 +383,8 @@ class CompressedAllreduce(Exchange):
             x, self._unupdated = self._unupdated, None
             self._update_worker_error(x)
         if self.device_verdict:
-            ok, cur = handle.ok if ok is None else ok, self._cur
-            if not self._pending:
-                # the errors of set cur are final (settled, a load): with the scales of their
-                # records 0 the deferred updates leave them so where the old set is put back
-                self._wscale[cur].zero_()
-                self._srec[cur].view(torch.float32)[:1].zero_()
-            state = (self._werr, self._send, self._wscale, self._sacc, self._srec)
-            # W = 1 has no server stage: its buffers never change
-            for bufs in state[: 3 if self.world_size == 1 else 5]:
-                kernels.restore_unless(ok, bufs[next_set], bufs[cur])
+            ok = handle.ok if ok is None else ok
+            self._errors.restore_unless(ok, next_set, self._cur, self._pending)
         self._cur = next_set
         self._pending = True
         self._uncommitted = None
@@ -443,8 +393,8 @@ class CompressedAllreduce(Exchange):
         """The worker error update of the call that compressed ``x`` (one worker set: the
         second sweep, after the verdict). Raises ``RuntimeError`` where ``x``'s inputs changed
         since the compression (its values recomputed give another scale)."""
-        scale = self._wscale[0]
-        got = kernels.worker_update_error(x, self._werr[0], scale, rows=self.world_size)
+        scale, werr = self._errors.wscale[0], self._errors.werr[0]
+        got = kernels.worker_update_error(x, werr, scale, rows=self.world_size)
         if got is not None and got != scale.item():
             raise RuntimeError(
                 "the 1-bit exchange's input changed between its compression and its error "
@@ -561,23 +511,15 @@ class CompressedAllreduce(Exchange):
     def server_error(self) -> torch.Tensor:
         """This rank's server error (a copy, with any deferred update applied)."""
         self._settle()
-        return self._sacc[self._cur].clone()
+        return self._errors.sacc[self._cur].clone()
 
     def _settle(self) -> None:
         """Apply the deferred error updates of the call that wrote set cur (see
         ``__init__``), so that its buffers hold the errors themselves."""
-        self._make_buffers()
-        if not self._pending:
-            return
-        # The buffers hold y (c), and the bits sent are sign(y): the update y - s * sign(y) is
-        # worker_update_error's with no x, one native sweep, bit for bit finish_pending's.
-        cur = self._cur
-        if self._worker_sets == 2:  # one set: the worker updated its error after the verdict
-            e = self._werr[cur]
-            kernels.worker_update_error(e[:0], e, self._wscale[cur])
-        e = self._sacc[cur]
-        kernels.worker_update_error(e[:0], e, self._srec[cur].view(torch.float32)[:1])
-        self._pending = False
+        self._errors.make()
+        if self._pending:
+            self._errors.settle(self._cur)
+            self._pending = False
 
     def error_views(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Live views of this rank's error buffers over the values ``[lo, hi)`` of the input:
@@ -590,22 +532,17 @@ class CompressedAllreduce(Exchange):
         c0 = self.rank * self.chunk_numel
         a, b = max(lo, c0), min(hi, c0 + self.chunk_numel)
         if a < b:
-            views.append(self._sacc[self._cur][a - c0 : b - c0])
+            views.append(self._errors.sacc[self._cur][a - c0 : b - c0])
         return views
 
     def reset_error(self) -> None:
         """Zero both error buffers (e.g. when the exchanged quantity changes meaning)."""
         self._pending = False
-        if not self._werr:  # not made yet: zeros when they are
-            return
-        self._werr[self._wi(self._cur)].zero_()
-        self._sacc[self._cur].zero_()
-        for t in (*self._wscale, *self._srec):  # scales 0: a pending update changes nothing
-            t.zero_()
+        self._errors.reset(self._cur)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error buffers and the geometry they belong to (no process group)."""
-        if not self._werr:  # never called nor loaded: zeros, not made to be held
+        if not self._errors.made:  # never called nor loaded: zeros, not made to be held
             kw = {"dtype": torch.float32, "device": self.device}
             werr, serr = torch.zeros(self.padded_numel, **kw), torch.zeros(self.chunk_numel, **kw)
         else:
@@ -644,9 +581,7 @@ class CompressedAllreduce(Exchange):
                 f"error buffers saved for numel={state_dict.get('numel')}, world_size={state_dict.get('world_size')} "
                 f"cannot be loaded into numel={self.numel}, world_size={self.world_size}; use reset_error()"
             )
-        self._make_buffers()
-        self._werr[self._wi(self._cur)].copy_(state_dict["worker_error"])
-        self._sacc[self._cur].copy_(state_dict["server_error"])
+        self._errors.load(self._cur, state_dict["worker_error"], state_dict["server_error"])
         self._pending = False
 
     def __repr__(self) -> str:
