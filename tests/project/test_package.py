@@ -47,3 +47,19 @@ def test_no_underscore_name_is_imported_across_modules() -> None:
     g = {"lightning_onebit.strategy": {"lightning_onebit.hook": {"_build", "build"}}}
     assert layers.private_imports(g) == ["lightning_onebit.strategy: lightning_onebit.hook._build"]
     assert layers.private_imports({"m": {layers.COMPAT: {"_private_api"}}}) == []
+
+
+#: the largest a module may grow (lines), and the tighter limits of the classes a reader starts from
+MODULE_LINES = 600
+TIGHTER = {"optim/_base.py": 450, "strategy.py": 400, "fabric.py": 400}
+
+
+def test_every_module_stays_readable_in_one_sitting() -> None:
+    package = SCRIPT.parents[1] / "lightning_onebit"
+    sizes = {
+        p.relative_to(package).as_posix(): len(p.read_text().splitlines())
+        for p in package.rglob("*.py")
+    }
+    assert set(TIGHTER) <= set(sizes)
+    over = {name: n for name, n in sizes.items() if n > TIGHTER.get(name, MODULE_LINES)}
+    assert over == {}, f"split these modules (lines): {over}"
