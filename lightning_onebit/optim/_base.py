@@ -3,15 +3,14 @@
 A subclass defines ``_step`` (one step on the flat buffers, read like its paper's Algorithm 1)
 and ``_exchange_source``, and may override the rest of its extension points (the same table is in
 ``docs/contributing.md``): the class attributes ``PHASES``, ``OPTIONS``, ``DEEPSPEED_ARITHMETIC``,
-``SWITCH_OPTION``, ``DEVICE_VERDICT``, ``FLOOR_TO_MEAN``, ``_flat_states``, ``_scalar_states``,
-``_work_buffers``, ``_checkpoint_attrs``, ``_host_counters``; the checks ``_check_options`` and
-``_check_hparams``; and the methods and properties under "what subclasses define" below.
-
-Composed parts: ``flat`` (``_flat.py``: layout, buffers, exchange), ``verdict`` (``_verdict.py``:
-NaN/Inf verdict, skips), ``topology`` (``_topology.py``: process and node groups), ``counters``
-(``_counters.py``), ``phases`` (``_phase.py``), ``overlap`` (``_overlap.py``), ``rescale``
-(``_rescale.py``), ``checkpoint`` (``_checkpoint.py``), ``divergence`` (``_divergence.py``); the
-base passes its extension points to them as arguments. ``docs/how-it-works.md`` maps the rest.
+``SWITCH_OPTION``, ``DEVICE_VERDICT``, ``FLOOR_TO_MEAN``, ``_flat_states``, ``_switch_states``,
+``_scalar_states``, ``_work_buffers``, ``_checkpoint_attrs``, ``_host_counters``; the checks
+``_check_options`` and ``_check_hparams``; the methods and properties under "what subclasses
+define" below. Its steps' averages are methods of ``Averages`` (``_averages.py``). Composed parts:
+``flat`` (``_flat.py``: layout, buffers, exchange), ``verdict`` (``_verdict.py``: NaN/Inf verdict,
+skips), ``topology`` (``_topology.py``), ``counters``, ``phases``, ``overlap``, ``rescale``,
+``checkpoint``, ``divergence`` (each in its own ``_*.py``); the base passes its extension points
+to them as arguments. ``docs/how-it-works.md`` maps the rest.
 """
 
 from __future__ import annotations
@@ -23,9 +22,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
 from lightning_onebit.comm import NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
+from lightning_onebit.optim._averages import Averages
 from lightning_onebit.optim._checkpoint import Checkpointed, CheckpointLayout
 from lightning_onebit.optim._connections import Connections
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
@@ -64,7 +65,7 @@ __all__ = ["VARIANCE_FLOOR", "OneBitOptimizer", "Phase"]
 VARIANCE_FLOOR = 0.01
 
 
-class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclass=ABCMeta):
+class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=ABCMeta):
     """Base class of the 1-bit optimizers (see the module docstring).
 
     Args (shared by every subclass; their docstrings add what is particular to them):
@@ -244,8 +245,7 @@ class OneBitOptimizer(Connections, Checkpointed, torch.optim.Optimizer, metaclas
         """Make the parameters equal on every rank where they may differ (collective)."""
 
     def _params_agree(self) -> bool:
-        """Whether the step just taken left the parameters bitwise equal on every rank (what
-        the divergence watch reads, so that every rank decides alike)."""
+        """Whether the last step left the parameters bitwise equal on every rank (watched then)."""
         return not self.params_differ_across_ranks
 
     def _overlappable(self) -> bool:

@@ -1,9 +1,7 @@
-"""The building blocks the algorithms' ``_step`` is written in. The arithmetic ones (Adam's
-direction and step, the frozen variance's denominator, the decoupled and frozen updates) take
-the flat buffers, the param groups and explicit values, like torch's functional ``adam()``; the
-two averages (full precision and 1-bit) and the NaN/Inf checks are the optimizer's exchanges and
-take it: they use its public attributes and composed objects (``flat``, ``verdict``,
-``counters``, ``topology``, ``overlap``), nothing else of it."""
+"""The arithmetic blocks the algorithms' ``_step`` is written in (Adam's direction and step, the
+frozen variance's denominator, the decoupled and frozen updates, the NaN/Inf checks): functions
+of the flat buffers, the param groups and explicit values, like torch's functional ``adam()``.
+The averages they take are the optimizer's (``_averages.py``)."""
 
 from __future__ import annotations
 
@@ -13,13 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_onebit.comm import (
-    NonFiniteError,
-    average_bytes,
-    fp32_allreduce_bytes,
-    hierarchical_average,
-    start_average,
-)
 from lightning_onebit.kernels import (
     Denominator,
     ExchangeSource,
@@ -27,11 +18,9 @@ from lightning_onebit.kernels import (
     TensorSource,
     adam_update,
     frozen_adam_update,
-    reads_sign_runs,
 )
 
 if TYPE_CHECKING:
-    from lightning_onebit.optim._base import OneBitOptimizer
     from lightning_onebit.optim._flat import FlatState
     from lightning_onebit.optim._variance import BiasCorrection
 
@@ -45,9 +34,6 @@ __all__ = [
     "all_finite_on_device",
     "any_weight_decay",
     "as_source",
-    "averaged_grads",
-    "compressed_average",
-    "compressed_average_into",
     "decoupled_decay",
     "decoupled_update_",
     "denominator",
@@ -64,98 +50,6 @@ def decoupled_decay(group: dict[str, Any]) -> float:
     ``weight_decay``, or 0 where ``decoupled_weight_decay=False`` makes it torch Adam's L2
     term, which ``FlatState.gather_grads`` adds to the gradient instead."""
     return group["weight_decay"] if group.get("decoupled_weight_decay", True) else 0.0
-
-
-def averaged_grads(
-    opt: OneBitOptimizer,
-) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-    """The step's gradients averaged over the ranks (in ``average_dtype``), one per parameter
-    of the layout (``None``: zeros), and the average's verdict.
-
-    Where this optimizer averages them (``average_warmup_grads``, ``W > 1``) they are the
-    views of the flat gradient buffer: they are gathered there (with the overlap, bucket by
-    bucket during backward) because the collective needs one contiguous buffer, and averaging
-    the gradients in pieces of any other size would sum a value in another order at ``W >= 3``
-    (a ring all-reduce's order depends on where the value lies in the buffer), so it would
-    change the numbers. Otherwise (``W = 1``, or the caller, DDP, averaged them) each is read
-    where autograd left it (``FlatState.grads``; on a GPU too, unless ``rescale_variance``
-    takes their norms): no flat copy is made; the few the caller did not average
-    (``caller_averaged``) are averaged here, in a buffer of their own for this step.
-
-    The bytes of the average count in ``comm_stats`` either way: the algorithm needs them,
-    whether this optimizer or DDP sends them.
-
-    Returns:
-        The gradients, and ``None`` or, with device verdicts (CUDA, see ``DEVICE_VERDICT``),
-        whether every averaged value is finite as a bool tensor on the device (the same on
-        every rank), for the step's update to take.
-
-    Raises:
-        NonFiniteError: (host verdicts) an averaged value is not finite, the same on every
-            rank.
-    """
-    flat, w, nodes = opt.flat, opt.world_size, opt.node_groups()
-    layout = flat.layout
-    if w > 1 and opt.average_warmup_grads:
-        buf = flat.gather_grads(opt.param_groups)
-        if opt.overlap is not None:
-            opt.overlap.all_reduce()  # per bucket, some started during backward
-        elif nodes is not None:
-            hierarchical_average(buf, opt.average_dtype, nodes)
-        else:
-            start_average(buf, opt.average_dtype, opt.process_group)()
-        grads: list[torch.Tensor | None] = list(flat.views["grad"])
-        checked: list[torch.Tensor | None] = [buf]  # (one sweep of the whole buffer)
-    else:
-        idx = list(range(len(layout.params)))
-        grads = flat.grads(opt.param_groups, idx, on_gpu=not opt.rescale.enabled)
-        if w > 1:
-            _average_uncovered_(opt, grads)
-        checked = grads
-    if nodes is not None:
-        intra, inter = average_bytes(layout.numel, opt.average_dtype, nodes)
-        opt.counters.add(intra + inter, inter)
-    else:
-        sent = fp32_allreduce_bytes(layout.numel, w) * opt.average_dtype.itemsize // 4
-        opt.counters.add_ring(sent, w, opt.topology.node_size(w))
-    if opt.verdict.uses_device(layout.device):  # averaged: the same verdict on every rank
-        ok = all_finite_on_device(checked, layout.device)
-        return grads, opt.verdict.hold_on_device(ok, ok, "average")
-    if not bool(all_finite_on_device(checked, layout.device)):
-        raise NonFiniteError(
-            f"the averaged gradient has non-finite values (NaN/Inf) at step {opt.step_count}"
-        )
-    return grads, None
-
-
-def _average_uncovered_(opt: OneBitOptimizer, grads: list[torch.Tensor | None]) -> None:
-    """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the
-    parameters it knows, ``caller_averaged``. DDP knows those that required grad when it
-    was built; one made trainable later (e.g. the backbone that Lightning's
-    ``BackboneFinetuning`` unfreezes mid-run) keeps its local gradient, and the ranks would
-    drift apart silently (as they do under plain DDP). Those are averaged here, in one
-    all_reduce of a buffer of their own; their entries of ``grads`` become its pieces (the
-    parameters' ``.grad`` are left as they are)."""
-    covered = opt.caller_averaged
-    if covered is None:
-        return
-    params = opt.flat.layout.params
-    idx = [j for j, p in enumerate(params) if id(p) not in covered]
-    if not idx:
-        return
-    n = sum(params[j].numel() for j in idx)
-    buf = torch.zeros(n, dtype=torch.float32, device=opt.flat.layout.device)
-    pieces = buf.split([params[j].numel() for j in idx])
-    have = [(pieces[k], grads[j].reshape(-1)) for k, j in enumerate(idx) if grads[j] is not None]
-    if have:  # (none: every such gradient is missing, zeros on this rank)
-        torch._foreach_copy_(*map(list, zip(*have, strict=True)))
-    nodes = opt.node_groups()
-    if nodes is not None:
-        hierarchical_average(buf, opt.average_dtype, nodes)
-    else:
-        start_average(buf, opt.average_dtype, opt.process_group)()
-    for k, j in enumerate(idx):
-        grads[j] = pieces[k].view_as(params[j])
 
 
 def all_finite_on_device(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -191,75 +85,10 @@ def finite_on_device(flat: torch.Tensor) -> torch.Tensor:
 SourceOf = Callable[[slice], "torch.Tensor | ExchangeSource"]
 
 
-def compressed_average_into(
-    opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Error-compensated 1-bit average over the ranks into ``out`` (W = 1: compression only).
-
-    ``source_of`` is the flat input (``out`` defaults to it: in place) or a function giving it
-    (or a [kernels.ExchangeSource][lightning_onebit.kernels.ExchangeSource] of it) for a flat
-    slice: called here for each range the exchange still needs (with
-    ``overlap_with_backward``, the buckets not started during backward). Raises
-    NonFiniteError on every rank, with ``out`` and the error buffers untouched, when any
-    rank's input has a NaN/Inf; or, when the exchange keeps its verdict on the device (CUDA,
-    see ``DEVICE_VERDICT``), returns it (a bool tensor): where it is false the error buffers
-    are untouched and ``out`` is undefined, and the caller's update kernels must take it.
-    ``None`` otherwise.
-    """
-    if out is None:
-        if callable(source_of):
-            raise TypeError("out is required when source_of is a function")
-        out = source_of
-    return _exchange(opt, source_of, out)[0]
-
-
-def compressed_average(
-    opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | str
-) -> tuple[torch.Tensor | None, torch.Tensor | SignRuns]:
-    """``compressed_average_into`` for an update kernel that reads
-    [kernels.SignRuns][lightning_onebit.kernels.SignRuns]: returns ``(ok, x)``, ``x`` the
-    average with each group's ``exp_avg_mask`` applied. Where the update kernels read the
-    exchange's result where it lies (``kernels.reads_sign_runs``: the CPU with the compiled
-    kernels, no mask, no verdict on the device) ``x`` is that (``out`` is not written: the
-    kernel never writes the decoded values out and reads them back); otherwise ``out``,
-    decoded. ``out`` may name a work buffer (``FlatState.work``), made only if the result is
-    decoded into it."""
-    ex = opt.flat.exchange
-    masked = any(g.get("exp_avg_mask") is not None for g in opt.param_groups)
-    if ex.returns_runs and not masked and not ex.device_verdict and reads_sign_runs(ex.device):
-        return _exchange(opt, source_of, None)
-    out = opt.flat.work[out] if isinstance(out, str) else out
-    ok, _ = _exchange(opt, source_of, out)
-    opt.flat.apply_mask_(opt.param_groups, out)
-    return ok, out
-
-
 def as_source(values: torch.Tensor | ExchangeSource) -> ExchangeSource:
     """An exchange's input as a source: a flat tensor as a
     [kernels.TensorSource][lightning_onebit.kernels.TensorSource], a source as it is."""
     return TensorSource(values) if isinstance(values, torch.Tensor) else values
-
-
-def _exchange(
-    opt: OneBitOptimizer, source_of: SourceOf | torch.Tensor, out: torch.Tensor | None
-) -> tuple[torch.Tensor | None, SignRuns | None]:
-    """The 1-bit average into ``out`` (``None``: its runs, undecoded), its bytes counted: the
-    verdict and the runs. The inputs are computed here, one source per range the exchange still
-    needs (values already computed as a
-    [kernels.TensorSource][lightning_onebit.kernels.TensorSource]): the exchange calls nothing of
-    the optimizer's."""
-    ex = opt.flat.exchange
-    ranges = [slice(lo, hi) for lo, hi in ex.pending()]
-    if callable(source_of):
-        sources = [as_source(source_of(s)) for s in ranges]
-    else:
-        sources = [TensorSource(source_of.reshape(-1)[s]) for s in ranges]
-    try:
-        runs = ex.finish(sources, out)
-    finally:
-        ns = opt.topology.node_size(opt.world_size)
-        opt.counters.add(ex.bytes_sent, ex.inter_node_bytes(ns))
-    return opt.verdict.from_exchange(ex), runs
 
 
 def adam_direction(

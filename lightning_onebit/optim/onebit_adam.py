@@ -32,8 +32,6 @@ from lightning_onebit.kernels import MomentumSource
 from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_step_,
-    averaged_grads,
-    compressed_average,
     denominator,
     frozen_adam_update_,
 )
@@ -187,7 +185,7 @@ class OneBitAdam(OneBitOptimizer):
         if self.phase == Phase.WARMUP:
             # 1a. full-precision average of the gradients (averaged before the step, or W = 1:
             #     each read where autograd left it, no flat copy)
-            grads, ok = averaged_grads(self)
+            grads, ok = self._averaged_grads()
             self.rescale.warmup_(self.flat, grads, ok)  # rescale_variance: the gradients' scale
             # 1b + 3. Adam's moments and update, one fused sweep
             self.variance_updates += 1
@@ -212,7 +210,7 @@ class OneBitAdam(OneBitOptimizer):
         # decoding it into a buffer first; elsewhere decoded, into m where it can be)
         m, into_m = self.flat.states["exp_avg"], not self.flat.exchange.device_verdict
         x = m if into_m and not self.preconditioned_exchange else "update"
-        ok, x = compressed_average(self, self._exchange_source, x)
+        ok, x = self._compressed_average(self._exchange_source, x)
         # 2c. v stays frozen; 3. the update, with the frozen variance as preconditioner (one
         # sweep: m and p)
         flat, groups = self.flat, self.param_groups

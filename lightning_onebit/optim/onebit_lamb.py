@@ -44,8 +44,6 @@ from lightning_onebit.optim._base import VARIANCE_FLOOR, OneBitOptimizer
 from lightning_onebit.optim._ops import (
     adam_direction,
     any_weight_decay,
-    averaged_grads,
-    compressed_average,
     decoupled_decay,
     denominator,
     fp32_param,
@@ -392,7 +390,7 @@ class OneBitLamb(OneBitOptimizer):
             # 1a. full-precision average of the gradients (averaged before the step, or W = 1:
             #     each read where autograd left it, no flat copy; ok: its verdict, on CUDA on
             #     the device: the moments and the parameters change only where it is true)
-            grads, ok = averaged_grads(self)
+            grads, ok = self._averaged_grads()
             # 1b. moments
             self.variance_updates += 1
             self._warmup_moments_(grads, ok)
@@ -434,7 +432,7 @@ class OneBitLamb(OneBitOptimizer):
         # (ok: on CUDA the NaN/Inf verdict, on the device; the kernel below writes nothing where
         # it is false and zeroes u, so that 3g leaves p as it was. x: on the CPU the exchange's
         # result where it lies, read by the kernel below without being decoded first)
-        ok, x = compressed_average(self, self._exchange_source, "exchanged")
+        ok, x = self._compressed_average(self._exchange_source, "exchanged")
         flat, groups = self.flat, self.param_groups
         d = denominator(flat, groups, self.rescale.scales(flat))  # computed as the kernel reads v
         u = self.flat.work["update"]  # (made at the first compression step)

@@ -51,9 +51,6 @@ from lightning_onebit.optim._counters import restore, snapshot
 from lightning_onebit.optim._ops import (
     adam_step_,
     any_weight_decay,
-    averaged_grads,
-    compressed_average,
-    compressed_average_into,
     decoupled_decay,
     denominator,
     denominator_into,
@@ -365,7 +362,7 @@ class ZeroOneAdam(OneBitOptimizer):
         ``this_step``), rebuild the momentum from it and move every rank to the same point."""
         m, acc = self.flat.states["exp_avg"], self._acc
         # u: the averaged acc, masked (on the CPU where it lies, read by sync_update as it is)
-        ok, u = compressed_average(self, source, "update")
+        ok, u = self._compressed_average(source, "update")
         if ok is not None:  # CUDA: the verdict on the device; state changes only where it is true
             self._synchronize_on_verdict_(ok, u, this_step)
             return
@@ -523,12 +520,12 @@ class ZeroOneAdam(OneBitOptimizer):
             if variance_step:
                 # 1a. variance step: full-precision gradient (averaged before the step, or
                 #     W = 1: each read where autograd left it, no flat copy), both moments
-                g, ok = averaged_grads(self)
+                g, ok = self._averaged_grads()
                 self.rescale.warmup_(self.flat, g, ok)  # rescale_variance: the gradients' scale
             else:
                 # 1b. 1-bit averaged gradient (in the flat gradient buffer), momentum only
                 g = self.flat.gather_grads(self.param_groups)
-                ok = compressed_average_into(self, self._exchange_source, out=g)
+                ok = self._compressed_average_into(self._exchange_source, out=g)
                 if self.preconditioned_exchange:  # it was exchanged as g / (sqrt(v) + eps)
                     # (d into the exchange's source buffer, free again now)
                     r, x = self.rescale.scales(self.flat), self.flat.work["update"]
