@@ -100,8 +100,8 @@ def _run_momentum_source(
     if not native.has_kernel(exp_avg.device) or not native.use_native():
         reference_momentum_source(exp_avg, grads, denom, out, starts, sizes, beta, alpha)
         return
-    native_sources.momentum_source(exp_avg=exp_avg, grads=grads, denom=denom, out=out, starts=starts,
-                           sizes=sizes, beta=beta, alpha=alpha)  # fmt: skip
+    native_sources.momentum_kernels(exp_avg=exp_avg, grads=grads, denom=denom, starts=starts,
+                                    sizes=sizes, beta=beta, alpha=alpha).source(out)  # fmt: skip
 
 
 def _check_momentum_source(
@@ -307,20 +307,21 @@ class MomentumSource(_KernelSource):
         prev_bits: torch.Tensor,
         prev_scale: torch.Tensor,
     ) -> None:
-        native_sources.momentum_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
-                                 starts=self.starts, sizes=self.sizes, beta=self.beta,
-                                 alpha=self.alpha, error=error, bits=bits, scale=scale,
-                                 error_out=error_out, pending=pending, prev_bits=prev_bits,
+        self._kernels().compress(error=error, bits=bits, scale=scale, error_out=error_out,
+                                 pending=pending, prev_bits=prev_bits,
                                  prev_scale=prev_scale)  # fmt: skip
 
     def update_error_as_read(
         self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
     ) -> float:
-        return native_sources.momentum_update_error(exp_avg=self.exp_avg, grads=self.grad,
-                                                    denom=self.denom, starts=self.starts,
-                                                    sizes=self.sizes, beta=self.beta,
-                                                    alpha=self.alpha, error=error, scale=scale,
-                                                    error_out=error_out, rows=rows)  # fmt: skip
+        return self._kernels().update_error(error=error, scale=scale, error_out=error_out,
+                                            rows=rows)  # fmt: skip
+
+    def _kernels(self) -> native_sources.SourceKernels:
+        return native_sources.momentum_kernels(exp_avg=self.exp_avg, grads=self.grad,
+                                               denom=self.denom, starts=self.starts,
+                                               sizes=self.sizes, beta=self.beta,
+                                               alpha=self.alpha)  # fmt: skip
 
 
 def local_source(
@@ -442,9 +443,10 @@ def _run_local_source(
                                out=out, starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
                                weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
         return
-    native_sources.local_source(exp_avg=exp_avg, grads=grads, denom=denom, params=params, acc=acc,
-                        out=out, starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
-                        weight_decay=weight_decay, preconditioned=preconditioned)  # fmt: skip
+    native_sources.local_kernels(exp_avg=exp_avg, grads=grads, denom=denom, params=params, acc=acc,
+                                 starts=starts, sizes=sizes, beta=beta, alpha=alpha, lr=lr,
+                                 weight_decay=weight_decay,
+                                 preconditioned=preconditioned).source(out)  # fmt: skip
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -506,26 +508,23 @@ class LocalSource(_KernelSource):
         prev_bits: torch.Tensor,
         prev_scale: torch.Tensor,
     ) -> None:
-        native_sources.local_compress(exp_avg=self.exp_avg, grads=self.grad, denom=self.denom,
-                              params=self.param, acc=self.acc, starts=self.starts,
-                              sizes=self.sizes, beta=self.beta, alpha=self.alpha, lr=self.lr,
-                              weight_decay=self.weight_decay, preconditioned=self.preconditioned,
-                              error=error, bits=bits, scale=scale, error_out=error_out,
-                              pending=pending, prev_bits=prev_bits,
-                              prev_scale=prev_scale)  # fmt: skip
+        self._kernels().compress(error=error, bits=bits, scale=scale, error_out=error_out,
+                                 pending=pending, prev_bits=prev_bits,
+                                 prev_scale=prev_scale)  # fmt: skip
 
     def update_error_as_read(
         self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
     ) -> float:
-        return native_sources.local_update_error(exp_avg=self.exp_avg, grads=self.grad,
-                                                 denom=self.denom, params=self.param,
-                                                 acc=self.acc, starts=self.starts,
-                                                 sizes=self.sizes, beta=self.beta,
-                                                 alpha=self.alpha, lr=self.lr,
-                                                 weight_decay=self.weight_decay,
-                                                 preconditioned=self.preconditioned, error=error,
-                                                 scale=scale, error_out=error_out,
-                                                 rows=rows)  # fmt: skip
+        return self._kernels().update_error(error=error, scale=scale, error_out=error_out,
+                                            rows=rows)  # fmt: skip
+
+    def _kernels(self) -> native_sources.SourceKernels:
+        return native_sources.local_kernels(exp_avg=self.exp_avg, grads=self.grad,
+                                            denom=self.denom, params=self.param, acc=self.acc,
+                                            starts=self.starts, sizes=self.sizes, beta=self.beta,
+                                            alpha=self.alpha, lr=self.lr,
+                                            weight_decay=self.weight_decay,
+                                            preconditioned=self.preconditioned)  # fmt: skip
 
 
 class TensorSource(ExchangeSource):
