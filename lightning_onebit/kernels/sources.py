@@ -249,6 +249,31 @@ class _KernelSource(ExchangeSource):
     def like(self) -> torch.Tensor:
         return self.exp_avg[self.lo : self.hi]
 
+    def compress_as_read(
+        self,
+        *,
+        error: torch.Tensor,
+        bits: torch.Tensor,
+        scale: torch.Tensor,
+        error_out: torch.Tensor,
+        pending: bool,
+        prev_bits: torch.Tensor,
+        prev_scale: torch.Tensor,
+    ) -> None:
+        self._kernels().compress(error=error, bits=bits, scale=scale, error_out=error_out,
+                                 pending=pending, prev_bits=prev_bits,
+                                 prev_scale=prev_scale)  # fmt: skip
+
+    def update_error_as_read(
+        self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
+    ) -> float:
+        return self._kernels().update_error(error=error, scale=scale, error_out=error_out,
+                                            rows=rows)  # fmt: skip
+
+    def _kernels(self) -> native_sources.SourceKernels:
+        """The compiled launches of this source (subclasses)."""
+        raise NotImplementedError
+
     def _out(self, kernel: str) -> torch.Tensor:
         """``out`` as a tensor (made now where it is a function), checked against ``exp_avg`` as
         ``kernel`` checks it."""
@@ -295,27 +320,6 @@ class MomentumSource(_KernelSource):
         _run_momentum_source(self.exp_avg, self.grad, self.denom, out, self.starts,
                              self.sizes, self.beta, self.alpha)  # fmt: skip
         return out[self.lo : self.hi]
-
-    def compress_as_read(
-        self,
-        *,
-        error: torch.Tensor,
-        bits: torch.Tensor,
-        scale: torch.Tensor,
-        error_out: torch.Tensor,
-        pending: bool,
-        prev_bits: torch.Tensor,
-        prev_scale: torch.Tensor,
-    ) -> None:
-        self._kernels().compress(error=error, bits=bits, scale=scale, error_out=error_out,
-                                 pending=pending, prev_bits=prev_bits,
-                                 prev_scale=prev_scale)  # fmt: skip
-
-    def update_error_as_read(
-        self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
-    ) -> float:
-        return self._kernels().update_error(error=error, scale=scale, error_out=error_out,
-                                            rows=rows)  # fmt: skip
 
     def _kernels(self) -> native_sources.SourceKernels:
         return native_sources.momentum_kernels(exp_avg=self.exp_avg, grads=self.grad,
@@ -496,27 +500,6 @@ class LocalSource(_KernelSource):
                           weight_decay=self.weight_decay,
                           preconditioned=self.preconditioned)  # fmt: skip
         return out[self.lo : self.hi]
-
-    def compress_as_read(
-        self,
-        *,
-        error: torch.Tensor,
-        bits: torch.Tensor,
-        scale: torch.Tensor,
-        error_out: torch.Tensor,
-        pending: bool,
-        prev_bits: torch.Tensor,
-        prev_scale: torch.Tensor,
-    ) -> None:
-        self._kernels().compress(error=error, bits=bits, scale=scale, error_out=error_out,
-                                 pending=pending, prev_bits=prev_bits,
-                                 prev_scale=prev_scale)  # fmt: skip
-
-    def update_error_as_read(
-        self, *, error: torch.Tensor, scale: torch.Tensor, error_out: torch.Tensor, rows: int
-    ) -> float:
-        return self._kernels().update_error(error=error, scale=scale, error_out=error_out,
-                                            rows=rows)  # fmt: skip
 
     def _kernels(self) -> native_sources.SourceKernels:
         return native_sources.local_kernels(exp_avg=self.exp_avg, grads=self.grad,
