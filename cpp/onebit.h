@@ -120,7 +120,8 @@ float local_update_error_cpu(const float* m, const float* const* g, const float*
 // call e_out holds c, and the true error is e_out - scale * sign(out_bits). With pending=true
 // the call starts by applying the previous call's deferred update from its outputs prev_bits and
 // prev_scale (e_true = e - prev_scale * sign(prev_bits)); with pending=false e_true = e.
-// e_out may be e and prev_bits may be out_bits (in place), or not (double buffering).
+// e_out may be e and prev_bits may be out_bits (in place), or not (double buffering); e_out
+// null: c is not stored (the caller runs the same call again with e_out to store it).
 // Input row i starts at bits + i * row_stride; its scale is scales[i * scale_stride].
 float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                         int64_t scale_stride, const float* e, float* e_out, int64_t m,

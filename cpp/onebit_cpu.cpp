@@ -79,7 +79,8 @@ void update_block_scalar(const float* x, int64_t nx, const float* e, float* eo, 
 // Server block: c = sum_r sign_r * w_r (rows in order) + e_true, eo <- c, out <- packed sign(c).
 // With `pending`, e holds the previous call's c and e_true = e - sp * sign(prev) (prev: that
 // call's packed output); otherwise e_true = e. eo may be e and prev may be out (each byte of prev
-// is read before the same byte of out is written).
+// is read before the same byte of out is written); eo null: c is not stored (a call whose error
+// update waits for its commit, which runs the same reduction again with eo).
 // lut[(r * 256 + b) * 8 + t] is what bit t of byte b of row r decodes to (+-w_r): one load
 // per row and 8 values instead of 8 bit tests.
 double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, const float* lut, const float* e,
@@ -97,7 +98,7 @@ double reduce_block_scalar(const uint8_t* bits, int64_t W, int64_t row_stride, c
     for (int t = 0; t < 8; ++t) {
       const float et = !pending ? e[i + t] : ((pb >> t) & 1u) ? e[i + t] - sp : e[i + t] + sp;
       c[t] += et;
-      eo[i + t] = c[t];
+      if (eo) eo[i + t] = c[t];
       acc[t] += static_cast<double>(c[t]) * c[t];
       ob |= static_cast<uint8_t>(c[t] >= 0.0f) << t;
     }
@@ -559,7 +560,7 @@ AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride
                               float* eo, int64_t lo, int64_t hi, const uint8_t* prev, uint8_t* out, bool pending,
                               float sp) {
   const __m256 zero = _mm256_setzero_ps(), spv = _mm256_set1_ps(sp);
-  const bool stream = aligned_gap(eo + lo) == 0;  // c is read again only by the next call
+  const bool stream = eo && aligned_gap(eo + lo) == 0;  // c is read again only by the next call
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   for (int64_t i = lo; i < hi; i += 8) {
     __m256 c = zero;
@@ -569,7 +570,7 @@ AVX2 double reduce_block_avx2(const uint8_t* bits, int64_t W, int64_t row_stride
     c = _mm256_add_ps(c, et);
     if (stream) {
       _mm256_stream_ps(eo + i, c);
-    } else {
+    } else if (eo) {
       _mm256_storeu_ps(eo + i, c);
     }
     out[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(c, zero, _CMP_GE_OQ)));

@@ -209,6 +209,7 @@ def server_reduce(
     error_out: torch.Tensor | None = None,
     prev_bits: torch.Tensor | None = None,
     prev_scale: torch.Tensor | None = None,
+    write_error: bool = True,
 ) -> None:
     """Average ``W`` compressed chunks and recompress with error feedback (the server side).
 
@@ -234,6 +235,9 @@ def server_reduce(
         error_out: float32, contiguous, ``m`` values; default ``error`` (in place).
         prev_bits: uint8, contiguous, ``m // 8`` bytes; default ``out_bits``.
         prev_scale: float32 with one element; default ``out_scale``.
+        write_error: ``False``: write the outputs only, not ``c`` (``error_out`` is left as it
+            was): a call whose error update waits until it is known to go ahead, when the same
+            call with ``write_error=True`` (its outputs bitwise the same) stores it. CPU only.
     """
     error_out = error if error_out is None else error_out
     prev_bits = out_bits if prev_bits is None else prev_bits
@@ -250,6 +254,8 @@ def server_reduce(
     for name, t in (("out_bits", out_bits), ("prev_bits", prev_bits)):
         if t.numel() != m // 8:
             raise ValueError(f"{name} must hold m // 8 = {m // 8} bytes, got {t.numel()}")
+    if not write_error and device.type != "cpu":
+        raise ValueError(f"server_reduce(write_error=False) runs on the CPU, not {device}")
     if not native.use_native():
         reference_server_reduce(
             bits,
@@ -258,14 +264,16 @@ def server_reduce(
             out_bits,
             out_scale,
             pending,
-            error_out=error_out,
+            error_out=error_out if write_error else None,
             prev_bits=prev_bits,
             prev_scale=prev_scale,
+            write_error=write_error,
         )
         return
     native.launch("server_reduce", device, bits=bits, scales=scales, error=error,
-                  error_out=error_out, prev_bits=prev_bits, prev_scale=prev_scale if pending else None,
-                  out_bits=out_bits, out_scale=out_scale, pending=bool(pending))  # fmt: skip
+                  error_out=error_out if write_error else None, prev_bits=prev_bits,
+                  prev_scale=prev_scale if pending else None, out_bits=out_bits,
+                  out_scale=out_scale, pending=bool(pending))  # fmt: skip
 
 
 def decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -124,6 +124,7 @@ def reference_server_reduce(
     error_out: torch.Tensor | None = None,
     prev_bits: torch.Tensor | None = None,
     prev_scale: torch.Tensor | None = None,
+    write_error: bool = True,
 ) -> None:
     """Pure-torch [`server_reduce`][lightning_onebit.kernels.compression.server_reduce] (same
     arguments, same results)."""
@@ -140,7 +141,8 @@ def reference_server_reduce(
     c += e
     out_bits.view(-1).copy_(_pack(c))
     # the update c - s * sign(c) stays deferred, as in the kernels
-    (error if error_out is None else error_out).view(-1).copy_(c)
+    if write_error:
+        (error if error_out is None else error_out).view(-1).copy_(c)
     out_scale.view(-1).copy_(_scale_of(c))
 
 

@@ -198,6 +198,29 @@ def test_server_reduce_double_buffered_matches_in_place(w: int, device: str) -> 
         state.append(nxt)
 
 
+@pytest.mark.parametrize("w", [1, 3, 4])
+def test_server_reduce_without_its_error_writes_the_same_record_and_no_error(w: int) -> None:
+    """write_error=False (a call whose error update waits for its commit) writes bitwise the
+    record of the full call and leaves the accumulator as it was; the full call run afterwards on
+    the same inputs gives the one-call result (compiled kernel and torch twin)."""
+    gen = torch.Generator().manual_seed(40 + w)
+    m = 8 * 1003
+    for fn in (K.server_reduce, K.reference_server_reduce):
+        e = torch.randn(m, generator=gen) * 0.1
+        prev = torch.randint(0, 256, (m // 8,), generator=gen, dtype=torch.uint8)
+        prev_s = torch.rand(1, generator=gen) + 0.1
+        for pending in (False, True):
+            bits = torch.randint(0, 256, (w, m // 8), generator=gen, dtype=torch.uint8)
+            scales = torch.rand(w, generator=gen) + 0.1
+            full = _double_buffered(fn, bits, scales, (e, prev, prev_s), pending)
+            kept, rec, s = e.clone(), torch.empty(m // 8, dtype=torch.uint8), torch.empty(1)
+            fn(bits, scales, kept, rec, s, pending=pending, prev_bits=prev, prev_scale=prev_s,
+               write_error=False)  # fmt: skip
+            assert torch.equal(kept, e) and torch.equal(rec, full[1]) and torch.equal(s, full[2])
+            fn(bits, scales, kept, rec, s, pending=pending, prev_bits=prev, prev_scale=prev_s)
+            assert torch.equal(kept, full[0])
+
+
 def test_worker_compress_error_identity() -> None:
     """e_new = y - s*sign(y) exactly, s = ||y|| / sqrt(n), computed independently in float64."""
     gen = torch.Generator().manual_seed(0)
