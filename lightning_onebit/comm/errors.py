@@ -8,8 +8,9 @@ server accumulator and the server record. Both stages defer their error update t
 reads (see ``kernels.worker_compress``, ``kernels.server_reduce``). Double buffered, calls write
 set ``1 - cur`` and a commit flips ``cur``. With one set calls update it in place, so the worker
 cannot write before the verdict and updates its error in a second sweep after it (the server stage
-runs after the verdict and defers either way). The worker's buffers may be one set where the
-server's are two (``recompute_error``: ``worker_index``).
+runs after the verdict and defers either way). The worker's error and the server's may be one
+set where the rest is two (``recompute_error``: ``worker_index``, ``server_index``): a call
+writes no error then, and its error update runs once it is known to go ahead.
 
 The buffers are made at the first call or load (``make``): an optimizer builds its exchange at
 its first step, and its warmup never calls it.
@@ -23,7 +24,17 @@ import torch
 
 from lightning_onebit import kernels
 
-__all__ = ["ErrorSets"]
+__all__ = ["ErrorSets", "record_bits", "record_scales"]
+
+
+def record_bits(records: torch.Tensor, row: int) -> torch.Tensor:
+    """The packed signs (``row`` bytes) of each record of ``records`` (one per row)."""
+    return records[:, 4 : 4 + row]
+
+
+def record_scales(records: torch.Tensor) -> torch.Tensor:
+    """The float32 scale that starts each record of ``records``."""
+    return records.view(torch.float32)[:, 0]
 
 
 class ErrorSets:
@@ -34,8 +45,9 @@ class ErrorSets:
         chunk_numel: ``n' / W``, the server accumulator's size.
         record: bytes of one record (``[float32 scale][bits][padding]``).
         world_size: ``W`` (``1``: no receive or gather buffers).
-        sets: server sets, 1 or 2.
+        sets: sets of the server records, 1 or 2.
         worker_sets: worker sets, 1 or ``sets``.
+        server_sets: server accumulators, 1 or ``sets``.
         device: where they live.
     """
 
@@ -48,12 +60,12 @@ class ErrorSets:
         world_size: int,
         sets: int,
         worker_sets: int,
+        server_sets: int,
         device: torch.device,
     ) -> None:
         self.padded_numel, self.chunk_numel, self.record = padded_numel, chunk_numel, record
-        self.world_size, self.sets, self.worker_sets, self.device = (
-            world_size, sets, worker_sets, device,
-        )  # fmt: skip
+        self.world_size, self.sets, self.device = world_size, sets, device
+        self.worker_sets, self.server_sets = worker_sets, server_sets
         self.werr: list[torch.Tensor] = []
         self.send: list[torch.Tensor] = []
         self.wscale: list[torch.Tensor] = []
@@ -61,6 +73,8 @@ class ErrorSets:
         self.srec: list[torch.Tensor] = []
         self.recv: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
+        #: where a server stage run again at its commit writes its (unchanged) record
+        self.scratch_record: torch.Tensor | None = None
         self._lock = threading.Lock()  # the first call may come from backward's hooks
 
     @property
@@ -80,13 +94,16 @@ class ErrorSets:
             self.send = [torch.zeros(w, record, dtype=torch.uint8, **kw) for _ in range(wsets)]
             self.wscale = [torch.zeros(1, dtype=torch.float32, **kw) for _ in range(wsets)]
             self.sacc = [
-                torch.zeros(self.chunk_numel, dtype=torch.float32, **kw) for _ in range(sets)
+                torch.zeros(self.chunk_numel, dtype=torch.float32, **kw)
+                for _ in range(self.server_sets)
             ]
             self.srec = [torch.zeros(record, dtype=torch.uint8, **kw) for _ in range(sets)]
             # W = 1 sends and gathers nothing: its result is the worker's record
             if w > 1:
                 self.recv = torch.zeros(w, record, dtype=torch.uint8, **kw)
                 self.gathered = torch.zeros(w, record, dtype=torch.uint8, **kw)
+                if self.server_sets < sets:
+                    self.scratch_record = torch.zeros(record, dtype=torch.uint8, **kw)
             self.werr = [  # last: the flag the checks above read
                 torch.zeros(self.padded_numel, dtype=torch.float32, **kw) for _ in range(wsets)
             ]
@@ -94,6 +111,10 @@ class ErrorSets:
     def worker_index(self, s: int) -> int:
         """The worker buffers' index of set ``s``."""
         return s if self.worker_sets == 2 else 0
+
+    def server_index(self, s: int) -> int:
+        """The server accumulators' index of set ``s``."""
+        return s if self.server_sets == 2 else 0
 
     def settle(self, cur: int) -> None:
         """Apply the deferred error updates of the call that wrote set ``cur``, so that its
@@ -103,8 +124,38 @@ class ErrorSets:
         if self.worker_sets == 2:  # one set: the worker updated its error after the verdict
             e = self.werr[cur]
             kernels.worker_update_error(e[:0], e, self.wscale[cur])
-        e = self.sacc[cur]
+        e = self.sacc[self.server_index(cur)]
         kernels.worker_update_error(e[:0], e, self.srec[cur].view(torch.float32)[:1])
+
+    def update_worker(self, x: torch.Tensor | kernels.ExchangeSource) -> float | None:
+        """One worker set: the error update of the call that compressed ``x`` without writing it
+        (the second sweep, once the call goes ahead): ``x`` read again, or recomputed as it is
+        read.
+
+        Returns:
+            The scale of what was read (``kernels.worker_update_error``'s; bitwise the
+            compression's where the inputs did not change), or ``None`` where not recomputed.
+        """
+        return kernels.worker_update_error(x, self.werr[0], self.wscale[0], rows=self.world_size)
+
+    def update_server(self, cur: int, pending: bool) -> None:
+        """One server set: the error update of the call that wrote its record but not ``c``: its
+        server stage again, on the same inputs (what it received, the accumulator, set ``cur``'s
+        record; ``pending`` as then), storing ``c``. The record it writes is bitwise the one sent
+        and goes to scratch (the all_gather may still read the one sent)."""
+        assert self.recv is not None and self.scratch_record is not None  # W > 1
+        row = self.chunk_numel // 8
+        prev, out = self.srec[cur], self.scratch_record
+        kernels.server_reduce(
+            record_bits(self.recv, row),
+            record_scales(self.recv),
+            self.sacc[0],
+            out[4 : 4 + row],
+            out.view(torch.float32)[:1],
+            pending=pending,
+            prev_bits=prev[4 : 4 + row],
+            prev_scale=prev.view(torch.float32)[:1],
+        )
 
     def restore_unless(self, ok: torch.Tensor, nxt: int, cur: int, pending: bool) -> None:
         """Put set ``cur`` back into set ``nxt`` where the device verdict ``ok`` is false (a
@@ -124,7 +175,7 @@ class ErrorSets:
         if not self.werr:
             return
         self.werr[self.worker_index(cur)].zero_()
-        self.sacc[cur].zero_()
+        self.sacc[self.server_index(cur)].zero_()
         for t in (*self.wscale, *self.srec):  # scales 0: a pending update changes nothing
             t.zero_()
 
@@ -132,4 +183,4 @@ class ErrorSets:
         """Set ``cur``'s errors from saved ones (made first)."""
         self.make()
         self.werr[self.worker_index(cur)].copy_(worker_error)
-        self.sacc[cur].copy_(server_error)
+        self.sacc[self.server_index(cur)].copy_(server_error)

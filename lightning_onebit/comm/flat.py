@@ -39,7 +39,7 @@ from lightning_onebit.comm.base import (
     explained,
     fp32_allreduce_bytes,
 )
-from lightning_onebit.comm.errors import ErrorSets
+from lightning_onebit.comm.errors import ErrorSets, record_bits, record_scales
 from lightning_onebit.comm.handle import Compressed, ExchangeHandle
 
 __all__ = ["CompressedAllreduce"]
@@ -125,12 +125,17 @@ class CompressedAllreduce(Exchange):
         # The error state, one set or two (see comm/errors.py), made at the first call or load.
         self.device_verdict = bool(device_verdict)
         sets = 2 if double_buffered or device_verdict else 1
+        # recompute_error: the server's error too, on the CPU (its kernel can skip the store)
+        server_sets = 1 if recompute_error and self.device.type == "cpu" else sets
         self._errors = ErrorSets(
             padded_numel=self.padded_numel, chunk_numel=self.chunk_numel, record=self._record,
-            world_size=w, sets=sets, worker_sets=1 if recompute_error else sets, device=self.device,
+            world_size=w, sets=sets, worker_sets=1 if recompute_error else sets,
+            server_sets=server_sets, device=self.device,
         )  # fmt: skip
         #: the input of the last start() whose worker error update waits for its commit
         self._unupdated: torch.Tensor | kernels.ExchangeSource | None = None
+        #: whether the last start()'s server error update waits for its commit
+        self._server_unupdated = False
         self._cur = 0
         self._pending = False  # set cur awaits the deferred updates of the call that wrote it
         self._uncommitted: ExchangeHandle | None = None
@@ -167,16 +172,6 @@ class CompressedAllreduce(Exchange):
         """``device_verdict``: the last call's verdict on the device, ``(ok, finite_ranks)``:
         a one-element bool tensor (every rank's input was finite) and one bool per rank."""
         return self._ok, self._finite_ranks
-
-    # ------------------------------------------------------------------ views into records
-
-    @staticmethod
-    def _bits(records: torch.Tensor, row: int) -> torch.Tensor:
-        return records[:, 4 : 4 + row]
-
-    @staticmethod
-    def _scales(records: torch.Tensor) -> torch.Tensor:
-        return records.view(torch.float32)[:, 0]
 
     @property
     def bytes_per_call(self) -> int:
@@ -259,7 +254,7 @@ class CompressedAllreduce(Exchange):
         self.calls += 1
         # Every rank now holds every rank's scale: a NaN/Inf anywhere is seen by all ranks in the
         # same call, so all stop here together with both error buffers as they were.
-        scales = self._scales(recv)
+        scales = record_scales(recv)
         if self.device_verdict:  # no host read: the kernels after the exchange take it
             self._finite_ranks.copy_(torch.isfinite(scales))
             torch.all(self._finite_ranks, dim=0, keepdim=True, out=self._ok)
@@ -281,18 +276,21 @@ class CompressedAllreduce(Exchange):
             # double sum), so the worker's record is the result.
             return self._handle(out, c.shape, None, send, nxt, commit)
         # 3. this rank is the server of its chunk: average, recompress with the server error,
-        #    straight into the record that step 4 sends
+        #    straight into the record that step 4 sends (one server error set and a call that
+        #    may be dropped: the error is written at the commit, ErrorSets.update_server)
         rec, prev = e.srec[nxt], e.srec[cur]
+        self._server_unupdated = not commit and e.server_sets < e.sets
         kernels.server_reduce(
-            self._bits(recv, row),
+            record_bits(recv, row),
             scales,
-            e.sacc[cur],
+            e.sacc[e.server_index(cur)],
             rec[4 : 4 + row],
             rec.view(torch.float32)[:1],
             pending=self._pending,
-            error_out=e.sacc[nxt],
+            error_out=e.sacc[e.server_index(nxt)],
             prev_bits=prev[4 : 4 + row],
             prev_scale=prev.view(torch.float32)[:1],
+            write_error=not self._server_unupdated,
         )
         # 4. every rank gathers every server's chunk (async: the caller can overlap it)
         gathered = e.gathered
@@ -324,21 +322,21 @@ class CompressedAllreduce(Exchange):
             kernels.worker_compress(
                 x,
                 e.werr[cur],
-                self._bits(send, row),
+                record_bits(send, row),
                 e.wscale[nxt],
                 deferred=True,
                 error_out=e.werr[nxt],
                 pending=self._pending,
-                prev_bits=self._bits(e.send[cur], row),
+                prev_bits=record_bits(e.send[cur], row),
                 prev_scale=e.wscale[cur],
             )
         else:
             if isinstance(x, kernels.ExchangeSource) and not x.updated_as_read:
                 x = x.materialize()
             kernels.worker_compress(
-                x, e.werr[0], self._bits(send, row), e.wscale[0], update_error=False
+                x, e.werr[0], record_bits(send, row), e.wscale[0], update_error=False
             )
-        self._scales(send).copy_(e.wscale[e.worker_index(nxt)].expand(w))
+        record_scales(send).copy_(e.wscale[e.worker_index(nxt)].expand(w))
         return Compressed(self, x, values.shape, nxt, commit)
 
     def _handle(
@@ -382,6 +380,9 @@ class CompressedAllreduce(Exchange):
         if self._unupdated is not None:  # one worker set: its update, now the call goes ahead
             x, self._unupdated = self._unupdated, None
             self._update_worker_error(x)
+        if self._server_unupdated:  # one server set: likewise
+            self._server_unupdated = False
+            self._errors.update_server(self._cur, self._pending)
         if self.device_verdict:
             ok = handle.ok if ok is None else ok
             self._errors.restore_unless(ok, next_set, self._cur, self._pending)
@@ -390,15 +391,14 @@ class CompressedAllreduce(Exchange):
         self._uncommitted = None
 
     def _update_worker_error(self, x: torch.Tensor | kernels.ExchangeSource) -> None:
-        """The worker error update of the call that compressed ``x`` (one worker set: the
-        second sweep, after the verdict). Raises ``RuntimeError`` where ``x``'s inputs changed
-        since the compression (its values recomputed give another scale)."""
-        scale, werr = self._errors.wscale[0], self._errors.werr[0]
-        got = kernels.worker_update_error(x, werr, scale, rows=self.world_size)
-        if got is not None and got != scale.item():
+        """The worker error update of the call that compressed ``x`` (``ErrorSets.update_worker``).
+        Raises ``RuntimeError`` where ``x``'s inputs changed since the compression (its values
+        recomputed give another scale)."""
+        got = self._errors.update_worker(x)
+        if got is not None and got != (scale := self._errors.wscale[0].item()):
             raise RuntimeError(
                 "the 1-bit exchange's input changed between its compression and its error "
-                f"update (scale {scale.item():.9g}, then {got:.9g}): with overlap_with_backward "
+                f"update (scale {scale:.9g}, then {got:.9g}): with overlap_with_backward "
                 "the gradients are compressed as backward leaves them and read again in step(); "
                 "something edited them in between (gradient clipping, a loss scaler's unscale). "
                 "This rank's worker error buffer now holds the edited values. Edit the gradients "
@@ -413,6 +413,7 @@ class CompressedAllreduce(Exchange):
         if self._uncommitted is handle:
             self._uncommitted = None
             self._unupdated = None
+            self._server_unupdated = False
 
     def non_finite_error(self, bad: list[int], call: int) -> NonFiniteError:
         """The error of call ``call``, whose input was not finite on the ranks ``bad``."""
@@ -432,7 +433,7 @@ class CompressedAllreduce(Exchange):
             out = self._out
         gathered = records
         row = self.chunk_numel // 8
-        kernels.decompress(self._bits(gathered, row), self._scales(gathered), out.view(-1))
+        kernels.decompress(record_bits(gathered, row), record_scales(gathered), out.view(-1))
         return out
 
     def sign_runs(
@@ -443,7 +444,7 @@ class CompressedAllreduce(Exchange):
         [`SignRuns`][lightning_onebit.kernels.runs.SignRuns])."""
         gathered = records
         c, row = self.chunk_numel, self.chunk_numel // 8
-        bits, scales = self._bits(gathered, row), self._scales(gathered).tolist()
+        bits, scales = record_bits(gathered, row), record_scales(gathered).tolist()
         return [
             (base + j * c, base + min((j + 1) * c, self.numel), bits[j], scales[j])
             for j in range(self.world_size)
@@ -511,7 +512,7 @@ class CompressedAllreduce(Exchange):
     def server_error(self) -> torch.Tensor:
         """This rank's server error (a copy, with any deferred update applied)."""
         self._settle()
-        return self._errors.sacc[self._cur].clone()
+        return self._errors.sacc[self._errors.server_index(self._cur)].clone()
 
     def _settle(self) -> None:
         """Apply the deferred error updates of the call that wrote set cur (see
@@ -532,7 +533,7 @@ class CompressedAllreduce(Exchange):
         c0 = self.rank * self.chunk_numel
         a, b = max(lo, c0), min(hi, c0 + self.chunk_numel)
         if a < b:
-            views.append(self._errors.sacc[self._cur][a - c0 : b - c0])
+            views.append(self._errors.sacc[self._errors.server_index(self._cur)][a - c0 : b - c0])
         return views
 
     def reset_error(self) -> None:

@@ -435,10 +435,10 @@ def _one_worker_set_worker(rank: int, world: int) -> dict:
 
 
 def test_one_worker_error_buffer_gives_the_two_buffer_results() -> None:
-    """recompute_error=True (one worker error buffer, updated at the commit from the input read
-    again or recomputed as read) gives the two-set exchange's results and error buffers bit for
-    bit, committed or discarded (finite or not), from a MomentumSource and from a tensor, on
-    real gloo groups; and holds one worker buffer where the other holds two."""
+    """recompute_error=True (one worker and one server error buffer, updated at the commit: the
+    input read again or recomputed as read, the server stage run again) gives the two-set
+    exchange's results and error buffers bit for bit, committed or discarded (finite or not),
+    from a MomentumSource and from a tensor, on real gloo groups (W = 3)."""
     for rank, r in enumerate(run_distributed(_one_worker_set_worker, 3)):
         assert r["finite"] == [True, True, True, False, True, True], rank
         assert all(r["same"]) and len(r["same"]) == 4 * 3 + 6 * 2 + 4, (rank, r["same"])
