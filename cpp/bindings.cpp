@@ -82,6 +82,23 @@ PYBIND11_MODULE(_C, m) {
                                      P<float>(scale_out), pending, nthreads);
   }, release(), "c = mean of W decoded chunks + e; pack sign(c); e_out <- c (error update deferred)");
 
+  m.def("quantize_cpu", [](ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, int bits, int64_t block, ptr rows,
+                           int64_t W, int64_t row_stride, int nthreads) {
+    onebit::quantize_cpu(P<const float>(x), nx, P<const float>(e), P<float>(e_out), n, bits, block,
+                         P<uint8_t>(rows), W, row_stride, nthreads);
+  }, release(), "y = x + e in integer codes, one scale per block, chunk j into row j; e_out <- y - s * q");
+
+  m.def("quantized_reduce_cpu", [](ptr rows, int64_t W, int64_t row_stride, int64_t mm, int bits, int64_t block,
+                                   ptr e, ptr e_out, ptr out_row, int nthreads) {
+    onebit::quantized_reduce_cpu(P<const uint8_t>(rows), W, row_stride, mm, bits, block, P<const float>(e),
+                                 P<float>(e_out), P<uint8_t>(out_row), nthreads);
+  }, release(), "c = mean of W integer-coded rows + e, re-encoded into out_row; e_out <- c - s * q");
+
+  m.def("dequantize_cpu", [](ptr rows, int64_t W, int64_t row_stride, int64_t mm, int bits, int64_t block, ptr out,
+                             int64_t nout, int nthreads) {
+    onebit::dequantize_cpu(P<const uint8_t>(rows), W, row_stride, mm, bits, block, P<float>(out), nout, nthreads);
+  }, release(), "out = s * q of W integer-coded rows (the first nout values)");
+
   m.def("lamb_frozen_update_cpu", [](ptr x, ptr mm, ptr v, ptr dscale, ptr vf, ptr p, ptr u, int64_t L, ptr offsets,
                                      ptr scaling, ptr beta1, ptr ob1, ptr beta2, ptr ob2, ptr eps, ptr wd,
                                      bool precond, ptr stats, int nthreads, int64_t nruns, ptr runs_lo,

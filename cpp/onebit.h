@@ -50,6 +50,16 @@ inline void check_tiling(const char* what, int64_t P, int64_t base, int64_t nx) 
 inline void check_chunks(const char* what, int64_t count, int64_t nchunks) {
   require(nchunks >= 0 && (count > 0 || nchunks == 0), what, "nchunks >= 0, and nchunks == 0 when P (or L) is 0");
 }
+// The integer codec (onebit_quant.cpp): n values over W rows of m = n / W values, whole blocks of an
+// even size up to kMaxQuantBlock, 4 or 8 bits, each row [m / block float32 scales][codes].
+constexpr int64_t kMaxQuantBlock = 4096;
+inline void check_quant(const char* what, int64_t n, int64_t W, int bits, int64_t block, int64_t row_stride) {
+  require((bits == 4 || bits == 8) && block > 0 && block % 2 == 0 && block <= kMaxQuantBlock, what,
+          "bits 4 or 8 and an even block of at most 4096 values");
+  require(W > 0 && n > 0 && n % (W * block) == 0, what, "W > 0 and n > 0 a multiple of W * block");
+  const int64_t m = n / W;
+  require(row_stride >= 4 * (m / block) + m * bits / 8, what, "rows of at least 4 * m / block + m * bits / 8 bytes");
+}
 }  // namespace detail
 
 // An exchange's result read where it lies, in place of the decoded buffer x (see decompress_cpu):
@@ -130,6 +140,18 @@ float server_reduce_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, cons
 
 // out[j*m + k] = scales[j * scale_stride] * sign(bit k of row j), for the first nout values
 // (nout <= W * m: the padding at the end is dropped).
+// The integer codec of a compressed average (see onebit_quant.cpp and detail::check_quant).
+// quantize: y = x (zeros past nx) + e (e null: none), chunk j of m values into row j; e_out <- the
+// error y - s * q (null: not written; may be e). quantized_reduce: c = sum over the W rows in order
+// of (s_r / W) * q_r, + e (null: none), encoded into out_row, e_out <- c - s * q (null: not
+// written; may be e). dequantize: out[j * m + i] = s * q of row j (the first nout values).
+void quantize_cpu(const float* x, int64_t nx, const float* e, float* e_out, int64_t n, int bits, int64_t block,
+                  uint8_t* rows, int64_t W, int64_t row_stride, int nthreads);
+void quantized_reduce_cpu(const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits, int64_t block,
+                          const float* e, float* e_out, uint8_t* out_row, int nthreads);
+void dequantize_cpu(const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits, int64_t block,
+                    float* out, int64_t nout, int nthreads);
+
 void decompress_cpu(const uint8_t* bits, int64_t W, int64_t row_stride, const float* scales,
                     int64_t scale_stride, int64_t m, float* out, int64_t nout, int nthreads);
 

@@ -586,6 +586,36 @@ void run_tiling_case(std::mt19937& rng, const std::vector<int64_t>& sizes) {
   check(next == nx, "walk4 visits every value below nx", next, nx);
 }
 
+// The integer codec: every buffer exactly as large as the kernels may touch; decode + error = y
+// within float32 rounding, and the server's output + its error = the mean of the decoded rows +
+// its old error.
+void run_quant_case(std::mt19937& rng, int64_t W, int64_t m, int bits, int64_t block, int64_t nx, int nt) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t n = W * m, nb = m / block, stride = 4 * nb + m * bits / 8;
+  auto x = buf<float>(nx), e = buf<float>(n), eo = buf<float>(n), dec = buf<float>(n), se = buf<float>(m);
+  auto rows = buf<uint8_t>(W * stride), out = buf<uint8_t>(stride);
+  auto back = buf<float>(m);
+  for (int64_t i = 0; i < nx; ++i) x[i] = nd(rng) * std::exp(2.0f * nd(rng));
+  for (int64_t i = 0; i < n; ++i) e[i] = 0.01f * nd(rng);
+  for (int64_t i = 0; i < m; ++i) se[i] = 0.01f * nd(rng);
+  onebit::quantize_cpu(x.get(), nx, e.get(), eo.get(), n, bits, block, rows.get(), W, stride, nt);
+  onebit::dequantize_cpu(rows.get(), W, stride, m, bits, block, dec.get(), n, nt);
+  for (int64_t i = 0; i < n; ++i) {
+    const double y = double(i < nx ? x[i] : 0.0f) + e[i];
+    check(std::fabs(double(dec[i]) + eo[i] - y) <= 1.2e-7 * std::fabs(y) + 1e-30, "quantize: decoded + error", W, i);
+  }
+  std::vector<double> c(static_cast<size_t>(m), 0.0);
+  for (int64_t r = 0; r < W; ++r)  // the rows a server receives (here every sender's row r)
+    for (int64_t i = 0; i < m; ++i) c[i] += double(dec[r * m + i]) / double(W);
+  for (int64_t i = 0; i < m; ++i) c[i] += se[i];
+  onebit::quantized_reduce_cpu(rows.get(), W, stride, m, bits, block, se.get(), se.get(), out.get(), nt);
+  onebit::dequantize_cpu(out.get(), 1, stride, m, bits, block, back.get(), m, nt);
+  double big = 0.0;
+  for (int64_t i = 0; i < m; ++i) big = std::max(big, std::fabs(c[i]));
+  for (int64_t i = 0; i < m; ++i)
+    check(std::fabs(double(back[i]) + se[i] - c[i]) <= 1e-5 * big, "quantized_reduce: output + error", W, i);
+}
+
 int main() {
   std::mt19937 rng(1234);
   std::printf("simd path: %s\n", onebit::cpu_has_simd() ? "avx2" : "portable");
@@ -661,6 +691,16 @@ int main() {
     sizes.back() += 1;  // (the range is not empty)
     run_tiling_case(rng, sizes);
     ++cases;
+  }
+  for (int bits : {4, 8}) {
+    for (int64_t block : {2, 256}) {
+      for (int64_t W : {1, 3}) {
+        for (int nt : {1, 2}) {
+          run_quant_case(rng, W, block * 5, bits, block, W * block * 5 - 3, nt);
+          ++cases;
+        }
+      }
+    }
   }
   std::printf("%d cases, %d failures\n", cases, failures);
   return failures ? 1 : 0;

@@ -15,7 +15,8 @@ Layers, each importing only the ones before it:
   missing (with a warning);
 - the public functions, each checking its arguments, then running the compiled kernel (or the
   twin): `sources` (what the exchange sends, computed as the compression reads it),
-  `compression` (the exchange's worker, server and decompression kernels) and `updates` (the
+  `compression` (the exchange's worker, server and decompression kernels), `quantized` (the
+  integer codec of a compressed average: 4 or 8 bits, a scale per block) and `updates` (the
   optimizers' fused steps).
 
 The optimizers and the exchanges take what they need from this package's names alone, among
@@ -41,16 +42,20 @@ from lightning_onebit.kernels.compression import (
 )
 from lightning_onebit.kernels.denominator import Denominator
 from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA, on_device, use_native
+from lightning_onebit.kernels.quantized import dequantize, quantize, quantized_reduce, row_bytes
 from lightning_onebit.kernels.reference import (
     finish_pending,
     reference_adam_update,
     reference_decompress,
+    reference_dequantize,
     reference_frozen_adam_update,
     reference_lamb_frozen_update,
     reference_layer_step,
     reference_local_source,
     reference_local_step,
     reference_momentum_source,
+    reference_quantize,
+    reference_quantized_reduce,
     reference_restore_unless,
     reference_server_reduce,
     reference_sync_update,
@@ -89,6 +94,7 @@ __all__ = [
     "adam_update",
     "decode_runs",
     "decompress",
+    "dequantize",
     "finish_pending",
     "frozen_adam_update",
     "lamb_frozen_update",
@@ -97,21 +103,27 @@ __all__ = [
     "local_step",
     "momentum_source",
     "on_device",
+    "quantize",
+    "quantized_reduce",
     "reads_sign_runs",
     "reference_adam_update",
     "reference_decompress",
+    "reference_dequantize",
     "reference_frozen_adam_update",
     "reference_lamb_frozen_update",
     "reference_layer_step",
     "reference_local_source",
     "reference_local_step",
     "reference_momentum_source",
+    "reference_quantize",
+    "reference_quantized_reduce",
     "reference_restore_unless",
     "reference_server_reduce",
     "reference_sync_update",
     "reference_worker_compress",
     "reference_worker_update_error",
     "restore_unless",
+    "row_bytes",
     "server_reduce",
     "sync_update",
     "use_native",

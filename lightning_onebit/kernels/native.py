@@ -222,6 +222,22 @@ OPS: dict[str, Op] = {
         tensors="bits:rows scales:scales out:f32",
         cuda_kernels=True,
     ),
+    # the integer codec (kernels.quantized): CPU only so far
+    "quantize": Op(
+        cpu="x #x error error_out n bits block rows rows.rows rows.stride",
+        cuda=None,
+        tensors="x:f32 error:f32 error_out:f32 rows:rows",
+    ),
+    "quantized_reduce": Op(
+        cpu="rows rows.rows rows.stride m bits block error error_out out_row",
+        cuda=None,
+        tensors="rows:rows error:f32 error_out:f32 out_row:u8c",
+    ),
+    "dequantize": Op(
+        cpu="rows rows.rows rows.stride m bits block out #out",
+        cuda=None,
+        tensors="rows:rows out:f32",
+    ),
     # their tensors are checked as their sources' and worker_compress's
     "momentum_compress": Op(cpu=_MOMENTUM + _COMPRESS_CPU, cuda=_MOMENTUM + _COMPRESS_CUDA),
     "local_compress": Op(cpu=_LOCAL + _COMPRESS_CPU, cuda=_LOCAL + _COMPRESS_CUDA),

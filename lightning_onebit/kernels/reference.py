@@ -16,12 +16,15 @@ __all__ = [
     "finish_pending",
     "reference_adam_update",
     "reference_decompress",
+    "reference_dequantize",
     "reference_frozen_adam_update",
     "reference_lamb_frozen_update",
     "reference_layer_step",
     "reference_local_source",
     "reference_local_step",
     "reference_momentum_source",
+    "reference_quantize",
+    "reference_quantized_reduce",
     "reference_restore_unless",
     "reference_server_reduce",
     "reference_sync_update",
@@ -426,3 +429,114 @@ def reference_restore_unless(ok: torch.Tensor, dst: torch.Tensor, src: torch.Ten
     on the host)."""
     if not bool(ok):
         dst.copy_(src)
+
+
+# ------------------------------------------------------------------ the integer codec (kernels.quantized)
+
+
+def _encode(
+    y: torch.Tensor, bits: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``y`` (a multiple of ``block`` values) as ``(scales, codes, error)``: codes packed as on
+    the wire."""
+    q_max = 7.0 if bits == 4 else 127.0
+    yb = y.reshape(-1, block)
+    s = yb.abs().amax(dim=1) / q_max
+    coded = (s > 0) & torch.isfinite(s)
+    ratio = torch.where(coded[:, None], yb / s[:, None], 0.0)
+    q = torch.round(ratio).clamp_(-q_max, q_max)
+    err = (yb - s[:, None] * q).reshape(-1)
+    qi = q.reshape(-1).to(torch.int32)
+    if bits == 8:
+        codes = qi.to(torch.int8).view(torch.uint8)
+    else:
+        u = (qi + 8).to(torch.uint8)
+        codes = u[0::2] | (u[1::2] << 4)
+    return s, codes, err
+
+
+def _decode(row: torch.Tensor, m: int, bits: int, block: int) -> torch.Tensor:
+    nb = m // block
+    s = row[: 4 * nb].view(torch.float32)
+    codes = row[4 * nb : 4 * nb + m * bits // 8]
+    if bits == 8:
+        q = codes.view(torch.int8).float()
+    else:
+        q = torch.stack([(codes & 15).to(torch.int32) - 8, (codes >> 4).to(torch.int32) - 8], 1)
+        q = q.reshape(-1).float()
+    return s, q
+
+
+def _write_row(row: torch.Tensor, s: torch.Tensor, codes: torch.Tensor) -> None:
+    nb = s.numel()
+    row[: 4 * nb].copy_(s.view(torch.uint8))
+    row[4 * nb : 4 * nb + codes.numel()].copy_(codes)
+
+
+def reference_quantize(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    rows: torch.Tensor,
+    *,
+    bits: int,
+    block: int,
+    error_out: torch.Tensor | None = None,
+    n: int | None = None,
+) -> None:
+    """Pure-torch [`quantize`][lightning_onebit.kernels.quantized.quantize] (same arguments, same
+    bits; ``n``: the padded size where ``error`` is ``None``)."""
+    error_out = error if error_out is None else error_out
+    n = error.numel() if error is not None else n
+    y = torch.zeros(n, dtype=torch.float32, device=x.device)
+    y[: x.numel()] = x.reshape(-1)
+    if error is not None:
+        y = y + error.reshape(-1)
+    w = rows.size(0)
+    m = n // w
+    s, codes, err = _encode(y, bits, block)
+    cb = m * bits // 8
+    for j in range(w):
+        _write_row(
+            rows[j], s[j * (m // block) : (j + 1) * (m // block)], codes[j * cb : (j + 1) * cb]
+        )
+    if error_out is not None:
+        error_out.view(-1).copy_(err)
+
+
+def reference_quantized_reduce(
+    rows: torch.Tensor,
+    error: torch.Tensor | None,
+    out_row: torch.Tensor,
+    *,
+    m: int,
+    bits: int,
+    block: int,
+    error_out: torch.Tensor | None = None,
+    write_error: bool = True,
+) -> None:
+    """Pure-torch [`quantized_reduce`][lightning_onebit.kernels.quantized.quantized_reduce] (same
+    arguments, same bits)."""
+    error_out = (error if error_out is None else error_out) if write_error else None
+    w = rows.size(0)
+    c = torch.zeros(m, dtype=torch.float32, device=rows.device)
+    for r in range(w):  # rows in order
+        s, q = _decode(rows[r], m, bits, block)
+        c += torch.repeat_interleave(s / float(w), block) * q
+    if error is not None:
+        c += error.reshape(-1)
+    s, codes, err = _encode(c, bits, block)
+    _write_row(out_row.reshape(-1), s, codes)
+    if error_out is not None:
+        error_out.view(-1).copy_(err)
+
+
+def reference_dequantize(
+    rows: torch.Tensor, out: torch.Tensor, *, m: int, bits: int, block: int
+) -> None:
+    """Pure-torch [`dequantize`][lightning_onebit.kernels.quantized.dequantize] (same arguments,
+    same bits)."""
+    values = []
+    for j in range(rows.size(0)):
+        s, q = _decode(rows[j], m, bits, block)
+        values.append(torch.repeat_interleave(s, block) * q)
+    out.view(-1).copy_(torch.cat(values)[: out.numel()])
