@@ -15,6 +15,10 @@ only the ones before them:
   [`NodeGroups`][lightning_onebit.comm.hierarchical.NodeGroups];
 - [`factory`][lightning_onebit.comm.factory]:
 [`make_exchange`][lightning_onebit.comm.factory.make_exchange], which picks one of the two;
+- [`quantized`][lightning_onebit.comm.quantized]:
+[`QuantizedAllreduce`][lightning_onebit.comm.quantized.QuantizedAllreduce], an average in 4- or
+  8-bit integer codes with both sides' errors fed back (for averages that must stay close to
+  exact);
 - [`bucketed`][lightning_onebit.comm.bucketed]:
 [`BucketedAllreduce`][lightning_onebit.comm.bucketed.BucketedAllreduce], one exchange per bucket
   of a flat buffer (started during backward).
@@ -44,6 +48,7 @@ from lightning_onebit.comm.hierarchical import (
     hierarchical_average,
     resolve_ranks_per_node,
 )
+from lightning_onebit.comm.quantized import QuantizedAllreduce
 
 # tracebacks and reprs name the public path: ``lightning_onebit.comm.NonFiniteError``
 NonFiniteError.__module__ = __name__
@@ -59,6 +64,7 @@ __all__ = [
     "HierarchicalAllreduce",
     "NodeGroups",
     "NonFiniteError",
+    "QuantizedAllreduce",
     "all_finite",
     "as_average_dtype",
     "average_bytes",

@@ -72,6 +72,7 @@ def quantize(
     block: int,
     error_out: torch.Tensor | None = None,
     n: int | None = None,
+    write_error: bool = True,
 ) -> None:
     """Encode ``y = x + error`` (``x`` zero-padded to ``n`` values; ``error`` ``None``: ``y = x``,
     no error kept) into ``rows``: chunk ``j`` of ``n / W`` values into row ``j``.
@@ -86,12 +87,14 @@ def quantize(
         error_out: where the new error ``y - s * q`` goes (float32, contiguous, ``n`` values; may
             be ``error``). Default: ``error`` (in place); nothing where ``error`` is ``None``.
         n: the padded size; default ``error.numel()`` (needed without an ``error``).
+        write_error: ``False``: the rows only (a call whose error update waits until it is known
+            to go ahead; the same call with ``True`` writes the same rows).
 
     Raises:
         ValueError: another size, dtype or layout.
     """
     _check_codec(bits, block)
-    error_out = error if error_out is None else error_out
+    error_out = (error if error_out is None else error_out) if write_error else None
     device, _ = native.check("quantize", x=x, error=error, error_out=error_out, rows=rows)
     w = rows.size(0)
     if n is None:
@@ -109,7 +112,16 @@ def quantize(
         raise ValueError(f"error_out must hold {n} values, got {error_out.numel()}")
     _check_rows(rows, n // w, bits, block)
     if not native.has_kernel(device, "quantize") or not native.use_native():
-        reference_quantize(x, error, rows, bits=bits, block=block, error_out=error_out, n=n)
+        reference_quantize(
+            x,
+            error,
+            rows,
+            bits=bits,
+            block=block,
+            error_out=error_out,
+            n=n,
+            write_error=write_error,
+        )
         return
     native.launch("quantize", device, x=x, error=error, error_out=error_out, n=n, bits=bits,
                   block=block, rows=rows)  # fmt: skip

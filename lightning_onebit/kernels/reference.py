@@ -482,10 +482,11 @@ def reference_quantize(
     block: int,
     error_out: torch.Tensor | None = None,
     n: int | None = None,
+    write_error: bool = True,
 ) -> None:
     """Pure-torch [`quantize`][lightning_onebit.kernels.quantized.quantize] (same arguments, same
     bits; ``n``: the padded size where ``error`` is ``None``)."""
-    error_out = error if error_out is None else error_out
+    error_out = (error if error_out is None else error_out) if write_error else None
     n = error.numel() if error is not None else n
     y = torch.zeros(n, dtype=torch.float32, device=x.device)
     y[: x.numel()] = x.reshape(-1)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_onebit.kernels import native
 from lightning_onebit import kernels as Q
+from lightning_onebit.kernels import native
 
 needs_cpp = pytest.mark.skipif(not native.HAS_CPP, reason="needs the compiled kernels")
 CODECS = [(4, 256), (8, 256), (4, 2), (8, 64)]

@@ -1,0 +1,134 @@
+"""The integer-coded average (``comm.QuantizedAllreduce``) on real gloo groups: against a float64
+reference of its arithmetic, error feedback included, on fresh random inputs; the same result on
+every rank; a NaN on one rank stops every rank with the error buffers unchanged; bytes; state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_onebit import kernels
+from lightning_onebit.comm import NonFiniteError, QuantizedAllreduce
+from tests.helpers.dist import run_distributed
+
+
+def _inputs(rank: int, call: int, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + call)
+    return torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 2)
+
+
+def _average_worker(rank: int, world: int, n: int, calls: int, bits: int, block: int) -> dict:
+    ex = QuantizedAllreduce(n, bits=bits, block=block)
+    outs = [ex(_inputs(rank, t, n)).clone() for t in range(calls)]
+    return {
+        "outs": outs,
+        "worker_error": ex.worker_error.clone(),
+        "server_error": ex.server_error.clone(),
+        "bytes": ex.bytes_sent,
+        "per_call": ex.bytes_per_call,
+        "fp32": ex.fp32_allreduce_bytes,
+    }
+
+
+def _reference(world: int, n: int, calls: int, bits: int, block: int) -> list[torch.Tensor]:
+    """The algorithm in float64 where it adds and averages, the codec's float32 encoding where
+    it rounds (kernels' torch twins): what every rank must return."""
+    npad = -(-n // (world * block)) * world * block
+    m = npad // world
+    ew = [torch.zeros(npad, dtype=torch.float64) for _ in range(world)]
+    es = [torch.zeros(m, dtype=torch.float64) for _ in range(world)]
+
+    def encode(y: torch.Tensor) -> torch.Tensor:  # its decoded values
+        rows = torch.zeros(1, kernels.row_bytes(y.numel(), bits, block), dtype=torch.uint8)
+        kernels.reference_quantize(y.float(), None, rows, bits=bits, block=block, n=y.numel())
+        out = torch.empty(y.numel())
+        kernels.reference_dequantize(rows, out, m=y.numel(), bits=bits, block=block)
+        return out.double()
+
+    outs = []
+    for t in range(calls):
+        dec = []
+        for r in range(world):
+            y = ew[r].clone()
+            y[:n] += _inputs(r, t, n).double()
+            d = torch.cat([encode(y[j * m : (j + 1) * m]) for j in range(world)])
+            ew[r] = y - d
+            dec.append(d)
+        out = []
+        for j in range(world):
+            c = sum(d[j * m : (j + 1) * m] for d in dec) / world + es[j]
+            x = encode(c)
+            es[j] = c - x
+            out.append(x)
+        outs.append(torch.cat(out)[:n])
+    return outs
+
+
+@pytest.mark.parametrize(("world", "bits"), [(2, 4), (3, 8), (3, 4)])
+def test_the_average_is_its_arithmetic_with_error_feedback(world: int, bits: int) -> None:
+    n, calls, block = 3001, 4, 64
+    results = run_distributed(_average_worker, world, n, calls, bits, block)
+    want = _reference(world, n, calls, bits, block)
+    for r in results:
+        for t in range(calls):
+            assert torch.equal(r["outs"][t], results[0]["outs"][t])  # every rank the same
+            scale = float(want[t].abs().max())
+            torch.testing.assert_close(r["outs"][t].double(), want[t], rtol=0, atol=2e-6 * scale)
+    # error feedback: what was averaged and what came out differ by the errors left, nothing else
+    sent = sum(_inputs(r, t, n).double() for r in range(world) for t in range(calls)) / world
+    got = sum(results[0]["outs"][t].double() for t in range(calls))
+    left = sum(r["worker_error"].double()[:n] for r in results) / world
+    m = results[0]["server_error"].numel()
+    left += torch.cat([r["server_error"].double() for r in results])[:n]
+    torch.testing.assert_close(got + left, sent, rtol=0, atol=1e-5 * float(sent.abs().max()))
+    # bytes: 2 (W - 1) records of [flag][scales][codes]
+    record = 4 + kernels.row_bytes(m, bits, block)
+    assert results[0]["bytes"] == results[0]["per_call"] == 2 * (world - 1) * record
+    assert results[0]["fp32"] / results[0]["bytes"] > (6.0 if bits == 4 else 3.3)
+
+
+def _non_finite_worker(rank: int, world: int) -> dict:
+    n = 1000
+    ex = QuantizedAllreduce(n, bits=4, block=64)
+    ex(_inputs(rank, 0, n))
+    before = (ex.worker_error.clone(), ex.server_error.clone())
+    x = _inputs(rank, 1, n)
+    if rank == world - 1:
+        x[123] = float("nan")
+    try:
+        ex(x)
+        raised = ""
+    except NonFiniteError as err:
+        raised = str(err)
+    same = torch.equal(before[0], ex.worker_error) and torch.equal(before[1], ex.server_error)
+    after = ex(_inputs(rank, 2, n)).clone()  # the exchange goes on
+    return {"raised": raised, "same": same, "after": after}
+
+
+def test_a_nan_on_one_rank_stops_every_rank_with_the_errors_unchanged() -> None:
+    results = run_distributed(_non_finite_worker, 3)
+    for r in results:
+        assert "rank(s) [2]" in r["raised"] and r["same"]
+        assert torch.equal(r["after"], results[0]["after"])
+
+
+def test_one_rank_encodes_and_keeps_its_error_and_state_round_trips() -> None:
+    n = 700
+    ex, twin = QuantizedAllreduce(n, bits=8, block=128), QuantizedAllreduce(n, bits=8, block=128)
+    for t in range(3):
+        x = _inputs(0, t, n)
+        out = ex(x)
+        torch.testing.assert_close(
+            out.double() + ex.worker_error[:n].double(),
+            x.double() + (twin.worker_error[:n].double() if t else 0.0),
+            rtol=0,
+            atol=1e-6 * float(x.abs().max()),
+        )
+        twin.load_state_dict(ex.state_dict())
+    assert ex.bytes_sent == 0
+    with pytest.raises(ValueError, match="use reset_error"):
+        QuantizedAllreduce(n, bits=4, block=128).load_state_dict(ex.state_dict())
+    ex.reset_error()
+    assert not ex.worker_error.any()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ex(torch.zeros(n, dtype=torch.float64))
