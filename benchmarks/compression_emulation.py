@@ -18,7 +18,17 @@ reaches says what a finer scale would buy before any kernel is written. ``--resc
 the frozen variance per tensor (:class:`Rescale`): ``adam`` is ``rescale_variance``'s rule,
 ``fast`` one that follows the last ~10 steps' gradient scale upwards only.
 
+``--warmup-codec`` is the warmup's exchange of the gradient average (:class:`WarmupCodec`):
+``fp32`` the exact mean (the default), ``bf16`` torch DDP's ``bf16_compress_hook`` (each
+rank's gradient cast to bf16 and divided by W, summed in bf16, cast back), ``int8``/``int4``
+integers with one fp32 scale per ``--warmup-block`` values (ZeRO++ qgZ's layout), with error
+feedback on both sides as the 1-bit exchange has it unless ``--warmup-error-feedback off``.
+At the switch a shadow Adam variance fed the exact mean through the warmup measures, per
+tensor, ``||v_codec - v_exact|| / ||v_exact||`` of the frozen (bias-corrected) variance.
+``--no-compression`` is the DDP baseline: Adam on the exact mean for all the steps.
+
     python benchmarks/compression_emulation.py --scale tensor --seed 0 --json out.json
+    python benchmarks/compression_emulation.py --warmup-codec int4 --warmup 30 --json out.json
 
 One rank's forward/backward after another, 1 thread: ~1.1 s per step of the ``small`` model on
 the development VM (300 steps in ~6 minutes).
@@ -66,6 +76,67 @@ def compress(y: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor) -> torch
     sq = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, seg, y.double().square())
     s = (sq.sqrt() / lengths.sqrt()).float()
     return torch.where(y >= 0, 1.0, -1.0) * s[seg]
+
+
+def quantize(y: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """``s * q`` per block of ``block`` flat values: ``s = max|y| / qmax``, ``q = round(y / s)``
+    clamped to ``[-qmax, qmax]``, ``qmax = 2**(bits - 1) - 1`` (127 for int8, 7 for int4)."""
+    qmax = 2 ** (bits - 1) - 1
+    n = y.numel()
+    pad = -n % block
+    blocks = torch.nn.functional.pad(y, (0, pad)).view(-1, block)
+    s = blocks.abs().amax(dim=1, keepdim=True) / qmax
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(blocks / safe).clamp_(-qmax, qmax)
+    return (q * s).view(-1)[:n]
+
+
+INT_BITS = {"int8": 8, "int4": 4}
+
+
+class WarmupCodec:
+    """``--warmup-codec``: the averaged gradient the warmup's Adam steps on (see the docstring).
+
+    ``int8``/``int4`` with error feedback: ``y_r = g_r + e_r``, ``c_r = Q(y_r)``, ``e_r = y_r -
+    c_r`` on each rank, ``z = mean_r c_r + e_s``, ``x = Q(z)``, ``e_s = z - x`` on the server;
+    every rank steps on ``x``. Without it, ``x = Q(mean_r Q(g_r))``.
+    """
+
+    def __init__(self, kind: str, world: int, n: int, block: int, feedback: bool) -> None:
+        self.kind, self.world, self.block, self.feedback = kind, world, block, feedback
+        if kind in INT_BITS and feedback:
+            self.worker_err = [torch.zeros(n) for _ in range(world)]
+            self.server_err = torch.zeros(n)
+
+    def bytes_factor(self) -> float:
+        """``c``: how many times fewer bytes than fp32 the warmup exchange sends."""
+        if self.kind in INT_BITS:
+            return 32 / (INT_BITS[self.kind] + 32 / self.block)
+        return {"fp32": 1.0, "bf16": 2.0}[self.kind]
+
+    def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.kind == "fp32":
+            return sum(grads) / self.world
+        if self.kind == "bf16":  # bf16_compress_hook: cast, divide, all-reduce (sum), cast back
+            acc = grads[0].bfloat16().div_(self.world)
+            for g in grads[1:]:
+                acc += g.bfloat16().div_(self.world)
+            return acc.float()
+        bits = INT_BITS[self.kind]
+        acc = torch.zeros_like(grads[0])
+        for r, g in enumerate(grads):
+            y = g + self.worker_err[r] if self.feedback else g
+            c = quantize(y, bits, self.block)
+            if self.feedback:
+                self.worker_err[r] = y - c
+            acc += c
+        z = acc / self.world
+        if self.feedback:
+            z += self.server_err
+        x = quantize(z, bits, self.block)
+        if self.feedback:
+            self.server_err = z - x
+        return x
 
 
 class Rescale:
@@ -166,6 +237,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     server_err = torch.zeros(n)
     sqrt_v: torch.Tensor | None = None
     rescale = Rescale(args.rescale, sizes)
+    warmup = args.steps if args.no_compression else args.warmup
+    codec = WarmupCodec(
+        "fp32" if args.no_compression else args.warmup_codec,
+        args.world,
+        n,
+        args.warmup_block,
+        args.warmup_error_feedback == "on",
+    )
+    shadow_v = torch.zeros(n)  # Adam's variance had the warmup stepped on the exact mean
+    grad_err: list[float] = []  # ||x - exact|| / ||exact|| of each warmup step's average
+    variance: dict[str, Any] | None = None
+    frac = warmup / args.steps
+    bytes_ratio = (
+        1.0 if args.no_compression else 1 / (frac / codec.bytes_factor() + (1 - frac) / 32)
+    )
+    label = "ddp" if args.no_compression else f"{args.scale}/{args.rescale}/{codec.kind}"
     evals = [{"step": 0, "val_loss": w.evaluate(model, val)}]
     t0 = time.monotonic()
     for k in range(1, args.steps + 1):
@@ -176,8 +263,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             model(x, y).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
         with torch.no_grad():
-            if k <= args.warmup:  # Adam on the average: DDP's step
-                average = sum(grads) / args.world
+            if k <= warmup:  # Adam on the average: DDP's step
+                average = codec(grads)
+                exact = average if codec.kind == "fp32" else sum(grads) / args.world
+                shadow_v.mul_(0.999).addcmul_(exact, exact, value=1 - 0.999)
+                grad_err.append(float((average - exact).norm() / exact.norm()))
                 rescale.warmup(average)
                 for p, g in zip(params, average.split(sizes), strict=True):
                     p.grad = g.view_as(p).clone()
@@ -187,6 +277,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     t_freeze = float(opt.state[params[0]]["step"])
                     v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
                     sqrt_v = v.div(1 - 0.999**t_freeze).sqrt_()
+                    variance = variance_error(model, v, shadow_v, t_freeze)
+                    print(
+                        f"{label} switch at {k - 1}: variance rel. error median "
+                        f"{variance['median']:.3e} max {variance['max']:.3e} "
+                        f"({variance['max_tensor']}); zeroed {variance['zero_fraction']:.2%}, "
+                        f"under a tenth {variance['under_tenth_fraction']:.2%}",
+                        flush=True,
+                    )
                 d = sqrt_v * rescale.frozen_step(grads).sqrt() + 1e-8
                 m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
                 acc = torch.zeros(n)
@@ -207,11 +305,46 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if k % args.eval_every == 0 or k == args.steps:
             evals.append({"step": k, "val_loss": w.evaluate(model, val)})
             print(
-                f"{args.scale}/{args.rescale} seed {args.seed} step {k}: {evals[-1]['val_loss']:.4f} "
+                f"{label} seed {args.seed} step {k}: {evals[-1]['val_loss']:.4f} "
                 f"({time.monotonic() - t0:.0f} s)",
                 flush=True,
             )
-    return {"args": vars(args), "segments": len(lengths), "evals": evals}
+    return {
+        "args": vars(args),
+        "segments": len(lengths),
+        "warmup_codec": codec.kind,
+        "warmup_steps": warmup,
+        "warmup_bytes_factor": codec.bytes_factor(),
+        "bytes_ratio_vs_fp32_ddp": bytes_ratio,
+        "warmup_grad_rel_error_mean": sum(grad_err) / len(grad_err) if grad_err else None,
+        "variance_rel_error_at_switch": variance,
+        "final_val_loss": evals[-1]["val_loss"],
+        "evals": evals,
+    }
+
+
+def variance_error(
+    model: torch.nn.Module, v: torch.Tensor, shadow: torch.Tensor, t: float
+) -> dict[str, Any]:
+    """Per tensor ``||v - v_exact|| / ||v_exact||`` of the bias-corrected variances."""
+    corr = 1 - 0.999**t
+    errors = {}
+    offset = 0
+    for name, p in model.named_parameters():
+        a = v[offset : offset + p.numel()].double() / corr
+        b = shadow[offset : offset + p.numel()].double() / corr
+        offset += p.numel()
+        errors[name] = float((a - b).norm() / b.norm()) if b.norm() > 0 else 0.0
+    ordered = sorted(errors.values())
+    live = shadow > 0  # entries the exact mean gave a variance; the codec may have zeroed them
+    return {
+        "median": float(torch.tensor(ordered).median()),
+        "max": ordered[-1],
+        "max_tensor": max(errors, key=errors.get),
+        "zero_fraction": float((live & (v == 0)).sum() / live.sum()),
+        "under_tenth_fraction": float((live & (v < 0.1 * shadow)).sum() / live.sum()),
+        "per_tensor": errors,
+    }
 
 
 def main() -> None:
@@ -226,6 +359,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--warmup-codec", choices=("fp32", "bf16", "int8", "int4"), default="fp32")
+    p.add_argument("--warmup-block", type=int, default=256, help="values per scale (int codecs)")
+    p.add_argument("--warmup-error-feedback", choices=("on", "off"), default="on")
+    p.add_argument("--no-compression", action="store_true", help="DDP: Adam on the mean, all steps")
     p.add_argument("--json", default=None, help="write the losses here")
     args = p.parse_args()
     result = train(args)
