@@ -46,7 +46,10 @@ class QuantizedAllreduce:
     ``n' / W`` share) and its communication buffers, made at the first call; nothing full-size
     is allocated per call. One instance serves one logical buffer (its error feedback assumes
     that successive calls carry successive values of the same quantity, e.g. one bucket of
-    gradients).
+    gradients). A block's scale is its largest value's: a block that spans a small tensor and a
+    larger neighbour (a LayerNorm's gains next to a weight matrix) rounds the small one's values
+    to zero, so lay the buffer out with tensors of whole blocks, or blocks no larger than the
+    smallest tensor.
 
     Args:
         numel: values per call (a positive int; padding is internal).
