@@ -5,6 +5,7 @@ full-precision average and byte formulas."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "AVERAGE_DTYPES",
@@ -133,16 +136,22 @@ def start_average(
 @contextlib.contextmanager
 def explained(what: str, rank: int, world_size: int) -> Iterator[None]:
     """Re-raise the failure of an exchange's collective ``what`` (on ``rank`` of
-    ``world_size``) with what it most likely means and what to check."""
+    ``world_size``) with what it most likely means and what to check.
+
+    The message is also logged at once (``ERROR``, this module's logger): a launcher that
+    stops every rank as soon as one exits (Lightning's ``popen`` launcher, torchrun's agent)
+    can kill this process during the teardown, before its traceback prints."""
     try:
         yield
     except RuntimeError as e:
-        raise RuntimeError(
+        message = (
             f"1-bit exchange failed in its {what} (rank {rank} of {world_size}): a "
             "peer rank died, stopped, or did not reach the same exchange within the process "
             "group's timeout (OneBitStrategy(timeout=...), init_process_group(timeout=...)). "
             f"Check the other ranks' logs for the first error. Cause: {e}"
-        ) from e
+        )
+        _log.error(message)
+        raise RuntimeError(message) from e
 
 
 def all_finite(scales: torch.Tensor) -> bool:

@@ -4,6 +4,7 @@ runs are bitwise reproducible on CPU."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -30,12 +31,16 @@ def _peer(rank: int, port: int, mode: str, q: mp.Queue) -> None:
             os._exit(1)  # no goodbye: the socket closes under rank 0
         time.sleep(60)  # stuck: never reaches the next collective
         return
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_onebit.comm.base").addHandler(handler)
     t0 = time.monotonic()
     try:
         exchange(torch.randn(10_000))
-        q.put(("returned", time.monotonic() - t0, ""))
+        q.put(("returned", time.monotonic() - t0, "", logged))
     except Exception as e:  # what the user sees
-        q.put(("raised", time.monotonic() - t0, f"{type(e).__name__}: {e}"))
+        q.put(("raised", time.monotonic() - t0, f"{type(e).__name__}: {e}", logged))
 
 
 @pytest.mark.slow
@@ -48,13 +53,15 @@ def test_dead_or_stuck_rank_ends_the_others_with_an_error(mode: str) -> None:
     for p in procs:
         p.start()
     try:
-        status, seconds, message = q.get(timeout=60)  # never hangs: the group timeout is 5 s
+        status, seconds, message, logged = q.get(timeout=60)  # the group timeout is 5 s
     finally:
         for p in procs:
             p.kill()
     print(f"\nrank 1 {mode}: rank 0 {status} after {seconds:.1f} s: {message[:200]}")
     assert status == "raised", "rank 0 returned from an exchange its peer never joined"
     assert "1-bit exchange failed" in message and "peer rank died, stopped" in message
+    # logged before it is raised: a launcher may kill the rank before its traceback prints
+    assert logged == [message.removeprefix("RuntimeError: ")]
     assert seconds < 30
 
 
