@@ -10,7 +10,10 @@ averages that must stay close to exact, such as the warmup's gradients.
    ``e_s = c - s' * q'``.
 4. ``all_gather`` of the encoded chunks; every rank decodes the same result.
 
-The input is zero-padded to ``n'``, the next multiple of ``W * block``. Each record on the wire
+Each tensor of the input (``segments``) starts a block of its own, and the whole is
+zero-padded to ``n'``, a multiple of ``W * block``: a block's scale is its largest value's, so a
+block that spanned a LayerNorm's gains and a weight matrix would round the small gains to zero.
+Each record on the wire
 is ``[float32 flag][n' / (W * block) float32 scales][codes]``, padded to 4 bytes: the flag is the
 largest of the worker's scales (NaN or Inf if any of its values is), which every rank receives
 from every rank, so a non-finite input stops every rank in the same call, before any error
@@ -22,6 +25,7 @@ fp32 buffer.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,13 +50,15 @@ class QuantizedAllreduce:
     ``n' / W`` share) and its communication buffers, made at the first call; nothing full-size
     is allocated per call. One instance serves one logical buffer (its error feedback assumes
     that successive calls carry successive values of the same quantity, e.g. one bucket of
-    gradients). A block's scale is its largest value's: a block that spans a small tensor and a
-    larger neighbour (a LayerNorm's gains next to a weight matrix) rounds the small one's values
-    to zero, so lay the buffer out with tensors of whole blocks, or blocks no larger than the
-    smallest tensor.
+    gradients). A block's scale is its largest value's: a block that spanned a small tensor and
+    a larger neighbour (a LayerNorm's gains next to a weight matrix) would round the small one's
+    values to zero, so give the tensors' sizes as ``segments``: each starts a block of its own.
 
     Args:
         numel: values per call (a positive int; padding is internal).
+        segments: the sizes of the tensors laid end to end in the input (positive ints that sum
+            to ``numel``); ``None``: one tensor. Each starts a new block in the exchange's own
+            layout (its last block zero-padded), so the encoding never mixes two tensors.
         device: where the buffers live (the codec's kernels run on the CPU; elsewhere their
             torch twins).
         group: the process group (``None``: the default group; without an initialised process
@@ -75,9 +81,16 @@ class QuantizedAllreduce:
         *,
         bits: int = 4,
         block: int = 256,
+        segments: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
+        sizes = [numel] if segments is None else [int(k) for k in segments]
+        if min(sizes, default=0) < 1 or sum(sizes) != numel:
+            raise ValueError(
+                f"segments must be positive sizes that sum to numel={numel}, got "
+                f"{len(sizes)} summing to {sum(sizes)} (smallest {min(sizes, default=None)})"
+            )
         self.device = torch.device(device)
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
@@ -85,7 +98,14 @@ class QuantizedAllreduce:
         self.rank = dist.get_rank(group) if distributed else 0
         w = self.world_size
         self.numel, self.bits, self.block = numel, bits, block
-        self.padded_numel = -(-numel // (w * block)) * w * block
+        kernels.check_codec(bits, block)
+        aligned = [-(-k // block) * block for k in sizes]
+        #: where each segment starts in the exchange's layout (``None``: one segment at 0)
+        self.starts: list[int] | None = None
+        if len(sizes) > 1:
+            self.starts = [sum(aligned[:i]) for i in range(len(aligned))]
+        self.sizes = sizes
+        self.padded_numel = -(-sum(aligned) // (w * block)) * w * block
         self.chunk_numel = self.padded_numel // w
         #: bytes of one record: the flag, then the chunk's row (kernels.row_bytes)
         self.record_bytes = 4 + kernels.row_bytes(self.chunk_numel, bits, block)
@@ -100,6 +120,7 @@ class QuantizedAllreduce:
             w, r, kw = self.world_size, self.record_bytes, {"device": self.device}
             shapes = {
                 "worker_error": (self.padded_numel, torch.float32),
+                "aligned": (self.padded_numel, torch.float32),  # segments: the input, laid out
                 "server_error": (self.chunk_numel, torch.float32),
                 "send": ((w, r), torch.uint8),
                 "recv": ((w, r), torch.uint8),
@@ -137,6 +158,10 @@ class QuantizedAllreduce:
         out = torch.empty_like(tensor) if out is None else out
         w, m, codec = self.world_size, self.chunk_numel, {"bits": self.bits, "block": self.block}
         werr, send = self._buffer("worker_error"), self._buffer("send")
+        if self.starts is not None:  # each segment at a block's start; the gaps stay zero
+            aligned = self._buffer("aligned")
+            torch._foreach_copy_(self._pieces(aligned), list(x.split(self.sizes)))
+            x = aligned
         # 1. encode y = x + e_w; the error is written only once every rank's input is finite
         kernels.quantize(x, werr, send[:, 4:], **codec, write_error=False)
         flag = send[:, 4 : 4 + 4 * (m // self.block)].view(torch.float32).amax()
@@ -172,11 +197,21 @@ class QuantizedAllreduce:
         self.total_bytes_sent += self.bytes_sent
         if self.numel == self.padded_numel:
             kernels.dequantize(gathered[:, 4:], out.view(-1), m=m, **codec)
-        else:  # decoded whole, the padding dropped
-            full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.device)
-            kernels.dequantize(gathered[:, 4:], full, m=m, **codec)
+            return out
+        # decoded in the exchange's layout, the padding dropped (the aligned input is not read
+        # again: the decoded values take its place)
+        full = self._buffer("aligned")
+        kernels.dequantize(gathered[:, 4:], full, m=m, **codec)
+        if self.starts is None:
             out.view(-1).copy_(full[: self.numel])
+        else:
+            torch._foreach_copy_(list(out.view(-1).split(self.sizes)), self._pieces(full))
         return out
+
+    def _pieces(self, aligned: torch.Tensor) -> list[torch.Tensor]:
+        """The segments' places in a buffer of the exchange's layout."""
+        assert self.starts is not None
+        return [aligned[a : a + k] for a, k in zip(self.starts, self.sizes, strict=True)]
 
     # ------------------------------------------------------------------ state
 

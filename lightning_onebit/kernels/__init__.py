@@ -42,7 +42,13 @@ from lightning_onebit.kernels.compression import (
 )
 from lightning_onebit.kernels.denominator import Denominator
 from lightning_onebit.kernels.native import HAS_CPP, HAS_CUDA, on_device, use_native
-from lightning_onebit.kernels.quantized import dequantize, quantize, quantized_reduce, row_bytes
+from lightning_onebit.kernels.quantized import (
+    check_codec,
+    dequantize,
+    quantize,
+    quantized_reduce,
+    row_bytes,
+)
 from lightning_onebit.kernels.reference import (
     finish_pending,
     reference_adam_update,
@@ -92,6 +98,7 @@ __all__ = [
     "SignRuns",
     "TensorSource",
     "adam_update",
+    "check_codec",
     "decode_runs",
     "decompress",
     "dequantize",

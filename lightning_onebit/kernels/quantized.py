@@ -27,7 +27,7 @@ from lightning_onebit.kernels.reference import (
     reference_quantized_reduce,
 )
 
-__all__ = ["dequantize", "quantize", "quantized_reduce", "row_bytes"]
+__all__ = ["check_codec", "dequantize", "quantize", "quantized_reduce", "row_bytes"]
 
 #: the largest block the kernels take
 MAX_BLOCK = 4096
@@ -37,13 +37,15 @@ def row_bytes(m: int, bits: int, block: int) -> int:
     """Bytes of one row of ``m`` values: ``m / block`` float32 scales and ``m * bits / 8`` bytes of
     codes, rounded up to a multiple of 4 (so that rows stacked in one tensor keep their scales
     aligned)."""
-    _check_codec(bits, block)
+    check_codec(bits, block)
     if m <= 0 or m % block:
         raise ValueError(f"a row holds a positive multiple of block={block} values, got {m}")
     return -(-(4 * (m // block) + m * bits // 8) // 4) * 4
 
 
-def _check_codec(bits: int, block: int) -> None:
+def check_codec(bits: int, block: int) -> None:
+    """Raise ``ValueError`` unless ``bits`` is 4 or 8 and ``block`` an even int the kernels
+    take (at most ``MAX_BLOCK``)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     if not isinstance(block, int) or block <= 0 or block % 2 or block > MAX_BLOCK:
@@ -93,7 +95,7 @@ def quantize(
     Raises:
         ValueError: another size, dtype or layout.
     """
-    _check_codec(bits, block)
+    check_codec(bits, block)
     error_out = (error if error_out is None else error_out) if write_error else None
     device, _ = native.check("quantize", x=x, error=error, error_out=error_out, rows=rows)
     w = rows.size(0)
@@ -151,7 +153,7 @@ def quantized_reduce(
         write_error: ``False``: the row only, the error not written (a call whose error update
             waits until it is known to go ahead; the same call with ``True`` writes the same row).
     """
-    _check_codec(bits, block)
+    check_codec(bits, block)
     error_out = (error if error_out is None else error_out) if write_error else None
     device, _ = native.check("quantized_reduce", rows=rows, error=error, error_out=error_out,
                              out_row=out_row)  # fmt: skip
@@ -173,7 +175,7 @@ def quantized_reduce(
 def dequantize(rows: torch.Tensor, out: torch.Tensor, *, m: int, bits: int, block: int) -> None:
     """Decode ``W`` rows of ``m`` values into ``out`` (``s * q``; its first ``out.numel() <= W *
     m`` values: the padding dropped)."""
-    _check_codec(bits, block)
+    check_codec(bits, block)
     device, _ = native.check("dequantize", rows=rows, out=out)
     _check_rows(rows, m, bits, block)
     if out.numel() > rows.size(0) * m:
