@@ -2,6 +2,7 @@
 
     python examples/compare.py            # 5 runs x 300 steps on 4 local CPU processes (minutes)
     python examples/compare.py --quick    # 5 runs x 60 steps on 2 processes (a smoke test)
+    python examples/compare.py --strategy-option average_dtype=int4   # an option of the 1-bit runs
 
 Each run is ``python examples/train.py fit --config examples/configs/<run>.yaml`` in a
 subprocess (Lightning starts the ranks; you see its progress bar), with the same steps, devices
@@ -172,6 +173,13 @@ def main() -> None:
         default=0.0,
         help="the model's weight decay (above 0: two param groups, matrices decayed; default 0)",
     )
+    parser.add_argument(
+        "--strategy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an OneBitStrategy option for the 1-bit runs (repeatable), e.g. average_dtype=int4",
+    )
     args = parser.parse_args()
     args.devices = args.devices or (2 if args.quick else 4)
     args.steps = args.steps or (60 if args.quick else 300)
@@ -191,6 +199,10 @@ def main() -> None:
                 flush=True,
             )
             continue
+        if needs:
+            for option in args.strategy_option:
+                key, _, value = option.partition("=")
+                extra = [*extra, f"--trainer.strategy.init_args.{key}", value]
         record = run_one(name, config, extra, args, args.out)
         if record is not None:
             results[name] = record
