@@ -134,10 +134,12 @@ _AVERAGE_HOOKS = {
 def onebit_comm_hook(
     state: HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Full-precision average on steps that need it, nothing on the others (local gradients)."""
-    if state.optimizer is None:
+    """Full-precision average on steps that need it (unless the optimizer averages them itself:
+    an integer-coded ``average_dtype``), nothing on the others (local gradients)."""
+    opt = state.optimizer
+    if opt is None:
         return default_hooks.allreduce_hook(state.process_group, bucket)
-    if state.optimizer.expects_averaged_grads:
+    if opt.expects_averaged_grads and not opt.average_warmup_grads:
         nodes = state.optimizer.node_groups()
         if nodes is not None:
             return state.average_in_two_levels(nodes, state.optimizer.average_dtype, bucket)

@@ -20,6 +20,7 @@ from lightning_onebit._integration import convert
 from lightning_onebit._integration.checks import check_same_model_on_every_rank
 from lightning_onebit._integration.lifecycle import warn_single_process
 from lightning_onebit._integration.options import ALGORITHMS, StrategyOptions
+from lightning_onebit.comm import CODED_BITS
 from lightning_onebit.optim import OneBitOptimizer
 
 __all__ = [
@@ -89,9 +90,10 @@ class OptimizerBuilder:
         cls = ALGORITHMS[algorithm]
         if isinstance(original, OneBitOptimizer):
             self._check_own(original, given)
-            original.average_warmup_grads = False
             if self.options.average_dtype is not None:
                 original.average_dtype = self.options.average_dtype
+            # DDP averages the warmup gradients (see the hook), unless in integer codes
+            original.average_warmup_grads = original.average_dtype in CODED_BITS
             new = original
         elif type(original) in (torch.optim.Adam, torch.optim.AdamW):
             if self.hparams:

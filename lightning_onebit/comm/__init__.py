@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from lightning_onebit.comm.base import (
     AVERAGE_DTYPES,
+    CODED_BITS,
     Exchange,
     Handle,
     NonFiniteError,
@@ -55,6 +56,7 @@ NonFiniteError.__module__ = __name__
 
 __all__ = [
     "AVERAGE_DTYPES",
+    "CODED_BITS",
     "BucketedAllreduce",
     "Compressed",
     "CompressedAllreduce",

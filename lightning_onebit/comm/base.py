@@ -19,6 +19,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "AVERAGE_DTYPES",
+    "CODED_BITS",
     "Exchange",
     "Handle",
     "NonFiniteError",
@@ -79,7 +80,9 @@ def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
     return 0 if world_size <= 1 else 2 * (world_size - 1) * numel * 4 // world_size
 
 
-#: The dtypes a full-precision gradient average may travel in, by the names a config may use.
+#: The dtypes a gradient average may travel in, by the names a config may use: floats, or
+#: integer codes with a scale per block and error feedback
+#: ([`QuantizedAllreduce`][lightning_onebit.comm.quantized.QuantizedAllreduce]).
 AVERAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -87,16 +90,22 @@ AVERAGE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    "int8": torch.int8,
+    "int4": torch.int4,
 }
+
+#: The integer-coded average dtypes' bits per value.
+CODED_BITS: dict[torch.dtype, int] = {torch.int8: 8, torch.int4: 4}
 
 
 def as_average_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.float32``/``bfloat16``/``float16`` from a dtype or its name (``"bf16"`` too)."""
+    """``torch.float32``/``bfloat16``/``float16``/``int8``/``int4`` from a dtype or its name
+    (``"bf16"`` too)."""
     got = AVERAGE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if got not in AVERAGE_DTYPES.values():
         raise ValueError(
-            f"average_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or one of "
-            f"{sorted(AVERAGE_DTYPES)}), got {dtype!r}"
+            "average_dtype must be torch.float32, torch.bfloat16, torch.float16, torch.int8 or "
+            f"torch.int4 (or one of {sorted(AVERAGE_DTYPES)}), got {dtype!r}"
         )
     return got
 
@@ -111,7 +120,17 @@ def start_average(
     bytes as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: cast, divide by ``W``, sum
     in that dtype, cast back (float16 flushes values below ~6e-8 * W to zero; bfloat16 keeps
     fp32's range with 8 bits of mantissa).
+
+    Raises:
+        ValueError: ``dtype`` is an integer code (``CODED_BITS``): that average keeps error
+            buffers from call to call, a
+            [`QuantizedAllreduce`][lightning_onebit.comm.quantized.QuantizedAllreduce]'s.
     """
+    if dtype in CODED_BITS:
+        raise ValueError(
+            f"an average in {dtype} keeps error buffers across calls: use "
+            "comm.QuantizedAllreduce for it"
+        )
     w = dist.get_world_size(group)
     if dtype == torch.float32:
         work = dist.all_reduce(flat, group=group, async_op=True)

@@ -238,23 +238,26 @@ class QuantizedAllreduce:
             "world_size": self.world_size,
             "bits": self.bits,
             "block": self.block,
+            "segments": list(self.sizes),
             "worker_error": self.worker_error.clone(),
             "server_error": self.server_error.clone(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what [`state_dict`][lightning_onebit.comm.quantized.QuantizedAllreduce.state_dict]
-        saved on the same rank, with the same size, world size and codec.
+        saved on the same rank, with the same size, segments, world size and codec.
 
         Raises:
             ValueError: saved with another geometry (call ``reset_error`` instead).
         """
-        mine = (self.numel, self.world_size, self.bits, self.block)
-        saved = tuple(state_dict.get(k) for k in ("numel", "world_size", "bits", "block"))
+        keys = ("numel", "world_size", "bits", "block", "segments")
+        mine = (self.numel, self.world_size, self.bits, self.block, list(self.sizes))
+        saved = tuple(state_dict.get(k) for k in keys)
         if saved != mine:
+            what = ", ".join(keys)
             raise ValueError(
-                f"error buffers saved for (numel, world_size, bits, block) = {saved} cannot be "
-                f"loaded into {mine}; use reset_error()"
+                f"error buffers saved for ({what}) = {_short(saved)} cannot be loaded into "
+                f"{_short(mine)}; use reset_error()"
             )
         self.worker_error.copy_(state_dict["worker_error"])
         self.server_error.copy_(state_dict["server_error"])
@@ -264,3 +267,9 @@ class QuantizedAllreduce:
             f"{type(self).__name__}(numel={self.numel}, world_size={self.world_size}, "
             f"bits={self.bits}, block={self.block}, bytes_per_call={self.bytes_per_call})"
         )
+
+
+def _short(geometry: tuple) -> str:
+    """A geometry for a message: the segments as their count and total."""
+    *head, segments = geometry
+    return f"({', '.join(map(str, head))}, {len(segments or [])} segments)"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_onebit.comm import (
+    CODED_BITS,
     NonFiniteError,
     average_bytes,
     fp32_allreduce_bytes,
@@ -19,6 +20,7 @@ from lightning_onebit.comm import (
     start_average,
 )
 from lightning_onebit.kernels import SignRuns, TensorSource, reads_sign_runs
+from lightning_onebit.optim._coded_average import CodedAverage, check_coded
 from lightning_onebit.optim._ops import SourceOf, all_finite_on_device, as_source
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ class Averages:
     rescale: VarianceRescale
     average_warmup_grads: bool
     average_dtype: torch.dtype
+    coded_average: CodedAverage
     caller_averaged: frozenset[int] | None
     step_count: int
     world_size: int
@@ -77,10 +80,14 @@ class Averages:
                 rank.
         """
         flat, w, nodes = self.flat, self.world_size, self.node_groups()
-        layout = flat.layout
+        layout, bits = flat.layout, CODED_BITS.get(self.average_dtype)
+        check_coded(self.average_dtype, self.average_warmup_grads, nodes is not None)
+        sent = None
         if w > 1 and self.average_warmup_grads:
             buf = flat.gather_grads(self.param_groups)
-            if self.overlap is not None:
+            if bits is not None:  # in codes with error feedback (NonFiniteError on every rank)
+                sent = self.coded_average.average_(buf, layout, self.process_group, bits)
+            elif self.overlap is not None:
                 self.overlap.all_reduce()  # per bucket, some started during backward
             elif nodes is not None:
                 hierarchical_average(buf, self.average_dtype, nodes)
@@ -94,10 +101,13 @@ class Averages:
             if w > 1:
                 self._average_uncovered_(grads)
             checked = grads
-        if nodes is not None:
+        if sent is not None:
+            ns = self.topology.node_size(w)
+            self.counters.add(sent, self.coded_average.inter_node_bytes(ns))
+        elif nodes is not None:
             intra, inter = average_bytes(layout.numel, self.average_dtype, nodes)
             self.counters.add(intra + inter, inter)
-        else:
+        elif bits is None:
             sent = fp32_allreduce_bytes(layout.numel, w) * self.average_dtype.itemsize // 4
             self.counters.add_ring(sent, w, self.topology.node_size(w))
         if self.verdict.uses_device(layout.device):  # averaged: the same verdict on every rank

@@ -9,8 +9,8 @@ and ``_exchange_source``, and may override the rest of its extension points (the
 define" below. Its steps' averages are methods of ``Averages`` (``_averages.py``). Composed parts:
 ``flat`` (``_flat.py``: layout, buffers, exchange), ``verdict`` (``_verdict.py``: NaN/Inf verdict,
 skips), ``topology`` (``_topology.py``), ``counters``, ``phases``, ``overlap``, ``rescale``,
-``checkpoint``, ``divergence`` (each in its own ``_*.py``); the base passes its extension points
-to them as arguments. ``docs/how-it-works.md`` maps the rest.
+``checkpoint``, ``divergence``, ``coded_average`` (each in its own ``_*.py``); the base passes
+its extension points to them as arguments. ``docs/how-it-works.md`` maps the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lightning_onebit.comm import NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._averages import Averages
 from lightning_onebit.optim._checkpoint import Checkpointed, CheckpointLayout
+from lightning_onebit.optim._coded_average import CodedAverage, check_coded
 from lightning_onebit.optim._connections import Connections
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._divergence import DivergenceWatch
@@ -73,8 +74,10 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
             without an initialised process group).
         average_warmup_grads: average here the gradients of the steps that need them averaged;
             ``False`` where DDP averaged them already.
-        average_dtype: those averages' dtype: ``torch.float32`` (default), ``torch.bfloat16`` or
-            ``torch.float16`` (``"bf16"``/``"fp16"``: half the bytes, a less precise variance).
+        average_dtype: those averages' dtype: ``torch.float32`` (default), ``torch.bfloat16``,
+            ``torch.float16`` (``"bf16"``/``"fp16"``: half the bytes, a less precise variance),
+            or integer codes with error feedback, ``torch.int8``/``torch.int4`` (``"int4"``:
+            7.8x fewer bytes than fp32; needs ``average_warmup_grads``, one level).
         bias_correction: torch Adam's bias correction on the full-precision steps, folded into
             ``m`` and ``v`` at the switch. ``False`` (default): DeepSpeed's.
         variance_floor: ``f``: where a variance preconditions 1-bit steps, raise it to at least
@@ -90,8 +93,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
             all-reduced every 10 steps). ``False`` (default): DeepSpeed's.
         hierarchical: ``True``/``"auto"``: the two-level exchange
         ([`node_groups`][lightning_onebit.optim.OneBitOptimizer.node_groups]). ranks_per_node: ranks
-        per node, numbered node by node (default ``LOCAL_WORLD_SIZE``);
-            the byte counters' ``_inter`` parts use it too.
+        per node, numbered node by node (default ``LOCAL_WORLD_SIZE``; the ``_inter`` counters').
         decoupled_weight_decay: ``True``: ``weight_decay`` is AdamW's ``p -= lr * wd * p``;
             ``False``: torch Adam's L2 term ``g += wd * p`` (also a param-group key).
         deepspeed_compatible: DeepSpeed's values for the options of ``DEEPSPEED_ARITHMETIC``
@@ -122,8 +124,8 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
     #: What a compression phase whose parameters blow up does (``divergence``): ``"warn"``
     #: (once, naming the parameter) or ``"raise"`` (``DivergenceError`` on every rank).
     on_divergence: str = "warn"  # one of DIVERGENCE_ACTIONS
-    #: Flat per-parameter states, per-parameter scalar states with their initial values, flat
-    #: scratch buffers (not checkpointed), optimizer-wide checkpointed attributes (subclasses).
+    #: Flat per-parameter states, per-parameter scalar states with initial values, flat scratch
+    #: (not checkpointed), checkpointed optimizer-wide attributes (subclasses).
     _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     #: Those of ``_flat_states`` that only the second phase uses: made at the switch (zeros
     #: until then), so that the first phase holds only what it uses.
@@ -170,6 +172,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         if not decoupled_weight_decay:  # a group key only where it is not the default
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
+        check_coded(average_dtype, average_warmup_grads, hierarchical is True)
         self._check_hparams(defaults)  # the same message as check_options: no prefix
         check_shared_options(shared)
         super().__init__(params, defaults)
@@ -178,6 +181,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         self.preconditioned_exchange = bool(shared["preconditioned_exchange"])
         self.rescale_variance = bool(shared["rescale_variance"])
         self.average_warmup_grads, self.average_dtype = bool(average_warmup_grads), average_dtype
+        self.coded_average = CodedAverage()  # average_dtype int4/int8: its error buffers
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
         #: ``id`` s of the parameters whose averaged gradients the caller provides (``None``: all)
@@ -390,6 +394,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         self.flat.add_states(self._switch_states, self.state)
         self._on_freeze()
         self.flat.release_scratch()  # the warmup's: the compression phase makes what it uses
+        self.coded_average.release()
         self.divergence.reset()
 
     def catch_up_switch(self) -> bool:

@@ -45,6 +45,7 @@ class CheckpointLayout:
             **{k: copy.deepcopy(getattr(opt, k)) for k in self.attrs},
             **opt.rescale.state_dict(),
             "exchange": opt.flat.exchange_state(),
+            "coded_average": opt.coded_average.state(),
         }
 
     def save(self, opt: OneBitOptimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +65,10 @@ class CheckpointLayout:
         """What of this rank's state differs from the other ranks' (see the optimizer's)."""
         if opt.params_differ_across_ranks:
             return opt.state_dict()
-        mine: dict[str, Any] = {"exchange": opt.flat.exchange_state()}
+        mine: dict[str, Any] = {
+            "exchange": opt.flat.exchange_state(),
+            "coded_average": opt.coded_average.state(),
+        }
         sums = [opt.state.get(p, {}).get("grad_sq_sum") for p in self._trainable(opt)]
         if opt.rescale_variance and all(x is not None for x in sums):
             # rescale_variance: this rank's sums of g**2 since the last all-reduce
@@ -77,6 +81,7 @@ class CheckpointLayout:
             opt.load_state_dict(state_dict)
             return
         opt.flat.load_exchange_state(state_dict["onebit"]["exchange"])
+        opt.coded_average.load(state_dict["onebit"].get("coded_average"))
         sums = state_dict["onebit"].get("grad_sq_sum")
         params = self._trainable(opt)
         if opt.rescale_variance and sums is not None and len(sums) == len(params):
@@ -168,6 +173,7 @@ class CheckpointLayout:
                 setattr(opt, k, copy.deepcopy(extra[k]))
         opt.rescale.load_state_dict(extra)
         opt.flat.load_exchange_state(extra.get("exchange"))
+        opt.coded_average.load(extra.get("coded_average"))
         opt.flat.invalidate()  # adopt the loaded tensors at the next step
         return foreign
 

@@ -20,7 +20,7 @@ the buckets that were not complete (a parameter without a gradient), and commits
 if any rank had a NaN/Inf anywhere, none.
 
 Steps that average full-precision gradients (warmup; 0/1 Adam's variance steps) are overlapped
-the same way, as DDP does: bucket ``b``'s gradients go into the flat gradient buffer and an async
+the same way, as DDP does (not an integer-coded ``average_dtype``: that one runs in ``step()``): bucket ``b``'s gradients go into the flat gradient buffer and an async
 ``all_reduce`` of that slice starts (fp32, or ``average_dtype``); ``step()`` starts the remaining buckets' and waits for
 all of them (``BackwardOverlap.all_reduce``). The same buckets are reduced, in the same
 order, whether backward started them or ``step()`` did, so the result does not depend on timing.
@@ -70,7 +70,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import NodeGroups, hierarchical_average, new_group, start_average
+from lightning_onebit.comm import (
+    CODED_BITS,
+    NodeGroups,
+    hierarchical_average,
+    new_group,
+    start_average,
+)
 from lightning_onebit.optim._flat import FlatState, Layout
 from lightning_onebit.optim._ops import SourceOf, as_source
 from lightning_onebit.optim._validation import check_real
@@ -311,8 +317,9 @@ class BackwardOverlap:
         opt = self.opt
         if opt.flat.layout is None:
             return None
-        if opt.expects_averaged_grads:
-            return "average" if opt.average_warmup_grads and opt.world_size > 1 else None
+        if opt.expects_averaged_grads:  # (an integer-coded average: whole, in step())
+            ours = opt.average_warmup_grads and opt.average_dtype not in CODED_BITS
+            return "average" if ours and opt.world_size > 1 else None
         return "exchange" if self.overlappable() else None
 
     def _start_bucket(self, b: int, s: slice, source: Any) -> Any:

@@ -1,0 +1,180 @@
+"""``average_dtype="int4"``/``"int8"``: the optimizers average the steps' gradients in integer
+codes with error feedback (``comm.QuantizedAllreduce``, each parameter starting a block of its
+own), on real gloo groups. Checked against the same exchange applied by hand to the local
+gradients and fed to an optimizer that averages nothing; bytes; exact resume (the error
+buffers travel in the checkpoint); released at the switch; a NaN drops the step on every rank;
+the settings that cannot work refused up front."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_onebit import kernels
+from lightning_onebit.comm import QuantizedAllreduce, start_average
+from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from tests.helpers.dist import run_distributed
+
+MAKERS: dict[str, Any] = {
+    "onebit_adam": lambda params, **kw: OneBitAdam(params, lr=1e-2, freeze_step=6, **kw),
+    "zero_one_adam": lambda params, **kw: ZeroOneAdam(params, lr=1e-2, var_freeze_step=6, **kw),
+    "onebit_lamb": lambda params, **kw: OneBitLamb(params, lr=1e-2, freeze_step=6, **kw),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same on every rank; a LayerNorm's small tensors between matrices
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 6)
+    )
+
+
+def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
+    gen = torch.Generator().manual_seed(100 * rank + t)  # different data per rank
+    x = torch.randn(16, 12, generator=gen)
+    model.zero_grad()
+    (model(x) - x[:, :6]).square().mean().backward()
+
+
+def _by_hand_worker(rank: int, world: int, algo: str, dtype: str) -> dict:
+    """The optimizer's own coded average next to the same exchange applied by hand."""
+    ours, ref = _model(), _model()
+    opt = MAKERS[algo](ours.parameters(), average_dtype=dtype)
+    twin = MAKERS[algo](ref.parameters(), average_warmup_grads=False)
+    sizes = [p.numel() for p in ref.parameters()]
+    bits = 4 if dtype == "int4" else 8
+    hand = QuantizedAllreduce(sum(sizes), bits=bits, block=256, segments=sizes)
+    sent = []
+    for t in range(5):  # the warmup (freeze at 6)
+        _backward(ours, rank, t)
+        opt.step()
+        sent.append(opt.comm_stats["bytes_last_step"])
+        _backward(ref, rank, t)
+        flat = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        hand(flat, out=flat)
+        for p, g in zip(ref.parameters(), flat.split(sizes), strict=True):
+            p.grad.copy_(g.view_as(p))
+        twin.step()
+    return {
+        "ours": [p.detach().clone() for p in ours.parameters()],
+        "ref": [p.detach().clone() for p in ref.parameters()],
+        "sent": sent,
+        "per_call": hand.bytes_per_call,
+    }
+
+
+@pytest.mark.parametrize(
+    ("algo", "dtype"),
+    [("onebit_adam", "int4"), ("zero_one_adam", "int8"), ("onebit_lamb", "int4")],
+)
+def test_the_warmup_averages_in_codes_with_error_feedback(algo: str, dtype: str) -> None:
+    results = run_distributed(_by_hand_worker, 2, algo, dtype)
+    for r in results:
+        for a, b, c in zip(r["ours"], r["ref"], results[0]["ours"], strict=True):
+            assert torch.equal(a, b)  # bitwise the exchange applied by hand
+            assert torch.equal(a, c)  # and the same on every rank
+        # the exchange's records, and the byte per tensor that says which have a gradient
+        assert r["sent"] == [r["per_call"] + 2 * (2 - 1) * 6 // 2] * 5
+        # each tensor in whole blocks of 256: 1792 values, padded to 2048, 1024 per rank
+        bits = 4 if dtype == "int4" else 8
+        assert r["per_call"] == 2 * (4 + kernels.row_bytes(1024, bits, 256))
+
+
+def _resume_worker(rank: int, world: int) -> dict:
+    def run(steps: range, model: torch.nn.Module, opt: OneBitAdam) -> None:
+        for t in steps:
+            _backward(model, rank, t)
+            opt.step()
+
+    whole = _model()
+    opt = OneBitAdam(whole.parameters(), lr=1e-2, freeze_step=8, average_dtype="int4")
+    run(range(6), whole, opt)
+    # a checkpoint after step 3: the shared state and this rank's own (its error buffers)
+    first = _model()
+    a = OneBitAdam(first.parameters(), lr=1e-2, freeze_step=8, average_dtype="int4")
+    run(range(3), first, a)
+    shared, mine = copy.deepcopy(a.state_dict()), copy.deepcopy(a.rank_state_dict())
+    errors_saved = mine["onebit"]["coded_average"] is not None
+    resumed = copy.deepcopy(first)
+    b = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=8, average_dtype="int4")
+    b.load_state_dict(shared)
+    b.load_rank_state_dict(mine)
+    run(range(3, 6), resumed, b)
+    # without this rank's errors (another rank's file, or none): not the same run
+    lost = copy.deepcopy(first)
+    c = OneBitAdam(lost.parameters(), lr=1e-2, freeze_step=8, average_dtype="int4")
+    c.load_state_dict({**shared, "onebit": {**shared["onebit"], "coded_average": None}})
+    run(range(3, 6), lost, c)
+    run(range(6, 10), whole, opt)  # past the switch: the coded average is let go
+    return {
+        "errors_saved": errors_saved,
+        "resumed": [p.detach().clone() for p in resumed.parameters()],
+        "lost": [p.detach().clone() for p in lost.parameters()],
+        "released": opt.coded_average.exchange is None and opt.coded_average.state() is None,
+    }
+
+
+def _resume_reference_worker(rank: int, world: int) -> list[torch.Tensor]:
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=8, average_dtype="int4")
+    for t in range(6):
+        _backward(model, rank, t)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_resumed_warmup_continues_exactly_and_the_switch_lets_the_average_go() -> None:
+    results = run_distributed(_resume_worker, 2)
+    whole = run_distributed(_resume_reference_worker, 2)
+    for r, w in zip(results, whole, strict=True):
+        assert r["errors_saved"] and r["released"]
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], w, strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(r["lost"], w, strict=True))
+
+
+def _nan_worker(rank: int, world: int) -> dict:
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=8, average_dtype="int4")
+    kept = []
+    for t in range(4):
+        _backward(model, rank, t)
+        if t == 2 and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        before = copy.deepcopy(opt.rank_state_dict()["onebit"]["coded_average"])
+        opt.step()
+        after = opt.rank_state_dict()["onebit"]["coded_average"]
+        kept.append(
+            before is not None and torch.equal(before["worker_error"], after["worker_error"])
+        )
+    return {
+        "skipped": opt.skipped_steps,
+        "step_count": opt.step_count,
+        "kept": kept,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_a_nan_on_one_rank_drops_the_step_on_every_rank_with_the_errors_unchanged() -> None:
+    results = run_distributed(_nan_worker, 2)
+    for r in results:
+        assert r["skipped"] == 1 and r["step_count"] == 3
+        assert r["kept"] == [False, False, True, False]  # (step 0: no errors before it)
+        assert all(
+            torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"], strict=True)
+        )
+
+
+def test_settings_that_cannot_average_in_codes_are_refused() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="average_warmup_grads=True"):
+        OneBitAdam(params, average_dtype="int4", average_warmup_grads=False)
+    with pytest.raises(ValueError, match=r"hierarchical=False"):
+        OneBitAdam(params, average_dtype="int8", hierarchical=True)
+    assert OneBitAdam(params, average_dtype=torch.int4).average_dtype == torch.int4
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="QuantizedAllreduce"):
+            start_average(torch.zeros(4), torch.int4)
