@@ -1,7 +1,7 @@
 """What the 1-bit optimizers hold in memory: bytes per parameter value, next to torch's Adam.
 
     python benchmarks/memory.py [--params 4000000] [--worlds 1,2,4] [--device cpu|cuda]
-        [--json FILE]
+        [--average-dtype float32|bf16|int4|int8] [--json FILE]
 
 Every rank builds the same MLP (about ``--params`` values in 8 layers) and trains it with each
 optimizer, directly, on real gloo ranks: two steps in the warmup, the switch, then three
@@ -30,6 +30,10 @@ On the CPU the script runs with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` (it res
 with it): every allocation of 64 KiB or more is then its own mapping, returned at its free, so a
 step's transient buffers raise the high water mark instead of reusing pages an earlier free left
 in the heap.
+
+``--average-dtype`` is the 1-bit optimizers' ``average_dtype`` (default float32); an integer
+one (``int4``/``int8``) is averaged by the optimizer itself, as under the strategies, so its
+runs are the ``average_warmup_grads=True`` ones only.
 
 ``--device cuda`` runs one process on the current GPU (``W = 1``: no process group; the exchange
 still compresses), so that a lent GPU measures the same counts, and its peaks, in one command:
@@ -112,18 +116,22 @@ def _peak_of(step: Any, device: torch.device) -> int:
     return _resident()[1] - before
 
 
-def _run(rank: int, world: int, n: int, device: str = "cpu") -> list[dict[str, Any]]:
+def _run(
+    rank: int, world: int, n: int, device: str = "cpu", dtype: str = "float32"
+) -> list[dict[str, Any]]:
     dev = torch.device(device)
     rows = []
     for name, make in OPTIMIZERS.items():
         if name == "torch_adam":
             runs = [("ddp", False)]
         else:
-            runs = [(by, overlap) for by in AVERAGED_BY for overlap in (False, True)]
+            by_whom = ["optimizer"] if dtype in ("int4", "int8") else list(AVERAGED_BY)
+            runs = [(by, overlap) for by in by_whom for overlap in (False, True)]
         for averaged_by, overlap in runs:
             model = _model(n).to(dev)
             params = list(model.parameters())
-            opt = make(params, average_warmup_grads=averaged_by == "optimizer")
+            kw = {} if name == "torch_adam" else {"average_dtype": dtype}
+            opt = make(params, average_warmup_grads=averaged_by == "optimizer", **kw)
             if overlap:
                 opt.overlap_with_backward(25.0)
             gen = torch.Generator().manual_seed(rank)
@@ -173,17 +181,21 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=4_000_000)
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--average-dtype", default="float32", choices=["float32", "bf16", "int4", "int8"]
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     if args.device == "cuda":  # one process on the current GPU
-        rows = _run(0, 1, args.params, "cuda")
+        rows = _run(0, 1, args.params, "cuda", args.average_dtype)
     else:
         for world in (int(w) for w in args.worlds.split(",")):
-            rows += run_distributed(_run, world, args.params)[0]
+            rows += run_distributed(_run, world, args.params, "cpu", args.average_dtype)[0]
     n = rows[0]["params"]
     print(
-        f"# optimizer memory · {n:,} parameter values · {args.device} · torch {torch.__version__}\n"
+        f"# optimizer memory · {n:,} parameter values · {args.device} · "
+        f"average_dtype {args.average_dtype} · torch {torch.__version__}\n"
     )
     print(
         "| W | optimizer | warmup grads averaged by | exchange | warmup | compression "

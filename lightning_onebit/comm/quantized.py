@@ -156,12 +156,39 @@ class QuantizedAllreduce:
                 f"{x.numel()} {tensor.dtype} (contiguous: {x.is_contiguous()})"
             )
         out = torch.empty_like(tensor) if out is None else out
+        if self.starts is None and self.numel == self.padded_numel:  # its own layout already
+            self._average(x, out.view(-1))
+            return out
+        views = self.segment_views()
+        torch._foreach_copy_(views, list(x.split(self.sizes)))
+        self.average_in_place()
+        torch._foreach_copy_(list(out.view(-1).split(self.sizes)), views)
+        return out
+
+    def segment_views(self) -> list[torch.Tensor]:
+        """Each segment's place in the exchange's own layout: 1-D views of a buffer it keeps
+        (zeros between them). Write the inputs there, call
+        [`average_in_place`][lightning_onebit.comm.quantized.QuantizedAllreduce.average_in_place],
+        read the averages there: no copy in or out (e.g. gradients gathered straight in)."""
+        aligned = self._buffer("aligned")
+        starts = self.starts or [0]
+        return [aligned[a : a + k] for a, k in zip(starts, self.sizes, strict=True)]
+
+    def average_in_place(self) -> None:
+        """Replace the values in [`segment_views`][lightning_onebit.comm.quantized.QuantizedAllreduce.segment_views]
+        by their average over the group (as a call does).
+
+        Raises:
+            NonFiniteError: as a call does; the views keep their inputs.
+        """
+        aligned = self._buffer("aligned")
+        self._average(aligned, aligned)
+
+    def _average(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The two stages from ``x`` (the exchange's layout, or its first ``numel`` values)
+        into ``out`` (``padded_numel`` values; may be ``x``)."""
         w, m, codec = self.world_size, self.chunk_numel, {"bits": self.bits, "block": self.block}
         werr, send = self._buffer("worker_error"), self._buffer("send")
-        if self.starts is not None:  # each segment at a block's start; the gaps stay zero
-            aligned = self._buffer("aligned")
-            torch._foreach_copy_(self._pieces(aligned), list(x.split(self.sizes)))
-            x = aligned
         # 1. encode y = x + e_w; the error is written only once every rank's input is finite
         kernels.quantize(x, werr, send[:, 4:], **codec, write_error=False)
         flag = send[:, 4 : 4 + 4 * (m // self.block)].view(torch.float32).amax()
@@ -195,23 +222,7 @@ class QuantizedAllreduce:
                 all_gather_single(gathered.view(-1), rec, group=self.group)
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
-        if self.numel == self.padded_numel:
-            kernels.dequantize(gathered[:, 4:], out.view(-1), m=m, **codec)
-            return out
-        # decoded in the exchange's layout, the padding dropped (the aligned input is not read
-        # again: the decoded values take its place)
-        full = self._buffer("aligned")
-        kernels.dequantize(gathered[:, 4:], full, m=m, **codec)
-        if self.starts is None:
-            out.view(-1).copy_(full[: self.numel])
-        else:
-            torch._foreach_copy_(list(out.view(-1).split(self.sizes)), self._pieces(full))
-        return out
-
-    def _pieces(self, aligned: torch.Tensor) -> list[torch.Tensor]:
-        """The segments' places in a buffer of the exchange's layout."""
-        assert self.starts is not None
-        return [aligned[a : a + k] for a, k in zip(self.starts, self.sizes, strict=True)]
+        kernels.dequantize(gathered[:, 4:], out, m=m, **codec)  # (x is not read again)
 
     # ------------------------------------------------------------------ state
 

@@ -83,18 +83,23 @@ class Averages:
         layout, bits = flat.layout, CODED_BITS.get(self.average_dtype)
         check_coded(self.average_dtype, self.average_warmup_grads, nodes is not None)
         sent = None
-        if w > 1 and self.average_warmup_grads:
+        if w > 1 and bits is not None:  # in codes with error feedback, in the exchange's layout
+            grads: list[torch.Tensor | None] = list(
+                self.coded_average.inputs(layout, self.process_group, bits)
+            )
+            flat.gather_grads(self.param_groups, into=grads)
+            sent = self.coded_average.average_()  # (NonFiniteError on every rank)
+            checked: list[torch.Tensor | None] = grads
+        elif w > 1 and self.average_warmup_grads:
             buf = flat.gather_grads(self.param_groups)
-            if bits is not None:  # in codes with error feedback (NonFiniteError on every rank)
-                sent = self.coded_average.average_(buf, layout, self.process_group, bits)
-            elif self.overlap is not None:
+            if self.overlap is not None:
                 self.overlap.all_reduce()  # per bucket, some started during backward
             elif nodes is not None:
                 hierarchical_average(buf, self.average_dtype, nodes)
             else:
                 start_average(buf, self.average_dtype, self.process_group)()
-            grads: list[torch.Tensor | None] = list(flat.views["grad"])
-            checked: list[torch.Tensor | None] = [buf]  # (one sweep of the whole buffer)
+            grads = list(flat.views["grad"])
+            checked = [buf]  # (one sweep of the whole buffer)
         else:
             idx = list(range(len(layout.params)))
             grads = flat.grads(self.param_groups, idx, on_gpu=not self.rescale.enabled)

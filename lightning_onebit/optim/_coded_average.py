@@ -44,14 +44,12 @@ class CodedAverage:
         #: a loaded state the next exchange takes (``"reset"``: zeros)
         self.pending: dict[str, Any] | str | None = None
 
-    def average_(self, flat: torch.Tensor, layout: Layout, group: Any, bits: int) -> int:
-        """Replace the flat gradient buffer ``flat`` by its average over ``group``'s ranks in
-        ``bits``-bit codes; return the bytes this rank sent.
-
-        Raises:
-            NonFiniteError: on every rank, when any rank's gradients have a NaN/Inf; the error
-                buffers are as they were.
-        """
+    def inputs(self, layout: Layout, group: Any, bits: int) -> list[torch.Tensor]:
+        """Where the next average reads each parameter's gradient (shaped like it) and leaves
+        its average: the exchange's own layout
+        ([`segment_views`][lightning_onebit.comm.quantized.QuantizedAllreduce.segment_views]), so
+        no flat copy of the gradients is made. The exchange is (re)made here for ``layout``, over
+        ``group``, in ``bits``-bit codes, a loaded state applied."""
         ex, sizes = self.exchange, [p.numel() for p in layout.params]
         if ex is None or ex.sizes != sizes or ex.bits != bits or ex.device != layout.device:
             if ex is not None and ex.calls > 0 and self.pending is None:
@@ -74,8 +72,20 @@ class CodedAverage:
                 ex.reset_error()
         elif pending == "reset":
             ex.reset_error()
-        ex(flat, out=flat)
-        return ex.bytes_sent
+        views = ex.segment_views()
+        return [v.view_as(p) for v, p in zip(views, layout.params, strict=True)]
+
+    def average_(self) -> int:
+        """Replace the values at ``inputs`` by their average over the group's ranks; return the
+        bytes this rank sent.
+
+        Raises:
+            NonFiniteError: on every rank, when any rank's gradients have a NaN/Inf; the error
+                buffers are as they were.
+        """
+        assert self.exchange is not None, "inputs() first"
+        self.exchange.average_in_place()
+        return self.exchange.bytes_sent
 
     def inter_node_bytes(self, node_size: int) -> int:
         """Of the last call's bytes, those that left the node (``node_size`` ranks per node):

@@ -408,19 +408,23 @@ class FlatState:
         return [j for j, o in enumerate(self.layout.offsets) if s.start <= o < s.stop]
 
     def gather_grads(
-        self, param_groups: list[Group], only: list[int] | None = None
-    ) -> torch.Tensor:
-        """Copy the gradients into ``grad`` (zeros where ``.grad`` is None): those of the
-        parameters ``only`` (layout indices; default all) not copied yet this step
-        (``gathered``, to which they are added). One multi-tensor copy (a launch per
-        parameter would cost more than the copy on a GPU), then each group's ``maximize`` and
-        torch Adam's L2 term where set (``decoupled_weight_decay=False``). Raises
+        self,
+        param_groups: list[Group],
+        only: list[int] | None = None,
+        into: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """Copy the gradients into ``grad`` (zeros where ``.grad`` is None) and return it: those
+        of the parameters ``only`` (layout indices; default all) not copied yet this step
+        (``gathered``, to which they are added). One multi-tensor copy (a launch per parameter
+        would cost more than the copy on a GPU), then each group's ``maximize`` and torch Adam's
+        L2 term where set (``decoupled_weight_decay=False``). ``into``: tensors shaped like the
+        parameters to copy all into instead (``grad`` not made; returns ``None``). Raises
         ``RuntimeError`` on a sparse gradient."""
-        params, views = self.layout.params, self.views["grad"]
+        params, views = self.layout.params, self.views["grad"] if into is None else into
         of = self.layout.group_of
         dst, src, zero, adjust = [], [], [], []
         for j in range(len(params)) if only is None else only:
-            if j in self.gathered:
+            if into is None and j in self.gathered:
                 continue
             g = params[j].grad
             if g is None:
@@ -446,8 +450,9 @@ class FlatState:
                 view.neg_()
             if not group.get("decoupled_weight_decay", True) and group["weight_decay"] > 0:
                 view.add_(params[j], alpha=group["weight_decay"])  # torch Adam's L2 term
-        self.gathered.update(range(len(params)) if only is None else only)
-        return self.grad
+        if into is None:
+            self.gathered.update(range(len(params)) if only is None else only)
+        return self.grad if into is None else None
 
     def grads(
         self, param_groups: list[Group], only: list[int], on_gpu: bool = False
