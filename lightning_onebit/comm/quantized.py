@@ -64,7 +64,9 @@ class QuantizedAllreduce:
         group: the process group (``None``: the default group; without an initialised process
             group the exchange runs as ``W = 1``: the encoding alone).
         bits: 4 or 8.
-        block: values per scale (even, at most 4096).
+        block: values per scale (even, at most 4096). The default, 256, is small enough that a
+            block rarely holds values of very different sizes, large enough that the scales
+            cost 1/64 of the codes at 4 bits.
 
     Example::
 

@@ -16,11 +16,7 @@ from lightning_onebit.comm import CODED_BITS, QuantizedAllreduce
 if TYPE_CHECKING:
     from lightning_onebit.optim._flat import Layout
 
-__all__ = ["CODED_BLOCK", "CodedAverage", "check_coded"]
-
-#: values per scale: small enough that a block rarely holds values of very different sizes
-#: (each tensor starts its own), large enough that the scales cost 1/64 of the codes at 4 bits
-CODED_BLOCK = 256
+__all__ = ["CodedAverage", "check_coded"]
 
 
 def check_coded(dtype: torch.dtype, average_warmup_grads: bool, two_levels: bool) -> None:
@@ -59,9 +55,7 @@ class CodedAverage:
                     RuntimeWarning,
                     stacklevel=5,
                 )
-            ex = QuantizedAllreduce(
-                layout.numel, layout.device, group, bits=bits, block=CODED_BLOCK, segments=sizes
-            )
+            ex = QuantizedAllreduce(layout.numel, layout.device, group, bits=bits, segments=sizes)
             self.exchange = ex
         pending, self.pending = self.pending, None
         if isinstance(pending, dict):

@@ -22,6 +22,12 @@ PLANS = {
         "onebit",
         ("adam_warmup", "frozen_adam"),
     ),
+    "onebit_int4": (
+        "1-bit flat, int4 warmup",
+        "int4",
+        "onebit",
+        ("adam_warmup", "frozen_adam"),
+    ),
     "onebit_hier": (
         "1-bit two-level",
         "fp32_hier",

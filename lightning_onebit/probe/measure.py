@@ -15,6 +15,7 @@ from lightning_onebit.comm import (
     CompressedAllreduce,
     HierarchicalAllreduce,
     NodeGroups,
+    QuantizedAllreduce,
     fp32_allreduce_bytes,
     hierarchical_average,
     start_average,
@@ -31,7 +32,10 @@ from lightning_onebit.probe.timing import (
 )
 from lightning_onebit.probe.workload import Compute, build_model, overlapped
 
-__all__ = ["Measured", "probe"]
+__all__ = ["IN_STEP", "Measured", "probe"]
+
+#: methods that run in ``optimizer.step()``, after backward (not overlapped with it)
+IN_STEP = ("int4",)
 
 
 @dataclass
@@ -71,6 +75,12 @@ def _comm_methods(
 
     methods["fp32"], methods["bf16"] = fp32, bf16
     exchanges: dict[tuple[str, int, int], Any] = {}
+    coded = QuantizedAllreduce(numel, device, bits=4)
+
+    def int4(sl: slice) -> None:  # the whole buffer in step(), as the optimizers average it
+        coded(flat)
+
+    methods["int4"] = int4
 
     def exchange(kind: str) -> Callable[[slice], None]:
         def run(sl: slice) -> None:
@@ -216,27 +226,36 @@ def probe(
     alone = overlapped(compute, lambda sl: None, sizes)
     _, exposed_s = paired(
         alone,
-        {name: overlapped(compute, fn, sizes) for name, fn in methods.items()},
+        {
+            name: overlapped(compute, fn, sizes)
+            for name, fn in methods.items()
+            if name not in IN_STEP
+        },
         device,
         repeats,
     )
+    exposed_s.update({name: comm_s[name] for name in IN_STEP})  # after backward: all exposed
     compute_s = slowest_of_free_running(alone, device, 2 * repeats)
     if model is None and step_ms:  # the stand-in is backward only; contention on shared cores
         compute_s = step_ms / 1000 + max(0.0, compute_s - step_ms / 1000 * 2 / 3)
     update_s, kernels_s = _updates(numel, device, repeats)
 
     flat_x = CompressedAllreduce(numel, device=device)
+    coded_b = QuantizedAllreduce(numel, device, bits=4).bytes_per_call
     bytes_step = {
         "fp32": fp32_allreduce_bytes(numel, w),
         "bf16": fp32_allreduce_bytes(numel, w) // 2,
         "onebit": flat_x.bytes_per_call,
+        "int4": coded_b,
     }
-    # per node: a ring in rank order crosses each node's link with one rank's traffic
+    # per node: a ring in rank order crosses each node's link with one rank's traffic; the
+    # coded average's records to the ranks of other nodes leave it
     ring_node = fp32_allreduce_bytes(numel, w) if nodes_n > 1 else 0
     bytes_node = {
         "fp32": ring_node,
         "bf16": ring_node // 2,
         "onebit": ll * flat_x.inter_node_bytes_per_call(ll) if nodes_n > 1 else 0,
+        "int4": ll * coded_b * (w - ll) // (w - 1) if nodes_n > 1 else 0,
     }
     if nodes is not None:
         hx = HierarchicalAllreduce(numel, nodes, device=device)

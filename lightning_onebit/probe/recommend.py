@@ -46,7 +46,7 @@ def recommend(m: Measured, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     options = {
         "algorithm": "onebit_adam",
         "hierarchical": best.startswith("onebit_hier"),
-        "average_dtype": "bf16" if best.endswith("_bf16") else "float32",
+        "average_dtype": best.rsplit("_", 1)[1] if best.endswith(("_bf16", "_int4")) else "float32",
         "overlap_bucket_mb": bucket if gain < 0 else m.bucket_mb,
     }
     rec.update(

@@ -191,6 +191,7 @@ def _measured(comm_s: float, exposed: dict[str, float], nodes: int = 1) -> Measu
     names = ("fp32", "bf16", "onebit") + (
         ("onebit_hier", "fp32_hier", "bf16_hier") if nodes > 1 else ()
     )
+    names += tuple(k for k in exposed if k not in names)  # e.g. "int4", where measured
     return Measured(
         world_size=4, ranks_per_node=4 // nodes, backend="gloo", device="cpu", numel=n,
         compute_s=0.5, compute_source="test",
@@ -222,3 +223,10 @@ def test_the_recommendation_follows_the_exposed_communication() -> None:
     hier = {**slow, "onebit_hier": 0.02, "fp32_hier": 0.9, "bf16_hier": 0.45}
     rec = predict(_measured(1.2, hier, nodes=2), 1000, 0.2)["recommendation"]
     assert rec["options"]["hierarchical"] is True and rec["method"] == "onebit_hier_bf16"
+    # the warmup in int4 codes (in step(): all of it exposed) cheaper than bf16: int4
+    coded = {**slow, "int4": 0.16}
+    pred = predict(_measured(1.2, coded), 1000, 0.2)
+    rec = pred["recommendation"]
+    assert rec["method"] == "onebit_int4" and rec["options"]["average_dtype"] == "int4"
+    assert pred["methods"]["onebit_int4"]["warmup"]["step_s"] == pytest.approx(0.5 + 0.16 + 0.01)
+    assert pred["methods"]["onebit_bf16"]["run_s"] > rec["run_s"]
