@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._integration.front_end import FrontEnd
+from lightning_onebit.comm import fp32_allreduce_bytes
 from lightning_onebit.optim import OneBitOptimizer, ZeroOneAdam
 
 __all__ = ["LOCAL_STEP_FRACTION", "PhaseSwitch", "StepTimes"]
@@ -58,16 +59,21 @@ class StepTimes:
         self.steps = {p: deque(maxlen=self.window) for p in range(2)}
         self.after_backward = {p: deque(maxlen=self.window) for p in range(2)}
         self.count = [0, 0]  # steps per phase, all of them
+        self.sent = [0, 0]  # bytes this rank sent per phase (this fit)
+        self.fp32_equiv = [0, 0]  # ... and what fp32 DDP's allreduce would have sent
 
     def backward_done(self) -> None:
         """Call when backward has finished (before the optimizer step)."""
         self._backward_end = time.perf_counter()
 
-    def step_done(self, phase: int) -> None:
-        """Call after each optimizer step; ``phase``: 0 warmup, 1 compression."""
+    def step_done(self, phase: int, sent: int = 0, fp32_equiv: int = 0) -> None:
+        """Call after each optimizer step; ``phase``: 0 warmup, 1 compression; ``sent``: the
+        bytes this rank sent in it, ``fp32_equiv``: those fp32 DDP's allreduce would have."""
         now = time.perf_counter()
         last, self._last = self._last, (now, phase)
         self.count[phase] += 1
+        self.sent[phase] += sent
+        self.fp32_equiv[phase] += fp32_equiv
         tb, self._backward_end = self._backward_end, None
         if last is None or last[1] != phase:
             return
@@ -123,7 +129,13 @@ class StepTimes:
                 ab = self.median_after_backward(p)
                 wait = f", {1e3 * ab:.0f} ms after backward" if ab is not None else ""
                 n = self.count[p]
-                parts.append(f"{name} {ms}/step over {n} step{'s' * (n != 1)}{wait}")
+                sent, fp32 = self.sent[p], self.fp32_equiv[p]
+                nbytes = (
+                    f", {_gb(sent)} ({fp32 / sent:.1f}x less than DDP)"
+                    if sent and world_size > 1
+                    else ""
+                )
+                parts.append(f"{name} {ms}/step over {n} step{'s' * (n != 1)}{wait}{nbytes}")
         sp, w, c = self.speedup(), self.median(0), self.median(1)
         if sp is not None and world_size == 1:
             parts.append(f"step speedup vs warmup {sp:.2f}x")
@@ -370,7 +382,8 @@ class PhaseSwitch:
         if opt.phase != opt.PHASES[0] and self.switched_at is None:
             self.switched_at = opt.step_count  # the last uncompressed step
             rank_zero_info(_switch_message(opt))
-        self.times.step_done(self._phase(opt))
+        fp32 = fp32_allreduce_bytes(opt.flat.layout.numel, opt.world_size)
+        self.times.step_done(self._phase(opt), opt.comm_stats["bytes_last_step"], fp32)
         return True
 
     def _phase(self, opt: OneBitOptimizer) -> int:

@@ -257,6 +257,12 @@ def test_a_fabric_loop_equals_the_trainer_run(tmp_path: Path, algo: str) -> None
         f"warmup {last['onebit/step_ms_warmup']:.0f} ms/step over {switch} steps" in rec["summary"]
     )
     assert f"over {steps - switch} steps" in rec["summary"] and "vs DDP" in rec["summary"]
+    # and the bytes of each phase, against fp32 DDP's for the same steps
+    fp32_step = rec["comm_stats"]["fp32_equiv_total"] / steps
+    warm = sum(s["onebit/bytes_step"] for s in rec["stats"][:switch])
+    comp = last["onebit/bytes_total"] - warm
+    for sent, n in ((warm, switch), (comp, steps - switch)):
+        assert f"({fp32_step * n / sent:.1f}x less than DDP)" in rec["summary"], rec["summary"]
 
 
 @pytest.mark.slow
