@@ -265,6 +265,23 @@ def test_a_fabric_loop_equals_the_trainer_run(tmp_path: Path, algo: str) -> None
         assert f"({fp32_step * n / sent:.1f}x less than DDP)" in rec["summary"], rec["summary"]
 
 
+def test_an_int4_warmup_in_a_fabric_loop_equals_the_trainer_run(tmp_path: Path) -> None:
+    """``average_dtype="int4"``: the optimizer averages the warmup itself under Fabric too
+    (DDP's hook sends nothing), with the Trainer's numbers and bytes."""
+    steps, switch = 16, 8
+    kw = {"freeze_step": switch, "average_dtype": "int4", "start_method": "fork"}
+    lr = LR["onebit_adam"]
+    trainer = _fit(tmp_path / "trainer", OneBitStrategy(**kw), steps=steps, model=CharModel(lr=lr))
+    fabric = _fabric(
+        tmp_path / "fabric", OneBitFabricStrategy(max_steps=steps, **kw), lr=lr, steps=steps
+    )
+    _same_on_both_ranks(fabric)
+    _assert_params_close(fabric[0]["params"], trainer[0]["params"])
+    assert fabric[0]["comm_stats"] == trainer[0]["comm_stats"]
+    warm = [s["onebit/bytes_step"] for s in fabric[0]["stats"][:switch]]
+    assert warm == [trainer[0]["history"][0]["bytes"]] * switch
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_equals_the_trainers(tmp_path: Path) -> None:
     """``fabric.no_backward_sync`` (DDP's no_sync, the overlap paused) == accumulate_grad_batches."""
