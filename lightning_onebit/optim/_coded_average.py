@@ -1,8 +1,8 @@
 """The gradient average in integer codes (``average_dtype=torch.int4``/``torch.int8``): a
 [`QuantizedAllreduce`][lightning_onebit.comm.quantized.QuantizedAllreduce] over the optimizer's
-flat gradient buffer, each parameter starting a block of its own, whose error buffers carry
-each step's rounding into the next (error feedback) and go into the checkpoint, so a resumed
-run continues exactly."""
+gradients, gathered straight into its own layout (each parameter starting a block of its own),
+whose error buffers carry each step's rounding into the next (error feedback) and go into the
+checkpoint, so a resumed run continues exactly."""
 
 from __future__ import annotations
 
