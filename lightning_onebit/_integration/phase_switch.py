@@ -382,7 +382,8 @@ class PhaseSwitch:
         if opt.phase != opt.PHASES[0] and self.switched_at is None:
             self.switched_at = opt.step_count  # the last uncompressed step
             rank_zero_info(_switch_message(opt))
-        fp32 = fp32_allreduce_bytes(opt.flat.layout.numel, opt.world_size)
+        layout = opt.flat.layout  # (None before the first step: nothing sent yet)
+        fp32 = fp32_allreduce_bytes(layout.numel, opt.world_size) if layout is not None else 0
         self.times.step_done(self._phase(opt), opt.comm_stats["bytes_last_step"], fp32)
         return True
 
