@@ -8,9 +8,9 @@
 
 Every model of ``tests/helpers/user_models.py`` (plain LightningModules whose ``configure_optimizers``
 returns ``torch.optim.Adam``/``AdamW``: a conv net with BatchNorm, an MLP with dead ReLUs,
-``nn.MultiheadAttention``, a regression MLP, tied embeddings, and Hugging Face GPT-2, BERT,
-ResNet and ViT) is trained on 2 fork-started CPU ranks (gloo), from the same seed on the same
-batches, under
+``nn.MultiheadAttention``, a regression MLP, tied embeddings, and Hugging Face GPT-2, BERT (a
+classifier, and a masked LM under ``bf16-mixed``), ResNet and ViT) is trained on 2 fork-started
+CPU ranks (gloo), from the same seed on the same batches, at the model's precision, under
 
 * ``"ddp_notebook"``: the reference;
 * ``OneBitStrategy(algorithm=a, start_method="fork")`` for each ``--algos`` entry (compression

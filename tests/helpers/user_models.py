@@ -194,6 +194,8 @@ class UserModel(L.LightningModule):
 
     default_steps = 200
     batch_size = 32
+    #: ``Trainer(precision=...)`` the model is trained with (``None``: the Trainer's default)
+    precision: str | None = None
     optimizer: type[torch.optim.Optimizer] = torch.optim.Adam
     optimizer_kw: dict[str, Any] = {}  # noqa: RUF012 (read only)
 
@@ -441,6 +443,58 @@ class Bert(UserModel):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class BertMLM(UserModel):
+    """``transformers.BertForMaskedLM`` (2 layers, 128 wide, 2 heads) on 64-byte windows of the
+    standard-library text with 15% of the positions replaced by ``[MASK]`` (fixed per window:
+    every strategy sees the same masks), predicting the masked bytes; AdamW at torch's defaults,
+    300 steps under ``bf16-mixed`` (the setting of 1-bit LAMB's paper: BERT pretraining)."""
+
+    default_steps = 300
+    precision = "bf16-mixed"
+    optimizer = torch.optim.AdamW
+    vocab = 64  # 63 byte ids (the 62 most frequent bytes + one for the rest) + [MASK]
+    length = 64
+    mask_rate = 0.15
+    eval_windows = 256
+
+    def __init__(self, seed: int = 0, lr: float = 1e-3) -> None:
+        super().__init__(seed, lr)
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=self.vocab,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=self.length,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=self.vocab - 2,
+        )
+        self.model = BertForMaskedLM(config)
+
+    def _masked(self, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids with ``[MASK]`` at ``mask_rate`` of the positions, labels: the original id
+        there, -100 elsewhere); the positions drawn from ``seed``, at least one per window."""
+        rand = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed))
+        mask = rand < self.mask_rate
+        mask[torch.arange(len(ids)), rand.argmin(1)] = True
+        return ids.masked_fill(mask, self.vocab - 1), ids.masked_fill(~mask, -100)
+
+    def train_set(self, n: int) -> Dataset:
+        train, _ = _text_ids(self.vocab - 1)
+        return Cycle(n, *self._masked(_windows(train, n, self.length), seed=1))
+
+    def eval_batch(self) -> Any:
+        _, held = _text_ids(self.vocab - 1)
+        return self._masked(_windows(held, self.eval_windows, self.length), seed=2)
+
+    def batch_loss(self, batch: Any) -> torch.Tensor:
+        x, labels = batch
+        return self.model(input_ids=x, labels=labels).loss
+
+
 class _HFImageClassifier(_DigitsModel):
     """A ``transformers`` image classifier (``self.model``) on 32x32 digits."""
 
@@ -521,6 +575,7 @@ MODELS: dict[str, Callable[..., UserModel]] = {
     "tied_embeddings": TiedEmbeddings,
     "gpt2": GPT2,
     "bert": Bert,
+    "bert_mlm": BertMLM,
     "resnet": ResNet,
     "vit": ViT,
 }
@@ -540,13 +595,16 @@ def fit_user_model(
     **trainer_kw: Any,
 ) -> list[dict]:
     """Train ``MODELS[name]`` for ``steps`` optimizer steps (default: the model's) on ``devices``
-    CPU ranks under ``strategy``; return every rank's record (``tests.helpers.fit.RecordRanks``).
+    CPU ranks under ``strategy`` at the model's ``precision`` (unless ``trainer_kw`` names one);
+    return every rank's record (``tests.helpers.fit.RecordRanks``).
 
     The data loader holds one epoch of exactly ``steps`` batches per rank, shuffled with
     Lightning's distributed sampler (seed 0): every strategy sees the same batches.
     """
     model = MODELS[name](seed=seed, **(model_kw or {}))
     steps = steps or model.default_steps
+    if model.precision is not None:
+        trainer_kw.setdefault("precision", model.precision)
     return fit_ranks(
         model, model.train_set, strategy, tmp, steps, devices, model.batch_size, **trainer_kw
     )
