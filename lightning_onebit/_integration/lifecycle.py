@@ -157,9 +157,12 @@ def init_default_group_per_attempt(
 def teardown_steps(
     optimizers: list[OneBitOptimizer], hook_state: Any = None
 ) -> Generator[None, None, None]:
-    """Around a strategy's ``teardown``: before it, the overlaps and the hook's thread stop
-    (``stop_overlaps``); after it, a single-process group is destroyed
+    """Around a strategy's ``teardown``: before it, the divergence watch's last check (a
+    blow-up since its last periodic check would otherwise end the run unnamed), and the overlaps
+    and the hook's thread stop (``stop_overlaps``); after it, a single-process group is destroyed
     (``destroy_single_process_group``)."""
+    for opt in optimizers:
+        opt.watch_divergence(now=True)
     stop_overlaps(optimizers, hook_state)
     yield
     destroy_single_process_group()

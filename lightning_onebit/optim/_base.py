@@ -121,14 +121,12 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
     DEVICE_VERDICT: ClassVar[bool] = False
     #: After this many skipped steps in a row the run has diverged: ``step()`` raises.
     max_consecutive_skips: int = 10
-    #: What a compression phase whose parameters blow up does (``divergence``): ``"warn"``
-    #: (once, naming the parameter) or ``"raise"`` (``DivergenceError`` on every rank).
+    #: What a blow-up in the compression phase does: ``"warn"`` once, ``"raise"`` DivergenceError.
     on_divergence: str = "warn"  # one of DIVERGENCE_ACTIONS
     #: Flat per-parameter states, per-parameter scalar states with initial values, flat scratch
     #: (not checkpointed), checkpointed optimizer-wide attributes (subclasses).
     _flat_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-    #: Those of ``_flat_states`` that only the second phase uses: made at the switch (zeros
-    #: until then), so that the first phase holds only what it uses.
+    #: Those of ``_flat_states`` that only the second phase uses (made at the switch).
     _switch_states: tuple[str, ...] = ()
     _scalar_states: ClassVar[dict[str, float]] = {}
     _work_buffers: tuple[str, ...] = ("update",)
@@ -315,8 +313,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         self._held.hold(self, params_without_grad(self), unsynced)
         try:
             self._step()
-            if self.phases.switched and self._params_agree():
-                self._watch_divergence()
+            self.watch_divergence()
         except NonFiniteError as err:
             self._held.release(self, count=False)
             restore(self, counters)
@@ -331,16 +328,19 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         self.counters.end_step(self.flat.layout.numel, w, self.topology.node_size(w))
         return loss
 
-    def _watch_divergence(self) -> None:
-        """After a compression step whose parameters are equal on every rank: the watch's check
-        (every ``divergence.every`` steps), and what ``on_divergence`` says to do."""
-        layout = self.flat.layout
-        found = self.divergence.check(layout.params, self.step_count)
+    def watch_divergence(self, now: bool = False) -> None:
+        """In the compression phase, where the parameters are equal on every rank: the divergence
+        watch's check (every ``divergence.every`` steps; ``now``: at once, as at the end of a fit,
+        and then it warns, whatever ``on_divergence``), and what ``on_divergence`` says to do."""
+        if not (self.phases.switched and self._params_agree()) or self.flat.layout is None:
+            return
+        found = self.divergence.check(self.flat.layout.params, self.step_count, now)
         if found is not None:
-            name = layout.name(found.index, self.param_groups, self.param_names)
-            who = f"{type(self).__name__}: the {self.PHASES[1]} phase"
+            name = self.flat.layout.name(found.index, self.param_groups, self.param_names)
+            who, action = f"{type(self).__name__}: the {self.PHASES[1]} phase", self.on_divergence
             rank = 0 if self.flat.exchange is None else self.flat.exchange.rank
-            self.divergence.respond(found, name, who, self.on_divergence, rank, self.SWITCH_OPTION)
+            action = "warn" if now else action
+            self.divergence.respond(found, name, who, action, rank, self.SWITCH_OPTION)
 
     def _rebuild_if_stale(self) -> None:
         """(Re)build the flat buffers and the exchange where needed (``FlatState.rebuild_if_stale``)."""

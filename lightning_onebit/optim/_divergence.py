@@ -1,6 +1,7 @@
 """A compression phase that diverges, named while it happens.
 
-Every ``DivergenceWatch.every`` steps of the compression phase, one fused norm of every trainable
+Every ``DivergenceWatch.every`` steps of the compression phase, and once more at the end of a
+fit (a blow-up within the last ``every`` steps is named too), one fused norm of every trainable
 tensor (a read of the parameters, ``1/every`` of a step's sweeps) gives each tensor's RMS against
 its RMS at the first step the watch saw; a tensor whose RMS grew more than ``growth`` times (or is
 no longer finite) names the run as diverging. Healthy runs stay within a few times (a freshly
@@ -78,11 +79,13 @@ class DivergenceWatch:
         #: the last check's ``(step, device result, CUDA event or None)``, not read yet
         self.pending: tuple[int, torch.Tensor, Any] | None = None
 
-    def check(self, params: list[torch.Tensor], step: int) -> Growth | None:
+    def check(self, params: list[torch.Tensor], step: int, now: bool = False) -> Growth | None:
         """After compression step ``step``: the last check's finding if it counts as diverging
-        (``None`` otherwise, or when no check is due)."""
+        (``None`` otherwise, or when no check is due). ``now``: check whether due or not, and
+        read the result at once (the end of a run, which a blow-up of the last ``every`` steps
+        would otherwise leave unnamed)."""
         found = self._read_pending()
-        if self.reference is not None and (step - self.since) % self.every:
+        if self.reference is not None and (step - self.since) % self.every and not now:
             return found
         norms = _norms(params)  # (T,) on the parameters' device
         if self.reference is None:
@@ -104,7 +107,7 @@ class DivergenceWatch:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(worst.device))
             self.pending = (step, host, event)
-            return found
+            return found or (self._read_pending() if now else None)
         self.pending = (step, worst, None)
         return found or self._read_pending()
 

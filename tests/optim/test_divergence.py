@@ -7,7 +7,8 @@ every 2 steps. Diverging: one warning, from rank 0 only, naming a parameter and 
 with ``on_divergence="raise"`` a ``DivergenceError`` on every rank in the same step. Healthy:
 60 steps, no warning. And the watch itself, on fresh random tensors: the growth of one tensor
 among others is found with its index and ratio, a NaN counts, a tensor that was ~0 is measured
-against 1% of the largest RMS.
+against 1% of the largest RMS, a check asked for at once (the end of a fit) finds a growth
+between two periodic checks.
 """
 
 from __future__ import annotations
@@ -141,6 +142,43 @@ def test_a_nan_counts_and_checks_come_every_steps() -> None:
     assert watch.check(params, 6) is None  # not due until step 9
     found = watch.check(params, 9)
     assert found is not None and found.ratio == float("inf")
+
+
+def test_a_check_now_finds_a_growth_between_two_periodic_checks() -> None:
+    params = _tensors(2)
+    watch = DivergenceWatch(growth=10.0, every=16)
+    watch.check(params, 60)
+    params[0].mul_(40.0)  # blown up after the check of step 60, before that of step 76
+    assert watch.check(params, 70) is None  # not due
+    found = watch.check(params, 70, now=True)  # the end of the run
+    assert found is not None and found.index == 0 and found.step == 70
+    assert found.ratio == pytest.approx(40.0, rel=1e-5)
+
+
+def test_the_end_of_a_fit_names_a_blow_up_of_its_last_steps() -> None:
+    """The optimizer's ``watch_divergence(now=True)`` (what the strategies call at teardown)
+    warns even under ``on_divergence="raise"``, and not in the warmup."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = OneBitLamb(model.parameters(), lr=1e-3, freeze_step=3)
+    opt.on_divergence = "raise"
+    for _ in range(6):
+        model(torch.randn(16, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.watch_divergence(now=True)  # healthy: nothing to say
+        assert not seen
+        with torch.no_grad():
+            model.weight.mul_(100.0)
+        opt.watch_divergence(now=True)
+    (message,) = [str(w.message) for w in seen]
+    assert "is diverging: param_groups[0][0] (4, 8)" in message and "at step 6" in message
+    warmup = OneBitLamb(torch.nn.Linear(2, 2).parameters(), freeze_step=100)
+    warmup.watch_divergence(now=True)  # nothing to check before the first step or the switch
+    opt.close()
+    warmup.close()
 
 
 def test_the_strategies_offer_on_divergence() -> None:
