@@ -184,6 +184,9 @@ class StrategyOptions:
         factor_max: 1-bit LAMB: upper clamp of the fresh-variance correction factor.
         factor_min: 1-bit LAMB: lower clamp of the fresh-variance correction factor.
         factor_threshold: 1-bit LAMB: largest relative change of the factor per step.
+        trust_ratio: 1-bit LAMB: what corrects the frozen trust ratios after the switch:
+            ``"update_norm"`` (LAMB's ratio of each 1-bit step against the first one's) or
+            ``"fresh_variance"`` (DeepSpeed's).
         bias_correction: torch Adam's bias correction in the optimizer the strategy builds (the
             warmup is then that optimizer, step for step). ``False`` is DeepSpeed's arithmetic,
             whose uncorrected variance makes 1-bit steps several times larger than Adam's after
@@ -256,6 +259,7 @@ class StrategyOptions:
     factor_max: AtLeastOne | None = None
     factor_min: AboveZeroToOne | None = None
     factor_threshold: NonNegativeFloat | None = None
+    trust_ratio: Literal["fresh_variance", "update_norm"] | None = None
     bias_correction: bool | None = None
     variance_floor: ZeroToBelowOne | None = None
     preconditioned_exchange: bool | None = None

@@ -42,6 +42,7 @@ __all__ = [
     "finite_on_device",
     "fp32_param",
     "frozen_adam_update_",
+    "update_norm_factor",
 ]
 
 
@@ -274,3 +275,44 @@ def adam_step_(
 def any_weight_decay(flat: FlatState, groups: Groups) -> bool:
     """Whether some param group has a decoupled weight decay."""
     return any(decoupled_decay(group) > 0 for _, group, _ in flat.segments(groups))
+
+
+def update_norm_factor(
+    p_norm: torch.Tensor,
+    u_norm: torch.Tensor,
+    ref: torch.Tensor,
+    last: torch.Tensor,
+    coeff: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor],
+    threshold: float,
+    ok: torch.Tensor | None,
+) -> torch.Tensor:
+    """1-bit LAMB's correction of its frozen trust ratios from the norms of each step's update.
+
+    Per layer: ``r = p_norm / u_norm`` (LAMB's trust ratio of this update), ``ref`` (written)
+    set to ``r`` where it is still 0 (the first compression step, or a layer whose norms were 0
+    so far), ``factor = r / ref`` clipped to ``last * [1 - threshold, 1 + threshold]`` and so
+    that ``coeff * factor`` lies within ``bounds`` (LAMB's ``min_coeff``, ``max_coeff``).
+
+    Args:
+        p_norm, u_norm: per-layer norms of the parameters and of their updates.
+        ref: per-layer reference ratios (0: not yet set); updated in place.
+        last: the last step's factors.
+        coeff: the frozen trust ratios (``lamb_coeff_freeze``).
+        bounds: per-layer ``(min_coeff, max_coeff)``.
+        threshold: the largest relative change of a factor per step.
+        ok: the step's NaN/Inf verdict on the device (``None``: finite).
+
+    Returns:
+        The factors; ``last`` where a norm is 0 or not finite, or the verdict is false.
+    """
+    r = p_norm / u_norm
+    defined = (p_norm > 0) & (u_norm > 0) & torch.isfinite(r)
+    if ok is not None:
+        defined = defined & ok
+    ref.copy_(torch.where(defined & (ref <= 0), r, ref))
+    factor = torch.where(defined, r / ref, last)
+    factor = factor.minimum(last * (1.0 + threshold)).maximum(last * (1.0 - threshold))
+    safe = torch.where(coeff > 0, coeff, 1.0)
+    clamped = factor.clamp(bounds[0] / safe, bounds[1] / safe)
+    return torch.where(coeff > 0, clamped, factor)

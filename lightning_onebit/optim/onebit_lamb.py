@@ -47,9 +47,10 @@ from lightning_onebit.optim._ops import (
     decoupled_decay,
     denominator,
     fp32_param,
+    update_norm_factor,
 )
 from lightning_onebit.optim._phase import Phase
-from lightning_onebit.optim._validation import check_int, check_real
+from lightning_onebit.optim._validation import check_int, check_real, deepspeed_arithmetic
 from lightning_onebit.optim._variance import bias_correction
 
 __all__ = ["OneBitLamb"]
@@ -85,6 +86,11 @@ class OneBitLamb(OneBitOptimizer):
           clip to ``[factor_min, factor_max]`` and to
           ``last_factor_k * [1 - factor_threshold, 1 + factor_threshold]``;
           ``last_factor_k = factor_k``.
+          With ``trust_ratio="update_norm"`` instead: ``r_k = ||p_k|| / ||u_k||`` (LAMB's ratio of
+          this step's update), ``ratio_ref_k = r_k`` at the first compression step,
+          ``factor_k = r_k / ratio_ref_k``, clipped to ``last_factor_k * [1 - factor_threshold,
+          1 + factor_threshold]`` and so that ``lamb_coeff_freeze_k * factor_k`` stays in
+          ``[min_coeff, max_coeff]``.
        g. ``p_k -= lr * lamb_coeff_freeze_k * factor_k * u_k``.
 
     Args:
@@ -103,6 +109,16 @@ class OneBitLamb(OneBitOptimizer):
         factor_max: upper bound of the fresh-variance factor.
         factor_min: lower bound of the fresh-variance factor.
         factor_threshold: how much the factor may change from one step to the next (relative).
+        trust_ratio: what corrects the frozen trust ratios in the compression phase (3f).
+            ``"fresh_variance"`` (DeepSpeed's): the largest ``(sqrt(v) + eps) / (sqrt(v_fresh) +
+            eps)`` of the layer, which cannot fall below 1 while any coordinate's fresh variance
+            is below its frozen one, so it misses a layer whose updates grow (its trust ratio
+            would fall under LAMB) and the steps grow with them. ``"update_norm"``: LAMB's
+            ratio ``||p|| / ||u||`` of each compression step relative to that of the first one
+            (``u`` from the exchanged momentum, whose norm the 1-bit exchange inflates by about
+            the same amount at every step), so that each layer's step keeps the size relative
+            to ``||p||`` it had at the switch, as LAMB keeps it, within ``[min_coeff,
+            max_coeff]``; ``factor_min`` and ``factor_max`` then do not apply.
         amsgrad: not supported; ``True`` raises ``ValueError``.
         process_group: the group to average over; ``None`` is the default group, and without an
             initialised process group the optimizer runs with ``W = 1``.
@@ -143,6 +159,11 @@ class OneBitLamb(OneBitOptimizer):
         "last_factor": 1.0,
         "scaling_coeff": 1.0,
     }
+    DEEPSPEED_ARITHMETIC: ClassVar[dict[str, Any]] = {
+        **OneBitOptimizer.DEEPSPEED_ARITHMETIC,
+        "trust_ratio": "fresh_variance",
+    }
+    TRUST_RATIOS = ("fresh_variance", "update_norm")
     _checkpoint_attrs = ("scaling_coeff_ready",)
     _host_counters = (*OneBitOptimizer._host_counters, "_seed_coeffs")
     _work_buffers = ("update", "exchanged")
@@ -161,6 +182,7 @@ class OneBitLamb(OneBitOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        trust_ratio: str = "fresh_variance",
         amsgrad: bool = False,
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
@@ -174,14 +196,20 @@ class OneBitLamb(OneBitOptimizer):
         deepspeed_compatible: bool = False,
     ) -> None:
         check_int("freeze_step", freeze_step, 0)
+        (trust_ratio,) = deepspeed_arithmetic(
+            type(self), deepspeed_compatible, trust_ratio=trust_ratio
+        ).values()
         self._check_options(
             {
                 "coeff_beta": coeff_beta,
                 "factor_min": factor_min,
                 "factor_max": factor_max,
                 "factor_threshold": factor_threshold,
+                "trust_ratio": trust_ratio,
             }
         )
+        if trust_ratio == "update_norm":  # its reference ratios (0 until the first 1-bit step)
+            self._scalar_states = {**self._scalar_states, "ratio_ref": 0.0}
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -211,6 +239,7 @@ class OneBitLamb(OneBitOptimizer):
         self.factor_max = factor_max
         self.factor_min = factor_min
         self.factor_threshold = factor_threshold
+        self.trust_ratio = trust_ratio
         # internal state (checkpointed; per-layer coefficients are in optimizer.state[p])
         self.scaling_coeff_ready = False  # computed at the first compression step
         # loaded from another optimizer (torch's Adam): no trust-ratio history to average, so
@@ -230,6 +259,7 @@ class OneBitLamb(OneBitOptimizer):
         "factor_max",
         "factor_min",
         "factor_threshold",
+        "trust_ratio",
     )
 
     @classmethod
@@ -253,6 +283,10 @@ class OneBitLamb(OneBitOptimizer):
             )
         if "factor_threshold" in o:
             check_real("factor_threshold", o["factor_threshold"], 0.0, math.inf)
+        if "trust_ratio" in o and o["trust_ratio"] not in cls.TRUST_RATIOS:
+            raise ValueError(
+                f"trust_ratio must be one of {list(cls.TRUST_RATIOS)}, got {o['trust_ratio']!r}"
+            )
         if "max_coeff" in o and "min_coeff" in o:  # also per param group: _check_hparams
             OneBitLamb._check_coeffs(o["max_coeff"], o["min_coeff"])
 
@@ -458,6 +492,16 @@ class OneBitLamb(OneBitOptimizer):
             ok=ok,
         ).to(device=scaling.device, dtype=torch.float32)
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
+        if self.trust_ratio == "update_norm":  # 3f. LAMB's ratio against the first one's
+            bounds = (self._per_layer("min_coeff"), self._per_layer("max_coeff"))
+            p_norm = torch._foreach_norm([fp32_param(q) for q in self.flat.layout.params])
+            factor = update_norm_factor(
+                torch.stack(p_norm).to(u_norm.device), u_norm, flat.scalars["ratio_ref"],
+                last_factor, lamb_coeff_freeze, bounds, self.factor_threshold, ok,
+            )  # fmt: skip
+            last_factor.copy_(factor)
+            self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)  # 3g.
+            return
         # 3f. the fresh-variance factor, blended, clipped in value and in speed
         factor = ratio_max
         if any_weight_decay(flat, groups):

@@ -548,15 +548,18 @@ def simulate_onebit_lamb(
     floor: float = 0.0,
     preconditioned: bool = False,
     ranks_per_node: int | None = None,
+    trust_ratio: str = "fresh_variance",
 ) -> list[list[torch.Tensor]]:
     """Rank-by-rank 1-bit LAMB; returns the flat parameters of every rank after every step
-    (``bias_correction``/``floor``/``preconditioned`` as in :func:`simulate_onebit_adam`)."""
+    (``bias_correction``/``floor``/``preconditioned`` as in :func:`simulate_onebit_adam`;
+    ``trust_ratio`` as ``OneBitLamb``'s)."""
     b1, b2 = betas
     p, zeros, hp = _start(world)
     m, v, v_fresh = zeros(), zeros(), zeros()
     P = len(hp)
     coeff_freeze = [[0.0] * P for _ in range(world)]
     last_factor = [[1.0] * P for _ in range(world)]
+    ratio_ref = [[0.0] * P for _ in range(world)]
     scaling = None
     ex = SimExchange(world, ranks_per_node)
     history = []
@@ -607,13 +610,29 @@ def simulate_onebit_lamb(
                     u_prelim = m[r][j] / denom
                     wd = hp[j]["weight_decay"]
                     u = u_prelim + wd * p[r][j]
+                    last = last_factor[r][j]
+                    if trust_ratio == "update_norm":  # LAMB's ratio against the first one's
+                        pn, un = float(p[r][j].norm()), float(u.norm())
+                        factor = last
+                        if pn > 0 and un > 0:
+                            if ratio_ref[r][j] == 0.0:
+                                ratio_ref[r][j] = pn / un
+                            factor = (pn / un) / ratio_ref[r][j]
+                        factor = min(factor, last * (1 + factor_threshold))
+                        factor = max(factor, last * (1 - factor_threshold))
+                        c = coeff_freeze[r][j]
+                        if c > 0:
+                            factor = min(max(factor, min_coeff / c), max_coeff / c)
+                        last_factor[r][j] = factor
+                        p[r][j] = p[r][j] - hp[j]["lr"] * c * factor * u
+                        continue
                     factor = float((denom / (v_fresh[r][j].sqrt() + eps)).max())
                     if wd > 0:
                         ratio = min(1.0, float(u_prelim.norm() / u.norm()))
                         factor = factor * ratio + (1.0 - ratio)
                     factor = min(max(factor, factor_min), factor_max)
-                    factor = min(factor, last_factor[r][j] * (1 + factor_threshold))
-                    factor = max(factor, last_factor[r][j] * (1 - factor_threshold))
+                    factor = min(factor, last * (1 + factor_threshold))
+                    factor = max(factor, last * (1 - factor_threshold))
                     last_factor[r][j] = factor
                     p[r][j] = p[r][j] - hp[j]["lr"] * coeff_freeze[r][j] * factor * u
         history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
@@ -678,6 +697,8 @@ def _algo(
         hist, _ = simulate_zero_one_adam(world, steps, **hp, **sim)
         return lambda g: rescaled(ZeroOneAdam(g, **hp, **kw)), hist
     if algo == "onebit_lamb":
+        if robust:  # the trust ratio from the update norms (DeepSpeed's: the fresh variance)
+            kw["trust_ratio"] = sim["trust_ratio"] = "update_norm"
         return (
             lambda g: OneBitLamb(g, freeze_step=10, **kw),
             simulate_onebit_lamb(world, steps, freeze_step=10, **sim),

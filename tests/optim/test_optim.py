@@ -13,6 +13,7 @@ import torch
 
 from lightning_onebit.comm import CompressedAllreduce, NonFiniteError
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, OneBitOptimizer, Phase, ZeroOneAdam
+from lightning_onebit.optim._ops import update_norm_factor
 from lightning_onebit.optim._variance import divergence_hint
 from tests.helpers.reference import (
     CKPT_CASES,
@@ -48,6 +49,45 @@ def test_onebit_adam_warmup_is_adam_without_bias_correction() -> None:
     assert max(errs) <= 1e-6, max(errs)
     assert rel_err(hist[-1] - p0, ref[-1][0] - p0) <= 1e-5  # the displacement too, not just p
     assert torch.equal(params[FROZEN], initial_params()[FROZEN].float())  # frozen untouched
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_update_norm_factor_is_lambs_ratio_against_the_first_one(seed: int) -> None:
+    """``update_norm_factor`` against a float64 loop on fresh random norms: the reference is set
+    where it was 0, the factor is the ratio over it, clipped in speed and so that the frozen
+    coefficient times it stays within [min_coeff, max_coeff]; undefined layers keep theirs."""
+    g = torch.Generator().manual_seed(seed)
+    n = 12
+    p_norm, u_norm = torch.rand(n, generator=g) * 3, torch.rand(n, generator=g) * 3
+    p_norm[0], u_norm[1] = 0.0, 0.0  # undefined ratios
+    ref = torch.where(torch.rand(n, generator=g) < 0.5, 0.0, torch.rand(n, generator=g) * 2)
+    last = 0.5 + torch.rand(n, generator=g)
+    coeff = torch.rand(n, generator=g) * 4
+    coeff[2] = 0.0
+    low, high = torch.full((n,), 0.05), torch.full((n,), 3.0)
+    want_ref, want = ref.double().clone(), []
+    for k in range(n):
+        pn, un, lk, ck = float(p_norm[k]), float(u_norm[k]), float(last[k]), float(coeff[k])
+        f = lk
+        if pn > 0 and un > 0:
+            if want_ref[k] <= 0:
+                want_ref[k] = pn / un
+            f = pn / un / float(want_ref[k])
+        f = max(min(f, lk * 1.1), lk * 0.9)
+        if ck > 0:
+            f = min(max(f, 0.05 / ck), 3.0 / ck)
+        want.append(f)
+    got = update_norm_factor(p_norm, u_norm, ref, last, coeff, (low, high), 0.1, None)
+    torch.testing.assert_close(
+        got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(ref.double(), want_ref, rtol=1e-6, atol=0)
+    assert not torch.equal(got, last)  # (the case does move factors)
+    ok = torch.zeros(n, dtype=torch.bool)  # a non-finite step: every factor and ref stays
+    before = ref.clone()
+    kept = update_norm_factor(p_norm, u_norm, ref, last, coeff, (low, high), 0.1, ok)
+    assert torch.equal(ref, before)
+    assert torch.equal(kept, torch.where(coeff > 0, last.clamp(low / coeff, high / coeff), last))
 
 
 def test_onebit_lamb_warmup_is_lamb() -> None:
@@ -359,6 +399,7 @@ def test_closure_and_plain_module() -> None:
         (OneBitLamb, {"factor_max": 0.5}, r"factor_max must be a number in \[1.0, inf\]"),
         (OneBitLamb, {"factor_min": 0.0}, r"factor_min must be a number in \(0.0, 1.0\]"),
         (OneBitLamb, {"factor_threshold": -1}, r"factor_threshold must be"),
+        (OneBitLamb, {"trust_ratio": "max"}, r"trust_ratio must be one of \['fresh_variance', "),
     ],
 )
 def test_bad_hyperparameters_are_rejected(cls, kwargs, match) -> None:
