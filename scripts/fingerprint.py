@@ -13,7 +13,8 @@ started by the tests' launcher ``tests.helpers.dist.run_distributed``):
 * algorithm: ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``, each configured so that 12 steps
   reach the compression phase (and 0/1 Adam's 1-bit gradient steps and local steps);
 * options: ``default`` (the constructor's defaults), ``deepspeed`` (``variance_floor=0``,
-  ``preconditioned_exchange=False``: DeepSpeed's arithmetic), ``groups`` (``bias_correction=True``
+  ``preconditioned_exchange=False``, 1-bit LAMB's ``trust_ratio="fresh_variance"``: DeepSpeed's
+  arithmetic), ``groups`` (``bias_correction=True``
   and two param groups: weights with ``weight_decay``, biases without, at another ``lr``);
 * ``in_step`` or ``overlap`` (``overlap_with_backward`` with buckets small enough for several);
 * topology: ``w1``, ``w2`` (flat exchange) and ``2x2`` (``hierarchical=True``: 2 nodes of 2 ranks).
@@ -153,6 +154,8 @@ def _run_case(rank: int, name: str, ranks_per_node: int | None) -> tuple[str, st
     algo, options, overlap, _ = name.split("/")
     model = _model()
     kw = dict(OPTION_SETS[options])
+    if options == "deepspeed" and algo == "onebit_lamb":
+        kw["trust_ratio"] = "fresh_variance"  # (DeepSpeed's; not an option of the Adams)
     if ranks_per_node is not None:
         kw.update(hierarchical=True, ranks_per_node=ranks_per_node)
     opt = ALGORITHMS[algo](_param_groups(model, options), **kw)
