@@ -185,8 +185,9 @@ class StrategyOptions:
         factor_min: 1-bit LAMB: lower clamp of the fresh-variance correction factor.
         factor_threshold: 1-bit LAMB: largest relative change of the factor per step.
         trust_ratio: 1-bit LAMB: what corrects the frozen trust ratios after the switch:
-            ``"update_norm"`` (LAMB's ratio of each 1-bit step against the first one's) or
-            ``"fresh_variance"`` (DeepSpeed's).
+            ``"update_norm"`` (LAMB's ratio of each 1-bit step against the first one's; the
+            default, ``"fresh_variance"`` with ``deepspeed_compatible``) or ``"fresh_variance"``
+            (DeepSpeed's, which lets the steps of a layer whose updates grow grow with them).
         bias_correction: torch Adam's bias correction in the optimizer the strategy builds (the
             warmup is then that optimizer, step for step). ``False`` is DeepSpeed's arithmetic,
             whose uncorrected variance makes 1-bit steps several times larger than Adam's after

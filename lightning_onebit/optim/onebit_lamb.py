@@ -8,9 +8,11 @@ distorted), so 1-bit LAMB:
   layer's (clamped) trust ratio, ``lamb_coeff_freeze``;
 * then freezes the variance ``v`` and the ratio, and exchanges the momentum with 1-bit
   compression, like 1-bit Adam;
-* corrects the frozen ratio with a *fresh variance* ``v_fresh``, tracked from gradients
-  reconstructed from successive compressed momenta: ``factor = max((sqrt(v) + eps) /
-  (sqrt(v_fresh) + eps))`` per layer, clipped in value and in how fast it may change;
+* corrects the frozen ratio by how LAMB's own ratio ``||p|| / ||u||`` of each 1-bit update
+  moved since the first one (``trust_ratio="update_norm"``), or, as DeepSpeed does, with a
+  *fresh variance* ``v_fresh``, tracked from gradients reconstructed from successive compressed
+  momenta: ``factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))`` per layer; either factor
+  clipped in how fast it may change;
 * multiplies each layer's momentum by a ``scaling_coeff`` before compression so that all layers
   have similar magnitudes: the whole model shares one 1-bit scale, and without this the large
   layers would drown the small ones.
@@ -21,7 +23,8 @@ Communication contract: warmup steps need averaged gradients. With ``average_war
 (default) this optimizer averages them itself (one fp32 ``all_reduce``); a DDP strategy that
 already averaged them passes ``False``. Compression steps expect *local* gradients.
 
-Differences from DeepSpeed: at ``W = 1`` the exchange still compresses (DeepSpeed skips it);
+Differences from DeepSpeed (besides the options ``deepspeed_compatible=True`` sets, among them
+``trust_ratio="fresh_variance"``): at ``W = 1`` the exchange still compresses (DeepSpeed skips it);
 a layer whose momentum is exactly zero when the scaling coefficients are computed gets
 ``scaling_coeff = 1`` (DeepSpeed divides by zero); ``lamb_coeff_freeze`` is updated only when
 both norms are non-zero (DeepSpeed: when the clamped ratio differs from 1.0, meant as the same);
@@ -57,7 +60,7 @@ __all__ = ["OneBitLamb"]
 
 
 class OneBitLamb(OneBitOptimizer):
-    """1-bit LAMB: LAMB warmup, then frozen trust ratios corrected by a fresh-variance factor.
+    """1-bit LAMB: LAMB warmup, then frozen trust ratios corrected by a factor per layer.
 
     Per layer (parameter) ``k``, with ``g`` the gradient, ``m``/``v`` the moments:
 
@@ -110,15 +113,16 @@ class OneBitLamb(OneBitOptimizer):
         factor_min: lower bound of the fresh-variance factor.
         factor_threshold: how much the factor may change from one step to the next (relative).
         trust_ratio: what corrects the frozen trust ratios in the compression phase (3f).
-            ``"fresh_variance"`` (DeepSpeed's): the largest ``(sqrt(v) + eps) / (sqrt(v_fresh) +
-            eps)`` of the layer, which cannot fall below 1 while any coordinate's fresh variance
-            is below its frozen one, so it misses a layer whose updates grow (its trust ratio
-            would fall under LAMB) and the steps grow with them. ``"update_norm"``: LAMB's
-            ratio ``||p|| / ||u||`` of each compression step relative to that of the first one
-            (``u`` from the exchanged momentum, whose norm the 1-bit exchange inflates by about
-            the same amount at every step), so that each layer's step keeps the size relative
+            ``"update_norm"`` (default): LAMB's ratio ``||p|| / ||u||`` of each compression step
+            relative to that of the first one, so that each layer's step keeps the size relative
             to ``||p||`` it had at the switch, as LAMB keeps it, within ``[min_coeff,
-            max_coeff]``; ``factor_min`` and ``factor_max`` then do not apply.
+            max_coeff]`` (``factor_min`` and ``factor_max`` do not apply). ``u`` is computed
+            from the exchanged momentum: where the 1-bit error inflates its norm the step
+            shrinks, so a layer whose momentum is small against the one shared 1-bit scale can
+            settle at ``min_coeff``. ``"fresh_variance"`` (DeepSpeed's): the largest
+            ``(sqrt(v) + eps) / (sqrt(v_fresh) + eps)`` of the layer, which stays near 1 while
+            any coordinate's fresh variance is below its frozen one: a layer whose updates grow
+            (whose ratio LAMB would lower) then takes ever larger steps.
         amsgrad: not supported; ``True`` raises ``ValueError``.
         process_group: the group to average over; ``None`` is the default group, and without an
             initialised process group the optimizer runs with ``W = 1``.
@@ -182,7 +186,7 @@ class OneBitLamb(OneBitOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
-        trust_ratio: str = "fresh_variance",
+        trust_ratio: str = "update_norm",
         amsgrad: bool = False,
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
