@@ -181,6 +181,25 @@ def test_the_end_of_a_fit_names_a_blow_up_of_its_last_steps() -> None:
     warmup.close()
 
 
+def test_the_strategies_teardown_asks_for_the_last_check() -> None:
+    from lightning_onebit._integration.lifecycle import teardown_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = OneBitLamb(model.parameters(), lr=1e-3, freeze_step=2)
+    for _ in range(4):
+        model(torch.randn(16, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        model.bias.mul_(1e4)  # after the watch's reference (step 3), before its next check
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with teardown_steps([opt]):
+            pass
+    assert any("is diverging: param_groups[0][1] (4,)" in str(w.message) for w in seen), seen
+
+
 def test_the_strategies_offer_on_divergence() -> None:
     from lightning_onebit import OneBitFabricStrategy, OneBitStrategy
 
