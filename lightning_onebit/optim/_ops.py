@@ -42,7 +42,8 @@ __all__ = [
     "finite_on_device",
     "fp32_param",
     "frozen_adam_update_",
-    "update_norm_factor",
+    "update_norm_cap",
+    "within_coeff_bounds",
 ]
 
 
@@ -277,42 +278,43 @@ def any_weight_decay(flat: FlatState, groups: Groups) -> bool:
     return any(decoupled_decay(group) > 0 for _, group, _ in flat.segments(groups))
 
 
-def update_norm_factor(
+def update_norm_cap(
+    factor: torch.Tensor,
     p_norm: torch.Tensor,
     u_norm: torch.Tensor,
     ref: torch.Tensor,
-    last: torch.Tensor,
-    coeff: torch.Tensor,
-    bounds: tuple[torch.Tensor, torch.Tensor],
-    threshold: float,
+    cap: float,
     ok: torch.Tensor | None,
 ) -> torch.Tensor:
-    """1-bit LAMB's correction of its frozen trust ratios from the norms of each step's update.
-
-    Per layer: ``r = p_norm / u_norm`` (LAMB's trust ratio of this update), ``ref`` (written)
-    set to ``r`` where it is still 0 (the first compression step, or a layer whose norms were 0
-    so far), ``factor = r / ref`` clipped to ``last * [1 - threshold, 1 + threshold]`` and so
-    that ``coeff * factor`` lies within ``bounds`` (LAMB's ``min_coeff``, ``max_coeff``).
+    """1-bit LAMB's factors bounded by the norms of each step's update: per layer ``r = p_norm /
+    u_norm`` (LAMB's trust ratio of this update), ``ref`` (written) set to ``r`` where it is
+    still 0 (the first compression step, or a layer whose norms were 0 so far), and ``factor``
+    at most ``cap * r / ref``: no layer's step ``factor * ||u||`` grows past ``cap`` times its
+    size relative to ``||p||`` at the reference.
 
     Args:
+        factor: per-layer factors (the fresh-variance factors, clipped).
         p_norm, u_norm: per-layer norms of the parameters and of their updates.
         ref: per-layer reference ratios (0: not yet set); updated in place.
-        last: the last step's factors.
-        coeff: the frozen trust ratios (``lamb_coeff_freeze``).
-        bounds: per-layer ``(min_coeff, max_coeff)``.
-        threshold: the largest relative change of a factor per step.
+        cap: the largest growth of a step against the reference (``factor_max``).
         ok: the step's NaN/Inf verdict on the device (``None``: finite).
 
     Returns:
-        The factors; ``last`` where a norm is 0 or not finite, or the verdict is false.
+        The bounded factors (``factor`` where a norm is 0 or not finite, or the verdict is
+        false; ``ref`` is then left as it was).
     """
     r = p_norm / u_norm
     defined = (p_norm > 0) & (u_norm > 0) & torch.isfinite(r)
     if ok is not None:
         defined = defined & ok
     ref.copy_(torch.where(defined & (ref <= 0), r, ref))
-    factor = torch.where(defined, r / ref, last)
-    factor = factor.minimum(last * (1.0 + threshold)).maximum(last * (1.0 - threshold))
+    return torch.where(defined, torch.minimum(factor, cap * r / ref), factor)
+
+
+def within_coeff_bounds(
+    factor: torch.Tensor, coeff: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+) -> torch.Tensor:
+    """``factor`` clipped so that ``coeff * factor`` lies in ``[low, high]`` (per layer; as it
+    is where ``coeff`` is 0)."""
     safe = torch.where(coeff > 0, coeff, 1.0)
-    clamped = factor.clamp(bounds[0] / safe, bounds[1] / safe)
-    return torch.where(coeff > 0, clamped, factor)
+    return torch.where(coeff > 0, factor.clamp(low / safe, high / safe), factor)

@@ -50,7 +50,8 @@ from lightning_onebit.optim._ops import (
     decoupled_decay,
     denominator,
     fp32_param,
-    update_norm_factor,
+    update_norm_cap,
+    within_coeff_bounds,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, check_real, deepspeed_arithmetic
@@ -89,10 +90,10 @@ class OneBitLamb(OneBitOptimizer):
           clip to ``[factor_min, factor_max]`` and to
           ``last_factor_k * [1 - factor_threshold, 1 + factor_threshold]``;
           ``last_factor_k = factor_k``.
-          With ``trust_ratio="update_norm"`` instead: ``r_k = ||p_k|| / ||u_k||`` (LAMB's ratio of
-          this step's update), ``ratio_ref_k = r_k`` at the first compression step,
-          ``factor_k = r_k / ratio_ref_k``, clipped to ``last_factor_k * [1 - factor_threshold,
-          1 + factor_threshold]`` and so that ``lamb_coeff_freeze_k * factor_k`` stays in
+          With ``trust_ratio="update_norm"`` also, before the clip in speed: ``r_k = ||p_k|| /
+          ||u_k||`` (LAMB's ratio of this step's update), ``ratio_ref_k = r_k`` at the first
+          compression step, ``factor_k = min(factor_k, factor_max * r_k / ratio_ref_k)``; and
+          after it, ``factor_k`` clipped so that ``lamb_coeff_freeze_k * factor_k`` stays in
           ``[min_coeff, max_coeff]``.
        g. ``p_k -= lr * lamb_coeff_freeze_k * factor_k * u_k``.
 
@@ -112,17 +113,15 @@ class OneBitLamb(OneBitOptimizer):
         factor_max: upper bound of the fresh-variance factor.
         factor_min: lower bound of the fresh-variance factor.
         factor_threshold: how much the factor may change from one step to the next (relative).
-        trust_ratio: what corrects the frozen trust ratios in the compression phase (3f).
-            ``"update_norm"`` (default): LAMB's ratio ``||p|| / ||u||`` of each compression step
-            relative to that of the first one, so that each layer's step keeps the size relative
-            to ``||p||`` it had at the switch, as LAMB keeps it, within ``[min_coeff,
-            max_coeff]`` (``factor_min`` and ``factor_max`` do not apply). ``u`` is computed
-            from the exchanged momentum: where the 1-bit error inflates its norm the step
-            shrinks, so a layer whose momentum is small against the one shared 1-bit scale can
-            settle at ``min_coeff``. ``"fresh_variance"`` (DeepSpeed's): the largest
-            ``(sqrt(v) + eps) / (sqrt(v_fresh) + eps)`` of the layer, which stays near 1 while
-            any coordinate's fresh variance is below its frozen one: a layer whose updates grow
-            (whose ratio LAMB would lower) then takes ever larger steps.
+        trust_ratio: what bounds the frozen trust ratios' correction in the compression phase
+            (3f). ``"fresh_variance"`` (DeepSpeed's): the largest ``(sqrt(v) + eps) /
+            (sqrt(v_fresh) + eps)`` of the layer, which stays near 1 while any coordinate's fresh
+            variance is below its frozen one, so a layer whose updates grow (whose ratio LAMB
+            would lower) takes ever larger steps. ``"update_norm"`` (default): the same factor,
+            but never more than ``factor_max`` times LAMB's ratio ``||p|| / ||u||`` of the step
+            relative to that of the first compression step, so that no layer's step grows past
+            ``factor_max`` times the size relative to ``||p||`` it had at the switch (LAMB keeps
+            it), and the coefficient within ``[min_coeff, max_coeff]``.
         amsgrad: not supported; ``True`` raises ``ValueError``.
         process_group: the group to average over; ``None`` is the default group, and without an
             initialised process group the optimizer runs with ``W = 1``.
@@ -496,25 +495,25 @@ class OneBitLamb(OneBitOptimizer):
             ok=ok,
         ).to(device=scaling.device, dtype=torch.float32)
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
-        if self.trust_ratio == "update_norm":  # 3f. LAMB's ratio against the first one's
-            bounds = (self._per_layer("min_coeff"), self._per_layer("max_coeff"))
-            p_norm = torch._foreach_norm([fp32_param(q) for q in self.flat.layout.params])
-            factor = update_norm_factor(
-                torch.stack(p_norm).to(u_norm.device), u_norm, flat.scalars["ratio_ref"],
-                last_factor, lamb_coeff_freeze, bounds, self.factor_threshold, ok,
-            )  # fmt: skip
-            last_factor.copy_(factor)
-            self._scale_layers_and_step_(u, lamb_coeff_freeze * factor)  # 3g.
-            return
-        # 3f. the fresh-variance factor, blended, clipped in value and in speed
+        # 3f. the fresh-variance factor, blended, clipped in value (and by the update's norm) and
+        # in speed
         factor = ratio_max
         if any_weight_decay(flat, groups):
             wd = self._per_layer("weight_decay")
             r = (prelim_norm / u_norm).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
             factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)
         factor = factor.clamp(self.factor_min, self.factor_max)
+        if self.trust_ratio == "update_norm":
+            p_norm = torch._foreach_norm([fp32_param(q) for q in self.flat.layout.params])
+            factor = update_norm_cap(
+                factor, torch.stack(p_norm).to(u_norm.device), u_norm,
+                flat.scalars["ratio_ref"], self.factor_max, ok,
+            )  # fmt: skip
         factor = torch.minimum(factor, last_factor * (1.0 + self.factor_threshold))
         factor = torch.maximum(factor, last_factor * (1.0 - self.factor_threshold))
+        if self.trust_ratio == "update_norm":  # (LAMB's own bounds of the ratio)
+            bounds = (self._per_layer("min_coeff"), self._per_layer("max_coeff"))
+            factor = within_coeff_bounds(factor, lamb_coeff_freeze, *bounds)
         if ok is not None:
             factor = torch.where(ok, factor, last_factor)
         last_factor.copy_(factor)
