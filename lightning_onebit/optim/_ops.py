@@ -43,7 +43,6 @@ __all__ = [
     "fp32_param",
     "frozen_adam_update_",
     "update_norm_cap",
-    "within_coeff_bounds",
 ]
 
 
@@ -309,12 +308,3 @@ def update_norm_cap(
         defined = defined & ok
     ref.copy_(torch.where(defined & (ref <= 0), r, ref))
     return torch.where(defined, torch.minimum(factor, cap * r / ref), factor)
-
-
-def within_coeff_bounds(
-    factor: torch.Tensor, coeff: torch.Tensor, low: torch.Tensor, high: torch.Tensor
-) -> torch.Tensor:
-    """``factor`` clipped so that ``coeff * factor`` lies in ``[low, high]`` (per layer; as it
-    is where ``coeff`` is 0)."""
-    safe = torch.where(coeff > 0, coeff, 1.0)
-    return torch.where(coeff > 0, factor.clamp(low / safe, high / safe), factor)

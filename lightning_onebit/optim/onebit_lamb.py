@@ -51,7 +51,6 @@ from lightning_onebit.optim._ops import (
     denominator,
     fp32_param,
     update_norm_cap,
-    within_coeff_bounds,
 )
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim._validation import check_int, check_real, deepspeed_arithmetic
@@ -90,11 +89,9 @@ class OneBitLamb(OneBitOptimizer):
           clip to ``[factor_min, factor_max]`` and to
           ``last_factor_k * [1 - factor_threshold, 1 + factor_threshold]``;
           ``last_factor_k = factor_k``.
-          With ``trust_ratio="update_norm"`` also, before the clip in speed: ``r_k = ||p_k|| /
+          With ``trust_ratio="update_norm"`` then (not limited in speed): ``r_k = ||p_k|| /
           ||u_k||`` (LAMB's ratio of this step's update), ``ratio_ref_k = r_k`` at the first
-          compression step, ``factor_k = min(factor_k, factor_max * r_k / ratio_ref_k)``; and
-          after it, ``factor_k`` clipped so that ``lamb_coeff_freeze_k * factor_k`` stays in
-          ``[min_coeff, max_coeff]``.
+          compression step, ``factor_k = min(factor_k, factor_max * r_k / ratio_ref_k)``.
        g. ``p_k -= lr * lamb_coeff_freeze_k * factor_k * u_k``.
 
     Args:
@@ -121,7 +118,7 @@ class OneBitLamb(OneBitOptimizer):
             but never more than ``factor_max`` times LAMB's ratio ``||p|| / ||u||`` of the step
             relative to that of the first compression step, so that no layer's step grows past
             ``factor_max`` times the size relative to ``||p||`` it had at the switch (LAMB keeps
-            it), and the coefficient within ``[min_coeff, max_coeff]``.
+            it).
         amsgrad: not supported; ``True`` raises ``ValueError``.
         process_group: the group to average over; ``None`` is the default group, and without an
             initialised process group the optimizer runs with ``W = 1``.
@@ -495,25 +492,22 @@ class OneBitLamb(OneBitOptimizer):
             ok=ok,
         ).to(device=scaling.device, dtype=torch.float32)
         ratio_max, prelim_norm, u_norm = stats[:, 0], stats[:, 1].sqrt(), stats[:, 2].sqrt()
-        # 3f. the fresh-variance factor, blended, clipped in value (and by the update's norm) and
-        # in speed
+        # 3f. the fresh-variance factor, blended, clipped in value and in speed (and, at once, by
+        # the update's norm)
         factor = ratio_max
         if any_weight_decay(flat, groups):
             wd = self._per_layer("weight_decay")
             r = (prelim_norm / u_norm).nan_to_num(1.0, posinf=1.0).clamp_(max=1.0)
             factor = torch.where(wd > 0, factor * r + (1.0 - r), factor)
         factor = factor.clamp(self.factor_min, self.factor_max)
+        factor = torch.minimum(factor, last_factor * (1.0 + self.factor_threshold))
+        factor = torch.maximum(factor, last_factor * (1.0 - self.factor_threshold))
         if self.trust_ratio == "update_norm":
             p_norm = torch._foreach_norm([fp32_param(q) for q in self.flat.layout.params])
             factor = update_norm_cap(
                 factor, torch.stack(p_norm).to(u_norm.device), u_norm,
                 flat.scalars["ratio_ref"], self.factor_max, ok,
             )  # fmt: skip
-        factor = torch.minimum(factor, last_factor * (1.0 + self.factor_threshold))
-        factor = torch.maximum(factor, last_factor * (1.0 - self.factor_threshold))
-        if self.trust_ratio == "update_norm":  # (LAMB's own bounds of the ratio)
-            bounds = (self._per_layer("min_coeff"), self._per_layer("max_coeff"))
-            factor = within_coeff_bounds(factor, lamb_coeff_freeze, *bounds)
         if ok is not None:
             factor = torch.where(ok, factor, last_factor)
         last_factor.copy_(factor)

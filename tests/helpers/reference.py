@@ -610,21 +610,19 @@ def simulate_onebit_lamb(
                     u_prelim = m[r][j] / denom
                     wd = hp[j]["weight_decay"]
                     u = u_prelim + wd * p[r][j]
-                    last, c = last_factor[r][j], coeff_freeze[r][j]
+                    last = last_factor[r][j]
                     factor = float((denom / (v_fresh[r][j].sqrt() + eps)).max())
                     if wd > 0:
                         ratio = min(1.0, float(u_prelim.norm() / u.norm()))
                         factor = factor * ratio + (1.0 - ratio)
                     factor = min(max(factor, factor_min), factor_max)
+                    factor = min(factor, last * (1 + factor_threshold))
+                    factor = max(factor, last * (1 - factor_threshold))
                     pn, un = float(p[r][j].norm()), float(u.norm())
                     if trust_ratio == "update_norm" and pn > 0 and un > 0:  # the step's growth
                         if ratio_ref[r][j] == 0.0:
                             ratio_ref[r][j] = pn / un
                         factor = min(factor, factor_max * (pn / un) / ratio_ref[r][j])
-                    factor = min(factor, last * (1 + factor_threshold))
-                    factor = max(factor, last * (1 - factor_threshold))
-                    if trust_ratio == "update_norm" and c > 0:  # LAMB's bounds of the ratio
-                        factor = min(max(factor, min_coeff / c), max_coeff / c)
                     last_factor[r][j] = factor
                     p[r][j] = p[r][j] - hp[j]["lr"] * coeff_freeze[r][j] * factor * u
         history.append([torch.cat([x.reshape(-1) for x in p[r]]) for r in range(world)])
