@@ -140,10 +140,10 @@ def onebit_comm_hook(
     if opt is None:
         return default_hooks.allreduce_hook(state.process_group, bucket)
     if opt.expects_averaged_grads and not opt.average_warmup_grads:
-        nodes = state.optimizer.node_groups()
+        nodes = opt.node_groups()
         if nodes is not None:
-            return state.average_in_two_levels(nodes, state.optimizer.average_dtype, bucket)
-        return _AVERAGE_HOOKS[state.optimizer.average_dtype](state.process_group, bucket)
+            return state.average_in_two_levels(nodes, opt.average_dtype, bucket)
+        return _AVERAGE_HOOKS[opt.average_dtype](state.process_group, bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
