@@ -2,7 +2,7 @@
 # On a machine with an NVIDIA GPU, one command that checks the GPU path:
 #   1. builds the extension with CUDA (ONEBIT_CUDA=ON: no CUDA kernels is a failure),
 #   2. runs the GPU tests (pytest -m cuda) and the kernel tests on both devices,
-#   3. benchmarks the kernels on the GPU (benchmarks/kernels.py --device cuda) and the training
+#   3. benchmarks the kernels on the GPU (benchmarks/kernel_speed.py --device cuda) and the training
 #      step of each algorithm next to torch's fused AdamW (benchmarks/gpu_step.py), and profiles
 #      the step of fused AdamW, 1-bit Adam and 1-bit LAMB (device time in step(), kernels),
 #   4. fits the demo GPT for 40 steps on 1 GPU with each algorithm (and on every GPU, when there
@@ -42,7 +42,7 @@ step build env ONEBIT_CUDA=ON $PY -m pip install --no-deps --no-build-isolation 
 step cuda_built $PY -c "import lightning_onebit.kernels as K; assert K.HAS_CUDA, 'built without CUDA'; print('CUDA kernels: yes')"
 step gpu_tests $PY -m pytest -q -m cuda -rs tests/
 step kernel_tests $PY -m pytest -q -x tests/kernels/test_kernels.py tests/exchange/test_comm.py
-step bench_kernels $PY benchmarks/kernels.py --device cuda --n 100000000 --repeat 20
+step bench_kernels $PY benchmarks/kernel_speed.py --device cuda --n 100000000 --repeat 20
 # the rows the benchmark tables give (STEP_ROWS=.: every row, overlap and verdict variants too)
 step bench_step $PY benchmarks/gpu_step.py --only "${STEP_ROWS:-fused|in step\(\), verdict=device}"
 step profile_step $PY benchmarks/gpu_step.py --profile --only "fused|(1-bit Adam|1-bit LAMB), in step"

@@ -37,7 +37,7 @@ bench() {  # bench NAME BUILD SCRIPT ARGS...: one benchmark run of one build, lo
   grep -E '^\|' "$OUT/$name.log" || tail -n 20 "$OUT/$name.log"
 }
 
-KARGS=(benchmarks/kernels.py --device cuda --n 100000000 --repeat 20)
+KARGS=(benchmarks/kernel_speed.py --device cuda --n 100000000 --repeat 20)
 SARGS=(benchmarks/gpu_step.py --only "${STEP_ROWS:-fused|in step\(\), verdict=device}")
 for round in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS=0: the step benchmark only
   bench "kernels_before_$round" "$BEFORE" "${KARGS[@]}"

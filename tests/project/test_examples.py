@@ -42,6 +42,22 @@ def _onebit_registered(name: str) -> bool:
     return hasattr(lightning_onebit, "OneBitStrategy") and name in StrategyRegistry
 
 
+# --------------------------------------------------------------------------- script names
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "examples", "scripts"])
+def test_no_script_shadows_an_installed_or_standard_module(folder: str) -> None:
+    """A script runs with its folder first on ``sys.path``, so a script named like an installed
+    package (``kernels.py`` against the ``kernels`` package transformers imports) or a standard
+    module breaks every import of that name in the run."""
+    import importlib.metadata
+
+    taken = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    assert {"torch", "json"} <= taken  # both sources are read
+    clashes = sorted(p.name for p in (ROOT / folder).glob("*.py") if p.stem in taken)
+    assert clashes == [], f"rename {clashes} in {folder}/: they shadow modules of that name"
+
+
 # --------------------------------------------------------------------------- data module
 
 

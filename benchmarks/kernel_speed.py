@@ -1,8 +1,8 @@
 """Micro-benchmark of the fused kernels against the pure-torch reference and a plain copy.
 
-    python benchmarks/kernels.py [--n 25000000] [--world 4] [--repeat 15] [--threads T]
-    python benchmarks/kernels.py --device cuda      # the CUDA kernels (adam/lamb: torch ops there)
-    python benchmarks/kernels.py --only decompress  # the kernels whose name matches
+    python benchmarks/kernel_speed.py [--n 25000000] [--world 4] [--repeat 15] [--threads T]
+    python benchmarks/kernel_speed.py --device cuda      # the CUDA kernels (adam/lamb: torch ops there)
+    python benchmarks/kernel_speed.py --only decompress  # the kernels whose name matches
 
 For each kernel it prints the median time, GB/s of input, and the fraction of the memory-traffic
 floor: the fewest bytes the kernel must read and write, divided by the bandwidth of a plain
