@@ -3,6 +3,7 @@
     python examples/compare.py            # 5 runs x 300 steps on 4 local CPU processes (minutes)
     python examples/compare.py --quick    # 5 runs x 60 steps on 2 processes (a smoke test)
     python examples/compare.py --strategy-option average_dtype=int4   # an option of the 1-bit runs
+    python examples/compare.py --seed 1   # every run from another seed (default: the configs')
 
 Each run is ``python examples/train.py fit --config examples/configs/<run>.yaml`` in a
 subprocess (Lightning starts the ranks; you see its progress bar), with the same steps, devices
@@ -74,6 +75,7 @@ def run_one(name: str, config: str, extra: list[str], args, out: Path) -> dict |
         str(HERE / "configs" / config),
         *extra,
         *(["--model.weight_decay", str(args.weight_decay)] if args.weight_decay else []),
+        *(["--seed_everything", str(args.seed)] if args.seed is not None else []),
         "--trainer.devices",
         str(args.devices),
         "--trainer.max_steps",
@@ -167,6 +169,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps per run (default 300; 60 quick)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="output folder")
     parser.add_argument("--only", nargs="*", help="run only these (e.g. --only 'DDP + AdamW')")
+    parser.add_argument(
+        "--seed", type=int, help="the seed of every run (default: the configs' 1234)"
+    )
     parser.add_argument(
         "--weight-decay",
         type=float,
