@@ -36,6 +36,13 @@ __all__ = [
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _divided(t: torch.Tensor, k: float) -> torch.Tensor:
+    """``t / k`` as the compiled kernels compute it, each value divided: torch's CUDA kernels
+    multiply by a rounded ``1 / k`` where ``k`` is a Python number (a bit off where ``1 / k`` is
+    not exact, e.g. ``k`` = 3 or 7), and divide where it is a tensor on the device."""
+    return t / torch.full((), k, dtype=t.dtype, device=t.device)
+
+
 def _bit_weights(device: torch.device) -> torch.Tensor:
     w = _BIT_WEIGHTS.get(device)
     if w is None:
@@ -136,7 +143,7 @@ def reference_server_reduce(
         prev_bits = out_bits if prev_bits is None else prev_bits
         finish_pending(e, prev_bits, out_scale if prev_scale is None else prev_scale)
     w = bits.size(0)
-    weights = scales.float() / w  # float32 division, as in the kernels
+    weights = _divided(scales.float(), w)  # float32 division, as in the kernels
     positive = _unpack(bits)  # W, m
     c = torch.zeros(e.numel(), dtype=torch.float32, device=e.device)
     for i in range(w):  # row order matters for bitwise-identical floats
@@ -441,7 +448,7 @@ def _encode(
     the wire."""
     q_max = 7.0 if bits == 4 else 127.0
     yb = y.reshape(-1, block)
-    s = yb.abs().amax(dim=1) / q_max
+    s = _divided(yb.abs().amax(dim=1), q_max)
     coded = (s > 0) & torch.isfinite(s)
     ratio = torch.where(coded[:, None], yb / s[:, None], 0.0)
     q = torch.round(ratio).clamp_(-q_max, q_max)
@@ -522,7 +529,7 @@ def reference_quantized_reduce(
     c = torch.zeros(m, dtype=torch.float32, device=rows.device)
     for r in range(w):  # rows in order
         s, q = _decode(rows[r], m, bits, block)
-        c += torch.repeat_interleave(s / float(w), block) * q
+        c += torch.repeat_interleave(_divided(s, w), block) * q
     if error is not None:
         c += error.reshape(-1)
     s, codes, err = _encode(c, bits, block)
