@@ -219,6 +219,21 @@ PYBIND11_MODULE(_C, m) {
     onebit::decompress_cuda(device, P<const uint8_t>(bits), W, row_stride, P<const float>(scales),
                             scale_stride, mm, P<float>(out), nout, P<void>(stream));
   }, release(), "decompress on the given CUDA stream");
+  m.def("quantize_cuda", [](int device, ptr x, int64_t nx, ptr e, ptr e_out, int64_t n, int bits, int64_t block,
+                            ptr rows, int64_t W, int64_t row_stride, ptr stream) {
+    onebit::quantize_cuda(device, P<const float>(x), nx, P<const float>(e), P<float>(e_out), n, bits, block,
+                          P<uint8_t>(rows), W, row_stride, P<void>(stream));
+  }, release(), "quantize on the given CUDA stream");
+  m.def("quantized_reduce_cuda", [](int device, ptr rows, int64_t W, int64_t row_stride, int64_t mm, int bits,
+                                    int64_t block, ptr e, ptr e_out, ptr out_row, ptr stream) {
+    onebit::quantized_reduce_cuda(device, P<const uint8_t>(rows), W, row_stride, mm, bits, block, P<const float>(e),
+                                  P<float>(e_out), P<uint8_t>(out_row), P<void>(stream));
+  }, release(), "quantized reduce on the given CUDA stream");
+  m.def("dequantize_cuda", [](int device, ptr rows, int64_t W, int64_t row_stride, int64_t mm, int bits,
+                              int64_t block, ptr out, int64_t nout, ptr stream) {
+    onebit::dequantize_cuda(device, P<const uint8_t>(rows), W, row_stride, mm, bits, block, P<float>(out), nout,
+                            P<void>(stream));
+  }, release(), "dequantize on the given CUDA stream");
   m.def("cuda_update_chunk", &onebit::cuda_update_chunk,
         "values per chunk of the CUDA optimizer updates (the caller's chunk table counts in these)");
   m.def("adam_update_cuda", [](int device, ptr ok, ptr g, ptr mm, ptr v, ptr params, int64_t np, ptr starts, ptr sizes,

@@ -293,6 +293,15 @@ void server_reduce_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_
 void decompress_cuda(int device, const uint8_t* bits, int64_t W, int64_t row_stride,
                      const float* scales, int64_t scale_stride, int64_t m, float* out, int64_t nout,
                      void* stream);
+// The integer codec's CPU entries (quantize_cpu, quantized_reduce_cpu, dequantize_cpu) on the given
+// CUDA stream: the same arguments in device memory, the same bits (NaN scales aside: a GPU writes
+// its canonical NaN).
+void quantize_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n, int bits,
+                   int64_t block, uint8_t* rows, int64_t W, int64_t row_stride, void* stream);
+void quantized_reduce_cuda(int device, const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits,
+                           int64_t block, const float* e, float* e_out, uint8_t* out_row, void* stream);
+void dequantize_cuda(int device, const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits,
+                     int64_t block, float* out, int64_t nout, void* stream);
 
 // The fused optimizer updates: the CPU kernels' arithmetic, element for element (the same float32
 // operations in the same order, each rounded on its own: no fused multiply-add), so every float

@@ -1222,4 +1222,172 @@ void restore_unless_cuda(int device, const bool* ok, void* dst, const void* src,
          static_cast<cudaStream_t>(stream), ok, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), nbytes);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The integer codec (onebit_quant.cpp's operations, the same bits): one warp per block of the
+// codec. Lane t takes the value pairs t, t + 32, ... of its block (pair p: values 2p and 2p + 1,
+// one byte of 4-bit codes, two of 8-bit ones; blocks are even). The encoders sweep their block
+// twice, finding max|y| and then coding, and compute y again in the second sweep rather than
+// keep it (a block may hold 4096 values): the same operations, so the same floats. Each value
+// is read and then written by the same lane, so the error may be written in place.
+
+namespace {
+
+__device__ __forceinline__ float codec_qmax(int bits) { return bits == 4 ? 7.0f : 127.0f; }
+
+// max as the CPU loop takes it: a NaN, once seen, is the result.
+__device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+
+__device__ __forceinline__ float warp_nan_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float load_scale(const uint8_t* p) {
+  float s;
+  memcpy(&s, p, sizeof(float));  // (a row's scales are 4-byte aligned only if its stride is)
+  return s;
+}
+
+__device__ __forceinline__ float code_value(const uint8_t* codes, int64_t i, int bits) {
+  if (bits == 8) return float(static_cast<int8_t>(codes[i]));
+  const unsigned b = codes[i / 2];
+  return float(int(i % 2 ? b >> 4 : b & 15u) - 8);
+}
+
+// q of y in a block of scale s (coded: s > 0 and finite; else 0), and y's error y - s * q.
+__device__ __forceinline__ float code_of(float y, float s, bool coded, float Q, float* err) {
+  const float q = coded ? fminf(fmaxf(rintf(__fdiv_rn(y, s)), -Q), Q) : 0.0f;
+  *err = __fsub_rn(y, __fmul_rn(s, q));
+  return q;
+}
+
+// The pair's codes at codes + (bytes of the values before the pair).
+__device__ __forceinline__ void store_pair(uint8_t* codes, int64_t p, int bits, float q0, float q1) {
+  if (bits == 8) {
+    codes[2 * p] = static_cast<uint8_t>(static_cast<int8_t>(int(q0)));
+    codes[2 * p + 1] = static_cast<uint8_t>(static_cast<int8_t>(int(q1)));
+  } else {
+    codes[p] = static_cast<uint8_t>((int(q0) + 8) | ((int(q1) + 8) << 4));
+  }
+}
+
+// Encodes one block (`block` values, value i being y(i)) as the warp that owns it: the scale at
+// scale_at, the codes at `codes`, the error of value i at eo[i] (eo null: none).
+template <class Values>
+__device__ void encode_block_warp(const Values& y, int64_t block, int bits, uint8_t* codes, float* eo,
+                                  uint8_t* scale_at, int lane) {
+  const float Q = codec_qmax(bits);
+  float mx = 0.0f;
+  for (int64_t i = lane; i < block; i += 32) mx = nan_max(mx, fabsf(y(i)));
+  const float s = __fdiv_rn(warp_nan_max(mx), Q);
+  const bool coded = s > 0.0f && isfinite(s);
+  for (int64_t p = lane; p < block / 2; p += 32) {
+    float r0, r1;
+    const float q0 = code_of(y(2 * p), s, coded, Q, &r0), q1 = code_of(y(2 * p + 1), s, coded, Q, &r1);
+    store_pair(codes, p, bits, q0, q1);
+    if (eo) {
+      eo[2 * p] = r0;
+      eo[2 * p + 1] = r1;
+    }
+  }
+  if (lane == 0) memcpy(scale_at, &s, sizeof(float));
+}
+
+// quantize's values: y = x (zeros past nx) + e (null: none), from value `lo` of the buffer.
+struct QuantInput {
+  const float* x;
+  int64_t nx;
+  const float* e;
+  int64_t lo;
+  __device__ float operator()(int64_t i) const {
+    const float xi = lo + i < nx ? x[lo + i] : 0.0f;
+    return e ? __fadd_rn(xi, e[lo + i]) : xi;
+  }
+};
+
+// quantized_reduce's values: c = the W rows' (s_r / W) * q_r summed in row order, + e (null:
+// none), for block k of the rows (values lo = k * block on).
+struct ReducedInput {
+  const uint8_t* rows;
+  int64_t W, row_stride, nb, k, lo;
+  int bits;
+  float fw;
+  const float* e;
+  __device__ float operator()(int64_t i) const {
+    float c = 0.0f;
+    for (int64_t r = 0; r < W; ++r) {
+      const uint8_t* row = rows + r * row_stride;
+      const float w = __fdiv_rn(load_scale(row + 4 * k), fw);
+      c = __fadd_rn(c, __fmul_rn(w, code_value(row + 4 * nb, lo + i, bits)));
+    }
+    return e ? __fadd_rn(c, e[lo + i]) : c;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads)
+quantize_kernel(const float* x, int64_t nx, const float* e, float* e_out, int64_t m, int bits, int64_t block,
+                uint8_t* rows, int64_t row_stride, int64_t nblocks) {
+  const int64_t warps = int64_t(gridDim.x) * kWarps, nb = m / block;
+  for (int64_t b = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; b < nblocks; b += warps) {
+    const int64_t lo = b * block, j = lo / m, k = (lo % m) / block;
+    uint8_t* row = rows + j * row_stride;
+    encode_block_warp(QuantInput{x, nx, e, lo}, block, bits, row + 4 * nb + k * block * bits / 8,
+                      e_out ? e_out + lo : nullptr, row + 4 * k, threadIdx.x % 32);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+quantized_reduce_kernel(const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits, int64_t block,
+                        const float* e, float* e_out, uint8_t* out_row) {
+  const int64_t warps = int64_t(gridDim.x) * kWarps, nb = m / block;
+  for (int64_t k = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; k < nb; k += warps) {
+    const int64_t lo = k * block;
+    const ReducedInput c{rows, W, row_stride, nb, k, lo, bits, float(W), e};
+    encode_block_warp(c, block, bits, out_row + 4 * nb + lo * bits / 8, e_out ? e_out + lo : nullptr,
+                      out_row + 4 * k, threadIdx.x % 32);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+dequantize_kernel(const uint8_t* rows, int64_t row_stride, int64_t m, int bits, int64_t block, float* out,
+                  int64_t nout) {
+  const int64_t nb = m / block, stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nout; i += stride) {
+    const int64_t j = i / m, t = i % m;
+    const uint8_t* row = rows + j * row_stride;
+    out[i] = __fmul_rn(load_scale(row + 4 * (t / block)), code_value(row + 4 * nb, t, bits));
+  }
+}
+
+}  // namespace
+
+void quantize_cuda(int device, const float* x, int64_t nx, const float* e, float* e_out, int64_t n, int bits,
+                   int64_t block, uint8_t* rows, int64_t W, int64_t row_stride, void* stream) {
+  detail::check_quant("quantize_cuda", n, W, bits, block, row_stride);
+  detail::require(nx >= 0 && nx <= n, "quantize_cuda", "0 <= nx <= n");
+  DeviceGuard guard(device);
+  const int64_t nblocks = n / block;
+  launch("quantize_kernel", quantize_kernel, grid_for(nblocks, kWarps), kThreads, static_cast<cudaStream_t>(stream),
+         x, nx, e, e_out, n / W, bits, block, rows, row_stride, nblocks);
+}
+
+void quantized_reduce_cuda(int device, const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits,
+                           int64_t block, const float* e, float* e_out, uint8_t* out_row, void* stream) {
+  detail::check_quant("quantized_reduce_cuda", m, 1, bits, block, row_stride);
+  detail::require(W > 0, "quantized_reduce_cuda", "W > 0");
+  DeviceGuard guard(device);
+  launch("quantized_reduce_kernel", quantized_reduce_kernel, grid_for(m / block, kWarps), kThreads,
+         static_cast<cudaStream_t>(stream), rows, W, row_stride, m, bits, block, e, e_out, out_row);
+}
+
+void dequantize_cuda(int device, const uint8_t* rows, int64_t W, int64_t row_stride, int64_t m, int bits,
+                     int64_t block, float* out, int64_t nout, void* stream) {
+  detail::check_quant("dequantize_cuda", m, 1, bits, block, row_stride);
+  detail::require(W > 0 && nout >= 0 && nout <= W * m, "dequantize_cuda", "W > 0 and 0 <= nout <= W*m");
+  if (nout == 0) return;
+  DeviceGuard guard(device);
+  launch("dequantize_kernel", dequantize_kernel, grid_for(nout, kThreads), kThreads, static_cast<cudaStream_t>(stream),
+         rows, row_stride, m, bits, block, out, nout);
+}
+
 }  // namespace onebit

@@ -222,20 +222,20 @@ OPS: dict[str, Op] = {
         tensors="bits:rows scales:scales out:f32",
         cuda_kernels=True,
     ),
-    # the integer codec (kernels.quantized): CPU only so far
+    # the integer codec (kernels.quantized; without a kernel for the device, its torch twins)
     "quantize": Op(
         cpu="x #x error error_out n bits block rows rows.rows rows.stride",
-        cuda=None,
+        cuda="x #x error error_out n bits block rows rows.rows rows.stride",
         tensors="x:f32 error:f32 error_out:f32 rows:rows",
     ),
     "quantized_reduce": Op(
         cpu="rows rows.rows rows.stride m bits block error error_out out_row",
-        cuda=None,
+        cuda="rows rows.rows rows.stride m bits block error error_out out_row",
         tensors="rows:rows error:f32 error_out:f32 out_row:u8c",
     ),
     "dequantize": Op(
         cpu="rows rows.rows rows.stride m bits block out #out",
-        cuda=None,
+        cuda="rows rows.rows rows.stride m bits block out #out",
         tensors="rows:rows out:f32",
     ),
     # their tensors are checked as their sources' and worker_compress's

@@ -322,6 +322,93 @@ def test_fused_updates_on_the_second_gpu() -> None:
     _assert_lamb_stats(gpu[2], cpu[2], T.LAMB_SIZES)
 
 
+# --------------------------------------------------------------------------- integer codec
+# The CUDA codec (quantize, quantized_reduce, dequantize) against the CPU kernels, and the torch
+# twins run on the GPU against them too: W = 3 and 5 and the codec's 7 and 127 are divisors
+# whose reciprocal is inexact (torch's CUDA division by a Python number multiplies by it).
+# Blocks of 2 to 4096 values, padding (nx < n), no error, the error in place, rows whose stride
+# is no multiple of 4 (unaligned scales), and more codec blocks than the grid's warps (wraps).
+CODEC_CASES = [(4, 256, 3, 7), (8, 256, 5, 3), (4, 2, 3, 9), (8, 4096, 1, 2), (4, 256, 3, 4000)]
+
+
+def _codec_calls(
+    device: str, twin: bool, bits: int, block: int, w: int, blocks: int, seed: int, pad: int = 3
+) -> list[torch.Tensor]:
+    """Every output of quantize (error new, in place, none), quantized_reduce (error given and
+    none) and dequantize on ``device`` from the same inputs, on the CPU; rows ``pad`` bytes wider
+    than they need (the twins need their stride a multiple of 4: they view the scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = block * blocks
+    n, row = w * m, K.row_bytes(m, bits, block)
+    x = torch.randn(n - 5, generator=gen) * torch.exp(torch.randn(n - 5, generator=gen) * 3)
+    x[torch.rand(n - 5, generator=gen) < 0.05] = 0.0
+    e, es = torch.randn(n, generator=gen) * 0.01, torch.randn(m, generator=gen) * 0.01
+    quantize = K.reference_quantize if twin else K.quantize
+    reduce = K.reference_quantized_reduce if twin else K.quantized_reduce
+    dequantize = K.reference_dequantize if twin else K.dequantize
+    out: list[torch.Tensor] = []
+    on = {"x": x.to(device), "e": e.to(device), "es": es.to(device)}
+    rows = torch.zeros(w, row + pad, dtype=torch.uint8, device=device)
+    err = torch.empty(n, device=device)
+    quantize(on["x"], on["e"], rows, bits=bits, block=block, error_out=err)
+    out += [rows.clone(), err]
+    inplace = on["e"].clone()
+    quantize(on["x"], inplace, rows, bits=bits, block=block)
+    out += [rows.clone(), inplace]
+    quantize(on["x"], None, rows, bits=bits, block=block, n=n)
+    out.append(rows.clone())
+    for error in (on["es"].clone(), None):
+        got = torch.zeros(row, dtype=torch.uint8, device=device)
+        reduce(rows, error, got, m=m, bits=bits, block=block)
+        out += [got] + ([] if error is None else [error])
+    dec = torch.empty(n - 3, device=device)
+    dequantize(rows, dec, m=m, bits=bits, block=block)
+    out.append(dec)
+    return [t.cpu() for t in out]
+
+
+@pytest.mark.parametrize(("bits", "block", "w", "blocks"), CODEC_CASES)
+def test_codec_cuda_equals_cpu_bitwise(
+    bits: int, block: int, w: int, blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = _codec_calls("cpu", False, bits, block, w, blocks, bits + block + w)
+    for name in ("reference_quantize", "reference_quantized_reduce", "reference_dequantize"):
+        monkeypatch.setattr(K.quantized, name, _refuse)
+    gpu = _codec_calls("cuda", False, bits, block, w, blocks, bits + block + w)
+    for k, (a, b) in enumerate(zip(gpu, cpu, strict=True)):
+        assert torch.equal(a, b), f"output {k}"
+
+
+@pytest.mark.parametrize(("bits", "block", "w", "blocks"), CODEC_CASES[:3])
+def test_codec_twins_on_the_gpu_equal_the_cpu_kernels_bitwise(
+    bits: int, block: int, w: int, blocks: int
+) -> None:
+    cpu = _codec_calls("cpu", False, bits, block, w, blocks, 5 * bits + block + w, pad=4)
+    twin = _codec_calls("cuda", True, bits, block, w, blocks, 5 * bits + block + w, pad=4)
+    for k, (a, b) in enumerate(zip(twin, cpu, strict=True)):
+        assert torch.equal(a, b), f"output {k}"
+
+
+def test_codec_cuda_non_finite_input_makes_its_blocks_scale_non_finite() -> None:
+    bits, block, w, m = 4, 256, 2, 512
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(w * m, device="cuda")
+        x[300] = bad  # block 1 of row 0
+        rows = torch.zeros(w, K.row_bytes(m, bits, block), dtype=torch.uint8, device="cuda")
+        K.quantize(x, None, rows, bits=bits, block=block, n=w * m)
+        scales = torch.stack([rows[j, :8].view(torch.float32) for j in range(w)]).cpu()
+        assert not torch.isfinite(scales[0, 1]) and torch.isfinite(scales.view(-1)[[0, 2, 3]]).all()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_codec_on_the_second_gpu() -> None:
+    """Tensors on cuda:1 while cuda:0 is current: the device guard launches there."""
+    cpu = _codec_calls("cpu", False, 4, 256, 3, 7, 3)
+    with torch.cuda.device(0):
+        gpu = _codec_calls("cuda:1", False, 4, 256, 3, 7, 3)
+    assert all(torch.equal(a, b) for a, b in zip(gpu, cpu, strict=True))
+
+
 # ------------------------------------------------------- exchange sources and 0/1 Adam's sync
 # momentum_source, local_source and sync_update: the CUDA kernels against the torch ops they
 # replace (the reference_* twins) on the same GPU, bit for bit (they round as torch's CUDA

@@ -2130,11 +2130,15 @@ def test_every_cuda_op_calls_its_binding_with_the_right_arguments(monkeypatch) -
         stats=torch.zeros(2, 3, dtype=torch.float64), floored=None, synced=m,
         alpha=torch.zeros(2), dst=m, src=g,
     )  # fmt: skip
+    # the integer codec's: 2 rows of 8 values, 4 bits, blocks of 2 (its bits are a number)
+    codec = dict(x=g, n=16, bits=4, block=2, rows=torch.zeros(2, 24, dtype=torch.uint8),
+                 out_row=torch.zeros(24, dtype=torch.uint8))  # fmt: skip
     cuda = torch.device("cuda", 0)
     for name, op in native.OPS.items():
         if op.cuda is not None:
+            given = {**values, **codec} if "block" in op.cuda else values
             with pytest.raises(RuntimeError, match="onebit: cuda"):
-                native.launch(name, cuda, table if "np" in op.cuda else None, **values)
+                native.launch(name, cuda, table if "np" in op.cuda else None, **given)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
