@@ -128,6 +128,22 @@ def main() -> None:
     src = (sm, sg, sd, su, lo[:-1], [hi - lo_ for lo_, hi in itertools.pairwise(lo)])
     coef = ([0.9] * 10, [0.1] * 10)
 
+    # The integer codec at 4 bits, blocks of 256 (the warmup's average): the worker's quantize of
+    # x + e (error in place), the server's reduce of W rows of a chunk of nq values (as the server
+    # kernel above), and the decoding of W rows of nq / W values
+    qb = 256
+    nq = -(-n // (qb * w)) * qb * w
+    qe = torch.zeros(nq, device=dev)
+    qe[:n] = e
+    qrows = torch.zeros(w, K.row_bytes(nq // w, 4, qb), dtype=torch.uint8, device=dev)
+    K.quantize(x, qe.clone(), qrows, bits=4, block=qb)
+    srows = torch.zeros(w, K.row_bytes(nq, 4, qb), dtype=torch.uint8, device=dev)
+    for j in range(w):
+        K.quantize(x, None, srows[j : j + 1], bits=4, block=qb, n=nq)
+    sqe, sqout = qe.clone(), torch.zeros(K.row_bytes(nq, 4, qb), dtype=torch.uint8, device=dev)
+    qout = torch.empty(n, device=dev)
+    coded = nq // 2 + 4 * (nq // qb)  # bytes of nq values in codes and scales
+
     def _source_compress(ref: bool) -> None:
         if ref:
             K.reference_momentum_source(*src, *coef)
@@ -178,6 +194,27 @@ def main() -> None:
             lambda: K.reference_decompress(dbits, sscales, out),
             n // 8,
             n // 8 + 4 * n,
+        ),
+        (
+            "quantize_int4",
+            lambda: K.quantize(x, qe, qrows, bits=4, block=qb),
+            lambda: K.reference_quantize(x, qe, qrows, bits=4, block=qb),
+            8 * n,
+            8 * n + 4 * nq + coded,  # reads x, e; writes e, the rows
+        ),
+        (
+            "qreduce_int4",
+            lambda: K.quantized_reduce(srows, sqe, sqout, m=nq, bits=4, block=qb),
+            lambda: K.reference_quantized_reduce(srows, sqe, sqout, m=nq, bits=4, block=qb),
+            w * coded + 4 * nq,
+            w * coded + 8 * nq + coded,  # reads W rows, e; writes e, a row
+        ),
+        (
+            "dequantize_int4",
+            lambda: K.dequantize(qrows, qout, m=nq // w, bits=4, block=qb),
+            lambda: K.reference_dequantize(qrows, qout, m=nq // w, bits=4, block=qb),
+            coded,
+            coded + 4 * n,
         ),
         (
             "lamb_update",
