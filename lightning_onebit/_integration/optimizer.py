@@ -22,6 +22,7 @@ from lightning_onebit._integration.lifecycle import warn_single_process
 from lightning_onebit._integration.options import ALGORITHMS, StrategyOptions
 from lightning_onebit.comm import CODED_BITS
 from lightning_onebit.optim import OneBitOptimizer
+from lightning_onebit.optim._coded_average import check_variance_window
 
 __all__ = [
     "OptimizerBuilder",
@@ -92,6 +93,9 @@ class OptimizerBuilder:
             self._check_own(original, given)
             if self.options.average_dtype is not None:
                 original.average_dtype = self.options.average_dtype
+            if self.options.variance_window is not None:
+                check_variance_window(self.options.variance_window, original.average_dtype)
+                original.variance_window = self.options.variance_window
             # DDP averages the warmup gradients (see the hook), unless in integer codes
             original.average_warmup_grads = original.average_dtype in CODED_BITS
             new = original

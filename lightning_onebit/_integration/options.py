@@ -42,7 +42,7 @@ from lightning_onebit.optim import (
     OneBitOptimizer,
     ZeroOneAdam,
 )
-from lightning_onebit.optim._coded_average import check_coded
+from lightning_onebit.optim._coded_average import check_coded, check_variance_window
 
 __all__ = [
     "ALGORITHMS",
@@ -230,6 +230,12 @@ class StrategyOptions:
             (``hierarchical=False`` on several nodes). ``None``: ``"bf16"`` for an optimizer
             the strategy builds (``"float32"`` with ``deepspeed_compatible``), else what the
             optimizer from ``configure_optimizers`` was given.
+        variance_window: with ``average_dtype="int4"``: the warmup's last steps (a float: a
+            fraction of the warmup; an int: steps) average in int8, and their squares alone
+            estimate the variance the switch freezes (4-bit rounding noise would inflate it
+            where values are small against their block's largest). ``None``: a third of the
+            warmup (``variance_window`` of the optimizer from ``configure_optimizers``, if it
+            is one); 0: every warmup step in int4.
         hierarchical: on several nodes, full precision inside a node and the 1-bit exchange
             only between nodes (``devices`` times fewer bytes through each node's link).
             ``"auto"``: on with several nodes of several processes; ``True``: the same, with a
@@ -269,6 +275,7 @@ class StrategyOptions:
     lamb_lr: PositiveFloat | None = None
     overlap_bucket_mb: PositiveFloat | None = 25.0
     average_dtype: str | torch.dtype | None = None
+    variance_window: float | int | None = None
     hierarchical: bool | Literal["auto"] = "auto"
     on_divergence: Literal["warn", "raise"] = "warn"
     timeout: timedelta | None = timedelta(minutes=30)
@@ -318,6 +325,7 @@ class StrategyOptions:
         if self.average_dtype is not None:
             object.__setattr__(self, "average_dtype", as_average_dtype(self.average_dtype))
             check_coded(self.average_dtype, True, self.hierarchical is True)
+        check_variance_window(self.variance_window, self.average_dtype)
         if self.hierarchical not in (True, False, "auto"):
             raise ValueError(
                 f"hierarchical must be True, False or 'auto', got {self.hierarchical!r}"
@@ -364,6 +372,8 @@ class StrategyOptions:
         kw["average_dtype"] = self.average_dtype or (
             torch.float32 if self.deepspeed_compatible else torch.bfloat16
         )
+        if self.variance_window is not None:
+            kw["variance_window"] = self.variance_window
         # DDP averages the warmup gradients (see the hook), unless in integer codes
         kw["average_warmup_grads"] = kw["average_dtype"] in CODED_BITS
         return kw

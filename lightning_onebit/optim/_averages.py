@@ -20,7 +20,12 @@ from lightning_onebit.comm import (
     start_average,
 )
 from lightning_onebit.kernels import SignRuns, TensorSource, reads_sign_runs
-from lightning_onebit.optim._coded_average import CodedAverage, check_coded
+from lightning_onebit.optim._coded_average import (
+    CodedAverage,
+    WindowVariance,
+    check_coded,
+    window_steps,
+)
 from lightning_onebit.optim._ops import SourceOf, all_finite_on_device, as_source
 
 if TYPE_CHECKING:
@@ -48,6 +53,9 @@ class Averages:
     average_warmup_grads: bool
     average_dtype: torch.dtype
     coded_average: CodedAverage
+    variance_window: float | int | None
+    window_variance: WindowVariance
+    switch_step: int
     caller_averaged: frozenset[int] | None
     step_count: int
     world_size: int
@@ -82,6 +90,9 @@ class Averages:
         flat, w, nodes = self.flat, self.world_size, self.node_groups()
         layout, bits = flat.layout, CODED_BITS.get(self.average_dtype)
         check_coded(self.average_dtype, self.average_warmup_grads, nodes is not None)
+        window = w > 1 and bits == 4 and self._in_variance_window()
+        if window:
+            bits = 8
         sent = None
         if w > 1 and bits is not None:  # in codes with error feedback, in the exchange's layout
             grads: list[torch.Tensor | None] = list(
@@ -115,14 +126,24 @@ class Averages:
         elif bits is None:
             sent = fp32_allreduce_bytes(layout.numel, w) * self.average_dtype.itemsize // 4
             self.counters.add_ring(sent, w, self.topology.node_size(w))
+        ok = None
         if self.verdict.uses_device(layout.device):  # averaged: the same verdict on every rank
             ok = all_finite_on_device(checked, layout.device)
-            return grads, self.verdict.hold_on_device(ok, ok, "average")
-        if not bool(all_finite_on_device(checked, layout.device)):
+            ok = self.verdict.hold_on_device(ok, ok, "average")
+        elif not bool(all_finite_on_device(checked, layout.device)):
             raise NonFiniteError(
                 f"the averaged gradient has non-finite values (NaN/Inf) at step {self.step_count}"
             )
-        return grads, None
+        if window:
+            betas2 = [self.param_groups[gi]["betas"][1] for gi in layout.group_of]
+            self.window_variance.feed_(layout, betas2, grads, ok)
+        return grads, ok
+
+    def _in_variance_window(self) -> bool:
+        """Whether this step is one of the warmup's last ``variance_window`` steps before the
+        built-in switch (``switch_step``)."""
+        steps = window_steps(self.variance_window, self.switch_step)
+        return steps > 0 and self.step_count > self.switch_step - steps
 
     def _average_uncovered_(self, grads: list[torch.Tensor | None]) -> None:
         """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the

@@ -46,6 +46,7 @@ class CheckpointLayout:
             **opt.rescale.state_dict(),
             "exchange": opt.flat.exchange_state(),
             "coded_average": opt.coded_average.state(),
+            "window_variance": opt.window_variance.state(),
         }
 
     def save(self, opt: OneBitOptimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +175,7 @@ class CheckpointLayout:
         opt.rescale.load_state_dict(extra)
         opt.flat.load_exchange_state(extra.get("exchange"))
         opt.coded_average.load(extra.get("coded_average"))
+        opt.window_variance.load(extra.get("window_variance"))
         opt.flat.invalidate()  # adopt the loaded tensors at the next step
         return foreign
 

@@ -2,7 +2,13 @@
 [`QuantizedAllreduce`][lightning_onebit.comm.quantized.QuantizedAllreduce] over the optimizer's
 gradients, gathered straight into its own layout (each parameter starting a block of its own),
 whose error buffers carry each step's rounding into the next (error feedback) and go into the
-checkpoint, so a resumed run continues exactly."""
+checkpoint, so a resumed run continues exactly.
+
+At 4 bits the rounding noise of the small values of a block (small against its largest) adds
+to their squares, and the variance the switch freezes would remember it: the warmup's last
+``variance_window`` steps average in int8 instead, and their squares alone estimate the
+variance that is frozen (``WindowVariance``), while the warmup's own Adam steps go on with the
+variance fed from every step."""
 
 from __future__ import annotations
 
@@ -16,7 +22,39 @@ from lightning_onebit.comm import CODED_BITS, QuantizedAllreduce
 if TYPE_CHECKING:
     from lightning_onebit.optim._flat import Layout
 
-__all__ = ["CodedAverage", "check_coded"]
+__all__ = ["VARIANCE_WINDOW", "CodedAverage", "WindowVariance", "check_coded", "window_steps"]
+
+
+#: The default ``variance_window`` of an int4 average: the last third of the warmup.
+VARIANCE_WINDOW = 1 / 3
+
+
+def check_variance_window(window: float | int | None, dtype: torch.dtype | None) -> None:
+    """Raise ``ValueError`` unless ``window`` is ``None``, a fraction in ``[0, 1)`` or a whole
+    number of steps ``>= 0``, and ``None`` or 0 unless ``dtype`` is ``torch.int4`` (``None``:
+    not known yet)."""
+    ok_type = isinstance(window, (int, float)) and not isinstance(window, bool)
+    if window is not None and not (
+        ok_type and (0 <= window < 1 if isinstance(window, float) else window >= 0)
+    ):
+        raise ValueError(
+            "variance_window must be a fraction of the warmup in [0, 1) (a float), a number of "
+            f"steps >= 0 (an int) or None (a third of the warmup), got {window!r}"
+        )
+    if window and dtype is not None and dtype != torch.int4:
+        raise ValueError(
+            f"variance_window={window!r} applies to average_dtype='int4' (its last steps "
+            f"average in int8), not to average_dtype={dtype}; leave it None"
+        )
+
+
+def window_steps(window: float | int | None, switch_step: int) -> int:
+    """The ``variance_window`` (``None``: ``VARIANCE_WINDOW``) in steps, for a switch after
+    step ``switch_step``: a fraction of it rounded, a number of steps as it is, at most
+    ``switch_step``."""
+    window = VARIANCE_WINDOW if window is None else window
+    steps = round(window * switch_step) if isinstance(window, float) else int(window)
+    return min(steps, switch_step)
 
 
 def check_coded(dtype: torch.dtype, average_warmup_grads: bool, two_levels: bool) -> None:
@@ -48,15 +86,21 @@ class CodedAverage:
         ``group``, in ``bits``-bit codes, a loaded state applied."""
         ex, sizes = self.exchange, [p.numel() for p in layout.params]
         if ex is None or ex.sizes != sizes or ex.bits != bits or ex.device != layout.device:
-            if ex is not None and ex.calls > 0 and self.pending is None:
+            new = QuantizedAllreduce(layout.numel, layout.device, group, bits=bits, segments=sizes)
+            same_blocks = ex is not None and ex.sizes == sizes and ex.device == layout.device
+            if same_blocks and ex.block == new.block and ex.world_size == new.world_size:
+                # another codec over the same blocks (int4 -> int8 in the variance window):
+                # each value's error is where it was, so the rounding carried is not lost
+                new.worker_error.copy_(ex.worker_error)
+                new.server_error.copy_(ex.server_error)
+            elif ex is not None and ex.calls > 0 and self.pending is None:
                 warnings.warn(
                     "the trainable parameters or the average's codec changed: the coded "
                     "average's error buffers restart from zero",
                     RuntimeWarning,
                     stacklevel=5,
                 )
-            ex = QuantizedAllreduce(layout.numel, layout.device, group, bits=bits, segments=sizes)
-            self.exchange = ex
+            ex = self.exchange = new
         pending, self.pending = self.pending, None
         if isinstance(pending, dict):
             try:
@@ -106,3 +150,111 @@ class CodedAverage:
     def load(self, state: dict[str, Any] | None) -> None:
         """Apply a ``state`` at the next average (``None``: start from zeros)."""
         self.pending = state or "reset"
+
+
+class WindowVariance:
+    """The variance the switch freezes, estimated from the warmup's last ``variance_window``
+    steps alone (``OneBitOptimizer.window_variance``): per parameter Adam's moving average of
+    the squared averaged gradients, ``w = beta2 * w + (1 - beta2) * g**2``, from zero at the
+    window's first step, with its own weight ``c = beta2 * c + (1 - beta2)`` (``1 - beta2**k``
+    after k steps) so that ``w / c`` is the steps' bias-corrected mean square; a parameter
+    without a gradient, or a step dropped for NaN/Inf, leaves both as they were. Made at the
+    window's first step, used and let go at the switch."""
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # flat, the layout's
+        self.weights: torch.Tensor | None = None  # one per parameter
+        self.key: tuple[int, ...] | None = None  # the layout it belongs to
+        #: a loaded state the next ``feed_`` takes
+        self.pending: dict[str, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether there is an estimate (or a loaded one) to apply at the switch."""
+        return self.sums is not None or self.pending is not None
+
+    def feed_(
+        self,
+        layout: Layout,
+        betas2: list[float],
+        grads: list[torch.Tensor | None],
+        ok: torch.Tensor | None,
+    ) -> None:
+        """Add one step's averaged ``grads`` (one per parameter of ``layout``, ``None``: none)
+        with each parameter's ``betas2``; ``ok``: the step's device verdict (``None``: it goes
+        ahead)."""
+        if self.pending is not None:
+            self._adopt(layout)
+        if self.sums is None or self.key != layout.key:
+            if self.sums is not None:
+                warnings.warn(
+                    "the trainable parameters changed inside the variance window: its estimate "
+                    "restarts from this step",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self.sums = torch.zeros(layout.numel, device=layout.device)
+            self.weights = torch.zeros(len(layout.params), device=layout.device)
+            self.key = layout.key
+        assert self.weights is not None
+        for j, (w, g) in enumerate(zip(layout.views(self.sums), grads, strict=True)):
+            if g is None:
+                continue
+            b2 = betas2[j]
+            new_w = w * b2 + g * g * (1.0 - b2)
+            new_c = self.weights[j] * b2 + (1.0 - b2)
+            if ok is None:
+                w.copy_(new_w)
+                self.weights[j] = new_c
+            else:
+                w.copy_(torch.where(ok, new_w, w))
+                self.weights[j] = torch.where(ok, new_c, self.weights[j])
+
+    def apply_(self, layout: Layout, variance: torch.Tensor, corrections: list[float]) -> bool:
+        """At the switch: each parameter's flat ``variance`` becomes its window mean square
+        times its ``corrections`` (``1 - beta2**k``: the scale of Adam's uncorrected variance,
+        which the switch then corrects as it would have), where the window saw a gradient of
+        it; return whether there was a window estimate to apply."""
+        if self.pending is not None:
+            self._adopt(layout)
+        if self.sums is None or self.key != layout.key:
+            return False
+        assert self.weights is not None
+        pairs = zip(layout.views(variance), layout.views(self.sums), strict=True)
+        for j, (v, w) in enumerate(pairs):
+            c = self.weights[j]
+            v.copy_(torch.where(c > 0, w * (corrections[j] / c.clamp_min(1e-30)), v))
+        return True
+
+    def release(self) -> None:
+        """Let go of the estimate (at the switch)."""
+        self.sums = self.weights = self.key = self.pending = None
+
+    def state(self) -> dict[str, Any] | None:
+        """The estimate as a checkpoint keeps it (``None``: none): the same on every rank."""
+        if self.pending is not None:
+            return self.pending
+        if self.sums is None or self.weights is None:
+            return None
+        return {"sums": self.sums.detach().cpu().clone(), "weights": self.weights.cpu().clone()}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        """Take a ``state`` at the next ``feed_`` or ``apply_`` (``None``: none)."""
+        self.release()
+        self.pending = state
+
+    def _adopt(self, layout: Layout) -> None:
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        sums, weights = pending["sums"], pending["weights"]
+        if sums.numel() != layout.numel or weights.numel() != len(layout.params):
+            warnings.warn(
+                "the checkpoint's variance window was saved for other parameters: its estimate "
+                "restarts from the next step",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        self.sums = sums.to(layout.device, torch.float32).clone()
+        self.weights = weights.to(layout.device, torch.float32).clone()
+        self.key = layout.key

@@ -86,7 +86,10 @@ class OneBitAdam(OneBitOptimizer):
             ``all_reduce``); pass ``False`` when DDP already averaged them.
         average_dtype: ``torch.float32`` (default), or ``torch.bfloat16``/``torch.float16``
             (``"bf16"``/``"fp16"``) to average the warmup steps' gradients in half the bytes,
-            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision).
+            as DDP's bf16/fp16 compress hooks (the frozen variance loses some precision), or
+            ``torch.int4``/``torch.int8``: integer codes with error feedback (see
+            [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer]).
+        variance_window: see [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer].
         bias_correction, variance_floor, preconditioned_exchange: see
             [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer]. With
             ``preconditioned_exchange`` (default) step 2b exchanges ``m / (sqrt(v) + eps)`` and sets
@@ -125,6 +128,7 @@ class OneBitAdam(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
         average_dtype: torch.dtype | str = torch.float32,
+        variance_window: float | int | None = None,
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = True,
@@ -142,6 +146,7 @@ class OneBitAdam(OneBitOptimizer):
             process_group=process_group,
             average_warmup_grads=average_warmup_grads,
             average_dtype=average_dtype,
+            variance_window=variance_window,
             amsgrad=amsgrad,
             bias_correction=bias_correction,
             variance_floor=variance_floor,

@@ -134,7 +134,7 @@ class ZeroOneAdam(OneBitOptimizer):
             BERT at a large lr, out of its basin for good). ``True`` saves those bytes: with
             100k steps and ``var_freeze_step`` 20k phase 1 sends ~160 fp32 gradients, not 20k.
         amsgrad: not supported; ``True`` raises ``ValueError``.
-        process_group, average_warmup_grads, average_dtype, bias_correction, variance_floor, rescale_variance, hierarchical, ranks_per_node, decoupled_weight_decay, deepspeed_compatible: see
+        process_group, average_warmup_grads, average_dtype, variance_window, bias_correction, variance_floor, rescale_variance, hierarchical, ranks_per_node, decoupled_weight_decay, deepspeed_compatible: see
             [`OneBitOptimizer`][lightning_onebit.optim.OneBitOptimizer] (the averaged steps are
             the variance steps, 1a; ``rescale_variance`` applies in phase 2 and all-reduces on
             sync steps).
@@ -173,6 +173,7 @@ class ZeroOneAdam(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         average_warmup_grads: bool = True,
         average_dtype: torch.dtype | str = torch.float32,
+        variance_window: float | int | None = None,
         bias_correction: bool = False,
         variance_floor: float = VARIANCE_FLOOR,
         preconditioned_exchange: bool = True,
@@ -195,6 +196,7 @@ class ZeroOneAdam(OneBitOptimizer):
             process_group=process_group,
             average_warmup_grads=average_warmup_grads,
             average_dtype=average_dtype,
+            variance_window=variance_window,
             amsgrad=amsgrad,
             bias_correction=bias_correction,
             variance_floor=variance_floor,

@@ -25,11 +25,13 @@ def test_an_int4_warmup_sends_its_codes_and_trains_like_the_bf16_one(tmp_path: P
     sizes = [int(p.numel()) for p in int4[0]["params"].values()]
     aligned = sum(-(-k // 256) * 256 for k in sizes)  # each tensor in whole blocks
     chunk = -(-aligned // 512) * 256  # one rank's share, in whole blocks
-    per_call = 2 * (4 + kernels.row_bytes(chunk, 4, 256))  # 2 (W - 1) records
+    per_call = {b: 2 * (4 + kernels.row_bytes(chunk, b, 256)) for b in (4, 8)}  # 2 (W - 1) records
     for r in int4:
         assert r["phase"] == "compression" and r["skipped_steps"] == 0
         warmup = [h["bytes"] for h in r["history"] if h["phase"] == "warmup"]
-        assert warmup == [per_call] * 20  # the exchange's records; DDP's hook sends nothing
+        # the exchange's records, the variance window (a third: 7 steps) in int8; DDP's hook
+        # sends nothing
+        assert warmup == [per_call[4]] * 13 + [per_call[8]] * 7
     for a, b in zip(int4[0]["params"].values(), int4[1]["params"].values(), strict=True):
         assert torch.equal(a, b)
     # the warmup's average rounds more, but feeds the rounding back: the same loss, nearly
@@ -40,16 +42,19 @@ def test_an_int4_warmup_sends_its_codes_and_trains_like_the_bf16_one(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_run_stopped_in_the_int4_warmup_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [8, 16])  # before the variance window (steps 14-20), inside it
+def test_a_run_stopped_in_the_int4_warmup_resumes_exactly(tmp_path: Path, stop: int) -> None:
     def kw() -> dict:  # a fresh model per fit: the fork launcher copies rank 0's weights back
         return {"model": CharModel(lr=1e-3), "epoch_steps": 8}
 
     full = _fit(tmp_path / "full", _strategy("int4"), steps=24, **kw())
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
-    _fit(tmp_path / "first", _strategy("int4"), steps=8, callbacks=[ckpt], **kw())
-    path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    _fit(tmp_path / "first", _strategy("int4"), steps=stop, callbacks=[ckpt], **kw())
+    path = tmp_path / "ckpt" / f"epoch={stop // 8 - 1}-step={stop}.ckpt"
     rank_file = torch.load(f"{path}.onebit-rank1-of-2", weights_only=True)
     assert rank_file["optimizer"]["onebit"]["coded_average"] is not None
+    window = torch.load(path, weights_only=True)["optimizer_states"][0]["onebit"]
+    assert (window["window_variance"] is not None) == (stop > 13)
     resumed = _fit(tmp_path / "second", _strategy("int4"), steps=24, ckpt_path=str(path), **kw())
     for r in range(2):
         assert resumed[r]["step_count"] == full[r]["step_count"] == 24

@@ -41,35 +41,57 @@ def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
 
 
 def _by_hand_worker(rank: int, world: int, algo: str, dtype: str) -> dict:
-    """The optimizer's own coded average next to the same exchange applied by hand."""
+    """The optimizer's own coded average next to the same exchange applied by hand: at int4 the
+    variance window's steps (the default third of the warmup: steps 5 and 6) in int8, the
+    errors carried over, and their squares alone the variance the switch freezes."""
     ours, ref = _model(), _model()
     opt = MAKERS[algo](ours.parameters(), average_dtype=dtype)
     twin = MAKERS[algo](ref.parameters(), average_warmup_grads=False)
     sizes = [p.numel() for p in ref.parameters()]
-    bits = 4 if dtype == "int4" else 8
-    hand = QuantizedAllreduce(sum(sizes), bits=bits, block=256, segments=sizes)
-    sent = []
-    for t in range(5):  # the warmup (freeze at 6)
+    window = 2 if dtype == "int4" else 0
+    coarse = QuantizedAllreduce(sum(sizes), bits=4 if dtype == "int4" else 8, segments=sizes)
+    fine = QuantizedAllreduce(sum(sizes), bits=8, segments=sizes)
+    b2 = opt.param_groups[0]["betas"][1]
+    sums, weight = torch.zeros(sum(sizes), dtype=torch.float64), 0.0
+    sent, per_call = [], []
+    for t in range(6):  # the warmup: the switch after step 6
         _backward(ours, rank, t)
         opt.step()
         sent.append(opt.comm_stats["bytes_last_step"])
         _backward(ref, rank, t)
         flat = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        hand = fine if t >= 6 - window else coarse
+        if t == 6 - window:  # the same blocks: each value's error carried into int8
+            fine.worker_error.copy_(coarse.worker_error)
+            fine.server_error.copy_(coarse.server_error)
         hand(flat, out=flat)
+        per_call.append(hand.bytes_per_call)
+        if hand is fine and window:
+            sums = b2 * sums + (1 - b2) * flat.double() ** 2
+            weight = b2 * weight + (1 - b2)
         for p, g in zip(ref.parameters(), flat.split(sizes), strict=True):
             p.grad.copy_(g.view_as(p))
         twin.step()
+    frozen = sums / weight * (1 - b2**6) if window else None  # Adam's uncorrected scale
     return {
         "ours": [p.detach().clone() for p in ours.parameters()],
         "ref": [p.detach().clone() for p in ref.parameters()],
         "sent": sent,
-        "per_call": hand.bytes_per_call,
+        "per_call": per_call,
+        "variance": opt.variance.clone(),
+        "frozen": frozen,
+        "twin_variance": twin.variance.clone(),
     }
 
 
 @pytest.mark.parametrize(
     ("algo", "dtype"),
-    [("onebit_adam", "int4"), ("zero_one_adam", "int8"), ("onebit_lamb", "int4")],
+    [
+        ("onebit_adam", "int4"),
+        ("zero_one_adam", "int4"),
+        ("zero_one_adam", "int8"),
+        ("onebit_lamb", "int4"),
+    ],
 )
 def test_the_warmup_averages_in_codes_with_error_feedback(algo: str, dtype: str) -> None:
     results = run_distributed(_by_hand_worker, 2, algo, dtype)
@@ -78,10 +100,15 @@ def test_the_warmup_averages_in_codes_with_error_feedback(algo: str, dtype: str)
             assert torch.equal(a, b)  # bitwise the exchange applied by hand
             assert torch.equal(a, c)  # and the same on every rank
         # the exchange's records, and the byte per tensor that says which have a gradient
-        assert r["sent"] == [r["per_call"] + 2 * (2 - 1) * 6 // 2] * 5
+        assert r["sent"] == [n + 2 * (2 - 1) * 6 // 2 for n in r["per_call"]]
         # each tensor in whole blocks of 256: 1792 values, padded to 2048, 1024 per rank
-        bits = 4 if dtype == "int4" else 8
-        assert r["per_call"] == 2 * (4 + kernels.row_bytes(1024, bits, 256))
+        bits = [4] * 4 + [8] * 2 if dtype == "int4" else [8] * 6
+        assert r["per_call"] == [2 * (4 + kernels.row_bytes(1024, b, 256)) for b in bits]
+        if r["frozen"] is not None:  # the window's estimate, frozen (float64 reference)
+            torch.testing.assert_close(r["variance"].double(), r["frozen"], rtol=1e-5, atol=0)
+            assert not torch.allclose(r["variance"], r["twin_variance"], rtol=1e-2)
+        else:
+            assert torch.equal(r["variance"], r["twin_variance"])
 
 
 def _resume_worker(rank: int, world: int) -> dict:
@@ -178,3 +205,67 @@ def test_settings_that_cannot_average_in_codes_are_refused() -> None:
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="QuantizedAllreduce"):
             start_average(torch.zeros(4), torch.int4)
+
+
+def _window_resume_worker(rank: int, world: int) -> dict:
+    """freeze_step 9, variance_window 4: steps 6-9 in int8. A checkpoint after step 7 (inside
+    the window: its estimate and the int8 errors saved) resumed, run past the switch."""
+
+    def make(model: torch.nn.Module) -> OneBitAdam:
+        return OneBitAdam(
+            model.parameters(), lr=1e-2, freeze_step=9, average_dtype="int4", variance_window=4
+        )
+
+    def run(steps: range, model: torch.nn.Module, opt: OneBitAdam) -> None:
+        for t in steps:
+            _backward(model, rank, t)
+            opt.step()
+
+    whole = _model()
+    opt = make(whole)
+    run(range(12), whole, opt)
+    first = _model()
+    a = make(first)
+    run(range(7), first, a)
+    shared, mine = copy.deepcopy(a.state_dict()), copy.deepcopy(a.rank_state_dict())
+    saved = shared["onebit"]["window_variance"]
+    resumed = copy.deepcopy(first)
+    b = make(resumed)
+    b.load_state_dict(shared)
+    b.load_rank_state_dict(mine)
+    run(range(7, 12), resumed, b)
+    # without the window's estimate: the variance frozen from two window steps, not four
+    lost = copy.deepcopy(first)
+    c = make(lost)
+    c.load_state_dict({**shared, "onebit": {**shared["onebit"], "window_variance": None}})
+    c.load_rank_state_dict(mine)
+    run(range(7, 12), lost, c)
+    return {
+        "saved": saved is not None and saved["weights"].numel() == 6,
+        "whole": [p.detach().clone() for p in whole.parameters()] + [opt.variance.clone()],
+        "resumed": [p.detach().clone() for p in resumed.parameters()] + [b.variance.clone()],
+        "lost": [p.detach().clone() for p in lost.parameters()] + [c.variance.clone()],
+        "released": opt.window_variance.state() is None,
+    }
+
+
+def test_a_warmup_resumed_inside_the_variance_window_continues_exactly() -> None:
+    for r in run_distributed(_window_resume_worker, 2):
+        assert r["saved"] and r["released"]
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["whole"], strict=True))
+        assert not torch.equal(r["lost"][-1], r["whole"][-1])
+
+
+def test_variance_window_settings_that_cannot_work_are_refused() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for bad in (1.0, -0.1, -2, "a third", True):
+        with pytest.raises(ValueError, match="variance_window must be"):
+            OneBitAdam(params, average_dtype="int4", variance_window=bad)
+    with pytest.raises(ValueError, match="applies to average_dtype='int4'"):
+        ZeroOneAdam(params, average_dtype="int8", variance_window=0.25)
+    with pytest.raises(ValueError, match="applies to average_dtype='int4'"):
+        OneBitLamb(params, variance_window=5)
+    for fine in (None, 0, 0.0, 0.5, 7):
+        assert (
+            OneBitAdam(params, average_dtype="int4", variance_window=fine).variance_window == fine
+        )
