@@ -28,12 +28,7 @@ from lightning_onebit.comm import NonFiniteError, as_average_dtype
 from lightning_onebit.kernels import ExchangeSource
 from lightning_onebit.optim._averages import Averages
 from lightning_onebit.optim._checkpoint import Checkpointed, CheckpointLayout
-from lightning_onebit.optim._coded_average import (
-    CodedAverage,
-    WindowVariance,
-    check_coded,
-    check_variance_window,
-)
+from lightning_onebit.optim._coded_average import CodedAverage, WindowVariance, check_coded
 from lightning_onebit.optim._connections import Connections
 from lightning_onebit.optim._counters import CommCounters, restore, snapshot
 from lightning_onebit.optim._divergence import DivergenceWatch
@@ -83,11 +78,8 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
             ``torch.float16`` (``"bf16"``/``"fp16"``: half the bytes, a less precise variance),
             or integer codes with error feedback, ``torch.int8``/``torch.int4`` (``"int4"``:
             7.8x fewer bytes than fp32; needs ``average_warmup_grads``, one level).
-        variance_window: with ``average_dtype=torch.int4``: the warmup's last steps (a float:
-            a fraction of the warmup; an int: steps; ``None``: ``VARIANCE_WINDOW``, a third)
-            average in int8, and their squared averages alone estimate the variance the switch
-            freezes (4-bit rounding noise would inflate it where values are small against
-            their block's largest). 0: every warmup step in int4, the variance fed from them.
+        variance_window: with ``torch.int4``: the warmup's last steps (a fraction, or steps;
+            ``None``: a third; 0: none) average in int8; their squares alone are frozen.
         bias_correction: torch Adam's bias correction on the full-precision steps, folded into
             ``m`` and ``v`` at the switch. ``False`` (default): DeepSpeed's.
         variance_floor: ``f``: where a variance preconditions 1-bit steps, raise it to at least
@@ -181,8 +173,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         if not decoupled_weight_decay:  # a group key only where it is not the default
             defaults = {**defaults, "decoupled_weight_decay": False}
         average_dtype = as_average_dtype(average_dtype)
-        check_coded(average_dtype, average_warmup_grads, hierarchical is True)
-        check_variance_window(variance_window, average_dtype)
+        check_coded(average_dtype, average_warmup_grads, hierarchical is True, variance_window)
         self._check_hparams(defaults)  # the same message as check_options: no prefix
         check_shared_options(shared)
         super().__init__(params, defaults)
@@ -192,8 +183,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         self.rescale_variance = bool(shared["rescale_variance"])
         self.average_warmup_grads, self.average_dtype = bool(average_warmup_grads), average_dtype
         self.coded_average = CodedAverage()  # average_dtype int4/int8: its error buffers
-        self.variance_window = variance_window
-        self.window_variance = WindowVariance()  # the variance window's estimate
+        self.variance_window, self.window_variance = variance_window, WindowVariance()
         #: parameter -> name, for messages (``OneBitStrategy`` fills it from the module)
         self.param_names: dict[torch.Tensor, str] = {}
         #: ``id`` s of the parameters whose averaged gradients the caller provides (``None``: all)
@@ -397,12 +387,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
         self._held.release(self)  # the switch step's: before the state changes meaning
         self.phases.switch()
         flat, groups, bias = self.flat, self.param_groups, bias_correction(self)
-        if self.window_variance.active:
-            # int4's variance window: the frozen variance is the window's estimate, in the scale
-            # of Adam's uncorrected variance (the fold below corrects it as it would have)
-            bc2 = [bias.of(gi, j)[1] for j, gi in enumerate(flat.layout.group_of)]
-            self.window_variance.apply_(flat.layout, flat.states["exp_avg_sq"], bc2)
-        self.window_variance.release()
+        self.window_variance.freeze_into_(flat, bias)  # int4: the variance window's estimate
         if self.rescale.enabled:  # Adam's variance as it stands: before the fold and floor
             bc2 = [bias.of(gi, j)[1] for j, gi in enumerate(flat.layout.group_of)]
             self.rescale.at_switch_(flat, bc2, self.variance_updates)

@@ -20,7 +20,8 @@ import torch
 from lightning_onebit.comm import CODED_BITS, QuantizedAllreduce
 
 if TYPE_CHECKING:
-    from lightning_onebit.optim._flat import Layout
+    from lightning_onebit.optim._flat import FlatState, Layout
+    from lightning_onebit.optim._variance import BiasCorrection
 
 __all__ = ["VARIANCE_WINDOW", "CodedAverage", "WindowVariance", "check_coded", "window_steps"]
 
@@ -57,9 +58,16 @@ def window_steps(window: float | int | None, switch_step: int) -> int:
     return min(steps, switch_step)
 
 
-def check_coded(dtype: torch.dtype, average_warmup_grads: bool, two_levels: bool) -> None:
+def check_coded(
+    dtype: torch.dtype,
+    average_warmup_grads: bool,
+    two_levels: bool,
+    variance_window: float | int | None = None,
+) -> None:
     """Raise ``ValueError`` where an integer-coded ``dtype`` cannot be averaged: by a caller
-    (``average_warmup_grads=False``: DDP's hooks keep no error buffers) or in two levels."""
+    (``average_warmup_grads=False``: DDP's hooks keep no error buffers) or in two levels; or
+    where ``variance_window`` is not one (``check_variance_window``)."""
+    check_variance_window(variance_window, dtype)
     if dtype in CODED_BITS and (two_levels or not average_warmup_grads):
         raise ValueError(
             f"average_dtype={dtype} is averaged by the optimizer itself, over one level: it "
@@ -209,6 +217,16 @@ class WindowVariance:
             else:
                 w.copy_(torch.where(ok, new_w, w))
                 self.weights[j] = torch.where(ok, new_c, self.weights[j])
+
+    def freeze_into_(self, flat: FlatState, bias: BiasCorrection) -> None:
+        """At the switch: the flat variance becomes the window's estimate (where there is one),
+        in the scale of Adam's uncorrected variance (``1 - beta2**k`` per parameter, from
+        ``bias``: the switch then corrects it as it would have); the estimate is let go."""
+        if self.active:
+            of = flat.layout.group_of
+            bc2 = [bias.of(gi, j)[1] for j, gi in enumerate(of)]
+            self.apply_(flat.layout, flat.states["exp_avg_sq"], bc2)
+        self.release()
 
     def apply_(self, layout: Layout, variance: torch.Tensor, corrections: list[float]) -> bool:
         """At the switch: each parameter's flat ``variance`` becomes its window mean square
