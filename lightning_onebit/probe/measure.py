@@ -20,7 +20,7 @@ from lightning_onebit.comm import (
     hierarchical_average,
     start_average,
 )
-from lightning_onebit.optim import OneBitAdam
+from lightning_onebit.optim import VARIANCE_WINDOW, OneBitAdam
 from lightning_onebit.probe.launch import LaunchInfo, ProbeError
 from lightning_onebit.probe.timing import (
     Link,
@@ -35,7 +35,13 @@ from lightning_onebit.probe.workload import Compute, build_model, overlapped
 __all__ = ["IN_STEP", "Measured", "probe"]
 
 #: methods that run in ``optimizer.step()``, after backward (not overlapped with it)
-IN_STEP = ("int4",)
+IN_STEP = ("int4", "int8")
+
+
+def _int4_warmup_mean(int4: float, int8: float) -> float:
+    """The mean over an int4 warmup's steps of a per-step quantity measured in int4 and in int8:
+    its last ``VARIANCE_WINDOW`` (a third) averages in int8."""
+    return (1 - VARIANCE_WINDOW) * int4 + VARIANCE_WINDOW * int8
 
 
 @dataclass
@@ -75,12 +81,15 @@ def _comm_methods(
 
     methods["fp32"], methods["bf16"] = fp32, bf16
     exchanges: dict[tuple[str, int, int], Any] = {}
-    coded = QuantizedAllreduce(numel, device, bits=4)
+    coded = {bits: QuantizedAllreduce(numel, device, bits=bits) for bits in (4, 8)}
 
     def int4(sl: slice) -> None:  # the whole buffer in step(), as the optimizers average it
-        coded(flat)
+        coded[4](flat)
 
-    methods["int4"] = int4
+    def int8(sl: slice) -> None:  # the int4 warmup's variance window
+        coded[8](flat)
+
+    methods["int4"], methods["int8"] = int4, int8
 
     def exchange(kind: str) -> Callable[[slice], None]:
         def run(sl: slice) -> None:
@@ -235,13 +244,19 @@ def probe(
         repeats,
     )
     exposed_s.update({name: comm_s[name] for name in IN_STEP})  # after backward: all exposed
+    for times in (comm_s, exposed_s):  # the int4 warmup's mean step: its window in int8
+        times["int4"] = _int4_warmup_mean(times["int4"], times.pop("int8"))
     compute_s = slowest_of_free_running(alone, device, 2 * repeats)
     if model is None and step_ms:  # the stand-in is backward only; contention on shared cores
         compute_s = step_ms / 1000 + max(0.0, compute_s - step_ms / 1000 * 2 / 3)
     update_s, kernels_s = _updates(numel, device, repeats)
 
     flat_x = CompressedAllreduce(numel, device=device)
-    coded_b = QuantizedAllreduce(numel, device, bits=4).bytes_per_call
+    coded_b = round(
+        _int4_warmup_mean(
+            *(QuantizedAllreduce(numel, device, bits=b).bytes_per_call for b in (4, 8))
+        )
+    )
     bytes_step = {
         "fp32": fp32_allreduce_bytes(numel, w),
         "bf16": fp32_allreduce_bytes(numel, w) // 2,
