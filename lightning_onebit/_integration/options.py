@@ -233,9 +233,10 @@ class StrategyOptions:
         variance_window: with ``average_dtype="int4"``: the warmup's last steps (a float: a
             fraction of the warmup; an int: steps) average in int8, and their squares alone
             estimate the variance the switch freezes (4-bit rounding noise would inflate it
-            where values are small against their block's largest). ``None``: a third of the
-            warmup (``variance_window`` of the optimizer from ``configure_optimizers``, if it
-            is one); 0: every warmup step in int4.
+            where values are small against their block's largest). ``None``: the steps Adam's
+            variance remembers, ``1 / (1 - beta2)`` (at most the warmup; or the
+            ``variance_window`` of the optimizer from ``configure_optimizers``, if it is one);
+            0: every warmup step in int4.
         hierarchical: on several nodes, full precision inside a node and the 1-bit exchange
             only between nodes (``devices`` times fewer bytes through each node's link).
             ``"auto"``: on with several nodes of several processes; ``True``: the same, with a

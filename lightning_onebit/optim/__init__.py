@@ -13,7 +13,6 @@ averaging contract.
 """
 
 from lightning_onebit.optim._base import OneBitOptimizer
-from lightning_onebit.optim._coded_average import VARIANCE_WINDOW
 from lightning_onebit.optim._divergence import DIVERGENCE_ACTIONS, DivergenceError, DivergenceWatch
 from lightning_onebit.optim._phase import Phase
 from lightning_onebit.optim.onebit_adam import OneBitAdam
@@ -25,7 +24,6 @@ DivergenceError.__module__ = __name__
 
 __all__ = [
     "DIVERGENCE_ACTIONS",
-    "VARIANCE_WINDOW",
     "DivergenceError",
     "DivergenceWatch",
     "OneBitAdam",

@@ -142,7 +142,8 @@ class Averages:
     def _in_variance_window(self) -> bool:
         """Whether this step is one of the warmup's last ``variance_window`` steps before the
         built-in switch (``switch_step``)."""
-        steps = window_steps(self.variance_window, self.switch_step)
+        beta2 = max(group["betas"][1] for group in self.param_groups)  # the longest memory
+        steps = window_steps(self.variance_window, self.switch_step, beta2)
         return steps > 0 and self.step_count > self.switch_step - steps
 
     def _average_uncovered_(self, grads: list[torch.Tensor | None]) -> None:

@@ -79,7 +79,7 @@ class OneBitOptimizer(Connections, Averages, Checkpointed, Optimizer, metaclass=
             or integer codes with error feedback, ``torch.int8``/``torch.int4`` (``"int4"``:
             7.8x fewer bytes than fp32; needs ``average_warmup_grads``, one level).
         variance_window: with ``torch.int4``: the warmup's last steps (a fraction, or steps;
-            ``None``: a third; 0: none) average in int8; their squares alone are frozen.
+            ``None``: ``1 / (1 - beta2)``; 0: none) average in int8; theirs is the frozen variance.
         bias_correction: torch Adam's bias correction on the full-precision steps, folded into
             ``m`` and ``v`` at the switch. ``False`` (default): DeepSpeed's.
         variance_floor: ``f``: where a variance preconditions 1-bit steps, raise it to at least

@@ -6,7 +6,8 @@ checkpoint, so a resumed run continues exactly.
 
 At 4 bits the rounding noise of the small values of a block (small against its largest) adds
 to their squares, and the variance the switch freezes would remember it: the warmup's last
-``variance_window`` steps average in int8 instead, and their squares alone estimate the
+``variance_window`` steps (by default the ``1 / (1 - beta2)`` steps that variance remembers)
+average in int8 instead, and their squares alone estimate the
 variance that is frozen (``WindowVariance``), while the warmup's own Adam steps go on with the
 variance fed from every step."""
 
@@ -23,11 +24,7 @@ if TYPE_CHECKING:
     from lightning_onebit.optim._flat import FlatState, Layout
     from lightning_onebit.optim._variance import BiasCorrection
 
-__all__ = ["VARIANCE_WINDOW", "CodedAverage", "WindowVariance", "check_coded", "window_steps"]
-
-
-#: The default ``variance_window`` of an int4 average: the last third of the warmup.
-VARIANCE_WINDOW = 1 / 3
+__all__ = ["CodedAverage", "WindowVariance", "check_coded", "window_steps"]
 
 
 def check_variance_window(window: float | int | None, dtype: torch.dtype | None) -> None:
@@ -40,7 +37,8 @@ def check_variance_window(window: float | int | None, dtype: torch.dtype | None)
     ):
         raise ValueError(
             "variance_window must be a fraction of the warmup in [0, 1) (a float), a number of "
-            f"steps >= 0 (an int) or None (a third of the warmup), got {window!r}"
+            f"steps >= 0 (an int) or None (the variance's memory, 1 / (1 - beta2) steps), got "
+            f"{window!r}"
         )
     if window and dtype is not None and dtype != torch.int4:
         raise ValueError(
@@ -49,12 +47,15 @@ def check_variance_window(window: float | int | None, dtype: torch.dtype | None)
         )
 
 
-def window_steps(window: float | int | None, switch_step: int) -> int:
-    """The ``variance_window`` (``None``: ``VARIANCE_WINDOW``) in steps, for a switch after
-    step ``switch_step``: a fraction of it rounded, a number of steps as it is, at most
-    ``switch_step``."""
-    window = VARIANCE_WINDOW if window is None else window
-    steps = round(window * switch_step) if isinstance(window, float) else int(window)
+def window_steps(window: float | int | None, switch_step: int, beta2: float) -> int:
+    """The ``variance_window`` in steps, for a switch after step ``switch_step``: a fraction of
+    it rounded, a number of steps as it is, ``None`` the steps Adam's variance remembers,
+    ``1 / (1 - beta2)`` (a shorter window would estimate the frozen variance from fewer
+    squares than Adam's own, a noisier estimate); at most ``switch_step``."""
+    if window is None:
+        steps = switch_step if beta2 >= 1 else round(1 / (1 - beta2))
+    else:
+        steps = round(window * switch_step) if isinstance(window, float) else int(window)
     return min(steps, switch_step)
 
 

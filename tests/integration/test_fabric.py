@@ -269,7 +269,8 @@ def test_an_int4_warmup_in_a_fabric_loop_equals_the_trainer_run(tmp_path: Path) 
     """``average_dtype="int4"``: the optimizer averages the warmup itself under Fabric too
     (DDP's hook sends nothing), with the Trainer's numbers and bytes."""
     steps, switch = 16, 8
-    kw = {"freeze_step": switch, "average_dtype": "int4", "start_method": "fork"}
+    kw = {"freeze_step": switch, "average_dtype": "int4", "variance_window": 3}
+    kw["start_method"] = "fork"
     lr = LR["onebit_adam"]
     trainer = _fit(tmp_path / "trainer", OneBitStrategy(**kw), steps=steps, model=CharModel(lr=lr))
     fabric = _fabric(

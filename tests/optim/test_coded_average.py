@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning_onebit import kernels
 from lightning_onebit.comm import QuantizedAllreduce, start_average
 from lightning_onebit.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from lightning_onebit.optim._coded_average import window_steps
 from tests.helpers.dist import run_distributed
 
 MAKERS: dict[str, Any] = {
@@ -42,13 +43,13 @@ def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
 
 def _by_hand_worker(rank: int, world: int, algo: str, dtype: str) -> dict:
     """The optimizer's own coded average next to the same exchange applied by hand: at int4 the
-    variance window's steps (the default third of the warmup: steps 5 and 6) in int8, the
-    errors carried over, and their squares alone the variance the switch freezes."""
+    variance window's steps (2: steps 5 and 6) in int8, the errors carried over, and their
+    squares alone the variance the switch freezes."""
     ours, ref = _model(), _model()
-    opt = MAKERS[algo](ours.parameters(), average_dtype=dtype)
+    window = 2 if dtype == "int4" else 0
+    opt = MAKERS[algo](ours.parameters(), average_dtype=dtype, variance_window=window)
     twin = MAKERS[algo](ref.parameters(), average_warmup_grads=False)
     sizes = [p.numel() for p in ref.parameters()]
-    window = 2 if dtype == "int4" else 0
     coarse = QuantizedAllreduce(sum(sizes), bits=4 if dtype == "int4" else 8, segments=sizes)
     fine = QuantizedAllreduce(sum(sizes), bits=8, segments=sizes)
     b2 = opt.param_groups[0]["betas"][1]
@@ -269,3 +270,11 @@ def test_variance_window_settings_that_cannot_work_are_refused() -> None:
         assert (
             OneBitAdam(params, average_dtype="int4", variance_window=fine).variance_window == fine
         )
+
+
+def test_the_default_window_is_the_steps_the_variance_remembers() -> None:
+    assert window_steps(None, 60, 0.95) == 20  # 1 / (1 - beta2)
+    assert window_steps(None, 40, 0.999) == 40  # at most the warmup
+    assert window_steps(None, 40, 1.0) == 40
+    assert window_steps(0.25, 60, 0.95) == 15 and window_steps(7, 60, 0.95) == 7
+    assert window_steps(100, 60, 0.9) == 60 and window_steps(0, 60, 0.9) == 0
