@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_onebit.optim._coded_average import window_steps
 from lightning_onebit.probe.measure import Measured
 from lightning_onebit.probe.timing import buckets
 
@@ -61,6 +62,20 @@ def bucket_penalty(m: Measured, comm: str, cap_mb: float) -> float:
     return max(extra_calls + extra_tail, -t)
 
 
+#: the beta2 the int4 warmup's variance window is predicted for: torch Adam's default
+ADAM_BETA2 = 0.999
+
+
+def _comm(m: Measured, comm: str, warm_steps: int) -> dict[str, float]:
+    """``comm``'s measured per-step time alone and exposed and bytes; the int4 warmup's (of
+    ``warm_steps``) their mean over its int4 steps and its variance window's int8 steps."""
+    keys = ("comm_s", "exposed_s", "bytes_step", "bytes_node")
+    if comm != "int4" or "int8" not in m.comm_s:
+        return {k: getattr(m, k)[comm] for k in keys}
+    f = window_steps(None, warm_steps, ADAM_BETA2) / max(warm_steps, 1)
+    return {k: (1 - f) * getattr(m, k)["int4"] + f * getattr(m, k)["int8"] for k in keys}
+
+
 def method_costs(m: Measured, steps: int, warmup_fraction: float) -> dict[str, dict[str, Any]]:
     """Per method of ``PLANS`` whose communication was measured: the predicted step time of each
     phase (compute + exposed communication + update), bytes per step, and the run's end-to-end
@@ -72,15 +87,16 @@ def method_costs(m: Measured, steps: int, warmup_fraction: float) -> dict[str, d
             continue
         phase = {}
         for ph, comm, upd in (("warmup", c_warm, u_warm), ("compression", c_comp, u_comp)):
-            exposed = max(0.0, m.exposed_s[comm])
+            c = _comm(m, comm, warm_steps)
+            exposed = max(0.0, c["exposed_s"])
             phase[ph] = {
                 "step_s": m.compute_s + exposed + m.update_s[upd],
                 "compute_s": m.compute_s,
                 "comm_exposed_s": exposed,
-                "comm_alone_s": m.comm_s[comm],
+                "comm_alone_s": c["comm_s"],
                 "update_s": m.update_s[upd],
-                "bytes": m.bytes_step[comm],
-                "bytes_node": m.bytes_node[comm],
+                "bytes": c["bytes_step"],
+                "bytes_node": c["bytes_node"],
             }
         if key.startswith("ddp"):
             run_s = steps * phase["compression"]["step_s"]

@@ -20,7 +20,7 @@ from lightning_onebit.comm import (
     hierarchical_average,
     start_average,
 )
-from lightning_onebit.optim import VARIANCE_WINDOW, OneBitAdam
+from lightning_onebit.optim import OneBitAdam
 from lightning_onebit.probe.launch import LaunchInfo, ProbeError
 from lightning_onebit.probe.timing import (
     Link,
@@ -36,12 +36,6 @@ __all__ = ["IN_STEP", "Measured", "probe"]
 
 #: methods that run in ``optimizer.step()``, after backward (not overlapped with it)
 IN_STEP = ("int4", "int8")
-
-
-def _int4_warmup_mean(int4: float, int8: float) -> float:
-    """The mean over an int4 warmup's steps of a per-step quantity measured in int4 and in int8:
-    its last ``VARIANCE_WINDOW`` (a third) averages in int8."""
-    return (1 - VARIANCE_WINDOW) * int4 + VARIANCE_WINDOW * int8
 
 
 @dataclass
@@ -244,24 +238,19 @@ def probe(
         repeats,
     )
     exposed_s.update({name: comm_s[name] for name in IN_STEP})  # after backward: all exposed
-    for times in (comm_s, exposed_s):  # the int4 warmup's mean step: its window in int8
-        times["int4"] = _int4_warmup_mean(times["int4"], times.pop("int8"))
     compute_s = slowest_of_free_running(alone, device, 2 * repeats)
     if model is None and step_ms:  # the stand-in is backward only; contention on shared cores
         compute_s = step_ms / 1000 + max(0.0, compute_s - step_ms / 1000 * 2 / 3)
     update_s, kernels_s = _updates(numel, device, repeats)
 
     flat_x = CompressedAllreduce(numel, device=device)
-    coded_b = round(
-        _int4_warmup_mean(
-            *(QuantizedAllreduce(numel, device, bits=b).bytes_per_call for b in (4, 8))
-        )
-    )
+    coded_b = {b: QuantizedAllreduce(numel, device, bits=b).bytes_per_call for b in (4, 8)}
     bytes_step = {
         "fp32": fp32_allreduce_bytes(numel, w),
         "bf16": fp32_allreduce_bytes(numel, w) // 2,
         "onebit": flat_x.bytes_per_call,
-        "int4": coded_b,
+        "int4": coded_b[4],
+        "int8": coded_b[8],
     }
     # per node: a ring in rank order crosses each node's link with one rank's traffic; the
     # coded average's records to the ranks of other nodes leave it
@@ -270,7 +259,7 @@ def probe(
         "fp32": ring_node,
         "bf16": ring_node // 2,
         "onebit": ll * flat_x.inter_node_bytes_per_call(ll) if nodes_n > 1 else 0,
-        "int4": ll * coded_b * (w - ll) // (w - 1) if nodes_n > 1 else 0,
+        **{f"int{b}": ll * coded_b[b] * (w - ll) // (w - 1) if nodes_n > 1 else 0 for b in (4, 8)},
     }
     if nodes is not None:
         hx = HierarchicalAllreduce(numel, nodes, device=device)

@@ -230,3 +230,10 @@ def test_the_recommendation_follows_the_exposed_communication() -> None:
     assert rec["method"] == "onebit_int4" and rec["options"]["average_dtype"] == "int4"
     assert pred["methods"]["onebit_int4"]["warmup"]["step_s"] == pytest.approx(0.5 + 0.16 + 0.01)
     assert pred["methods"]["onebit_bf16"]["run_s"] > rec["run_s"]
+    # with int8 measured too, the variance window's steps (at torch Adam's beta2 0.999, 1000
+    # steps, at most the warmup) are int8's: a warmup of 200 all int8, of 4000 a quarter
+    window = {**coded, "int8": 0.3}
+    for steps, share in ((1000, 1.0), (20000, 0.25)):
+        warm = predict(_measured(1.2, window), steps, 0.2)["methods"]["onebit_int4"]["warmup"]
+        exposed = (1 - share) * 0.16 + share * 0.3
+        assert warm["step_s"] == pytest.approx(0.5 + exposed + 0.01)
