@@ -177,11 +177,6 @@ class WindowVariance:
         #: a loaded state the next ``feed_`` takes
         self.pending: dict[str, Any] | None = None
 
-    @property
-    def active(self) -> bool:
-        """Whether there is an estimate (or a loaded one) to apply at the switch."""
-        return self.sums is not None or self.pending is not None
-
     def feed_(
         self,
         layout: Layout,
@@ -220,30 +215,20 @@ class WindowVariance:
                 self.weights[j] = torch.where(ok, new_c, self.weights[j])
 
     def freeze_into_(self, flat: FlatState, bias: BiasCorrection) -> None:
-        """At the switch: the flat variance becomes the window's estimate (where there is one),
-        in the scale of Adam's uncorrected variance (``1 - beta2**k`` per parameter, from
-        ``bias``: the switch then corrects it as it would have); the estimate is let go."""
-        if self.active:
-            of = flat.layout.group_of
-            bc2 = [bias.of(gi, j)[1] for j, gi in enumerate(of)]
-            self.apply_(flat.layout, flat.states["exp_avg_sq"], bc2)
-        self.release()
-
-    def apply_(self, layout: Layout, variance: torch.Tensor, corrections: list[float]) -> bool:
-        """At the switch: each parameter's flat ``variance`` becomes its window mean square
-        times its ``corrections`` (``1 - beta2**k``: the scale of Adam's uncorrected variance,
-        which the switch then corrects as it would have), where the window saw a gradient of
-        it; return whether there was a window estimate to apply."""
+        """At the switch: each parameter's flat variance becomes its window mean square (where
+        the window saw a gradient of it) times ``1 - beta2**k`` from ``bias``, the scale of
+        Adam's uncorrected variance, which the switch then corrects as it would have; the
+        estimate is let go."""
+        layout = flat.layout
         if self.pending is not None:
             self._adopt(layout)
-        if self.sums is None or self.key != layout.key:
-            return False
-        assert self.weights is not None
-        pairs = zip(layout.views(variance), layout.views(self.sums), strict=True)
-        for j, (v, w) in enumerate(pairs):
-            c = self.weights[j]
-            v.copy_(torch.where(c > 0, w * (corrections[j] / c.clamp_min(1e-30)), v))
-        return True
+        if self.sums is not None and self.weights is not None and self.key == layout.key:
+            variance = flat.states["exp_avg_sq"]
+            pairs = zip(layout.views(variance), layout.views(self.sums), strict=True)
+            for j, (v, w) in enumerate(pairs):
+                c, bc2 = self.weights[j], bias.of(layout.group_of[j], j)[1]
+                v.copy_(torch.where(c > 0, w * (bc2 / c.clamp_min(1e-30)), v))
+        self.release()
 
     def release(self) -> None:
         """Let go of the estimate (at the switch)."""
@@ -258,7 +243,7 @@ class WindowVariance:
         return {"sums": self.sums.detach().cpu().clone(), "weights": self.weights.cpu().clone()}
 
     def load(self, state: dict[str, Any] | None) -> None:
-        """Take a ``state`` at the next ``feed_`` or ``apply_`` (``None``: none)."""
+        """Take a ``state`` at the next ``feed_`` or ``freeze_into_`` (``None``: none)."""
         self.release()
         self.pending = state
 
