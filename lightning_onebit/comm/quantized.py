@@ -112,6 +112,9 @@ class QuantizedAllreduce:
         #: bytes of one record: the flag, then the chunk's row (kernels.row_bytes)
         self.record_bytes = 4 + kernels.row_bytes(self.chunk_numel, bits, block)
         self._buffers: dict[str, torch.Tensor] = {}
+        #: the started average: None, "deferred"/"served" (server error written), "failed"
+        self._started: str | None = None
+        self._non_finite: NonFiniteError | None = None
         self.bytes_sent = 0  # this rank, last call
         self.total_bytes_sent = 0
         self.calls = 0
@@ -158,9 +161,6 @@ class QuantizedAllreduce:
                 f"{x.numel()} {tensor.dtype} (contiguous: {x.is_contiguous()})"
             )
         out = torch.empty_like(tensor) if out is None else out
-        if self.starts is None and self.numel == self.padded_numel:  # its own layout already
-            self._average(x, out.view(-1))
-            return out
         views = self.segment_views()
         torch._foreach_copy_(views, list(x.split(self.sizes)))
         self.average_in_place()
@@ -183,16 +183,27 @@ class QuantizedAllreduce:
         Raises:
             NonFiniteError: as a call does; the views keep their inputs.
         """
-        aligned = self._buffer("aligned")
-        self._average(aligned, aligned)
+        if not self.start_in_place(defer=False):
+            raise self._non_finite
+        self.commit()
 
-    def _average(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """The two stages from ``x`` (the exchange's layout, or its first ``numel`` values)
-        into ``out`` (``padded_numel`` values; may be ``x``)."""
+    def start_in_place(self, *, defer: bool = True) -> bool:
+        """The collectives of an average of the values in
+        [`segment_views`][lightning_onebit.comm.quantized.QuantizedAllreduce.segment_views] (which
+        must stay as they are until [`commit`][lightning_onebit.comm.quantized.QuantizedAllreduce.commit]);
+        nothing is written to the views or, with ``defer``, to the error buffers yet, so that
+        several exchanges (the buckets of one average) can start one by one and then all go
+        through or none (``discard``).
+
+        Returns:
+            Whether every rank's input was finite (the same on every rank); if not, the server
+            stage was skipped on every rank and only ``discard`` may follow.
+        """
+        aligned = self._buffer("aligned")
         w, m, codec = self.world_size, self.chunk_numel, {"bits": self.bits, "block": self.block}
         werr, send = self._buffer("worker_error"), self._buffer("send")
         # 1. encode y = x + e_w; the error is written only once every rank's input is finite
-        kernels.quantize(x, werr, send[:, 4:], **codec, write_error=False)
+        kernels.quantize(aligned, werr, send[:, 4:], **codec, write_error=False)
         flag = send[:, 4 : 4 + 4 * (m // self.block)].view(torch.float32).amax()
         send[:, :4].view(torch.float32).copy_(flag.expand(w, 1))
         recv = send if w == 1 else self._buffer("recv")
@@ -205,26 +216,54 @@ class QuantizedAllreduce:
             self.bytes_sent = self.bytes_per_call // 2
             self.total_bytes_sent += self.bytes_sent
             bad = [i for i, v in enumerate(flags.tolist()) if not math.isfinite(v)]
-            raise NonFiniteError(
+            self._non_finite = NonFiniteError(
                 f"non-finite values (NaN/Inf) entered the integer-coded average on rank(s) {bad} "
                 f"of {w} (call {self.calls}); every rank stops in this call with its error "
                 "buffers unchanged"
             )
-        kernels.quantize(x, werr, send[:, 4:], **codec)  # the same codes, and now e_w
-        if w == 1:  # the one chunk's mean is its decoded self: no server stage, no server error
-            gathered = send
-        else:
-            # 3. this rank serves its chunk: average, re-encode with the server error
+            self._started = "failed"
+            return False
+        if w > 1:
+            # 3. this rank serves its chunk: average, re-encode with the server error (written
+            # now unless deferred: then ``commit`` computes the same row again and writes it)
             rec, serr = self._buffer("server_record"), self._buffer("server_error")
-            kernels.quantized_reduce(recv[:, 4:], serr, rec[4:], m=m, **codec)
+            kernels.quantized_reduce(
+                recv[:, 4:], serr, rec[4:], m=m, **codec, write_error=not defer
+            )
             rec[:4].zero_()
             # 4. every rank gathers every server's chunk
-            gathered = self._buffer("gathered")
             with explained("all_gather", self.rank, w):
-                all_gather_single(gathered.view(-1), rec, group=self.group)
+                all_gather_single(self._buffer("gathered").view(-1), rec, group=self.group)
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
-        kernels.dequantize(gathered[:, 4:], out, m=m, **codec)  # (x is not read again)
+        self._started = "deferred" if defer else "served"
+        return True
+
+    def commit(self) -> None:
+        """Finish the average ``start_in_place`` started: write the error buffers and the
+        average into the views."""
+        if self._started not in ("deferred", "served"):
+            raise RuntimeError("commit() follows a start_in_place() whose inputs were finite")
+        aligned = self._buffer("aligned")
+        m, codec = self.chunk_numel, {"bits": self.bits, "block": self.block}
+        send = self._buffer("send")
+        kernels.quantize(aligned, self._buffer("worker_error"), send[:, 4:], **codec)  # e_w
+        if self.world_size == 1:  # the one chunk's mean is its decoded self: no server stage
+            gathered = send
+        else:
+            gathered = self._buffer("gathered")
+            if self._started == "deferred":
+                rec = self._buffer("server_record")  # (gathered already: free to rewrite)
+                kernels.quantized_reduce(
+                    self._buffer("recv")[:, 4:], self._buffer("server_error"), rec[4:], m=m, **codec
+                )
+        self._started = None
+        kernels.dequantize(gathered[:, 4:], aligned, m=m, **codec)  # (x is not read again)
+
+    def discard(self) -> None:
+        """Forget a started average (its inputs stay in the views, the error buffers as they
+        were)."""
+        self._started = None
 
     # ------------------------------------------------------------------ state
 

@@ -77,11 +77,15 @@ def _comm_methods(
     exchanges: dict[tuple[str, int, int], Any] = {}
     coded = {bits: QuantizedAllreduce(numel, device, bits=bits) for bits in (4, 8)}
 
+    def average_coded(bits: int) -> None:  # gathered into the exchange's layout, averaged there
+        coded[bits].segment_views()[0].copy_(flat)
+        coded[bits].average_in_place()
+
     def int4(sl: slice) -> None:  # the whole buffer in step(), as the optimizers average it
-        coded[4](flat)
+        average_coded(4)
 
     def int8(sl: slice) -> None:  # the int4 warmup's variance window
-        coded[8](flat)
+        average_coded(8)
 
     methods["int4"], methods["int8"] = int4, int8
 

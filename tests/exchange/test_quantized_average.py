@@ -179,3 +179,43 @@ def test_one_rank_encodes_and_keeps_its_error_and_state_round_trips() -> None:
     assert not ex.worker_error.any()
     with pytest.raises(ValueError, match="contiguous float32"):
         ex(torch.zeros(n, dtype=torch.float64))
+
+
+def _split_worker(rank: int, world: int) -> dict:
+    """Two exchanges (the buckets of one average) started one after the other, then committed
+    or discarded together, next to the same two averaged whole in calls."""
+    sizes = [[700, 4], [1500, 33]]
+    started = [QuantizedAllreduce(sum(s), bits=4, segments=s) for s in sizes]
+    whole = [QuantizedAllreduce(sum(s), bits=4, segments=s) for s in sizes]
+    outs, kept = [], []
+    for t in range(4):
+        xs = [_inputs(rank, 10 * t + k, sum(s)) for k, s in enumerate(sizes)]
+        if t == 2 and rank == 1:
+            xs[1][5] = float("inf")  # the second bucket of this call: neither goes through
+        before = [ex.worker_error.clone() for ex in started]
+        for ex, x in zip(started, xs, strict=True):
+            torch._foreach_copy_(ex.segment_views(), list(x.split(ex.sizes)))
+        finite = [ex.start_in_place() for ex in started]
+        if all(finite):
+            for ex in started:
+                ex.commit()
+            outs.append([torch.cat(ex.segment_views()).clone() for ex in started])
+            outs.append([ex(x) for ex, x in zip(whole, xs, strict=True)])
+        else:
+            for ex in started:
+                ex.discard()
+            kept.append(
+                [torch.equal(b, ex.worker_error) for b, ex in zip(before, started, strict=True)]
+            )
+            inputs = [torch.cat(ex.segment_views()) for ex in started]
+            kept.append([torch.equal(a, x) for a, x in zip(inputs, xs, strict=True)])
+            finite_seen = finite
+    return {"outs": outs, "kept": kept, "finite": finite_seen}
+
+
+def test_averages_started_apart_go_through_together_or_not_at_all() -> None:
+    for r in run_distributed(_split_worker, 2):
+        assert r["finite"] == [True, False]  # the same verdict on every rank
+        assert r["kept"] == [[True, True], [True, True]]  # errors as they were; inputs kept
+        for split, whole in zip(r["outs"][::2], r["outs"][1::2], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(split, whole, strict=True))
