@@ -225,8 +225,9 @@ class StrategyOptions:
             below the gradients' batch noise. ``"float32"``: the warmup is torch's Adam on
             DDP's average, step for step. ``"int4"``/``"int8"``: integer codes with a scale
             per block of 256 values and error feedback, 7.8x/3.9x fewer bytes than fp32; the
-            optimizer averages them itself (DDP sends nothing), in ``optimizer.step()``, and
-            keeps the rounding errors (in the rank files); one level only
+            optimizer averages them itself (DDP sends nothing), overlapped with backward in the
+            buckets of ``overlap_bucket_mb`` (else in ``optimizer.step()``), and keeps the
+            rounding errors (in the rank files); one level only
             (``hierarchical=False`` on several nodes). ``None``: ``"bf16"`` for an optimizer
             the strategy builds (``"float32"`` with ``deepspeed_compatible``), else what the
             optimizer from ``configure_optimizers`` was given.

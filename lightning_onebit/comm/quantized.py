@@ -114,7 +114,6 @@ class QuantizedAllreduce:
         self._buffers: dict[str, torch.Tensor] = {}
         #: the started average: None, "deferred"/"served" (server error written), "failed"
         self._started: str | None = None
-        self._non_finite: NonFiniteError | None = None
         self.bytes_sent = 0  # this rank, last call
         self.total_bytes_sent = 0
         self.calls = 0
@@ -183,11 +182,12 @@ class QuantizedAllreduce:
         Raises:
             NonFiniteError: as a call does; the views keep their inputs.
         """
-        if not self.start_in_place(defer=False):
-            raise self._non_finite
+        failure = self.start_in_place(defer=False)
+        if failure is not None:
+            raise failure
         self.commit()
 
-    def start_in_place(self, *, defer: bool = True) -> bool:
+    def start_in_place(self, *, defer: bool = True) -> NonFiniteError | None:
         """The collectives of an average of the values in
         [`segment_views`][lightning_onebit.comm.quantized.QuantizedAllreduce.segment_views] (which
         must stay as they are until [`commit`][lightning_onebit.comm.quantized.QuantizedAllreduce.commit]);
@@ -196,8 +196,8 @@ class QuantizedAllreduce:
         through or none (``discard``).
 
         Returns:
-            Whether every rank's input was finite (the same on every rank); if not, the server
-            stage was skipped on every rank and only ``discard`` may follow.
+            ``None`` where every rank's input was finite, else the NonFiniteError to raise (the
+            same on every rank, which skipped the server stage): only ``discard`` may follow.
         """
         aligned = self._buffer("aligned")
         w, m, codec = self.world_size, self.chunk_numel, {"bits": self.bits, "block": self.block}
@@ -216,13 +216,12 @@ class QuantizedAllreduce:
             self.bytes_sent = self.bytes_per_call // 2
             self.total_bytes_sent += self.bytes_sent
             bad = [i for i, v in enumerate(flags.tolist()) if not math.isfinite(v)]
-            self._non_finite = NonFiniteError(
+            self._started = "failed"
+            return NonFiniteError(
                 f"non-finite values (NaN/Inf) entered the integer-coded average on rank(s) {bad} "
                 f"of {w} (call {self.calls}); every rank stops in this call with its error "
                 "buffers unchanged"
             )
-            self._started = "failed"
-            return False
         if w > 1:
             # 3. this rank serves its chunk: average, re-encode with the server error (written
             # now unless deferred: then ``commit`` computes the same row again and writes it)
@@ -237,7 +236,7 @@ class QuantizedAllreduce:
         self.bytes_sent = self.bytes_per_call
         self.total_bytes_sent += self.bytes_sent
         self._started = "deferred" if defer else "served"
-        return True
+        return None
 
     def commit(self) -> None:
         """Finish the average ``start_in_place`` started: write the error buffers and the

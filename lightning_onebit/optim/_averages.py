@@ -88,17 +88,14 @@ class Averages:
                 rank.
         """
         flat, w, nodes = self.flat, self.world_size, self.node_groups()
-        layout, bits = flat.layout, CODED_BITS.get(self.average_dtype)
+        layout, bits = flat.layout, self.coded_bits(self.step_count)
         check_coded(self.average_dtype, self.average_warmup_grads, nodes is not None)
-        window = w > 1 and bits == 4 and self._in_variance_window()
-        if window:
-            bits = 8
+        window = w > 1 and bits == 8 and CODED_BITS.get(self.average_dtype) == 4
         sent = None
         if w > 1 and bits is not None:  # in codes with error feedback, in the exchange's layout
-            grads: list[torch.Tensor | None] = list(
-                self.coded_average.inputs(layout, self.process_group, bits)
-            )
-            flat.gather_grads(self.param_groups, into=grads)
+            grads: list[torch.Tensor | None] = list(self.coded_inputs(self.step_count))
+            # (with the overlap, the buckets backward started have theirs already)
+            flat.gather_grads(self.param_groups, self.coded_average.unstarted, into=grads)
             sent = self.coded_average.average_()  # (NonFiniteError on every rank)
             checked: list[torch.Tensor | None] = grads
         elif w > 1 and self.average_warmup_grads:
@@ -139,12 +136,29 @@ class Averages:
             self.window_variance.feed_(layout, betas2, grads, ok)
         return grads, ok
 
-    def _in_variance_window(self) -> bool:
-        """Whether this step is one of the warmup's last ``variance_window`` steps before the
-        built-in switch (``switch_step``)."""
+    def coded_bits(self, step: int) -> int | None:
+        """The bits of step ``step``'s gradient average in integer codes (``None``: not in
+        codes): ``average_dtype``'s, but 8 on the variance window's steps of an int4 one."""
+        bits = CODED_BITS.get(self.average_dtype)
+        return 8 if bits == 4 and self._in_variance_window(step) else bits
+
+    def coded_inputs(self, step: int) -> list[torch.Tensor]:
+        """Where step ``step``'s average in integer codes reads each parameter's gradient
+        (``coded_average.inputs``, in ``coded_bits(step)``): with the overlap with backward,
+        over its group, one exchange per bucket of its plan (backward starts them), else over
+        ``process_group``, one exchange."""
+        ov, bits = self.overlap, self.coded_bits(step)
+        assert bits is not None, "not an average in integer codes"
+        group = self.process_group if ov is None else ov.group()
+        buckets = None if ov is None else ov.bucket_params
+        return self.coded_average.inputs(self.flat.layout, group, bits, buckets)
+
+    def _in_variance_window(self, step: int) -> bool:
+        """Whether step ``step`` is one of the warmup's last ``variance_window`` steps before
+        the built-in switch (``switch_step``)."""
         beta2 = max(group["betas"][1] for group in self.param_groups)  # the longest memory
         steps = window_steps(self.variance_window, self.switch_step, beta2)
-        return steps > 0 and self.step_count > self.switch_step - steps
+        return steps > 0 and step > self.switch_step - steps
 
     def _average_uncovered_(self, grads: list[torch.Tensor | None]) -> None:
         """``average_warmup_grads=False``: the caller (DDP) averaged the gradients of the

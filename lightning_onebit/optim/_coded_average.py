@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_onebit.comm import CODED_BITS, QuantizedAllreduce
+from lightning_onebit.comm import CODED_BITS, NonFiniteError, QuantizedAllreduce
 
 if TYPE_CHECKING:
     from lightning_onebit.optim._flat import FlatState, Layout
@@ -78,83 +78,156 @@ def check_coded(
 
 
 class CodedAverage:
-    """The integer-coded average of one optimizer (``OneBitOptimizer.coded_average``): its
-    exchange, made at the first average and remade when the layout or the codec changes, and
-    the error buffers a checkpoint loaded until then."""
+    """The integer-coded average of one optimizer (``OneBitOptimizer.coded_average``): one
+    exchange per bucket of the overlap with backward (one for the whole layout without it),
+    made at the first average and remade when the layout, the buckets or the codec change, and
+    the error buffers a checkpoint loaded until then.
+
+    The buckets of one step's average start one by one (``start``: during backward, as their
+    gradients are ready) and go through together or, when any rank's values in any bucket are
+    not finite, not at all (``average_``). Each parameter starts a block of its own, and a
+    block's arithmetic does not depend on its bucket, so the buckets average to the same bits
+    as one exchange of the whole layout."""
 
     def __init__(self) -> None:
-        self.exchange: QuantizedAllreduce | None = None
+        self.exchanges: list[QuantizedAllreduce] = []
+        #: each exchange's parameters (layout indices, in layout order)
+        self.members: list[list[int]] = []
         #: a loaded state the next exchange takes (``"reset"``: zeros)
         self.pending: dict[str, Any] | str | None = None
+        self._views: list[torch.Tensor] = []  # per parameter of the layout
+        self._failures: list[NonFiniteError | bool | None] = []  # per exchange; False: not started
 
-    def inputs(self, layout: Layout, group: Any, bits: int) -> list[torch.Tensor]:
+    def inputs(
+        self, layout: Layout, group: Any, bits: int, buckets: list[list[int]] | None = None
+    ) -> list[torch.Tensor]:
         """Where the next average reads each parameter's gradient (shaped like it) and leaves
-        its average: the exchange's own layout
+        its average: the exchanges' own layouts
         ([`segment_views`][lightning_onebit.comm.quantized.QuantizedAllreduce.segment_views]), so
-        no flat copy of the gradients is made. The exchange is (re)made here for ``layout``, over
-        ``group``, in ``bits``-bit codes, a loaded state applied."""
-        ex, sizes = self.exchange, [p.numel() for p in layout.params]
-        if ex is None or ex.sizes != sizes or ex.bits != bits or ex.device != layout.device:
-            new = QuantizedAllreduce(layout.numel, layout.device, group, bits=bits, segments=sizes)
-            same_blocks = ex is not None and ex.sizes == sizes and ex.device == layout.device
-            if same_blocks and ex.block == new.block and ex.world_size == new.world_size:
-                # another codec over the same blocks (int4 -> int8 in the variance window):
-                # each value's error is where it was, so the rounding carried is not lost
-                new.worker_error.copy_(ex.worker_error)
-                new.server_error.copy_(ex.server_error)
-            elif ex is not None and ex.calls > 0 and self.pending is None:
+        no flat copy of the gradients is made. The exchanges are (re)made here for ``layout``,
+        over ``group``, in ``bits``-bit codes, one per bucket of ``buckets`` (layout indices;
+        ``None``: one for the whole layout), a loaded state applied; as they are, if they are
+        these already."""
+        members = [sorted(m) for m in buckets] if buckets else [list(range(len(layout.params)))]
+        sizes = [[layout.params[j].numel() for j in m] for m in members]
+        old = self.exchanges
+        if [ex.sizes for ex in old] != sizes or any(
+            ex.bits != bits or ex.device != layout.device or ex.group is not group for ex in old
+        ):
+            new = [
+                QuantizedAllreduce(sum(k), layout.device, group, bits=bits, segments=k)
+                for k in sizes
+            ]
+            same_blocks = [ex.sizes for ex in old] == sizes and all(
+                a.block == b.block and a.world_size == b.world_size
+                for a, b in zip(old, new, strict=True)
+            )
+            if same_blocks and old[0].device == layout.device:
+                # another codec (int4 -> int8 in the variance window) or group over the same
+                # blocks: each value's error is where it was, so the rounding carried is not lost
+                for a, b in zip(old, new, strict=True):
+                    b.worker_error.copy_(a.worker_error)
+                    b.server_error.copy_(a.server_error)
+            elif any(ex.calls > 0 for ex in old) and self.pending is None:
                 warnings.warn(
-                    "the trainable parameters or the average's codec changed: the coded "
-                    "average's error buffers restart from zero",
+                    "the trainable parameters, the overlap's buckets or the average's codec "
+                    "changed: the coded average's error buffers restart from zero",
                     RuntimeWarning,
                     stacklevel=5,
                 )
-            ex = self.exchange = new
+            self.exchanges, self.members = new, members
+            self._failures = [False] * len(new)
+            self._views = [torch.empty(0)] * len(layout.params)
+            for ex, m in zip(new, members, strict=True):
+                for j, v in zip(m, ex.segment_views(), strict=True):
+                    self._views[j] = v.view_as(layout.params[j])
+        self._apply_pending()
+        return list(self._views)
+
+    def _apply_pending(self) -> None:
         pending, self.pending = self.pending, None
         if isinstance(pending, dict):
+            states = pending.get("buckets", [pending])
             try:
-                ex.load_state_dict(pending)
-            except ValueError as err:  # another world size or layout: the errors do not map
-                warnings.warn(f"{err}; they restart from zero", RuntimeWarning, stacklevel=5)
-                ex.reset_error()
+                if len(states) != len(self.exchanges):
+                    raise ValueError(
+                        f"error buffers saved for {len(states)} buckets cannot be loaded into "
+                        f"{len(self.exchanges)}"
+                    )
+                for ex, state in zip(self.exchanges, states, strict=True):
+                    ex.load_state_dict(state)
+            except ValueError as err:  # another world size, layout or overlap: they do not map
+                warnings.warn(f"{err}; they restart from zero", RuntimeWarning, stacklevel=6)
+                for ex in self.exchanges:
+                    ex.reset_error()
         elif pending == "reset":
-            ex.reset_error()
-        views = ex.segment_views()
-        return [v.view_as(p) for v, p in zip(views, layout.params, strict=True)]
+            for ex in self.exchanges:
+                ex.reset_error()
+
+    def start(self, k: int) -> None:
+        """Start exchange ``k``'s average (its gradients are in its ``inputs`` by now): its
+        collectives, nothing written yet (every rank starts the same exchanges in order)."""
+        self._failures[k] = self.exchanges[k].start_in_place()
+
+    @property
+    def unstarted(self) -> list[int]:
+        """The layout indices of the parameters whose exchange this step has not started."""
+        return [j for k, m in enumerate(self.members) if self._failures[k] is False for j in m]
 
     def average_(self) -> int:
-        """Replace the values at ``inputs`` by their average over the group's ranks; return the
-        bytes this rank sent.
+        """Replace the values at ``inputs`` by their average over the group's ranks (the
+        exchanges not started yet start here); return the bytes this rank sent.
 
         Raises:
             NonFiniteError: on every rank, when any rank's gradients have a NaN/Inf; the error
                 buffers are as they were.
         """
-        assert self.exchange is not None, "inputs() first"
-        self.exchange.average_in_place()
-        return self.exchange.bytes_sent
+        assert self.exchanges, "inputs() first"
+        for k, failure in enumerate(self._failures):
+            if failure is False:
+                self.start(k)
+        failures, self._failures = self._failures, [False] * len(self.exchanges)
+        first = next((f for f in failures if isinstance(f, NonFiniteError)), None)
+        for ex in self.exchanges:
+            if first is None:
+                ex.commit()
+            else:
+                ex.discard()
+        if first is not None:
+            raise first
+        return sum(ex.bytes_sent for ex in self.exchanges)
+
+    def discard(self) -> None:
+        """Forget the averages started for a step that will not come (a dropped backward)."""
+        for ex in self.exchanges:
+            ex.discard()
+        self._failures = [False] * len(self.exchanges)
 
     def inter_node_bytes(self, node_size: int) -> int:
-        """Of the last call's bytes, those that left the node (``node_size`` ranks per node):
+        """Of the last average's bytes, those that left the node (``node_size`` ranks per node):
         the records to the ranks of other nodes."""
-        ex = self.exchange
-        if ex is None or ex.world_size <= node_size:
-            return 0
-        w = ex.world_size
-        return ex.bytes_sent * (w - node_size) // (w - 1)
+        out = 0
+        for ex in self.exchanges:
+            w = ex.world_size
+            if w > node_size:
+                out += ex.bytes_sent * (w - node_size) // (w - 1)
+        return out
 
     def release(self) -> None:
-        """Let go of the exchange and its buffers (at the switch: the compression phase averages
-        no gradients, or averages them rarely enough to start its errors afresh)."""
-        self.exchange, self.pending = None, None
+        """Let go of the exchanges and their buffers (at the switch: the compression phase
+        averages no gradients, or averages them rarely enough to start its errors afresh)."""
+        self.exchanges, self.members, self._views, self._failures = [], [], [], []
+        self.pending = None
 
     def state(self) -> dict[str, Any] | None:
-        """This rank's error buffers as a checkpoint keeps them (``None``: none)."""
+        """This rank's error buffers as a checkpoint keeps them (``None``: none): one
+        exchange's state, or ``{"buckets": [...]}``."""
         if isinstance(self.pending, dict):
             return self.pending
-        if self.pending == "reset" or self.exchange is None or self.exchange.calls == 0:
+        if self.pending == "reset" or all(ex.calls == 0 for ex in self.exchanges):
             return None
-        return self.exchange.state_dict()
+        states = [ex.state_dict() for ex in self.exchanges]
+        return states[0] if len(states) == 1 else {"buckets": states}
 
     def load(self, state: dict[str, Any] | None) -> None:
         """Apply a ``state`` at the next average (``None``: start from zeros)."""

@@ -20,10 +20,14 @@ the buckets that were not complete (a parameter without a gradient), and commits
 if any rank had a NaN/Inf anywhere, none.
 
 Steps that average full-precision gradients (warmup; 0/1 Adam's variance steps) are overlapped
-the same way, as DDP does (not an integer-coded ``average_dtype``: that one runs in ``step()``): bucket ``b``'s gradients go into the flat gradient buffer and an async
-``all_reduce`` of that slice starts (fp32, or ``average_dtype``); ``step()`` starts the remaining buckets' and waits for
-all of them (``BackwardOverlap.all_reduce``). The same buckets are reduced, in the same
-order, whether backward started them or ``step()`` did, so the result does not depend on timing.
+the same way, as DDP does: bucket ``b``'s gradients go into the flat gradient buffer and an
+async ``all_reduce`` of that slice starts (fp32, or ``average_dtype``); ``step()`` starts the
+remaining buckets' and waits for all of them (``BackwardOverlap.all_reduce``). In integer codes
+(``average_dtype`` int4/int8) bucket ``b``'s gradients go into its own exchange's layout and the
+thread runs that exchange's collectives (``CodedAverage.start``); ``step()`` starts the others
+and commits all, or none where any rank's values were not finite. The same buckets are reduced,
+in the same order, whether backward started them or ``step()`` did, so the result does not
+depend on timing.
 
 Every rank starts the buckets in index order, on a process group of their own (so that they never
 interleave with collectives the training loop issues on the default group), hence the
@@ -77,6 +81,7 @@ from lightning_onebit.comm import (
     new_group,
     start_average,
 )
+from lightning_onebit.optim._coded_average import CodedAverage
 from lightning_onebit.optim._flat import FlatState, Layout
 from lightning_onebit.optim._ops import SourceOf, as_source
 from lightning_onebit.optim._validation import check_real
@@ -100,6 +105,11 @@ class OverlapHost(Protocol):
     param_groups: list[dict[str, Any]]
     #: the flat buffers (an average's gradients are copied into ``flat.grad``) and the exchange
     flat: FlatState
+    #: the average in integer codes, one exchange per bucket (``coded_inputs``)
+    coded_average: CodedAverage
+    step_count: int
+
+    def coded_inputs(self, step: int) -> list[torch.Tensor]: ...
 
     @property
     def expects_averaged_grads(self) -> bool: ...
@@ -283,8 +293,13 @@ class BackwardOverlap:
         its compression where the kernel computes it as it reads it) and what the
         communication thread then starts; ``None`` after copying its gradients for an
         average."""
+        opt = self.opt
         if self._mode == "average":
-            self.opt.flat.gather_grads(self.opt.param_groups, self.bucket_params[b])
+            opt.flat.gather_grads(opt.param_groups, self.bucket_params[b])
+            return None
+        if self._mode == "coded":  # into bucket b's exchange (made for the next step's codec)
+            views = opt.coded_inputs(opt.step_count + 1)
+            opt.flat.gather_grads(opt.param_groups, self.bucket_params[b], into=list(views))
             return None
         source = as_source(self.source(slice(*self.bounds[b])))
         return self.opt.flat.exchange.prepare_bucket(b, source)
@@ -312,19 +327,24 @@ class BackwardOverlap:
         return work, done
 
     def mode(self) -> str | None:
-        """What backward may start for the next step: ``"average"`` (the fp32 average of the
-        gradients), ``"exchange"`` (the compressed exchange) or ``None`` (nothing)."""
+        """What backward may start for the next step: ``"average"`` (the average of the
+        gradients in ``average_dtype``), ``"coded"`` (in integer codes), ``"exchange"`` (the
+        compressed exchange) or ``None`` (nothing)."""
         opt = self.opt
         if opt.flat.layout is None:
             return None
-        if opt.expects_averaged_grads:  # (an integer-coded average: whole, in step())
-            ours = opt.average_warmup_grads and opt.average_dtype not in CODED_BITS
-            return "average" if ours and opt.world_size > 1 else None
+        if opt.expects_averaged_grads:
+            if not (opt.average_warmup_grads and opt.world_size > 1):
+                return None  # (the caller averages them, or nobody needs to)
+            return "coded" if opt.average_dtype in CODED_BITS else "average"
         return "exchange" if self.overlappable() else None
 
     def _start_bucket(self, b: int, s: slice, source: Any) -> Any:
         if self._mode == "average":
             return self._start_all_reduce(self.opt.flat.grad[s])
+        if self._mode == "coded":
+            self.opt.coded_average.start(b)
+            return None
         self.opt.flat.exchange.start_bucket(b, source)
         return None
 
@@ -364,6 +384,7 @@ class BackwardOverlap:
         self.collect()
         self._settle()
         self.opt.flat.exchange.discard()
+        self.opt.coded_average.discard()
         self._reset_round()
 
     def _settle(self) -> None:
@@ -387,6 +408,7 @@ class BackwardOverlap:
         """The step is over: discard the buckets it did not use (none normally), wait for stray
         averages, start a new round."""
         self.opt.flat.exchange.discard()
+        self.opt.coded_average.discard()
         self._settle()
         self._reset_round()
 

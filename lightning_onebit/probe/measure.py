@@ -32,10 +32,7 @@ from lightning_onebit.probe.timing import (
 )
 from lightning_onebit.probe.workload import Compute, build_model, overlapped
 
-__all__ = ["IN_STEP", "Measured", "probe"]
-
-#: methods that run in ``optimizer.step()``, after backward (not overlapped with it)
-IN_STEP = ("int4", "int8")
+__all__ = ["Measured", "probe"]
 
 
 @dataclass
@@ -75,19 +72,23 @@ def _comm_methods(
 
     methods["fp32"], methods["bf16"] = fp32, bf16
     exchanges: dict[tuple[str, int, int], Any] = {}
-    coded = {bits: QuantizedAllreduce(numel, device, bits=bits) for bits in (4, 8)}
 
-    def average_coded(bits: int) -> None:  # gathered into the exchange's layout, averaged there
-        coded[bits].segment_views()[0].copy_(flat)
-        coded[bits].average_in_place()
+    def coded(bits: int) -> Callable[[slice], None]:
+        def run(sl: slice) -> None:  # one exchange per bucket, as the optimizers overlap it
+            n = sl.stop - sl.start
+            if n <= 0:
+                return
+            key = (f"int{bits}", sl.start, n)
+            if key not in exchanges:
+                exchanges[key] = QuantizedAllreduce(n, device, bits=bits)
+            ex = exchanges[key]  # the gradients gathered into its layout, averaged there
+            ex.segment_views()[0].copy_(flat[sl])
+            ex.average_in_place()
 
-    def int4(sl: slice) -> None:  # the whole buffer in step(), as the optimizers average it
-        average_coded(4)
+        return run
 
-    def int8(sl: slice) -> None:  # the int4 warmup's variance window
-        average_coded(8)
-
-    methods["int4"], methods["int8"] = int4, int8
+    # int8: the int4 warmup's variance window
+    methods["int4"], methods["int8"] = coded(4), coded(8)
 
     def exchange(kind: str) -> Callable[[slice], None]:
         def run(sl: slice) -> None:
@@ -233,15 +234,10 @@ def probe(
     alone = overlapped(compute, lambda sl: None, sizes)
     _, exposed_s = paired(
         alone,
-        {
-            name: overlapped(compute, fn, sizes)
-            for name, fn in methods.items()
-            if name not in IN_STEP
-        },
+        {name: overlapped(compute, fn, sizes) for name, fn in methods.items()},
         device,
         repeats,
     )
-    exposed_s.update({name: comm_s[name] for name in IN_STEP})  # after backward: all exposed
     compute_s = slowest_of_free_running(alone, device, 2 * repeats)
     if model is None and step_ms:  # the stand-in is backward only; contention on shared cores
         compute_s = step_ms / 1000 + max(0.0, compute_s - step_ms / 1000 * 2 / 3)

@@ -195,7 +195,7 @@ def _split_worker(rank: int, world: int) -> dict:
         before = [ex.worker_error.clone() for ex in started]
         for ex, x in zip(started, xs, strict=True):
             torch._foreach_copy_(ex.segment_views(), list(x.split(ex.sizes)))
-        finite = [ex.start_in_place() for ex in started]
+        finite = [ex.start_in_place() is None for ex in started]
         if all(finite):
             for ex in started:
                 ex.commit()

@@ -8,6 +8,8 @@ the settings that cannot work refused up front."""
 from __future__ import annotations
 
 import copy
+import math
+import threading
 from typing import Any
 
 import pytest
@@ -142,7 +144,7 @@ def _resume_worker(rank: int, world: int) -> dict:
         "errors_saved": errors_saved,
         "resumed": [p.detach().clone() for p in resumed.parameters()],
         "lost": [p.detach().clone() for p in lost.parameters()],
-        "released": opt.coded_average.exchange is None and opt.coded_average.state() is None,
+        "released": not opt.coded_average.exchanges and opt.coded_average.state() is None,
     }
 
 
@@ -278,3 +280,86 @@ def test_the_default_window_is_the_steps_the_variance_remembers() -> None:
     assert window_steps(None, 40, 1.0) == 40
     assert window_steps(0.25, 60, 0.95) == 15 and window_steps(7, 60, 0.95) == 7
     assert window_steps(100, 60, 0.9) == 60 and window_steps(0, 60, 0.9) == 0
+
+
+def _overlap_worker(rank: int, world: int, algo: str) -> dict:
+    """The same warmup with the coded average in step() and overlapped with backward in several
+    buckets (the variance window's int8 steps, a NaN on one rank at step 4 in one bucket), to
+    the switch (after it the 1-bit exchange's buckets have scales of their own)."""
+    out: dict[str, Any] = {}
+    for name, cap_mb in (("whole", None), ("buckets", 0.001)):
+        model = _model()
+        opt = MAKERS[algo](model.parameters(), average_dtype="int4", variance_window=2)
+        if cap_mb is not None:
+            opt.overlap_with_backward(cap_mb)
+        started, exchanges, kept, coded = [], [], [], []
+        threads: list[str] = []
+        start = opt.coded_average.start
+
+        def recorded(k: int, start: Any = start, threads: list[str] = threads) -> None:
+            threads.append(threading.current_thread().name)
+            start(k)
+
+        opt.coded_average.start = recorded  # type: ignore[method-assign]
+        for t in range(7):  # the switch after step 6 (one step dropped)
+            threads.clear()
+            poison = None
+            if t == 3 and rank == world - 1:  # in backward, where the overlap reads it
+                poison = model[1].bias.register_hook(lambda g: g.index_fill(0, _FIRST, math.nan))
+            _backward(model, rank, t)
+            if poison is not None:
+                poison.remove()
+            before = copy.deepcopy(opt.coded_average.state())
+            opt.step()
+            coded.append(bool(threads))  # an average in codes, started by backward or step()
+            # the buckets backward started: on the overlap's thread (from the second step on,
+            # once the hooks are in)
+            started.append(bool(threads) and all(n.startswith("onebit-exchange") for n in threads))
+            exchanges.append(len(opt.coded_average.exchanges))
+            if t == 3:
+                kept.append(_same_state(before, opt.coded_average.state()))
+        out[name] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "variance": opt.variance.clone(),
+            "skipped": opt.skipped_steps,
+            "started": started,
+            "exchanges": exchanges,
+            "kept": kept,
+            "coded": coded,
+        }
+    return out
+
+
+_FIRST = torch.tensor([0])
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize(
+    ("algo", "world"), [("onebit_adam", 2), ("zero_one_adam", 3), ("onebit_lamb", 2)]
+)
+def test_the_coded_average_overlapped_with_backward_gives_the_same_bits(
+    algo: str, world: int
+) -> None:
+    results = run_distributed(_overlap_worker, world, algo)
+    for r in results:
+        whole, buckets = r["whole"], r["buckets"]
+        assert all(
+            torch.equal(a, b) for a, b in zip(whole["params"], buckets["params"], strict=True)
+        )
+        assert torch.equal(whole["variance"], buckets["variance"])
+        assert whole["skipped"] == buckets["skipped"] == 1
+        assert whole["kept"] == buckets["kept"] == [True]  # the NaN's step: errors unchanged
+        # backward started the buckets of every step averaged in codes (0/1 Adam: its variance
+        # steps) from the second on (once the hooks are in), the dropped one's too
+        assert whole["coded"] == buckets["coded"] and sum(buckets["coded"]) >= 5
+        assert buckets["started"] == [False, *buckets["coded"][1:]] and not any(whole["started"])
+        assert buckets["exchanges"][1] >= 2 and whole["exchanges"][1] == 1
+        for a, b in zip(buckets["params"], results[0]["buckets"]["params"], strict=True):
+            assert torch.equal(a, b)
