@@ -107,6 +107,8 @@ class CompressionScheduler(PhaseSwitch, Callback):
         local_steps = ours and builder.derives_local_step_scaler
         opt, total = self._optimizer(trainer), self._total_steps(trainer)
         self.start(opt, total, converted, TRAINER, local_steps)
+        if ours:
+            builder.settle_average(opt, self.adaptive)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

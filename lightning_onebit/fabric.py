@@ -151,6 +151,7 @@ class OneBitFabricStrategy(OneBitStrategyBase, DDPStrategy):
         scaler = isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None
         # clipping, unknown yet, turns it off later: see clip_gradients_norm
         self.builder.set_up(new, self.num_processes, self.world_size, False, scaler)
+        self.builder.settle_average(new, self._switch.adaptive)
         return new
 
     @override

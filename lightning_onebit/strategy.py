@@ -68,14 +68,15 @@ class OneBitStrategy(OneBitStrategyBase, TrainerDDPHooks, DDPStrategy):
     unmodified: ``configure_optimizers`` may keep returning ``torch.optim.Adam``/``AdamW`` (with
     LR schedulers, any param groups), which the strategy replaces by the 1-bit optimizer; one of
     ours (`lightning_onebit.optim`) is used as built. DDP's gradient allreduce becomes a
-    hook (on every device) that averages uncompressed on warmup steps (in bf16 by default:
-    ``average_dtype``) and sends nothing on compression steps, where the optimizer exchanges its
-    1-bit momentum. A [CompressionScheduler][lightning_onebit.CompressionScheduler] is added when the
+    hook (on every device) that sends nothing where the optimizer averages itself: the warmup's
+    steps in integer codes (``average_dtype``, int4 by default where it applies) and the
+    compression phase's, where it exchanges its 1-bit momentum; on a warmup in bf16 or fp32 it
+    averages as DDP does. A [CompressionScheduler][lightning_onebit.CompressionScheduler] is added when the
     Trainer has none.
     With ``16-mixed`` the scaler's overflow check is combined across ranks. Every rank writes its
     error buffers to ``<checkpoint>.onebit-rank<R>-of-<W>`` beside a checkpoint and reads them
-    back on resume. Gradient clipping clips what ``optimizer.step()`` receives: averaged
-    gradients in warmup, this rank's local ones in the compression phase.
+    back on resume. Gradient clipping clips what ``optimizer.step()`` receives: this rank's local
+    gradients, but averaged ones in a bf16 or fp32 warmup.
 
     Args:
         log_comm_stats: log phase and byte counters every step (``onebit/*`` metrics).

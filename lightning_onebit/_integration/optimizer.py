@@ -196,6 +196,43 @@ class OptimizerBuilder:
         scaled as the conversion scaled the user's (``lamb_lr``)."""
         convert.rescale_restored_lrs(opt, schedulers, self.lr_scale, self.error)
 
+    def settle_average(self, opt: OneBitOptimizer, adaptive: bool) -> None:
+        """The warmup's average where the strategy chooses it (it built ``opt``, with no
+        ``average_dtype`` and no ``deepspeed_compatible``), once the run's layout is known
+        (after ``set_up``, before the first step): integer codes, ``"int4"`` with its variance
+        window, where they apply; else ``"bf16"`` through DDP's hook, said in one info line.
+        ``adaptive``: the switch comes when the variance is stable, at a step the window's int8
+        steps cannot be placed before.
+
+        Raises:
+            the strategy's ``error``: a ``variance_window`` was given where the average is not
+            in int4.
+        """
+        o = self.options
+        if not self.converted or o.average_dtype is not None or o.deepspeed_compatible:
+            return
+        why = None
+        if opt.node_groups() is not None:
+            why = "the exchange runs in two levels (the int4 average is one level only)"
+        elif adaptive:
+            why = "the switch is adaptive (int4's variance window must end at a known step)"
+        elif any(p.device.type == "cuda" for g in opt.param_groups for p in g["params"]):
+            why = "the parameters are on a CUDA device (the int4 codec is not yet checked on a GPU)"
+        if why is None:
+            opt.average_dtype, opt.average_warmup_grads = torch.int4, True
+            return
+        if o.variance_window is not None:
+            raise self.error(
+                f"variance_window={o.variance_window!r} applies to the int4 average, and this "
+                f"run's warmup averages in bf16: {why}; drop variance_window, or pass "
+                "average_dtype='int4' (one level only)"
+            )
+        opt.average_dtype, opt.average_warmup_grads = torch.bfloat16, False
+        rank_zero_info(
+            f"{self.strategy}: the warmup averages in bf16, not in int4 codes: {why}; "
+            "average_dtype=... chooses"
+        )
+
     def set_up(
         self,
         opt: OneBitOptimizer,

@@ -228,9 +228,12 @@ class StrategyOptions:
             optimizer averages them itself (DDP sends nothing), overlapped with backward in the
             buckets of ``overlap_bucket_mb`` (else in ``optimizer.step()``), and keeps the
             rounding errors (in the rank files); one level only
-            (``hierarchical=False`` on several nodes). ``None``: ``"bf16"`` for an optimizer
-            the strategy builds (``"float32"`` with ``deepspeed_compatible``), else what the
-            optimizer from ``configure_optimizers`` was given.
+            (``hierarchical=False`` on several nodes). ``None``, for an optimizer the strategy
+            builds: ``"int4"`` with its ``variance_window`` on CPU parameters, a one-level
+            exchange and a fixed switch; ``"bf16"`` on CUDA parameters, in two levels or with
+            an adaptive switch (whose step the window cannot precede); ``"float32"`` with
+            ``deepspeed_compatible``. For the optimizer from ``configure_optimizers``: what it
+            was given.
         variance_window: with ``average_dtype="int4"``: the warmup's last steps (a float: a
             fraction of the warmup; an int: steps) average in int8, and their squares alone
             estimate the variance the switch freezes (4-bit rounding noise would inflate it
@@ -371,8 +374,9 @@ class StrategyOptions:
             if "var_update_scaler" in given:  # the paper's variance schedule, asked for by name
                 kw.pop("compressed_variance_phase", None)  # as a DeepSpeed config does
         kw.update(given)
+        # int4 where it applies: OptimizerBuilder.settle_average, once the run's layout is known
         kw["average_dtype"] = self.average_dtype or (
-            torch.float32 if self.deepspeed_compatible else torch.bfloat16
+            torch.float32 if self.deepspeed_compatible else torch.int4
         )
         if self.variance_window is not None:
             kw["variance_window"] = self.variance_window

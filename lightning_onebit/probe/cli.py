@@ -17,7 +17,8 @@ With the job's backend (NCCL on GPUs, gloo on CPUs) every rank measures, at the 
   with more ranks than free cores, or a straggler, every step waits for the slowest), or
   ``--step-ms`` as given;
 * at the model's size: the fp32 ``all_reduce`` (DDP), the bf16 one (DDP's bf16 hook, the 1-bit
-  strategies' default warmup average), the 1-bit exchange flat and in two levels, each
+  strategies' warmup average in two levels and on CUDA), the int4 warmup (their default on
+  one level on the CPU), the 1-bit exchange flat and in two levels, each
   overlapped with a backward as the strategies run it (the buckets before the last one during
   backward, the last after it), and the fused update kernels.
 

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_onebit import kernels
 from lightning_onebit.comm import fp32_allreduce_bytes
 from tests.helpers.fit import fit_ranks
 from tests.helpers.user_models import bytes_to_ids, stdlib_text
@@ -120,9 +121,27 @@ def _per_call(numel: int, world: int) -> int:
     return 2 * (world - 1) * (4 + math.ceil(row / 4) * 4)
 
 
-def warmup_bytes(numel: int, world: int) -> int:
-    """Bytes one warmup step sends per rank with the strategies' default ``average_dtype``
-    (bf16): DDP's ring allreduce of the gradients in 2 bytes a value, half of fp32's."""
+def coded_bytes(sizes: list[int], world: int, bits: int) -> int:
+    """Bytes one average in integer codes of tensors of ``sizes`` values sends per rank (one
+    exchange): 2 (W - 1) records of a flag and one rank's chunk (each tensor in whole blocks of
+    256, the layout padded to ``W`` whole chunks of blocks) at ``bits`` a value with one fp32
+    scale per block."""
+    aligned = sum(-(-k // 256) * 256 for k in sizes)
+    chunk = -(-aligned // (256 * world)) * 256
+    return 2 * (world - 1) * (4 + kernels.row_bytes(chunk, bits, 256))
+
+
+def warmup_bytes(params: dict, world: int) -> int:
+    """Bytes one warmup step sends per rank with the strategies' default ``average_dtype`` on
+    the CPU (int4, its variance window in int8): in int8 on every step of the tests' runs, whose
+    warmups are shorter than the ``1 / (1 - beta2) = 1000`` steps of the window at torch's
+    beta2."""
+    return coded_bytes([int(v.numel()) for v in params.values()], world, 8)
+
+
+def bf16_warmup_bytes(numel: int, world: int) -> int:
+    """Bytes one warmup step averaged in bf16 sends per rank: DDP's ring allreduce of the
+    gradients in 2 bytes a value, half of fp32's."""
     return fp32_allreduce_bytes(numel, world) // 2
 
 

@@ -33,6 +33,7 @@ from tests.helpers.char_model import (
     _held_out_loss,
     _per_call,
     _rescale_bytes,
+    bf16_warmup_bytes,
     warmup_bytes,
 )
 
@@ -148,7 +149,7 @@ def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> No
 @pytest.mark.parametrize(
     ("kwargs", "dtype"),
     [
-        ({}, torch.bfloat16),
+        ({}, torch.int4),
         ({"average_dtype": "float32"}, torch.float32),
         ({"average_dtype": "fp16"}, torch.float16),
         ({"deepspeed_compatible": True}, torch.float32),
@@ -163,6 +164,39 @@ def test_the_warmup_average_is_bf16_unless_asked_or_deepspeed_compatible(
     for algorithm in ALGOS:
         options = OneBitStrategy(algorithm=algorithm, **kwargs).options
         assert options.optimizer_kwargs({"lr": 1e-3})["average_dtype"] == dtype
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "adaptive", "dtype"),
+    [
+        ({}, False, torch.int4),
+        ({}, True, torch.bfloat16),
+        ({"average_dtype": "float32"}, True, torch.float32),
+        ({"average_dtype": "int4"}, True, torch.int4),
+        ({"deepspeed_compatible": True}, False, torch.float32),
+    ],
+)
+def test_the_default_warmup_average_is_int4_where_its_window_can_end_at_the_switch(
+    kwargs: dict, adaptive: bool, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the run is set up, the optimizer the strategy built keeps the int4 default on CPU
+    parameters with a fixed switch; an adaptive switch (whose step the variance window cannot
+    precede) makes it bf16, said in one info line; a dtype given stays as given."""
+    for algorithm in ALGOS:
+        strategy = OneBitStrategy(algorithm=algorithm, **kwargs)
+        params = list(torch.nn.Linear(4, 2).parameters())
+        opt = strategy.builder.from_user(torch.optim.AdamW(params), "returned", "return")
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            strategy.builder.settle_average(opt, adaptive)
+        assert opt.average_dtype == dtype
+        assert opt.average_warmup_grads == (dtype == torch.int4)  # else DDP's hook averages
+        said = [r.getMessage() for r in caplog.records if "averages in bf16" in r.getMessage()]
+        assert len(said) == (dtype == torch.bfloat16), said
+    strategy = OneBitStrategy(variance_window=4)
+    opt = strategy.builder.from_user(torch.optim.AdamW(params), "returned", "return")
+    with pytest.raises(MisconfigurationException, match="variance_window=4 applies to the int4"):
+        strategy.builder.settle_average(opt, True)
 
 
 # --------------------------------------------------------------------------- training
@@ -221,9 +255,10 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
         assert rec["metrics"]["onebit/bytes_total"] == stats["bytes_total"]
         numel = sum(v.numel() for v in rec["params"].values())
         assert stats["fp32_equiv_total"] == steps * fp32_allreduce_bytes(numel, devices)
-        if name != "zero_one_adam":  # warmup: bf16 allreduce; then one 1-bit exchange per step
+        # warmup: int8 codes (the variance window); then one 1-bit exchange a step
+        if name != "zero_one_adam":
             per_call = _per_call(numel, devices)
-            expect = switch * warmup_bytes(numel, devices) + (steps - switch) * per_call
+            expect = switch * warmup_bytes(rec["params"], devices) + (steps - switch) * per_call
             if name == "onebit_adam":
                 expect += _rescale_bytes(rec["params"], devices, steps - switch)
             assert stats["bytes_total"] == expect
@@ -232,9 +267,9 @@ def test_trains_like_ddp_with_fewer_bytes(tmp_path: Path, devices: int) -> None:
 
 @pytest.mark.slow
 def test_half_precision_warmup_average(tmp_path: Path) -> None:
-    """By default DDP's bf16 hook averages the warmup gradients: half the warmup bytes of
-    ``average_dtype="float32"`` (DDP's exact average), a (rounded) different trajectory that
-    learns as well."""
+    """``average_dtype="bf16"``: DDP's bf16 hook averages the warmup gradients, half the warmup
+    bytes of ``"float32"`` (DDP's exact average), a (rounded) different trajectory that learns
+    as well."""
     steps, switch = 30, 20
     runs = {
         d: _fit(
@@ -242,16 +277,16 @@ def test_half_precision_warmup_average(tmp_path: Path) -> None:
             OneBitStrategy(freeze_step=switch, average_dtype=d, start_method="fork"),
             steps=steps,
         )
-        for d in ("float32", None)
+        for d in ("float32", "bf16")
     }
     numel = sum(v.numel() for v in runs["float32"][0]["params"].values())
     for d, records in runs.items():
         _assert_same_on_all_ranks(records)
-        warm = fp32_allreduce_bytes(numel, 2) if d == "float32" else warmup_bytes(numel, 2)
+        warm = fp32_allreduce_bytes(numel, 2) if d == "float32" else bf16_warmup_bytes(numel, 2)
         expect = switch * warm + (steps - switch) * _per_call(numel, 2)
         expect += _rescale_bytes(records[0]["params"], 2, steps - switch)
         assert records[0]["comm_stats"]["bytes_total"] == expect
-    fp32, bf16 = runs["float32"][0]["params"], runs[None][0]["params"]
+    fp32, bf16 = runs["float32"][0]["params"], runs["bf16"][0]["params"]
     assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # the hook did round
     loss32, loss16 = _held_out_loss(fp32), _held_out_loss(bf16)
     assert abs(loss16 - loss32) < 0.02 * loss32, (loss32, loss16)
@@ -490,10 +525,11 @@ def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
     )
     assert records[0]["phase"] == "compression"
     numel = sum(v.numel() for v in records[0]["params"].values())
-    # 0.25 of 16 steps: exactly 4 warmup steps (bf16 average), then 12 compressed exchanges
-    assert records[0]["comm_stats"]["bytes_total"] == 4 * warmup_bytes(numel, 2) + 12 * _per_call(
-        numel, 2
-    ) + _rescale_bytes(records[0]["params"], 2, 12)
+    # 0.25 of 16 steps: exactly 4 warmup steps (int8, the variance window), then 12 compressed
+    # exchanges
+    assert records[0]["comm_stats"]["bytes_total"] == 4 * warmup_bytes(
+        records[0]["params"], 2
+    ) + 12 * _per_call(numel, 2) + _rescale_bytes(records[0]["params"], 2, 12)
     sched = CompressionScheduler(freeze_step=10**6, adaptive=True, threshold=0.5, window=3)
     records = _fit(
         tmp_path / "adaptive",
@@ -503,6 +539,10 @@ def test_fraction_and_adaptive_switch(tmp_path: Path) -> None:
         model=CharModel(lr=1e-3),
     )
     assert records[0]["phase"] == "compression", "the variance never counted as stable"
+    # an adaptive switch's step is not known ahead: the default warmup is bf16, not int4 (whose
+    # variance window must end at the switch)
+    warm = {h["bytes"] for h in records[0]["history"] if h["phase"] == "warmup"}
+    assert warm == {bf16_warmup_bytes(numel, 2)}, warm
 
 
 def test_switch_step_maps_to_each_optimizers_freeze_parameter() -> None:
@@ -547,9 +587,9 @@ def test_zero_one_adam_by_name_takes_local_steps_on_a_short_run(tmp_path: Path) 
     assert zero_one["local_step_scaler"] == 16
     assert zero_one_syncs == SYNC_STEPS_OF_40
     assert onebit_syncs == list(range(1, 41))
-    # the same fp32 variance phase / warmup, then one 1-bit exchange per synchronising step
+    # the same variance phase / warmup (int8 codes), then one 1-bit exchange per synchronising step
     numel = sum(v.numel() for v in zero_one["params"].values())
-    assert zero_one_sent[:8] == onebit_sent[:8] == [warmup_bytes(numel, 2)] * 8
+    assert zero_one_sent[:8] == onebit_sent[:8] == [warmup_bytes(zero_one["params"], 2)] * 8
     saved = (40 - len(SYNC_STEPS_OF_40)) * _per_call(numel, 2)
     # (a sync step after local steps first agrees on the parameters without a gradient: one
     # byte per parameter tensor)
