@@ -11,8 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_onebit import OneBitStrategy, kernels
-from tests.helpers.char_model import CharModel, _fit
+from lightning_onebit import OneBitStrategy
+from tests.helpers.char_model import CharModel, _fit, coded_bytes
 
 
 def _strategy(dtype: str, **options: object) -> OneBitStrategy:
@@ -26,9 +26,7 @@ def test_an_int4_warmup_sends_its_codes_and_trains_like_the_bf16_one(tmp_path: P
     int4 = _fit(tmp_path / "int4", _strategy("int4"), steps=40)
     bf16 = _fit(tmp_path / "bf16", _strategy("bf16"), steps=40)
     sizes = [int(p.numel()) for p in int4[0]["params"].values()]
-    aligned = sum(-(-k // 256) * 256 for k in sizes)  # each tensor in whole blocks
-    chunk = -(-aligned // 512) * 256  # one rank's share, in whole blocks
-    per_call = {b: 2 * (4 + kernels.row_bytes(chunk, b, 256)) for b in (4, 8)}  # 2 (W - 1) records
+    per_call = {b: coded_bytes(sizes, 2, b) for b in (4, 8)}
     for r in int4:
         assert r["phase"] == "compression" and r["skipped_steps"] == 0
         warmup = [h["bytes"] for h in r["history"] if h["phase"] == "warmup"]

@@ -156,11 +156,12 @@ def test_bad_configuration_fails_at_construction(kwargs: dict, match: str) -> No
         ({"deepspeed_compatible": True, "average_dtype": "bf16"}, torch.bfloat16),
     ],
 )
-def test_the_warmup_average_is_bf16_unless_asked_or_deepspeed_compatible(
+def test_the_warmup_average_is_int4_unless_asked_or_deepspeed_compatible(
     kwargs: dict, dtype: torch.dtype
 ) -> None:
-    """The optimizer the strategy builds averages its warmup in bf16 by default, in float32 with
-    DeepSpeed's arithmetic, and in whatever ``average_dtype`` names."""
+    """The optimizer the strategy builds averages its warmup in int4 by default (until
+    ``settle_average`` sees the run), in float32 with DeepSpeed's arithmetic, and in whatever
+    ``average_dtype`` names."""
     for algorithm in ALGOS:
         options = OneBitStrategy(algorithm=algorithm, **kwargs).options
         assert options.optimizer_kwargs({"lr": 1e-3})["average_dtype"] == dtype
